@@ -1,0 +1,1 @@
+"""Side effects: Kubernetes, clouds, pricing, hub, gateway, audit. Each activity is idempotent."""

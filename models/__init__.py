@@ -1,0 +1,1 @@
+"""Pydantic models shared by every layer. This package imports nothing else of ours."""

@@ -1,0 +1,83 @@
+"""Session fixtures for the real parts: Kubernetes control plane, Temporal servers, moto.
+
+Nothing here skips: a missing Go toolchain, a failed build or a missing wheel fails the tests that need it
+with a message that says what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from tests.harness.controlplane import ControlPlane
+from tests.harness.kube import Cluster, Kube
+from tests.harness.moto_server import MotoServer
+from tests.harness.temporal import dev_server_path, test_server_path
+from workflows import search_attributes
+
+
+@pytest.fixture(scope="session")
+def session_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kubeon-test-"))
+    yield path
+    if not os.environ.get("KUBEON_KEEP_TEST_DIR"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster(session_dir: Path) -> Iterator[Cluster]:
+    plane = ControlPlane(session_dir / "controlplane")
+    try:
+        plane.start()
+        admin = Kube.from_kubeconfig(plane.admin_kubeconfig)
+        yield Cluster(plane=plane, admin=admin)
+    finally:
+        plane.stop()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> str:
+    return cluster.create_namespace()
+
+
+@pytest.fixture(scope="session")
+async def temporal_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_time_skipping(
+        test_server_existing_path=str(test_server_path()),
+        data_converter=pydantic_data_converter,
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def temporal_dev_server() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(dev_server_path()),
+        data_converter=pydantic_data_converter,
+        search_attributes=list(search_attributes.ALL),
+        ui=False,
+        dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moto_server(session_dir: Path) -> Iterator[MotoServer]:
+    server = MotoServer(session_dir).start()
+    try:
+        yield server
+    finally:
+        server.stop()

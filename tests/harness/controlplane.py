@@ -1,0 +1,337 @@
+"""A real Kubernetes control plane for tests and `make dev`.
+
+etcd, kube-apiserver (RBAC on), kube-controller-manager, kube-scheduler and kwok (simulated kubelets for Nodes
+annotated ``kwok.x-k8s.io/node=fake``), built from the Go module proxy by ``build-binaries.sh`` and started on
+free loopback ports in a temporary directory. ``stop()`` leaves no process behind: every component runs in a
+process group of its own and is killed with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import ipaddress
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
+
+HARNESS_DIR = Path(__file__).resolve().parent
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not be built or started; the message says which part and why."""
+
+
+def read_versions() -> dict[str, str]:
+    versions: dict[str, str] = {}
+    for line in (HARNESS_DIR / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            versions[key] = value
+    return versions
+
+
+def binary_dir() -> Path:
+    cache = os.environ.get("KUBEON_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubeon-gpu"
+    )
+    return Path(os.environ.get("KUBEON_BIN_DIR") or os.path.join(cache, "bin"))
+
+
+def ensure_binaries(components: tuple[str, ...] = ("etcd", "kubernetes", "kwok")) -> dict[str, Path]:
+    """Paths of the pinned binaries, building any that are missing (a clear error if that fails)."""
+    v = read_versions()
+    wanted = {
+        "etcd": ("etcd", v["ETCD_VERSION"]),
+        "kube-apiserver": ("kubernetes", v["KUBERNETES_VERSION"]),
+        "kube-controller-manager": ("kubernetes", v["KUBERNETES_VERSION"]),
+        "kube-scheduler": ("kubernetes", v["KUBERNETES_VERSION"]),
+        "kwok": ("kwok", v["KWOK_VERSION"]),
+        "helm": ("helm", v["HELM_VERSION"]),
+    }
+    paths = {name: binary_dir() / f"{name}-{version}" for name, (_, version) in wanted.items()}
+    missing = sorted({wanted[n][0] for n, p in paths.items() if wanted[n][0] in components and not p.exists()})
+    if missing:
+        proc = subprocess.run(
+            ["bash", str(HARNESS_DIR / "build-binaries.sh"), *missing],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise ControlPlaneError(
+                f"building {', '.join(missing)} from the Go module proxy failed "
+                f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+            )
+    return {n: p for n, p in paths.items() if wanted[n][0] in components}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Cert:
+    cert: x509.Certificate
+    key: rsa.RSAPrivateKey
+
+    def write(self, directory: Path, name: str) -> tuple[Path, Path]:
+        crt, key = directory / f"{name}.crt", directory / f"{name}.key"
+        crt.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        key.write_bytes(
+            self.key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.TraditionalOpenSSL,
+                serialization.NoEncryption(),
+            )
+        )
+        return crt, key
+
+
+def _new_key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _issue(
+    subject: x509.Name,
+    ca: _Cert | None,
+    *,
+    is_ca: bool = False,
+    server_names: tuple[str, ...] = (),
+    server_ips: tuple[str, ...] = (),
+    client: bool = False,
+) -> _Cert:
+    key = _new_key()
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca.cert.subject if ca else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+    )
+    if is_ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                key_encipherment=False, data_encipherment=False, key_agreement=False,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+    else:
+        usages = [x509.ExtendedKeyUsageOID.CLIENT_AUTH] if client else [x509.ExtendedKeyUsageOID.SERVER_AUTH]
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    if server_names or server_ips:
+        sans: list[x509.GeneralName] = [x509.DNSName(n) for n in server_names]
+        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in server_ips]
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca.key if ca else key, hashes.SHA256())
+    return _Cert(cert, key)
+
+
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def write_kubeconfig(
+    path: Path, server: str, ca_file: Path, *, cert: tuple[Path, Path] | None = None, token: str | None = None,
+    user: str = "admin",
+) -> Path:
+    user_entry: dict[str, str] = {}
+    if cert:
+        user_entry = {"client-certificate": str(cert[0]), "client-key": str(cert[1])}
+    if token:
+        user_entry = {"token": token}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kubeon-test", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": user, "user": user_entry}],
+        "contexts": [{"name": "kubeon-test", "context": {"cluster": "kubeon-test", "user": user}}],
+        "current-context": "kubeon-test",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass
+class ControlPlane:
+    """One control plane in ``workdir``; ``start()`` returns once the apiserver is ready and kwok runs."""
+
+    workdir: Path
+    binaries: dict[str, Path] = field(default_factory=dict)
+    server: str = ""
+    admin_kubeconfig: Path = field(default_factory=Path)
+    ca_file: Path = field(default_factory=Path)
+    started_seconds: float = 0.0
+    _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, timeout: float = 120.0) -> ControlPlane:
+        t0 = time.monotonic()
+        self.binaries = self.binaries or ensure_binaries()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        pki = self.workdir / "pki"
+        pki.mkdir(exist_ok=True)
+        ca = _issue(_name("kubeon-test-ca"), None, is_ca=True)
+        self.ca_file, _ = ca.write(pki, "ca")
+        serving = _issue(
+            _name("kube-apiserver"), ca,
+            server_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                          "kubernetes.default.svc.cluster.local"),
+            server_ips=("127.0.0.1", "10.96.0.1"),
+        ).write(pki, "apiserver")
+        admin = _issue(_name("kubeon-admin", "system:masters"), ca, client=True).write(pki, "admin")
+        sa_key = _new_key()
+        sa_key_file = pki / "sa.key"
+        sa_key_file.write_bytes(
+            sa_key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                serialization.NoEncryption(),
+            )
+        )
+        sa_pub_file = pki / "sa.pub"
+        sa_pub_file.write_bytes(
+            sa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+
+        etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+        self._spawn("etcd", [
+            str(self.binaries["etcd"]),
+            f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+            f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+            f"--initial-cluster=default=http://127.0.0.1:{etcd_peer}",
+            "--unsafe-no-fsync=true",
+            "--quota-backend-bytes=4294967296",
+            "--log-level=warn",
+        ])
+        self.server = f"https://127.0.0.1:{api_port}"
+        self._spawn("kube-apiserver", [
+            str(self.binaries["kube-apiserver"]),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={api_port}",
+            f"--tls-cert-file={serving[0]}",
+            f"--tls-private-key-file={serving[1]}",
+            f"--client-ca-file={self.ca_file}",
+            "--authorization-mode=Node,RBAC",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={sa_pub_file}",
+            f"--service-account-signing-key-file={sa_key_file}",
+            "--api-audiences=https://kubernetes.default.svc.cluster.local",
+            "--allow-privileged=true",
+            f"--cert-dir={pki}",
+            "--v=0",
+        ])
+        self.admin_kubeconfig = write_kubeconfig(self.workdir / "admin.kubeconfig", self.server, self.ca_file,
+                                                 cert=admin)
+        self._wait_ready(admin, deadline=t0 + timeout)
+        self._spawn("kube-controller-manager", [
+            str(self.binaries["kube-controller-manager"]),
+            f"--kubeconfig={self.admin_kubeconfig}",
+            f"--authentication-kubeconfig={self.admin_kubeconfig}",
+            f"--authorization-kubeconfig={self.admin_kubeconfig}",
+            f"--root-ca-file={self.ca_file}",
+            f"--service-account-private-key-file={sa_key_file}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--cert-dir={self.workdir / 'kcm-certs'}",
+            "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route",
+            "--node-monitor-grace-period=40s",
+        ])
+        self._spawn("kube-scheduler", [
+            str(self.binaries["kube-scheduler"]),
+            f"--kubeconfig={self.admin_kubeconfig}",
+            f"--authentication-kubeconfig={self.admin_kubeconfig}",
+            f"--authorization-kubeconfig={self.admin_kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--cert-dir={self.workdir / 'scheduler-certs'}",
+        ])
+        self._spawn("kwok", [
+            str(self.binaries["kwok"]),
+            f"--kubeconfig={self.admin_kubeconfig}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+            f"--server-address=127.0.0.1:{free_port()}",
+            "--node-lease-duration-seconds=40",
+            f"--config={HARNESS_DIR / 'kwok-stages.yaml'}",
+        ])
+        self._check_alive()
+        self.started_seconds = time.monotonic() - t0
+        return self
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed when the process ends
+        self._procs[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def _check_alive(self) -> None:
+        for name, proc in self._procs.items():
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise ControlPlaneError(f"{name} exited with {proc.returncode}:\n{tail}")
+
+    def _wait_ready(self, admin: tuple[Path, Path], deadline: float) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        ctx.load_cert_chain(str(admin[0]), str(admin[1]))
+        last = ""
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with urllib.request.urlopen(f"{self.server}/readyz", context=ctx, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except Exception as exc:  # not ready yet: connection refused, 500 while post-start hooks run
+                last = str(exc)
+            time.sleep(0.2)
+        raise ControlPlaneError(f"kube-apiserver not ready at {self.server}/readyz: {last}")
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        # Reverse start order; SIGTERM the whole group, then SIGKILL whatever remains.
+        for proc in reversed(list(self._procs.values())):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._procs.clear()

@@ -1,0 +1,126 @@
+"""Helpers for tests on the real control plane: clients, waiting on conditions, kwok nodes, namespaces."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client, config
+
+from tests.harness.controlplane import KWOK_NODE_ANNOTATION, ControlPlane, write_kubeconfig
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T | None], *, timeout: float = 60.0, what: str, interval: float = 0.2) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value seen."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except client.ApiException as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+        time.sleep(interval)
+
+
+@dataclass
+class Kube:
+    """Typed API groups over one ApiClient."""
+
+    api: client.ApiClient
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    @property
+    def apps(self) -> client.AppsV1Api:
+        return client.AppsV1Api(self.api)
+
+    @property
+    def policy(self) -> client.PolicyV1Api:
+        return client.PolicyV1Api(self.api)
+
+    @property
+    def rbac(self) -> client.RbacAuthorizationV1Api:
+        return client.RbacAuthorizationV1Api(self.api)
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api)
+
+    @property
+    def apiext(self) -> client.ApiextensionsV1Api:
+        return client.ApiextensionsV1Api(self.api)
+
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> Kube:
+        return cls(config.new_client_from_config(config_file=str(path)))
+
+
+@dataclass
+class Cluster:
+    plane: ControlPlane
+    admin: Kube
+
+    def service_account_kubeconfig(self, namespace: str, name: str, *, create: bool = True) -> Path:
+        """A kubeconfig that authenticates as ``system:serviceaccount:<namespace>:<name>`` (TokenRequest API)."""
+        core = self.admin.core
+        if create:
+            try:
+                core.create_namespaced_service_account(namespace, client.V1ServiceAccount(
+                    metadata=client.V1ObjectMeta(name=name)))
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+        token = core.create_namespaced_service_account_token(
+            name, namespace, client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)),
+        ).status.token
+        path = self.plane.workdir / f"sa-{namespace}-{name}.kubeconfig"
+        return write_kubeconfig(path, self.plane.server, self.plane.ca_file, token=token, user=f"{namespace}-{name}")
+
+    def service_account_client(self, namespace: str, name: str, *, create: bool = True) -> Kube:
+        return Kube.from_kubeconfig(self.service_account_kubeconfig(namespace, name, create=create))
+
+    def create_namespace(self, prefix: str = "t") -> str:
+        """A fresh namespace whose default ServiceAccount exists (pods are refused until it does)."""
+        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+        wait_for(lambda: self.admin.core.read_namespaced_service_account("default", name),
+                 what=f"default ServiceAccount in {name}", timeout=30)
+        return name
+
+    def create_kwok_node(
+        self, name: str, *, labels: dict[str, str] | None = None, taints: list[client.V1Taint] | None = None,
+        gpus: int = 1,
+    ) -> client.V1Node:
+        """A Node that kwok runs as a simulated kubelet (it sets it Ready and plays its pods)."""
+        node = client.V1Node(
+            metadata=client.V1ObjectMeta(
+                name=name,
+                annotations={KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                labels={"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "type": "kwok",
+                        **(labels or {})},
+            ),
+            spec=client.V1NodeSpec(taints=taints, provider_id=f"kwok://{name}"),
+            status=client.V1NodeStatus(
+                allocatable={"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)},
+                capacity={"cpu": "32", "memory": "256Gi", "pods": "110", "nvidia.com/gpu": str(gpus)},
+            ),
+        )
+        return self.admin.core.create_node(node)
+
+    def node_ready(self, name: str) -> bool:
+        node = self.admin.core.read_node(name)
+        return any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))

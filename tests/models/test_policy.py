@@ -1,0 +1,146 @@
+"""The GpuPolicy model and the CRD schema accept and reject the same documents (R3.1-R3.3)."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from models import policy
+from models.policy import PolicyError, parse_policy
+from tests.harness.kube import Cluster, wait_for
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+CRD_FILE = ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
+VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_policy.yaml").read_text())
+CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_policies.yaml").read_text())
+
+
+def _apply_case(case: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(VALID)
+    for path, value in (case.get("set") or {}).items():
+        *parents, leaf = path.split(".")
+        target = doc
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    for path in case.get("delete") or []:
+        *parents, leaf = path.split(".")
+        target = doc
+        for p in parents:
+            target = target[p]
+        del target[leaf]
+    return doc
+
+
+def test_documented_burst_policy_is_valid() -> None:
+    p = parse_policy(VALID)
+    assert p.name == "inference-burst-eu"
+    assert p.spec.kind == "Burst"
+    assert p.spec.mode == "Approve"
+    assert p.spec.workloads.tolerate == "gpu.kubeon.io/burst"
+    assert [loc.provider for loc in p.spec.location_names] == ["aws", "gcp", "onprem"]
+    assert p.spec.location_names[0].label_value == "aws.eu-central-1"
+    assert p.spec.limits.max_nodes == 4
+    assert p.spec.limits.max_gpu_hour == 4.5
+    assert p.spec.return_home is True
+
+
+def test_mode_defaults_from_configuration() -> None:
+    doc = copy.deepcopy(VALID)
+    del doc["spec"]["mode"]
+    spec = parse_policy(doc).spec
+    assert spec.mode is None
+    assert spec.effective_mode("Recommend") == "Recommend"
+    assert spec.effective_mode("Automatic") == "Automatic"
+    assert parse_policy(VALID).spec.effective_mode("Recommend") == "Approve"
+
+
+def test_corpus_is_large_enough_and_names_are_unique() -> None:
+    names = [c["name"] for c in CORPUS]
+    assert len(names) >= 25
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_model_rejects_malformed_policy_naming_the_field(case: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(_apply_case(case))
+    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
+    assert case["field"] in str(err.value)
+
+
+def test_planned_kind_is_named_as_not_supported_yet() -> None:
+    doc = copy.deepcopy(VALID)
+    doc["spec"]["kind"] = "ScaleToZero"
+    with pytest.raises(PolicyError, match="not supported yet"):
+        parse_policy(doc)
+
+
+def test_crd_schema_uses_the_model_patterns() -> None:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["locations"]["items"]["pattern"] == policy.LOCATION_PATTERN
+    assert spec["workloads"]["properties"]["tolerate"]["pattern"] == policy.TAINT_KEY_PATTERN
+    assert spec["kind"]["enum"] == list(policy.SUPPORTED_KINDS)
+    assert spec["mode"]["enum"] == list(policy.MODES)
+
+
+# --- the same corpus against the real apiserver --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpupolicy_crd(cluster: Cluster) -> Cluster:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    try:
+        cluster.admin.apiext.create_custom_resource_definition(crd)
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+    def established() -> bool:
+        got = cluster.admin.apiext.read_custom_resource_definition(crd["metadata"]["name"])
+        return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
+
+    wait_for(established, what="GpuPolicy CRD established")
+    return cluster
+
+
+def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["name"] = f"p-{uuid.uuid4().hex[:10]}"
+    # Strict field validation is what `kubectl apply` does by default: unknown fields are errors, not pruned.
+    return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
+        policy.API_GROUP, "v1", policy.PLURAL, doc, field_validation="Strict")
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_the_documented_policy(gpupolicy_crd: Cluster) -> None:
+    created = _create(gpupolicy_crd, VALID)
+    assert created["spec"] == VALID["spec"]
+    parse_policy(created)  # what the apiserver returns parses back
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_apiserver_rejects_malformed_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, _apply_case(case))
+    assert err.value.status in (400, 422), err.value.body
+    # The apiserver names the field too (its paths drop list indexes and the leading "spec" differently).
+    leaf = case["field"].split(".")[-1].split("[")[0]
+    assert leaf in err.value.body, err.value.body
+
+
+@pytest.mark.cluster
+def test_printer_columns_show_kind_and_mode(gpupolicy_crd: Cluster) -> None:
+    crd = gpupolicy_crd.admin.apiext.read_custom_resource_definition("gpupolicies.gpu.kubeon.io")
+    columns = {c.name: c.json_path for c in crd.spec.versions[0].additional_printer_columns}
+    assert columns["Kind"] == ".spec.kind"
+    assert columns["Mode"] == ".spec.mode"
+    assert "Age" in columns

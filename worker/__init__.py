@@ -1,0 +1,1 @@
+"""Composition root: configuration, CLI, wiring, watcher and Temporal worker start-up."""
