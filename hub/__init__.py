@@ -1,0 +1,1 @@
+"""The self-hosted hub: clusters, tokens, policies, approvals, action reports, audit log."""
