@@ -1,0 +1,188 @@
+"""The burst gateway seam: join tickets and Node admission/removal.
+
+The optimizer's ClusterRole (R5.1) cannot create or delete Nodes and reads no Secret. Admitting a burst node
+and removing its Node object belong to the gateway, which runs with its own ServiceAccount and alone holds the
+ticket signing key. Activities talk to it through ``GatewayClient``; ``KubeGateway`` is the gateway's side,
+constructed with the gateway's credentials, never the optimizer's.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from typing import Any, Protocol
+
+from kubernetes import client
+from pydantic import BaseModel, Field
+
+from models.operation import LABEL_OPERATION, Taint
+
+TICKET_NONCE_ANNOTATION = "gpu.kubeon.io/join-ticket"
+DEFAULT_TICKET_TTL_SECONDS = 900
+
+
+class TicketError(Exception):
+    """A join ticket is forged, expired, or bound to another node; the message says which."""
+
+
+class JoinTicketRequest(BaseModel):
+    operation: str
+    policy: str
+    location: str
+    node_name: str
+    labels: dict[str, str]
+    taints: list[Taint]
+    ttl_seconds: int = DEFAULT_TICKET_TTL_SECONDS
+
+
+class JoinTicket(BaseModel):
+    operation: str
+    policy: str
+    location: str
+    node_name: str
+    labels: dict[str, str]
+    taints: list[Taint]
+    expires_at: float
+    nonce: str = Field(default_factory=lambda: secrets.token_hex(8))
+
+
+class GatewayClient(Protocol):
+    """What the optimizer's activities may ask of the gateway."""
+
+    def issue_ticket(self, request: JoinTicketRequest) -> str: ...
+
+    def remove_node(self, node_name: str, *, operation: str) -> bool: ...
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class KubeGateway:
+    """The gateway's own logic, with the gateway's Kubernetes credentials and signing key."""
+
+    def __init__(self, api: client.ApiClient, signing_key: bytes, *, clock: Any = time.time) -> None:
+        if len(signing_key) < 16:
+            raise ValueError("gateway ticket signing key must be at least 16 bytes")
+        self._core = client.CoreV1Api(api)
+        self._key = signing_key
+        self._clock = clock
+
+    # -- tickets ---------------------------------------------------------------------------------------------
+    def issue_ticket(self, request: JoinTicketRequest) -> str:
+        ticket = JoinTicket(
+            operation=request.operation, policy=request.policy, location=request.location,
+            node_name=request.node_name, labels=request.labels, taints=request.taints,
+            expires_at=self._clock() + request.ttl_seconds,
+        )
+        body = _b64(ticket.model_dump_json().encode())
+        return f"{body}.{_b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())}"
+
+    def verify(self, token: str) -> JoinTicket:
+        body, _, sig = token.partition(".")
+        expected = _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
+        if not sig or not hmac.compare_digest(sig, expected):
+            raise TicketError("join ticket signature is invalid")
+        try:
+            ticket = JoinTicket.model_validate_json(_unb64(body))
+        except ValueError as exc:
+            raise TicketError(f"join ticket is malformed: {exc}") from None
+        if ticket.expires_at < self._clock():
+            raise TicketError(f"join ticket for {ticket.node_name} expired")
+        return ticket
+
+    # -- node admission and removal --------------------------------------------------------------------------
+    def admit(self, token: str, *, capacity: dict[str, str], annotations: dict[str, str] | None = None,
+              provider_id: str = "") -> client.V1Node:
+        """Register the Node a ticket allows. Idempotent for a node retrying with the same ticket; a ticket is
+        good for exactly one node (its nonce is recorded on the Node)."""
+        ticket = self.verify(token)
+        try:
+            existing = self._core.read_node(ticket.node_name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        else:
+            seen = (existing.metadata.annotations or {}).get(TICKET_NONCE_ANNOTATION)
+            if seen == ticket.nonce:
+                return existing
+            raise TicketError(f"node {ticket.node_name} is already registered with another ticket")
+        node = client.V1Node(
+            metadata=client.V1ObjectMeta(
+                name=ticket.node_name,
+                labels={"kubernetes.io/hostname": ticket.node_name, "kubernetes.io/os": "linux",
+                        **ticket.labels},
+                annotations={**(annotations or {}), TICKET_NONCE_ANNOTATION: ticket.nonce},
+            ),
+            spec=client.V1NodeSpec(
+                taints=[client.V1Taint(key=t.key, value=t.value, effect=t.effect) for t in ticket.taints],
+                provider_id=provider_id or None,
+            ),
+            status=client.V1NodeStatus(capacity=capacity, allocatable=capacity),
+        )
+        try:
+            return self._core.create_node(node)
+        except client.ApiException as exc:
+            if exc.status == 409:  # a concurrent retry of the same join won the race
+                return self._core.read_node(ticket.node_name)
+            raise
+
+    def remove_node(self, node_name: str, *, operation: str) -> bool:
+        """Delete a burst Node of ``operation``. False if it is already gone; refuses any other node."""
+        try:
+            node = self._core.read_node(node_name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        owner = (node.metadata.labels or {}).get(LABEL_OPERATION)
+        if owner != operation:
+            raise TicketError(f"node {node_name} belongs to operation {owner!r}, not {operation}; not removing")
+        try:
+            self._core.delete_node(node_name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        return True
+
+
+def parse_user_data_ticket(user_data: str) -> dict[str, Any]:
+    """The join document embedded in a burst node's user data (see ``render_user_data``)."""
+    start = user_data.index(USER_DATA_BEGIN) + len(USER_DATA_BEGIN)
+    end = user_data.index(USER_DATA_END)
+    doc: dict[str, Any] = json.loads(user_data[start:end])
+    return doc
+
+
+USER_DATA_BEGIN = "# --- kubeon join document ---\n"
+USER_DATA_END = "\n# --- end kubeon join document ---"
+
+
+def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
+                     taints: list[Taint]) -> str:
+    """User data for a burst node: where the gateway is, its one-time ticket, and what it must register as."""
+    doc = {
+        "gateway": gateway_url,
+        "ticket": ticket,
+        "nodeName": node_name,
+        "labels": labels,
+        "taints": [t.model_dump() for t in taints],
+    }
+    return (
+        "#!/bin/bash\n"
+        "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"
+        "set -euo pipefail\n"
+        "mkdir -p /etc/kubeon\n"
+        "cat > /etc/kubeon/join.json <<'KUBEON_JOIN'\n"
+        f"{USER_DATA_BEGIN}{json.dumps(doc, indent=1, sort_keys=True)}{USER_DATA_END}\n"
+        "KUBEON_JOIN\n"
+        "exec /usr/local/bin/kubeon-node-join /etc/kubeon/join.json\n"
+    )

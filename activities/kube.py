@@ -1,0 +1,271 @@
+"""Kubernetes side effects with the optimizer's own credentials (R5.1): read pods, nodes, policies; patch
+nodes (cordon); evict through the Eviction API only. Nothing here creates or deletes a Node."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kubernetes import client, watch
+
+from models.operation import (
+    GPU_RESOURCE,
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    EvictionResult,
+    NodeExpectation,
+    PendingPod,
+    ServeCheckRequest,
+    ServeCheckResult,
+    VerifyResult,
+    WorkloadGroup,
+)
+from models.policy import API_GROUP, PLURAL, GpuPolicy, parse_policy
+
+Heartbeat = Callable[..., None]
+PDB_PATTERN = re.compile(r"disruption budget ([a-z0-9]([-a-z0-9.]*[a-z0-9])?)")
+
+
+class NodeJoinTimeout(Exception):
+    pass
+
+
+class VerificationFailed(Exception):
+    pass
+
+
+def gpus_requested(pod: client.V1Pod) -> int:
+    total = 0
+    for c in pod.spec.containers or []:
+        res = c.resources
+        for source in ((res.limits or {}), (res.requests or {})) if res else ():
+            if GPU_RESOURCE in source:
+                total += int(source[GPU_RESOURCE])
+                break
+    return total
+
+
+def is_ready(node: client.V1Node) -> bool:
+    conditions = node.status.conditions if node.status else None
+    return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
+
+
+def _pod_terminal(pod: client.V1Pod) -> bool:
+    return bool(pod.status and pod.status.phase in ("Succeeded", "Failed"))
+
+
+class KubeOps:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    # -- policies ----------------------------------------------------------------------------------------
+    def read_policy(self, name: str) -> GpuPolicy:
+        doc = self.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
+        return parse_policy(doc)
+
+    def list_policies(self) -> list[GpuPolicy]:
+        out = []
+        listed: dict[str, Any] = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)  # type: ignore[assignment]
+        for doc in listed.get("items", []):
+            try:
+                out.append(parse_policy(doc))
+            except ValueError:
+                continue  # an invalid policy is never enforced; the sync reports it in its status
+        return out
+
+    # -- ownership ---------------------------------------------------------------------------------------
+    def owner_of(self, pod: client.V1Pod) -> tuple[str, str]:
+        """(kind, name) of the workload a pod belongs to: Deployment through its ReplicaSet, Job, StatefulSet,
+        or the pod itself."""
+        refs = [r for r in pod.metadata.owner_references or [] if r.controller]
+        if not refs:
+            return "Pod", str(pod.metadata.name)
+        ref = refs[0]
+        if ref.kind == "ReplicaSet":
+            try:
+                rs = self.apps.read_namespaced_replica_set(str(ref.name), str(pod.metadata.namespace))
+            except client.ApiException:
+                return "ReplicaSet", str(ref.name)
+            owners = [r for r in rs.metadata.owner_references or [] if r.controller]
+            if owners:
+                return str(owners[0].kind), str(owners[0].name)
+        return str(ref.kind), str(ref.name)
+
+    def group_pods(self, group: WorkloadGroup) -> list[client.V1Pod]:
+        pods = self.core.list_namespaced_pod(group.namespace).items
+        return [p for p in pods if self.owner_of(p) == (group.owner_kind, group.owner_name)
+                and not _pod_terminal(p) and p.metadata.deletion_timestamp is None]
+
+    # -- join ----------------------------------------------------------------------------------------------
+    def wait_node_ready(self, node_name: str, operation: str, timeout: float, heartbeat: Heartbeat) -> str:
+        """Watch (not poll) for the Node to register and turn Ready; heartbeat between watch windows."""
+        deadline = time.monotonic() + timeout
+        while True:
+            heartbeat(f"waiting for node {node_name}")
+            try:
+                node = self.core.read_node(node_name)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+                node = None
+            if node is not None:
+                if (node.metadata.labels or {}).get(LABEL_OPERATION) != operation:
+                    raise VerificationFailed(f"node {node_name} exists but belongs to another operation")
+                if is_ready(node):
+                    return node_name
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NodeJoinTimeout(f"node {node_name} did not become Ready within {timeout:.0f}s")
+            rv = node.metadata.resource_version if node is not None else None
+            w = watch.Watch()
+            try:
+                for event in w.stream(self.core.list_node, field_selector=f"metadata.name={node_name}",
+                                      resource_version=rv, timeout_seconds=int(min(10, max(1, remaining)))):
+                    obj = event["object"]
+                    if event["type"] != "DELETED" and is_ready(obj):
+                        w.stop()
+                        break
+            except client.ApiException as exc:
+                if exc.status != 410:  # expired resourceVersion: re-read and watch again
+                    raise
+            finally:
+                w.stop()
+
+    # -- verify --------------------------------------------------------------------------------------------
+    def verify_node(self, expect: NodeExpectation, heartbeat: Heartbeat) -> VerifyResult:
+        node = self.core.read_node(expect.node_name)
+        taints = node.spec.taints or []
+        if not any(t.key == expect.taint_key and t.effect == "NoSchedule" for t in taints):
+            raise VerificationFailed(f"node {expect.node_name} lacks the taint {expect.taint_key}:NoSchedule")
+        labels = node.metadata.labels or {}
+        wrong = {k: labels.get(k) for k, v in expect.labels.items() if labels.get(k) != v}
+        if wrong:
+            raise VerificationFailed(f"node {expect.node_name} has wrong or missing labels: {wrong}")
+        deadline = time.monotonic() + expect.timeout_seconds
+        namespaces = {p.namespace for p in expect.pods}
+        while True:
+            heartbeat(f"waiting for pods on {expect.node_name}")
+            placed = []
+            for ns in namespaces:
+                placed += [f"{ns}/{p.metadata.name}" for p in self.core.list_namespaced_pod(
+                    ns, field_selector=f"spec.nodeName={expect.node_name}").items]
+            if placed:
+                return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
+            if time.monotonic() > deadline:
+                raise VerificationFailed(
+                    f"no waiting pod was scheduled on {expect.node_name} within {expect.timeout_seconds}s")
+            time.sleep(1)
+
+    # -- serve ---------------------------------------------------------------------------------------------
+    def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:
+        pods = self.group_pods(req.group)
+        on_node = [p for p in pods if p.spec.node_name == req.node_name]
+        if not pods:
+            return ServeCheckResult(done=True, reason="workload gone", pods_on_node=0)
+        if not on_node:
+            pending = [p for p in pods if not p.spec.node_name]
+            if not pending:
+                return ServeCheckResult(done=True, reason="no workload pods on the burst node", pods_on_node=0)
+        if req.return_home and on_node:
+            need = sum(gpus_requested(p) for p in on_node)
+            free = self.home_free_gpus(req.group.node_selector)
+            if free >= need:
+                return ServeCheckResult(done=True, reason=f"home capacity is back ({free} GPU(s) free)",
+                                        pods_on_node=len(on_node))
+        return ServeCheckResult(done=False, pods_on_node=len(on_node))
+
+    def home_free_gpus(self, node_selector: dict[str, str]) -> int:
+        """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector."""
+        free = 0
+        pods: list[client.V1Pod] | None = None
+        for node in self.core.list_node().items:
+            labels = node.metadata.labels or {}
+            if LABEL_LOCATION in labels or node.spec.unschedulable or not is_ready(node):
+                continue
+            if any(labels.get(k) != v for k, v in node_selector.items()):
+                continue
+            alloc = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
+            if alloc == 0:
+                continue
+            if pods is None:
+                pods = self.core.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded").items
+            used = 0
+            for p in pods:
+                if p.spec.node_name == node.metadata.name and not _pod_terminal(p):
+                    used += gpus_requested(p)
+            free += max(0, alloc - used)
+        return free
+
+    # -- drain ---------------------------------------------------------------------------------------------
+    def cordon(self, node_name: str) -> bool:
+        """Mark the node unschedulable. False if the node is gone."""
+        try:
+            self.core.patch_node(node_name, {"spec": {"unschedulable": True}})
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def evict_pods(self, node_name: str) -> EvictionResult:
+        """Evict every evictable pod on the node through the Eviction API. A PDB refusal (429) is reported, not
+        forced: the caller retries with backoff."""
+        pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}").items
+        remaining: list[str] = []
+        blocked: dict[str, str] = {}
+        for pod in self._evictable(pods):
+            meta = pod.metadata
+            key = f"{meta.namespace}/{meta.name}"
+            remaining.append(key)
+            if meta.deletion_timestamp is not None:
+                continue  # already going
+            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=meta.name, namespace=meta.namespace))
+            try:
+                self.core.create_namespaced_pod_eviction(str(meta.name), str(meta.namespace), body)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    remaining.remove(key)
+                elif exc.status == 429:
+                    match = PDB_PATTERN.search(exc.body or "")
+                    blocked[key] = f"blocked by PDB {match.group(1) if match else '(unknown)'}"
+                else:
+                    raise
+        return EvictionResult(remaining=remaining, blocked=blocked)
+
+    @staticmethod
+    def _evictable(pods: Iterable[client.V1Pod]) -> list[client.V1Pod]:
+        out = []
+        for p in pods:
+            if _pod_terminal(p):
+                continue
+            refs = p.metadata.owner_references or []
+            if any(r.kind == "DaemonSet" for r in refs):
+                continue  # DaemonSet pods go with the node
+            if "kubernetes.io/config.mirror" in (p.metadata.annotations or {}):
+                continue
+            out.append(p)
+        return out
+
+    def node_exists(self, node_name: str) -> bool:
+        try:
+            self.core.read_node(node_name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+
+def pending_pod(pod: client.V1Pod) -> PendingPod:
+    meta = pod.metadata
+    return PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid or "",
+                      gpus=gpus_requested(pod), node_selector=dict(pod.spec.node_selector or {}))
+
+
+def as_dict(obj: Any) -> Any:
+    return client.ApiClient().sanitize_for_serialization(obj)

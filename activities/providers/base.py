@@ -1,0 +1,55 @@
+"""The provider interface (after Karpenter's CloudProvider): launch, get, list, terminate, price offerings.
+
+Implementations are synchronous (they run in the activity thread pool) and idempotent: ``launch`` finds the
+instance it already started for an operation before starting another, ``terminate`` of a gone instance is
+a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from models.operation import Instance, LaunchRequest, Offering
+
+
+class ProviderError(Exception):
+    """A cloud call failed; the message names the location and the cause."""
+
+
+class InsufficientCapacityError(ProviderError):
+    """The location has no capacity for the instance type now; the next eligible location should be tried."""
+
+
+class InstanceNotFoundError(ProviderError):
+    pass
+
+
+class LocationNotAllowedError(ProviderError):
+    """The launch names a location outside the policy's list (R4.7). Never retried."""
+
+
+class NotOwnedError(ProviderError):
+    """The instance does not carry this policy's burst tag: the optimizer never touches it."""
+
+
+class Provider(Protocol):
+    name: str
+
+    def price_offerings(self, location: str) -> list[Offering]: ...
+
+    def launch(self, request: LaunchRequest, user_data: str) -> Instance: ...
+
+    def get(self, location: str, instance_id: str) -> Instance: ...
+
+    def list(self, location: str, *, policy: str | None = None, operation: str | None = None) -> list[Instance]: ...
+
+    def terminate(self, location: str, instance_id: str, *, policy: str) -> None: ...
+
+
+def check_allowed(request: LaunchRequest) -> None:
+    """Second check of the allow-list, inside the launch itself (the plan already checked once)."""
+    if request.offering.location not in request.allowed_locations:
+        raise LocationNotAllowedError(
+            f"location {request.offering.location} is not in policy {request.policy}'s locations "
+            f"({', '.join(request.allowed_locations)}); refusing to launch"
+        )
