@@ -273,6 +273,7 @@ class ServeCheckRequest(Model):
     group: WorkloadGroup
     node_name: str
     return_home: bool
+    check_seconds: float = 30
 
 
 class ServeCheckResult(Model):
@@ -349,3 +350,49 @@ class AuditRecord(Model):
     node_name: str | None = None
     approver: str | None = None
     detail: str = ""
+
+
+class LedgerInput(Model):
+    cluster: str
+    policy: str
+    reservations: dict[str, int] = Field(default_factory=dict)  # carried over continue-as-new
+
+
+class LedgerReserve(Model):
+    cluster: str
+    policy: str
+    request: ReservationRequest
+
+
+class LedgerRelease(Model):
+    cluster: str
+    policy: str
+    operation: str
+
+
+class CleanupRequest(Model):
+    """Compensation: everything an operation may have made, found by its tag, not by what the workflow saw."""
+
+    operation: str
+    policy: str
+    locations: list[str]
+    node_name: str
+
+
+class CleanupResult(Model):
+    terminated: list[str] = Field(default_factory=list)
+    node_removed: bool = False
+
+
+class NodeRemoval(Model):
+    node_name: str
+    operation: str
+
+
+class GoneCheck(Model):
+    node_name: str
+    instance: InstanceRef | None = None
+
+
+def ledger_workflow_id(cluster: str, policy: str) -> str:
+    return f"ledger/{cluster}/{policy}"

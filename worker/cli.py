@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from models.operation import OperationView
 from models.policy import PolicyError, parse_policy
 
 
@@ -43,6 +47,70 @@ def _version(_: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(_: argparse.Namespace) -> int:
+    from worker.config import load_settings
+    from worker.main import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(load_settings()))
+    return 0
+
+
+def _ops(args: argparse.Namespace) -> int:
+    from models.operation import Approval, Rejection
+    from worker import ops
+    from worker.config import load_settings
+    from worker.runtime import connect_temporal
+
+    async def run() -> int:
+        settings = load_settings({**os.environ, "KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"})
+        temporal = await connect_temporal(settings)
+        try:
+            if args.ops_command == "list":
+                rows = await ops.list_operations(temporal, cluster=args.cluster)
+                print(ops.rows_json(rows) if args.json else ops.render_table(rows))
+            elif args.ops_command == "show":
+                view = await ops.show(temporal, args.operation)
+                print(view.model_dump_json(indent=2) if args.json else _render_view(view))
+            elif args.ops_command == "approve":
+                result = await ops.approve(temporal, args.operation, Approval(
+                    approver=args.approver, plan_id=args.plan, reason=args.reason))
+                print(f"{result.operation}: {result.message}")
+            elif args.ops_command == "reject":
+                result = await ops.reject(temporal, args.operation, Rejection(approver=args.approver,
+                                                                               reason=args.reason))
+                print(f"{result.operation}: {result.message}")
+            elif args.ops_command == "cancel":
+                print(f"cancel requested for {await ops.cancel(temporal, args.operation)}: it drains and removes "
+                      "what it made")
+        except (ops.OperationNotFound, ops.DecisionRefused) as exc:
+            print(f"kubeon-gpu ops {args.ops_command}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return asyncio.run(run())
+
+
+def _render_view(view: OperationView) -> str:
+    lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
+             f"group      {view.group}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
+    if view.message:
+        lines.append(f"message    {view.message}")
+    if view.plan:
+        lines.append(f"plan       {view.plan.plan_id}: {view.plan.summary()}")
+        lines += [f"  refused  {r}" for r in view.plan.refused]
+    if view.instance:
+        lines.append(f"instance   {view.instance.instance_id} ({view.instance.instance_type}) in "
+                     f"{view.instance.location}")
+    if view.node_name:
+        lines.append(f"node       {view.node_name}")
+    if view.approver:
+        lines.append(f"approver   {view.approver}")
+    lines.append("history")
+    lines += [f"  {h}" for h in view.history]
+    return "\n".join(lines)
+
+
 def _dev(_: argparse.Namespace) -> int:
     print(
         "kubeon-gpu dev: not available yet. It needs the burst workflow, the sim provider and the worker "
@@ -65,6 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=_validate)
 
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
+    sub.add_parser("worker", help="run the Temporal worker and the pending-pod watcher").set_defaults(
+        func=_worker)
+
+    ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
+    ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)
+    listing = ops_sub.add_parser("list", help="operations, newest first")
+    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--cluster", help="only this cluster's operations")
+    showing = ops_sub.add_parser("show", help="one operation: phase, plan, instance, history")
+    showing.add_argument("operation", help="operation ID (op-...) or workflow ID")
+    showing.add_argument("--json", action="store_true")
+    approving = ops_sub.add_parser("approve", help="approve the proposed plan (refused if stale)")
+    approving.add_argument("operation")
+    approving.add_argument("--plan", help="approve only if this is still the proposed plan")
+    approving.add_argument("--approver", default=os.environ.get("USER") or "cli")
+    approving.add_argument("--reason", default="")
+    rejecting = ops_sub.add_parser("reject", help="reject the proposed plan")
+    rejecting.add_argument("operation")
+    rejecting.add_argument("--approver", default=os.environ.get("USER") or "cli")
+    rejecting.add_argument("--reason", default="")
+    cancelling = ops_sub.add_parser("cancel", help="cancel: drain and remove what the operation made")
+    cancelling.add_argument("operation")
+    ops_parser.set_defaults(func=_ops)
     sub.add_parser("dev", help="run everything locally").set_defaults(func=_dev)
     return parser
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from models.locations import BurstConfig
+from models.operation import OperationSettings
 from models.policy import Mode
 
 
@@ -18,26 +22,64 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cluster: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    # Every policy without a mode of its own runs in this one; Recommend means installing changes nothing (R1.4).
+    # Every policy without a mode of its own runs in this one; Recommend: installing changes nothing (R1.4).
     default_mode: Mode = "Recommend"
     temporal_address: str = "127.0.0.1:7233"
     temporal_namespace: str = "default"
+    temporal_tls: bool = False
+    temporal_api_key_file: Path | None = None
     task_queue: str = "kubeon-gpu"
+    # Empty: in-cluster service account credentials.
+    kubeconfig: Path | None = None
+    burst_enabled: bool = False
+    burst_locations_file: Path | None = None
+    home_location: str = "aws/us-east-1"
+    gateway_url: str = "https://kubeon-gpu-optimizer-gateway.kubeon-gpu.svc:8443"
+    # In-process gateway (dev and tests): its own kubeconfig and ticket key, never the optimizer's.
+    gateway_kubeconfig: Path | None = None
+    gateway_ticket_key_file: Path | None = None
+    state_dir: Path = Path("/tmp/kubeon")
+    aws_endpoint_url: str | None = None
+    health_port: int = 8080
+    max_concurrent_activities: int = 100
+    approval_timeout_seconds: int = 3600
+    join_timeout_seconds: int = 900
+    serve_check_seconds: int = 30
+
+    def burst_config(self) -> BurstConfig:
+        """Locations from the chart's ``burst.locations`` (a JSON or YAML list, or an object with ``locations``)."""
+        raw: object = []
+        if self.burst_locations_file is not None:
+            text = self.burst_locations_file.read_text()
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError:
+                import yaml
+
+                raw = yaml.safe_load(text)
+        doc = raw if isinstance(raw, dict) else {"locations": raw or []}
+        doc.setdefault("home", self.home_location)
+        doc.setdefault("gatewayUrl", self.gateway_url)
+        try:
+            return BurstConfig.model_validate(doc)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"{self.burst_locations_file}: burst.{where}: {first['msg']}") from None
+
+    def operation_settings(self) -> OperationSettings:
+        return OperationSettings(approval_timeout_seconds=self.approval_timeout_seconds,
+                                 join_timeout_seconds=self.join_timeout_seconds,
+                                 serve_check_seconds=self.serve_check_seconds)
 
 
-ENV = {
-    "cluster": "KUBEON_CLUSTER",
-    "default_mode": "KUBEON_DEFAULT_MODE",
-    "temporal_address": "KUBEON_TEMPORAL_ADDRESS",
-    "temporal_namespace": "KUBEON_TEMPORAL_NAMESPACE",
-    "task_queue": "KUBEON_TASK_QUEUE",
-}
+ENV = {name: "KUBEON_" + name.upper() for name in Settings.model_fields}
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Settings from the environment; an invalid value fails naming the variable that holds it."""
     environ = os.environ if environ is None else environ
-    values = {field: environ[var] for field, var in ENV.items() if var in environ}
+    values = {field: environ[var] for field, var in ENV.items() if environ.get(var, "") != ""}
     try:
         return Settings.model_validate(values)
     except ValidationError as exc:

@@ -12,5 +12,6 @@ POLICY: Final = SearchAttributeKey.for_keyword("KubeonPolicy")
 LOCATION: Final = SearchAttributeKey.for_keyword("KubeonLocation")
 PHASE: Final = SearchAttributeKey.for_keyword("KubeonPhase")
 OPERATION_KIND: Final = SearchAttributeKey.for_keyword("KubeonOperationKind")
+OPERATION: Final = SearchAttributeKey.for_keyword("KubeonOperation")
 
-ALL: Final = (CLUSTER, POLICY, LOCATION, PHASE, OPERATION_KIND)
+ALL: Final = (CLUSTER, POLICY, LOCATION, PHASE, OPERATION_KIND, OPERATION)

@@ -13,11 +13,11 @@ from kubernetes import client
 
 from models import policy
 from models.policy import PolicyError, parse_policy
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.crd import CRD_FILE, install_gpupolicy_crd
+from tests.harness.kube import Cluster
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
-CRD_FILE = ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
 VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_policy.yaml").read_text())
 CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_policies.yaml").read_text())
 
@@ -96,18 +96,7 @@ def test_crd_schema_uses_the_model_patterns() -> None:
 
 @pytest.fixture(scope="module")
 def gpupolicy_crd(cluster: Cluster) -> Cluster:
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    try:
-        cluster.admin.apiext.create_custom_resource_definition(crd)
-    except client.ApiException as exc:
-        if exc.status != 409:
-            raise
-
-    def established() -> bool:
-        got = cluster.admin.apiext.read_custom_resource_definition(crd["metadata"]["name"])
-        return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
-
-    wait_for(established, what="GpuPolicy CRD established")
+    install_gpupolicy_crd(cluster)
     return cluster
 
 

@@ -1,0 +1,271 @@
+"""The activities of burst and drain operations. Each is idempotent: a retry after a crash finds what the
+previous attempt did (instances by operation tag, nodes by name, audit records by key)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
+
+from activities.audit import AuditLog
+from activities.gateway import GatewayClient, JoinTicketRequest, render_user_data
+from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
+from activities.planning import rank_offerings
+from activities.providers.base import (
+    InstanceNotFoundError,
+    InsufficientCapacityError,
+    LocationNotAllowedError,
+    NotOwnedError,
+    Provider,
+    ProviderError,
+)
+from models.locations import BurstConfig
+from models.operation import (
+    AuditRecord,
+    CleanupRequest,
+    CleanupResult,
+    EvictionResult,
+    GoneCheck,
+    Instance,
+    InstanceRef,
+    LaunchRequest,
+    LedgerInput,
+    LedgerRelease,
+    LedgerReserve,
+    LoadPolicyRequest,
+    NodeExpectation,
+    NodeRef,
+    NodeRemoval,
+    NodeWaitRequest,
+    Offering,
+    Plan,
+    PlanRequest,
+    PolicySnapshot,
+    ReservationResult,
+    ServeCheckRequest,
+    ServeCheckResult,
+    VerifyResult,
+    ledger_workflow_id,
+)
+
+# Error types the workflows branch on (ApplicationError.type).
+INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+LOCATION_NOT_ALLOWED = "LocationNotAllowed"
+JOIN_TIMEOUT = "JoinTimeout"
+VERIFICATION_FAILED = "VerificationFailed"
+POLICY_GONE = "PolicyGone"
+NOT_OWNED = "NotOwned"
+
+LEDGER_WORKFLOW = "PolicyLedger"
+
+
+class BurstActivities:
+    def __init__(
+        self,
+        *,
+        kube: KubeOps,
+        providers: dict[str, Provider],
+        gateway: GatewayClient,
+        config: BurstConfig,
+        audit: AuditLog,
+        temporal: Client | None = None,
+        task_queue: str = "kubeon-gpu",
+        clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
+        self.kube = kube
+        self.providers = providers
+        self.gateway = gateway
+        self.config = config
+        self.audit_log = audit
+        self.temporal = temporal
+        self.task_queue = task_queue
+        self.clock = clock
+
+    def _provider(self, location: str) -> Provider:
+        name = location.split("/", 1)[0]
+        provider = self.providers.get(name)
+        if provider is None:
+            raise ApplicationError(f"no provider for {name} locations is configured ({location})",
+                                   type="ProviderMissing", non_retryable=True)
+        return provider
+
+    # -- policy and plan -------------------------------------------------------------------------------------
+    @activity.defn(name="load_policy")
+    def load_policy(self, req: LoadPolicyRequest) -> PolicySnapshot:
+        from kubernetes.client import ApiException
+
+        try:
+            policy = self.kube.read_policy(req.policy)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ApplicationError(f"policy {req.policy} no longer exists", type=POLICY_GONE,
+                                       non_retryable=True) from None
+            raise
+        except ValueError as exc:
+            raise ApplicationError(f"policy {req.policy} is invalid: {exc}", type=POLICY_GONE,
+                                   non_retryable=True) from None
+        spec = policy.spec
+        return PolicySnapshot(
+            name=policy.name, generation=policy.metadata.generation or 0, mode=spec.effective_mode(req.default_mode),
+            tolerate=spec.workloads.tolerate, locations=list(spec.locations), max_nodes=spec.limits.max_nodes,
+            max_gpu_hour=float(spec.limits.max_gpu_hour), return_home=spec.return_home,
+        )
+
+    @activity.defn(name="plan_burst")
+    def plan_burst(self, req: PlanRequest) -> Plan:
+        offerings: list[Offering] = []
+        unavailable: list[str] = []
+        for location in req.locations:
+            try:
+                self.config.location(location)
+                offerings += self._provider(location).price_offerings(location)
+            except KeyError as exc:
+                unavailable.append(f"{location}: {exc.args[0]}")
+            except (ProviderError, ApplicationError) as exc:
+                unavailable.append(f"{location}: {exc}")
+        plan = rank_offerings(req, offerings)
+        plan.refused = unavailable + plan.refused
+        return plan
+
+    # -- the per-policy ledger (maxNodes across operations) ----------------------------------------------------
+    def _client(self) -> Client:
+        if self.temporal is None:
+            raise ApplicationError("activities were started without a Temporal client", non_retryable=True)
+        return self.temporal
+
+    @activity.defn(name="reserve_capacity")
+    async def reserve_capacity(self, req: LedgerReserve) -> ReservationResult:
+        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+            LEDGER_WORKFLOW, LedgerInput(cluster=req.cluster, policy=req.policy),
+            id=ledger_workflow_id(req.cluster, req.policy), task_queue=self.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        return await self._client().execute_update_with_start_workflow(
+            "reserve", req.request, start_workflow_operation=start, result_type=ReservationResult)
+
+    @activity.defn(name="release_capacity")
+    async def release_capacity(self, req: LedgerRelease) -> ReservationResult:
+        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
+            LEDGER_WORKFLOW, LedgerInput(cluster=req.cluster, policy=req.policy),
+            id=ledger_workflow_id(req.cluster, req.policy), task_queue=self.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        return await self._client().execute_update_with_start_workflow(
+            "release", req.operation, start_workflow_operation=start, result_type=ReservationResult)
+
+    # -- launch ------------------------------------------------------------------------------------------------
+    @activity.defn(name="launch_instance")
+    def launch_instance(self, req: LaunchRequest) -> Instance:
+        provider = self._provider(req.offering.location)
+        ticket = self.gateway.issue_ticket(JoinTicketRequest(
+            operation=req.operation, policy=req.policy, location=req.offering.location, node_name=req.node_name,
+            labels=req.labels, taints=req.taints,
+        ))
+        user_data = render_user_data(gateway_url=self.config.gateway_url, ticket=ticket, node_name=req.node_name,
+                                     labels=req.labels, taints=req.taints)
+        activity.heartbeat("launching")
+        try:
+            instance = provider.launch(req, user_data)
+        except LocationNotAllowedError as exc:
+            raise ApplicationError(str(exc), type=LOCATION_NOT_ALLOWED, non_retryable=True) from None
+        except InsufficientCapacityError as exc:
+            raise ApplicationError(str(exc), type=INSUFFICIENT_CAPACITY, non_retryable=True) from None
+        return instance
+
+    @activity.defn(name="wait_for_node")
+    def wait_for_node(self, req: NodeWaitRequest) -> str:
+        try:
+            return self.kube.wait_node_ready(req.node_name, req.operation, req.timeout_seconds, activity.heartbeat)
+        except NodeJoinTimeout as exc:
+            raise ApplicationError(str(exc), type=JOIN_TIMEOUT, non_retryable=True) from None
+        except VerificationFailed as exc:
+            raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
+
+    @activity.defn(name="verify_node")
+    def verify_node(self, req: NodeExpectation) -> VerifyResult:
+        try:
+            return self.kube.verify_node(req, activity.heartbeat)
+        except VerificationFailed as exc:
+            raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
+
+    @activity.defn(name="serve_until_done")
+    def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
+        """Hold while the burst node serves; return once the group is gone or (returnHome) home has room.
+        One long heartbeating activity instead of a workflow timer loop keeps the history short."""
+        while True:
+            result = self.kube.check_serving(req)
+            activity.heartbeat(f"{result.pods_on_node} pod(s) on {req.node_name}")
+            if result.done:
+                return result
+            activity.wait_for_cancelled_sync(timeout=req.check_seconds)
+            if activity.is_cancelled():
+                raise asyncio.CancelledError("serving cancelled")
+
+    # -- drain and removal -------------------------------------------------------------------------------------
+    @activity.defn(name="cordon_node")
+    def cordon_node(self, req: NodeRef) -> bool:
+        return self.kube.cordon(req.node_name)
+
+    @activity.defn(name="evict_pods")
+    def evict_pods(self, req: NodeRef) -> EvictionResult:
+        return self.kube.evict_pods(req.node_name)
+
+    @activity.defn(name="terminate_instance")
+    def terminate_instance(self, ref: InstanceRef) -> None:
+        try:
+            self._provider(ref.location).terminate(ref.location, ref.instance_id, policy=ref.policy)
+        except NotOwnedError as exc:
+            raise ApplicationError(str(exc), type=NOT_OWNED, non_retryable=True) from None
+
+    @activity.defn(name="remove_node")
+    def remove_node(self, req: NodeRemoval) -> bool:
+        return self.gateway.remove_node(req.node_name, operation=req.operation)
+
+    @activity.defn(name="confirm_gone")
+    def confirm_gone(self, req: GoneCheck) -> bool:
+        if self.kube.node_exists(req.node_name):
+            return False
+        if req.instance is None:
+            return True
+        try:
+            inst = self._provider(req.instance.location).get(req.instance.location, req.instance.instance_id)
+        except InstanceNotFoundError:
+            return True
+        return inst.state in ("shutting-down", "terminated")
+
+    @activity.defn(name="cleanup_operation")
+    def cleanup_operation(self, req: CleanupRequest) -> CleanupResult:
+        """Terminate every instance tagged with the operation in any allowed location, and remove its Node.
+        Used for compensation, where the workflow may not know what a crashed launch left running."""
+        result = CleanupResult()
+        for location in req.locations:
+            try:
+                provider = self._provider(location)
+                self.config.location(location)
+            except (ApplicationError, KeyError):
+                continue
+            for inst in provider.list(location, operation=req.operation):
+                activity.heartbeat(f"terminating {inst.instance_id}")
+                if inst.state not in ("shutting-down", "terminated"):
+                    provider.terminate(location, inst.instance_id, policy=req.policy)
+                    result.terminated.append(inst.instance_id)
+        result.node_removed = self.gateway.remove_node(req.node_name, operation=req.operation)
+        return result
+
+    # -- audit -------------------------------------------------------------------------------------------------
+    @activity.defn(name="record_audit")
+    def record_audit(self, record: AuditRecord) -> bool:
+        return self.audit_log.append(record)
+
+    def all(self) -> list[Callable[..., Any]]:
+        return [
+            self.load_policy, self.plan_burst, self.reserve_capacity, self.release_capacity, self.launch_instance,
+            self.wait_for_node, self.verify_node, self.serve_until_done, self.cordon_node, self.evict_pods,
+            self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation, self.record_audit,
+        ]

@@ -1,0 +1,267 @@
+"""Request and response bodies of the hub API (snake_case JSON; GpuPolicy documents keep Kubernetes camelCase)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr
+
+from hub.audit import Role
+from models.policy import RESOURCE_NAME_PATTERN, LocationName
+
+NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+OPERATION_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+KEY_PATTERN: Final = r"^[\x21-\x7e]+$"  # printable ASCII, no spaces
+
+Name = Annotated[StrictStr, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
+PolicyName = Annotated[StrictStr, Field(min_length=1, max_length=253, pattern=RESOURCE_NAME_PATTERN)]
+OperationId = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=OPERATION_PATTERN)]
+Action = Literal["proposed", "approved", "launched", "joined", "verified", "drained", "removed", "failed"]
+ACTIONS: Final[tuple[str, ...]] = get_args(Action)
+Decision = Literal["approve", "reject"]
+ClusterStatus = Literal["pending", "connected", "disconnected"]
+TokenState = Literal["active", "expiring", "superseded", "expired", "revoked"]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+# ----- requests -----
+
+
+class UserCreate(_In):
+    name: Name = Field(description="lowercase DNS label; shown in the audit log as `user:<name>`")
+    role: Role = Field(description="viewer < operator < admin")
+
+
+class ApiKeyCreate(_In):
+    description: Annotated[StrictStr, Field(max_length=200)] = ""
+
+
+class ClusterCreate(_In):
+    name: Name
+    description: Annotated[StrictStr, Field(max_length=200)] = ""
+
+
+class ApprovalCreate(_In):
+    operation: OperationId = Field(description="the operation id, e.g. `op-1a2b3c4d5e6f`")
+    decision: Decision
+    plan_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = Field(
+        default=None, description="approve this plan only; the optimizer refuses a stale approval of an older plan"
+    )
+    reason: Annotated[StrictStr, Field(max_length=2000)] = ""
+
+
+class ActionReportCreate(_In):
+    idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200, pattern=KEY_PATTERN)] = Field(
+        description="unique per report of this cluster; a retry with the same key and content is stored once"
+    )
+    operation: OperationId
+    policy: PolicyName
+    action: Action
+    location: LocationName | None = Field(default=None, description="`<provider>/<region or pool>` of the node")
+    instance: Annotated[StrictStr, Field(min_length=1, max_length=253)] | None = None
+    node: Annotated[StrictStr, Field(min_length=1, max_length=253)] | None = None
+    detail: Annotated[StrictStr, Field(max_length=8192)] = ""
+    occurred_at: AwareDatetime = Field(description="RFC 3339 with a time zone, e.g. `2025-01-31T12:00:00Z`")
+
+
+# ----- responses -----
+
+
+class WhoAmI(BaseModel):
+    kind: Literal["user", "bootstrap", "cluster", "seed"]
+    name: str
+    role: Role | None
+    key_id: str | None
+    cluster: str | None
+
+
+class ApiKeyOut(_Out):
+    id: str
+    description: str
+    created_at: datetime
+    created_by: str
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    revoked_by: str | None
+    active: bool
+
+
+class UserOut(BaseModel):
+    name: str
+    role: Role
+    created_at: datetime
+    created_by: str
+    keys: list[ApiKeyOut]
+
+
+class ApiKeyIssued(BaseModel):
+    user: str
+    id: str
+    key: str = Field(description="the API key; shown only in this response, the hub keeps a hash")
+    created_at: datetime
+
+
+class TokenOut(BaseModel):
+    id: str
+    state: TokenState = Field(
+        description="active; expiring (a newer token exists and was not used yet: this one works until "
+        "`expires_at`); superseded (the newer token was used); expired; revoked"
+    )
+    created_at: datetime
+    created_by: str
+    first_used_at: datetime | None
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    revoked_by: str | None
+
+
+class ClusterOut(BaseModel):
+    name: str
+    description: str
+    created_at: datetime
+    created_by: str
+    status: ClusterStatus = Field(
+        description="pending (has a valid token, no call since it was issued), connected, or disconnected "
+        "(no valid token: revoked)"
+    )
+    connected: bool
+    last_seen: datetime | None = Field(description="time of the cluster's last authenticated call")
+    policy_revision: int
+    tokens: list[TokenOut]
+
+
+class TokenIssued(BaseModel):
+    cluster: str
+    token_id: str
+    token: str = Field(description="the cluster token; shown only in this response, the hub keeps a hash")
+    previous_tokens_expire_at: datetime | None = Field(
+        description="the tokens this one replaces keep working until it is first used, or until this time"
+    )
+
+
+class ClusterCreated(BaseModel):
+    cluster: ClusterOut
+    token: TokenIssued
+
+
+class ClusterRevoked(BaseModel):
+    cluster: ClusterOut
+    revoked_tokens: list[str]
+
+
+class PolicyOut(BaseModel):
+    name: str
+    revision: int = Field(description="the cluster's policy-set revision at this policy's last change")
+    created_at: datetime
+    created_by: str
+    updated_at: datetime
+    updated_by: str
+    document: dict[str, Any] = Field(description="the GpuPolicy document (`gpu.kubeon.io/v1`)")
+
+
+class PolicyList(BaseModel):
+    cluster: str
+    revision: int
+    policies: list[PolicyOut]
+
+
+class PolicyWritten(BaseModel):
+    cluster: str
+    revision: int = Field(description="the cluster's policy-set revision after this request")
+    created: bool
+    changed: bool = Field(description="false when the document equals the stored one (the revision is unchanged)")
+    policy: PolicyOut
+
+
+class PolicyDeleted(BaseModel):
+    cluster: str
+    name: str
+    revision: int
+
+
+class ClusterPolicySet(BaseModel):
+    cluster: str
+    revision: int = Field(description="bumped by every create, change or delete of one of the cluster's policies")
+    etag: str = Field(description="same as the ETag header; send it back in If-None-Match")
+    policies: list[dict[str, Any]] = Field(description="GpuPolicy documents, sorted by name")
+
+
+class ClusterInfo(BaseModel):
+    cluster: str
+    token_id: str
+    policy_revision: int
+
+
+class ApprovalOut(BaseModel):
+    id: int = Field(description="cursor: pull with `after=<id>` to get only later decisions")
+    cluster: str
+    operation: str
+    decision: Decision
+    plan_id: str | None
+    reason: str
+    decided_by: str
+    decided_at: datetime
+
+
+class ApprovalDecided(BaseModel):
+    created: bool
+    approval: ApprovalOut
+
+
+class ApprovalPage(BaseModel):
+    cluster: str
+    approvals: list[ApprovalOut]
+    cursor: int = Field(description="pass as `after` in the next pull (unchanged when there is nothing new)")
+    more: bool = Field(description="true when `limit` cut the page short: pull again right away")
+
+
+class ActionReportOut(BaseModel):
+    id: int
+    cluster: str
+    idempotency_key: str
+    operation: str
+    policy: str
+    action: Action
+    location: str | None
+    instance: str | None
+    node: str | None
+    detail: str
+    occurred_at: datetime
+    received_at: datetime
+
+
+class ActionReportPage(BaseModel):
+    cluster: str
+    reports: list[ActionReportOut]
+    cursor: int
+    more: bool
+
+
+class AuditEventOut(BaseModel):
+    id: int
+    at: datetime
+    actor: str = Field(description="`user:<name>`, `cluster:<name>`, `bootstrap:admin` or `seed:seed-file`")
+    actor_key_id: str | None = Field(description="id of the API key or cluster token used")
+    action: str
+    cluster: str | None
+    target: str | None
+    detail: dict[str, Any]
+
+
+class AuditPage(BaseModel):
+    events: list[AuditEventOut]
+    cursor: int
+    more: bool
+
+
+class Health(BaseModel):
+    status: Literal["ok"]

