@@ -6,6 +6,7 @@ from __future__ import annotations
 import email.message
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -17,7 +18,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.errors import (
@@ -185,12 +185,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 404:
         message = f"no such endpoint: {request.method} {request.url.path}"
     elif exc.status_code == 405:
-        allowed = sorted({
-            method
-            for route in request.app.routes
-            if route.matches(request.scope)[0] is not Match.NONE
-            for method in getattr(route, "methods", None) or ()
-        } - {"HEAD"})
+        allowed = _allowed_methods(request)
         message = f"method {request.method} not allowed on {request.url.path} (allowed: {', '.join(allowed)})"
         headers = {"Allow": ", ".join(allowed)}
     else:
@@ -199,6 +194,16 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
                      headers=headers if exc.status_code == 405 else exc.headers)
     error.status_code = exc.status_code
     return _json_error(error)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods the API documents for this path (from the OpenAPI document: every router included)."""
+    paths: dict[str, dict[str, Any]] = request.app.openapi().get("paths", {})
+    allowed: set[str] = set()
+    for template, operations in paths.items():
+        if re.fullmatch(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(template)), request.url.path):
+            allowed.update(method.upper() for method in operations)
+    return sorted(allowed)
 
 
 async def _database_error(_: Request, exc: Exception) -> JSONResponse:

@@ -112,14 +112,21 @@ class PendingPodWatcher:
                 rv = listed.metadata.resource_version
                 while not self._stop.is_set():
                     w = watch.Watch()
+                    expired = False
                     for event in w.stream(core.list_pod_for_all_namespaces, field_selector="status.phase=Pending",
                                           resource_version=rv, timeout_seconds=30, allow_watch_bookmarks=True):
                         obj = event["object"]
+                        if event["type"] == "ERROR":  # typically 410 Gone: our resourceVersion is too old
+                            expired = True
+                            w.stop()
+                            break
                         rv = obj.metadata.resource_version
                         if event["type"] in ("ADDED", "MODIFIED"):
                             loop.call_soon_threadsafe(queue.put_nowait, obj)
                         if self._stop.is_set():
                             w.stop()
+                    if expired:
+                        break  # re-list
             except client.ApiException as exc:
                 if exc.status != 410:
                     log.warning("pod watch failed (%s); re-listing", exc.reason)

@@ -73,6 +73,13 @@ class BurstStack:
             API_GROUP, "v1", PLURAL,
             {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name}, "spec": spec})
 
+    def delete_policy(self, name: str) -> None:
+        try:
+            self.cluster.admin.custom.delete_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
     def set_policy_mode(self, name: str, mode: str) -> None:
         self.cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, name,
                                                               {"spec": {"mode": mode}})

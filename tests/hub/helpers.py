@@ -62,7 +62,7 @@ def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, inte
     while True:
         try:
             last = check()
-        except Exception as exc:  # noqa: BLE001 - reported on timeout
+        except Exception as exc:
             last = exc
         else:
             if last:

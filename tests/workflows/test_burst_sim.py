@@ -3,7 +3,7 @@ optimizer and the gateway each with their own ServiceAccount."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from temporalio.client import Client
@@ -33,6 +33,14 @@ def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstSt
 
 
 @pytest.fixture
+def policy(stack: BurstStack) -> Iterator[str]:
+    """A fresh policy name, deleted after the test (policies are cluster-scoped and would match later pods)."""
+    name = unique("burst")
+    yield name
+    stack.delete_policy(name)
+
+
+@pytest.fixture
 async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
@@ -43,9 +51,8 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) ->
 
 
 async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker: tuple[Client, str],
-                                                       namespace: str) -> None:
+                                                       namespace: str, policy: str) -> None:
     temporal, cluster_name = worker
-    policy = unique("burst")
     stack.create_policy(policy, mode="Approve", locations=["sim/eu-west", "sim/us-west"], max_nodes=2)
     deploy = unique("infer")
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
@@ -87,9 +94,8 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
 
 
 async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[Client, str],
-                                               namespace: str) -> None:
+                                               namespace: str, policy: str) -> None:
     temporal, cluster_name = worker
-    policy = unique("rec")
     stack.create_policy(policy, mode=None, locations=["sim/eu-west"])  # no mode: the default, Recommend
     deploy = unique("infer")
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))

@@ -1,0 +1,372 @@
+"""`helm install` into the real control plane, then the least-privilege proof with the chart's own
+ServiceAccounts' credentials (R5.1 - R5.4): what they may do succeeds, what they may not is refused with 403.
+
+No image exists here, so the pods never run; every object and every permission is real.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from models.policy import API_GROUP, PLURAL
+from tests.charts.helm import BAD_VALUES, BURST_VALUES, CHART, MINIMAL_VALUES, NAMESPACE, RELEASE, run_helm
+from tests.charts.test_chart import DOCUMENTED_CLUSTER_ROLE, VERIFY_STEPS, expectations
+from tests.harness.kube import Cluster, Kube, wait_for
+
+pytestmark = pytest.mark.cluster
+
+OPTIMIZER = "kubeon-gpu-optimizer"
+GATEWAY = "kubeon-gpu-optimizer-gateway"
+GPU_OPERATOR = "gpu-operator"
+CRD = "gpupolicies.gpu.kubeon.io"
+
+
+@dataclass
+class Install:
+    cluster: Cluster
+    kubeconfig: Path
+    output: str
+    allowed_ns: str  # named in scaleToZero.namespaces
+    other_ns: str  # not named
+
+
+def helm(install: Install | Cluster, *args: str | Path, check: bool = True) -> Any:
+    plane = install.cluster.plane if isinstance(install, Install) else install.plane
+    return run_helm([*args, "--kubeconfig", plane.admin_kubeconfig], check=check)
+
+
+def _ignore_missing(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: Cluster) -> Iterator[Install]:
+    admin = cluster.admin
+    operator_existed = _exists(lambda: admin.core.read_namespace(GPU_OPERATOR))
+    if not operator_existed:  # the GPU Operator's namespace exists wherever the Operator is installed
+        admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=GPU_OPERATOR)))
+    allowed_ns, other_ns = cluster.create_namespace("stz"), cluster.create_namespace("other")
+    # tests/harness/rbac.grant() makes the same ServiceAccounts and ClusterRoles without Helm; adopt them if a
+    # test that ran earlier left them.
+    adopt = any(_exists(read) for read in (
+        lambda: admin.core.read_namespaced_service_account(OPTIMIZER, NAMESPACE),
+        lambda: admin.rbac.read_cluster_role(OPTIMIZER),
+        lambda: admin.rbac.read_cluster_role(GATEWAY),
+    ))
+    try:
+        proc = run_helm([
+            "install", RELEASE, CHART, "--namespace", NAMESPACE, "--create-namespace",
+            "--kubeconfig", cluster.plane.admin_kubeconfig, "--wait=false", *(["--take-ownership"] if adopt else []),
+            "-f", MINIMAL_VALUES, "-f", BURST_VALUES,
+            "--set", "cluster=test", "--set", "temporal.mode=embedded",
+            "--set", f"scaleToZero.namespaces={{{allowed_ns}}}",
+        ])
+        yield Install(cluster, cluster.plane.admin_kubeconfig, proc.stdout, allowed_ns, other_ns)
+    finally:
+        # Everything the release made goes (--wait: before the next module creates the same names). The
+        # namespace kubeon-gpu and the CRD stay, as after a real uninstall: other tests use both.
+        run_helm(["uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "120s",
+                  "--kubeconfig", cluster.plane.admin_kubeconfig], check=False)
+        _ignore_missing(lambda: admin.core.delete_namespaced_persistent_volume_claim(f"{OPTIMIZER}-temporal",
+                                                                                      NAMESPACE))
+        for ns in (allowed_ns, other_ns, *([] if operator_existed else [GPU_OPERATOR])):
+            _ignore_missing(lambda ns=ns: admin.core.delete_namespace(ns))  # type: ignore[misc]
+
+
+def _exists(read: Callable[[], object]) -> bool:
+    try:
+        read()
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
+@pytest.fixture(scope="module")
+def optimizer(installed: Install) -> Kube:
+    wait_for(lambda: installed.cluster.admin.core.read_namespaced_service_account(OPTIMIZER, NAMESPACE),
+             what="the chart's optimizer ServiceAccount")
+    return installed.cluster.service_account_client(NAMESPACE, OPTIMIZER, create=False)
+
+
+@pytest.fixture(scope="module")
+def gateway(installed: Install) -> Kube:
+    wait_for(lambda: installed.cluster.admin.core.read_namespaced_service_account(GATEWAY, NAMESPACE),
+             what="the chart's gateway ServiceAccount")
+    return installed.cluster.service_account_client(NAMESPACE, GATEWAY, create=False)
+
+
+def refused(call: Callable[[], object]) -> None:
+    with pytest.raises(client.ApiException) as info:
+        call()
+    assert info.value.status == 403, f"expected 403, got {info.value.status}: {info.value.body}"
+
+
+def can(kube: Kube, verb: str, resource: str, *, group: str = "", subresource: str = "", namespace: str = "",
+        name: str = "") -> bool:
+    review = client.V1SelfSubjectAccessReview(spec=client.V1SelfSubjectAccessReviewSpec(
+        resource_attributes=client.V1ResourceAttributes(
+            verb=verb, group=group, resource=resource, subresource=subresource or None,
+            namespace=namespace or None, name=name or None)))
+    return bool(client.AuthorizationV1Api(kube.api).create_self_subject_access_review(review).status.allowed)
+
+
+# --- the install ----------------------------------------------------------------------------------------------
+
+def test_release_is_deployed_with_the_verify_steps_in_its_notes(installed: Install) -> None:
+    status = json.loads(helm(installed, "status", RELEASE, "--namespace", NAMESPACE, "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed"
+    for step in VERIFY_STEPS:
+        assert step in installed.output, f"install NOTES lack {step!r}:\n{installed.output}"
+
+
+def test_objects_exist(installed: Install) -> None:
+    admin = installed.cluster.admin
+    deployment = admin.apps.read_namespaced_deployment(OPTIMIZER, NAMESPACE)
+    pod = deployment.spec.template.spec
+    assert pod.service_account_name == OPTIMIZER
+    assert pod.security_context.run_as_non_root is True and pod.security_context.run_as_user == 10001
+    assert pod.containers[0].security_context.read_only_root_filesystem is True
+    assert pod.containers[0].security_context.capabilities.drop == ["ALL"]
+    admin.core.read_namespaced_service_account(OPTIMIZER, NAMESPACE)
+    role = admin.rbac.read_cluster_role(OPTIMIZER)
+    assert [admin.api.sanitize_for_serialization(r) for r in role.rules] == DOCUMENTED_CLUSTER_ROLE
+    admin.rbac.read_cluster_role_binding(OPTIMIZER)
+    admin.rbac.read_namespaced_role(f"{OPTIMIZER}-scale", installed.allowed_ns)
+    assert not _exists(lambda: admin.rbac.read_namespaced_role(f"{OPTIMIZER}-scale", installed.other_ns)), \
+        "no scale Role in a namespace that scaleToZero.namespaces does not name"
+    admin.rbac.read_namespaced_role(f"{OPTIMIZER}-time-slicing", GPU_OPERATOR)
+
+    admin.apps.read_namespaced_deployment(GATEWAY, NAMESPACE)
+    admin.core.read_namespaced_service_account(GATEWAY, NAMESPACE)
+    admin.rbac.read_cluster_role(GATEWAY)
+    service = admin.core.read_namespaced_service(GATEWAY, NAMESPACE)
+    assert service.spec.type == "LoadBalancer"
+    assert service.metadata.annotations["service.beta.kubernetes.io/aws-load-balancer-scheme"] == "internal"
+    key = admin.core.read_namespaced_secret(f"{GATEWAY}-ticket-key", NAMESPACE)
+    assert len(key.data["key"]) > 40
+    admin.core.read_namespaced_config_map(f"{OPTIMIZER}-burst-locations", NAMESPACE)
+    admin.apps.read_namespaced_deployment(f"{OPTIMIZER}-temporal", NAMESPACE)
+    admin.core.read_namespaced_persistent_volume_claim(f"{OPTIMIZER}-temporal", NAMESPACE)
+
+
+def test_ticket_key_survives_an_upgrade(installed: Install) -> None:
+    read = installed.cluster.admin.core.read_namespaced_secret
+    before = read(f"{GATEWAY}-ticket-key", NAMESPACE).data["key"]
+    helm(installed, "upgrade", RELEASE, CHART, "--namespace", NAMESPACE, "--reuse-values", "--wait=false")
+    assert read(f"{GATEWAY}-ticket-key", NAMESPACE).data["key"] == before, "an upgrade must not rotate the key"
+
+
+def test_crd_printer_columns_and_get_gpupolicies(installed: Install, optimizer: Kube) -> None:
+    admin = installed.cluster.admin
+    crd = wait_for(
+        lambda: (c := admin.apiext.read_custom_resource_definition(CRD)) and any(
+            x.type == "Established" and x.status == "True" for x in c.status.conditions or []) and c,
+        what="GpuPolicy CRD established")
+    columns = [c.name for c in crd.spec.versions[0].additional_printer_columns]
+    assert "Kind" in columns and "Mode" in columns
+
+    name = f"chart-{uuid.uuid4().hex[:6]}"
+    policy = yaml.safe_load(f"""
+        apiVersion: gpu.kubeon.io/v1
+        kind: GpuPolicy
+        metadata: {{name: {name}}}
+        spec:
+          kind: Burst
+          mode: Approve
+          workloads: {{tolerate: gpu.kubeon.io/burst}}
+          locations: [aws/eu-central-1, gcp/europe-west4, onprem/dc1]
+          limits: {{maxNodes: 4, maxGpuHour: 4.50}}
+          returnHome: true
+    """)
+    admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
+    try:
+        # `kubectl get gpupolicies`, as the optimizer: the apiserver's table, with the CRD's printer columns
+        response = optimizer.custom.list_cluster_custom_object(
+            API_GROUP, "v1", PLURAL, _headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+            _preload_content=False)
+        table = json.loads(response.data)
+        headers = [c["name"] for c in table["columnDefinitions"]]
+        assert headers[:3] == ["Name", "Kind", "Mode"], headers
+        rows = {r["cells"][0]: dict(zip(headers, r["cells"], strict=True)) for r in table["rows"]}
+        assert rows[name]["Kind"] == "Burst" and rows[name]["Mode"] == "Approve"
+    finally:
+        admin.custom.delete_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
+
+
+# --- RBAC with the optimizer's own credentials ---------------------------------------------------------------
+
+def test_optimizer_reads_no_secrets(installed: Install, optimizer: Kube) -> None:
+    refused(lambda: optimizer.core.read_namespaced_secret("kubeon-gpu-optimizer-token", NAMESPACE))
+    refused(lambda: optimizer.core.read_namespaced_secret(f"{GATEWAY}-ticket-key", NAMESPACE))
+    refused(lambda: optimizer.core.list_namespaced_secret(NAMESPACE))
+    refused(lambda: optimizer.core.list_secret_for_all_namespaces())
+    for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+        assert not can(optimizer, verb, "secrets", namespace=NAMESPACE), verb
+
+
+def test_optimizer_drains_only_through_eviction(installed: Install, optimizer: Kube) -> None:
+    admin, ns = installed.cluster.admin, installed.other_ns
+    pod = client.V1Pod(metadata=client.V1ObjectMeta(name="victim"), spec=client.V1PodSpec(
+        containers=[client.V1Container(name="c", image="registry.invalid/none")]))
+    admin.core.create_namespaced_pod(ns, pod)
+    # the optimizer's reads work (wait for its bindings to reach the authorizer's cache)
+    wait_for(lambda: optimizer.core.read_namespaced_pod("victim", ns), what="optimizer may read pods")
+    refused(lambda: optimizer.core.delete_namespaced_pod("victim", ns))
+    refused(lambda: optimizer.core.delete_collection_namespaced_pod(ns))
+    refused(lambda: optimizer.core.create_namespaced_pod(ns, pod))
+    assert can(optimizer, "create", "pods", subresource="eviction", namespace=ns)
+    assert not can(optimizer, "delete", "pods", namespace=ns)
+    optimizer.core.create_namespaced_pod_eviction("victim", ns, client.V1Eviction(
+        metadata=client.V1ObjectMeta(name="victim", namespace=ns)))
+    wait_for(lambda: not _exists(lambda: admin.core.read_namespaced_pod("victim", ns)),
+             what="the evicted pod to be gone")
+
+
+def test_optimizer_scales_only_in_scale_to_zero_namespaces(installed: Install, optimizer: Kube) -> None:
+    admin = installed.cluster.admin
+    for ns in (installed.allowed_ns, installed.other_ns):
+        admin.apps.create_namespaced_deployment(ns, client.V1Deployment(
+            metadata=client.V1ObjectMeta(name="infer"),
+            spec=client.V1DeploymentSpec(
+                replicas=1, selector=client.V1LabelSelector(match_labels={"app": "infer"}),
+                template=client.V1PodTemplateSpec(
+                    metadata=client.V1ObjectMeta(labels={"app": "infer"}),
+                    spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="registry.invalid/x")])))))
+    allowed = installed.allowed_ns
+    scale = wait_for(lambda: optimizer.apps.patch_namespaced_deployment_scale(
+        "infer", allowed, {"spec": {"replicas": 0}}), what="optimizer may scale in a ScaleToZero namespace")
+    assert not scale.spec.replicas  # 0 is omitted on the wire
+    assert admin.apps.read_namespaced_deployment("infer", allowed).spec.replicas == 0
+    assert can(optimizer, "patch", "statefulsets", group="apps", subresource="scale", namespace=allowed)
+    # the Deployment itself stays read-only; scaling goes through the scale subresource only
+    refused(lambda: optimizer.apps.patch_namespaced_deployment("infer", allowed, {"spec": {"replicas": 2}}))
+
+    other = installed.other_ns
+    refused(lambda: optimizer.apps.patch_namespaced_deployment_scale("infer", other, {"spec": {"replicas": 0}}))
+    refused(lambda: optimizer.apps.read_namespaced_deployment_scale("infer", other))
+    assert not can(optimizer, "patch", "statefulsets", group="apps", subresource="scale", namespace=other)
+    assert admin.apps.read_namespaced_deployment("infer", other).spec.replicas == 1
+
+
+def test_optimizer_patches_nodes_but_never_creates_or_deletes_them(installed: Install, optimizer: Kube) -> None:
+    admin = installed.cluster.admin
+    name = f"home-gpu-{uuid.uuid4().hex[:6]}"
+    node = client.V1Node(metadata=client.V1ObjectMeta(name=name))
+    admin.core.create_node(node)
+    try:
+        wait_for(lambda: optimizer.core.patch_node(name, {"spec": {"unschedulable": True}}),
+                 what="optimizer may cordon a node")
+        assert admin.core.read_node(name).spec.unschedulable is True
+        refused(lambda: optimizer.core.delete_node(name))
+        refused(lambda: optimizer.core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=f"{name}-x"))))
+    finally:
+        _ignore_missing(lambda: admin.core.delete_node(name))
+
+
+def test_optimizer_time_slicing_configmap_only(installed: Install, optimizer: Kube) -> None:
+    admin = installed.cluster.admin
+    for cm in ("time-slicing-config", "something-else"):
+        try:
+            admin.core.create_namespaced_config_map(GPU_OPERATOR, client.V1ConfigMap(
+                metadata=client.V1ObjectMeta(name=cm), data={"any": "{}"}))
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    wait_for(lambda: optimizer.core.read_namespaced_config_map("time-slicing-config", GPU_OPERATOR),
+             what="optimizer may read the time-slicing ConfigMap")
+    optimizer.core.patch_namespaced_config_map("time-slicing-config", GPU_OPERATOR, {"data": {"any": "{ }"}})
+    refused(lambda: optimizer.core.read_namespaced_config_map("something-else", GPU_OPERATOR))
+    refused(lambda: optimizer.core.list_namespaced_config_map(GPU_OPERATOR))
+    refused(lambda: optimizer.core.delete_namespaced_config_map("time-slicing-config", GPU_OPERATOR))
+    refused(lambda: optimizer.core.read_namespaced_config_map("kube-root-ca.crt", NAMESPACE))
+
+
+def test_optimizer_permission_matrix(installed: Install, optimizer: Kube) -> None:
+    """R5.1 on the apiserver: each documented grant allowed, its neighbours refused."""
+    ns = installed.other_ns
+    grants = [
+        (verb, group, resource, sub, namespace)
+        for verb in ("get", "list", "watch")
+        for group, resource, namespace in (("", "nodes", ""), ("", "pods", ns), ("", "namespaces", ""),
+                                           ("apps", "deployments", ns), ("apps", "statefulsets", ns),
+                                           ("apps", "replicasets", ns), ("policy", "poddisruptionbudgets", ns))
+        for sub in ("",)
+    ] + [("patch", "", "nodes", "", ""), ("create", "", "pods", "eviction", ns)] + [
+        (verb, "karpenter.sh", resource, "", "")
+        for verb in ("get", "list", "watch", "create", "patch", "delete") for resource in ("nodepools", "nodeclaims")
+    ] + [
+        (verb, API_GROUP, PLURAL, sub, "")
+        for verb in ("get", "list", "watch", "create", "update", "patch", "delete") for sub in ("", "status")
+        if not (sub == "status" and verb in ("list", "watch", "create", "delete"))
+    ]
+    for verb, group, resource, sub, namespace in grants:
+        assert can(optimizer, verb, resource, group=group, subresource=sub, namespace=namespace), \
+            f"{verb} {group}/{resource}/{sub} refused"
+    denials = [
+        ("create", "", "nodes", "", ""), ("delete", "", "nodes", "", ""), ("update", "", "nodes", "", ""),
+        ("delete", "", "pods", "", ns), ("create", "", "pods", "", ns), ("patch", "", "pods", "", ns),
+        ("create", "", "pods", "exec", ns), ("get", "", "secrets", "", NAMESPACE), ("list", "", "secrets", "", ""),
+        ("list", "", "configmaps", "", ns), ("patch", "apps", "deployments", "scale", ns),
+        ("patch", "apps", "deployments", "", ns), ("delete", "apps", "deployments", "", ns),
+        ("deletecollection", "karpenter.sh", "nodeclaims", "", ""), ("update", "karpenter.sh", "nodepools", "", ""),
+        ("deletecollection", API_GROUP, PLURAL, "", ""), ("create", "", "events", "", ns),
+        ("create", "rbac.authorization.k8s.io", "roles", "", ns), ("create", "coordination.k8s.io", "leases", "", ns),
+    ]
+    for verb, group, resource, sub, namespace in denials:
+        assert not can(optimizer, verb, resource, group=group, subresource=sub, namespace=namespace), \
+            f"{verb} {group}/{resource}/{sub} allowed"
+
+
+# --- RBAC with the gateway's own credentials -----------------------------------------------------------------
+
+def test_gateway_admits_and_removes_nodes_and_nothing_else(installed: Install, gateway: Kube) -> None:
+    name = f"burst-{uuid.uuid4().hex[:6]}"
+    node = client.V1Node(metadata=client.V1ObjectMeta(name=name, labels={"gpu.kubeon.io/location": "sim.eu-west"}),
+                         spec=client.V1NodeSpec(taints=[client.V1Taint(key="gpu.kubeon.io/burst", effect="NoSchedule")]))
+    try:
+        wait_for(lambda: gateway.core.create_node(node), what="gateway may create a Node")
+        gateway.core.patch_node(name, {"metadata": {"labels": {"gpu.kubeon.io/operation": "op-1"}}})
+        assert gateway.core.read_node(name).metadata.labels["gpu.kubeon.io/operation"] == "op-1"
+        gateway.core.delete_node(name)
+    finally:
+        _ignore_missing(lambda: installed.cluster.admin.core.delete_node(name))
+    refused(lambda: gateway.core.read_namespaced_secret(f"{GATEWAY}-ticket-key", NAMESPACE))
+    refused(lambda: gateway.core.list_namespaced_secret(NAMESPACE))
+    refused(lambda: gateway.core.list_pod_for_all_namespaces())
+    refused(lambda: gateway.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL))
+    for verb, resource, sub in (("create", "pods", "eviction"), ("delete", "pods", ""), ("get", "secrets", ""),
+                                ("patch", "deployments", "scale"), ("list", "configmaps", "")):
+        group = "apps" if resource == "deployments" else ""
+        assert not can(gateway, verb, resource, group=group, subresource=sub, namespace=installed.other_ns), \
+            f"gateway may {verb} {resource}/{sub}"
+
+
+# --- bad values refused by a real install ---------------------------------------------------------------------
+
+BAD_FILES = sorted(BAD_VALUES.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("bad", BAD_FILES, ids=[p.stem for p in BAD_FILES])
+def test_helm_install_refuses_bad_value_naming_it(cluster: Cluster, bad: Path) -> None:
+    proc = helm(cluster, "install", "bad-values", CHART, "--namespace", "default", "--wait=false",
+                "-f", MINIMAL_VALUES, "-f", bad, check=False)
+    assert proc.returncode != 0, f"helm install accepted {bad.name}"
+    for expected in expectations(bad):
+        assert expected in proc.stderr, f"helm install refused {bad.name} without naming {expected!r}:\n{proc.stderr}"
+    listed = json.loads(helm(cluster, "list", "--namespace", "default", "--all", "-o", "json").stdout)
+    assert not [r for r in listed if r["name"] == "bad-values"], "a refused install must leave no release"

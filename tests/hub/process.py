@@ -1,0 +1,79 @@
+"""The hub as a real process (``python -m hub.server``) on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.harness.controlplane import free_port
+from tests.hub.helpers import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+@dataclass
+class HubProcess:
+    args: list[str]
+    logdir: Path
+    # `hub.server` for the real thing; `tests.hub.clocked_server <clock file>` to move time from a test
+    module: list[str] = field(default_factory=lambda: ["hub.server"])
+    url: str = ""
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def log(self) -> str:
+        return (self.logdir / "hub.log").read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def start(self, timeout: float = 30.0) -> HubProcess:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        with open(self.logdir / "hub.log", "wb") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", *self.module, "--listen", f"127.0.0.1:{port}", *self.args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+        def ready() -> bool:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise AssertionError(f"hub exited {self._proc.returncode} before answering: {self.log}")
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+
+        try:
+            wait_until(ready, timeout=timeout, what=f"hub on {self.url} to answer /healthz")
+        except AssertionError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 20.0) -> bool:
+        """SIGTERM and wait; True when the hub shut down cleanly (uvicorn finishes, then re-raises SIGTERM, so the
+        exit status is -SIGTERM). Nothing of the process group is left."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return True
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError(f"hub did not exit within {timeout}s of SIGTERM: {self.log}") from None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in self.log
