@@ -61,6 +61,7 @@ JOIN_TIMEOUT = "JoinTimeout"
 VERIFICATION_FAILED = "VerificationFailed"
 POLICY_GONE = "PolicyGone"
 NOT_OWNED = "NotOwned"
+PROVIDER_REJECTED = "ProviderRejected"
 
 LEDGER_WORKFLOW = "PolicyLedger"
 
@@ -176,6 +177,10 @@ class BurstActivities:
             raise ApplicationError(str(exc), type=LOCATION_NOT_ALLOWED, non_retryable=True) from None
         except InsufficientCapacityError as exc:
             raise ApplicationError(str(exc), type=INSUFFICIENT_CAPACITY, non_retryable=True) from None
+        except ProviderError as exc:
+            if not exc.retryable:
+                raise ApplicationError(str(exc), type=PROVIDER_REJECTED, non_retryable=True) from None
+            raise
         return instance
 
     @activity.defn(name="wait_for_node")

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import metadata
+from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from pydantic import TypeAdapter
 
-from hub.auth import HubState
+from hub.auth import HubState, hub_state
 from hub.db import Database
 from hub.http import BodySizeLimit, install_error_handlers, install_openapi
 from hub.routes import clusters_api, people
@@ -57,8 +58,8 @@ def create_app(settings: HubSettings, clock: Clock = system_clock, *, database: 
     app.include_router(clusters_api)
 
     @app.get("/healthz", tags=["health"], summary="Liveness and database reachability (no auth)")
-    def healthz() -> Health:
-        db.ping()
+    def healthz(state: Annotated[HubState, Depends(hub_state)]) -> Health:
+        state.db.ping()
         return Health(status="ok")
 
     install_openapi(

@@ -16,12 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.errors import (
     BadRequest,
+    Conflict,
     ErrorResponse,
     HubError,
     InvalidJson,
@@ -211,11 +212,25 @@ async def _database_error(_: Request, exc: Exception) -> JSONResponse:
     return _json_error(ServiceUnavailable("the hub's database is unavailable; retry later"))
 
 
+async def _integrity_error(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("integrity error (a concurrent change?): %s", exc)
+    return _json_error(Conflict("a concurrent request changed the same thing; retry", code="concurrent_change"))
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("internal error", exc_info=exc)
+    error = HubError("internal error in the hub; see its log", code="internal_error")
+    error.status_code = 500
+    return _json_error(error)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(HubError, _hub_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(OperationalError, _database_error)
+    app.add_exception_handler(IntegrityError, _integrity_error)
+    app.add_exception_handler(Exception, _internal_error)
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {

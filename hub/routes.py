@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from hub import ops
 from hub.audit import Actor, ActorKind
 from hub.auth import AdminDep, ClusterDep, HubState, NowDep, OperatorDep, SessionDep, ViewerDep, authenticate, hub_state
-from hub.db import ActionReport, AuditEvent, Cluster, Policy, Principal
+from hub.db import ActionReport, Approval, AuditEvent, Cluster, Policy, Principal
 from hub.http import ERROR_RESPONSES, body_doc, json_body, read_json
 from hub.schemas import (
     NAME_PATTERN,
@@ -110,7 +110,7 @@ def _policy_out(policy: Policy) -> PolicyOut:
     )
 
 
-def _approval_out(cluster: Cluster, approval: Any) -> ApprovalOut:
+def _approval_out(cluster: Cluster, approval: Approval) -> ApprovalOut:
     return ApprovalOut(
         id=approval.id, cluster=cluster.name, operation=approval.operation, decision=approval.decision,
         plan_id=approval.plan_id, reason=approval.reason, decided_by=approval.decided_by,

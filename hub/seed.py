@@ -23,6 +23,7 @@ are created or replaced (an unchanged one keeps the revision). Nothing is delete
 from __future__ import annotations
 
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -121,7 +122,7 @@ def _write_secret(path: Path, secret: str) -> None:
         out.write(secret + "\n")
 
 
-def _seed_user(session: Session, now: Any, spec: SeedUser, base_dir: Path) -> list[str]:
+def _seed_user(session: Session, now: datetime, spec: SeedUser, base_dir: Path) -> list[str]:
     done: list[str] = []
     user = session.scalar(select(Principal).where(Principal.name == spec.name))
     if user is None:
@@ -148,7 +149,7 @@ def _seed_user(session: Session, now: Any, spec: SeedUser, base_dir: Path) -> li
     return done
 
 
-def _seed_cluster(session: Session, now: Any, spec: SeedCluster, base_dir: Path) -> list[str]:
+def _seed_cluster(session: Session, now: datetime, spec: SeedCluster, base_dir: Path) -> list[str]:
     done: list[str] = []
     token_path = base_dir / spec.token_file if spec.token_file else None
     from_file = _secret_from_file(token_path, TokenKind.CLUSTER) if token_path else None
@@ -179,7 +180,8 @@ def _seed_cluster(session: Session, now: Any, spec: SeedCluster, base_dir: Path)
         except (OSError, yaml.YAMLError) as exc:
             raise SeedError(f"cluster {spec.name}: cannot read policy file {path}: {exc}") from exc
     for document in documents:
-        name = str(((document or {}).get("metadata") or {}).get("name", ""))
+        metadata = document.get("metadata") if isinstance(document, dict) else None
+        name = str(metadata.get("name", "")) if isinstance(metadata, dict) else ""
         try:
             written = ops.put_policy(session, now, SEED_ACTOR, cluster, name, document)
         except HubError as exc:

@@ -72,6 +72,14 @@ class AwsProvider:
         response = getattr(exc, "response", None) or {}
         return str(response.get("Error", {}).get("Code", ""))
 
+    @staticmethod
+    def _retryable(exc: Exception) -> bool:
+        """Throttling and 5xx are worth retrying; any other refusal by EC2 is a configuration problem."""
+        response = getattr(exc, "response", None) or {}
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 500) or 500)
+        code = str(response.get("Error", {}).get("Code", ""))
+        return status >= 500 or "Throttl" in code or code == "RequestLimitExceeded"
+
     def _catalogue(self, loc: LocationConfig) -> tuple[OfferingSpec, ...]:
         return tuple(loc.offerings) or AWS_GPU_INSTANCES
 
@@ -156,7 +164,7 @@ class AwsProvider:
             code = self._error_code(exc)
             if code in CAPACITY_ERRORS:
                 raise InsufficientCapacityError(f"{location}: {code} for {request.offering.instance_type}") from exc
-            raise ProviderError(f"{location}: RunInstances failed: {exc}") from exc
+            raise ProviderError(f"{location}: RunInstances failed: {exc}", retryable=self._retryable(exc)) from exc
         return self._to_instance(location, resp["Instances"][0])
 
     def get(self, location: str, instance_id: str) -> Instance:

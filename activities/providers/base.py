@@ -13,7 +13,12 @@ from models.operation import Instance, LaunchRequest, Offering
 
 
 class ProviderError(Exception):
-    """A cloud call failed; the message names the location and the cause."""
+    """A cloud call failed; the message names the location and the cause. ``retryable`` is False when the
+    cloud refused the request itself (bad configuration, missing permission): retrying cannot help."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class InsufficientCapacityError(ProviderError):

@@ -30,7 +30,9 @@ def helm_path() -> Path:
     return ensure_binaries(("helm",))["helm"]
 
 
-def run_helm(args: Sequence[str | Path], *, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_helm(
+    args: Sequence[str | Path], *, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([str(helm_path()), *map(str, args)], capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
@@ -79,4 +81,19 @@ def env(c: dict[str, Any]) -> dict[str, str]:
     for e in c.get("env", []):
         assert "value" in e, f"env {e['name']} is not a plain value: {e}"
         out[e["name"]] = e["value"]
+    return out
+
+
+def bound_rules(rendered: Rendered, service_account: str) -> list[tuple[str | None, dict[str, Any]]]:
+    """Every rule the chart's bindings grant the ServiceAccount (in NAMESPACE), with the namespace of its Role
+    (None for a ClusterRole)."""
+    out: list[tuple[str | None, dict[str, Any]]] = []
+    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        for binding in rendered.all(kind):
+            if not any(s["kind"] == "ServiceAccount" and s["name"] == service_account
+                       and s.get("namespace") == NAMESPACE for s in binding["subjects"]):
+                continue
+            ns = binding["metadata"].get("namespace")
+            assert binding["roleRef"]["kind"] == role_kind, binding
+            out += [(ns, rule) for rule in rendered.get(role_kind, binding["roleRef"]["name"], ns)["rules"]]
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from models.locations import BurstConfig, Credentials, LocationConfig
 from tests.charts.helm import (
     BAD_VALUES,
     BURST_VALUES,
@@ -28,11 +29,13 @@ from tests.charts.helm import (
     REPO,
     REQUIRED,
     Rendered,
+    bound_rules,
     container,
     env,
     run_helm,
     template,
 )
+from worker.config import load_settings
 
 # R5.1, verbatim from "Install the GPU optimizer" > Permissions.
 DOCUMENTED_CLUSTER_ROLE = yaml.safe_load("""
@@ -89,21 +92,6 @@ def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
     return dict(deployment["spec"]["template"]["spec"])
 
 
-def bound_rules(rendered: Rendered, service_account: str) -> list[tuple[str | None, dict[str, Any]]]:
-    """Every rule granted to the ServiceAccount by the chart's bindings, with the namespace it holds in."""
-    out: list[tuple[str | None, dict[str, Any]]] = []
-    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
-        for binding in rendered.all(kind):
-            if not any(s["kind"] == "ServiceAccount" and s["name"] == service_account
-                       and s["namespace"] == NAMESPACE for s in binding["subjects"]):
-                continue
-            ns = binding["metadata"].get("namespace")
-            assert binding["roleRef"]["kind"] == role_kind
-            role = rendered.get(role_kind, binding["roleRef"]["name"], ns)
-            out += [(ns, rule) for rule in role["rules"]]
-    return out
-
-
 # --- lint and template -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("values", [[], [BURST_VALUES]], ids=["default", "burst"])
@@ -157,15 +145,16 @@ def test_cluster_role_is_exactly_the_documented_one(burst: Rendered) -> None:
 
 
 def test_scale_roles_only_in_listed_namespaces(default: Rendered, burst: Rendered) -> None:
-    assert not default.all("Role") or all(r["metadata"]["name"].endswith("time-slicing") for r in default.all("Role"))
+    assert [r["metadata"]["name"] for r in default.all("Role")] == [f"{OPTIMIZER}-time-slicing"], \
+        "scaleToZero.namespaces is empty by default: no scale Role anywhere"
     for ns in ("ml-inference", "ml-batch"):
         role = burst.get("Role", f"{OPTIMIZER}-scale", ns)
         assert role["rules"] == DOCUMENTED_SCALE_RULES
         binding = burst.get("RoleBinding", f"{OPTIMIZER}-scale", ns)
         assert binding["roleRef"]["name"] == f"{OPTIMIZER}-scale"
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": OPTIMIZER, "namespace": NAMESPACE}]
-    scale_namespaces = {r["metadata"]["namespace"] for r in burst.all("Role") if r["metadata"]["name"].endswith("-scale")}
-    assert scale_namespaces == {"ml-inference", "ml-batch"}
+    scale_roles = [r["metadata"] for r in burst.all("Role") if r["metadata"]["name"].endswith("-scale")]
+    assert {meta["namespace"] for meta in scale_roles} == {"ml-inference", "ml-batch"}
 
 
 def test_time_slicing_role_names_one_configmap() -> None:
@@ -270,7 +259,8 @@ def test_hub_token_is_a_mounted_file_never_an_env_var(default: Rendered, burst: 
     for rendered in (default, burst):
         deployment = rendered.get("Deployment", OPTIMIZER)
         spec, c = pod_spec(deployment), container(deployment, "worker")
-        volume = next(v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "kubeon-gpu-optimizer-token")
+        volume = next(v for v in spec["volumes"]
+                      if v.get("secret", {}).get("secretName") == "kubeon-gpu-optimizer-token")
         assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
         mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
         assert mount == {"name": volume["name"], "mountPath": "/var/run/kubeon/hub", "readOnly": True}
@@ -470,8 +460,58 @@ def test_values_defaults_are_the_documented_ones() -> None:
     assert values["temporal"]["mode"] == "embedded"
 
 
-def test_documented_values_files_are_accepted() -> None:
-    """The two YAML blocks of the documents (R1.2 and R4.2) install as written."""
+# "Install the GPU optimizer" > Values and "Set up GPU burst" > Optimizer values, as written there.
+DOCUMENTED_VALUES = """
+cluster: prod-use1-a
+hub:
+  url: https://acme.kubeon.io          # or your self-hosted hub
+  existingSecret: kubeon-gpu-optimizer-token
+  pollInterval: 60s                    # policies are pulled, never pushed
+defaultMode: Recommend                 # mode for policies that do not set one
+capacity:
+  provider: karpenter                  # karpenter | eks-nodegroups | aks-nodepools | gke-nodepools
+prometheus:
+  url: http://prometheus-server.monitoring.svc:9090
+gpuOperator:
+  namespace: gpu-operator
+  timeSlicingConfigMap: time-slicing-config
+burst:
+  enabled: false                       # see "Set up GPU burst"
+resources:
+  requests: { cpu: 100m, memory: 256Mi }
+  limits: { memory: 512Mi }
+"""
+DOCUMENTED_BURST_VALUES = """
+burst:
+  enabled: true
+  gateway:
+    service:
+      type: LoadBalancer
+      annotations:
+        # internal, if locations reach it privately
+        service.beta.kubernetes.io/aws-load-balancer-scheme: internal
+  locations:
+    - name: aws/eu-central-1
+      credentials:
+        awsRoleArn: arn:aws:iam::111122223333:role/kubeon-burst-eu-central-1
+    - name: gcp/europe-west4
+      credentials:
+        gcpServiceAccount: kubeon-burst@acme-ml.iam.gserviceaccount.com
+    - name: onprem/dc1
+      credentials:
+        existingSecret: kubeon-burst-dc1 # join token for registered servers
+"""
+
+
+def test_documented_values_are_accepted(tmp_path: Path) -> None:
+    """The documents' values blocks (R1.2, R4.2) install as written; so does every documented choice."""
+    (tmp_path / "values.yaml").write_text(DOCUMENTED_VALUES)
+    (tmp_path / "burst.yaml").write_text(DOCUMENTED_BURST_VALUES)
+    rendered = template(values=[tmp_path / "values.yaml", tmp_path / "burst.yaml"])
+    e = env(container(rendered.get("Deployment", OPTIMIZER), "worker"))
+    assert e["KUBEON_CLUSTER"] == "prod-use1-a" and e["KUBEON_BURST_ENABLED"] == "true"
+    assert rendered.get("Service", GATEWAY)["spec"]["type"] == "LoadBalancer"
+    run_helm(["template", RELEASE, CHART, "-f", tmp_path / "values.yaml"])
     run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
     for provider in ("karpenter", "eks-nodegroups", "aks-nodepools", "gke-nodepools"):
         template("--set", f"capacity.provider={provider}")
@@ -549,3 +589,44 @@ def test_chart_app_version_matches_the_package() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"]
     assert chart["name"] == RELEASE
+
+
+# --- the chart and the worker read the same configuration ---------------------------------------------------------
+
+def test_worker_settings_load_from_the_rendered_environment(default: Rendered, burst: Rendered) -> None:
+    for rendered in (default, burst):
+        e = env(container(rendered.get("Deployment", OPTIMIZER), "worker"))
+        settings = load_settings(e)
+        assert settings.cluster == e["KUBEON_CLUSTER"]
+        assert settings.default_mode == e["KUBEON_DEFAULT_MODE"]
+        assert settings.temporal_address == e["KUBEON_TEMPORAL_ADDRESS"]
+        assert settings.temporal_tls is (e["KUBEON_TEMPORAL_TLS"] == "true")
+        assert settings.burst_enabled is (e["KUBEON_BURST_ENABLED"] == "true")
+        assert settings.health_port == 8080
+        assert settings.kubeconfig is None, "in the cluster the worker uses its ServiceAccount"
+    e = env(container(burst.get("Deployment", OPTIMIZER), "worker"))
+    settings = load_settings(e)
+    assert str(settings.burst_locations_file) == "/etc/kubeon/burst/locations.json"
+    assert settings.gateway_url == f"https://{GATEWAY}.{NAMESPACE}.svc:8443"
+    assert str(settings.temporal_api_key_file) == "/var/run/kubeon/temporal/api-key"
+    gateway = load_settings(env(container(burst.get("Deployment", GATEWAY), "gateway")))
+    assert str(gateway.gateway_ticket_key_file) == "/var/run/kubeon/gateway/ticket-key"
+
+
+def test_rendered_locations_are_what_the_worker_parses(burst: Rendered) -> None:
+    configmap = burst.get("ConfigMap", f"{OPTIMIZER}-burst-locations", NAMESPACE)
+    config = BurstConfig.model_validate({"locations": json.loads(configmap["data"]["locations.json"])})
+    assert [loc.name for loc in config.locations] == [
+        "aws/eu-central-1", "gcp/europe-west4", "azure/westeurope", "onprem/dc1", "sim/eu-west"]
+    assert config.location("aws/eu-central-1").aws.subnet_id == "subnet-0b1c2d3e4f5a6b7c8"
+    assert config.location("onprem/dc1").credentials.existing_secret == "kubeon-burst-dc1"
+
+
+def test_location_schema_matches_the_worker_model() -> None:
+    """Every key values.schema.json lets through for a location is one the worker's model knows, and back."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    location = schema["properties"]["burst"]["properties"]["locations"]["items"]
+    aliases = {name: field.alias or name for name, field in LocationConfig.model_fields.items()}
+    assert set(location["properties"]) == set(aliases.values())
+    credentials = {field.alias or name for name, field in Credentials.model_fields.items()}
+    assert set(location["properties"]["credentials"]["properties"]) == credentials

@@ -173,10 +173,13 @@ def test_ticket_key_survives_an_upgrade(installed: Install) -> None:
 
 def test_crd_printer_columns_and_get_gpupolicies(installed: Install, optimizer: Kube) -> None:
     admin = installed.cluster.admin
-    crd = wait_for(
-        lambda: (c := admin.apiext.read_custom_resource_definition(CRD)) and any(
-            x.type == "Established" and x.status == "True" for x in c.status.conditions or []) and c,
-        what="GpuPolicy CRD established")
+
+    def established() -> client.V1CustomResourceDefinition | None:
+        crd = admin.apiext.read_custom_resource_definition(CRD)
+        ok = any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
+        return crd if ok else None
+
+    crd = wait_for(established, what="GpuPolicy CRD established")
     columns = [c.name for c in crd.spec.versions[0].additional_printer_columns]
     assert "Kind" in columns and "Mode" in columns
 
@@ -196,7 +199,7 @@ def test_crd_printer_columns_and_get_gpupolicies(installed: Install, optimizer: 
     admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
     try:
         # `kubectl get gpupolicies`, as the optimizer: the apiserver's table, with the CRD's printer columns
-        response = optimizer.custom.list_cluster_custom_object(
+        response: Any = optimizer.custom.list_cluster_custom_object(
             API_GROUP, "v1", PLURAL, _headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
             _preload_content=False)
         table = json.loads(response.data)
@@ -336,8 +339,9 @@ def test_optimizer_permission_matrix(installed: Install, optimizer: Kube) -> Non
 
 def test_gateway_admits_and_removes_nodes_and_nothing_else(installed: Install, gateway: Kube) -> None:
     name = f"burst-{uuid.uuid4().hex[:6]}"
-    node = client.V1Node(metadata=client.V1ObjectMeta(name=name, labels={"gpu.kubeon.io/location": "sim.eu-west"}),
-                         spec=client.V1NodeSpec(taints=[client.V1Taint(key="gpu.kubeon.io/burst", effect="NoSchedule")]))
+    node = client.V1Node(
+        metadata=client.V1ObjectMeta(name=name, labels={"gpu.kubeon.io/location": "sim.eu-west"}),
+        spec=client.V1NodeSpec(taints=[client.V1Taint(key="gpu.kubeon.io/burst", effect="NoSchedule")]))
     try:
         wait_for(lambda: gateway.core.create_node(node), what="gateway may create a Node")
         gateway.core.patch_node(name, {"metadata": {"labels": {"gpu.kubeon.io/operation": "op-1"}}})

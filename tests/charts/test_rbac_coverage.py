@@ -4,11 +4,10 @@ ServiceAccount it runs as: a new call without a rule fails here, before it fails
 from __future__ import annotations
 
 import textwrap
-from typing import Any
 
 import pytest
 
-from tests.charts.helm import BURST_VALUES, NAMESPACE, REPO, Rendered, template
+from tests.charts.helm import BURST_VALUES, REPO, Rendered, bound_rules, template
 from tests.charts.kubecalls import Call, allowed, endpoints, scan, scan_source
 
 OPTIMIZER = "kubeon-gpu-optimizer"
@@ -18,16 +17,6 @@ SCANNED = ("worker", "activities")
 # (file, class) whose calls run with the gateway's ServiceAccount; everything else runs as the optimizer's.
 # If a module that belongs to the gateway is reported below, add it here: never widen the optimizer's rules.
 GATEWAY_CODE = {("activities/gateway.py", "KubeGateway")}
-
-
-def rules_for(rendered: Rendered, service_account: str) -> list[tuple[str | None, dict[str, Any]]]:
-    out: list[tuple[str | None, dict[str, Any]]] = []
-    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
-        for binding in rendered.all(kind):
-            if any(s["name"] == service_account and s.get("namespace") == NAMESPACE for s in binding["subjects"]):
-                ns = binding["metadata"].get("namespace")
-                out += [(ns, r) for r in rendered.get(role_kind, binding["roleRef"]["name"], ns)["rules"]]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +33,7 @@ def test_every_kubernetes_call_is_granted(rendered: Rendered) -> None:
     assert not problems, "calls whose resource cannot be told statically (use a string or module constant):\n" + \
         "\n".join(f"{f}:{line} {m}: {why}" for f, line, m, why in problems)
     assert calls, "no Kubernetes call found in worker/ or activities/: the scanner is broken"
-    rules = {OPTIMIZER: rules_for(rendered, OPTIMIZER), GATEWAY: rules_for(rendered, GATEWAY)}
+    rules = {OPTIMIZER: bound_rules(rendered, OPTIMIZER), GATEWAY: bound_rules(rendered, GATEWAY)}
     denied = [f"{c.where()}: {c.verb} {c.resource} (group {c.group!r}) as {runs_as(c)}"
               for c in calls if not allowed(c, rules[runs_as(c)])]
     assert not denied, "Kubernetes calls the chart does not grant:\n" + "\n".join(denied)
@@ -106,7 +95,7 @@ def test_scanner_reads_calls_as_rbac_sees_them(rendered: Rendered) -> None:
     assert [(p[2], p[3].split(" from ")[0]) for p in problems] == [
         ("get_cluster_custom_object", "cannot tell the group")]
 
-    optimizer, gateway = rules_for(rendered, OPTIMIZER), rules_for(rendered, GATEWAY)
+    optimizer, gateway = bound_rules(rendered, OPTIMIZER), bound_rules(rendered, GATEWAY)
     refused = {(c.resource, c.verb) for c in calls if not allowed(c, optimizer)}
     assert refused == {("secrets", "get"), ("pods", "delete"), ("nodes", "create"), ("nodes", "delete")}
     # the scale Roles exist only in scaleToZero.namespaces, so a namespaced scale call is granted

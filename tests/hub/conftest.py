@@ -11,20 +11,17 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import select
 
 from hub.app import create_app
+from hub.auth import HubState
 from hub.db import Base, Database
 from hub.settings import HubSettings
 from tests.hub.postgres import PostgresMissing, PostgresServer
 
 BOOTSTRAP_KEY = "bootstrap-admin-key-for-tests-0123456789"
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Until pyproject.toml lists it (--strict-markers is on).
-    config.addinivalue_line("markers", "postgres: uses a real PostgreSQL server started from Debian's package")
 
 
 class FakeClock:
@@ -57,18 +54,25 @@ def postgres_server() -> Iterator[PostgresServer]:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres_database(postgres_server: PostgresServer) -> Iterator[str]:
+    url = postgres_server.create_database()
+    yield url
+    postgres_server.drop_database(url)
+
+
 @pytest.fixture(params=BACKENDS)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh, empty database per test: a SQLite file, or a new database on the session's PostgreSQL."""
+    """A fresh, empty database per test: a SQLite file, or a new schema on the session's PostgreSQL."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'hub.db'}"
         return
     server: PostgresServer = request.getfixturevalue("postgres_server")
-    url = server.create_database()
+    url = server.create_schema(request.getfixturevalue("postgres_database"))
     try:
         yield url
     finally:
-        server.drop_database(url)
+        server.drop_schema(url)
 
 
 def snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
@@ -122,11 +126,20 @@ class Hub:
         return events
 
 
+@pytest.fixture(scope="session")
+def app() -> FastAPI:
+    """One app for the session (FastAPI builds its routes on the first request, ~0.1 s); each test gives it a
+    fresh database and clock through ``app.state.hub``, exactly what ``create_app`` sets up."""
+    return create_app(HubSettings(database_url="sqlite://", bootstrap_admin_key=BOOTSTRAP_KEY))
+
+
 @pytest.fixture
-async def hub(database_url: str) -> AsyncIterator[Hub]:
+async def hub(app: FastAPI, database_url: str) -> AsyncIterator[Hub]:
     clock = FakeClock()
     db = Database(database_url)
-    app = create_app(HubSettings(database_url=database_url, bootstrap_admin_key=BOOTSTRAP_KEY), clock, database=db)
+    db.create_schema()
+    settings = HubSettings(database_url=database_url, bootstrap_admin_key=BOOTSTRAP_KEY)
+    app.state.hub = HubState(settings=settings, clock=clock, db=db)
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://hub.test") as client:

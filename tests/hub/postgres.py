@@ -121,13 +121,28 @@ class PostgresServer:
         """A new empty database; returns its SQLAlchemy URL."""
         name = f"hub_test_{os.getpid()}_{next(_counter)}"
         with psycopg.connect(self._dsn("postgres"), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+            conn.execute(f'CREATE DATABASE "{name}"')
         return self.admin_url(name)
 
     def drop_database(self, url: str) -> None:
-        name = url.rsplit("/", 1)[1]
+        name = url.rsplit("/", 1)[1].split("?", 1)[0]
         with psycopg.connect(self._dsn("postgres"), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def create_schema(self, database_url: str) -> str:
+        """A new empty schema in ``database_url``; returns a URL whose connections use only that schema (much
+        cheaper than a database per test: CREATE DATABASE forces a checkpoint)."""
+        name = f"test_{next(_counter)}"
+        database = database_url.rsplit("/", 1)[1]
+        with psycopg.connect(self._dsn(database), autocommit=True) as conn:
+            conn.execute(f'CREATE SCHEMA "{name}"')
+        return f"{database_url}?options=-csearch_path%3D{name}"
+
+    def drop_schema(self, url: str) -> None:
+        database, _, query = url.rsplit("/", 1)[1].partition("?")
+        name = query.rsplit("%3D", 1)[1]
+        with psycopg.connect(self._dsn(database), autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
 
     def stop(self, timeout: float = 30.0) -> None:
         proc, self._proc = self._proc, None

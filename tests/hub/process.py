@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,8 +73,6 @@ class HubProcess:
                 proc.kill()
                 proc.wait()
                 raise AssertionError(f"hub did not exit within {timeout}s of SIGTERM: {self.log}") from None
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         return proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in self.log

@@ -6,7 +6,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
 from tests.hub.conftest import Hub
 from tests.hub.helpers import policy_document, report
@@ -89,7 +91,8 @@ CASES = [
          auth=NO_AUTH),
     Case("basic-auth", "GET", "/v1/cluster/policies", 401, "malformed_authorization", "expected 'Bearer <token>'",
          auth="Basic dXNlcjpwYXNz"),
-    Case("bearer-empty", "GET", "/v1/cluster/policies", 401, "malformed_authorization", "token is empty", auth="Bearer "),
+    Case("bearer-empty", "GET", "/v1/cluster/policies", 401, "malformed_authorization", "token is empty",
+         auth="Bearer "),
     Case("garbage-token", "GET", "/v1/cluster/policies", 401, "invalid_token", "not a hub cluster token",
          auth="Bearer hunter2"),
     Case("unknown-cluster-token", "POST", "/v1/cluster/reports", 401, "invalid_token", "unknown or wrong secret",
@@ -165,3 +168,24 @@ async def test_malformed_request_gets_a_clear_4xx_and_changes_nothing(
     if case.status == 401:
         assert r.headers["www-authenticate"].startswith('Bearer realm="kubeon-hub"')
     assert hub.snapshot() == before
+
+
+async def test_unreachable_database_is_a_clear_503(app: FastAPI) -> None:
+    from hub.auth import HubState
+    from hub.db import Database
+    from hub.settings import HubSettings
+    from tests.harness.controlplane import free_port
+    from tests.hub.conftest import BOOTSTRAP_KEY, FakeClock
+
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing-listens-here"
+    db = Database(url)
+    app.state.hub = HubState(settings=HubSettings(database_url=url, bootstrap_admin_key=BOOTSTRAP_KEY),
+                             clock=FakeClock(), db=db)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://hub.test") as client:
+            for path in ("/healthz", "/v1/cluster/policies"):
+                r = await client.get(path, headers={"Authorization": "Bearer kgc_0123456789abcdef_" + "A" * 43})
+                assert r.status_code == 503, r.text
+                assert r.json()["error"] == "database_unavailable" and "retry later" in r.json()["message"]
+    finally:
+        db.dispose()

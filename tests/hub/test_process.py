@@ -166,9 +166,9 @@ def test_hub_process_rotation_revocation_isolation_and_limits(tmp_path: Path, da
                 r = b.post("/v1/cluster/reports", content=iter([b"[" + b"0," * 400_000] * 2),
                            headers={"Content-Type": "application/json"})
                 assert r.status_code == 413 and "more than 1048576 bytes" in r.json()["message"]
-            status, body = _raw_request(hub, b"POST /v1/cluster/reports HTTP/1.1\r\nHost: x\r\n"
+            status, raw = _raw_request(hub, b"POST /v1/cluster/reports HTTP/1.1\r\nHost: x\r\n"
                                              b"Content-Length: 12abc\r\n\r\n")
-            assert status >= 400, body  # refused by uvicorn or the hub, never accepted
+            assert status >= 400, raw  # refused by uvicorn or the hub, never accepted
             assert admin.get("/v1/audit").json() == before
             assert admin.get("/v1/clusters/cluster-b/reports").json()["reports"] == []
     finally:

@@ -1,0 +1,170 @@
+"""The documented test (R4.10) end to end on AWS (moto in server mode): the instance carries both tags, the
+node joins from its own user data, and the instance is terminated when the workload leaves."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import boto3
+import pytest
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.gateway import KubeGateway, parse_user_data_ticket
+from activities.providers.sim import KWOK_ANNOTATIONS
+from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Approval, Phase, burst_workflow_id
+from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result, unique, wait_for, wait_phase
+from tests.harness.kube import Cluster, Kube
+from tests.harness.moto_server import MotoServer
+from worker import ops
+from worker.main import worker_services
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
+REGION = "eu-central-1"
+ROLE = "arn:aws:iam::111122223333:role/kubeon-burst-eu-central-1"
+
+
+def _ec2(moto: MotoServer, name: str = "ec2") -> Any:
+    """A client in the burst account: moto keeps resources per account, and the role's account is the
+    burst account (the role's, not the caller's)."""
+    sts = boto3.client("sts", region_name=REGION, endpoint_url=moto.endpoint, aws_access_key_id="testing",
+                       aws_secret_access_key="testing")
+    creds = sts.assume_role(RoleArn=ROLE, RoleSessionName="test-setup")["Credentials"]
+    return boto3.client(name, region_name=REGION, endpoint_url=moto.endpoint,
+                        aws_access_key_id=creds["AccessKeyId"], aws_secret_access_key=creds["SecretAccessKey"],
+                        aws_session_token=creds["SessionToken"])
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("burst-aws"))
+
+
+@pytest.fixture(scope="module")
+def aws_location(moto_server: MotoServer) -> dict[str, Any]:
+    # The burst account has the nodes' instance profile, as the setup guide asks (R4.5).
+    iam = _ec2(moto_server, "iam")
+    with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
+        iam.create_instance_profile(InstanceProfileName="kubeon-burst-node")
+    image = _ec2(moto_server).describe_images()["Images"][0]["ImageId"]
+    return {"name": f"aws/{REGION}", "credentials": {"awsRoleArn": ROLE}, "aws": {"imageId": image}}
+
+
+class BootedInstances:
+    """Plays the booted burst instances: reads each instance's user data from moto and joins through the
+    gateway with the ticket found there, as the node's bootstrap would; kwok then runs the Node."""
+
+    def __init__(self, moto: MotoServer, gateway: KubeGateway, policy: str) -> None:
+        self.ec2 = _ec2(moto)
+        self.gateway = gateway
+        self.policy = policy
+        self.joined: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> BootedInstances:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            found = self.ec2.describe_instances(Filters=[
+                {"Name": f"tag:{TAG_BURST}", "Values": [self.policy]},
+                {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+            for inst in (i for r in found["Reservations"] for i in r["Instances"]):
+                iid = inst["InstanceId"]
+                if iid in self.joined:
+                    continue
+                attr = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+                user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
+                doc = parse_user_data_ticket(user_data)
+                node = self.gateway.admit(doc["ticket"], capacity={
+                    "cpu": "4", "memory": "16Gi", "pods": "110", "nvidia.com/gpu": "1"},
+                    annotations=KWOK_ANNOTATIONS, provider_id=f"aws:///{REGION}/{iid}")
+                self.joined[iid] = str(node.metadata.name)
+
+
+@pytest.fixture
+def policy(stack: BurstStack) -> Iterator[str]:
+    name = unique("aws")
+    yield name
+    stack.delete_policy(name)
+
+
+@pytest.fixture
+async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, moto_server: MotoServer,
+                 aws_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+                 ) -> AsyncIterator[tuple[Client, str, KubeGateway]]:
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(var, "testing")
+    queue = unique("q")
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=[aws_location], cluster_name=queue,
+                              aws_endpoint_url=moto_server.endpoint)
+    async with worker_services(settings) as (temporal, runtime, _):
+        assert isinstance(runtime.gateway, KubeGateway)
+        yield temporal, settings.cluster, runtime.gateway
+
+
+async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, str, KubeGateway],
+                                       moto_server: MotoServer, namespace: str, policy: str) -> None:
+    temporal, cluster_name, gateway = worker
+    stack.create_policy(policy, mode="Approve", locations=[f"aws/{REGION}"], max_nodes=4)
+    deploy = unique("infer")
+    # A GPU type home does not offer: the pod stays Unschedulable at home.
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product="NVIDIA-A10G"))
+    handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
+    view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
+    assert view.plan is not None and view.plan.best is not None
+    assert view.plan.best.instance_type == "g5.xlarge"  # the cheapest A10G instance offered in the region
+    assert view.plan.best.usd_per_gpu_hour == pytest.approx(1.006 + 0.02)
+    ec2 = _ec2(moto_server)
+    assert not ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_BURST}", "Values": [policy]}])["Reservations"]
+
+    with BootedInstances(moto_server, gateway, policy) as booted:
+        await ops.approve(temporal, view.operation, Approval(approver="bob"))
+        view = await wait_phase(handle, Phase.SERVING, timeout=120)
+        assert view.instance is not None
+        raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
+        tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
+        assert tags[TAG_BURST] == policy
+        assert tags[TAG_OPERATION] == view.operation
+        assert raw["InstanceType"] == "g5.xlarge"
+        assert booted.joined == {view.instance.instance_id: view.node_name}
+
+        node = stack.cluster.admin.core.read_node(str(view.node_name))
+        assert node.metadata.labels[LABEL_LOCATION] == "aws.eu-central-1"
+        assert any(t.key == "gpu.kubeon.io/burst" for t in node.spec.taints)
+        pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+        assert [p.spec.node_name for p in pods] == [view.node_name]
+
+        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        done = await result(handle)
+    assert done.phase == Phase.COMPLETED, done.message
+    state = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
+    assert state["State"]["Name"] in ("shutting-down", "terminated")
+    wait_for(lambda: not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items,
+             what="node gone")
+    live = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_BURST}", "Values": [policy]},
+                                           {"Name": "instance-state-name", "Values": ["pending", "running"]}])
+    assert not live["Reservations"]
+
+
+async def test_optimizer_credentials_cannot_create_or_delete_nodes(stack: BurstStack) -> None:
+    from kubernetes import client
+
+    optimizer: Kube = stack.optimizer
+    with pytest.raises(client.ApiException) as err:
+        optimizer.core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=unique("rogue"))))
+    assert err.value.status == 403
+    with pytest.raises(client.ApiException) as err:
+        optimizer.core.delete_node("anything")
+    assert err.value.status == 403
