@@ -51,6 +51,7 @@ from models.operation import (
     ServeCheckRequest,
     ServeCheckResult,
     VerifyResult,
+    WorkloadGroup,
     ledger_workflow_id,
 )
 
@@ -199,6 +200,11 @@ class BurstActivities:
         except VerificationFailed as exc:
             raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
 
+    @activity.defn(name="pending_pods")
+    def pending_pods(self, group: WorkloadGroup) -> int:
+        """How many of the group's pods still wait for a node (0: nothing left to burst for)."""
+        return self.kube.pending_group_pods(group)
+
     @activity.defn(name="serve_until_done")
     def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
         """Hold while the burst node serves; return once the group is gone or (returnHome) home has room.
@@ -271,6 +277,7 @@ class BurstActivities:
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.load_policy, self.plan_burst, self.reserve_capacity, self.release_capacity, self.launch_instance,
-            self.wait_for_node, self.verify_node, self.serve_until_done, self.cordon_node, self.evict_pods,
+            self.wait_for_node, self.verify_node, self.pending_pods, self.serve_until_done, self.cordon_node,
+            self.evict_pods,
             self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation, self.record_audit,
         ]

@@ -101,6 +101,9 @@ class KubeOps:
         return [p for p in pods if self.owner_of(p) == (group.owner_kind, group.owner_name)
                 and not _pod_terminal(p) and p.metadata.deletion_timestamp is None]
 
+    def pending_group_pods(self, group: WorkloadGroup) -> int:
+        return len([p for p in self.group_pods(group) if not p.spec.node_name])
+
     # -- join ----------------------------------------------------------------------------------------------
     def wait_node_ready(self, node_name: str, operation: str, timeout: float, heartbeat: Heartbeat) -> str:
         """Watch (not poll) for the Node to register and turn Ready; heartbeat between watch windows."""
@@ -163,15 +166,19 @@ class KubeOps:
 
     # -- serve ---------------------------------------------------------------------------------------------
     def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:
-        pods = self.group_pods(req.group)
-        on_node = [p for p in pods if p.spec.node_name == req.node_name]
-        if not pods:
-            return ServeCheckResult(done=True, reason="workload gone", pods_on_node=0)
+        """Done when the burst node is idle and none of the group's pods still waits for a node, or (returnHome)
+        when home nodes have room for everything on it. A burst node serves whatever opted-in pods the scheduler
+        puts there, also other groups' pods of the same policy: those count too, so they are never evicted
+        because "their" operation looks finished."""
+        on_node = self._evictable(self.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={req.node_name}").items)
+        on_node = [p for p in on_node if p.metadata.deletion_timestamp is None]
         if not on_node:
-            pending = [p for p in pods if not p.spec.node_name]
-            if not pending:
-                return ServeCheckResult(done=True, reason="no workload pods on the burst node", pods_on_node=0)
-        if req.return_home and on_node:
+            waiting = self.pending_group_pods(req.group)
+            if waiting == 0:
+                return ServeCheckResult(done=True, reason="workload gone from the burst node", pods_on_node=0)
+            return ServeCheckResult(done=False, pods_on_node=0)
+        if req.return_home:
             need = sum(gpus_requested(p) for p in on_node)
             free = self.home_free_gpus(req.group.node_selector)
             if free >= need:

@@ -47,6 +47,9 @@ class SimSettings(_Camel):
     boot_seconds: Annotated[float, Field(ge=0)] = 2.0
     # Simulated capacity: at most this many running instances at once; more is "insufficient capacity".
     capacity: Annotated[int, Field(ge=0)] = 100
+    # Fault injection for crash tests: the worker process is killed (SIGKILL) right after the simulated cloud
+    # has started an instance, before the launch call can report it. Once per instance.
+    kill_worker_after_launch: bool = False
 
 
 class LocationConfig(_Camel):

@@ -356,6 +356,8 @@ class LedgerInput(Model):
     cluster: str
     policy: str
     reservations: dict[str, int] = Field(default_factory=dict)  # carried over continue-as-new
+    # Histories stay short: after this many updates the ledger continues as new with its reservations.
+    continue_after_updates: int = 500
 
 
 class LedgerReserve(Model):
@@ -396,3 +398,8 @@ class GoneCheck(Model):
 
 def ledger_workflow_id(cluster: str, policy: str) -> str:
     return f"ledger/{cluster}/{policy}"
+
+
+class DrainStatus(Model):
+    status: str
+    blocked: dict[str, str] = Field(default_factory=dict)

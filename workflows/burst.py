@@ -279,6 +279,14 @@ class BurstWorkflow:
             return self._result()
 
         await self._reserve(inp)
+        # Waiting for approval or capacity can outlast the need: launch nothing for a group that has gone.
+        pending = await workflow.execute_activity("pending_pods", inp.group, result_type=int,
+                                                  start_to_close_timeout=QUICK, retry_policy=RETRY)
+        if pending == 0:
+            await self._release()
+            self._set_phase(Phase.COMPLETED, "no pod of the group is pending any more; nothing launched")
+            await self._audit("withdrawn", self.message)
+            return self._result()
         await self._launch(inp)
         assert self.instance is not None
 

@@ -14,6 +14,7 @@ from temporalio.exceptions import ApplicationError
 from models.operation import (
     DrainInput,
     DrainResult,
+    DrainStatus,
     EvictionResult,
     GoneCheck,
     NodeRef,
@@ -35,6 +36,10 @@ class DrainWorkflow:
     def __init__(self) -> None:
         self.status = "starting"
         self.blocked: dict[str, str] = {}
+
+    @workflow.query(name="status")
+    def current_status(self) -> DrainStatus:
+        return DrainStatus(status=self.status, blocked=dict(self.blocked))
 
     def _details(self, inp: DrainInput) -> None:
         lines = [f"**Drain** node `{inp.node_name}` of operation `{inp.operation}` ({inp.reason or 'requested'})",

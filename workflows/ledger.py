@@ -7,23 +7,22 @@ from temporalio import workflow
 
 from models.operation import LedgerInput, ReservationRequest, ReservationResult
 
-# Histories stay short: after this many updates the ledger continues as new with its reservations.
-UPDATES_BEFORE_CONTINUE_AS_NEW = 500
-
 
 @workflow.defn(name="PolicyLedger")
 class PolicyLedgerWorkflow:
-    def __init__(self) -> None:
-        self.reservations: dict[str, int] = {}
+    @workflow.init
+    def __init__(self, inp: LedgerInput) -> None:
+        # The input is read here, not in run(): updates can be handled before run() starts, and a reservation
+        # granted against an empty ledger after continue-as-new would break maxNodes.
+        self.reservations: dict[str, int] = dict(inp.reservations)
         self.max_nodes = 0
         self.updates = 0
 
     @workflow.run
     async def run(self, inp: LedgerInput) -> None:
-        self.reservations = dict(inp.reservations)
         await workflow.wait_condition(
-            lambda: self.updates >= UPDATES_BEFORE_CONTINUE_AS_NEW and workflow.all_handlers_finished())
-        workflow.continue_as_new(LedgerInput(cluster=inp.cluster, policy=inp.policy, reservations=self.reservations))
+            lambda: self.updates >= inp.continue_after_updates and workflow.all_handlers_finished())
+        workflow.continue_as_new(inp.model_copy(update={"reservations": self.reservations}))
 
     def _result(self, granted: bool) -> ReservationResult:
         return ReservationResult(granted=granted, in_use=sum(self.reservations.values()), max_nodes=self.max_nodes,

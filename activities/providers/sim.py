@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 import uuid
@@ -101,6 +102,8 @@ class SimProvider:
             }
             data[iid] = rec
             self._save(data)
+        if loc.sim.kill_worker_after_launch:
+            os.kill(os.getpid(), signal.SIGKILL)  # the instance exists; the launch call never returns
         self._schedule_boot(iid, rec)
         return self._instance(iid, rec)
 

@@ -1,0 +1,161 @@
+"""The optimizer's side of the burst gateway over HTTPS, and a booting burst node's join request.
+
+``HttpGatewayClient`` implements ``GatewayClient`` for the worker in a real cluster, where the gateway is its own
+Deployment (``kubeon-gpu gateway``, see ``worker.gateway_server``). It authenticates with the optimizer's
+ServiceAccount token, read from its file on every call because projected tokens rotate. ``join_over_http`` is
+what a burst node's bootstrap does with the ticket in its user data (the simulated provider uses it as is).
+
+Errors: a 409 on removal (the Node belongs to another operation) and a refused ticket on join raise
+``TicketError`` with the gateway's reason, as the in-process ``KubeGateway`` does; 5xx answers, timeouts and
+connection failures raise ``GatewayUnavailable`` (retryable); any other refusal raises ``GatewayRefused``.
+Tickets and tokens never appear in a message.
+"""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import quote
+
+import httpx
+
+from activities.gateway import JoinTicketRequest, TicketError
+
+IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+DEFAULT_TIMEOUT_SECONDS: Final = 15.0
+
+
+class GatewayError(Exception):
+    """The gateway could not be asked, or it refused; the message names the gateway URL."""
+
+
+class GatewayUnavailable(GatewayError):
+    """Connection failure, timeout or 5xx: worth retrying (a plain exception, so Temporal retries it)."""
+
+
+class GatewayRefused(GatewayError):
+    """A 4xx answer other than a ticket refusal: the request or the caller's credentials are wrong."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _reason(response: httpx.Response) -> str:
+    """The gateway's error message (``{"error": ..., "message": ...}``), or the start of the body."""
+    try:
+        doc = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    if isinstance(doc, dict) and isinstance(doc.get("message"), str):
+        return str(doc["message"])
+    return str(doc)[:300]
+
+
+def _verify(ca_file: Path | str | None) -> ssl.SSLContext | bool:
+    """The system's trust store, or only the CA that signed the gateway's certificate."""
+    return ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+
+
+def _send(client: httpx.Client, what: str, url: str, request: httpx.Request) -> httpx.Response:
+    try:
+        response = client.send(request)
+    except httpx.TimeoutException as exc:
+        raise GatewayUnavailable(f"burst gateway {url}: {what} timed out ({type(exc).__name__})") from None
+    except httpx.TransportError as exc:
+        raise GatewayUnavailable(f"burst gateway {url}: {what} failed: cannot connect: {exc}") from None
+    if response.status_code >= 500:
+        raise GatewayUnavailable(f"burst gateway {url}: {what} failed with HTTP {response.status_code}: "
+                                 f"{_reason(response)}")
+    return response
+
+
+def _json(response: httpx.Response, url: str, what: str, key: str) -> Any:
+    try:
+        doc = response.json()
+        return doc[key]
+    except (ValueError, KeyError, TypeError):
+        raise GatewayUnavailable(f"burst gateway {url}: {what}: answer without {key!r} "
+                                 f"(HTTP {response.status_code})") from None
+
+
+class HttpGatewayClient:
+    """``GatewayClient`` over HTTPS with the optimizer's ServiceAccount token (verified by TokenReview)."""
+
+    def __init__(self, base_url: str, token_file: Path | str = IN_CLUSTER_TOKEN_FILE,
+                 ca_file: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        if not base_url.startswith(("https://", "http://")):
+            raise ValueError(f"gateway URL {base_url!r} must start with https:// (http:// only on loopback)")
+        self.base_url = base_url.rstrip("/")
+        self._token_file = Path(token_file)
+        self._client = httpx.Client(base_url=self.base_url, verify=_verify(ca_file), timeout=timeout,
+                                    follow_redirects=False, headers={"User-Agent": "kubeon-gpu-optimizer"})
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> HttpGatewayClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _token(self) -> str:
+        # Re-read every call: the kubelet rotates projected ServiceAccount tokens in place.
+        try:
+            token = self._token_file.read_text().strip()
+        except OSError as exc:
+            raise GatewayError(f"burst gateway {self.base_url}: cannot read the ServiceAccount token "
+                               f"{self._token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise GatewayError(f"burst gateway {self.base_url}: the ServiceAccount token file "
+                               f"{self._token_file} is empty")
+        return token
+
+    def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        request = self._client.build_request(method, path, headers={"Authorization": f"Bearer {self._token()}"},
+                                             **kwargs)
+        return _send(self._client, what, self.base_url, request)
+
+    def _refused(self, response: httpx.Response, what: str) -> GatewayRefused:
+        return GatewayRefused(f"burst gateway {self.base_url} refused {what} (HTTP {response.status_code}): "
+                              f"{_reason(response)}", status=response.status_code)
+
+    def issue_ticket(self, request: JoinTicketRequest) -> str:
+        what = f"a join ticket for {request.node_name} ({request.operation})"
+        response = self._request("POST", "/v1/tickets", what, json=request.model_dump(mode="json"))
+        if response.status_code != 200:
+            raise self._refused(response, what)
+        return str(_json(response, self.base_url, what, "ticket"))
+
+    def remove_node(self, node_name: str, *, operation: str) -> bool:
+        what = f"removing node {node_name} ({operation})"
+        response = self._request("DELETE", f"/v1/nodes/{quote(node_name, safe='')}", what,
+                                 params={"operation": operation})
+        if response.status_code == 409:
+            raise TicketError(_reason(response))
+        if response.status_code != 200:
+            raise self._refused(response, what)
+        return bool(_json(response, self.base_url, what, "removed"))
+
+
+def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], annotations: dict[str, str],
+                   provider_id: str, *, ca_file: Path | str | None = None,
+                   timeout: float = DEFAULT_TIMEOUT_SECONDS) -> str:
+    """What a booting burst node does: present its one-time ticket to ``POST /v1/join``; the Node's name.
+
+    Retrying with the same ticket is safe (the gateway answers with the same Node). A refused ticket raises
+    ``TicketError`` with the gateway's reason."""
+    base = gateway_url.rstrip("/")
+    what = "joining with a ticket"
+    body = {"ticket": ticket, "capacity": capacity, "annotations": annotations, "providerId": provider_id}
+    with httpx.Client(base_url=base, verify=_verify(ca_file), timeout=timeout, follow_redirects=False,
+                      headers={"User-Agent": "kubeon-node-join"}) as client:
+        response = _send(client, what, base, client.build_request("POST", "/v1/join", json=body))
+    if response.status_code == 403:
+        raise TicketError(_reason(response))
+    if response.status_code != 200:
+        raise GatewayRefused(f"burst gateway {base} refused {what} (HTTP {response.status_code}): "
+                             f"{_reason(response)}", status=response.status_code)
+    return str(_json(response, base, what, "node"))

@@ -1,0 +1,167 @@
+"""KubeGateway's ticket logic against the real control plane, with the gateway's own ServiceAccount: signatures,
+expiry (injected clock), one ticket one node, idempotent re-join, removal only of the operation's own Node."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from activities.gateway import TICKET_NONCE_ANNOTATION, JoinTicketRequest, KubeGateway, TicketError, _b64, _unb64
+from activities.providers.sim import KWOK_ANNOTATIONS
+from models.operation import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from tests.harness.kube import Cluster, wait_for
+from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, grant
+
+pytestmark = pytest.mark.cluster
+
+BURST_TAINT = "gpu.kubeon.io/burst"
+CAPACITY = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def gateway_api(cluster: Cluster) -> client.ApiClient:
+    """The gateway's credentials: its ServiceAccount with the gateway's rules only, never admin."""
+    return grant(cluster, GATEWAY_SA, GATEWAY_RULES).api
+
+
+@pytest.fixture
+def nodes(cluster: Cluster) -> Iterator[list[str]]:
+    """Names of Nodes a test may create; deleted afterwards so no tainted GPU node is left for other tests."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        try:
+            cluster.admin.core.delete_node(name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def ticket_request(nodes: list[str], *, operation: str | None = None, ttl: int = 900) -> JoinTicketRequest:
+    op = operation or f"op-{uuid.uuid4().hex[:10]}"
+    name = f"burst-{uuid.uuid4().hex[:8]}"
+    nodes.append(name)
+    return JoinTicketRequest(
+        operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,
+        labels={LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "sim.eu-west"},
+        taints=[Taint(key=BURST_TAINT)], ttl_seconds=ttl,
+    )
+
+
+def node_absent(cluster: Cluster, name: str) -> bool:
+    return not cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
+
+
+def test_admitted_node_has_the_tickets_labels_taint_and_capacity(cluster: Cluster, gateway_api: client.ApiClient,
+                                                                nodes: list[str]) -> None:
+    gw = KubeGateway(gateway_api, secrets.token_bytes(32))
+    req = ticket_request(nodes)
+    node = gw.admit(gw.issue_ticket(req), capacity=CAPACITY, annotations=KWOK_ANNOTATIONS,
+                    provider_id=f"sim://sim/eu-west/i-{req.node_name}")
+    assert node.metadata.name == req.node_name
+    got = cluster.admin.core.read_node(req.node_name)
+    assert got.metadata.labels[LABEL_OPERATION] == req.operation
+    assert got.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
+    assert got.metadata.labels["kubernetes.io/hostname"] == req.node_name
+    assert (BURST_TAINT, "true", "NoSchedule") in [(t.key, t.value, t.effect) for t in got.spec.taints]
+    assert got.metadata.annotations[TICKET_NONCE_ANNOTATION]
+    assert got.spec.provider_id == f"sim://sim/eu-west/i-{req.node_name}"
+    # kwok runs it as a kubelet would: a real, Ready node
+    wait_for(lambda: cluster.node_ready(req.node_name), what=f"{req.node_name} Ready", timeout=60)
+    assert got.status.capacity["nvidia.com/gpu"] == "1"
+
+
+def test_forged_tickets_are_refused_and_create_nothing(cluster: Cluster, gateway_api: client.ApiClient,
+                                                      nodes: list[str]) -> None:
+    key = secrets.token_bytes(32)
+    gw = KubeGateway(gateway_api, key)
+    req = ticket_request(nodes)
+    good = gw.issue_ticket(req)
+
+    # Same signature, a body naming another node: the signature no longer matches.
+    body, _, sig = good.partition(".")
+    doc = json.loads(_unb64(body))
+    doc["node_name"] = "control-plane-1"
+    doc["labels"]["node-role.kubernetes.io/control-plane"] = ""
+    tampered = f"{_b64(json.dumps(doc).encode())}.{sig}"
+    # Signed with another key, as an attacker without the gateway's key would.
+    other = KubeGateway(gateway_api, secrets.token_bytes(32)).issue_ticket(req)
+    for forged in (tampered, other, "not-a-ticket", f"{body}.", f".{sig}", ""):
+        with pytest.raises(TicketError, match="signature is invalid"):
+            gw.admit(forged, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+    assert node_absent(cluster, req.node_name)
+    assert node_absent(cluster, "control-plane-1")
+
+    # A correctly signed body that is not a ticket is malformed, not a crash.
+    junk = _b64(b'{"operation": 1}')
+    signed_junk = f"{junk}.{_b64(hmac.new(key, junk.encode(), hashlib.sha256).digest())}"
+    with pytest.raises(TicketError, match="malformed"):
+        gw.admit(signed_junk, capacity=CAPACITY)
+
+
+def test_expired_ticket_is_refused(cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str]) -> None:
+    clock = Clock()
+    gw = KubeGateway(gateway_api, secrets.token_bytes(32), clock=clock)
+    req = ticket_request(nodes, ttl=60)
+    ticket = gw.issue_ticket(req)
+    clock.now += 59
+    assert gw.verify(ticket).node_name == req.node_name  # still good a second before expiry
+    clock.now += 2
+    with pytest.raises(TicketError, match=f"ticket for {req.node_name} expired"):
+        gw.admit(ticket, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+    assert node_absent(cluster, req.node_name)
+
+
+def test_one_ticket_one_node_and_rejoin_is_idempotent(cluster: Cluster, gateway_api: client.ApiClient,
+                                                      nodes: list[str]) -> None:
+    gw = KubeGateway(gateway_api, secrets.token_bytes(32))
+    req = ticket_request(nodes)
+    ticket = gw.issue_ticket(req)
+    first = gw.admit(ticket, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+    # The booting node retries (lost answer): the same Node, not a second one and not an error.
+    again = gw.admit(ticket, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+    assert again.metadata.uid == first.metadata.uid
+    # A second ticket for the same node name (another instance claiming it) is refused.
+    second = gw.issue_ticket(req)
+    with pytest.raises(TicketError, match="already registered with another ticket"):
+        gw.admit(second, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+    # The ticket names its node: it can register no other.
+    assert gw.verify(ticket).node_name == req.node_name
+    assert cluster.admin.core.read_node(req.node_name).metadata.uid == first.metadata.uid
+
+
+def test_remove_refuses_another_operations_node(cluster: Cluster, gateway_api: client.ApiClient,
+                                                nodes: list[str]) -> None:
+    gw = KubeGateway(gateway_api, secrets.token_bytes(32))
+    req = ticket_request(nodes)
+    gw.admit(gw.issue_ticket(req), capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+
+    with pytest.raises(TicketError, match=f"belongs to operation '{req.operation}', not op-other"):
+        gw.remove_node(req.node_name, operation="op-other")
+    assert cluster.admin.core.read_node(req.node_name).metadata.name == req.node_name
+
+    # A node the gateway never admitted (no operation label) is never removed either.
+    home = f"home-{uuid.uuid4().hex[:6]}"
+    nodes.append(home)
+    cluster.create_kwok_node(home)
+    with pytest.raises(TicketError, match="belongs to operation None"):
+        gw.remove_node(home, operation=req.operation)
+
+    assert gw.remove_node(req.node_name, operation=req.operation) is True
+    wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
+    assert gw.remove_node(req.node_name, operation=req.operation) is False  # already gone: idempotent

@@ -1,0 +1,563 @@
+"""The burst gateway as a real process (``python -m worker.gateway_server``) on loopback, against the real control
+plane: the gateway with its own ServiceAccount, the optimizer with its own token (TokenRequest), burst nodes
+joining over HTTP with the ticket as their only credential."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.audit import AuditLog
+from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, parse_user_data_ticket
+from activities.gateway_http import GatewayRefused, GatewayUnavailable, HttpGatewayClient, join_over_http
+from activities.kube import KubeOps
+from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
+from models.operation import (
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    Approval,
+    Instance,
+    Phase,
+    Taint,
+    burst_workflow_id,
+)
+from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
+from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
+from tests.harness.kube import Cluster, wait_for
+from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_RULES, OPTIMIZER_SA, grant
+from worker import ops
+from worker.main import worker_services
+from worker.runtime import Runtime
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+GATEWAY_USER = f"system:serviceaccount:{OPTIMIZER_NAMESPACE}:{GATEWAY_SA}"
+OPTIMIZER_USER = f"system:serviceaccount:{OPTIMIZER_NAMESPACE}:{OPTIMIZER_SA}"
+# What the gateway needs beyond node rules: verifying the optimizer's token.
+TOKENREVIEW_RULE = {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+GATEWAY_AUDIENCE = "kubeon-gpu-gateway"
+BURST_TAINT = "gpu.kubeon.io/burst"
+CAPACITY = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
+
+
+def gateway_rules() -> list[dict[str, list[str]]]:
+    return GATEWAY_RULES + ([] if TOKENREVIEW_RULE in GATEWAY_RULES else [TOKENREVIEW_RULE])
+
+
+def mint_token(cluster: Cluster, name: str, audiences: list[str] | None = None) -> str:
+    """A ServiceAccount token from the TokenRequest API, as the kubelet projects one into a pod."""
+    return str(cluster.admin.core.create_namespaced_service_account_token(
+        name, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=audiences or [], expiration_seconds=3600)),
+    ).status.token)
+
+
+def can(cluster: Cluster, user: str, verb: str, resource: str, group: str = "") -> bool:
+    sar = client.AuthorizationV1Api(cluster.admin.api).create_subject_access_review(client.V1SubjectAccessReview(
+        spec=client.V1SubjectAccessReviewSpec(user=user, resource_attributes=client.V1ResourceAttributes(
+            verb=verb, resource=resource, group=group, namespace=None))))
+    return bool(sar.status.allowed)
+
+
+@dataclass
+class GatewayProcess:
+    """``python -m worker.gateway_server`` on free loopback ports; stopped with SIGTERM, nothing left behind."""
+
+    workdir: Path
+    env: dict[str, str]
+    name: str = "gateway"
+    url: str = ""
+    health_url: str = ""
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def log(self) -> str:
+        return (self.workdir / f"{self.name}.log").read_text(errors="replace")
+
+    def start(self, timeout: float = 60.0) -> GatewayProcess:
+        port, health = free_port(), free_port()
+        scheme = "https" if "KUBEON_GATEWAY_TLS_CERT_FILE" in self.env else "http"
+        self.url, self.health_url = f"{scheme}://127.0.0.1:{port}", f"http://127.0.0.1:{health}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
+        env.update({"PYTHONUNBUFFERED": "1", "KUBEON_CLUSTER": "test", "KUBEON_GATEWAY_LISTEN": f"127.0.0.1:{port}",
+                    "KUBEON_HEALTH_PORT": str(health), **self.env})
+        with open(self.workdir / f"{self.name}.log", "wb") as log:
+            self._proc = subprocess.Popen([sys.executable, "-m", "worker.gateway_server"], env=env, cwd=ROOT,
+                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+
+        def ready() -> bool:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise AssertionError(f"gateway exited {self._proc.returncode} before it was ready:\n{self.log}")
+            try:
+                return httpx.get(f"{self.health_url}/readyz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        try:
+            wait_for(ready, timeout=timeout, what=f"gateway {self.name} /readyz")
+        except AssertionError:
+            self.stop()
+            raise
+        return self
+
+    def readyz(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.health_url}/readyz", timeout=5)
+        assert response.status_code == 200, response.text
+        doc: dict[str, Any] = response.json()
+        return doc
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+
+@dataclass
+class Setup:
+    cluster: Cluster
+    workdir: Path
+    gateway_kubeconfig: Path
+    ticket_key: bytes
+    ticket_key_file: Path
+    optimizer_token_file: Path
+
+
+@pytest.fixture(scope="module")
+def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    workdir = tmp_path_factory.mktemp("gateway")
+    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
+    grant(cluster, GATEWAY_SA, gateway_rules())
+    # The ClusterRole may already exist from another module with the rules it had then: make it these.
+    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": gateway_rules()})
+    wait_for(lambda: can(cluster, GATEWAY_USER, "create", "tokenreviews", "authentication.k8s.io"),
+             what="the gateway's tokenreviews rule in effect")
+    key = secrets.token_hex(32).encode()
+    key_file = workdir / "ticket.key"
+    key_file.write_bytes(key + b"\n")
+    token_file = workdir / "optimizer.token"
+    token_file.write_text(mint_token(cluster, OPTIMIZER_SA))
+    return Setup(cluster=cluster, workdir=workdir,
+                 gateway_kubeconfig=cluster.service_account_kubeconfig(OPTIMIZER_NAMESPACE, GATEWAY_SA, create=False),
+                 ticket_key=key, ticket_key_file=key_file, optimizer_token_file=token_file)
+
+
+@pytest.fixture(scope="module")
+def gateway(setup: Setup) -> Iterator[GatewayProcess]:
+    proc = GatewayProcess(setup.workdir, {
+        "KUBEON_GATEWAY_KUBECONFIG": str(setup.gateway_kubeconfig),
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file),
+    }).start()
+    try:
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code in (0, -signal.SIGTERM), f"gateway exited {code}:\n{proc.log}"
+
+
+@pytest.fixture
+def optimizer(gateway: GatewayProcess, setup: Setup) -> Iterator[HttpGatewayClient]:
+    http = HttpGatewayClient(gateway.url, setup.optimizer_token_file)
+    yield http
+    http.close()
+
+
+@pytest.fixture
+def nodes(cluster: Cluster) -> Iterator[list[str]]:
+    """Nodes a test may create, deleted afterwards: no tainted GPU node is left for other tests."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        try:
+            cluster.admin.core.delete_node(name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def ticket_request(nodes: list[str], *, operation: str | None = None) -> JoinTicketRequest:
+    op = operation or f"op-{uuid.uuid4().hex[:10]}"
+    name = f"burst-{uuid.uuid4().hex[:8]}"
+    nodes.append(name)
+    return JoinTicketRequest(
+        operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,
+        labels={LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "sim.eu-west"},
+        taints=[Taint(key=BURST_TAINT)],
+    )
+
+
+def node_absent(cluster: Cluster, name: str) -> bool:
+    return not cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
+
+
+def join_raw(gateway: GatewayProcess, ticket: str, **extra: Any) -> httpx.Response:
+    body = {"ticket": ticket, "capacity": CAPACITY, "annotations": KWOK_ANNOTATIONS, "providerId": "", **extra}
+    return httpx.post(f"{gateway.url}/v1/join", json=body, timeout=10)
+
+
+# ----- who the gateway is ------------------------------------------------------------------------------------
+
+
+def test_gateway_acts_with_its_own_service_account_not_admin(gateway: GatewayProcess, setup: Setup) -> None:
+    assert gateway.readyz()["identity"] == GATEWAY_USER
+    assert f"acting as {GATEWAY_USER}" in gateway.log
+    assert httpx.get(f"{gateway.health_url}/healthz", timeout=5).json() == {"status": "ok"}
+    # What that identity may do: nodes and token reviews, nothing else.
+    assert can(setup.cluster, GATEWAY_USER, "create", "nodes")
+    assert can(setup.cluster, GATEWAY_USER, "delete", "nodes")
+    assert can(setup.cluster, GATEWAY_USER, "create", "tokenreviews", "authentication.k8s.io")
+    for verb, resource in (("get", "secrets"), ("list", "secrets"), ("create", "pods"), ("delete", "pods"),
+                           ("create", "clusterrolebindings")):
+        group = "rbac.authorization.k8s.io" if resource == "clusterrolebindings" else ""
+        assert not can(setup.cluster, GATEWAY_USER, verb, resource, group), (verb, resource)
+    # And the optimizer itself may not create or delete Nodes: only the gateway does.
+    assert not can(setup.cluster, OPTIMIZER_USER, "create", "nodes")
+    assert not can(setup.cluster, OPTIMIZER_USER, "delete", "nodes")
+    # No secret reached the log.
+    assert setup.ticket_key.decode() not in gateway.log
+    assert setup.optimizer_token_file.read_text() not in gateway.log
+
+
+# ----- tickets, joins and removals ---------------------------------------------------------------------------
+
+
+def test_ticket_join_and_remove_over_http(gateway: GatewayProcess, optimizer: HttpGatewayClient, setup: Setup,
+                                          nodes: list[str]) -> None:
+    cluster = setup.cluster
+    req = ticket_request(nodes)
+    ticket = optimizer.issue_ticket(req)
+    assert ticket and setup.optimizer_token_file.read_text() not in ticket
+
+    # A booting burst node joins with nothing but the ticket.
+    provider_id = f"sim://sim/eu-west/i-{req.node_name}"
+    assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, provider_id) == req.node_name
+    node = cluster.admin.core.read_node(req.node_name)
+    assert node.metadata.labels[LABEL_OPERATION] == req.operation
+    assert node.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
+    assert node.metadata.labels[LABEL_POLICY] == "inference-burst"
+    assert (BURST_TAINT, "NoSchedule") in [(t.key, t.effect) for t in node.spec.taints]
+    assert node.spec.provider_id == provider_id
+    wait_for(lambda: cluster.node_ready(req.node_name), what=f"{req.node_name} Ready (kwok)")
+    # The node retries its join (lost answer): same Node.
+    assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, provider_id) == req.node_name
+    assert cluster.admin.core.read_node(req.node_name).metadata.uid == node.metadata.uid
+    # Another ticket for the same node name is refused: one node per name, one ticket per node.
+    second = optimizer.issue_ticket(req)
+    with pytest.raises(TicketError, match="already registered with another ticket"):
+        join_over_http(gateway.url, second, CAPACITY, KWOK_ANNOTATIONS, provider_id)
+
+    # Removal: only by the operation that owns it.
+    with pytest.raises(TicketError, match=f"belongs to operation '{req.operation}', not op-someone-else"):
+        optimizer.remove_node(req.node_name, operation="op-someone-else")
+    response = httpx.delete(f"{gateway.url}/v1/nodes/{req.node_name}", params={"operation": "op-someone-else"},
+                            headers={"Authorization": f"Bearer {setup.optimizer_token_file.read_text()}"})
+    assert response.status_code == 409
+    assert response.json()["error"] == "not_owned"
+    assert cluster.admin.core.read_node(req.node_name).metadata.uid == node.metadata.uid
+
+    assert optimizer.remove_node(req.node_name, operation=req.operation) is True
+    wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
+    assert optimizer.remove_node(req.node_name, operation=req.operation) is False
+
+
+def test_forged_expired_and_garbage_tickets_are_403(gateway: GatewayProcess, optimizer: HttpGatewayClient,
+                                                    setup: Setup, nodes: list[str]) -> None:
+    api = client.ApiClient()  # never used: issuing a ticket makes no API call
+    req = ticket_request(nodes)
+    good = optimizer.issue_ticket(req)
+    body, _, sig = good.partition(".")
+    forged = {
+        "tampered body": f"{body[:-4]}AAAA.{sig}",
+        "another key": KubeGateway(api, secrets.token_bytes(32)).issue_ticket(req),
+        "garbage": "not-a-ticket",
+        # Signed with the real key but long expired (an injected clock at the epoch).
+        "expired": KubeGateway(api, setup.ticket_key, clock=lambda: 0.0).issue_ticket(req),
+    }
+    for what, ticket in forged.items():
+        response = join_raw(gateway, ticket)
+        assert response.status_code == 403, (what, response.text)
+        doc = response.json()
+        assert doc["error"] == "ticket_refused", what
+        assert ("expired" if what == "expired" else "signature is invalid") in doc["message"], (what, doc)
+        with pytest.raises(TicketError):
+            join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "")
+    assert node_absent(setup.cluster, req.node_name)
+    assert "Traceback" not in gateway.log
+
+
+def test_join_annotations_and_body_are_checked(gateway: GatewayProcess, optimizer: HttpGatewayClient,
+                                               setup: Setup, nodes: list[str]) -> None:
+    req = ticket_request(nodes)
+    ticket = optimizer.issue_ticket(req)
+    bad = join_raw(gateway, ticket, annotations={**KWOK_ANNOTATIONS, "example.com/evil": "1"})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"] == "annotation_not_allowed"
+    assert "example.com/evil" in bad.json()["message"]
+    with pytest.raises(GatewayRefused, match="annotations not allowed") as refused:
+        join_over_http(gateway.url, ticket, CAPACITY, {"node.kubernetes.io/exclude-from-external-load-balancers":
+                                                       ""}, "")
+    assert refused.value.status == 400
+    assert node_absent(setup.cluster, req.node_name)
+
+    # Missing fields, not JSON, too big: clear 4xx answers, never a 500.
+    missing = httpx.post(f"{gateway.url}/v1/join", json={"capacity": CAPACITY}, timeout=10)
+    assert missing.status_code == 400 and "ticket" in missing.json()["message"]
+    not_json = httpx.post(f"{gateway.url}/v1/join", content=b"{nope", timeout=10,
+                          headers={"Content-Type": "application/json"})
+    assert not_json.status_code == 400
+    huge = httpx.post(f"{gateway.url}/v1/join", json={"ticket": "x" * 100_000, "capacity": {}}, timeout=10)
+    assert huge.status_code == 413 and huge.json()["error"] == "body_too_large"
+    assert httpx.get(f"{gateway.url}/v1/nope", timeout=10).status_code == 404
+    # A bad capacity from the node: the API server's reason, as a 400.
+    cap = join_raw(gateway, ticket, capacity={"cpu": "lots"})
+    assert cap.status_code == 400, cap.text
+    assert node_absent(setup.cluster, req.node_name)
+    # Then the node joins properly with the same ticket.
+    assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "") == req.node_name
+
+
+def test_ticket_requests_must_be_for_tainted_removable_burst_nodes(optimizer: HttpGatewayClient,
+                                                                   nodes: list[str]) -> None:
+    req = ticket_request(nodes)
+    cases = {
+        "untainted": req.model_copy(update={"taints": []}),
+        "another operation's label": req.model_copy(update={"labels": {**req.labels, LABEL_OPERATION: "op-x"}}),
+        "a control-plane role": req.model_copy(update={
+            "labels": {**req.labels, "node-role.kubernetes.io/control-plane": ""}}),
+        "a bad node name": req.model_copy(update={"node_name": "Not_A_Node"}),
+        "a week-long ticket": req.model_copy(update={"ttl_seconds": 7 * 24 * 3600}),
+    }
+    for what, bad in cases.items():
+        with pytest.raises(GatewayRefused, match="join ticket refused") as refused:
+            optimizer.issue_ticket(bad)
+        assert refused.value.status == 400, what
+
+
+# ----- who may ask ---------------------------------------------------------------------------------------------
+
+
+def test_only_the_optimizer_may_ask_for_tickets_and_removals(gateway: GatewayProcess, setup: Setup,
+                                                             nodes: list[str]) -> None:
+    req = ticket_request(nodes)
+    body = req.model_dump(mode="json")
+    url = f"{gateway.url}/v1/tickets"
+
+    none = httpx.post(url, json=body, timeout=10)
+    assert none.status_code == 401, none.text
+    assert none.json()["error"] == "unauthorized" and "Authorization" in none.json()["message"]
+    assert none.headers["WWW-Authenticate"].startswith("Bearer")
+    assert httpx.post(url, json=body, headers={"Authorization": "Basic b3B0aW1pemVy"}, timeout=10).status_code == 401
+    forged = httpx.post(url, json=body, headers={"Authorization": "Bearer not.a.token"}, timeout=10)
+    assert forged.status_code == 401 and "not accepted" in forged.json()["message"]
+
+    # Another ServiceAccount's perfectly valid token: authenticated, but not the optimizer.
+    other = f"random-{uuid.uuid4().hex[:6]}"
+    setup.cluster.admin.core.create_namespaced_service_account(OPTIMIZER_NAMESPACE, client.V1ServiceAccount(
+        metadata=client.V1ObjectMeta(name=other)))
+    other_file = setup.workdir / f"{other}.token"
+    other_file.write_text(mint_token(setup.cluster, other))
+    intruder = HttpGatewayClient(gateway.url, other_file)
+    try:
+        with pytest.raises(GatewayRefused, match=f"system:serviceaccount:{OPTIMIZER_NAMESPACE}:{other} may not use"
+                           ) as refused:
+            intruder.issue_ticket(req)
+        assert refused.value.status == 403
+        with pytest.raises(GatewayRefused) as refused:
+            intruder.remove_node(req.node_name, operation=req.operation)
+        assert refused.value.status == 403
+    finally:
+        intruder.close()
+    # The gateway's own token is no optimizer's either.
+    own = setup.workdir / "gateway.token"
+    own.write_text(mint_token(setup.cluster, GATEWAY_SA))
+    with HttpGatewayClient(gateway.url, own) as gw_itself, pytest.raises(GatewayRefused, match="may not use"):
+        gw_itself.issue_ticket(req)
+
+    delete = httpx.delete(f"{gateway.url}/v1/nodes/{req.node_name}", params={"operation": req.operation})
+    assert delete.status_code == 401
+    # The token file is read on each call (projected tokens rotate): a new token works at once.
+    rotating = setup.workdir / "rotating.token"
+    rotating.write_text("stale")
+    with HttpGatewayClient(gateway.url, rotating) as http:
+        with pytest.raises(GatewayRefused, match="not accepted") as refused:
+            http.issue_ticket(req)
+        assert refused.value.status == 401
+        rotating.write_text(mint_token(setup.cluster, OPTIMIZER_SA))
+        assert http.issue_ticket(req)
+    assert node_absent(setup.cluster, req.node_name)
+    assert "refused POST /v1/tickets from system:serviceaccount" in gateway.log
+
+
+# ----- failures the client must name ---------------------------------------------------------------------------
+
+
+def test_client_errors_name_the_gateway(setup: Setup, nodes: list[str]) -> None:
+    req = ticket_request(nodes)
+    nothing = f"http://127.0.0.1:{free_port()}"
+    with HttpGatewayClient(nothing, setup.optimizer_token_file, timeout=5) as http, \
+            pytest.raises(GatewayUnavailable, match=f"burst gateway {nothing}: .*cannot connect"):
+        http.issue_ticket(req)
+    with pytest.raises(GatewayUnavailable, match=nothing):
+        join_over_http(nothing, "t", CAPACITY, KWOK_ANNOTATIONS, "")
+    with HttpGatewayClient(nothing, setup.workdir / "no-such-token") as http, \
+            pytest.raises(Exception, match="cannot read the ServiceAccount token"):
+        http.remove_node("n", operation="op-x")
+
+    # A gateway whose Kubernetes API is unreachable answers 503 (the client: retryable), not 500.
+    dead_api = write_kubeconfig(setup.workdir / "dead.kubeconfig", f"https://127.0.0.1:{free_port()}",
+                                setup.cluster.plane.ca_file, token="x", user="gateway")
+    cut_off = GatewayProcess(setup.workdir, {"KUBEON_GATEWAY_KUBECONFIG": str(dead_api),
+                                             "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file)},
+                             name="gateway-no-api").start()
+    try:
+        with HttpGatewayClient(cut_off.url, setup.optimizer_token_file) as http:
+            with pytest.raises(GatewayUnavailable, match=f"burst gateway {cut_off.url}: .*HTTP 503.*unreachable"):
+                http.issue_ticket(req)
+            with pytest.raises(GatewayUnavailable, match="HTTP 503"):
+                http.remove_node(req.node_name, operation=req.operation)
+    finally:
+        cut_off.stop()
+    assert "Traceback" not in cut_off.log
+
+
+def test_tls_and_a_gateway_only_token_audience(setup: Setup, nodes: list[str]) -> None:
+    """HTTPS with the chart's cert/key files, and tokens projected for the gateway's audience only: a token
+    for the API server is refused, so the gateway never holds one it could replay as the optimizer."""
+    pki = setup.workdir / "pki"
+    pki.mkdir(exist_ok=True)
+    ca = _issue(_name("kubeon-gateway-ca"), None, is_ca=True)
+    ca_file, _ = ca.write(pki, "ca")
+    cert, key = _issue(_name("kubeon-gpu-optimizer-gateway"), ca, server_names=("localhost",),
+                       server_ips=("127.0.0.1",)).write(pki, "gateway")
+    proc = GatewayProcess(setup.workdir, {
+        "KUBEON_GATEWAY_KUBECONFIG": str(setup.gateway_kubeconfig),
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file),
+        "KUBEON_GATEWAY_TLS_CERT_FILE": str(cert), "KUBEON_GATEWAY_TLS_KEY_FILE": str(key),
+        "KUBEON_GATEWAY_TOKEN_AUDIENCES": GATEWAY_AUDIENCE,
+    }, name="gateway-tls").start()
+    try:
+        assert proc.url.startswith("https://")
+        audience_token = setup.workdir / "audience.token"
+        audience_token.write_text(mint_token(setup.cluster, OPTIMIZER_SA, [GATEWAY_AUDIENCE]))
+        req = ticket_request(nodes)
+        with HttpGatewayClient(proc.url, audience_token, ca_file=ca_file) as http:
+            ticket = http.issue_ticket(req)
+        assert join_over_http(proc.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "", ca_file=ca_file) == req.node_name
+        # The API server's audience (the default token): refused.
+        with HttpGatewayClient(proc.url, setup.optimizer_token_file, ca_file=ca_file) as http, \
+                pytest.raises(GatewayRefused, match="not accepted") as refused:
+            http.issue_ticket(req)
+        assert refused.value.status == 401
+        # A client that does not trust the gateway's certificate does not talk to it.
+        with HttpGatewayClient(proc.url, audience_token) as http, \
+                pytest.raises(GatewayUnavailable, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            http.issue_ticket(req)
+        with HttpGatewayClient(proc.url, audience_token, ca_file=ca_file) as http:
+            assert http.remove_node(req.node_name, operation=req.operation) is True
+    finally:
+        assert proc.stop() in (0, -signal.SIGTERM), proc.log
+
+
+# ----- the documented test (R4.10) with the gateway as its own process ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, setup: Setup, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("burst-http"))
+
+
+@pytest.fixture
+async def http_worker(stack: BurstStack, gateway: GatewayProcess, setup: Setup,
+                      temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
+    """The worker as in a cluster: the optimizer's own credentials, no gateway kubeconfig, no ticket key; it
+    reaches the gateway over HTTP, and simulated instances join through POST /v1/join."""
+    queue = unique("q")
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue,
+                              gateway_kubeconfig=None, gateway_ticket_key_file=None, gateway_url=gateway.url)
+    http = HttpGatewayClient(settings.gateway_url, setup.optimizer_token_file)
+
+    def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+        doc = parse_user_data_ticket(user_data)
+        join_over_http(doc["gateway"], doc["ticket"], capacity, KWOK_ANNOTATIONS,
+                       f"sim://{instance.location}/{instance.instance_id}")
+
+    burst = settings.burst_config()
+    sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
+    runtime = Runtime(settings=settings, kube=KubeOps(stack.optimizer.api), burst=burst, gateway=http,
+                      providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
+                      closers=[sim.stop, http.close])
+    async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
+        yield temporal, settings.cluster
+
+
+@pytest.mark.temporal
+async def test_burst_end_to_end_through_the_gateway_process(stack: BurstStack, gateway: GatewayProcess,
+                                                            http_worker: tuple[Client, str],
+                                                            namespace: str) -> None:
+    temporal, cluster_name = http_worker
+    policy = unique("burst")
+    stack.create_policy(policy, mode="Approve", locations=["sim/eu-west"], max_nodes=1)
+    try:
+        deploy = unique("infer")
+        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
+                                                                f"{namespace}/Deployment/{deploy}"))
+        view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
+        assert view.plan is not None and view.plan.best is not None
+        await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=view.plan.plan_id))
+        view = await wait_phase(handle, Phase.SERVING)
+        node = stack.cluster.admin.core.read_node(str(view.node_name))
+        assert node.metadata.labels[LABEL_OPERATION] == view.operation
+        assert node.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
+        assert any(t.key == BURST_TAINT and t.effect == "NoSchedule" for t in node.spec.taints)
+        pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+        assert [p.spec.node_name for p in pods] == [view.node_name]
+        assert f"admitted node {view.node_name} (operation {view.operation}" in gateway.log
+
+        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        done = await result(handle)
+        assert done.phase == Phase.COMPLETED, done.message
+        wait_for(lambda: node_absent(stack.cluster, str(view.node_name)), what="burst node removed")
+        assert f"node {view.node_name} of operation {view.operation}: removed (asked by {OPTIMIZER_USER})" \
+            in gateway.log
+    finally:
+        stack.delete_policy(policy)
+
+
+def test_gateway_log_carries_no_tokens_or_tickets(gateway: GatewayProcess, setup: Setup) -> None:
+    log = gateway.log
+    assert setup.ticket_key.decode() not in log
+    assert setup.optimizer_token_file.read_text() not in log
+    assert "Bearer" not in log
+    assert not [line for line in log.splitlines() if "eyJ" in line]  # no JWT, no base64 JSON ticket body
+    json.dumps(log)  # printable

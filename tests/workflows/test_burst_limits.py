@@ -1,0 +1,196 @@
+"""Limits and safety on the real parts: maxNodes across concurrent operations, PDBs during return home, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, watch
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from models.operation import LABEL_POLICY, DrainStatus, OperationView, Phase, burst_workflow_id
+from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result, unique, wait_for, wait_phase
+from tests.harness.kube import Cluster
+from worker import ops
+from worker.main import worker_services
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+
+def sim_location(name: str, product: str, *, capacity: int = 100, price: float = 0.9) -> dict[str, Any]:
+    return {"name": name, "sim": {"bootSeconds": 0.3, "capacity": capacity},
+            "offerings": [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": price}]}
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("limits"))
+
+
+@pytest.fixture
+def product() -> str:
+    """A GPU type of this test alone, so its pods fit no other test's nodes."""
+    return unique("NVIDIA-T")
+
+
+@pytest.fixture
+def policy(stack: BurstStack) -> Iterator[str]:
+    name = unique("lim")
+    yield name
+    stack.delete_policy(name)
+
+
+@pytest.fixture
+async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, product: str
+                 ) -> AsyncIterator[tuple[Client, str]]:
+    queue = unique("q")
+    locations = [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5)]
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=locations, cluster_name=queue, capacity_retry_seconds=1)
+    async with worker_services(settings) as (temporal, _runtime, _):
+        yield temporal, settings.cluster
+
+
+class NodeCounter:
+    """Watches burst nodes of a policy and records the most that ever existed at once."""
+
+    def __init__(self, core: client.CoreV1Api, policy: str) -> None:
+        self.core, self.policy = core, policy
+        self.current: set[str] = set()
+        self.peak = 0
+        self._w = watch.Watch()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> NodeCounter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._w.stop()
+
+    def _run(self) -> None:
+        for event in self._w.stream(self.core.list_node, label_selector=f"{LABEL_POLICY}={self.policy}"):
+            name = event["object"].metadata.name
+            if event["type"] == "DELETED":
+                self.current.discard(name)
+            else:
+                self.current.add(name)
+            self.peak = max(self.peak, len(self.current))
+
+
+async def test_max_nodes_holds_across_ten_concurrent_groups(stack: BurstStack, worker: tuple[Client, str],
+                                                            namespace: str, policy: str, product: str) -> None:
+    temporal, cluster_name = worker
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"], max_nodes=4)
+    apps = stack.cluster.admin.apps
+    names = [f"group-{i}" for i in range(10)]
+    with NodeCounter(stack.cluster.admin.core, policy) as counter:
+        for name in names:
+            apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
+        handles = [temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
+                                                                  f"{namespace}/Deployment/{n}")) for n in names]
+        core = stack.cluster.admin.core
+
+        def running_pods() -> int:
+            pods = core.list_namespaced_pod(namespace).items
+            return len([p for p in pods if p.status.phase == "Running"])
+
+        async def steady() -> None:
+            # Converges to four nodes each running one group's pod; six groups wait for capacity.
+            while not (len(counter.current) == 4 and running_pods() == 4):
+                await asyncio.sleep(0.5)
+
+        try:
+            await asyncio.wait_for(steady(), 150)
+        except TimeoutError:
+            phases = [(await h.query("state", result_type=OperationView)).history[-3:] for h in handles]
+            raise AssertionError(f"nodes {sorted(counter.current)}, running {running_pods()}, {phases}") from None
+        views = [await h.query("state", result_type=OperationView) for h in handles]
+        waiting = [v for v in views if v.phase == Phase.WAITING_FOR_CAPACITY]
+        assert len(waiting) == 6, [v.phase for v in views]
+        assert all("maxNodes 4 in use" in v.message for v in waiting)
+        assert counter.peak == 4
+
+        # As groups leave, waiting ones get their node; the limit still holds.
+        for name in names:
+            apps.delete_namespaced_deployment(name, namespace)
+        outcomes = await asyncio.gather(*(result(h, timeout=180) for h in handles))
+    assert counter.peak == 4
+    assert all(o.phase == Phase.COMPLETED for o in outcomes), [o.message for o in outcomes]
+    # The groups that never got a node launched nothing once their pods were gone.
+    assert sum(1 for o in outcomes if o.instance is None) >= 1
+
+
+async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: tuple[Client, str],
+                                                    namespace: str, policy: str, product: str) -> None:
+    temporal, cluster_name = worker
+    admin = stack.cluster.admin
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], return_home=True)
+    deploy = unique("guarded")
+    admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
+    admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+        metadata=client.V1ObjectMeta(name="keep-one"),
+        spec=client.V1PodDisruptionBudgetSpec(min_available=1,
+                                              selector=client.V1LabelSelector(match_labels={"app": deploy}))))
+    handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
+    view = await wait_phase(handle, Phase.SERVING)
+
+    # Home capacity comes back: a home node with this GPU type. The operation starts returning home.
+    home = unique("home")
+    stack.cluster.create_kwok_node(home, labels={"nvidia.com/gpu.product": product})
+    try:
+        await wait_phase(handle, Phase.DRAINING, timeout=60)
+        drain = temporal.get_workflow_handle(f"drain/{handle.id}/{view.operation}")
+
+        async def blocked() -> DrainStatus:
+            while True:
+                status = await drain.query("status", result_type=DrainStatus)
+                if status.blocked:
+                    return status
+                await asyncio.sleep(0.3)
+
+        status = await asyncio.wait_for(blocked(), 60)
+        assert set(status.blocked.values()) == {"blocked by PDB keep-one"}
+        desc = await drain.describe()
+        assert desc.status is not None and desc.status.name == "RUNNING"
+        assert stack.cluster.admin.core.read_node(str(view.node_name)).spec.unschedulable is True
+
+        admin.policy.patch_namespaced_pod_disruption_budget("keep-one", namespace,
+                                                            {"spec": {"minAvailable": 0}})
+        done = await result(handle)
+        assert done.phase == Phase.COMPLETED, done.message
+        assert "home capacity is back" in done.message
+        pods = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+        wait_for(lambda: [p.spec.node_name for p in admin.core.list_namespaced_pod(
+            namespace, label_selector=f"app={deploy}").items] == [home], what="pod rescheduled at home")
+        assert pods is not None
+        assert not admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items
+    finally:
+        admin.apps.delete_namespaced_deployment(deploy, namespace)
+        admin.core.delete_node(home)
+
+
+async def test_cancel_drains_and_removes_what_it_made(stack: BurstStack, worker: tuple[Client, str],
+                                                      namespace: str, policy: str, product: str) -> None:
+    temporal, cluster_name = worker
+    admin = stack.cluster.admin
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"])
+    deploy = unique("cancelled")
+    admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
+    handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
+    view = await wait_phase(handle, Phase.SERVING)
+    await ops.cancel(temporal, view.operation)
+    with pytest.raises(Exception, match="cancel"):
+        await result(handle)
+    assert not admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items
+    final = await handle.query("state", result_type=type(view))
+    assert final.phase == Phase.CANCELLED
+    assert any("Draining" in h for h in final.history)
+    # The workload is back to Pending (evicted, not deleted): nothing of the operation is left.
+    pods = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+    assert pods and all(p.spec.node_name is None for p in pods)
+    admin.apps.delete_namespaced_deployment(deploy, namespace)

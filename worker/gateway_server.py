@@ -1,0 +1,509 @@
+"""`kubeon-gpu gateway`: the burst gateway as a network service (R4.2, R5.x).
+
+It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimizer-gateway``: node rules and
+``tokenreviews create``) and alone holds the ticket signing key. Endpoints on ``KUBEON_GATEWAY_LISTEN``:
+
+- ``POST /v1/tickets`` (the optimizer): a one-time join ticket for one node of one operation.
+- ``DELETE /v1/nodes/{name}?operation=op-...`` (the optimizer): remove a burst Node of that operation; 409 for a
+  Node of another operation.
+- ``POST /v1/join`` (a booting burst node; the ticket is its only credential): register the Node.
+
+The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``), checked with the
+TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets or removals.
+``/healthz`` and ``/readyz`` are served on ``KUBEON_HEALTH_PORT`` (the chart probes port 8080), or on the main
+listener when both ports are the same. Every error is JSON: ``{"error": "<code>", "message": "<reason>"}``.
+Tokens and tickets are never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Final
+
+import urllib3
+import uvicorn
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kubernetes import client, config
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from activities.gateway import JoinTicketRequest, KubeGateway, TicketError
+from activities.gateway_http import IN_CLUSTER_TOKEN_FILE, HttpGatewayClient
+from models.operation import LABEL_OPERATION
+from worker.config import ConfigError, Settings, load_settings
+
+log = logging.getLogger("kubeon.gateway")
+
+DEFAULT_LISTEN: Final = "0.0.0.0:8443"
+DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
+MAX_BODY_BYTES: Final = 64 * 1024
+MAX_TICKET_TTL_SECONDS: Final = 24 * 3600
+# Annotations a joining node may set on its Node: kwok's (simulated kubelets) and the node TTL hint.
+JOIN_ANNOTATION_PREFIXES: Final = ("kwok.x-k8s.io/",)
+JOIN_ANNOTATIONS: Final = frozenset({"node.alpha.kubernetes.io/ttl"})
+# Labels no ticket may set: the gateway sets the hostname and OS; node roles are the cluster admin's.
+RESERVED_LABELS: Final = frozenset({"kubernetes.io/hostname", "kubernetes.io/os"})
+RESERVED_LABEL_PREFIXES: Final = ("node-role.kubernetes.io/", "node-restriction.kubernetes.io/")
+NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+# ----- configuration -------------------------------------------------------------------------------------------
+
+
+def _setting(settings: Settings, name: str, environ: Mapping[str, str], default: str | None = None) -> str | None:
+    """A Settings field, or its ``KUBEON_<NAME>`` variable while Settings does not have the field yet."""
+    value = getattr(settings, name, None)
+    if value is None or value == "":
+        value = environ.get("KUBEON_" + name.upper()) or default
+    return None if value is None else str(value)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"KUBEON_GATEWAY_LISTEN {value!r}: expected HOST:PORT, e.g. {DEFAULT_LISTEN}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+@dataclass(frozen=True)
+class GatewayServerConfig:
+    host: str
+    port: int
+    health_port: int
+    ticket_key_file: Path
+    kubeconfig: Path | None = None  # None: in-cluster ServiceAccount credentials (the gateway's own)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    allowed_clients: frozenset[str] = frozenset({DEFAULT_ALLOWED_CLIENTS})
+    # Empty: the API server's own audiences (the default ServiceAccount token). Set to make the optimizer send a
+    # projected token only the gateway accepts, so the gateway never holds a token usable against the API server.
+    token_audiences: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, environ: Mapping[str, str] | None = None) -> GatewayServerConfig:
+        env = os.environ if environ is None else environ
+        host, port = parse_listen(_setting(settings, "gateway_listen", env, DEFAULT_LISTEN) or DEFAULT_LISTEN)
+        if settings.gateway_ticket_key_file is None:
+            raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is required: the file holding the join ticket key")
+        cert = _setting(settings, "gateway_tls_cert_file", env)
+        key = _setting(settings, "gateway_tls_key_file", env)
+        if bool(cert) != bool(key):
+            raise ConfigError("KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE go together")
+        allowed = _setting(settings, "gateway_allowed_clients", env, DEFAULT_ALLOWED_CLIENTS) or ""
+        clients = frozenset(c.strip() for c in allowed.split(",") if c.strip())
+        if not clients:
+            raise ConfigError("KUBEON_GATEWAY_ALLOWED_CLIENTS is empty: name the optimizer's ServiceAccount user, "
+                              f"e.g. {DEFAULT_ALLOWED_CLIENTS}")
+        audiences = _setting(settings, "gateway_token_audiences", env) or ""
+        # The gateway's own credentials: KUBEON_GATEWAY_KUBECONFIG, else KUBEON_KUBECONFIG, else in-cluster.
+        kubeconfig = settings.gateway_kubeconfig or settings.kubeconfig
+        return cls(
+            host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
+            kubeconfig=kubeconfig, tls_cert_file=Path(cert) if cert else None,
+            tls_key_file=Path(key) if key else None, allowed_clients=clients,
+            token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
+        )
+
+
+def http_gateway_client(settings: Settings, environ: Mapping[str, str] | None = None) -> HttpGatewayClient:
+    """The worker's client for a gateway running as its own Deployment at ``KUBEON_GATEWAY_URL``."""
+    env = os.environ if environ is None else environ
+    token_file = _setting(settings, "gateway_token_file", env, str(IN_CLUSTER_TOKEN_FILE))
+    ca_file = _setting(settings, "gateway_ca_file", env)
+    return HttpGatewayClient(settings.gateway_url, token_file or IN_CLUSTER_TOKEN_FILE, ca_file=ca_file)
+
+
+def _kube_api(kubeconfig: Path | None) -> client.ApiClient:
+    if kubeconfig is not None:
+        return config.new_client_from_config(config_file=str(kubeconfig))
+    configuration = client.Configuration()
+    config.load_incluster_config(client_configuration=configuration)
+    return client.ApiClient(configuration)
+
+
+# ----- optimizer authentication --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Identity:
+    authenticated: bool
+    username: str = ""
+    error: str = ""
+
+
+class TokenReviewer:
+    """Who a bearer token belongs to, by the TokenReview API, asked with the gateway's own credentials."""
+
+    def __init__(self, api: client.ApiClient, audiences: tuple[str, ...] = ()) -> None:
+        self._auth = client.AuthenticationV1Api(api)
+        self._audiences = list(audiences) or None
+
+    def review(self, token: str) -> Identity:
+        review = self._auth.create_token_review(client.V1TokenReview(
+            spec=client.V1TokenReviewSpec(token=token, audiences=self._audiences)))
+        status = review.status
+        if status is None or not status.authenticated:
+            return Identity(False, error=(status.error if status is not None else "") or "")
+        user = status.user
+        return Identity(True, username=(user.username if user is not None else "") or "")
+
+    def whoami(self) -> str:
+        """The gateway's own user (SelfSubjectReview, allowed to every authenticated user)."""
+        review = self._auth.create_self_subject_review(client.V1SelfSubjectReview())
+        info = review.status.user_info if review.status is not None else None
+        return str(info.username) if info is not None and info.username else "?"
+
+
+# ----- errors --------------------------------------------------------------------------------------------------
+
+
+class GatewayHTTPError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.code, "message": self.message}, status_code=self.status,
+                            headers=self.headers)
+
+
+def _unauthorized(message: str) -> GatewayHTTPError:
+    description = message.replace('"', "'")
+    return GatewayHTTPError(401, "unauthorized", message, {
+        "WWW-Authenticate": f'Bearer realm="kubeon-gateway", error="invalid_token", '
+                            f'error_description="{description}"'})
+
+
+def _kube_error(exc: client.ApiException, what: str) -> GatewayHTTPError:
+    reason = exc.reason or ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        reason = json.loads(exc.body or "{}").get("message") or reason
+    if exc.status in (400, 422):
+        return GatewayHTTPError(400, "invalid_node", f"{what}: the Kubernetes API refused it: {reason}")
+    return GatewayHTTPError(502, "kubernetes_api_error", f"{what}: Kubernetes API error {exc.status}: {reason}")
+
+
+class BodySizeLimit:
+    """413 for bodies over ``max_bytes``: by Content-Length up front, and while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        error: GatewayHTTPError | None = None
+        if length is not None and not length.isdigit():
+            error = GatewayHTTPError(400, "bad_request", "invalid Content-Length header")
+        elif length is not None and int(length) > self.max_bytes:
+            error = self._too_large(f"Content-Length {int(length)}")
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large(f"more than {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self, got: str) -> GatewayHTTPError:
+        return GatewayHTTPError(413, "body_too_large",
+                                f"request body too large: {got}, the limit is {self.max_bytes} bytes")
+
+
+# ----- request checks ------------------------------------------------------------------------------------------
+
+
+class JoinRequest(BaseModel):
+    """What a booting burst node sends: its ticket and what its kubelet would report."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    ticket: str = Field(min_length=1, max_length=16 * 1024)
+    capacity: dict[str, str] = Field(max_length=64)
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=32)
+    provider_id: str = Field(default="", alias="providerId", max_length=512)
+
+
+def check_ticket_request(req: JoinTicketRequest) -> None:
+    """Only tickets for burst nodes the optimizer can later remove, each tainted (R4.4)."""
+    problems: list[str] = []
+    if len(req.node_name) > 253 or not NODE_NAME.match(req.node_name):
+        problems.append(f"node_name {req.node_name[:80]!r} is not a valid Node name")
+    if not req.operation:
+        problems.append("operation is empty")
+    if req.labels.get(LABEL_OPERATION) != req.operation:
+        problems.append(f"labels[{LABEL_OPERATION!r}] must be the operation {req.operation!r}")
+    for key in req.labels:
+        if key in RESERVED_LABELS or key.startswith(RESERVED_LABEL_PREFIXES):
+            problems.append(f"label {key!r} is reserved")
+    if not any(t.effect == "NoSchedule" for t in req.taints):
+        problems.append("taints must hold the burst taint with effect NoSchedule")
+    if not 0 < req.ttl_seconds <= MAX_TICKET_TTL_SECONDS:
+        problems.append(f"ttl_seconds must be between 1 and {MAX_TICKET_TTL_SECONDS}")
+    if problems:
+        raise GatewayHTTPError(400, "invalid_ticket_request", "join ticket refused: " + "; ".join(problems))
+
+
+def check_join_annotations(annotations: Mapping[str, str]) -> None:
+    refused = sorted(k for k in annotations if k not in JOIN_ANNOTATIONS and not k.startswith(JOIN_ANNOTATION_PREFIXES))
+    if refused:
+        raise GatewayHTTPError(400, "annotation_not_allowed",
+                               f"annotations not allowed on a burst node: {', '.join(refused)[:300]} (allowed: "
+                               f"{', '.join(JOIN_ANNOTATION_PREFIXES)}*, {', '.join(sorted(JOIN_ANNOTATIONS))})")
+
+
+# ----- the application -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class HealthState:
+    identity: str = "?"
+    ready: Callable[[], bool] = field(default=lambda: True)
+
+
+def add_health_routes(app: FastAPI, state: HealthState) -> None:
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        ok = state.ready()
+        return JSONResponse({"status": "ready" if ok else "not ready", "identity": state.identity},
+                            status_code=200 if ok else 503)
+
+
+def _bare_app() -> FastAPI:
+    app = FastAPI(title="kubeon burst gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(GatewayHTTPError)
+    async def gateway_error(_: Request, exc: GatewayHTTPError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        return GatewayHTTPError(400, "bad_request", "; ".join(problems) or "invalid request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        return GatewayHTTPError(exc.status_code, code, str(exc.detail)).response()
+
+    return app
+
+
+def optimizer(request: Request) -> str:
+    """The caller's username when it is an allowed optimizer; 401 without a valid token, 403 otherwise."""
+    reviewer: TokenReviewer = request.app.state.reviewer
+    allowed_clients: frozenset[str] = request.app.state.allowed_clients
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if not header:
+        raise _unauthorized("no Authorization header: send the optimizer's ServiceAccount token as "
+                            "'Authorization: Bearer <token>'")
+    if scheme.lower() != "bearer" or not token:
+        raise _unauthorized("Authorization header is not 'Bearer <token>'")
+    try:
+        who = reviewer.review(token)
+    except client.ApiException as exc:
+        log.warning("TokenReview failed: HTTP %s %s", exc.status, exc.reason)
+        hint = ("; the gateway's ServiceAccount needs 'create' on authentication.k8s.io tokenreviews"
+                if exc.status == 403 else "")
+        raise GatewayHTTPError(503, "authentication_unavailable",
+                               f"cannot verify the token: TokenReview answered {exc.status} {exc.reason}{hint}"
+                               ) from None
+    except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server is unreachable
+        log.warning("TokenReview failed: %s", type(exc).__name__)
+        raise GatewayHTTPError(503, "authentication_unavailable",
+                               f"cannot verify the token: the Kubernetes API is unreachable "
+                               f"({type(exc).__name__})") from None
+    if not who.authenticated:
+        raise _unauthorized(f"token not accepted by the Kubernetes API: {who.error or 'not authenticated'}")
+    if who.username not in allowed_clients:
+        log.warning("refused %s %s from %s: not an allowed optimizer", request.method, request.url.path,
+                    who.username)
+        raise GatewayHTTPError(403, "forbidden",
+                               f"{who.username} may not use the burst gateway; allowed: "
+                               f"{', '.join(sorted(allowed_clients))}")
+    return who.username
+
+
+Caller = Annotated[str, Depends(optimizer)]
+
+
+def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
+               max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None) -> FastAPI:
+    app = _bare_app()
+    app.state.reviewer = reviewer
+    app.state.allowed_clients = allowed_clients
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if health is not None:
+        add_health_routes(app, health)
+
+
+    @app.post("/v1/tickets")
+    def issue_ticket(body: JoinTicketRequest, caller: Caller) -> dict[str, str]:
+        check_ticket_request(body)
+        ticket = gateway.issue_ticket(body)
+        log.info("issued a join ticket for node %s (operation %s, location %s) to %s", body.node_name,
+                 body.operation, body.location, caller)
+        return {"ticket": ticket}
+
+    @app.delete("/v1/nodes/{name}")
+    def remove_node(name: str, caller: Caller,
+                    operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, bool]:
+        try:
+            removed = gateway.remove_node(name, operation=operation)
+        except TicketError as exc:
+            raise GatewayHTTPError(409, "not_owned", str(exc)) from None
+        except client.ApiException as exc:
+            raise _kube_error(exc, f"removing node {name}") from None
+        log.info("node %s of operation %s: %s (asked by %s)", name, operation,
+                 "removed" if removed else "already gone", caller)
+        return {"removed": removed}
+
+    @app.post("/v1/join")
+    def join(body: JoinRequest) -> dict[str, str]:
+        check_join_annotations(body.annotations)
+        try:
+            ticket = gateway.verify(body.ticket)
+            node = gateway.admit(body.ticket, capacity=body.capacity, annotations=body.annotations,
+                                 provider_id=body.provider_id)
+        except TicketError as exc:
+            log.warning("refused a join: %s", exc)
+            raise GatewayHTTPError(403, "ticket_refused", str(exc)) from None
+        except client.ApiException as exc:
+            raise _kube_error(exc, "registering the node") from None
+        name = str(node.metadata.name) if node.metadata is not None else ticket.node_name
+        log.info("admitted node %s (operation %s, location %s)", name, ticket.operation, ticket.location)
+        return {"node": name}
+
+    return app
+
+
+class _QuietProbes(logging.Filter):
+    """Drop access-log lines of kubelet probes (every few seconds): uvicorn's access logger is process-wide."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 3 and args[2] in ("/healthz", "/readyz"))
+
+
+def create_health_app(state: HealthState) -> FastAPI:
+    app = _bare_app()
+    add_health_routes(app, state)
+    return app
+
+
+# ----- serving -------------------------------------------------------------------------------------------------
+
+
+def serve(settings: Settings, environ: Mapping[str, str] | None = None) -> int:
+    """Run the gateway until SIGTERM/SIGINT. Returns the exit code (2: configuration error)."""
+    try:
+        cfg = GatewayServerConfig.from_settings(settings, environ)
+        key = cfg.ticket_key_file.read_bytes().strip()
+        api = _kube_api(cfg.kubeconfig)
+        gateway = KubeGateway(api, key)
+    except (ConfigError, OSError, ValueError, config.ConfigException) as exc:
+        print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
+        return 2
+    reviewer = TokenReviewer(api, cfg.token_audiences)
+    state = HealthState()
+    try:
+        state.identity = reviewer.whoami()
+    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:  # not fatal: the API server
+        # may come up after the gateway
+        log.warning("cannot tell the gateway's own identity (SelfSubjectReview): %s", type(exc).__name__)
+    same_port = cfg.health_port in (0, cfg.port)
+    app = create_app(gateway, reviewer, cfg.allowed_clients, max_body_bytes=cfg.max_body_bytes,
+                     health=state if same_port else None)
+    if not cfg.tls and cfg.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("serving plain HTTP on %s: set KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE",
+                    cfg.host)
+    health_server: uvicorn.Server | None = None
+    if not same_port:
+        # Configured before the main server: uvicorn's logging set-up is process-wide, and the main server's
+        # (access log on, level info) must be the one that stays.
+        health_server = uvicorn.Server(uvicorn.Config(
+            create_health_app(state), host=cfg.host, port=cfg.health_port, log_level="warning",
+            access_log=False, server_header=False))
+    main_server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="info", server_header=False, proxy_headers=False,
+        ssl_certfile=str(cfg.tls_cert_file) if cfg.tls_cert_file else None,
+        ssl_keyfile=str(cfg.tls_key_file) if cfg.tls_key_file else None,
+        limit_concurrency=128, timeout_keep_alive=5, timeout_graceful_shutdown=10,
+    ))
+    state.ready = lambda: bool(main_server.started) and not main_server.should_exit
+    logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
+    if health_server is not None:
+        # Its own thread and loop: uvicorn only handles signals in the main thread, where the main server runs.
+        threading.Thread(target=health_server.run, name="health", daemon=True).start()
+    scheme = "https" if cfg.tls else "http"
+    log.info("burst gateway on %s://%s:%d (health on port %d), acting as %s; optimizer clients: %s%s", scheme,
+             cfg.host, cfg.port, cfg.port if same_port else cfg.health_port, state.identity,
+             ", ".join(sorted(cfg.allowed_clients)),
+             f"; token audiences: {', '.join(cfg.token_audiences)}" if cfg.token_audiences else "")
+    try:
+        main_server.run()
+    finally:
+        if health_server is not None:
+            health_server.should_exit = True
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    environ = dict(os.environ)
+    if not environ.get("KUBEON_CLUSTER"):
+        environ["KUBEON_CLUSTER"] = "unset"  # the gateway does not use it; the chart sets it anyway
+    try:
+        settings = load_settings(environ)
+    except ConfigError as exc:
+        print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(serve(settings, environ))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["GatewayServerConfig", "TokenReviewer", "create_app", "http_gateway_client", "main", "serve"]
