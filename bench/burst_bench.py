@@ -547,19 +547,19 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
 def report(b: Bench) -> None:
     s = b.settings
     print()
-    print("=" * 110)
+    print("=" * 120)
     print(f"KubeOn burst benchmark, sim provider on the local control plane — {utc_now():%Y-%m-%d %H:%M} UTC")
     print(f"machine: {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}, Python "
           f"{platform.python_version()}; worker: max_concurrent_activities={s.max_concurrent_activities}, "
           f"serve_check_seconds={s.serve_check_seconds}; sim bootSeconds={b.args.boot_seconds}")
-    print("=" * 110)
+    print("=" * 120)
     head = f"  {'':<66} {'n':>4}  {'p50':>9}  {'p95':>9}  {'max':>9}"
     lat = [r for r in b.latency_records if r.verified]
     first, second = latency_series(lat, "idle")
     scale_first: list[Series] = []
     scale_second: list[Series] = []
     if b.scale and b.scale.records:
-        scale_first, scale_second = latency_series(b.scale.records, f"{b.scale.ops} concurrent")
+        scale_first, scale_second = latency_series(b.scale.records, "load")
     print("1. Pod Unschedulable -> BurstWorkflow started (Temporal start time)")
     print(head)
     for row in [*first, *scale_first]:
@@ -602,7 +602,7 @@ def report(b: Bench) -> None:
         print("Why not all operations reached Serving:")
         for line in b.scale.diagnosis:
             print(f"  {line}")
-    print("=" * 110, flush=True)
+    print("=" * 120, flush=True)
 
 
 # -- set-up and tear-down --------------------------------------------------------------------------------------------
@@ -705,7 +705,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ops", type=int, default=200, help="concurrent operations in the scale scenario (0: skip)")
     p.add_argument("--latency-samples", type=int, default=20,
                    help="operations run one at a time for the latency figures (0: skip)")
-    p.add_argument("--namespaces", type=int, default=10,
+    p.add_argument("--namespaces", type=int, default=1,
                    help="namespaces the scale scenario's deployments are spread over (round robin)")
     p.add_argument("--max-concurrent-activities", type=int, default=0,
                    help="override the worker's max_concurrent_activities (0: the product default)")

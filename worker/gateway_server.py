@@ -440,9 +440,15 @@ def serve(settings: Settings, environ: Mapping[str, str] | None = None) -> int:
     try:
         cfg = GatewayServerConfig.from_settings(settings, environ)
         key = cfg.ticket_key_file.read_bytes().strip()
-        api = _kube_api(cfg.kubeconfig)
+        if len(key) < 16:
+            raise ConfigError(f"{cfg.ticket_key_file}: the join ticket key must be at least 16 bytes")
+        try:
+            api = _kube_api(cfg.kubeconfig)
+        except config.ConfigException as exc:
+            raise ConfigError(f"no Kubernetes credentials: KUBEON_GATEWAY_KUBECONFIG is not set and this is not a "
+                              f"pod with a ServiceAccount ({exc})") from None
         gateway = KubeGateway(api, key)
-    except (ConfigError, OSError, ValueError, config.ConfigException) as exc:
+    except (ConfigError, OSError, ValueError) as exc:
         print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
         return 2
     reviewer = TokenReviewer(api, cfg.token_audiences)

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError
 
 from models.operation import (
     LABEL_GPU_PRODUCT,
@@ -212,17 +212,25 @@ class BurstWorkflow:
             sa.OPERATION_KIND.value_set("Burst"), sa.OPERATION.value_set(self.operation),
         ])
         try:
-            return await self._run(inp)
+            try:
+                return await self._run(inp)
+            except (ActivityError, ChildWorkflowError) as exc:
+                # A cancelled operation may surface as the cancelled activity or child it was waiting on.
+                if isinstance(exc.cause, CancelledError):
+                    raise asyncio.CancelledError(str(exc.cause)) from exc
+                raise
         except asyncio.CancelledError:
             # Cancelled from the UI or CLI: drain and remove what this operation made, then end cancelled.
-            self._set_phase(Phase.CANCELLED, "cancelled; returning what was made")
+            self.history.append("cancel requested: returning what was made")
             await self._compensate("cancelled")
+            self._set_phase(Phase.CANCELLED, "cancelled; what it made was drained and removed")
             await self._audit("cancelled")
             raise
         except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
             reason = _message(exc)
-            self._set_phase(Phase.FAILED, reason)
+            self.history.append(f"failed: {reason}; compensating")
             await self._compensate(reason)
+            self._set_phase(Phase.FAILED, reason)
             await self._audit("failed", reason)
             return self._result()
 

@@ -155,7 +155,12 @@ async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
                 await asyncio.sleep(0.2)
         return await handle.result()
 
-    raw = await asyncio.wait_for(started_then_result(), timeout)
+    try:
+        raw = await asyncio.wait_for(started_then_result(), timeout)
+    except TimeoutError:
+        view = await handle.query("state", result_type=OperationView)
+        raise AssertionError(f"{handle.id} not done after {timeout}s: {view.phase.value}; "
+                             f"{view.history[-4:]}") from None
     return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
 
 

@@ -25,7 +25,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.audit import AuditLog
 from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, parse_user_data_ticket
-from activities.gateway_http import GatewayRefused, GatewayUnavailable, HttpGatewayClient, join_over_http
+from activities.gateway_http import (
+    IN_CLUSTER_TOKEN_FILE,
+    GatewayRefused,
+    GatewayUnavailable,
+    HttpGatewayClient,
+    join_over_http,
+)
 from activities.kube import KubeOps
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
 from models.operation import (
@@ -43,6 +49,8 @@ from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfi
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_RULES, OPTIMIZER_SA, grant
 from worker import ops
+from worker.config import ConfigError, load_settings
+from worker.gateway_server import GatewayServerConfig, http_gateway_client
 from worker.main import worker_services
 from worker.runtime import Runtime
 
@@ -561,3 +569,56 @@ def test_gateway_log_carries_no_tokens_or_tickets(gateway: GatewayProcess, setup
     assert "Bearer" not in log
     assert not [line for line in log.splitlines() if "eyJ" in line]  # no JWT, no base64 JSON ticket body
     json.dumps(log)  # printable
+
+
+# ----- configuration -------------------------------------------------------------------------------------------
+
+
+def test_configuration_from_the_environment(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    base = {"KUBEON_CLUSTER": "c", "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key)}
+    cfg = GatewayServerConfig.from_settings(load_settings(base), base)
+    assert (cfg.host, cfg.port, cfg.health_port) == ("0.0.0.0", 8443, 8080)  # what the chart probes
+    assert cfg.allowed_clients == {OPTIMIZER_USER}
+    assert cfg.kubeconfig is None and not cfg.tls and cfg.token_audiences == ()
+
+    env = {**base, "KUBEON_GATEWAY_LISTEN": "[::1]:9443", "KUBEON_GATEWAY_ALLOWED_CLIENTS": " a , b ,",
+           "KUBEON_GATEWAY_TOKEN_AUDIENCES": "kubeon-gpu-gateway"}
+    cfg = GatewayServerConfig.from_settings(load_settings(env), env)
+    assert (cfg.host, cfg.port, cfg.allowed_clients, cfg.token_audiences) == ("::1", 9443, {"a", "b"},
+                                                                               ("kubeon-gpu-gateway",))
+    for extra, message in (({"KUBEON_GATEWAY_LISTEN": "8443"}, "KUBEON_GATEWAY_LISTEN"),
+                           ({"KUBEON_GATEWAY_TLS_CERT_FILE": "/c.pem"}, "go together"),
+                           ({"KUBEON_GATEWAY_ALLOWED_CLIENTS": " , "}, "KUBEON_GATEWAY_ALLOWED_CLIENTS is empty")):
+        env = {**base, **extra}
+        with pytest.raises(ConfigError, match=message):
+            GatewayServerConfig.from_settings(load_settings(env), env)
+    env = {"KUBEON_CLUSTER": "c"}
+    with pytest.raises(ConfigError, match="KUBEON_GATEWAY_TICKET_KEY_FILE is required"):
+        GatewayServerConfig.from_settings(load_settings(env), env)
+
+    # The worker's client: KUBEON_GATEWAY_URL and the in-cluster token unless told otherwise.
+    env = {"KUBEON_CLUSTER": "c", "KUBEON_GATEWAY_URL": "https://gw.example:8443/"}
+    with http_gateway_client(load_settings(env), env) as http:
+        assert http.base_url == "https://gw.example:8443"
+        assert http._token_file == IN_CLUSTER_TOKEN_FILE
+    with pytest.raises(ValueError, match="must start with https://"):
+        HttpGatewayClient("gw.example:8443", tmp_path / "t")
+
+
+def test_a_misconfigured_gateway_exits_2_naming_the_problem(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
+    short = tmp_path / "short.key"
+    short.write_text("too short")
+    long = tmp_path / "long.key"
+    long.write_text("k" * 64)
+    for extra, message in (({}, "KUBEON_GATEWAY_TICKET_KEY_FILE is required"),
+                           ({"KUBEON_GATEWAY_TICKET_KEY_FILE": str(tmp_path / "missing")}, "No such file"),
+                           ({"KUBEON_GATEWAY_TICKET_KEY_FILE": str(short)}, "at least 16 bytes"),
+                           ({"KUBEON_GATEWAY_TICKET_KEY_FILE": str(long)}, "no Kubernetes credentials")):
+        proc = subprocess.run([sys.executable, "-m", "worker.gateway_server"], env={**env, **extra}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr
+        assert proc.stderr.startswith("kubeon-gpu gateway: ")

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from kubernetes import client, watch
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
 from models.operation import LABEL_POLICY, DrainStatus, OperationView, Phase, burst_workflow_id
@@ -184,8 +185,9 @@ async def test_cancel_drains_and_removes_what_it_made(stack: BurstStack, worker:
     handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
     view = await wait_phase(handle, Phase.SERVING)
     await ops.cancel(temporal, view.operation)
-    with pytest.raises(Exception, match="cancel"):
+    with pytest.raises(WorkflowFailureError) as err:
         await result(handle)
+    assert isinstance(err.value.cause, CancelledError), repr(err.value.cause)
     assert not admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items
     final = await handle.query("state", result_type=type(view))
     assert final.phase == Phase.CANCELLED
