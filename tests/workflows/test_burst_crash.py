@@ -1,0 +1,162 @@
+"""Crash safety: the worker (`kubeon-gpu worker`, its own process) is SIGKILLed while waiting for the join,
+while draining, and just after the launch call returns. After a restart each operation completes, exactly one
+instance was ever launched for it, and none is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from temporalio.testing import WorkflowEnvironment
+
+from models.operation import TAG_OPERATION, OperationView, Phase, burst_workflow_id
+from tests.harness.burst import (
+    BurstStack,
+    build_stack,
+    gpu_deployment,
+    result,
+    unique,
+    wait_for,
+    wait_phase,
+    worker_process,
+)
+from tests.harness.kube import Cluster
+from worker.config import Settings
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("crash"))
+
+
+class Workers:
+    """Starts and kills `kubeon-gpu worker` processes; none outlives the test."""
+
+    def __init__(self, settings: Settings, log: Path) -> None:
+        self.settings, self.log = settings, log
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> subprocess.Popen[bytes]:
+        proc = worker_process(self.settings, self.log)
+        self.procs.append(proc)
+        return proc
+
+    def kill(self) -> None:
+        proc = self.procs[-1]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def scenario(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, request: pytest.FixtureRequest
+             ) -> Iterator[dict[str, Any]]:
+    product = unique("NVIDIA-C")
+    location: dict[str, Any] = {
+        "name": "sim/eu-west", "sim": {"bootSeconds": 0.3},
+        "offerings": [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": 1.0}]}
+    location["sim"].update(getattr(request, "param", {}))
+    queue = unique("crash")
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=[location], cluster_name=queue)
+    policy = unique("crash")
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], return_home=True)
+    workers = Workers(settings, stack.workdir / f"{queue}.log")
+    try:
+        yield {"settings": settings, "policy": policy, "product": product, "workers": workers,
+               "temporal": temporal_dev_server.client}
+    finally:
+        workers.stop_all()
+        stack.delete_policy(policy)
+
+
+def sim_instances(settings: Settings, operation: str) -> list[dict[str, Any]]:
+    state = json.loads((settings.state_dir / "sim-instances.json").read_text())
+    return [rec for rec in state.values() if rec["tags"].get(TAG_OPERATION) == operation]
+
+
+async def _start_workload(stack: BurstStack, s: dict[str, Any], namespace: str) -> tuple[Any, str]:
+    deploy = unique("infer")
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=s["product"]))
+    wf_id = burst_workflow_id(s["settings"].cluster, s["policy"], f"{namespace}/Deployment/{deploy}")
+    return s["temporal"].get_workflow_handle(wf_id), deploy
+
+
+async def _finish(stack: BurstStack, s: dict[str, Any], handle: Any, namespace: str, deploy: str) -> OperationView:
+    view = await wait_phase(handle, Phase.SERVING, timeout=150)
+    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    done = await result(handle, timeout=150)
+    assert done.phase == Phase.COMPLETED, done.message
+    return view
+
+
+def _exactly_one_instance_none_left(s: dict[str, Any], stack: BurstStack, view: OperationView) -> None:
+    launched = sim_instances(s["settings"], view.operation)
+    assert len(launched) == 1, launched
+    assert launched[0]["state"] == "terminated"
+    assert not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items
+
+
+@pytest.mark.parametrize("scenario", [{"bootSeconds": 6}], indirect=True)
+async def test_killed_while_waiting_for_join(stack: BurstStack, scenario: dict[str, Any], namespace: str) -> None:
+    s = scenario
+    s["workers"].start()
+    handle, deploy = await _start_workload(stack, s, namespace)
+    joining = await wait_phase(handle, Phase.JOINING, timeout=90)
+    assert len(sim_instances(s["settings"], joining.operation)) == 1
+    s["workers"].kill()  # the simulated instance is still booting; its boot resumes with the next worker
+    s["workers"].start()
+    view = await _finish(stack, s, handle, namespace, deploy)
+    _exactly_one_instance_none_left(s, stack, view)
+
+
+@pytest.mark.parametrize("scenario", [{"killWorkerAfterLaunch": True}], indirect=True)
+async def test_killed_just_after_launch_returns(stack: BurstStack, scenario: dict[str, Any], namespace: str) -> None:
+    s = scenario
+    first = s["workers"].start()
+    handle, deploy = await _start_workload(stack, s, namespace)
+    # The simulated cloud kills the worker right after starting the instance: the launch never reported back.
+    wait_for(lambda: first.poll() is not None, what="worker killed inside the launch", timeout=90)
+    assert first.returncode == -signal.SIGKILL
+    s["workers"].start()
+    view = await _finish(stack, s, handle, namespace, deploy)
+    _exactly_one_instance_none_left(s, stack, view)
+
+
+async def test_killed_while_draining(stack: BurstStack, scenario: dict[str, Any], namespace: str) -> None:
+    s = scenario
+    admin = stack.cluster.admin
+    s["workers"].start()
+    handle, deploy = await _start_workload(stack, s, namespace)
+    admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+        metadata=client.V1ObjectMeta(name="hold"),
+        spec=client.V1PodDisruptionBudgetSpec(min_available=1,
+                                              selector=client.V1LabelSelector(match_labels={"app": deploy}))))
+    view = await wait_phase(handle, Phase.SERVING, timeout=90)
+    home = unique("home")
+    stack.cluster.create_kwok_node(home, labels={"nvidia.com/gpu.product": s["product"]})
+    try:
+        await wait_phase(handle, Phase.DRAINING, timeout=60)  # held there by the PDB
+        s["workers"].kill()
+        s["workers"].start()
+        admin.policy.patch_namespaced_pod_disruption_budget("hold", namespace, {"spec": {"minAvailable": 0}})
+        done = await result(handle, timeout=150)
+        assert done.phase == Phase.COMPLETED, done.message
+        _exactly_one_instance_none_left(s, stack, view)
+    finally:
+        admin.apps.delete_namespaced_deployment(deploy, namespace)
+        admin.core.delete_node(home)
