@@ -30,7 +30,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -57,7 +57,14 @@ from bench.observe import (
     seconds_between,
     utc_now,
 )
-from models.operation import TERMINAL_PHASES, BurstResult, OperationView, Phase, burst_workflow_id
+from models.operation import (
+    TERMINAL_PHASES,
+    BurstResult,
+    OperationView,
+    Phase,
+    burst_workflow_id,
+    ledger_workflow_id,
+)
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, worker_process
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
@@ -196,6 +203,7 @@ class Bench:
     settings: Settings
     worker: subprocess.Popen[bytes]
     worker_log: Path
+    temporal_log: Path
     sampler: ProcessSampler
     observer: ClusterObserver
     pool: ThreadPoolExecutor
@@ -383,9 +391,17 @@ async def diagnose(b: Bench, policy: str) -> list[str]:
     lines.append(f"{serving} operation(s) Serving: each holds one activity slot (serve_until_done) while it serves; "
                  f"the worker runs at most max_concurrent_activities={b.settings.max_concurrent_activities} "
                  "activities at once")
-    errors = [ln for ln in tail(b.worker_log, 400_000).splitlines() if " ERROR " in ln or "Traceback" in ln]
-    lines.append(f"worker log: {len(errors)} ERROR/Traceback line(s)" + (f"; last: {errors[-1][:200]}" if errors
-                                                                          else ""))
+    ledger = await b.temporal.get_workflow_handle(ledger_workflow_id(b.settings.cluster, policy)).describe()
+    task = ledger.raw_description.pending_workflow_task
+    lines.append(f"ledger workflow {ledger.id}: {ledger.status.name if ledger.status else '?'}, history length "
+                 f"{ledger.history_length}, pending workflow task attempt {task.attempt if task else 0}")
+    server = tail(b.temporal_log, 50_000_000)
+    lines.append(f"Temporal server log: {server.count('in-flight updates has been reached')} update(s) refused for the "
+                 f"per-workflow limit on in-flight updates, {server.count('workflow update was aborted')} aborted")
+    worker_log = tail(b.worker_log, 50_000_000)
+    lines.append(f"worker log: {worker_log.count('Traceback')} traceback(s); "
+                 f"{worker_log.count('Connection pool is full')} x 'Connection pool is full, discarding connection' "
+                 f"(urllib3); {worker_log.count('pod watch interrupted')} x 'pod watch interrupted'")
     return lines
 
 
@@ -606,6 +622,24 @@ def report(b: Bench) -> None:
 
 
 # -- set-up and tear-down --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """Point this process's stdout/stderr at ``path`` while a child that inherits them is started."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
+
+
 def stop_worker(proc: subprocess.Popen[bytes], timeout: float = 40.0) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -647,9 +681,12 @@ async def main_async(args: argparse.Namespace) -> int:
         log(clock, f"control plane up in {plane.started_seconds:.1f}s at {plane.server}")
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
 
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=str(dev_server_path()), data_converter=pydantic_data_converter,
-            search_attributes=list(sa.ALL), ui=False, dev_server_log_level="error")
+        temporal_log = workdir / "temporal.log"
+        with output_to(temporal_log):  # the dev server inherits them: its errors go to its log, not the table
+            env = await WorkflowEnvironment.start_local(
+                dev_server_existing_path=str(dev_server_path()), data_converter=pydantic_data_converter,
+                search_attributes=list(sa.ALL), ui=False, dev_server_log_level="error",
+                dev_server_extra_args=[a for kv in args.dynamic_config for a in ("--dynamic-config-value", kv)])
         stack.push_async_callback(env.shutdown)
         log(clock, f"Temporal dev server up at {env.client.service_client.config.target_host}")
 
@@ -678,6 +715,7 @@ async def main_async(args: argparse.Namespace) -> int:
                    f"{sampler.mib(sampler.last_rss_kib):.0f} MiB")
 
         b = Bench(args=args, clock=clock, workdir=workdir, run=run, cluster=cluster, stack=burst,
+                  temporal_log=temporal_log,
                   temporal=env.client, settings=settings, worker=proc, worker_log=worker_log, sampler=sampler,
                   observer=observer, pool=pool, audit_file=settings.state_dir / "audit.jsonl",
                   idle_rss_kib=sampler.last_rss_kib)
@@ -721,6 +759,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds the scale scenario waits for all workflows to close after deleting the workloads")
     p.add_argument("--stall-seconds", type=float, default=90.0,
                    help="stop a wait early when nothing moved for this long")
+    p.add_argument("--dynamic-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a Temporal dev server dynamic config value, e.g. history.maxInFlightUpdates=1000 "
+                        "(repeatable; default: the server's defaults)")
     p.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, audit.jsonl)")
     return p.parse_args(argv)

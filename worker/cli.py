@@ -56,6 +56,13 @@ def _worker(_: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(_: argparse.Namespace) -> int:
+    from worker.gateway_server import main as gateway_main
+
+    gateway_main()
+    return 0
+
+
 def _ops(args: argparse.Namespace) -> int:
     from models.operation import Approval, Rejection
     from worker import ops
@@ -135,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the version").set_defaults(func=_version)
     sub.add_parser("worker", help="run the Temporal worker and the pending-pod watcher").set_defaults(
         func=_worker)
+    sub.add_parser("gateway", help="run the burst gateway (node admission and removal)").set_defaults(
+        func=_gateway)
+    sub.add_parser("hub", help="run the self-hosted hub (`kubeon-gpu hub --help`)")
 
     ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)
@@ -161,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["hub"]:  # the hub parses its own options (and --help)
+        from hub.server import serve as hub_serve
+
+        return int(hub_serve(argv[1:], prog="kubeon-gpu hub") or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -38,6 +38,14 @@ class Settings(BaseModel):
     # In-process gateway (dev and tests): its own kubeconfig and ticket key, never the optimizer's.
     gateway_kubeconfig: Path | None = None
     gateway_ticket_key_file: Path | None = None
+    # The gateway process (`kubeon-gpu gateway`) and the worker's HTTP client of it.
+    gateway_listen: str = "0.0.0.0:8443"
+    gateway_tls_cert_file: Path | None = None
+    gateway_tls_key_file: Path | None = None
+    gateway_allowed_clients: str = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
+    gateway_token_audiences: str = ""
+    gateway_token_file: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    gateway_ca_file: Path | None = None
     state_dir: Path = Path("/tmp/kubeon")
     aws_endpoint_url: str | None = None
     health_port: int = 8080

@@ -40,9 +40,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from activities.gateway import JoinTicketRequest, KubeGateway, TicketError
-from activities.gateway_http import IN_CLUSTER_TOKEN_FILE, HttpGatewayClient
 from models.operation import LABEL_OPERATION
 from worker.config import ConfigError, Settings, load_settings
+from worker.runtime import kube_api
 
 log = logging.getLogger("kubeon.gateway")
 
@@ -60,14 +60,6 @@ NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-
 
 
 # ----- configuration -------------------------------------------------------------------------------------------
-
-
-def _setting(settings: Settings, name: str, environ: Mapping[str, str], default: str | None = None) -> str | None:
-    """A Settings field, or its ``KUBEON_<NAME>`` variable while Settings does not have the field yet."""
-    value = getattr(settings, name, None)
-    if value is None or value == "":
-        value = environ.get("KUBEON_" + name.upper()) or default
-    return None if value is None else str(value)
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -98,45 +90,25 @@ class GatewayServerConfig:
         return self.tls_cert_file is not None
 
     @classmethod
-    def from_settings(cls, settings: Settings, environ: Mapping[str, str] | None = None) -> GatewayServerConfig:
-        env = os.environ if environ is None else environ
-        host, port = parse_listen(_setting(settings, "gateway_listen", env, DEFAULT_LISTEN) or DEFAULT_LISTEN)
+    def from_settings(cls, settings: Settings) -> GatewayServerConfig:
+        host, port = parse_listen(settings.gateway_listen)
         if settings.gateway_ticket_key_file is None:
             raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is required: the file holding the join ticket key")
-        cert = _setting(settings, "gateway_tls_cert_file", env)
-        key = _setting(settings, "gateway_tls_key_file", env)
+        cert, key = settings.gateway_tls_cert_file, settings.gateway_tls_key_file
         if bool(cert) != bool(key):
             raise ConfigError("KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE go together")
-        allowed = _setting(settings, "gateway_allowed_clients", env, DEFAULT_ALLOWED_CLIENTS) or ""
-        clients = frozenset(c.strip() for c in allowed.split(",") if c.strip())
+        clients = frozenset(c.strip() for c in settings.gateway_allowed_clients.split(",") if c.strip())
         if not clients:
             raise ConfigError("KUBEON_GATEWAY_ALLOWED_CLIENTS is empty: name the optimizer's ServiceAccount user, "
                               f"e.g. {DEFAULT_ALLOWED_CLIENTS}")
-        audiences = _setting(settings, "gateway_token_audiences", env) or ""
+        audiences = settings.gateway_token_audiences
         # The gateway's own credentials: KUBEON_GATEWAY_KUBECONFIG, else KUBEON_KUBECONFIG, else in-cluster.
         kubeconfig = settings.gateway_kubeconfig or settings.kubeconfig
         return cls(
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
-            kubeconfig=kubeconfig, tls_cert_file=Path(cert) if cert else None,
-            tls_key_file=Path(key) if key else None, allowed_clients=clients,
+            kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
         )
-
-
-def http_gateway_client(settings: Settings, environ: Mapping[str, str] | None = None) -> HttpGatewayClient:
-    """The worker's client for a gateway running as its own Deployment at ``KUBEON_GATEWAY_URL``."""
-    env = os.environ if environ is None else environ
-    token_file = _setting(settings, "gateway_token_file", env, str(IN_CLUSTER_TOKEN_FILE))
-    ca_file = _setting(settings, "gateway_ca_file", env)
-    return HttpGatewayClient(settings.gateway_url, token_file or IN_CLUSTER_TOKEN_FILE, ca_file=ca_file)
-
-
-def _kube_api(kubeconfig: Path | None) -> client.ApiClient:
-    if kubeconfig is not None:
-        return config.new_client_from_config(config_file=str(kubeconfig))
-    configuration = client.Configuration()
-    config.load_incluster_config(client_configuration=configuration)
-    return client.ApiClient(configuration)
 
 
 # ----- optimizer authentication --------------------------------------------------------------------------------
@@ -435,15 +407,15 @@ def create_health_app(state: HealthState) -> FastAPI:
 # ----- serving -------------------------------------------------------------------------------------------------
 
 
-def serve(settings: Settings, environ: Mapping[str, str] | None = None) -> int:
+def serve(settings: Settings) -> int:
     """Run the gateway until SIGTERM/SIGINT. Returns the exit code (2: configuration error)."""
     try:
-        cfg = GatewayServerConfig.from_settings(settings, environ)
+        cfg = GatewayServerConfig.from_settings(settings)
         key = cfg.ticket_key_file.read_bytes().strip()
         if len(key) < 16:
             raise ConfigError(f"{cfg.ticket_key_file}: the join ticket key must be at least 16 bytes")
         try:
-            api = _kube_api(cfg.kubeconfig)
+            api = kube_api(cfg.kubeconfig)
         except config.ConfigException as exc:
             raise ConfigError(f"no Kubernetes credentials: KUBEON_GATEWAY_KUBECONFIG is not set and this is not a "
                               f"pod with a ServiceAccount ({exc})") from None
@@ -505,11 +477,11 @@ def main() -> None:
     except ConfigError as exc:
         print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(serve(settings, environ))
+    sys.exit(serve(settings))
 
 
 if __name__ == "__main__":
     main()
 
 
-__all__ = ["GatewayServerConfig", "TokenReviewer", "create_app", "http_gateway_client", "main", "serve"]
+__all__ = ["GatewayServerConfig", "TokenReviewer", "create_app", "main", "serve"]

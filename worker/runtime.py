@@ -76,21 +76,30 @@ class Runtime:
             closer()
 
 
-def build_gateway(settings: Settings) -> KubeGateway:
-    """The in-process gateway seam, with the gateway's own credentials (dev and tests)."""
-    if settings.gateway_kubeconfig is None or settings.gateway_ticket_key_file is None:
-        raise ConfigError("KUBEON_GATEWAY_KUBECONFIG and KUBEON_GATEWAY_TICKET_KEY_FILE are needed for the "
-                          "in-process gateway")
+def build_gateway(settings: Settings) -> GatewayClient:
+    """The gateway seam. In a cluster: the gateway Deployment over HTTPS at KUBEON_GATEWAY_URL, authenticated
+    with the worker's ServiceAccount token. With KUBEON_GATEWAY_KUBECONFIG (dev, tests): in-process, still with
+    the gateway's own credentials and key, never the optimizer's."""
+    if settings.gateway_kubeconfig is None:
+        from activities.gateway_http import HttpGatewayClient
+
+        return HttpGatewayClient(settings.gateway_url, settings.gateway_token_file,
+                                 ca_file=str(settings.gateway_ca_file) if settings.gateway_ca_file else None)
+    if settings.gateway_ticket_key_file is None:
+        raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is needed with KUBEON_GATEWAY_KUBECONFIG")
     key = settings.gateway_ticket_key_file.read_bytes().strip()
     return KubeGateway(kube_api(settings.gateway_kubeconfig), key)
 
 
-def build_runtime(settings: Settings, *, gateway: KubeGateway | None = None) -> Runtime:
+def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -> Runtime:
     burst = settings.burst_config()
     kube = KubeOps(kube_api(settings.kubeconfig))
     gw = gateway or build_gateway(settings)
     providers: dict[str, Provider] = {}
     closers: list[Any] = []
+    close_gateway = getattr(gw, "close", None)
+    if close_gateway is not None:
+        closers.append(close_gateway)
     kinds = {loc.provider for loc in burst.locations}
     if "aws" in kinds:
         from activities.providers.aws import AwsProvider
@@ -103,8 +112,14 @@ def build_runtime(settings: Settings, *, gateway: KubeGateway | None = None) -> 
         def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
             # The simulated instance joins exactly as a real node: its user data's ticket, through the gateway.
             doc = parse_user_data_ticket(user_data)
-            gw.admit(doc["ticket"], capacity=capacity, annotations=KWOK_ANNOTATIONS,
-                     provider_id=f"sim://{instance.location}/{instance.instance_id}")
+            provider_id = f"sim://{instance.location}/{instance.instance_id}"
+            if isinstance(gw, KubeGateway):
+                gw.admit(doc["ticket"], capacity=capacity, annotations=KWOK_ANNOTATIONS, provider_id=provider_id)
+            else:
+                from activities.gateway_http import join_over_http
+
+                join_over_http(doc["gateway"], doc["ticket"], capacity, KWOK_ANNOTATIONS, provider_id,
+                               ca_file=str(settings.gateway_ca_file) if settings.gateway_ca_file else None)
 
         sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
         providers["sim"] = sim

@@ -35,33 +35,11 @@ from tests.charts.helm import (
     run_helm,
     template,
 )
+from tests.harness.rbac import GATEWAY_RULES, OPTIMIZER_RULES
 from worker.config import load_settings
 
-# R5.1, verbatim from "Install the GPU optimizer" > Permissions.
-DOCUMENTED_CLUSTER_ROLE = yaml.safe_load("""
-rules:
-  - apiGroups: [""]
-    resources: [nodes, pods, namespaces]
-    verbs: [get, list, watch]
-  - apiGroups: [apps]
-    resources: [deployments, statefulsets, replicasets]
-    verbs: [get, list, watch]
-  - apiGroups: [policy]
-    resources: [poddisruptionbudgets]
-    verbs: [get, list, watch]
-  - apiGroups: [""]
-    resources: [nodes]
-    verbs: [patch]
-  - apiGroups: [""]
-    resources: [pods/eviction]
-    verbs: [create]
-  - apiGroups: [karpenter.sh]
-    resources: [nodepools, nodeclaims]
-    verbs: [get, list, watch, create, patch, delete]
-  - apiGroups: [gpu.kubeon.io]
-    resources: [gpupolicies, gpupolicies/status]
-    verbs: [get, list, watch, create, update, patch, delete]
-""")["rules"]
+# R5.1 (verbatim from the install guide) lives in tests/harness/rbac.py, shared with the burst tests.
+DOCUMENTED_CLUSTER_ROLE = OPTIMIZER_RULES
 DOCUMENTED_SCALE_RULES = [
     {"apiGroups": ["apps"], "resources": ["deployments/scale", "statefulsets/scale"], "verbs": ["get", "patch"]}
 ]
@@ -185,11 +163,9 @@ def test_optimizer_has_no_secret_access_and_cannot_create_or_delete_nodes(burst:
             assert ns == "gpu-operator" and rule["resourceNames"] == ["time-slicing-config"], rule
 
 
-def test_gateway_has_only_node_rules(burst: Rendered) -> None:
+def test_gateway_has_only_node_and_tokenreview_rules(burst: Rendered) -> None:
     role = burst.get("ClusterRole", GATEWAY)
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]}
-    ]
+    assert role["rules"] == GATEWAY_RULES
     assert [rule for _, rule in bound_rules(burst, GATEWAY)] == role["rules"]
     assert burst.get("Deployment", GATEWAY)["spec"]["template"]["spec"]["serviceAccountName"] == GATEWAY
     assert burst.get("ServiceAccount", GATEWAY, NAMESPACE)

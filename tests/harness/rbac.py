@@ -30,6 +30,8 @@ OPTIMIZER_RULES = [
 # The burst gateway: node admission and Node removal, nothing the optimizer needs.
 GATEWAY_RULES = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    # It authenticates the optimizer's calls by TokenReview.
+    {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
 ]
 
 

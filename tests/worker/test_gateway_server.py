@@ -50,9 +50,9 @@ from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_RULES, OPTIMIZER_SA, grant
 from worker import ops
 from worker.config import ConfigError, load_settings
-from worker.gateway_server import GatewayServerConfig, http_gateway_client
+from worker.gateway_server import GatewayServerConfig
 from worker.main import worker_services
-from worker.runtime import Runtime
+from worker.runtime import Runtime, build_gateway
 
 pytestmark = pytest.mark.cluster
 
@@ -578,14 +578,14 @@ def test_configuration_from_the_environment(tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("k" * 32)
     base = {"KUBEON_CLUSTER": "c", "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key)}
-    cfg = GatewayServerConfig.from_settings(load_settings(base), base)
+    cfg = GatewayServerConfig.from_settings(load_settings(base))
     assert (cfg.host, cfg.port, cfg.health_port) == ("0.0.0.0", 8443, 8080)  # what the chart probes
     assert cfg.allowed_clients == {OPTIMIZER_USER}
     assert cfg.kubeconfig is None and not cfg.tls and cfg.token_audiences == ()
 
     env = {**base, "KUBEON_GATEWAY_LISTEN": "[::1]:9443", "KUBEON_GATEWAY_ALLOWED_CLIENTS": " a , b ,",
            "KUBEON_GATEWAY_TOKEN_AUDIENCES": "kubeon-gpu-gateway"}
-    cfg = GatewayServerConfig.from_settings(load_settings(env), env)
+    cfg = GatewayServerConfig.from_settings(load_settings(env))
     assert (cfg.host, cfg.port, cfg.allowed_clients, cfg.token_audiences) == ("::1", 9443, {"a", "b"},
                                                                                ("kubeon-gpu-gateway",))
     for extra, message in (({"KUBEON_GATEWAY_LISTEN": "8443"}, "KUBEON_GATEWAY_LISTEN"),
@@ -593,14 +593,14 @@ def test_configuration_from_the_environment(tmp_path: Path) -> None:
                            ({"KUBEON_GATEWAY_ALLOWED_CLIENTS": " , "}, "KUBEON_GATEWAY_ALLOWED_CLIENTS is empty")):
         env = {**base, **extra}
         with pytest.raises(ConfigError, match=message):
-            GatewayServerConfig.from_settings(load_settings(env), env)
+            GatewayServerConfig.from_settings(load_settings(env))
     env = {"KUBEON_CLUSTER": "c"}
     with pytest.raises(ConfigError, match="KUBEON_GATEWAY_TICKET_KEY_FILE is required"):
-        GatewayServerConfig.from_settings(load_settings(env), env)
+        GatewayServerConfig.from_settings(load_settings(env))
 
     # The worker's client: KUBEON_GATEWAY_URL and the in-cluster token unless told otherwise.
     env = {"KUBEON_CLUSTER": "c", "KUBEON_GATEWAY_URL": "https://gw.example:8443/"}
-    with http_gateway_client(load_settings(env), env) as http:
+    with build_gateway(load_settings(env)) as http:  # type: ignore[attr-defined]
         assert http.base_url == "https://gw.example:8443"
         assert http._token_file == IN_CLUSTER_TOKEN_FILE
     with pytest.raises(ValueError, match="must start with https://"):
