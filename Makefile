@@ -5,9 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: test dev venv binaries lint pytest clean
+.PHONY: test dev venv binaries system-deps lint pytest clean
 
-test: venv binaries lint pytest
+test: venv binaries system-deps lint pytest
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -25,12 +25,19 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile
+
+# PostgreSQL from Debian's package: the hub's tests run against it as well as SQLite.
+system-deps:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
 
 pytest: venv binaries
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Everything on this machine: Temporal dev server + UI, control plane with kwok, sim locations, the worker.
 dev: venv binaries
-	$(BIN)/kubeon-gpu dev
+	$(BIN)/python -m tests.harness.dev
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .kubeon

@@ -342,11 +342,15 @@ async def latency_scenario(b: Bench, samples: int) -> None:
 Check = Callable[[], Awaitable[tuple[bool, str, tuple[int, ...]]]]
 
 
+HUNG = "the worker used no CPU"
+
+
 async def progress_loop(b: Bench, what: str, done: Check, deadline_s: float, stall_s: float) -> str:
     """Print a line every --progress seconds until ``done`` says so; "" when done, else why it stopped."""
     start = time.monotonic()
     last_change, last_key = time.monotonic(), None
     cpu0, t0 = cpu_seconds(b.worker.pid) or 0.0, time.monotonic()
+    idle_since: float | None = None
     while True:
         b.check_worker()
         finished, line, key = await done()
@@ -357,13 +361,24 @@ async def progress_loop(b: Bench, what: str, done: Check, deadline_s: float, sta
         b.say(f"{what}: {line} | worker RSS {b.sampler.mib(b.sampler.last_rss_kib):.0f} MiB, CPU {cpu_pct:.0f}%")
         if finished:
             return ""
+        idle_since = (idle_since or t1) if cpu_pct < 0.5 else None
         if key != last_key:
             last_key, last_change = key, time.monotonic()
         if time.monotonic() - start > deadline_s:
             return f"deadline of {deadline_s:.0f}s reached"
+        if idle_since is not None and t1 - idle_since >= b.args.hung_seconds:
+            # Serving operations check their node every serve_check_seconds: a live worker is never idle this long.
+            return f"{HUNG} for {t1 - idle_since:.0f}s while operations are open: it is hung"
         if time.monotonic() - last_change > stall_s:
             return f"no progress for {stall_s:.0f}s"
         await asyncio.sleep(b.args.progress)
+
+
+def log_silence(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return math.nan
 
 
 async def diagnose(b: Bench, policy: str) -> list[str]:
@@ -399,7 +414,8 @@ async def diagnose(b: Bench, policy: str) -> list[str]:
     lines.append(f"Temporal server log: {server.count('in-flight updates has been reached')} update(s) refused for the "
                  f"per-workflow limit on in-flight updates, {server.count('workflow update was aborted')} aborted")
     worker_log = tail(b.worker_log, 50_000_000)
-    lines.append(f"worker log: {worker_log.count('Traceback')} traceback(s); "
+    lines.append(f"worker log: last written {log_silence(b.worker_log):.0f}s ago; "
+                 f"{worker_log.count('Traceback')} traceback(s); "
                  f"{worker_log.count('Connection pool is full')} x 'Connection pool is full, discarding connection' "
                  f"(urllib3); {worker_log.count('pod watch interrupted')} x 'pod watch interrupted'")
     return lines
@@ -537,9 +553,13 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
         line = f"workflows closed {closed}/{total} (Completed {completed}) [{shown}] | burst nodes left {left}"
         return closed >= total, line, (closed, left, *phases.values())
 
-    why = await progress_loop(b, "drain", closed_done, b.args.complete_deadline, b.args.stall_seconds)
-    if why:
-        out.completion_note = why
+    if why.startswith(HUNG):
+        out.completion_note = "not waited for: the worker is hung"
+        b.say(f"scale: {out.completion_note}")
+    else:
+        why = await progress_loop(b, "drain", closed_done, b.args.complete_deadline, b.args.stall_seconds)
+        if why:
+            out.completion_note = why
 
     await refresh()
     closes = [r.closed for r in out.records if r.closed is not None]
@@ -753,12 +773,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-timeout", type=float, default=60.0,
                    help="seconds one latency sample may take to reach Serving, and again to complete")
     p.add_argument("--latency-budget", type=float, default=240.0, help="seconds for all latency samples")
-    p.add_argument("--serve-deadline", type=float, default=420.0,
+    p.add_argument("--serve-deadline", type=float, default=360.0,
                    help="seconds the scale scenario waits for all operations to be Serving")
-    p.add_argument("--complete-deadline", type=float, default=240.0,
+    p.add_argument("--complete-deadline", type=float, default=180.0,
                    help="seconds the scale scenario waits for all workflows to close after deleting the workloads")
     p.add_argument("--stall-seconds", type=float, default=90.0,
                    help="stop a wait early when nothing moved for this long")
+    p.add_argument("--hung-seconds", type=float, default=30.0,
+                   help="stop a wait early when the worker used no CPU for this long while operations are open")
     p.add_argument("--dynamic-config", action="append", default=[], metavar="KEY=VALUE",
                    help="a Temporal dev server dynamic config value, e.g. history.maxInFlightUpdates=1000 "
                         "(repeatable; default: the server's defaults)")

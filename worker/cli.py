@@ -118,15 +118,6 @@ def _render_view(view: OperationView) -> str:
     return "\n".join(lines)
 
 
-def _dev(_: argparse.Namespace) -> int:
-    print(
-        "kubeon-gpu dev: not available yet. It needs the burst workflow, the sim provider and the worker "
-        "(issue: Burst end to end). The test harness is ready: `make test`.",
-        file=sys.stderr,
-    )
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubeon-gpu", description="KubeOn GPU optimizer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,7 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     cancelling = ops_sub.add_parser("cancel", help="cancel: drain and remove what the operation made")
     cancelling.add_argument("operation")
     ops_parser.set_defaults(func=_ops)
-    sub.add_parser("dev", help="run everything locally").set_defaults(func=_dev)
     return parser
 
 

@@ -1,0 +1,172 @@
+"""`make dev`: everything on one machine, no cloud account.
+
+The Temporal dev server (UI at http://127.0.0.1:8233), the local control plane with kwok, two `sim` locations
+with different prices, a home GPU node, the worker (`kubeon-gpu worker`, with the optimizer's own
+ServiceAccount; the gateway in-process with its own), and the example policies from examples/policies.
+Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from models.policy import API_GROUP, PLURAL, parse_policy
+from tests.harness.burst import build_stack, worker_process
+from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
+from tests.harness.kube import Kube, wait_for
+from tests.harness.temporal import dev_server_path
+from workflows import search_attributes
+
+ROOT = Path(__file__).resolve().parents[2]
+DEV_LOCATIONS = [
+    {"name": "sim/eu-west", "sim": {"bootSeconds": 3},
+     "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.95},
+                   {"instanceType": "sim.l4.4", "gpus": 4, "gpuProduct": "NVIDIA-L4", "usdPerHour": 3.6}]},
+    {"name": "sim/us-east", "sim": {"bootSeconds": 3},
+     "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 1.35}]},
+]
+
+
+def say(msg: str) -> None:
+    print(f"[kubeon dev] {msg}", flush=True)
+
+
+def start_temporal(workdir: Path, port: int, ui_port: int) -> subprocess.Popen[bytes]:
+    argv = [str(dev_server_path()), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port),
+            "--ui-port", str(ui_port), "--db-filename", str(workdir / "temporal.db"), "--log-level", "warn",
+            "--metrics-port", str(free_port())]
+    for key in search_attributes.ALL:
+        argv += ["--search-attribute", f"{key.name}=Keyword"]
+    log = open(workdir / "temporal.log", "ab")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    import socket
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"Temporal dev server exited {proc.returncode}; see {workdir / 'temporal.log'}")
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(listening, what=f"Temporal on 127.0.0.1:{port}", timeout=60)
+    return proc
+
+
+def load_policies(admin: Kube, folder: Path) -> list[str]:
+    names = []
+    for path in sorted(folder.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc:
+                continue
+            policy = parse_policy(doc)  # refuse a broken example loudly, naming the field
+            try:
+                admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, doc)
+            except Exception as exc:
+                if getattr(exc, "status", None) != 409:
+                    raise
+                admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, policy.name,
+                                                         {"spec": doc["spec"]})
+            names.append(policy.name)
+    return names
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=40)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make dev", description=__doc__)
+    parser.add_argument("--dir", type=Path, default=ROOT / ".kubeon" / "dev")
+    parser.add_argument("--temporal-port", type=int, default=7233)
+    parser.add_argument("--ui-port", type=int, default=8233)
+    parser.add_argument("--policies", type=Path, default=ROOT / "examples" / "policies")
+    args = parser.parse_args(argv)
+
+    workdir: Path = args.dir
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh cluster each time: state of a previous run is stale
+    workdir.mkdir(parents=True)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    plane = ControlPlane(workdir / "controlplane")
+    temporal: subprocess.Popen[bytes] | None = None
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
+        try:
+            plane.start()
+        except ControlPlaneError as exc:
+            say(f"control plane failed: {exc}")
+            return 1
+        kubeconfig = workdir / "kubeconfig"
+        shutil.copy(plane.admin_kubeconfig, kubeconfig)
+        admin = Kube.from_kubeconfig(kubeconfig)
+        from tests.harness.kube import Cluster
+
+        cluster = Cluster(plane=plane, admin=admin)
+        say(f"starting the Temporal dev server on 127.0.0.1:{args.temporal_port}")
+        temporal = start_temporal(workdir, args.temporal_port, args.ui_port)
+
+        stack = build_stack(cluster, workdir / "stack")
+        # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
+        cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
+        names = load_policies(admin, args.policies)
+        settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
+                                  locations=DEV_LOCATIONS, cluster_name="dev", serve_check_seconds=5,
+                                  approval_timeout_seconds=86400)
+        worker = worker_process(settings, workdir / "worker.log")
+        say(f"worker started (log: {workdir / 'worker.log'}); policies loaded: {', '.join(names)}")
+        rel = os.path.relpath(kubeconfig, Path.cwd())
+        print(f"""
+KubeOn GPU optimizer is running locally.
+
+  kubeconfig   {rel}
+  Temporal UI  http://127.0.0.1:{args.ui_port}
+  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h)
+
+Next:
+  kubectl --kubeconfig {rel} apply -f examples/burst-workload.yaml
+  .venv/bin/kubeon-gpu ops list
+  .venv/bin/kubeon-gpu ops approve <OPERATION>
+
+Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
+
+Ctrl-C stops everything.
+ready""", flush=True)
+        while not stopping:
+            if worker.poll() is not None:
+                say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
+                return 1
+            time.sleep(0.5)
+        say("stopping")
+        return 0
+    finally:
+        stop(worker)
+        stop(temporal)
+        plane.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
