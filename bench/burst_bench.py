@@ -374,6 +374,25 @@ async def progress_loop(b: Bench, what: str, done: Check, deadline_s: float, sta
         await asyncio.sleep(b.args.progress)
 
 
+def dump_stacks(b: Bench) -> list[str]:
+    """The hung worker's Python stacks (py-spy, if installed), summarised by each thread's innermost frame."""
+    spy = b.args.py_spy or shutil.which("py-spy")
+    if not spy:
+        return ["(install py-spy, or pass --py-spy, to have the hung worker's stacks dumped)"]
+    out_file = b.workdir / "worker-stacks.txt"
+    proc = subprocess.run([spy, "dump", "--pid", str(b.worker.pid)], capture_output=True, text=True, timeout=60)
+    out_file.write_text(proc.stdout + proc.stderr)
+    tops: Counter[str] = Counter()
+    lines = proc.stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Thread ") and i + 1 < len(lines) and lines[i + 1].startswith("    "):
+            tops[lines[i + 1].strip()] += 1
+    threads = sum(tops.values())
+    summary = [f"py-spy dump of the worker ({threads} Python threads, {out_file}), innermost frames:"]
+    summary += [f"  {n:>4} x {frame}" for frame, n in tops.most_common(4)]
+    return summary
+
+
 def log_silence(path: Path) -> float:
     try:
         return time.time() - path.stat().st_mtime
@@ -532,6 +551,8 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
         out.serving_note = f"{out.reached_serving} of {n} reached Serving" + (f" ({why})" if why else "")
         b.say(f"scale: {out.serving_note}; diagnosing")
         out.diagnosis = await diagnose(b, policy)
+        if why.startswith(HUNG):
+            out.diagnosis += await b.blocking(dump_stacks, b)
         for line in out.diagnosis:
             b.say(f"  {line}")
     b.sampler.sample()
@@ -784,6 +805,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dynamic-config", action="append", default=[], metavar="KEY=VALUE",
                    help="a Temporal dev server dynamic config value, e.g. history.maxInFlightUpdates=1000 "
                         "(repeatable; default: the server's defaults)")
+    p.add_argument("--py-spy", default="", help="py-spy binary for a stack dump of a hung worker (default: PATH)")
     p.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, audit.jsonl)")
     return p.parse_args(argv)

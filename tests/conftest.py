@@ -20,6 +20,7 @@ from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.moto_server import MotoServer
 from tests.harness.temporal import dev_server_path, test_server_path
+from worker.runtime import register_search_attributes
 from workflows import search_attributes
 
 
@@ -53,6 +54,7 @@ async def temporal_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
         test_server_existing_path=str(test_server_path()),
         data_converter=pydantic_data_converter,
     )
+    await register_search_attributes(env.client)
     try:
         yield env
     finally:

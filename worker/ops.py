@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
@@ -88,22 +89,25 @@ async def show(temporal: Client, operation: str) -> OperationView:
     return await handle.query(BurstWorkflow.state)
 
 
-async def approve(temporal: Client, operation: str, approval: Approval) -> DecisionResult:
+async def _decide(temporal: Client, operation: str, update: Any, decision: Approval | Rejection) -> DecisionResult:
     handle = await resolve(temporal, operation)
+    desc = await handle.describe()
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
     try:
-        return await handle.execute_update(BurstWorkflow.approve_update, approval)
+        result: DecisionResult = await handle.execute_update(update, decision)
     except WorkflowUpdateFailedError as exc:
-        raise DecisionRefused(str(exc.cause.message if exc.cause and hasattr(exc.cause, "message")
-                                  else exc)) from None
+        # The workflow's validator refused: its message says why (wrong phase, stale plan).
+        raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
+    return result
+
+
+async def approve(temporal: Client, operation: str, approval: Approval) -> DecisionResult:
+    return await _decide(temporal, operation, BurstWorkflow.approve_update, approval)
 
 
 async def reject(temporal: Client, operation: str, rejection: Rejection) -> DecisionResult:
-    handle = await resolve(temporal, operation)
-    try:
-        return await handle.execute_update(BurstWorkflow.reject_update, rejection)
-    except WorkflowUpdateFailedError as exc:
-        raise DecisionRefused(str(exc.cause.message if exc.cause and hasattr(exc.cause, "message")
-                                  else exc)) from None
+    return await _decide(temporal, operation, BurstWorkflow.reject_update, rejection)
 
 
 async def cancel(temporal: Client, operation: str) -> str:

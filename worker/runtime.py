@@ -40,18 +40,24 @@ async def connect_temporal(settings: Settings) -> Client:
 
 
 async def register_search_attributes(temporal: Client) -> None:
-    """Register the project's search attributes (idempotent; a server that refuses leaves them to the operator)."""
+    """Register the project's search attributes (idempotent). Servers without the list call (the time-skipping
+    test server) get the add call alone."""
     from temporalio.api.enums.v1 import IndexedValueType
     from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+    from temporalio.service import RPCStatusCode
 
-    existing = await temporal.operator_service.list_search_attributes(
-        ListSearchAttributesRequest(namespace=temporal.namespace))
-    missing = {k.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for k in search_attributes.ALL
-               if k.name not in existing.custom_attributes}
-    if missing:
+    wanted = {k.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for k in search_attributes.ALL}
+    try:
+        existing = await temporal.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=temporal.namespace))
+        wanted = {k: v for k, v in wanted.items() if k not in existing.custom_attributes}
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.UNIMPLEMENTED:
+            raise
+    if wanted:
         try:
             await temporal.operator_service.add_search_attributes(
-                AddSearchAttributesRequest(namespace=temporal.namespace, search_attributes=missing))
+                AddSearchAttributesRequest(namespace=temporal.namespace, search_attributes=wanted))
         except RPCError as exc:
             if "already" not in str(exc).lower():
                 raise

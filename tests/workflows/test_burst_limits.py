@@ -196,3 +196,64 @@ async def test_cancel_drains_and_removes_what_it_made(stack: BurstStack, worker:
     pods = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
     assert pods and all(p.spec.node_name is None for p in pods)
     admin.apps.delete_namespaced_deployment(deploy, namespace)
+
+
+async def test_insufficient_capacity_falls_back_to_the_next_location(
+        stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
+    queue = unique("q")
+    locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, price=1.5)]
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=locations, cluster_name=queue)
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"])
+    deploy = unique("infer")
+    async with worker_services(settings) as (temporal, _runtime, _):
+        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
+        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+        view = await wait_phase(handle, Phase.SERVING)
+        assert view.plan is not None and view.plan.best is not None
+        assert view.plan.best.location == "sim/eu-west"  # cheapest, but full
+        assert view.instance is not None and view.instance.location == "sim/us-west"
+        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        assert (await result(handle)).phase == Phase.COMPLETED
+
+
+async def test_no_capacity_anywhere_fails_leaving_nothing(
+        stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
+    queue = unique("q")
+    locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, capacity=0)]
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=locations, cluster_name=queue)
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"])
+    deploy = unique("infer")
+    async with worker_services(settings) as (temporal, runtime, _):
+        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
+        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+        done = await result(handle)
+        assert done.phase == Phase.FAILED
+        assert "no capacity in any eligible location" in done.message
+        assert "sim/eu-west" in done.message and "sim/us-west" in done.message
+        for loc in ("sim/eu-west", "sim/us-west"):
+            assert runtime.providers["sim"].list(loc, policy=policy) == []
+        failed = [r for r in runtime.audit.read() if r.action == "failed" and r.policy == policy]
+        assert len(failed) == 1
+    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+
+
+async def test_node_that_never_joins_is_terminated(
+        stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
+    queue = unique("q")
+    slow = sim_location("sim/eu-west", product)
+    slow["sim"]["bootSeconds"] = 3600  # never boots within the join deadline
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=[slow], cluster_name=queue, join_timeout_seconds=3)
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"])
+    deploy = unique("infer")
+    async with worker_services(settings) as (temporal, runtime, _):
+        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
+        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+        done = await result(handle)
+        assert done.phase == Phase.FAILED
+        assert "did not become Ready" in done.message
+        launched = runtime.providers["sim"].list("sim/eu-west", policy=policy)
+        assert [i.state for i in launched] == ["terminated"]
+    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
