@@ -67,6 +67,15 @@ PROVIDER_REJECTED = "ProviderRejected"
 LEDGER_WORKFLOW = "PolicyLedger"
 
 
+def beat(details: str) -> None:
+    """Heartbeat, and stop if the activity was cancelled (threads get no injected CancelledError)."""
+    activity.heartbeat(details)
+    if activity.is_cancelled():
+        raise asyncio.CancelledError(f"cancelled while {details}")
+
+
+# Sync activities run in threads. They are never interrupted by an injected CancelledError (one raised inside a
+# lock, e.g. logging's, would leave it held and hang the worker); the long ones poll for cancellation instead.
 class BurstActivities:
     def __init__(
         self,
@@ -98,7 +107,7 @@ class BurstActivities:
         return provider
 
     # -- policy and plan -------------------------------------------------------------------------------------
-    @activity.defn(name="load_policy")
+    @activity.defn(name="load_policy", no_thread_cancel_exception=True)
     def load_policy(self, req: LoadPolicyRequest) -> PolicySnapshot:
         from kubernetes.client import ApiException
 
@@ -119,7 +128,7 @@ class BurstActivities:
             max_gpu_hour=float(spec.limits.max_gpu_hour), return_home=spec.return_home,
         )
 
-    @activity.defn(name="plan_burst")
+    @activity.defn(name="plan_burst", no_thread_cancel_exception=True)
     def plan_burst(self, req: PlanRequest) -> Plan:
         offerings: list[Offering] = []
         unavailable: list[str] = []
@@ -162,7 +171,7 @@ class BurstActivities:
             "release", req.operation, start_workflow_operation=start, result_type=ReservationResult)
 
     # -- launch ------------------------------------------------------------------------------------------------
-    @activity.defn(name="launch_instance")
+    @activity.defn(name="launch_instance", no_thread_cancel_exception=True)
     def launch_instance(self, req: LaunchRequest) -> Instance:
         provider = self._provider(req.offering.location)
         ticket = self.gateway.issue_ticket(JoinTicketRequest(
@@ -184,28 +193,28 @@ class BurstActivities:
             raise
         return instance
 
-    @activity.defn(name="wait_for_node")
+    @activity.defn(name="wait_for_node", no_thread_cancel_exception=True)
     def wait_for_node(self, req: NodeWaitRequest) -> str:
         try:
-            return self.kube.wait_node_ready(req.node_name, req.operation, req.timeout_seconds, activity.heartbeat)
+            return self.kube.wait_node_ready(req.node_name, req.operation, req.timeout_seconds, beat)
         except NodeJoinTimeout as exc:
             raise ApplicationError(str(exc), type=JOIN_TIMEOUT, non_retryable=True) from None
         except VerificationFailed as exc:
             raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
 
-    @activity.defn(name="verify_node")
+    @activity.defn(name="verify_node", no_thread_cancel_exception=True)
     def verify_node(self, req: NodeExpectation) -> VerifyResult:
         try:
-            return self.kube.verify_node(req, activity.heartbeat)
+            return self.kube.verify_node(req, beat)
         except VerificationFailed as exc:
             raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
 
-    @activity.defn(name="pending_pods")
+    @activity.defn(name="pending_pods", no_thread_cancel_exception=True)
     def pending_pods(self, group: WorkloadGroup) -> int:
         """How many of the group's pods still wait for a node (0: nothing left to burst for)."""
         return self.kube.pending_group_pods(group)
 
-    @activity.defn(name="serve_until_done")
+    @activity.defn(name="serve_until_done", no_thread_cancel_exception=True)
     def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
         """Hold while the burst node serves; return once the group is gone or (returnHome) home has room.
         One long heartbeating activity instead of a workflow timer loop keeps the history short."""
@@ -219,26 +228,26 @@ class BurstActivities:
                 raise asyncio.CancelledError("serving cancelled")
 
     # -- drain and removal -------------------------------------------------------------------------------------
-    @activity.defn(name="cordon_node")
+    @activity.defn(name="cordon_node", no_thread_cancel_exception=True)
     def cordon_node(self, req: NodeRef) -> bool:
         return self.kube.cordon(req.node_name)
 
-    @activity.defn(name="evict_pods")
+    @activity.defn(name="evict_pods", no_thread_cancel_exception=True)
     def evict_pods(self, req: NodeRef) -> EvictionResult:
         return self.kube.evict_pods(req.node_name)
 
-    @activity.defn(name="terminate_instance")
+    @activity.defn(name="terminate_instance", no_thread_cancel_exception=True)
     def terminate_instance(self, ref: InstanceRef) -> None:
         try:
             self._provider(ref.location).terminate(ref.location, ref.instance_id, policy=ref.policy)
         except NotOwnedError as exc:
             raise ApplicationError(str(exc), type=NOT_OWNED, non_retryable=True) from None
 
-    @activity.defn(name="remove_node")
+    @activity.defn(name="remove_node", no_thread_cancel_exception=True)
     def remove_node(self, req: NodeRemoval) -> bool:
         return self.gateway.remove_node(req.node_name, operation=req.operation)
 
-    @activity.defn(name="confirm_gone")
+    @activity.defn(name="confirm_gone", no_thread_cancel_exception=True)
     def confirm_gone(self, req: GoneCheck) -> bool:
         if self.kube.node_exists(req.node_name):
             return False
@@ -250,7 +259,7 @@ class BurstActivities:
             return True
         return inst.state in ("shutting-down", "terminated")
 
-    @activity.defn(name="cleanup_operation")
+    @activity.defn(name="cleanup_operation", no_thread_cancel_exception=True)
     def cleanup_operation(self, req: CleanupRequest) -> CleanupResult:
         """Terminate every instance tagged with the operation in any allowed location, and remove its Node.
         Used for compensation, where the workflow may not know what a crashed launch left running."""
@@ -270,7 +279,7 @@ class BurstActivities:
         return result
 
     # -- audit -------------------------------------------------------------------------------------------------
-    @activity.defn(name="record_audit")
+    @activity.defn(name="record_audit", no_thread_cancel_exception=True)
     def record_audit(self, record: AuditRecord) -> bool:
         return self.audit_log.append(record)
 

@@ -62,6 +62,8 @@ class KubeOps:
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        # A ReplicaSet's controller never changes: (namespace, name) -> (kind, name) of its owner.
+        self._rs_owner: dict[tuple[str, str], tuple[str, str]] = {}
 
     # -- policies ----------------------------------------------------------------------------------------
     def read_policy(self, name: str) -> GpuPolicy:
@@ -87,17 +89,23 @@ class KubeOps:
             return "Pod", str(pod.metadata.name)
         ref = refs[0]
         if ref.kind == "ReplicaSet":
-            try:
-                rs = self.apps.read_namespaced_replica_set(str(ref.name), str(pod.metadata.namespace))
-            except client.ApiException:
-                return "ReplicaSet", str(ref.name)
-            owners = [r for r in rs.metadata.owner_references or [] if r.controller]
-            if owners:
-                return str(owners[0].kind), str(owners[0].name)
+            key = (str(pod.metadata.namespace), str(ref.name))
+            if key not in self._rs_owner:
+                try:
+                    rs = self.apps.read_namespaced_replica_set(key[1], key[0])
+                except client.ApiException:
+                    return "ReplicaSet", str(ref.name)
+                owners = [r for r in rs.metadata.owner_references or [] if r.controller]
+                self._rs_owner[key] = (str(owners[0].kind), str(owners[0].name)) if owners else ("ReplicaSet",
+                                                                                                   key[1])
+            return self._rs_owner[key]
         return str(ref.kind), str(ref.name)
 
     def group_pods(self, group: WorkloadGroup) -> list[client.V1Pod]:
         pods = self.core.list_namespaced_pod(group.namespace).items
+        if group.owner_kind == "Deployment":  # its pods' ReplicaSets are named <deployment>-<hash>
+            pods = [p for p in pods if any(r.name.startswith(f"{group.owner_name}-")
+                                           for r in p.metadata.owner_references or [])]
         return [p for p in pods if self.owner_of(p) == (group.owner_kind, group.owner_name)
                 and not _pod_terminal(p) and p.metadata.deletion_timestamp is None]
 
@@ -150,19 +158,21 @@ class KubeOps:
         if wrong:
             raise VerificationFailed(f"node {expect.node_name} has wrong or missing labels: {wrong}")
         deadline = time.monotonic() + expect.timeout_seconds
-        namespaces = {p.namespace for p in expect.pods}
         while True:
             heartbeat(f"waiting for pods on {expect.node_name}")
-            placed = []
-            for ns in namespaces:
-                placed += [f"{ns}/{p.metadata.name}" for p in self.core.list_namespaced_pod(
-                    ns, field_selector=f"spec.nodeName={expect.node_name}").items]
+            # Any opted-in pod may land on a burst node, whatever its namespace or group.
+            placed = [f"{p.metadata.namespace}/{p.metadata.name}" for p in self._evictable(
+                self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={expect.node_name}").items)]
             if placed:
                 return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
+            if expect.group is not None and self.pending_group_pods(expect.group) == 0:
+                # The group's pods found room elsewhere meanwhile: the node is verified but idle; serving
+                # notices that and returns it home.
+                return VerifyResult(node_name=expect.node_name, pods_on_node=[])
             if time.monotonic() > deadline:
                 raise VerificationFailed(
                     f"no waiting pod was scheduled on {expect.node_name} within {expect.timeout_seconds}s")
-            time.sleep(1)
+            time.sleep(0.5)
 
     # -- serve ---------------------------------------------------------------------------------------------
     def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:

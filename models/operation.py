@@ -262,6 +262,7 @@ class NodeExpectation(Model):
     labels: dict[str, str]
     pods: list[PendingPod]
     timeout_seconds: int
+    group: WorkloadGroup | None = None
 
 
 class VerifyResult(Model):

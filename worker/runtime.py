@@ -22,11 +22,15 @@ from worker.config import ConfigError, Settings
 from workflows import search_attributes
 
 
-def kube_api(kubeconfig: Path | None) -> client.ApiClient:
-    if kubeconfig is not None:
-        return config.new_client_from_config(config_file=str(kubeconfig))
+def kube_api(kubeconfig: Path | None, *, pool_size: int = 32) -> client.ApiClient:
+    """A client whose connection pool fits the activity threads that share it (the default of 10 makes
+    concurrent activities open a new TLS connection per request)."""
     configuration = client.Configuration()
-    config.load_incluster_config(client_configuration=configuration)
+    if kubeconfig is not None:
+        config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+    else:
+        config.load_incluster_config(client_configuration=configuration)
+    configuration.connection_pool_maxsize = pool_size
     return client.ApiClient(configuration)
 
 
@@ -99,7 +103,7 @@ def build_gateway(settings: Settings) -> GatewayClient:
 
 def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -> Runtime:
     burst = settings.burst_config()
-    kube = KubeOps(kube_api(settings.kubeconfig))
+    kube = KubeOps(kube_api(settings.kubeconfig, pool_size=settings.max_concurrent_activities + 8))
     gw = gateway or build_gateway(settings)
     providers: dict[str, Provider] = {}
     closers: list[Any] = []

@@ -120,6 +120,9 @@ class PendingPodWatcher:
                             expired = True
                             w.stop()
                             break
+                        if event["type"] == "BOOKMARK":  # left as a dict by the client: only its resourceVersion
+                            rv = event["raw_object"]["metadata"]["resourceVersion"]
+                            continue
                         rv = obj.metadata.resource_version
                         if event["type"] in ("ADDED", "MODIFIED"):
                             loop.call_soon_threadsafe(queue.put_nowait, obj)

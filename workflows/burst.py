@@ -310,7 +310,7 @@ class BurstWorkflow:
         verified = await workflow.execute_activity(
             "verify_node",
             NodeExpectation(node_name=self.node_name, taint_key=self.policy.tolerate, labels=self._labels(),
-                            pods=inp.group.pods, timeout_seconds=s.verify_timeout_seconds),
+                            pods=inp.group.pods, timeout_seconds=s.verify_timeout_seconds, group=inp.group),
             result_type=VerifyResult, start_to_close_timeout=timedelta(seconds=s.verify_timeout_seconds + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
         await self._audit("verified", ", ".join(verified.pods_on_node))
