@@ -150,25 +150,23 @@ class BurstActivities:
             raise ApplicationError("activities were started without a Temporal client", non_retryable=True)
         return self.temporal
 
-    @activity.defn(name="reserve_capacity")
-    async def reserve_capacity(self, req: LedgerReserve) -> ReservationResult:
+    async def _ledger_update(self, cluster: str, policy: str, update: str, arg: object) -> ReservationResult:
+        """An update on the policy's ledger, starting the ledger if it is not running yet."""
         start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            LEDGER_WORKFLOW, LedgerInput(cluster=req.cluster, policy=req.policy),
-            id=ledger_workflow_id(req.cluster, req.policy), task_queue=self.task_queue,
+            LEDGER_WORKFLOW, LedgerInput(cluster=cluster, policy=policy),
+            id=ledger_workflow_id(cluster, policy), task_queue=self.task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )
         return await self._client().execute_update_with_start_workflow(
-            "reserve", req.request, start_workflow_operation=start, result_type=ReservationResult)
+            update, arg, start_workflow_operation=start, result_type=ReservationResult)
+
+    @activity.defn(name="reserve_capacity")
+    async def reserve_capacity(self, req: LedgerReserve) -> ReservationResult:
+        return await self._ledger_update(req.cluster, req.policy, "reserve", req.request)
 
     @activity.defn(name="release_capacity")
     async def release_capacity(self, req: LedgerRelease) -> ReservationResult:
-        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            LEDGER_WORKFLOW, LedgerInput(cluster=req.cluster, policy=req.policy),
-            id=ledger_workflow_id(req.cluster, req.policy), task_queue=self.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        )
-        return await self._client().execute_update_with_start_workflow(
-            "release", req.operation, start_workflow_operation=start, result_type=ReservationResult)
+        return await self._ledger_update(req.cluster, req.policy, "release", req.operation)
 
     # -- launch ------------------------------------------------------------------------------------------------
     @activity.defn(name="launch_instance", no_thread_cancel_exception=True)

@@ -15,28 +15,12 @@ from models import policy
 from models.policy import PolicyError, parse_policy
 from tests.harness.crd import CRD_FILE, install_gpupolicy_crd
 from tests.harness.kube import Cluster
+from tests.hub.helpers import apply_case
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_policy.yaml").read_text())
 CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_policies.yaml").read_text())
-
-
-def _apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    doc = copy.deepcopy(VALID)
-    for path, value in (case.get("set") or {}).items():
-        *parents, leaf = path.split(".")
-        target = doc
-        for p in parents:
-            target = target[p]
-        target[leaf] = value
-    for path in case.get("delete") or []:
-        *parents, leaf = path.split(".")
-        target = doc
-        for p in parents:
-            target = target[p]
-        del target[leaf]
-    return doc
 
 
 def test_documented_burst_policy_is_valid() -> None:
@@ -71,7 +55,7 @@ def test_corpus_is_large_enough_and_names_are_unique() -> None:
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_model_rejects_malformed_policy_naming_the_field(case: dict[str, Any]) -> None:
     with pytest.raises(PolicyError) as err:
-        parse_policy(_apply_case(case))
+        parse_policy(apply_case(case))
     assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
     assert case["field"] in str(err.value)
 
@@ -119,7 +103,7 @@ def test_apiserver_accepts_the_documented_policy(gpupolicy_crd: Cluster) -> None
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_apiserver_rejects_malformed_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
     with pytest.raises(client.ApiException) as err:
-        _create(gpupolicy_crd, _apply_case(case))
+        _create(gpupolicy_crd, apply_case(case))
     assert err.value.status in (400, 422), err.value.body
     # The apiserver names the field too (its paths drop list indexes and the leading "spec" differently).
     leaf = case["field"].split(".")[-1].split("[")[0]
