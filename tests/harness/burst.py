@@ -19,7 +19,7 @@ from models.operation import BurstResult, OperationView, Phase
 from models.policy import API_GROUP, PLURAL
 from tests.harness.crd import install_gpupolicy_crd
 from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, OPTIMIZER_RULES, OPTIMIZER_SA, grant
+from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_SA, install_chart_identities
 from worker.config import ENV, Settings
 
 BURST_TAINT_KEY = "gpu.kubeon.io/burst"
@@ -87,8 +87,7 @@ class BurstStack:
 
 def build_stack(cluster: Cluster, workdir: Path) -> BurstStack:
     install_gpupolicy_crd(cluster)
-    optimizer = grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
-    grant(cluster, GATEWAY_SA, GATEWAY_RULES)
+    optimizer, _gateway = install_chart_identities(cluster)
     workdir.mkdir(parents=True, exist_ok=True)
     key = workdir / "ticket.key"
     key.write_text(secrets.token_hex(32))

@@ -57,3 +57,37 @@ def grant(cluster: Cluster, name: str, rules: list[dict[str, list[str]]], namesp
         role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=name),
         subjects=[client.RbacV1Subject(kind="ServiceAccount", name=name, namespace=namespace)]))
     return cluster.service_account_client(namespace, name)
+
+
+CHART_IDENTITY_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+
+
+def install_chart_identities(cluster: Cluster) -> tuple[Kube, Kube]:
+    """The optimizer's and the gateway's ServiceAccounts, ClusterRoles and bindings exactly as the chart renders
+    them (burst enabled), applied to the cluster; returns clients acting as each. The end-to-end tests run with
+    these credentials, never admin ones."""
+    from tests.charts.helm import BURST_VALUES, template  # helm is built with the control plane
+
+    rendered = template(values=[BURST_VALUES])
+    admin = cluster.admin
+    _ensure(admin.core.create_namespace, client.V1Namespace(metadata=client.V1ObjectMeta(name=OPTIMIZER_NAMESPACE)))
+    api = client.ApiClient()
+    for doc in rendered.docs:
+        if doc["kind"] not in CHART_IDENTITY_KINDS or doc["metadata"]["name"] not in (OPTIMIZER_SA, GATEWAY_SA):
+            continue
+        if doc["kind"] == "ServiceAccount":
+            obj = api._ApiClient__deserialize(doc, "V1ServiceAccount")  # type: ignore[attr-defined]
+            _ensure(admin.core.create_namespaced_service_account, OPTIMIZER_NAMESPACE, obj)
+        elif doc["kind"] == "ClusterRole":
+            obj = api._ApiClient__deserialize(doc, "V1ClusterRole")  # type: ignore[attr-defined]
+            try:
+                admin.rbac.create_cluster_role(obj)
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+                admin.rbac.replace_cluster_role(doc["metadata"]["name"], obj)
+        else:
+            obj = api._ApiClient__deserialize(doc, "V1ClusterRoleBinding")  # type: ignore[attr-defined]
+            _ensure(admin.rbac.create_cluster_role_binding, obj)
+    return (cluster.service_account_client(OPTIMIZER_NAMESPACE, OPTIMIZER_SA, create=False),
+            cluster.service_account_client(OPTIMIZER_NAMESPACE, GATEWAY_SA, create=False))
