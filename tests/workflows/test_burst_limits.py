@@ -57,13 +57,14 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, pr
 
 
 class NodeCounter:
-    """Watches burst nodes of a policy and records the most that ever existed at once."""
+    """Watches burst nodes of a policy and records the most that ever existed at once (re-listing whenever the
+    watch breaks, so no node is missed)."""
 
     def __init__(self, core: client.CoreV1Api, policy: str) -> None:
         self.core, self.policy = core, policy
         self.current: set[str] = set()
         self.peak = 0
-        self._w = watch.Watch()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> NodeCounter:
@@ -71,16 +72,28 @@ class NodeCounter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._w.stop()
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def _seen(self, names: set[str]) -> None:
+        self.current = names
+        self.peak = max(self.peak, len(names))
 
     def _run(self) -> None:
-        for event in self._w.stream(self.core.list_node, label_selector=f"{LABEL_POLICY}={self.policy}"):
-            name = event["object"].metadata.name
-            if event["type"] == "DELETED":
-                self.current.discard(name)
-            else:
-                self.current.add(name)
-            self.peak = max(self.peak, len(self.current))
+        selector = f"{LABEL_POLICY}={self.policy}"
+        while not self._stop.is_set():
+            try:
+                listed = self.core.list_node(label_selector=selector)
+                self._seen({str(n.metadata.name) for n in listed.items})
+                for event in watch.Watch().stream(self.core.list_node, label_selector=selector, timeout_seconds=5,
+                                                  resource_version=listed.metadata.resource_version):
+                    name = event["object"].metadata.name
+                    if event["type"] == "DELETED":
+                        self._seen(self.current - {name})
+                    elif event["type"] in ("ADDED", "MODIFIED"):
+                        self._seen(self.current | {name})
+            except Exception:  # a broken or expired watch: list again
+                self._stop.wait(0.2)
 
 
 async def test_max_nodes_holds_across_ten_concurrent_groups(stack: BurstStack, worker: tuple[Client, str],
