@@ -212,18 +212,18 @@ class BurstActivities:
         """How many of the group's pods still wait for a node (0: nothing left to burst for)."""
         return self.kube.pending_group_pods(group)
 
-    @activity.defn(name="serve_until_done", no_thread_cancel_exception=True)
-    def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
+    @activity.defn(name="serve_until_done")
+    async def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
         """Hold while the burst node serves; return once the group is gone or (returnHome) home has room.
-        One long heartbeating activity instead of a workflow timer loop keeps the history short."""
+        One long heartbeating activity instead of a workflow timer loop keeps the history short. It is async and
+        runs on the serve task queue (see SERVE_QUEUE_SUFFIX): a serving operation holds no thread and no slot
+        of the activities that do the work, so hundreds can serve at once."""
         while True:
-            result = self.kube.check_serving(req)
+            result = await asyncio.to_thread(self.kube.check_serving, req)
             activity.heartbeat(f"{result.pods_on_node} pod(s) on {req.node_name}")
             if result.done:
                 return result
-            activity.wait_for_cancelled_sync(timeout=req.check_seconds)
-            if activity.is_cancelled():
-                raise asyncio.CancelledError("serving cancelled")
+            await asyncio.sleep(req.check_seconds)  # cancellation arrives here as CancelledError
 
     # -- drain and removal -------------------------------------------------------------------------------------
     @activity.defn(name="cordon_node", no_thread_cancel_exception=True)
@@ -284,7 +284,6 @@ class BurstActivities:
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.load_policy, self.plan_burst, self.reserve_capacity, self.release_capacity, self.launch_instance,
-            self.wait_for_node, self.verify_node, self.pending_pods, self.serve_until_done, self.cordon_node,
-            self.evict_pods,
+            self.wait_for_node, self.verify_node, self.pending_pods, self.cordon_node, self.evict_pods,
             self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation, self.record_audit,
         ]

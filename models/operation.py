@@ -18,6 +18,8 @@ LABEL_POLICY: Final = "gpu.kubeon.io/policy"
 LABEL_OPERATION: Final = "gpu.kubeon.io/operation"
 LABEL_GPU_PRODUCT: Final = "nvidia.com/gpu.product"
 LABEL_INSTANCE_TYPE: Final = "node.kubernetes.io/instance-type"
+# Long-held activities (serving) poll their own task queue: <task queue> + this suffix.
+SERVE_QUEUE_SUFFIX: Final = "-serve"
 TAG_BURST: Final = "kubeon.io/burst"
 TAG_OPERATION: Final = "kubeon.io/operation"
 GPU_RESOURCE: Final = "nvidia.com/gpu"

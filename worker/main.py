@@ -15,6 +15,7 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.burst import BurstActivities
+from models.operation import SERVE_QUEUE_SUFFIX
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.watcher import PendingPodWatcher, running
@@ -62,12 +63,18 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
     await register_search_attributes(temporal)
     runtime = runtime or build_runtime(settings)
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
-    worker = make_worker(temporal, runtime.activities(temporal), settings, executor)
+    runtime_activities = runtime.activities(temporal)
+    worker = make_worker(temporal, runtime_activities, settings, executor)
     watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
                                 task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                 settings=settings.operation_settings())
+    # Serving operations wait in one async activity each; their own queue and slot limit keep them from starving
+    # the activities that launch, join and drain.
+    serve_worker = Worker(temporal, task_queue=settings.task_queue + SERVE_QUEUE_SUFFIX,
+                          activities=[runtime_activities.serve_until_done], max_concurrent_activities=10000,
+                          graceful_shutdown_timeout=GRACEFUL_SHUTDOWN)
     try:
-        async with worker:
+        async with worker, serve_worker:
             if watch:
                 async with running(watcher):
                     yield temporal, runtime, watcher

@@ -19,6 +19,7 @@ from models.operation import (
     LABEL_LOCATION,
     LABEL_OPERATION,
     LABEL_POLICY,
+    SERVE_QUEUE_SUFFIX,
     Approval,
     AuditRecord,
     BurstInput,
@@ -321,6 +322,7 @@ class BurstWorkflow:
             "serve_until_done",
             ServeCheckRequest(group=inp.group, node_name=self.node_name, return_home=self.policy.return_home,
                               check_seconds=s.serve_check_seconds),
+            task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
             result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
             heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
 
