@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -18,6 +19,7 @@ from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result,
 from tests.harness.kube import Cluster
 from worker import ops
 from worker.main import worker_services
+from worker.runtime import Runtime
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
@@ -211,36 +213,44 @@ async def test_cancel_drains_and_removes_what_it_made(stack: BurstStack, worker:
     admin.apps.delete_namespaced_deployment(deploy, namespace)
 
 
+@contextlib.asynccontextmanager
+async def one_operation(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str,
+                        product: str, locations: list[dict[str, Any]], **settings_overrides: Any
+                        ) -> AsyncIterator[tuple[Any, Runtime]]:
+    """A worker over ``locations``, an Automatic policy over them, and one pending Deployment: yields the
+    operation's handle and the worker's runtime; the Deployment is deleted at the end."""
+    queue = unique("q")
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=locations, cluster_name=queue, **settings_overrides)
+    stack.create_policy(policy, mode="Automatic", locations=[loc["name"] for loc in locations])
+    deploy = unique("infer")
+    try:
+        async with worker_services(settings) as (temporal, runtime, _):
+            stack.cluster.admin.apps.create_namespaced_deployment(namespace,
+                                                                  gpu_deployment(deploy, gpu_product=product))
+            yield temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}")), \
+                runtime
+    finally:
+        with contextlib.suppress(client.ApiException):  # a test may have deleted it to end the operation
+            stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+
+
 async def test_insufficient_capacity_falls_back_to_the_next_location(
         stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
-    queue = unique("q")
     locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, price=1.5)]
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue)
-    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"])
-    deploy = unique("infer")
-    async with worker_services(settings) as (temporal, _runtime, _):
-        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
-        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+    async with one_operation(stack, temporal_dev_server, namespace, policy, product, locations) as (handle, _):
         view = await wait_phase(handle, Phase.SERVING)
         assert view.plan is not None and view.plan.best is not None
         assert view.plan.best.location == "sim/eu-west"  # cheapest, but full
         assert view.instance is not None and view.instance.location == "sim/us-west"
-        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        stack.cluster.admin.apps.delete_namespaced_deployment(view.group.split("/")[-1], namespace)
         assert (await result(handle)).phase == Phase.COMPLETED
 
 
 async def test_no_capacity_anywhere_fails_leaving_nothing(
         stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
-    queue = unique("q")
     locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, capacity=0)]
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue)
-    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"])
-    deploy = unique("infer")
-    async with worker_services(settings) as (temporal, runtime, _):
-        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
-        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+    async with one_operation(stack, temporal_dev_server, namespace, policy, product, locations) as (handle, runtime):
         done = await result(handle)
         assert done.phase == Phase.FAILED
         assert "no capacity in any eligible location" in done.message
@@ -249,24 +259,16 @@ async def test_no_capacity_anywhere_fails_leaving_nothing(
             assert runtime.providers["sim"].list(loc, policy=policy) == []
         failed = [r for r in runtime.audit.read() if r.action == "failed" and r.policy == policy]
         assert len(failed) == 1
-    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
 
 
 async def test_node_that_never_joins_is_terminated(
         stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
-    queue = unique("q")
     slow = sim_location("sim/eu-west", product)
     slow["sim"]["bootSeconds"] = 3600  # never boots within the join deadline
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=[slow], cluster_name=queue, join_timeout_seconds=3)
-    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"])
-    deploy = unique("infer")
-    async with worker_services(settings) as (temporal, runtime, _):
-        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
-        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+    async with one_operation(stack, temporal_dev_server, namespace, policy, product, [slow],
+                             join_timeout_seconds=3) as (handle, runtime):
         done = await result(handle)
         assert done.phase == Phase.FAILED
         assert "did not become Ready" in done.message
         launched = runtime.providers["sim"].list("sim/eu-west", policy=policy)
         assert [i.state for i in launched] == ["terminated"]
-    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
