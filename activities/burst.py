@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client, WithStartWorkflowOperation
+from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 
@@ -36,7 +36,6 @@ from models.operation import (
     InstanceRef,
     LaunchRequest,
     LedgerInput,
-    LedgerRelease,
     LedgerReserve,
     LoadPolicyRequest,
     NodeExpectation,
@@ -47,7 +46,6 @@ from models.operation import (
     Plan,
     PlanRequest,
     PolicySnapshot,
-    ReservationResult,
     ServeCheckRequest,
     ServeCheckResult,
     VerifyResult,
@@ -72,6 +70,15 @@ def beat(details: str) -> None:
     activity.heartbeat(details)
     if activity.is_cancelled():
         raise asyncio.CancelledError(f"cancelled while {details}")
+
+
+async def signal_ledger(temporal: Client, task_queue: str, cluster: str, policy: str, signal: str,
+                        arg: object) -> None:
+    """Signal-with-start on the policy's ledger workflow."""
+    await temporal.start_workflow(
+        LEDGER_WORKFLOW, LedgerInput(cluster=cluster, policy=policy), id=ledger_workflow_id(cluster, policy),
+        task_queue=task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        start_signal=signal, start_signal_args=[arg])
 
 
 # Sync activities run in threads. They are never interrupted by an injected CancelledError (one raised inside a
@@ -150,23 +157,11 @@ class BurstActivities:
             raise ApplicationError("activities were started without a Temporal client", non_retryable=True)
         return self.temporal
 
-    async def _ledger_update(self, cluster: str, policy: str, update: str, arg: object) -> ReservationResult:
-        """An update on the policy's ledger, starting the ledger if it is not running yet."""
-        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            LEDGER_WORKFLOW, LedgerInput(cluster=cluster, policy=policy),
-            id=ledger_workflow_id(cluster, policy), task_queue=self.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        )
-        return await self._client().execute_update_with_start_workflow(
-            update, arg, start_workflow_operation=start, result_type=ReservationResult)
-
-    @activity.defn(name="reserve_capacity")
-    async def reserve_capacity(self, req: LedgerReserve) -> ReservationResult:
-        return await self._ledger_update(req.cluster, req.policy, "reserve", req.request)
-
-    @activity.defn(name="release_capacity")
-    async def release_capacity(self, req: LedgerRelease) -> ReservationResult:
-        return await self._ledger_update(req.cluster, req.policy, "release", req.operation)
+    @activity.defn(name="request_capacity")
+    async def request_capacity(self, req: LedgerReserve) -> None:
+        """Queue a reservation in the policy's ledger (starting the ledger on first use). The answer comes to
+        the requesting workflow as the signal ``capacity_granted``."""
+        await signal_ledger(self._client(), self.task_queue, req.cluster, req.policy, "request", req.request)
 
     # -- launch ------------------------------------------------------------------------------------------------
     @activity.defn(name="launch_instance", no_thread_cancel_exception=True)
@@ -283,7 +278,7 @@ class BurstActivities:
 
     def all(self) -> list[Callable[..., Any]]:
         return [
-            self.load_policy, self.plan_burst, self.reserve_capacity, self.release_capacity, self.launch_instance,
+            self.load_policy, self.plan_burst, self.request_capacity, self.launch_instance,
             self.wait_for_node, self.verify_node, self.pending_pods, self.cordon_node, self.evict_pods,
             self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation, self.record_audit,
         ]

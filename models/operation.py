@@ -110,7 +110,6 @@ class OperationSettings(Model):
     join_timeout_seconds: int = 900
     verify_timeout_seconds: int = 300
     serve_check_seconds: int = 30
-    capacity_retry_seconds: int = 30
     capacity_wait_seconds: int = 3600
     drain_timeout_seconds: int = 3600
 
@@ -211,6 +210,8 @@ class ReservationRequest(Model):
     operation: str
     nodes: int = 1
     max_nodes: int
+    # The workflow the ledger signals (`capacity_granted`) once the nodes are reserved for it.
+    reply_to: str = ""
 
 
 class ReservationResult(Model):
@@ -218,6 +219,8 @@ class ReservationResult(Model):
     in_use: int
     max_nodes: int
     holders: list[str] = Field(default_factory=list)
+    operation: str = ""
+    waiting: list[str] = Field(default_factory=list)
 
 
 class ReleaseRequest(Model):
@@ -358,21 +361,18 @@ class AuditRecord(Model):
 class LedgerInput(Model):
     cluster: str
     policy: str
-    reservations: dict[str, int] = Field(default_factory=dict)  # carried over continue-as-new
-    # Histories stay short: after this many updates the ledger continues as new with its reservations.
-    continue_after_updates: int = 500
+    # Carried over continue-as-new.
+    reservations: dict[str, int] = Field(default_factory=dict)
+    waiting: list[ReservationRequest] = Field(default_factory=list)
+    max_nodes: int = 0
+    # Histories stay short: after this many requests and releases the ledger continues as new.
+    continue_after_signals: int = 1000
 
 
 class LedgerReserve(Model):
     cluster: str
     policy: str
     request: ReservationRequest
-
-
-class LedgerRelease(Model):
-    cluster: str
-    policy: str
-    operation: str
 
 
 class CleanupRequest(Model):

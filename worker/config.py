@@ -53,7 +53,6 @@ class Settings(BaseModel):
     approval_timeout_seconds: int = 3600
     join_timeout_seconds: int = 900
     serve_check_seconds: int = 30
-    capacity_retry_seconds: int = 30
 
     def burst_config(self) -> BurstConfig:
         """Locations from the chart's ``burst.locations`` (a JSON or YAML list, or an object with ``locations``)."""
@@ -79,8 +78,7 @@ class Settings(BaseModel):
     def operation_settings(self) -> OperationSettings:
         return OperationSettings(approval_timeout_seconds=self.approval_timeout_seconds,
                                  join_timeout_seconds=self.join_timeout_seconds,
-                                 serve_check_seconds=self.serve_check_seconds,
-                                 capacity_retry_seconds=self.capacity_retry_seconds)
+                                 serve_check_seconds=self.serve_check_seconds)
 
 
 ENV = {name: "KUBEON_" + name.upper() for name in Settings.model_fields}

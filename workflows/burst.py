@@ -31,7 +31,6 @@ from models.operation import (
     Instance,
     InstanceRef,
     LaunchRequest,
-    LedgerRelease,
     LedgerReserve,
     LoadPolicyRequest,
     NodeExpectation,
@@ -49,11 +48,13 @@ from models.operation import (
     ServeCheckResult,
     Taint,
     VerifyResult,
+    ledger_workflow_id,
     operation_id,
 )
 from models.policy import location_label_value
 from workflows import search_attributes as sa
 from workflows.drain import DrainWorkflow
+from workflows.ledger import GRANTED_SIGNAL
 
 # Must match activities.burst (workflows may not import activities).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
@@ -89,6 +90,8 @@ class BurstWorkflow:
         self.instance: Instance | None = None
         self.launch_attempted = False
         self.reserved = False
+        self.requested = False
+        self.grant: ReservationResult | None = None
         self.serving = False
         self.history: list[str] = []
 
@@ -351,32 +354,41 @@ class BurstWorkflow:
         return self.plan.best
 
     async def _reserve(self, inp: BurstInput) -> None:
+        """Queue for a node in the policy's ledger and wait for the grant (first come, first served)."""
         assert self.policy is not None
         s = inp.settings
-        deadline = workflow.now() + timedelta(seconds=s.capacity_wait_seconds)
-        while True:
-            res = await workflow.execute_activity(
-                "reserve_capacity",
-                LedgerReserve(cluster=inp.cluster, policy=inp.policy, request=ReservationRequest(
-                    operation=self.operation, nodes=1, max_nodes=self.policy.max_nodes)),
-                result_type=ReservationResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
-            if res.granted:
-                self.reserved = True
-                return
-            if workflow.now() > deadline:
-                raise ApplicationError(f"maxNodes {res.max_nodes} reached for {s.capacity_wait_seconds}s "
-                                       f"(held by {', '.join(res.holders)})", non_retryable=True)
+        self.requested = True
+        await workflow.execute_activity(
+            "request_capacity",
+            LedgerReserve(cluster=inp.cluster, policy=inp.policy, request=ReservationRequest(
+                operation=self.operation, nodes=1, max_nodes=self.policy.max_nodes,
+                reply_to=workflow.info().workflow_id)),
+            start_to_close_timeout=QUICK, retry_policy=RETRY)
+        if self.grant is None:
             self._set_phase(Phase.WAITING_FOR_CAPACITY,
-                            f"maxNodes {res.max_nodes} in use by {', '.join(res.holders)}")
-            await workflow.sleep(timedelta(seconds=s.capacity_retry_seconds))
+                            f"maxNodes {self.policy.max_nodes}: queued in the policy's ledger for a node")
+        try:
+            await workflow.wait_condition(lambda: self.grant is not None,
+                                          timeout=timedelta(seconds=s.capacity_wait_seconds))
+        except TimeoutError:
+            raise ApplicationError(f"maxNodes {self.policy.max_nodes} stayed in use for {s.capacity_wait_seconds}s",
+                                   non_retryable=True) from None
+        self.reserved = True
 
     async def _release(self) -> None:
-        if self.reserved and self.inp is not None:
-            await workflow.execute_activity(
-                "release_capacity", LedgerRelease(cluster=self.inp.cluster, policy=self.inp.policy,
-                                                  operation=self.operation),
-                result_type=ReservationResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
-            self.reserved = False
+        """Give the node (or the place in the queue) back to the ledger."""
+        if self.requested and self.inp is not None:
+            try:
+                await workflow.get_external_workflow_handle(
+                    ledger_workflow_id(self.inp.cluster, self.inp.policy)).signal("release", self.operation)
+            except Exception as exc:  # no ledger running: nothing holds a node for this operation
+                workflow.logger.warning("release of %s not delivered: %s", self.operation, exc)
+            self.requested = self.reserved = False
+
+    @workflow.signal(name=GRANTED_SIGNAL)
+    def capacity_granted(self, grant: ReservationResult) -> None:
+        if grant.operation == self.operation and grant.granted:  # not a grant meant for an earlier run
+            self.grant = grant
 
     async def _launch(self, inp: BurstInput) -> None:
         assert self.plan is not None and self.policy is not None

@@ -26,7 +26,6 @@ from models.operation import (
     CleanupRequest,
     CleanupResult,
     LaunchRequest,
-    LedgerRelease,
     LedgerReserve,
     LoadPolicyRequest,
     Offering,
@@ -75,13 +74,12 @@ class Recorded:
             self.launches.append(req)
             raise RuntimeError("must not launch")
 
-        @activity.defn(name="reserve_capacity")
-        async def reserve_capacity(req: LedgerReserve) -> ReservationResult:
-            return ReservationResult(granted=True, in_use=1, max_nodes=2, holders=[req.request.operation])
-
-        @activity.defn(name="release_capacity")
-        async def release_capacity(req: LedgerRelease) -> ReservationResult:
-            return ReservationResult(granted=True, in_use=0, max_nodes=2)
+        @activity.defn(name="request_capacity")
+        async def request_capacity(req: LedgerReserve) -> None:
+            # Stands in for the ledger: grants at once, by the same signal.
+            await activity.client().get_workflow_handle(req.request.reply_to).signal(
+                "capacity_granted", ReservationResult(granted=True, in_use=1, max_nodes=2,
+                                                      operation=req.request.operation))
 
         @activity.defn(name="pending_pods")
         async def pending_pods(group: WorkloadGroup) -> int:
@@ -92,8 +90,8 @@ class Recorded:
             self.cleanups.append(req)
             return CleanupResult()
 
-        return [load_policy, plan_burst, record_audit, launch_instance, reserve_capacity, release_capacity,
-                pending_pods, cleanup_operation]
+        return [load_policy, plan_burst, record_audit, launch_instance, request_capacity, pending_pods,
+                cleanup_operation]
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, pr
     queue = unique("q")
     locations = [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5)]
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue, capacity_retry_seconds=1)
+                              task_queue=queue, locations=locations, cluster_name=queue)
     async with worker_services(settings) as (temporal, _runtime, _):
         yield temporal, settings.cluster
 
@@ -128,7 +128,7 @@ async def test_max_nodes_holds_across_ten_concurrent_groups(stack: BurstStack, w
         views = [await h.query("state", result_type=OperationView) for h in handles]
         waiting = [v for v in views if v.phase == Phase.WAITING_FOR_CAPACITY]
         assert len(waiting) == 6, [v.phase for v in views]
-        assert all("maxNodes 4 in use" in v.message for v in waiting)
+        assert all("maxNodes 4: queued" in v.message for v in waiting)
         assert counter.peak == 4
 
         # As groups leave, waiting ones get their node; the limit still holds.
