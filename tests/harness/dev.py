@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import yaml
@@ -101,11 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir: Path = args.dir
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh cluster each time: state of a previous run is stale
     workdir.mkdir(parents=True)
-    stopping = False
+    stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        stopping.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -155,11 +154,10 @@ Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kube
 
 Ctrl-C stops everything.
 ready""", flush=True)
-        while not stopping:
+        while not stopping.wait(0.5):  # Ctrl-C, or the worker dying, ends the run
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
                 return 1
-            time.sleep(0.5)
         say("stopping")
         return 0
     finally:

@@ -16,14 +16,16 @@ from tests.harness.controlplane import KWOK_NODE_ANNOTATION, ControlPlane, write
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T | None], *, timeout: float = 60.0, what: str, interval: float = 0.2) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value seen."""
+def wait_for(check: Callable[[], T | None], *, timeout: float = 60.0, what: str, interval: float = 0.2,
+             retry_on: tuple[type[Exception], ...] = (client.ApiException,)) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value or error seen.
+    Errors of ``retry_on`` count as "not yet"; any other error fails at once."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
         try:
             last = check()
-        except client.ApiException as exc:
+        except retry_on as exc:
             last = exc
         else:
             if last:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from tests.harness.kube import wait_for
 
 MODELS = Path(__file__).parent.parent / "models"
 VALID_POLICY: dict[str, Any] = yaml.safe_load((MODELS / "valid_policy.yaml").read_text())
@@ -56,17 +57,5 @@ def report(key: str, *, operation: str = "op-0123456789ab", action: str = "launc
 
 
 def wait_until(check: Callable[[], T | None], *, timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value or error."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-        except Exception as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
+    """``tests.harness.kube.wait_for`` retrying on any error (a hub that is still starting refuses connections)."""
+    return wait_for(check, timeout=timeout, what=what, interval=interval, retry_on=(Exception,))

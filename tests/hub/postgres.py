@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import psycopg
 
 from tests.harness.controlplane import free_port
+from tests.harness.kube import wait_for
 
 INSTALL_HINT = "install it with `apt-get install postgresql` (Debian's package; the tests start their own server)"
 _counter = itertools.count(1)
@@ -98,21 +98,20 @@ class PostgresServer:
             start_new_session=True, **self._run_as,
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
+        def accepting() -> bool:
             if self._proc.poll() is not None:
                 text = self.log_path.read_text(errors="replace")
-                self.stop()
                 raise RuntimeError(f"postgres exited {self._proc.returncode}: {text}")
-            try:
-                with psycopg.connect(self._dsn("postgres"), connect_timeout=2):
-                    return self
-            except psycopg.OperationalError as exc:
-                last = exc
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"postgres did not accept connections on 127.0.0.1:{self.port} within {timeout}s: {last}")
+            with psycopg.connect(self._dsn("postgres"), connect_timeout=2):
+                return True
+
+        try:
+            wait_for(accepting, timeout=timeout, interval=0.05, retry_on=(psycopg.OperationalError,),
+                     what=f"postgres accepting connections on 127.0.0.1:{self.port}")
+        except (AssertionError, RuntimeError):
+            self.stop()
+            raise
+        return self
 
     def _dsn(self, database: str) -> str:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={database}"
