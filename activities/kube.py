@@ -282,7 +282,3 @@ def pending_pod(pod: client.V1Pod) -> PendingPod:
     meta = pod.metadata
     return PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid or "",
                       gpus=gpus_requested(pod), node_selector=dict(pod.spec.node_selector or {}))
-
-
-def as_dict(obj: Any) -> Any:
-    return client.ApiClient().sanitize_for_serialization(obj)

@@ -193,7 +193,3 @@ def parse_policy(document: Any) -> GpuPolicy:
 
 def location_label_value(location: str) -> str:
     return location.replace("/", ".")
-
-
-def is_location(value: str) -> bool:
-    return re.fullmatch(LOCATION_PATTERN, value) is not None

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -54,14 +54,6 @@ def tolerates(pod: client.V1Pod, taint_key: str) -> bool:
 
 
 @dataclass
-class StartedOperation:
-    workflow_id: str
-    group: str
-    unschedulable_at: datetime | None
-    started_at: datetime
-
-
-@dataclass
 class PendingPodWatcher:
     kube: KubeOps
     temporal: Client
@@ -73,7 +65,6 @@ class PendingPodWatcher:
     # merely proposed operation is not restarted on every status update.
     recheck_seconds: float = 600.0
     debounce_seconds: float = 0.2
-    started: list[StartedOperation] = field(default_factory=list)
     _handled: dict[str, float] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -185,10 +176,8 @@ class PendingPodWatcher:
             ]),
             static_summary=f"Burst {group.key}: {group.gpus} GPU(s) pending (policy {policy})",
         )
-        self.started.append(StartedOperation(workflow_id=handle.id, group=group.key, unschedulable_at=since,
-                                             started_at=datetime.now(UTC)))
-        log.info("burst operation %s for %s (%d pod(s), %d GPU(s))", handle.id, group.key, len(group.pods),
-                 group.gpus)
+        log.info("burst operation %s for %s (%d pod(s), %d GPU(s), unschedulable since %s)", handle.id, group.key,
+                 len(group.pods), group.gpus, since.isoformat() if since else "?")
         return handle.id
 
     def stop(self) -> None:
@@ -196,7 +185,7 @@ class PendingPodWatcher:
 
 
 @contextlib.asynccontextmanager
-async def running(watcher: PendingPodWatcher):  # type: ignore[no-untyped-def]
+async def running(watcher: PendingPodWatcher) -> AsyncIterator[PendingPodWatcher]:
     task = asyncio.create_task(watcher.run(), name="pending-pod-watcher")
     try:
         yield watcher
