@@ -37,7 +37,7 @@ pytest: venv binaries
 
 # Everything on this machine: Temporal dev server + UI, control plane with kwok, sim locations, the worker.
 dev: venv binaries
-	$(BIN)/python -m tests.harness.dev
+	$(BIN)/python -m tests.harness.dev $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .kubeon

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from temporalio import activity
@@ -17,6 +17,7 @@ from activities.audit import AuditLog
 from activities.gateway import GatewayClient, JoinTicketRequest, render_user_data
 from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
 from activities.planning import rank_offerings
+from activities.policy_sync import hold_reason
 from activities.providers.base import (
     InstanceNotFoundError,
     InsufficientCapacityError,
@@ -25,6 +26,7 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
+from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
 from models.locations import BurstConfig
 from models.operation import (
     AuditRecord,
@@ -61,8 +63,11 @@ VERIFICATION_FAILED = "VerificationFailed"
 POLICY_GONE = "PolicyGone"
 NOT_OWNED = "NotOwned"
 PROVIDER_REJECTED = "ProviderRejected"
+HELD = "Held"
 
 LEDGER_WORKFLOW = "PolicyLedger"
+# Where audit records go for the hub (the worker signals the hub sync workflow); None without a hub.
+ReportSink = Callable[[ActionReport], Awaitable[None]]
 
 
 def beat(details: str) -> None:
@@ -95,6 +100,7 @@ class BurstActivities:
         temporal: Client | None = None,
         task_queue: str = "kubeon-gpu",
         clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+        report_sink: ReportSink | None = None,
     ) -> None:
         self.kube = kube
         self.providers = providers
@@ -104,6 +110,7 @@ class BurstActivities:
         self.temporal = temporal
         self.task_queue = task_queue
         self.clock = clock
+        self.report_sink = report_sink
 
     def _provider(self, location: str) -> Provider:
         name = location.split("/", 1)[0]
@@ -167,6 +174,9 @@ class BurstActivities:
     @activity.defn(name="launch_instance", no_thread_cancel_exception=True)
     def launch_instance(self, req: LaunchRequest) -> Instance:
         provider = self._provider(req.offering.location)
+        gate = self._gate(req.policy)  # checked again here, as the allow-list is: nothing launches while held
+        if gate.held:
+            raise ApplicationError(gate.reason, type=HELD, non_retryable=True)
         ticket = self.gateway.issue_ticket(JoinTicketRequest(
             operation=req.operation, policy=req.policy, location=req.offering.location, node_name=req.node_name,
             labels=req.labels, taints=req.taints,
@@ -272,13 +282,46 @@ class BurstActivities:
         return result
 
     # -- audit -------------------------------------------------------------------------------------------------
-    @activity.defn(name="record_audit", no_thread_cancel_exception=True)
-    def record_audit(self, record: AuditRecord) -> bool:
-        return self.audit_log.append(record)
+    @activity.defn(name="record_audit")
+    async def record_audit(self, record: AuditRecord) -> bool:
+        """Append the audit record, and queue it for the hub when one is configured (R2.8). Both are keyed, so a
+        retry after a crash between the two writes each once."""
+        written = await asyncio.to_thread(self.audit_log.append, record)
+        if self.report_sink is not None:
+            await self.report_sink(ActionReport(
+                idempotency_key=record.key, operation=record.operation, policy=record.policy,
+                action=record.action if record.action in REPORT_ACTIONS else "failed",
+                location=record.location, instance=record.instance_id, node=record.node_name,
+                detail=report_detail(" ".join(p for p in (
+                    record.detail, f"(approver {record.approver})" if record.approver else "") if p)),
+                occurred_at=record.at))
+        return written
+
+    # -- the hub's hold (R2.3) ---------------------------------------------------------------------------------
+    def _gate(self, policy: str) -> GateState:
+        reason = hold_reason(self.kube.policy_status(policy))
+        return GateState(held=reason is not None, reason=reason or "")
+
+    @activity.defn(name="action_gate", no_thread_cancel_exception=True)
+    def action_gate(self, req: GateRequest) -> GateState:
+        """Whether an operation of this policy may act now: not while the hub rejects this cluster's token."""
+        return self._gate(req.policy)
+
+    @activity.defn(name="await_actions_allowed")
+    async def await_actions_allowed(self, req: GateRequest) -> GateState:
+        """Hold until the policy may act again (the hub sync marks it connected once a valid token is mounted).
+        Async, on the serve queue: a held operation takes no activity slot."""
+        while True:
+            state = await asyncio.to_thread(self._gate, req.policy)
+            activity.heartbeat(state.reason or "allowed")
+            if not state.held:
+                return state
+            await asyncio.sleep(req.check_seconds)
 
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.load_policy, self.plan_burst, self.request_capacity, self.launch_instance,
             self.wait_for_node, self.verify_node, self.pending_pods, self.cordon_node, self.evict_pods,
             self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation, self.record_audit,
+            self.action_gate,
         ]

@@ -70,6 +70,16 @@ class KubeOps:
         doc = self.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
         return parse_policy(doc)
 
+    def policy_status(self, name: str) -> dict[str, Any] | None:
+        """The policy's status as stored (None when the policy does not exist)."""
+        try:
+            doc: dict[str, Any] = self.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, name)  # type: ignore[assignment]
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(doc.get("status") or {})
+
     def list_policies(self) -> list[GpuPolicy]:
         out = []
         listed: dict[str, Any] = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)  # type: ignore[assignment]

@@ -20,7 +20,7 @@ import copy
 import json
 import logging
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, Final
 
@@ -48,6 +48,7 @@ APPLY_PATCH: Final = "application/apply-patch+yaml"
 MERGE_PATCH: Final = "application/merge-patch+json"
 # The apiserver refused the object itself (schema, label syntax): the document is bad, not the cluster.
 REFUSED_STATUSES: Final = (400, 422)
+LAST_SYNC_REFRESH: Final = timedelta(minutes=5)
 STATUS_WRITE_ATTEMPTS: Final = 5
 CONNECTED_MESSAGE: Final = "policies synced from the hub"
 
@@ -296,6 +297,15 @@ class PolicySyncer:
         return {**old, "observedGeneration": generation, "effectiveMode": mode, "hubRevision": revision,
                 "conditions": conditions}
 
+    def _stale(self, status: dict[str, Any]) -> bool:
+        """lastSyncTime is refreshed at least every LAST_SYNC_REFRESH even when nothing changed: operators read it
+        as "the sync is alive", at the cost of one status write per policy per period, not per poll."""
+        try:
+            last = datetime.fromisoformat(str(status.get("lastSyncTime")).replace("Z", "+00:00"))
+        except ValueError:
+            return True
+        return self.clock() - last >= LAST_SYNC_REFRESH
+
     def _write_status(self, obj: dict[str, Any], compute: Callable[[dict[str, Any]], dict[str, Any]], *,
                       stamp: bool) -> bool:
         """Apply the whole status ``compute`` derives from the live object, unless it equals the live one
@@ -306,7 +316,7 @@ class PolicySyncer:
             live = obj.get("status") or {}
             status = compute(obj)
             if {k: v for k, v in status.items() if k != "lastSyncTime"} == {
-                    k: v for k, v in live.items() if k != "lastSyncTime"}:
+                    k: v for k, v in live.items() if k != "lastSyncTime"} and not (stamp and self._stale(live)):
                 return False
             if stamp:
                 status["lastSyncTime"] = _rfc3339(self.clock())

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Final, Literal, get_args
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr
 
 from hub.audit import Role
+from models.hub import ReportAction
 from models.policy import RESOURCE_NAME_PATTERN, LocationName
 
 NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -17,7 +18,8 @@ KEY_PATTERN: Final = r"^[\x21-\x7e]+$"  # printable ASCII, no spaces
 Name = Annotated[StrictStr, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
 PolicyName = Annotated[StrictStr, Field(min_length=1, max_length=253, pattern=RESOURCE_NAME_PATTERN)]
 OperationId = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=OPERATION_PATTERN)]
-Action = Literal["proposed", "approved", "launched", "joined", "verified", "drained", "removed", "failed"]
+# R2.8's actions plus the other ends an operation can have (rejected, expired, withdrawn, cancelled) and a hold.
+Action = ReportAction
 ACTIONS: Final[tuple[str, ...]] = get_args(Action)
 Decision = Literal["approve", "reject"]
 ClusterStatus = Literal["pending", "connected", "disconnected"]

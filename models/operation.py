@@ -34,6 +34,7 @@ class Phase(StrEnum):
     PROPOSED = "Proposed"  # Recommend mode: the plan is the result
     AWAITING_APPROVAL = "AwaitingApproval"
     WAITING_FOR_CAPACITY = "WaitingForCapacity"  # maxNodes reached by other operations of the policy
+    HELD = "Held"  # the hub rejected this cluster's token (R2.3): no action until a valid one is mounted
     LAUNCHING = "Launching"
     JOINING = "Joining"
     VERIFYING = "Verifying"

@@ -16,12 +16,12 @@ import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from models import search_attributes
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.moto_server import MotoServer
 from tests.harness.temporal import dev_server_path, test_server_path
 from worker.runtime import register_search_attributes
-from workflows import search_attributes
 
 
 @pytest.fixture(scope="session")

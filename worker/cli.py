@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from models.hub import HubSyncStatus
 from models.operation import OperationView
 from models.policy import PolicyError, parse_policy
 
@@ -87,6 +88,9 @@ def _ops(args: argparse.Namespace) -> int:
                 result = await ops.reject(temporal, args.operation, Rejection(approver=args.approver,
                                                                                reason=args.reason))
                 print(f"{result.operation}: {result.message}")
+            elif args.ops_command == "hub":
+                status = await ops.hub_status(temporal, args.cluster or settings.cluster)
+                print(status.model_dump_json(indent=2) if args.json else _render_hub(status))
             elif args.ops_command == "cancel":
                 print(f"cancel requested for {await ops.cancel(temporal, args.operation)}: it drains and removes "
                       "what it made")
@@ -96,6 +100,19 @@ def _ops(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(run())
+
+
+def _render_hub(status: HubSyncStatus) -> str:
+    lines = [f"cluster          {status.cluster}", f"state            {status.state}"
+             + (f": {status.message}" if status.message else ""),
+             f"polls            {status.polls} (last {status.last_poll_at or 'never'})",
+             f"approvals cursor {status.approvals_cursor}",
+             f"reports queued   {status.pending_reports}"
+             + (f" ({status.dropped_reports} dropped)" if status.dropped_reports else "")]
+    if status.last_sync:
+        lines.append(f"policies         hub revision {status.last_sync.revision}: {status.last_sync.summary()}")
+        lines += [f"  invalid        {name}: {why}" for name, why in sorted(status.last_sync.invalid.items())]
+    return "\n".join(lines)
 
 
 def _render_view(view: OperationView) -> str:
@@ -156,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     rejecting.add_argument("--reason", default="")
     cancelling = ops_sub.add_parser("cancel", help="cancel: drain and remove what the operation made")
     cancelling.add_argument("operation")
+    hub_sync = ops_sub.add_parser("hub", help="the hub sync: state, last policy sync, queued reports")
+    hub_sync.add_argument("--cluster", help="the cluster (default KUBEON_CLUSTER)")
+    hub_sync.add_argument("--json", action="store_true")
     ops_parser.set_defaults(func=_ops)
     return parser
 

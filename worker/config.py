@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from models.locations import BurstConfig
 from models.operation import OperationSettings
@@ -16,6 +17,20 @@ from models.policy import Mode
 
 class ConfigError(ValueError):
     pass
+
+
+_DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration as the chart writes it: ``30s``, ``5m``, ``1m30s``, ``500ms`` (or plain seconds)."""
+    text = text.strip()
+    if re.fullmatch(r"[0-9]+(\.[0-9]+)?", text):
+        return float(text)
+    if not text or _DURATION_PART.sub("", text):
+        raise ValueError(f"{text!r} is not a duration such as 30s, 5m or 1m30s")
+    return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
 
 
 class Settings(BaseModel):
@@ -46,6 +61,11 @@ class Settings(BaseModel):
     gateway_token_audiences: str = ""
     gateway_token_file: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
     gateway_ca_file: Path | None = None
+    # The hub (R2.x): empty URL means no hub, policies are applied to the cluster directly.
+    hub_url: str = ""
+    hub_token_file: Path = Path("/var/run/kubeon/hub/token")
+    hub_poll_interval: float = 60.0
+    hub_ca_file: Path | None = None
     state_dir: Path = Path("/tmp/kubeon")
     aws_endpoint_url: str | None = None
     health_port: int = 8080
@@ -53,6 +73,21 @@ class Settings(BaseModel):
     approval_timeout_seconds: int = 3600
     join_timeout_seconds: int = 900
     serve_check_seconds: int = 30
+
+    @field_validator("hub_poll_interval", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> object:
+        seconds = parse_duration(value) if isinstance(value, str) else value
+        if isinstance(seconds, (int, float)) and seconds < 1:
+            raise ValueError("must be at least 1s")
+        return seconds
+
+    @field_validator("hub_url")
+    @classmethod
+    def _hub_url(cls, value: str) -> str:
+        if value and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value.rstrip("/")
 
     def burst_config(self) -> BurstConfig:
         """Locations from the chart's ``burst.locations`` (a JSON or YAML list, or an object with ``locations``)."""

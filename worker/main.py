@@ -15,16 +15,18 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.burst import BurstActivities
+from activities.hub import HubActivities
 from models.operation import SERVE_QUEUE_SUFFIX
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.watcher import PendingPodWatcher, running
 from workflows.burst import BurstWorkflow
 from workflows.drain import DrainWorkflow
+from workflows.hub_sync import HubSyncWorkflow
 from workflows.ledger import PolicyLedgerWorkflow
 
 log = logging.getLogger("kubeon.worker")
-WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow]
+WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow, HubSyncWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 
@@ -36,9 +38,10 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 
 def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
-                executor: ThreadPoolExecutor) -> Worker:
+                executor: ThreadPoolExecutor, hub: HubActivities | None = None) -> Worker:
     return Worker(
-        temporal, task_queue=settings.task_queue, workflows=WORKFLOWS, activities=activities.all(),
+        temporal, task_queue=settings.task_queue, workflows=WORKFLOWS,
+        activities=activities.all() + ([hub.hub_poll] if hub else []),
         activity_executor=executor, max_concurrent_activities=settings.max_concurrent_activities,
         workflow_runner=workflow_runner(), graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
@@ -64,17 +67,22 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
     runtime = runtime or build_runtime(settings)
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
     runtime_activities = runtime.activities(temporal)
-    worker = make_worker(temporal, runtime_activities, settings, executor)
+    hub = runtime.hub_activities(temporal)
+    worker = make_worker(temporal, runtime_activities, settings, executor, hub)
     watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
                                 task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                 settings=settings.operation_settings())
     # Serving operations wait in one async activity each; their own queue and slot limit keep them from starving
     # the activities that launch, join and drain.
     serve_worker = Worker(temporal, task_queue=settings.task_queue + SERVE_QUEUE_SUFFIX,
-                          activities=[runtime_activities.serve_until_done], max_concurrent_activities=10000,
+                          activities=[runtime_activities.serve_until_done, runtime_activities.await_actions_allowed],
+                          max_concurrent_activities=10000,
                           graceful_shutdown_timeout=GRACEFUL_SHUTDOWN)
     try:
         async with worker, serve_worker:
+            if hub is not None:
+                log.info("hub sync %s: %s every %gs", await runtime.start_hub_sync(temporal), settings.hub_url,
+                         settings.hub_poll_interval)
             if watch:
                 async with running(watcher):
                     yield temporal, runtime, watcher

@@ -5,22 +5,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
+from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
+from models import search_attributes as sa
+from models.hub import HubSyncStatus, hub_sync_workflow_id
 from models.operation import Approval, DecisionResult, OperationView, Rejection
-from workflows import search_attributes as sa
-from workflows.burst import BurstWorkflow
 
-
-class OperationNotFound(LookupError):
-    pass
-
-
-class DecisionRefused(ValueError):
-    """The workflow's validator refused the approval or rejection; the message says why."""
+__all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
+           "show"]
 
 
 @dataclass
@@ -70,44 +65,28 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def resolve(temporal: Client, operation: str) -> WorkflowHandle[BurstWorkflow, object]:
-    """A handle from a workflow ID (``burst/...``) or an operation ID (``op-...``)."""
-    if not operation.startswith("op-"):
-        handle = temporal.get_workflow_handle_for(BurstWorkflow.run, operation)
-        try:
-            await handle.describe()
-        except RPCError as exc:
-            raise OperationNotFound(f"no operation with workflow ID {operation}") from exc
-        return handle
-    async for wf in temporal.list_workflows(f"{sa.OPERATION.name} = '{operation}'", limit=1):
-        return temporal.get_workflow_handle_for(BurstWorkflow.run, wf.id, run_id=wf.run_id)
-    raise OperationNotFound(f"no operation {operation} (is the search attribute index up to date?)")
-
-
 async def show(temporal: Client, operation: str) -> OperationView:
     handle = await resolve(temporal, operation)
-    return await handle.query(BurstWorkflow.state)
-
-
-async def _decide(temporal: Client, operation: str, update: Any, decision: Approval | Rejection) -> DecisionResult:
-    handle = await resolve(temporal, operation)
-    desc = await handle.describe()
-    if desc.status != WorkflowExecutionStatus.RUNNING:
-        raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
-    try:
-        result: DecisionResult = await handle.execute_update(update, decision)
-    except WorkflowUpdateFailedError as exc:
-        # The workflow's validator refused: its message says why (wrong phase, stale plan).
-        raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
+    result: OperationView = await handle.query("state", result_type=OperationView)
     return result
 
 
 async def approve(temporal: Client, operation: str, approval: Approval) -> DecisionResult:
-    return await _decide(temporal, operation, BurstWorkflow.approve_update, approval)
+    return await decide(temporal, operation, approval)
 
 
 async def reject(temporal: Client, operation: str, rejection: Rejection) -> DecisionResult:
-    return await _decide(temporal, operation, BurstWorkflow.reject_update, rejection)
+    return await decide(temporal, operation, rejection)
+
+
+async def hub_status(temporal: Client, cluster: str) -> HubSyncStatus:
+    handle = temporal.get_workflow_handle(hub_sync_workflow_id(cluster))
+    try:
+        status: HubSyncStatus = await handle.query("status", result_type=HubSyncStatus)
+    except RPCError as exc:
+        raise OperationNotFound(f"no hub sync for cluster {cluster} (is KUBEON_HUB_URL set on the worker?): "
+                                f"{exc.message}") from None
+    return status
 
 
 async def cancel(temporal: Client, operation: str) -> str:

@@ -8,18 +8,24 @@ from typing import Any
 
 from kubernetes import client, config
 from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, TLSConfig
 
 from activities.audit import AuditLog
-from activities.burst import BurstActivities
+from activities.burst import BurstActivities, ReportSink
 from activities.gateway import GatewayClient, KubeGateway
+from activities.hub import HubActivities
+from activities.hub_client import HubClient
 from activities.kube import KubeOps
+from activities.policy_sync import PolicySyncer
 from activities.providers.base import Provider
+from models import search_attributes
+from models.hub import ActionReport, HubSyncInput, hub_sync_workflow_id
 from models.locations import BurstConfig
 from models.operation import Instance
 from worker.config import ConfigError, Settings
-from workflows import search_attributes
+from workflows.hub_sync import HubSyncWorkflow
 
 
 def kube_api(kubeconfig: Path | None, *, pool_size: int = 32) -> client.ApiClient:
@@ -76,10 +82,42 @@ class Runtime:
     providers: dict[str, Provider]
     audit: AuditLog
     closers: list[Any] = field(default_factory=list)
+    hub: HubClient | None = None
 
     def activities(self, temporal: Client | None) -> BurstActivities:
         return BurstActivities(kube=self.kube, providers=self.providers, gateway=self.gateway, config=self.burst,
-                               audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue)
+                               audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue,
+                               report_sink=self.report_sink(temporal) if self.hub and temporal else None)
+
+    def hub_activities(self, temporal: Client) -> HubActivities | None:
+        if self.hub is None:
+            return None
+        syncer = PolicySyncer(self.kube.api, default_mode=self.settings.default_mode)
+        return HubActivities(hub=self.hub, syncer=syncer, temporal=temporal)
+
+    def hub_sync_input(self) -> HubSyncInput:
+        return HubSyncInput(cluster=self.settings.cluster, poll_interval_seconds=self.settings.hub_poll_interval)
+
+    async def start_hub_sync(self, temporal: Client) -> str:
+        """Start the cluster's hub sync workflow, or wake the running one (every replica does this; one runs)."""
+        handle = await temporal.start_workflow(
+            HubSyncWorkflow.run, self.hub_sync_input(), id=hub_sync_workflow_id(self.settings.cluster),
+            task_queue=self.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal="sync_now", static_summary=f"Hub sync of cluster {self.settings.cluster} "
+            f"from {self.settings.hub_url} every {self.settings.hub_poll_interval:g}s")
+        return handle.id
+
+    def report_sink(self, temporal: Client) -> ReportSink:
+        """Queue an action report in the hub sync workflow's state (signal-with-start: the report is durable
+        even if the sync workflow is not running yet)."""
+
+        async def send(report: ActionReport) -> None:
+            await temporal.start_workflow(
+                HubSyncWorkflow.run, self.hub_sync_input(), id=hub_sync_workflow_id(self.settings.cluster),
+                task_queue=self.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                start_signal="report", start_signal_args=[report])
+
+        return send
 
     def close(self) -> None:
         for closer in self.closers:
@@ -138,5 +176,10 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
     if unsupported:
         raise ConfigError(f"burst.locations names providers not supported yet: {', '.join(sorted(unsupported))}")
     audit = AuditLog(settings.state_dir / "audit.jsonl")
+    hub = None
+    if settings.hub_url:
+        hub = HubClient(settings.hub_url, settings.hub_token_file,
+                        ca_file=str(settings.hub_ca_file) if settings.hub_ca_file else None)
+        closers.append(hub.close)
     return Runtime(settings=settings, kube=kube, burst=burst, gateway=gw, providers=providers, audit=audit,
-                   closers=closers)
+                   closers=closers, hub=hub)

@@ -13,6 +13,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError
 
+from models import search_attributes as sa
 from models.operation import (
     LABEL_GPU_PRODUCT,
     LABEL_INSTANCE_TYPE,
@@ -52,12 +53,13 @@ from models.operation import (
     operation_id,
 )
 from models.policy import location_label_value
-from workflows import search_attributes as sa
 from workflows.drain import DrainWorkflow
+from workflows.gate import action_gate, wait_until_allowed
 from workflows.ledger import GRANTED_SIGNAL
 
 # Must match activities.burst (workflows may not import activities).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+HELD = "Held"
 
 QUICK = timedelta(seconds=60)
 RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
@@ -284,12 +286,6 @@ class BurstWorkflow:
                 return self._result()
             await self._audit("approved", f"plan {self.plan.plan_id}")
 
-        # R2.7: a policy switched to Recommend stops its actions at once, even after approval.
-        self.policy = await self._load_policy(inp)
-        if self.policy.mode == "Recommend":
-            self._set_phase(Phase.PROPOSED, "policy switched to Recommend before launch; nothing launched")
-            return self._result()
-
         await self._reserve(inp)
         # Waiting for approval or capacity can outlast the need: launch nothing for a group that has gone.
         pending = await workflow.execute_activity("pending_pods", inp.group, result_type=int,
@@ -298,6 +294,10 @@ class BurstWorkflow:
             await self._release()
             self._set_phase(Phase.COMPLETED, "no pod of the group is pending any more; nothing launched")
             await self._audit("withdrawn", self.message)
+            return self._result()
+        if not await self._go_ahead(inp):
+            await self._release()
+            self._set_phase(Phase.PROPOSED, "policy switched to Recommend before launch; nothing launched")
             return self._result()
         await self._launch(inp)
         assert self.instance is not None
@@ -353,6 +353,26 @@ class BurstWorkflow:
                     return o
         return self.plan.best
 
+    async def _go_ahead(self, inp: BurstInput) -> bool:
+        """Just before launching: False when the policy was switched to Recommend (R2.7 stops its actions at once,
+        even after approval); holds while the hub rejects this cluster's token (R2.3)."""
+        while True:
+            self.policy = await self._load_policy(inp)
+            if self.policy.mode == "Recommend":
+                return False
+            gate = await action_gate(inp.policy)
+            if not gate.held:
+                return True
+            await self._hold(inp, gate.reason)
+
+    async def _hold(self, inp: BurstInput, reason: str) -> None:
+        before = (self.phase, self.message)
+        self._set_phase(Phase.HELD, reason)
+        await self._audit("held", reason)
+        await wait_until_allowed(inp.policy)
+        await self._audit("resumed")
+        self._set_phase(*before)
+
     async def _reserve(self, inp: BurstInput) -> None:
         """Queue for a node in the policy's ledger and wait for the grant (first come, first served)."""
         assert self.policy is not None
@@ -393,7 +413,9 @@ class BurstWorkflow:
     async def _launch(self, inp: BurstInput) -> None:
         assert self.plan is not None and self.policy is not None
         tried: list[str] = []
-        for offering in self.plan.candidates:
+        candidates = list(self.plan.candidates)
+        while candidates:
+            offering = candidates[0]
             self._set_phase(Phase.LAUNCHING, f"{offering.instance_type} in {offering.location}")
             workflow.upsert_search_attributes([sa.LOCATION.value_set(offering.location)])
             labels = {
@@ -416,6 +438,10 @@ class BurstWorkflow:
             except ActivityError as exc:
                 if _error_type(exc) == INSUFFICIENT_CAPACITY:
                     tried.append(_message(exc))
+                    candidates.pop(0)
+                    continue
+                if _error_type(exc) == HELD:  # revoked between the check and the launch: hold, then try again
+                    await self._hold(inp, _message(exc))
                     continue
                 raise
             await self._audit("launched", f"{offering.instance_type} at ${offering.usd_per_gpu_hour:.2f}/GPU-h")

@@ -11,6 +11,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
+from models import search_attributes as sa
 from models.operation import (
     DrainInput,
     DrainResult,
@@ -21,7 +22,7 @@ from models.operation import (
     NodeRemoval,
     Phase,
 )
-from workflows import search_attributes as sa
+from workflows.gate import action_gate, wait_until_allowed
 
 SHORT = timedelta(seconds=60)
 RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
@@ -51,12 +52,21 @@ class DrainWorkflow:
         self.status = status
         self._details(inp)
 
+    async def _hold_while_disconnected(self, inp: DrainInput) -> None:
+        gate = await action_gate(inp.policy)
+        if gate.held:
+            status = self.status
+            self._set(inp, f"held: {gate.reason}")
+            await wait_until_allowed(inp.policy)
+            self._set(inp, status)
+
     @workflow.run
     async def run(self, inp: DrainInput) -> DrainResult:
         workflow.upsert_search_attributes([
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
             sa.OPERATION_KIND.value_set("Drain"), sa.PHASE.value_set(Phase.DRAINING.value),
         ])
+        await self._hold_while_disconnected(inp)  # R2.3: no drain starts while the hub rejects our token
         self._set(inp, "cordoning")
         node = NodeRef(node_name=inp.node_name)
         present = await workflow.execute_activity(
@@ -91,6 +101,7 @@ class DrainWorkflow:
         backoff = 1.0
         deadline = workflow.now() + timedelta(seconds=inp.settings.drain_timeout_seconds)
         while True:
+            await self._hold_while_disconnected(inp)
             res: EvictionResult = await workflow.execute_activity(
                 "evict_pods", node, result_type=EvictionResult, start_to_close_timeout=SHORT, retry_policy=RETRY)
             evicted.update(p for p in res.remaining if p not in res.blocked)

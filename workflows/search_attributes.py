@@ -1,17 +1,5 @@
-"""Custom search attributes: operators filter operations in the Temporal UI by cluster, policy, location and
-phase. Registered on the server by `kubeon-gpu` at start-up (and by the test fixtures)."""
+"""Kept while other modules move to ``models.search_attributes`` (the keys are shared with activities)."""
 
-from __future__ import annotations
+from models.search_attributes import ALL, CLUSTER, LOCATION, OPERATION, OPERATION_KIND, PHASE, POLICY
 
-from typing import Final
-
-from temporalio.common import SearchAttributeKey
-
-CLUSTER: Final = SearchAttributeKey.for_keyword("KubeonCluster")
-POLICY: Final = SearchAttributeKey.for_keyword("KubeonPolicy")
-LOCATION: Final = SearchAttributeKey.for_keyword("KubeonLocation")
-PHASE: Final = SearchAttributeKey.for_keyword("KubeonPhase")
-OPERATION_KIND: Final = SearchAttributeKey.for_keyword("KubeonOperationKind")
-OPERATION: Final = SearchAttributeKey.for_keyword("KubeonOperation")
-
-ALL: Final = (CLUSTER, POLICY, LOCATION, PHASE, OPERATION_KIND, OPERATION)
+__all__ = ["ALL", "CLUSTER", "LOCATION", "OPERATION", "OPERATION_KIND", "PHASE", "POLICY"]

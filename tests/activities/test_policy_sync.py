@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from activities.policy_sync import PolicySyncer, hold_reason
+from activities.policy_sync import LAST_SYNC_REFRESH, PolicySyncer, hold_reason
 from models.hub import (
     ANNOTATION_HUB_REVISION,
     CONDITION_HUB_CONNECTED,
@@ -179,6 +179,20 @@ def test_unchanged_second_sync_makes_no_write(cluster: Cluster, syncer: PolicySy
     assert (outcome.created, outcome.updated, outcome.pruned, outcome.invalid) == ([], [], [], {})
     after = {name: live(cluster, name)["metadata"]["resourceVersion"] for name in before}
     assert after == before
+
+
+def test_last_sync_time_is_refreshed_every_few_minutes_when_nothing_changes(
+        cluster: Cluster, syncer: PolicySyncer, clock: Clock) -> None:
+    d = doc()
+    name = d["metadata"]["name"]
+    syncer.sync([d], revision=1)
+    first = live(cluster, name)["status"]["lastSyncTime"]
+    syncer.sync([d], revision=1)
+    assert live(cluster, name)["status"]["lastSyncTime"] == first  # a minute later: no write
+    clock.now += LAST_SYNC_REFRESH
+    syncer.sync([d], revision=1)
+    refreshed = live(cluster, name)["status"]["lastSyncTime"]
+    assert refreshed > first and refreshed == clock.last
 
 
 def test_new_revision_alone_restamps_without_changing_the_spec(cluster: Cluster, syncer: PolicySyncer) -> None:

@@ -1,9 +1,10 @@
 """`make dev`: everything on one machine, no cloud account.
 
 The Temporal dev server (UI at http://127.0.0.1:8233), the local control plane with kwok, two `sim` locations
-with different prices, a home GPU node, the worker (`kubeon-gpu worker`, with the optimizer's own
-ServiceAccount; the gateway in-process with its own), and the example policies from examples/policies.
-Ctrl-C stops everything.
+with different prices, a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) seeded with an admin key, the
+cluster `dev` with its token and the example policies from examples/policies, and the worker (`kubeon-gpu
+worker`, with the optimizer's own ServiceAccount; the gateway in-process with its own), which pulls the
+policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from pathlib import Path
 
 import yaml
 
+from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
 from tests.harness.burst import build_stack, worker_process
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
 from tests.harness.kube import Kube, wait_for
 from tests.harness.temporal import dev_server_path
-from workflows import search_attributes
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_LOCATIONS = [
@@ -79,6 +80,35 @@ def load_policies(admin: Kube, folder: Path) -> list[str]:
     return names
 
 
+def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[bytes]:
+    """The self-hosted hub, seeded like hub/dev-seed.yaml but with its secrets in the (fresh) work directory."""
+    seed = {
+        "users": [{"name": "dev", "role": "admin", "keyFile": "hub/dev.key"}],
+        "clusters": [{"name": "dev", "description": "make dev", "tokenFile": "hub/dev.token",
+                      "policyFiles": [str(p.resolve()) for p in sorted(policies.glob("*.yaml"))]}],
+    }
+    seed_file = workdir / "hub-seed.yaml"
+    seed_file.write_text(yaml.safe_dump(seed))
+    log = open(workdir / "hub.log", "ab")  # noqa: SIM115 - lives with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
+         f"sqlite:///{workdir / 'hub.db'}", "--seed-file", str(seed_file), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+
+    def answering() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"hub exited {proc.returncode}; see {workdir / 'hub.log'}")
+        import httpx
+
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(answering, what=f"the hub on 127.0.0.1:{port}", timeout=60)
+    return proc
+
+
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -95,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=ROOT / ".kubeon" / "dev")
     parser.add_argument("--temporal-port", type=int, default=7233)
     parser.add_argument("--ui-port", type=int, default=8233)
-    parser.add_argument("--policies", type=Path, default=ROOT / "examples" / "policies")
+    parser.add_argument("--hub-port", type=int, default=8090)
+    parser.add_argument("--policies", type=Path, default=ROOT / "examples" / "policies",
+                        help="GpuPolicy files the hub is seeded with")
+    parser.add_argument("--no-hub", action="store_true",
+                        help="no hub: create the policies in the cluster directly (kubectl-style)")
     args = parser.parse_args(argv)
 
     workdir: Path = args.dir
@@ -111,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plane = ControlPlane(workdir / "controlplane")
     temporal: subprocess.Popen[bytes] | None = None
+    hub: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
@@ -131,37 +166,63 @@ def main(argv: list[str] | None = None) -> int:
         stack = build_stack(cluster, workdir / "stack")
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
-        names = load_policies(admin, args.policies)
+        hub_settings = {}
+        hub_lines = ""
+        if args.no_hub:
+            names = load_policies(admin, args.policies)
+            say(f"policies created in the cluster: {', '.join(names)}")
+        else:
+            hub_url = f"http://127.0.0.1:{args.hub_port}"
+            say(f"starting the hub on {hub_url}")
+            hub = start_hub(workdir, args.hub_port, args.policies)
+            hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
+                            "hub_poll_interval": 5}
+            key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
+            hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
+                         f"               curl -H \"Authorization: Bearer $(cat {key})\" "
+                         f"{hub_url}/v1/clusters/dev/reports\n")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
                                   locations=DEV_LOCATIONS, cluster_name="dev", serve_check_seconds=5,
-                                  approval_timeout_seconds=86400)
+                                  approval_timeout_seconds=86400, **hub_settings)
         worker = worker_process(settings, workdir / "worker.log")
-        say(f"worker started (log: {workdir / 'worker.log'}); policies loaded: {', '.join(names)}")
+        say(f"worker started (log: {workdir / 'worker.log'})")
+        if not args.no_hub:
+            names = wait_for(lambda: [p["metadata"]["name"] for p in admin.custom.list_cluster_custom_object(
+                API_GROUP, "v1", PLURAL)["items"]], what="policies synced from the hub", timeout=120)
+            say(f"policies synced from the hub: {', '.join(names)}")
         rel = os.path.relpath(kubeconfig, Path.cwd())
+        approve_in_hub = "" if args.no_hub else (
+            "\n  (or approve in the hub: curl -H \"Authorization: Bearer $(cat "
+            f"{os.path.relpath(workdir / 'hub' / 'dev.key', Path.cwd())})\" -d '{{\"operation\": \"<OPERATION>\", "
+            f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals)")
         print(f"""
 KubeOn GPU optimizer is running locally.
 
   kubeconfig   {rel}
   Temporal UI  http://127.0.0.1:{args.ui_port}
-  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h)
+{hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h)
 
 Next:
   kubectl --kubeconfig {rel} apply -f examples/burst-workload.yaml
   .venv/bin/kubeon-gpu ops list
-  .venv/bin/kubeon-gpu ops approve <OPERATION>
+  .venv/bin/kubeon-gpu ops approve <OPERATION>{approve_in_hub}
 
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
 Ctrl-C stops everything.
 ready""", flush=True)
-        while not stopping.wait(0.5):  # Ctrl-C, or the worker dying, ends the run
+        while not stopping.wait(0.5):  # Ctrl-C, or the worker or hub dying, ends the run
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
+                return 1
+            if hub is not None and hub.poll() is not None:
+                say(f"hub exited {hub.returncode}; see {workdir / 'hub.log'}")
                 return 1
         say("stopping")
         return 0
     finally:
         stop(worker)
+        stop(hub)
         stop(temporal)
         plane.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -33,6 +34,13 @@ def wait_for(check: Callable[[], T | None], *, timeout: float = 60.0, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
         time.sleep(interval)
+
+
+async def until(check: Callable[[], T | None], *, timeout: float = 60.0, what: str, interval: float = 0.2,
+                retry_on: tuple[type[Exception], ...] = (client.ApiException,)) -> T:
+    """``wait_for`` from async tests: polls in a thread, so an in-process worker on the event loop keeps running."""
+    return await asyncio.to_thread(wait_for, check, timeout=timeout, what=what, interval=interval,
+                                   retry_on=retry_on)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from temporalio.client import Client
@@ -52,15 +53,16 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str
 
 
 async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -> None:
-    port, ui = free_port(), free_port()
+    port, ui, hub_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.harness.dev", "--dir", str(tmp_path / "dev"), "--temporal-port", str(port),
-         "--ui-port", str(ui)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+         "--ui-port", str(ui), "--hub-port", str(hub_port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         banner = _read_until(proc, "ready", timeout=240)
         assert f"http://127.0.0.1:{ui}" in banner
         assert "kubectl --kubeconfig" in banner and "examples/burst-workload.yaml" in banner
+        assert f"http://127.0.0.1:{hub_port}" in banner and "policies synced from the hub: inference-burst" in banner
         admin = Kube.from_kubeconfig(tmp_path / "dev" / "kubeconfig")
         workload = yaml.safe_load((ROOT / "examples" / "burst-workload.yaml").read_text())
         admin.apps.create_namespaced_deployment("default", workload)
@@ -78,6 +80,17 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         assert view.policy == "inference-burst"
         assert view.plan is not None and view.plan.best is not None
         assert view.plan.best.location == "sim/eu-west"  # the cheaper of the two sim locations
+        # Approved in the hub (the seeded admin key), the operation goes on to launch in the cluster.
+        key = (tmp_path / "dev" / "hub" / "dev.key").read_text().strip()
+        async with httpx.AsyncClient(timeout=10) as http:
+            approved = await http.post(f"http://127.0.0.1:{hub_port}/v1/clusters/dev/approvals",
+                                       headers={"Authorization": f"Bearer {key}"},
+                                       json={"operation": view.operation, "decision": "approve"})
+        assert approved.status_code == 201, approved.text
+        while (view := await ops.show(temporal, view.operation)).phase in ("AwaitingApproval", "WaitingForCapacity"):
+            assert time.monotonic() < deadline + 60, view.history
+            await asyncio.sleep(1)
+        assert view.approver == "hub:user:dev", view.history
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:

@@ -12,7 +12,7 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from workflows import search_attributes
+from models import search_attributes
 
 pytestmark = pytest.mark.temporal
 

@@ -37,7 +37,8 @@ class HubProcess:
         return self._proc.pid
 
     def start(self, timeout: float = 30.0) -> HubProcess:
-        port = free_port()
+        # A restart keeps the address: the optimizer under test knows the hub by its URL.
+        port = int(self.url.rsplit(":", 1)[1]) if self.url else free_port()
         self.url = f"http://127.0.0.1:{port}"
         with open(self.logdir / "hub.log", "wb") as log:
             self._proc = subprocess.Popen(

@@ -20,6 +20,7 @@ def test_shipped_dev_seed_creates_cluster_token_and_policy(tmp_path: Path, datab
     (tmp_path / "hub").mkdir()
     seed = tmp_path / "hub" / "dev-seed.yaml"
     shutil.copy(SHIPPED, seed)
+    shutil.copytree(SHIPPED.parent.parent / "examples", tmp_path / "examples")  # its policyFiles
     db = Database(database_url)
     try:
         db.create_schema()
@@ -30,7 +31,7 @@ def test_shipped_dev_seed_creates_cluster_token_and_policy(tmp_path: Path, datab
         with db.session() as s:
             row = s.scalar(select(ClusterToken))
             assert row is not None and tokens.matches(token, row.digest)
-            assert [p.name for p in s.scalars(select(Policy))] == ["dev-burst"]
+            assert [p.name for p in s.scalars(select(Policy))] == ["inference-burst"]
             events = s.scalar(select(func.count()).select_from(AuditEvent))
 
         assert seed_file(db, seed, clock=FakeClock()) == []  # again: nothing to do

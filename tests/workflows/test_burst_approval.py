@@ -18,7 +18,9 @@ from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from models.hub import GateRequest, GateState
 from models.operation import (
+    SERVE_QUEUE_SUFFIX,
     Approval,
     AuditRecord,
     BurstInput,
@@ -51,8 +53,25 @@ class Recorded:
     audit: list[AuditRecord] = field(default_factory=list)
     launches: list[LaunchRequest] = field(default_factory=list)
     cleanups: list[CleanupRequest] = field(default_factory=list)
+    # The hub's hold (R2.3): set while "the hub rejects the token"; cleared to let held operations go on.
+    hold: str = ""
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    gate_checks: list[str] = field(default_factory=list)
+
+    def serve_activities(self) -> list[Callable[..., Any]]:
+        @activity.defn(name="await_actions_allowed")
+        async def await_actions_allowed(req: GateRequest) -> GateState:
+            await self.released.wait()
+            return GateState(held=False)
+
+        return [await_actions_allowed]
 
     def activities(self) -> list[Callable[..., Any]]:
+        @activity.defn(name="action_gate")
+        async def action_gate(req: GateRequest) -> GateState:
+            self.gate_checks.append(req.policy)
+            return GateState(held=bool(self.hold), reason=self.hold)
+
         @activity.defn(name="load_policy")
         async def load_policy(req: LoadPolicyRequest) -> PolicySnapshot:
             return PolicySnapshot(name=req.policy, mode="Approve", tolerate="gpu.kubeon.io/burst",
@@ -91,15 +110,19 @@ class Recorded:
             return CleanupResult()
 
         return [load_policy, plan_burst, record_audit, launch_instance, request_capacity, pending_pods,
-                cleanup_operation]
+                cleanup_operation, action_gate]
 
 
 @pytest.fixture
 async def env(temporal_time_skipping: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str, Recorded]]:
     recorded = Recorded()
     queue = f"q-{uuid.uuid4().hex[:6]}"
-    async with Worker(temporal_time_skipping.client, task_queue=queue, workflows=[BurstWorkflow],
-                      activities=recorded.activities(), workflow_runner=workflow_runner()):
+    async with (
+        Worker(temporal_time_skipping.client, task_queue=queue, workflows=[BurstWorkflow],
+               activities=recorded.activities(), workflow_runner=workflow_runner()),
+        Worker(temporal_time_skipping.client, task_queue=queue + SERVE_QUEUE_SUFFIX,
+               activities=recorded.serve_activities()),
+    ):
         yield temporal_time_skipping.client, queue, recorded
 
 
@@ -155,3 +178,24 @@ async def test_signal_approval_from_the_ui_needs_no_payload(env: tuple[Client, s
     assert "approved" in [r.action for r in recorded.audit]
     # Compensation looked for anything the failed launch might have left, by operation tag.
     assert [c.operation for c in recorded.cleanups] == [recorded.launches[0].operation]
+
+
+async def test_hub_hold_keeps_an_approved_operation_from_launching_until_released(
+        env: tuple[Client, str, Recorded]) -> None:
+    client, queue, recorded = env
+    recorded.hold = "hub rejected this cluster's token (revoked or unknown)"
+    handle = await _start(client, queue)
+    await _awaiting(handle)
+    await ops.approve(client, handle.id, Approval(approver="erin"))
+    while (view := await handle.query(BurstWorkflow.state)).phase != Phase.HELD:
+        await asyncio.sleep(0.05)
+    assert "revoked" in view.message
+    assert recorded.launches == [] and recorded.gate_checks == ["p"]
+    # A valid token again: the operation goes on where it was, to the (test) launch.
+    recorded.hold = ""
+    recorded.released.set()
+    result = await handle.result()
+    assert recorded.launches  # the test launch refuses (and is retried); compensation follows as usual
+    assert result.phase == Phase.FAILED
+    actions = [r.action for r in recorded.audit]
+    assert actions.index("approved") < actions.index("held") < actions.index("resumed")

@@ -1,0 +1,149 @@
+"""The optimizer's side of the hub: names on the cluster, and the inputs and outputs of the hub sync workflow.
+
+The hub never connects to the optimizer (R2.5): one ``HubSync`` workflow per cluster pulls policies and
+approvals every ``hub.pollInterval`` and delivers the action reports queued in its own state, so a report
+survives a worker crash and an unreachable hub, and the hub's idempotency keys make delivery exactly once.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Final, Literal
+
+from pydantic import Field
+
+from models.operation import Model
+
+# Server-side apply field manager of everything the sync writes (spec and status).
+FIELD_MANAGER: Final = "kubeon-gpu-optimizer"
+# GpuPolicies the sync owns carry this label; only they are pruned when the hub no longer lists them.
+LABEL_SOURCE: Final = "gpu.kubeon.io/source"
+SOURCE_HUB: Final = "hub"
+ANNOTATION_HUB_REVISION: Final = "gpu.kubeon.io/hub-revision"
+
+# Status conditions on each hub-synced GpuPolicy.
+CONDITION_READY: Final = "Ready"
+CONDITION_HUB_CONNECTED: Final = "HubConnected"
+REASON_SYNCED: Final = "Synced"
+REASON_INVALID: Final = "InvalidPolicy"
+REASON_CONNECTED: Final = "Connected"
+# The hub answered 401: the token is revoked or unknown. The optimizer takes no action until a valid one arrives.
+REASON_UNAUTHORIZED: Final = "Unauthorized"
+# The hub did not answer: the last synced policies stay enforced and reports queue.
+REASON_UNREACHABLE: Final = "Unreachable"
+
+# Actions reported to the hub (R2.8), plus the other ends an operation can have.
+ReportAction = Literal["proposed", "approved", "launched", "joined", "verified", "drained", "removed", "failed",
+                       "rejected", "expired", "withdrawn", "cancelled", "held", "resumed"]
+REPORT_ACTIONS: Final[frozenset[str]] = frozenset(ReportAction.__args__)  # type: ignore[attr-defined]
+HubState = Literal["starting", "connected", "unauthorized", "unreachable", "error"]
+
+
+REPORT_DETAIL_LIMIT: Final = 8192  # the hub's limit on a report's detail
+
+
+def hub_sync_workflow_id(cluster: str) -> str:
+    return f"hub-sync/{cluster}"
+
+
+def report_detail(text: str) -> str:
+    return text if len(text) <= REPORT_DETAIL_LIMIT else text[: REPORT_DETAIL_LIMIT - 1] + "…"
+
+
+class ActionReport(Model):
+    """One action of an operation, as the hub's ``POST /v1/cluster/reports`` takes it."""
+
+    idempotency_key: str
+    operation: str
+    policy: str
+    action: ReportAction
+    location: str | None = None
+    instance: str | None = None
+    node: str | None = None
+    detail: str = ""
+    occurred_at: datetime
+
+
+class HubSyncInput(Model):
+    cluster: str
+    poll_interval_seconds: float = 60.0
+    # Each wait is the interval times a random factor in [1 - jitter, 1 + jitter], so clusters spread out.
+    jitter: float = 0.1
+    # Carried over continue-as-new.
+    etag: str | None = None
+    approvals_cursor: int = 0
+    pending_reports: list[ActionReport] = Field(default_factory=list)
+    dropped_reports: int = 0
+    state: HubState = "starting"
+    polls_before_continue: int = 500
+
+
+class HubPollRequest(Model):
+    cluster: str
+    etag: str | None = None
+    approvals_cursor: int = 0
+    # Delivered in this order; delivery stops at the first failure so the rest stay queued, in order.
+    reports: list[ActionReport] = Field(default_factory=list)
+
+
+class PolicySyncOutcome(Model):
+    revision: int | None = None
+    created: list[str] = Field(default_factory=list)
+    updated: list[str] = Field(default_factory=list)
+    unchanged: list[str] = Field(default_factory=list)
+    pruned: list[str] = Field(default_factory=list)
+    # name -> why: kept at its last good version (or not created), said in its status and reported to the hub.
+    invalid: dict[str, str] = Field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (f"{len(self.created)} created, {len(self.updated)} updated, {len(self.unchanged)} unchanged, "
+                f"{len(self.pruned)} pruned, {len(self.invalid)} invalid")
+
+
+class ApprovalOutcome(Model):
+    hub_id: int
+    operation: str
+    decision: Literal["approve", "reject"]
+    # applied, refused (the workflow's validator said why), not_found (no such running operation)
+    result: Literal["applied", "refused", "not_found"]
+    message: str = ""
+
+
+class HubPollResult(Model):
+    state: HubState
+    message: str = ""
+    etag: str | None = None
+    approvals_cursor: int = 0
+    # More approvals are waiting on the hub: poll again at once.
+    more_approvals: bool = False
+    policies_changed: bool = False
+    sync: PolicySyncOutcome | None = None
+    approvals: list[ApprovalOutcome] = Field(default_factory=list)
+    delivered_reports: list[str] = Field(default_factory=list)
+    # Reports the hub refused for good (422, 409): never deliverable, dropped with the reason logged.
+    refused_reports: dict[str, str] = Field(default_factory=dict)
+
+
+class HubSyncStatus(Model):
+    cluster: str
+    state: HubState
+    message: str
+    polls: int
+    last_poll_at: datetime | None
+    etag: str | None
+    approvals_cursor: int
+    pending_reports: int
+    dropped_reports: int
+    last_sync: PolicySyncOutcome | None = None
+
+
+class GateRequest(Model):
+    policy: str
+    check_seconds: float = 5.0
+
+
+class GateState(Model):
+    """Whether an operation of the policy may act now (launch, start a drain, evict)."""
+
+    held: bool
+    reason: str = ""

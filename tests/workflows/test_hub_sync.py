@@ -1,0 +1,344 @@
+"""The optimizer's side of the hub (R2.x), end to end: the hub as a real process (`python -m hub.server`), the
+real control plane, the Temporal dev server and the worker with its HubSync workflow polling every second."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client
+from temporalio.client import Client, WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from models.hub import (
+    CONDITION_HUB_CONNECTED,
+    CONDITION_READY,
+    LABEL_SOURCE,
+    REASON_UNAUTHORIZED,
+    REASON_UNREACHABLE,
+    HubSyncStatus,
+    hub_sync_workflow_id,
+)
+from models.operation import Phase, burst_workflow_id
+from models.policy import API_GROUP, PLURAL
+from tests.harness.burst import (
+    BURST_TAINT_KEY,
+    SIM_LOCATIONS,
+    BurstStack,
+    build_stack,
+    gpu_deployment,
+    unique,
+    wait_phase,
+)
+from tests.harness.kube import Cluster, until
+from tests.hub.conftest import BOOTSTRAP_KEY
+from tests.hub.process import HubProcess
+from worker.main import worker_services
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+POLL = 1.0
+
+
+def policy(name: str, *, mode: str, max_nodes: int = 2, locations: list[str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name},
+            "spec": {"kind": "Burst", "mode": mode, "workloads": {"tolerate": BURST_TAINT_KEY},
+                     "locations": locations or ["sim/eu-west"],
+                     "limits": {"maxNodes": max_nodes, "maxGpuHour": 4.5}, "returnHome": True}}
+
+
+@dataclass
+class Hub:
+    process: HubProcess
+    admin: httpx.Client
+    cluster: str
+    token_file: Path
+
+    def put(self, doc: dict[str, Any]) -> None:
+        r = self.admin.put(f"/v1/clusters/{self.cluster}/policies/{doc['metadata']['name']}", json=doc)
+        assert r.status_code in (200, 201), r.text
+
+    def delete(self, name: str) -> None:
+        assert self.admin.delete(f"/v1/clusters/{self.cluster}/policies/{name}").status_code == 200
+
+    def decide(self, operation: str, decision: str, **extra: Any) -> None:
+        r = self.admin.post(f"/v1/clusters/{self.cluster}/approvals",
+                            json={"operation": operation, "decision": decision, **extra})
+        assert r.status_code == 201, r.text
+
+    def rotate(self) -> str:
+        r = self.admin.post(f"/v1/clusters/{self.cluster}/token/rotate")
+        assert r.status_code == 201, r.text
+        token: str = r.json()["token"]
+        return token
+
+    def revoke(self) -> None:
+        assert self.admin.post(f"/v1/clusters/{self.cluster}/token/revoke").status_code == 200
+
+    def mount(self, token: str) -> None:
+        """What the kubelet does with a rotated Secret: a new file swapped in atomically."""
+        tmp = self.token_file.with_suffix(".new")
+        tmp.write_text(token + "\n")
+        tmp.replace(self.token_file)
+
+    def reports(self) -> list[dict[str, Any]]:
+        r = self.admin.get(f"/v1/clusters/{self.cluster}/reports", params={"limit": 500})
+        assert r.status_code == 200, r.text
+        reports: list[dict[str, Any]] = r.json()["reports"]
+        return reports
+
+    def info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self.admin.get(f"/v1/clusters/{self.cluster}").json()
+        return info
+
+
+@dataclass
+class Optimizer:
+    temporal: Client
+    cluster: str
+    hub: Hub
+    stack: BurstStack
+
+    @property
+    def sync(self) -> WorkflowHandle[Any, Any]:
+        return self.temporal.get_workflow_handle(hub_sync_workflow_id(self.cluster))
+
+    async def sync_status(self) -> HubSyncStatus:
+        status: HubSyncStatus = await self.sync.query("status", result_type=HubSyncStatus)
+        return status
+
+    def gpupolicy(self, name: str) -> dict[str, Any] | None:
+        try:
+            obj: dict[str, Any] = self.stack.cluster.admin.custom.get_cluster_custom_object(  # type: ignore[assignment]
+                API_GROUP, "v1", PLURAL, name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    def condition(self, name: str, type_: str) -> dict[str, Any] | None:
+        obj = self.gpupolicy(name) or {}
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond["type"] == type_:
+                return dict(cond)
+        return None
+
+    def burst_nodes(self, policy_name: str) -> list[str]:
+        nodes = self.stack.cluster.admin.core.list_node(label_selector=f"gpu.kubeon.io/policy={policy_name}")
+        return [str(n.metadata.name) for n in nodes.items]
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("hub-sync"))
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[Hub]:
+    key_file = tmp_path / "bootstrap.key"
+    key_file.write_text(BOOTSTRAP_KEY + "\n")
+    process = HubProcess(["--database-url", f"sqlite:///{tmp_path / 'hub.db'}", "--bootstrap-admin-key-file",
+                          str(key_file)], logdir=tmp_path).start()
+    admin = httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {BOOTSTRAP_KEY}"}, timeout=10)
+    name = unique("c")
+    created = admin.post("/v1/clusters", json={"name": name})
+    assert created.status_code == 201, created.text
+    token_file = tmp_path / "token"
+    token_file.write_text(created.json()["token"]["token"])
+    try:
+        yield Hub(process=process, admin=admin, cluster=name, token_file=token_file)
+    finally:
+        admin.close()
+        process.stop()
+
+
+@pytest.fixture
+async def optimizer(stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEnvironment
+                    ) -> AsyncIterator[Optimizer]:
+    settings = stack.settings(
+        temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
+        locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
+        hub_token_file=hub.token_file, hub_poll_interval=POLL)
+    async with worker_services(settings) as (temporal, _runtime, _watcher):
+        opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack)
+        try:
+            yield opt
+        finally:
+            await opt.sync.terminate("test over")
+    # Hub-synced policies are cluster-scoped: remove what this test's hub made.
+    for obj in stack.cluster.admin.custom.list_cluster_custom_object(
+            API_GROUP, "v1", PLURAL, label_selector=f"{LABEL_SOURCE}=hub")["items"]:
+        stack.delete_policy(obj["metadata"]["name"])
+
+
+async def test_policies_sync_edits_are_undone_deletions_pruned_and_a_rotated_token_is_used(
+        optimizer: Optimizer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kubeon.hub")
+    hub, first, second = optimizer.hub, unique("p"), unique("p")
+    hub.put(policy(first, mode="Recommend", max_nodes=3))
+    hub.put(policy(second, mode="Approve"))
+
+    def synced(name: str) -> dict[str, Any] | None:
+        obj = optimizer.gpupolicy(name)
+        ready = optimizer.condition(name, CONDITION_READY)
+        return obj if obj and ready and ready["status"] == "True" else None
+
+    obj = await until(lambda: synced(first), timeout=30, what=f"{first} synced from the hub")
+    assert await until(lambda: synced(second), timeout=30, what=f"{second} synced")
+    assert obj["spec"]["limits"]["maxNodes"] == 3 and obj["metadata"]["labels"][LABEL_SOURCE] == "hub"
+    status = obj["status"]
+    assert status["effectiveMode"] == "Recommend"  # the Enforced column
+    assert status["observedGeneration"] == obj["metadata"]["generation"] and status["lastSyncTime"]
+    assert optimizer.condition(first, CONDITION_HUB_CONNECTED)["status"] == "True"
+    await until(lambda: any("policies synced" in r.getMessage() for r in caplog.records), timeout=10,
+             what="the worker to log 'policies synced' (R1.5)")
+
+    # A direct edit (kubectl edit) is overwritten on the next sync (R2.6).
+    optimizer.stack.cluster.admin.custom.patch_cluster_custom_object(
+        API_GROUP, "v1", PLURAL, first, {"spec": {"mode": "Automatic", "limits": {"maxNodes": 99}}})
+    await until(lambda: (o := optimizer.gpupolicy(first)) and o["spec"]["limits"]["maxNodes"] == 3
+             and o["spec"]["mode"] == "Recommend", timeout=30, what="the kubectl edit undone")
+
+    # A change in the hub arrives; a policy deleted in the hub is pruned.
+    hub.put(policy(first, mode="Approve", max_nodes=3))
+    hub.delete(second)
+    await until(lambda: optimizer.gpupolicy(second) is None, timeout=30, what=f"{second} pruned")
+    await until(lambda: (o := optimizer.gpupolicy(first)) and o["status"].get("effectiveMode") == "Approve",
+             timeout=30, what="the hub's change applied and its status updated")
+
+    # Rotation: the new token, swapped into the mounted file, is used without a restart; the old one then dies.
+    hub.mount(hub.rotate())
+    await until(lambda: [t for t in hub.info()["tokens"] if t["state"] == "superseded"], timeout=30,
+             what="the old token superseded by the new one's first use")
+    status_before = (await optimizer.sync_status()).polls
+    await until(lambda: hub.info()["status"] == "connected", timeout=10, what="the cluster connected")
+    await _polled_again(optimizer, status_before)
+    assert (await optimizer.sync_status()).state == "connected"
+
+
+async def _polled_again(optimizer: Optimizer, polls: int, times: int = 2) -> HubSyncStatus:
+    import asyncio
+
+    for _ in range(300):
+        status = await optimizer.sync_status()
+        if status.polls >= polls + times:
+            return status
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the hub sync did not poll {times} more times: {status}")
+
+
+async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
+        optimizer: Optimizer, namespace: str) -> None:
+    hub, name = optimizer.hub, unique("p")
+    hub.put(policy(name, mode="Approve", max_nodes=2))
+    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
+    approved, rejected = unique("infer"), unique("infer")
+    handles = {}
+    for deploy in (approved, rejected):
+        optimizer.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        handles[deploy] = optimizer.temporal.get_workflow_handle(
+            burst_workflow_id(optimizer.cluster, name, f"{namespace}/Deployment/{deploy}"))
+    views = {d: await wait_phase(h, Phase.AWAITING_APPROVAL) for d, h in handles.items()}
+    assert views[approved].plan is not None
+    hub.decide(views[approved].operation, "approve", plan_id=views[approved].plan.plan_id, reason="needed")
+    hub.decide(views[rejected].operation, "reject", reason="too dear")
+
+    serving = await wait_phase(handles[approved], Phase.SERVING)
+    assert serving.approver is not None and serving.approver.startswith("hub:")
+    done = await wait_phase(handles[rejected], Phase.REJECTED)
+    assert "too dear" in done.message
+    assert optimizer.burst_nodes(name) == [serving.node_name]  # one node: the approved operation's
+
+    # Both workloads go (a burst node serves every tolerating pod, the rejected group's too).
+    for deploy in (approved, rejected):
+        optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    await wait_phase(handles[approved], Phase.COMPLETED, timeout=120)
+    await until(lambda: not optimizer.burst_nodes(name), timeout=30, what="the burst node removed")
+
+    def reported() -> dict[str, list[str]] | None:
+        by_op: dict[str, list[str]] = {}
+        for r in hub.reports():
+            by_op.setdefault(r["operation"], []).append(r["action"])
+        done = by_op.get(views[approved].operation, [])
+        return by_op if "removed" in done and by_op.get(views[rejected].operation) else None
+
+    by_op = await until(reported, timeout=30, what="every action reported to the hub")
+    assert by_op[views[approved].operation] == ["proposed", "approved", "launched", "joined", "verified",
+                                                "drained", "removed"]
+    assert by_op[views[rejected].operation] == ["proposed", "rejected"]
+    launched = next(r for r in hub.reports() if r["action"] == "launched")
+    assert launched["location"] == "sim/eu-west" and launched["instance"] and launched["node"]
+
+
+async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
+        optimizer: Optimizer, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kubeon.hub")
+    hub, name = optimizer.hub, unique("p")
+    hub.put(policy(name, mode="Automatic", max_nodes=2))
+    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
+
+    hub.revoke()
+    cond = await until(lambda: (c := optimizer.condition(name, CONDITION_HUB_CONNECTED)) and c["status"] == "False"
+                    and c, timeout=10, what="the policy marked disconnected within a poll")
+    assert cond["reason"] == REASON_UNAUTHORIZED
+    assert any("rejected this cluster's token" in r.getMessage() for r in caplog.records)
+    assert (await optimizer.sync_status()).state == "unauthorized"
+
+    # A pending workload under an Automatic policy: the operation holds; nothing is launched in the cluster.
+    deploy = unique("infer")
+    optimizer.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+    handle = optimizer.temporal.get_workflow_handle(
+        burst_workflow_id(optimizer.cluster, name, f"{namespace}/Deployment/{deploy}"))
+    held = await wait_phase(handle, Phase.HELD)
+    assert "token" in held.message and held.instance is None
+    status_before = await optimizer.sync_status()
+    await _polled_again(optimizer, status_before.polls)
+    assert (await wait_phase(handle, Phase.HELD)).instance is None
+    assert optimizer.burst_nodes(name) == []
+
+    # A valid token, mounted without a restart: the operation goes on from where it held.
+    hub.mount(hub.rotate())
+    serving = await wait_phase(handle, Phase.SERVING, timeout=60)
+    assert optimizer.burst_nodes(name) == [serving.node_name]
+    assert optimizer.condition(name, CONDITION_HUB_CONNECTED)["status"] == "True"
+    optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+
+
+async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_returns(
+        optimizer: Optimizer, namespace: str) -> None:
+    hub, name = optimizer.hub, unique("p")
+    hub.put(policy(name, mode="Automatic", max_nodes=2))
+    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
+    hub.process.stop()
+
+    cond = await until(lambda: (c := optimizer.condition(name, CONDITION_HUB_CONNECTED)) and c["status"] == "False"
+                    and c, timeout=10, what="the policy marked unreachable")
+    assert cond["reason"] == REASON_UNREACHABLE
+    # The last policies stay enforced: a burst runs to Serving with the hub down.
+    deploy = unique("infer")
+    optimizer.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+    handle = optimizer.temporal.get_workflow_handle(
+        burst_workflow_id(optimizer.cluster, name, f"{namespace}/Deployment/{deploy}"))
+    serving = await wait_phase(handle, Phase.SERVING, timeout=60)
+    status = await _polled_again(optimizer, (await optimizer.sync_status()).polls)
+    assert status.state == "unreachable" and status.pending_reports == 3  # launched, joined, verified
+
+    hub.process.start()
+    def delivered() -> list[dict[str, Any]] | None:
+        reports = [r for r in hub.reports() if r["operation"] == serving.operation]
+        return reports if len(reports) >= 3 else None
+
+    keys = await until(delivered, timeout=30, what="the queued reports delivered")
+    assert [r["action"] for r in keys] == ["launched", "joined", "verified"]
+    assert len({r["idempotency_key"] for r in keys}) == len(keys)
+    await _polled_again(optimizer, (await optimizer.sync_status()).polls)
+    assert (await optimizer.sync_status()).pending_reports == 0
+    assert len([r for r in hub.reports() if r["operation"] == serving.operation]) == 3  # delivered once
+    optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    await wait_phase(handle, Phase.COMPLETED, timeout=120)
