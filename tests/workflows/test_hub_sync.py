@@ -12,9 +12,13 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes import client
+from sqlalchemy import select
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from hub.db import Cluster as HubCluster
+from hub.db import Database
+from hub.db import Policy as HubPolicy
 from models.hub import (
     CONDITION_HUB_CONNECTED,
     CONDITION_READY,
@@ -342,3 +346,37 @@ async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_
     assert len([r for r in hub.reports() if r["operation"] == serving.operation]) == 3  # delivered once
     optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     await wait_phase(handle, Phase.COMPLETED, timeout=120)
+
+
+async def test_invalid_policy_from_the_hub_keeps_the_last_good_one_and_is_reported(
+        optimizer: Optimizer, tmp_path: Path) -> None:
+    hub, name = optimizer.hub, unique("p")
+    hub.put(policy(name, mode="Approve", max_nodes=2))
+    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
+
+    # A newer hub may hold a document this optimizer version refuses (this hub validates with the same models,
+    # so write it into its database as such a hub would have stored it).
+    db = Database(f"sqlite:///{tmp_path / 'hub.db'}")
+    try:
+        with db.session() as s:
+            cluster = s.scalar(select(HubCluster).where(HubCluster.name == hub.cluster))
+            row = s.scalar(select(HubPolicy).where(HubPolicy.name == name))
+            assert cluster is not None and row is not None
+            bad = policy(name, mode="Automatic", max_nodes=9)
+            bad["spec"]["locations"] = ["Not A Location"]
+            cluster.policy_revision += 1
+            row.document, row.revision = bad, cluster.policy_revision
+            s.commit()
+    finally:
+        db.dispose()
+
+    ready = await until(lambda: (c := optimizer.condition(name, CONDITION_READY)) and c["status"] == "False" and c,
+                        timeout=30, what="the invalid policy's status to say why")
+    assert ready["reason"] == "InvalidPolicy" and "spec.locations[0]" in ready["message"]
+    live = optimizer.gpupolicy(name)
+    assert live is not None  # the last good version stays in force
+    assert live["spec"]["mode"] == "Approve" and live["spec"]["limits"]["maxNodes"] == 2
+    failed = await until(lambda: [r for r in hub.reports() if r["operation"] == f"policy/{name}"], timeout=30,
+                         what="the refusal reported to the hub")
+    assert failed[0]["action"] == "failed" and "spec.locations[0]" in failed[0]["detail"]
+    assert (await optimizer.sync_status()).last_sync.invalid.keys() == {name}
