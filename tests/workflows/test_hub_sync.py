@@ -132,6 +132,20 @@ class Optimizer:
                 return dict(cond)
         return None
 
+    async def synced_policy(self, mode: str, max_nodes: int = 2) -> str:
+        """A new policy put in the hub, once the sync has created its GpuPolicy."""
+        name = unique("p")
+        self.hub.put(policy(name, mode=mode, max_nodes=max_nodes))
+        await until(lambda: self.gpupolicy(name), timeout=30, what=f"policy {name} synced")
+        return name
+
+    def pending_workload(self, namespace: str, policy_name: str) -> tuple[str, WorkflowHandle[Any, Any]]:
+        """A GPU Deployment home cannot fit, and the handle of the burst operation it starts."""
+        deploy = unique("infer")
+        self.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        return deploy, self.temporal.get_workflow_handle(
+            burst_workflow_id(self.cluster, policy_name, f"{namespace}/Deployment/{deploy}"))
+
     def burst_nodes(self, policy_name: str) -> list[str]:
         nodes = self.stack.cluster.admin.core.list_node(label_selector=f"gpu.kubeon.io/policy={policy_name}")
         return [str(n.metadata.name) for n in nodes.items]
@@ -238,15 +252,10 @@ async def _polled_again(optimizer: Optimizer, polls: int, times: int = 2) -> Hub
 
 async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
         optimizer: Optimizer, namespace: str) -> None:
-    hub, name = optimizer.hub, unique("p")
-    hub.put(policy(name, mode="Approve", max_nodes=2))
-    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
-    approved, rejected = unique("infer"), unique("infer")
-    handles = {}
-    for deploy in (approved, rejected):
-        optimizer.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        handles[deploy] = optimizer.temporal.get_workflow_handle(
-            burst_workflow_id(optimizer.cluster, name, f"{namespace}/Deployment/{deploy}"))
+    hub = optimizer.hub
+    name = await optimizer.synced_policy("Approve")
+    handles = dict(optimizer.pending_workload(namespace, name) for _ in range(2))
+    approved, rejected = list(handles)
     views = {d: await wait_phase(h, Phase.AWAITING_APPROVAL) for d, h in handles.items()}
     assert views[approved].plan is not None
     hub.decide(views[approved].operation, "approve", plan_id=views[approved].plan.plan_id, reason="needed")
@@ -282,10 +291,8 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
 async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
         optimizer: Optimizer, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kubeon.hub")
-    hub, name = optimizer.hub, unique("p")
-    hub.put(policy(name, mode="Automatic", max_nodes=2))
-    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
-
+    hub = optimizer.hub
+    name = await optimizer.synced_policy("Automatic")
     hub.revoke()
     cond = await until(lambda: (c := optimizer.condition(name, CONDITION_HUB_CONNECTED)) and c["status"] == "False"
                     and c, timeout=10, what="the policy marked disconnected within a poll")
@@ -294,10 +301,7 @@ async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
     assert (await optimizer.sync_status()).state == "unauthorized"
 
     # A pending workload under an Automatic policy: the operation holds; nothing is launched in the cluster.
-    deploy = unique("infer")
-    optimizer.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-    handle = optimizer.temporal.get_workflow_handle(
-        burst_workflow_id(optimizer.cluster, name, f"{namespace}/Deployment/{deploy}"))
+    deploy, handle = optimizer.pending_workload(namespace, name)
     held = await wait_phase(handle, Phase.HELD)
     assert "token" in held.message and held.instance is None
     status_before = await optimizer.sync_status()
@@ -316,24 +320,21 @@ async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
 
 async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_returns(
         optimizer: Optimizer, namespace: str) -> None:
-    hub, name = optimizer.hub, unique("p")
-    hub.put(policy(name, mode="Automatic", max_nodes=2))
-    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
+    hub = optimizer.hub
+    name = await optimizer.synced_policy("Automatic")
     hub.process.stop()
 
     cond = await until(lambda: (c := optimizer.condition(name, CONDITION_HUB_CONNECTED)) and c["status"] == "False"
                     and c, timeout=10, what="the policy marked unreachable")
     assert cond["reason"] == REASON_UNREACHABLE
     # The last policies stay enforced: a burst runs to Serving with the hub down.
-    deploy = unique("infer")
-    optimizer.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-    handle = optimizer.temporal.get_workflow_handle(
-        burst_workflow_id(optimizer.cluster, name, f"{namespace}/Deployment/{deploy}"))
+    deploy, handle = optimizer.pending_workload(namespace, name)
     serving = await wait_phase(handle, Phase.SERVING, timeout=60)
     status = await _polled_again(optimizer, (await optimizer.sync_status()).polls)
     assert status.state == "unreachable" and status.pending_reports == 3  # launched, joined, verified
 
     hub.process.start()
+
     def delivered() -> list[dict[str, Any]] | None:
         reports = [r for r in hub.reports() if r["operation"] == serving.operation]
         return reports if len(reports) >= 3 else None
@@ -350,9 +351,8 @@ async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_
 
 async def test_invalid_policy_from_the_hub_keeps_the_last_good_one_and_is_reported(
         optimizer: Optimizer, tmp_path: Path) -> None:
-    hub, name = optimizer.hub, unique("p")
-    hub.put(policy(name, mode="Approve", max_nodes=2))
-    await until(lambda: optimizer.gpupolicy(name), timeout=30, what="policy synced")
+    hub = optimizer.hub
+    name = await optimizer.synced_policy("Approve")
 
     # A newer hub may hold a document this optimizer version refuses (this hub validates with the same models,
     # so write it into its database as such a hub would have stored it).
