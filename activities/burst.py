@@ -182,7 +182,7 @@ class BurstActivities:
             labels=req.labels, taints=req.taints,
         ))
         user_data = render_user_data(gateway_url=self.config.gateway_url, ticket=ticket, node_name=req.node_name,
-                                     labels=req.labels, taints=req.taints)
+                                     labels=req.labels, taints=req.taints, ca_bundle=self.config.gateway_ca_bundle)
         activity.heartbeat("launching")
         try:
             instance = provider.launch(req, user_data)

@@ -164,19 +164,29 @@ def parse_user_data_ticket(user_data: str) -> dict[str, Any]:
 
 USER_DATA_BEGIN = "# --- kubeon join document ---\n"
 USER_DATA_END = "\n# --- end kubeon join document ---"
+# The smallest provider limit on user data: EC2's 16 KB before base64 (GCE and Azure allow more).
+USER_DATA_MAX_BYTES = 16 * 1024
+
+
+class UserDataTooLarge(ValueError):
+    """The rendered user data is over ``USER_DATA_MAX_BYTES``: the cloud would refuse the launch."""
 
 
 def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
-                     taints: list[Taint]) -> str:
-    """User data for a burst node: where the gateway is, its one-time ticket, and what it must register as."""
-    doc = {
+                     taints: list[Taint], ca_bundle: str = "") -> str:
+    """User data for a burst node: where the gateway is (its public URL), the CA certificate(s) to verify it
+    with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it must
+    register as. At most ``USER_DATA_MAX_BYTES``."""
+    doc: dict[str, Any] = {
         "gateway": gateway_url,
         "ticket": ticket,
         "nodeName": node_name,
         "labels": labels,
         "taints": [t.model_dump() for t in taints],
     }
-    return (
+    if ca_bundle.strip():
+        doc["caBundle"] = ca_bundle.strip() + "\n"
+    user_data = (
         "#!/bin/bash\n"
         "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"
         "set -euo pipefail\n"
@@ -186,3 +196,8 @@ def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: d
         "KUBEON_JOIN\n"
         "exec /usr/local/bin/kubeon-node-join /etc/kubeon/join.json\n"
     )
+    size = len(user_data.encode())
+    if size > USER_DATA_MAX_BYTES:
+        raise UserDataTooLarge(f"user data for {node_name} is {size} bytes, over the {USER_DATA_MAX_BYTES}-byte "
+                               f"limit of EC2 (CA bundle {len(doc.get('caBundle', ''))} bytes, {len(labels)} labels)")
+    return user_data

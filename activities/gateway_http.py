@@ -3,7 +3,9 @@
 ``HttpGatewayClient`` implements ``GatewayClient`` for the worker in a real cluster, where the gateway is its own
 Deployment (``kubeon-gpu gateway``, see ``worker.gateway_server``). It authenticates with the optimizer's
 ServiceAccount token, read from its file on every call because projected tokens rotate. ``join_over_http`` is
-what a burst node's bootstrap does with the ticket in its user data (the simulated provider uses it as is).
+what a burst node's bootstrap does with the ticket in its user data, ``join_with_user_data`` the same from the
+user data itself: the gateway's public URL, verified with the CA bundle the user data carries (the simulated
+provider uses it as is).
 
 Errors: a 409 on removal (the Node belongs to another operation) and a refused ticket on join raise
 ``TicketError`` with the gateway's reason, as the in-process ``KubeGateway`` does; 5xx answers, timeouts and
@@ -14,13 +16,14 @@ Tickets and tokens never appear in a message.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
 import httpx
 
-from activities.gateway import JoinTicketRequest, TicketError
+from activities.gateway import JoinTicketRequest, TicketError, parse_user_data_ticket
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
@@ -53,9 +56,17 @@ def _reason(response: httpx.Response) -> str:
     return str(doc)[:300]
 
 
-def _verify(ca_file: Path | str | None) -> ssl.SSLContext | bool:
-    """The system's trust store, or only the CA that signed the gateway's certificate."""
-    return ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+def _verify(ca_file: Path | str | None, ca_bundle: str | None = None) -> ssl.SSLContext | bool:
+    """The system's trust store, or only the CA that signed the gateway's certificate: a file, or PEM text (a
+    burst node's user data). Host names are checked against the certificate either way."""
+    if not ca_file and not (ca_bundle and ca_bundle.strip()):
+        return True
+    return ssl.create_default_context(cafile=str(ca_file) if ca_file else None,
+                                      cadata=ca_bundle if ca_bundle and ca_bundle.strip() else None)
+
+
+# Builds the client's transport from the TLS verification it settled on (default: ``httpx.HTTPTransport``).
+TransportFactory = Callable[[ssl.SSLContext | bool], httpx.BaseTransport]
 
 
 def _send(client: httpx.Client, what: str, url: str, request: httpx.Request) -> httpx.Response:
@@ -84,12 +95,15 @@ class HttpGatewayClient:
     """``GatewayClient`` over HTTPS with the optimizer's ServiceAccount token (verified by TokenReview)."""
 
     def __init__(self, base_url: str, token_file: Path | str = IN_CLUSTER_TOKEN_FILE,
-                 ca_file: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+                 ca_file: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS, *,
+                 transport: TransportFactory | None = None) -> None:
         if not base_url.startswith(("https://", "http://")):
             raise ValueError(f"gateway URL {base_url!r} must start with https:// (http:// only on loopback)")
         self.base_url = base_url.rstrip("/")
         self._token_file = Path(token_file)
-        self._client = httpx.Client(base_url=self.base_url, verify=_verify(ca_file), timeout=timeout,
+        verify = _verify(ca_file)
+        self._client = httpx.Client(base_url=self.base_url, verify=verify, timeout=timeout,
+                                    transport=transport(verify) if transport is not None else None,
                                     follow_redirects=False, headers={"User-Agent": "kubeon-gpu-optimizer"})
 
     def close(self) -> None:
@@ -141,16 +155,19 @@ class HttpGatewayClient:
 
 
 def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], annotations: dict[str, str],
-                   provider_id: str, *, ca_file: Path | str | None = None,
-                   timeout: float = DEFAULT_TIMEOUT_SECONDS) -> str:
+                   provider_id: str, *, ca_file: Path | str | None = None, ca_bundle: str | None = None,
+                   timeout: float = DEFAULT_TIMEOUT_SECONDS, transport: TransportFactory | None = None) -> str:
     """What a booting burst node does: present its one-time ticket to ``POST /v1/join``; the Node's name.
 
-    Retrying with the same ticket is safe (the gateway answers with the same Node). A refused ticket raises
-    ``TicketError`` with the gateway's reason."""
+    The gateway's certificate is verified with ``ca_file`` and/or ``ca_bundle`` (PEM), else the system's trust
+    store. Retrying with the same ticket is safe (the gateway answers with the same Node). A refused ticket
+    raises ``TicketError`` with the gateway's reason."""
     base = gateway_url.rstrip("/")
     what = "joining with a ticket"
     body = {"ticket": ticket, "capacity": capacity, "annotations": annotations, "providerId": provider_id}
-    with httpx.Client(base_url=base, verify=_verify(ca_file), timeout=timeout, follow_redirects=False,
+    verify = _verify(ca_file, ca_bundle)
+    with httpx.Client(base_url=base, verify=verify, timeout=timeout, follow_redirects=False,
+                      transport=transport(verify) if transport is not None else None,
                       headers={"User-Agent": "kubeon-node-join"}) as client:
         response = _send(client, what, base, client.build_request("POST", "/v1/join", json=body))
     if response.status_code == 403:
@@ -159,3 +176,15 @@ def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], anno
         raise GatewayRefused(f"burst gateway {base} refused {what} (HTTP {response.status_code}): "
                              f"{_reason(response)}", status=response.status_code)
     return str(_json(response, base, what, "node"))
+
+
+def join_with_user_data(user_data: str, capacity: dict[str, str], annotations: dict[str, str], provider_id: str,
+                        *, ca_file: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS,
+                        transport: TransportFactory | None = None) -> str:
+    """A burst node's join from its user data alone (``render_user_data``): the gateway URL it names, the ticket,
+    and the CA bundle it carries; ``ca_file`` only when the user data has none (else the system trust store)."""
+    doc = parse_user_data_ticket(user_data)
+    ca_bundle = doc.get("caBundle") or None
+    return join_over_http(str(doc["gateway"]), str(doc["ticket"]), capacity, annotations, provider_id,
+                          ca_file=None if ca_bundle else ca_file, ca_bundle=ca_bundle, timeout=timeout,
+                          transport=transport)

@@ -70,9 +70,18 @@ class LocationConfig(_Camel):
         return self.name.split("/", 1)[1]
 
 
+def _check_ca_bundle(value: str) -> str:
+    if value and "-----BEGIN CERTIFICATE-----" not in value:
+        raise ValueError("gatewayCaBundle must hold PEM certificates (-----BEGIN CERTIFICATE-----)")
+    return value
+
+
 class BurstConfig(_Camel):
     home: Annotated[str, AfterValidator(_check_location)] = "aws/us-east-1"
+    # The gateway as burst nodes reach it (their user data carries both): its public URL (the chart's
+    # burst.gateway.publicUrl) and the CA certificate(s), PEM, that signed its certificate (empty: a public CA).
     gateway_url: str = "https://kubeon-gpu-optimizer-gateway.kubeon-gpu.svc:8443"
+    gateway_ca_bundle: Annotated[str, AfterValidator(_check_ca_bundle)] = ""
     locations: list[LocationConfig] = Field(default_factory=list)
 
     def location(self, name: str) -> LocationConfig:

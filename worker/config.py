@@ -50,6 +50,9 @@ class Settings(BaseModel):
     burst_locations_file: Path | None = None
     home_location: str = "aws/us-east-1"
     gateway_url: str = "https://kubeon-gpu-optimizer-gateway.kubeon-gpu.svc:8443"
+    # Where burst nodes in other clouds reach the gateway (the chart's burst.gateway.publicUrl): what their user
+    # data carries. Empty: gateway_url (only for nodes that resolve the cluster's Service names, e.g. sim).
+    gateway_public_url: str = ""
     # In-process gateway (dev and tests): its own kubeconfig and ticket key, never the optimizer's.
     gateway_kubeconfig: Path | None = None
     gateway_ticket_key_file: Path | None = None
@@ -82,6 +85,29 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1s")
         return seconds
 
+    @field_validator("gateway_public_url")
+    @classmethod
+    def _gateway_public_url(cls, value: str) -> str:
+        if value and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL (e.g. https://burst-gw.example.com:8443)")
+        return value.rstrip("/")
+
+    def gateway_node_url(self) -> str:
+        """The gateway's URL as burst nodes use it."""
+        return self.gateway_public_url or self.gateway_url
+
+    def gateway_ca_bundle(self) -> str:
+        """The CA (PEM) that signed the gateway's certificate, from KUBEON_GATEWAY_CA_FILE; empty without one."""
+        if self.gateway_ca_file is None:
+            return ""
+        try:
+            pem = self.gateway_ca_file.read_text()
+        except OSError as exc:
+            raise ConfigError(f"KUBEON_GATEWAY_CA_FILE {self.gateway_ca_file}: {exc.strerror or exc}") from None
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise ConfigError(f"KUBEON_GATEWAY_CA_FILE {self.gateway_ca_file}: no PEM certificate in it")
+        return pem
+
     @field_validator("hub_url")
     @classmethod
     def _hub_url(cls, value: str) -> str:
@@ -102,7 +128,9 @@ class Settings(BaseModel):
                 raw = yaml.safe_load(text)
         doc = raw if isinstance(raw, dict) else {"locations": raw or []}
         doc.setdefault("home", self.home_location)
-        doc.setdefault("gatewayUrl", self.gateway_url)
+        # What burst nodes are told: the gateway's public URL and the CA to verify it with.
+        doc.setdefault("gatewayUrl", self.gateway_node_url())
+        doc.setdefault("gatewayCaBundle", self.gateway_ca_bundle())
         try:
             return BurstConfig.model_validate(doc)
         except ValidationError as exc:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import ssl
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -109,6 +110,18 @@ class GatewayServerConfig:
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
         )
+
+
+def check_tls_files(cfg: GatewayServerConfig) -> None:
+    """The certificate and key load and belong together (the chart mounts them from the gateway's TLS Secret)."""
+    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"KUBEON_GATEWAY_TLS_CERT_FILE {cfg.tls_cert_file} / KUBEON_GATEWAY_TLS_KEY_FILE "
+                          f"{cfg.tls_key_file}: cannot load the certificate and key: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 # ----- optimizer authentication --------------------------------------------------------------------------------
@@ -414,6 +427,7 @@ def serve(settings: Settings) -> int:
         key = cfg.ticket_key_file.read_bytes().strip()
         if len(key) < 16:
             raise ConfigError(f"{cfg.ticket_key_file}: the join ticket key must be at least 16 bytes")
+        check_tls_files(cfg)
         try:
             api = kube_api(cfg.kubeconfig)
         except config.ConfigException as exc:

@@ -158,16 +158,17 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
         from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
 
         def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
-            # The simulated instance joins exactly as a real node: its user data's ticket, through the gateway.
-            doc = parse_user_data_ticket(user_data)
+            # The simulated instance joins exactly as a real node: with its user data's ticket, through the
+            # gateway at the URL its user data names, verified with the CA bundle its user data carries.
             provider_id = f"sim://{instance.location}/{instance.instance_id}"
             if isinstance(gw, KubeGateway):
+                doc = parse_user_data_ticket(user_data)
                 gw.admit(doc["ticket"], capacity=capacity, annotations=KWOK_ANNOTATIONS, provider_id=provider_id)
             else:
-                from activities.gateway_http import join_over_http
+                from activities.gateway_http import join_with_user_data
 
-                join_over_http(doc["gateway"], doc["ticket"], capacity, KWOK_ANNOTATIONS, provider_id,
-                               ca_file=str(settings.gateway_ca_file) if settings.gateway_ca_file else None)
+                join_with_user_data(user_data, capacity, KWOK_ANNOTATIONS, provider_id,
+                                    ca_file=settings.gateway_ca_file)
 
         sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
         providers["sim"] = sim

@@ -1,5 +1,6 @@
 """KubeGateway's ticket logic against the real control plane, with the gateway's own ServiceAccount: signatures,
-expiry (injected clock), one ticket one node, idempotent re-join, removal only of the operation's own Node."""
+expiry (injected clock), one ticket one node, idempotent re-join, removal only of the operation's own Node. And
+the user data a burst node boots with: the gateway's public URL, the CA to verify it with, within EC2's limit."""
 
 from __future__ import annotations
 
@@ -9,15 +10,37 @@ import json
 import secrets
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes import client
 
-from activities.gateway import TICKET_NONCE_ANNOTATION, JoinTicketRequest, KubeGateway, TicketError, _b64, _unb64
+from activities.gateway import (
+    TICKET_NONCE_ANNOTATION,
+    USER_DATA_MAX_BYTES,
+    JoinTicketRequest,
+    KubeGateway,
+    TicketError,
+    UserDataTooLarge,
+    _b64,
+    _unb64,
+    parse_user_data_ticket,
+    render_user_data,
+)
 from activities.providers.sim import KWOK_ANNOTATIONS
-from models.operation import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.locations import BurstConfig
+from models.operation import (
+    LABEL_GPU_PRODUCT,
+    LABEL_INSTANCE_TYPE,
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    Taint,
+)
+from tests.charts.helm import BURST_VALUES, NAMESPACE, template
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, grant
+from worker.config import load_settings
 
 pytestmark = pytest.mark.cluster
 
@@ -165,3 +188,78 @@ def test_remove_refuses_another_operations_node(cluster: Cluster, gateway_api: c
     assert gw.remove_node(req.node_name, operation=req.operation) is True
     wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
     assert gw.remove_node(req.node_name, operation=req.operation) is False  # already gone: idempotent
+
+
+# ----- user data -------------------------------------------------------------------------------------------------
+
+PUBLIC_URL = "https://burst-gw.example.com:8443"
+SERVICE_URL = f"https://kubeon-gpu-optimizer-gateway.{NAMESPACE}.svc:8443"
+
+
+@pytest.fixture(scope="module")
+def chart_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CA certificate the chart generates for the gateway, as the worker mounts it from its ConfigMap."""
+    configmap = template(values=[BURST_VALUES]).get("ConfigMap", "kubeon-gpu-optimizer-gateway-ca", NAMESPACE)
+    path = tmp_path_factory.mktemp("gateway-ca") / "ca.crt"
+    path.write_text(configmap["data"]["ca.crt"])
+    return path
+
+
+def worker_burst_config(**env: str) -> BurstConfig:
+    """The worker's burst configuration from the variables the chart sets."""
+    return load_settings({"KUBEON_CLUSTER": "prod-use1-a", "KUBEON_GATEWAY_URL": SERVICE_URL, **env}).burst_config()
+
+
+def launch_user_data(config: BurstConfig) -> str:
+    """User data as launch_instance renders it, for a node with every label a launch sets and a real ticket."""
+    op = f"op-{uuid.uuid4().hex}"
+    node = f"kubeon-burst-{uuid.uuid4().hex}"
+    labels = {LABEL_OPERATION: op, LABEL_POLICY: "inference-burst-" + "x" * 40, LABEL_LOCATION: "aws.eu-central-1",
+              LABEL_GPU_PRODUCT: "NVIDIA-H100-80GB-HBM3", LABEL_INSTANCE_TYPE: "p5.48xlarge"}
+    taints = [Taint(key=BURST_TAINT)]
+    ticket = KubeGateway(client.ApiClient(), secrets.token_bytes(32)).issue_ticket(JoinTicketRequest(
+        operation=op, policy=labels[LABEL_POLICY], location="aws/eu-central-1", node_name=node, labels=labels,
+        taints=taints))
+    return render_user_data(gateway_url=config.gateway_url, ticket=ticket, node_name=node, labels=labels,
+                            taints=taints, ca_bundle=config.gateway_ca_bundle)
+
+
+def test_user_data_names_the_gateways_public_url() -> None:
+    doc = parse_user_data_ticket(launch_user_data(worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL + "/")))
+    assert doc["gateway"] == PUBLIC_URL
+
+
+def test_user_data_falls_back_to_the_gateway_url_without_a_public_one() -> None:
+    doc = parse_user_data_ticket(launch_user_data(worker_burst_config()))
+    assert doc["gateway"] == SERVICE_URL
+    assert "caBundle" not in doc, "no CA file: the node uses its system trust store"
+
+
+def test_user_data_carries_the_gateways_ca(chart_ca: Path) -> None:
+    config = worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL, KUBEON_GATEWAY_CA_FILE=str(chart_ca))
+    doc = parse_user_data_ticket(launch_user_data(config))
+    assert doc["caBundle"] == chart_ca.read_text().strip() + "\n"
+    assert doc["caBundle"].startswith("-----BEGIN CERTIFICATE-----")
+    assert "PRIVATE KEY" not in doc["caBundle"]
+
+
+def test_user_data_with_the_ca_fits_ec2s_limit(chart_ca: Path) -> None:
+    config = worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL, KUBEON_GATEWAY_CA_FILE=str(chart_ca))
+    size = len(launch_user_data(config).encode())
+    assert USER_DATA_MAX_BYTES == 16 * 1024, "EC2: 16 KB before base64"
+    # Room to spare for a CA chain: the chart's CA and a ticket take well under half the limit.
+    assert size < USER_DATA_MAX_BYTES // 2, size
+
+
+def test_user_data_over_the_limit_is_refused(chart_ca: Path) -> None:
+    chain = chart_ca.read_text() * 16  # an absurd bundle: 16 copies of the CA
+    config = BurstConfig(gateway_url=PUBLIC_URL, gateway_ca_bundle=chain)
+    with pytest.raises(UserDataTooLarge, match=f"over the {USER_DATA_MAX_BYTES}-byte limit of EC2"):
+        launch_user_data(config)
+
+
+def test_a_ca_file_without_a_certificate_is_a_configuration_error(tmp_path: Path) -> None:
+    not_pem = tmp_path / "ca.crt"
+    not_pem.write_text("MIIDBTCCAe2gAwIBAgIQ\n")
+    with pytest.raises(ValueError, match=f"KUBEON_GATEWAY_CA_FILE {not_pem}: no PEM certificate"):
+        worker_burst_config(KUBEON_GATEWAY_CA_FILE=str(not_pem))
