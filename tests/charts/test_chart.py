@@ -45,6 +45,7 @@ DOCUMENTED_SCALE_RULES = [
 ]
 
 OPTIMIZER = "kubeon-gpu-optimizer"
+PUBLIC_URL = "https://burst-gw.example.com:8443"  # as in values-burst.yaml
 GATEWAY = "kubeon-gpu-optimizer-gateway"
 TEMPORAL = "kubeon-gpu-optimizer-temporal"
 
@@ -102,6 +103,8 @@ def test_burst_renders_gateway_and_locations(burst: Rendered) -> None:
     for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"):
         burst.get(kind, GATEWAY)
     burst.get("Secret", f"{GATEWAY}-ticket-key", NAMESPACE)
+    burst.get("Secret", f"{GATEWAY}-tls", NAMESPACE)
+    burst.get("ConfigMap", f"{GATEWAY}-ca", NAMESPACE)
     assert not burst.find("Deployment", TEMPORAL), "temporal.mode=external runs no Temporal of its own"
 
 
@@ -284,12 +287,15 @@ def test_worker_env_contract_burst_and_external_temporal(burst: Rendered) -> Non
     e = env(c)
     assert set(e) == WORKER_ENV_ALWAYS | {
         "KUBEON_PROMETHEUS_URL", "KUBEON_BURST_LOCATIONS_FILE", "KUBEON_GATEWAY_URL", "KUBEON_TEMPORAL_API_KEY_FILE",
+        "KUBEON_GATEWAY_PUBLIC_URL", "KUBEON_GATEWAY_CA_FILE",
     }
     assert e["KUBEON_CLUSTER"] == "prod-use1-a"
     assert e["KUBEON_PROMETHEUS_URL"] == "http://prometheus-server.monitoring.svc:9090"
     assert e["KUBEON_BURST_ENABLED"] == "true"
     assert e["KUBEON_BURST_LOCATIONS_FILE"] == "/etc/kubeon/burst/locations.json"
     assert e["KUBEON_GATEWAY_URL"] == f"https://{GATEWAY}.{NAMESPACE}.svc:8443"
+    assert e["KUBEON_GATEWAY_PUBLIC_URL"] == PUBLIC_URL
+    assert e["KUBEON_GATEWAY_CA_FILE"] == "/etc/kubeon/gateway-ca/ca.crt"
     assert e["KUBEON_TEMPORAL_ADDRESS"] == "kubeon.a1b2c.tmprl.cloud:7233"
     assert e["KUBEON_TEMPORAL_NAMESPACE"] == "kubeon.a1b2c"
     assert e["KUBEON_TEMPORAL_TLS"] == "true"
@@ -338,12 +344,14 @@ def test_gateway_service_from_values() -> None:
         "--set", "burst.gateway.service.port=31443",
         "--set-string", r"burst.gateway.service.annotations.example\.com/owner=ml-platform",
         "--set", "burst.gateway.ticketKeySecret=my-ticket-key", "--set", "burst.gateway.ticketKeySecretKey=hmac",
+        "--set", "burst.gateway.publicUrl=https://203.0.113.10:31443",
     )
     service = rendered.get("Service", GATEWAY)
     assert service["spec"]["type"] == "NodePort"
     assert service["spec"]["ports"][0]["port"] == 31443
     assert service["metadata"]["annotations"] == {"example.com/owner": "ml-platform"}
-    assert not rendered.all("Secret"), "an existing ticket key Secret is used, not created"
+    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [f"{GATEWAY}-tls"], \
+        "an existing ticket key Secret is used, not created"
     key = next(v for v in pod_spec(rendered.get("Deployment", GATEWAY))["volumes"] if v["name"] == "ticket-key")
     assert key["secret"]["secretName"] == "my-ticket-key"
     assert key["secret"]["items"] == [{"key": "hmac", "path": "ticket-key"}]
@@ -480,10 +488,12 @@ burst:
 
 
 def test_documented_values_are_accepted(tmp_path: Path) -> None:
-    """The documents' values blocks (R1.2, R4.2) install as written; so does every documented choice."""
+    """The documents' values blocks (R1.2, R4.2) install as written, the burst block with the gateway's public
+    URL (burst.gateway.publicUrl, which R4.2's block predates); so does every documented choice."""
     (tmp_path / "values.yaml").write_text(DOCUMENTED_VALUES)
     (tmp_path / "burst.yaml").write_text(DOCUMENTED_BURST_VALUES)
-    rendered = template(values=[tmp_path / "values.yaml", tmp_path / "burst.yaml"])
+    (tmp_path / "public-url.yaml").write_text(f"burst: {{gateway: {{publicUrl: {PUBLIC_URL}}}}}\n")
+    rendered = template(values=[tmp_path / "values.yaml", tmp_path / "burst.yaml", tmp_path / "public-url.yaml"])
     e = env(container(rendered.get("Deployment", OPTIMIZER), "worker"))
     assert e["KUBEON_CLUSTER"] == "prod-use1-a" and e["KUBEON_BURST_ENABLED"] == "true"
     assert rendered.get("Service", GATEWAY)["spec"]["type"] == "LoadBalancer"
@@ -585,8 +595,12 @@ def test_worker_settings_load_from_the_rendered_environment(default: Rendered, b
     assert str(settings.burst_locations_file) == "/etc/kubeon/burst/locations.json"
     assert settings.gateway_url == f"https://{GATEWAY}.{NAMESPACE}.svc:8443"
     assert str(settings.temporal_api_key_file) == "/var/run/kubeon/temporal/api-key"
+    assert settings.gateway_public_url == PUBLIC_URL and settings.gateway_node_url() == PUBLIC_URL
+    assert str(settings.gateway_ca_file) == "/etc/kubeon/gateway-ca/ca.crt"
     gateway = load_settings(env(container(burst.get("Deployment", GATEWAY), "gateway")))
     assert str(gateway.gateway_ticket_key_file) == "/var/run/kubeon/gateway/ticket-key"
+    assert str(gateway.gateway_tls_cert_file) == "/var/run/kubeon/gateway-tls/tls.crt"
+    assert str(gateway.gateway_tls_key_file) == "/var/run/kubeon/gateway-tls/tls.key"
 
 
 def test_rendered_locations_are_what_the_worker_parses(burst: Rendered) -> None:

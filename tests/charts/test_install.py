@@ -6,6 +6,7 @@ No image exists here, so the pods never run; every object and every permission i
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
 from kubernetes import client
 
 from models.policy import API_GROUP, PLURAL
@@ -169,6 +171,29 @@ def test_ticket_key_survives_an_upgrade(installed: Install) -> None:
     before = read(f"{GATEWAY}-ticket-key", NAMESPACE).data["key"]
     helm(installed, "upgrade", RELEASE, CHART, "--namespace", NAMESPACE, "--reuse-values", "--wait=false")
     assert read(f"{GATEWAY}-ticket-key", NAMESPACE).data["key"] == before, "an upgrade must not rotate the key"
+
+
+def test_gateway_certificate_and_ca_survive_an_upgrade(installed: Install) -> None:
+    core = installed.cluster.admin.core
+    before = core.read_namespaced_secret(f"{GATEWAY}-tls", NAMESPACE).data
+    ca = core.read_namespaced_config_map(f"{GATEWAY}-ca", NAMESPACE).data["ca.crt"]
+    assert base64.b64decode(before["ca.crt"]).decode() == ca, "the worker's CA is the one that signed the gateway's"
+    helm(installed, "upgrade", RELEASE, CHART, "--namespace", NAMESPACE, "--reuse-values", "--wait=false")
+    assert core.read_namespaced_secret(f"{GATEWAY}-tls", NAMESPACE).data == before, "an upgrade keeps the cert"
+    assert core.read_namespaced_config_map(f"{GATEWAY}-ca", NAMESPACE).data["ca.crt"] == ca
+
+
+def test_gateway_certificate_follows_a_new_public_host(installed: Install) -> None:
+    core = installed.cluster.admin.core
+    helm(installed, "upgrade", RELEASE, CHART, "--namespace", NAMESPACE, "--reuse-values", "--wait=false",
+         "--set", "burst.gateway.publicUrl=https://gw2.example.com:8443")
+    secret = core.read_namespaced_secret(f"{GATEWAY}-tls", NAMESPACE).data
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "gw2.example.com" in names.get_values_for_type(x509.DNSName)
+    assert f"{GATEWAY}.{NAMESPACE}.svc" in names.get_values_for_type(x509.DNSName)
+    ca = core.read_namespaced_config_map(f"{GATEWAY}-ca", NAMESPACE).data["ca.crt"]
+    assert base64.b64decode(secret["ca.crt"]).decode() == ca
 
 
 def test_crd_printer_columns_and_get_gpupolicies(installed: Install, optimizer: Kube) -> None:

@@ -1,22 +1,27 @@
 """The burst gateway as a real process (``python -m worker.gateway_server``) on loopback, against the real control
 plane: the gateway with its own ServiceAccount, the optimizer with its own token (TokenRequest), burst nodes
-joining over HTTP with the ticket as their only credential."""
+joining over HTTP with the ticket as their only credential; and over HTTPS with the certificate the Helm chart
+generates, reached by the names it is issued for."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import re
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 import pytest
 from kubernetes import client
@@ -24,13 +29,15 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.audit import AuditLog
-from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, parse_user_data_ticket
+from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, render_user_data
 from activities.gateway_http import (
     IN_CLUSTER_TOKEN_FILE,
     GatewayRefused,
     GatewayUnavailable,
     HttpGatewayClient,
+    TransportFactory,
     join_over_http,
+    join_with_user_data,
 )
 from activities.kube import KubeOps
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
@@ -44,6 +51,9 @@ from models.operation import (
     Taint,
     burst_workflow_id,
 )
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
+from tests.charts.helm import template as helm_template
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
 from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
 from tests.harness.kube import Cluster, wait_for
@@ -495,6 +505,145 @@ def test_tls_and_a_gateway_only_token_audience(setup: Setup, nodes: list[str]) -
         assert proc.stop() in (0, -signal.SIGTERM), proc.log
 
 
+# ----- the chart's generated certificate, for real --------------------------------------------------------------
+
+CHART_GATEWAY = "kubeon-gpu-optimizer-gateway"
+SERVICE_HOST = f"{CHART_GATEWAY}.{CHART_NAMESPACE}.svc"  # the worker's KUBEON_GATEWAY_URL host
+PUBLIC_HOST = "burst-gw.example.com"  # burst.gateway.publicUrl in values-burst.yaml
+
+
+class _FixedAddresses(httpcore.NetworkBackend):
+    """Name resolution as the cluster's DNS (or the public DNS name) would answer, to the loopback gateway. Only
+    the TCP connection goes to the address: TLS still sends the name (SNI) and checks the certificate against it."""
+
+    def __init__(self, hosts: Mapping[str, str]) -> None:
+        self._hosts = dict(hosts)
+        self._backend = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        if host not in self._hosts:
+            raise httpcore.ConnectError(f"{host}: no such host here")
+        return self._backend.connect_tcp(self._hosts[host], port, timeout, local_address, socket_options)
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        raise httpcore.ConnectError("no unix sockets here")
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+class _ResolvingTransport(httpx.BaseTransport):
+    """httpx over httpcore's public API with ``_FixedAddresses``, verifying TLS as the client decided."""
+
+    def __init__(self, verify: ssl.SSLContext | bool, hosts: Mapping[str, str]) -> None:
+        context = verify if isinstance(verify, ssl.SSLContext) else httpx.create_ssl_context(verify=verify)
+        assert context.check_hostname and context.verify_mode == ssl.CERT_REQUIRED
+        self._pool = httpcore.ConnectionPool(ssl_context=context, network_backend=_FixedAddresses(hosts))
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        assert isinstance(request.stream, httpx.SyncByteStream)
+        core = httpcore.Request(method=request.method, url=httpcore.URL(
+            scheme=request.url.raw_scheme, host=request.url.raw_host, port=request.url.port,
+            target=request.url.raw_path), headers=request.headers.raw, content=request.stream,
+            extensions=request.extensions)
+        try:
+            response = self._pool.handle_request(core)
+            try:
+                content = response.read()
+            finally:
+                response.close()
+        except httpcore.TimeoutException as exc:
+            raise httpx.ReadTimeout(str(exc), request=request) from exc
+        except httpcore.NetworkError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        return httpx.Response(response.status, headers=response.headers, content=content,
+                              extensions=response.extensions)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def resolving(*hosts: str) -> TransportFactory:
+    return lambda verify: _ResolvingTransport(verify, dict.fromkeys(hosts, "127.0.0.1"))
+
+
+@dataclass
+class ChartTLS:
+    gateway: GatewayProcess
+    port: int
+    ca_file: Path  # the worker's KUBEON_GATEWAY_CA_FILE: ca.crt of the ConfigMap
+
+    def url(self, host: str) -> str:
+        return f"https://{host}:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def chart_tls(setup: Setup) -> Iterator[ChartTLS]:
+    """`kubeon-gpu gateway` with the certificate and key `helm template` generates, as the chart mounts them."""
+    rendered = helm_template(values=[BURST_VALUES])
+    pki = setup.workdir / "chart-tls"
+    pki.mkdir()
+    secret = rendered.get("Secret", f"{CHART_GATEWAY}-tls", CHART_NAMESPACE)["data"]
+    for key in ("tls.crt", "tls.key"):
+        (pki / key).write_bytes(base64.b64decode(secret[key]))
+    ca_file = pki / "ca.crt"
+    ca_file.write_text(rendered.get("ConfigMap", f"{CHART_GATEWAY}-ca", CHART_NAMESPACE)["data"]["ca.crt"])
+    proc = GatewayProcess(setup.workdir, {
+        "KUBEON_GATEWAY_KUBECONFIG": str(setup.gateway_kubeconfig),
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file),
+        "KUBEON_GATEWAY_TLS_CERT_FILE": str(pki / "tls.crt"), "KUBEON_GATEWAY_TLS_KEY_FILE": str(pki / "tls.key"),
+    }, name="gateway-chart-tls").start()
+    try:
+        yield ChartTLS(proc, int(proc.url.rsplit(":", 1)[1]), ca_file)
+    finally:
+        assert proc.stop() in (0, -signal.SIGTERM), proc.log
+
+
+def test_worker_reaches_the_chart_gateway_by_its_service_name(chart_tls: ChartTLS, setup: Setup,
+                                                              nodes: list[str]) -> None:
+    with HttpGatewayClient(chart_tls.url(SERVICE_HOST), setup.optimizer_token_file, ca_file=chart_tls.ca_file,
+                           transport=resolving(SERVICE_HOST)) as http:
+        ticket = http.issue_ticket(ticket_request(nodes))
+    assert ticket.count(".") == 1
+
+
+def test_a_client_without_the_chart_ca_is_refused(chart_tls: ChartTLS, setup: Setup, nodes: list[str]) -> None:
+    with HttpGatewayClient(chart_tls.url(SERVICE_HOST), setup.optimizer_token_file,
+                           transport=resolving(SERVICE_HOST)) as http, \
+            pytest.raises(GatewayUnavailable, match=r"CERTIFICATE_VERIFY_FAILED.*unable to get local issuer certificate"):
+        http.issue_ticket(ticket_request(nodes))
+
+
+def test_a_name_the_chart_certificate_does_not_carry_is_refused(chart_tls: ChartTLS, setup: Setup,
+                                                                nodes: list[str]) -> None:
+    other = "gateway.elsewhere.example"
+    mismatch = re.escape(f"Hostname mismatch, certificate is not valid for '{other}'")
+    with HttpGatewayClient(chart_tls.url(other), setup.optimizer_token_file, ca_file=chart_tls.ca_file,
+                           transport=resolving(other)) as http, pytest.raises(GatewayUnavailable, match=mismatch):
+        http.issue_ticket(ticket_request(nodes))
+
+
+def test_a_burst_node_joins_at_the_public_url_with_the_ca_from_its_user_data(chart_tls: ChartTLS, setup: Setup,
+                                                                             nodes: list[str]) -> None:
+    settings = load_settings({
+        "KUBEON_CLUSTER": "test", "KUBEON_GATEWAY_URL": chart_tls.url(SERVICE_HOST),
+        "KUBEON_GATEWAY_PUBLIC_URL": chart_tls.url(PUBLIC_HOST), "KUBEON_GATEWAY_CA_FILE": str(chart_tls.ca_file),
+    })
+    burst = settings.burst_config()
+    req = ticket_request(nodes)
+    with HttpGatewayClient(settings.gateway_url, setup.optimizer_token_file, ca_file=settings.gateway_ca_file,
+                           transport=resolving(SERVICE_HOST)) as http:
+        ticket = http.issue_ticket(req)
+    user_data = render_user_data(gateway_url=burst.gateway_url, ticket=ticket, node_name=req.node_name,
+                                 labels=req.labels, taints=req.taints, ca_bundle=burst.gateway_ca_bundle)
+    # The node knows only its user data: the public name (no Service name resolves there) and the CA in it.
+    assert join_with_user_data(user_data, CAPACITY, KWOK_ANNOTATIONS, "",
+                               transport=resolving(PUBLIC_HOST)) == req.node_name
+    assert setup.cluster.admin.core.read_node(req.node_name).metadata.labels[LABEL_OPERATION] == req.operation
+
+
 # ----- the documented test (R4.10) with the gateway as its own process ---------------------------------------
 
 
@@ -515,9 +664,7 @@ async def http_worker(stack: BurstStack, gateway: GatewayProcess, setup: Setup,
     http = HttpGatewayClient(settings.gateway_url, setup.optimizer_token_file)
 
     def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
-        doc = parse_user_data_ticket(user_data)
-        join_over_http(doc["gateway"], doc["ticket"], capacity, KWOK_ANNOTATIONS,
-                       f"sim://{instance.location}/{instance.instance_id}")
+        join_with_user_data(user_data, capacity, KWOK_ANNOTATIONS, f"sim://{instance.location}/{instance.instance_id}")
 
     burst = settings.burst_config()
     sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
@@ -622,3 +769,16 @@ def test_a_misconfigured_gateway_exits_2_naming_the_problem(tmp_path: Path) -> N
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr
         assert proc.stderr.startswith("kubeon-gpu gateway: ")
+
+
+def test_a_gateway_whose_certificate_does_not_load_exits_2(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
+    key = tmp_path / "ticket.key"
+    key.write_text("k" * 64)
+    proc = subprocess.run([sys.executable, "-m", "worker.gateway_server"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**env, "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key),
+                                           "KUBEON_GATEWAY_TLS_CERT_FILE": str(tmp_path / "tls.crt"),
+                                           "KUBEON_GATEWAY_TLS_KEY_FILE": str(tmp_path / "tls.key")})
+    assert proc.returncode == 2, proc.stderr
+    assert f"KUBEON_GATEWAY_TLS_CERT_FILE {tmp_path / 'tls.crt'}" in proc.stderr
+    assert "cannot load the certificate and key: No such file or directory" in proc.stderr

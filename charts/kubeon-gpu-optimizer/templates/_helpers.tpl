@@ -65,6 +65,65 @@ seccompProfile:
 {{- printf "https://%s.%s.svc:%d" (include "kubeon.gatewayName" .) .Release.Namespace (int .Values.burst.gateway.service.port) -}}
 {{- end -}}
 
+{{/*
+The gateway's TLS (R4.3): its serving certificate and the CA the worker and burst nodes verify it with.
+*/}}
+{{- define "kubeon.gatewayTLSSecret" -}}
+{{- .Values.burst.gateway.tls.existingSecret | default (printf "%s-tls" (include "kubeon.gatewayName" .)) -}}
+{{- end -}}
+
+{{- define "kubeon.gatewayCAConfigMap" -}}
+{{- printf "%s-ca" (include "kubeon.gatewayName" .) -}}
+{{- end -}}
+
+{{/* The host of burst.gateway.publicUrl, lower case, without port or IPv6 brackets ("" when unset). */}}
+{{- define "kubeon.gatewayPublicHost" -}}
+{{- with .Values.burst.gateway.publicUrl -}}{{- (urlParse .).hostname | lower -}}{{- end -}}
+{{- end -}}
+
+{{- define "kubeon.isIP" -}}
+{{- if or (regexMatch "^[0-9]{1,3}(\\.[0-9]{1,3}){3}$" .) (contains ":" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The generated certificate's names, as JSON lists: the Service's names in the cluster and publicUrl's host
+(an IP SAN when it is an address). */}}
+{{- define "kubeon.gatewayCertDNSNames" -}}
+{{- $name := include "kubeon.gatewayName" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $names := list $name (printf "%s.%s" $name $ns) (printf "%s.%s.svc" $name $ns) (printf "%s.%s.svc.cluster.local" $name $ns) -}}
+{{- $host := include "kubeon.gatewayPublicHost" . -}}
+{{- if and $host (not (include "kubeon.isIP" $host)) -}}{{- $names = append $names $host -}}{{- end -}}
+{{- $names | uniq | toJson -}}
+{{- end -}}
+
+{{- define "kubeon.gatewayCertIPs" -}}
+{{- $host := include "kubeon.gatewayPublicHost" . -}}
+{{- if and $host (include "kubeon.isIP" $host) -}}{{- list $host | toJson -}}{{- else -}}[]{{- end -}}
+{{- end -}}
+
+{{/*
+The CA bundle (PEM) for burst.gateway.tls.existingSecret: tls.caBundle, else the Secret's own ca.crt (read at
+install/upgrade time), else empty: the certificate then chains to a public CA and the system trust store is used.
+*/}}
+{{- define "kubeon.gatewayExistingCABundle" -}}
+{{- if .Values.burst.gateway.tls.caBundle -}}
+{{- .Values.burst.gateway.tls.caBundle -}}
+{{- else -}}
+{{- $secret := lookup "v1" "Secret" .Release.Namespace .Values.burst.gateway.tls.existingSecret -}}
+{{- with (dig "data" "ca.crt" "" $secret) -}}{{- b64dec . -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the worker gets a CA file for the gateway (the ConfigMap kubeon.gatewayCAConfigMap exists). */}}
+{{- define "kubeon.gatewayHasCA" -}}
+{{- if or (not .Values.burst.gateway.tls.existingSecret) (include "kubeon.gatewayExistingCABundle" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* Changes whenever the gateway's certificate may: rolls the gateway and the worker so both load it. */}}
+{{- define "kubeon.gatewayTLSChecksum" -}}
+{{- list .Values.burst.gateway.publicUrl .Values.burst.gateway.tls .Release.Namespace | toJson | sha256sum -}}
+{{- end -}}
+
 {{- define "kubeon.ticketKeySecret" -}}
 {{- .Values.burst.gateway.ticketKeySecret | default (printf "%s-ticket-key" (include "kubeon.gatewayName" .)) -}}
 {{- end -}}
@@ -84,5 +143,8 @@ Checks the schema cannot express; each failure names the value.
 {{- fail (printf "burst.locations[%d].name: %q is listed twice" $i $loc.name) -}}
 {{- end -}}
 {{- $_ := set $seen $loc.name true -}}
+{{- end -}}
+{{- if and .Values.burst.enabled (not .Values.burst.gateway.publicUrl) -}}
+{{- fail "burst.gateway.publicUrl is required with burst.enabled: the https URL burst nodes reach the gateway at from their own cloud (the LoadBalancer's DNS name or IP, or a node address and the NodePort), e.g. https://burst-gw.example.com:8443" -}}
 {{- end -}}
 {{- end -}}
