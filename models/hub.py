@@ -78,6 +78,10 @@ class HubSyncInput(Model):
     polls_before_continue: int = 500
 
 
+class HubSyncConfig(Model):
+    poll_interval_seconds: float
+
+
 class HubPollRequest(Model):
     cluster: str
     etag: str | None = None
@@ -126,6 +130,7 @@ class HubPollResult(Model):
 
 class HubSyncStatus(Model):
     cluster: str
+    poll_interval_seconds: float = 0.0
     state: HubState
     message: str
     polls: int

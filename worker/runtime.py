@@ -21,7 +21,7 @@ from activities.kube import KubeOps
 from activities.policy_sync import PolicySyncer
 from activities.providers.base import Provider
 from models import search_attributes
-from models.hub import ActionReport, HubSyncInput, hub_sync_workflow_id
+from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
 from models.locations import BurstConfig
 from models.operation import Instance
 from worker.config import ConfigError, Settings
@@ -103,8 +103,9 @@ class Runtime:
         handle = await temporal.start_workflow(
             HubSyncWorkflow.run, self.hub_sync_input(), id=hub_sync_workflow_id(self.settings.cluster),
             task_queue=self.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            start_signal="sync_now", static_summary=f"Hub sync of cluster {self.settings.cluster} "
-            f"from {self.settings.hub_url} every {self.settings.hub_poll_interval:g}s")
+            static_summary=f"Hub sync of cluster {self.settings.cluster} from {self.settings.hub_url}")
+        # A running sync (started by another replica or an earlier version of this one) takes these settings.
+        await handle.signal("configure", HubSyncConfig(poll_interval_seconds=self.settings.hub_poll_interval))
         return handle.id
 
     def report_sink(self, temporal: Client) -> ReportSink:

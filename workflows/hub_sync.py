@@ -17,7 +17,15 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 from models import search_attributes as sa
-from models.hub import ActionReport, HubPollRequest, HubPollResult, HubState, HubSyncInput, HubSyncStatus
+from models.hub import (
+    ActionReport,
+    HubPollRequest,
+    HubPollResult,
+    HubState,
+    HubSyncConfig,
+    HubSyncInput,
+    HubSyncStatus,
+)
 
 # A report batch per poll; the rest go in the next polls (an immediate one when the hub keeps up).
 REPORT_BATCH = 100
@@ -51,6 +59,7 @@ class HubSyncWorkflow:
         self.last_poll_at: datetime | None = None
         self.last: HubPollResult | None = None
         self.wake = False
+        self.poll_interval = inp.poll_interval_seconds
 
     @workflow.signal(name="report")
     def report(self, report: ActionReport) -> None:
@@ -69,16 +78,23 @@ class HubSyncWorkflow:
     def sync_now(self) -> None:
         self.wake = True
 
+    @workflow.signal(name="configure")
+    def configure(self, config: HubSyncConfig) -> None:
+        """A worker started with other settings (a new hub.pollInterval) tells the running sync."""
+        self.poll_interval = config.poll_interval_seconds
+        self.wake = True
+
     @workflow.query(name="status")
     def status(self) -> HubSyncStatus:
         return HubSyncStatus(
-            cluster=self.inp.cluster, state=self.state, message=self.message, polls=self.polls,
+            cluster=self.inp.cluster, poll_interval_seconds=self.poll_interval, state=self.state,
+            message=self.message, polls=self.polls,
             last_poll_at=self.last_poll_at, etag=self.etag, approvals_cursor=self.cursor,
             pending_reports=len(self.reports), dropped_reports=self.dropped,
             last_sync=self.last.sync if self.last else None)
 
     def _details(self) -> str:
-        lines = [f"**Hub sync** of cluster `{self.inp.cluster}` every {self.inp.poll_interval_seconds:g}s",
+        lines = [f"**Hub sync** of cluster `{self.inp.cluster}` every {self.poll_interval:g}s",
                  f"**State:** {self.state}" + (f" — {self.message}" if self.message else ""),
                  f"polls {self.polls}, approvals cursor {self.cursor}, reports queued {len(self.reports)}"
                  + (f", dropped {self.dropped}" if self.dropped else "")]
@@ -114,7 +130,7 @@ class HubSyncWorkflow:
 
     def _interval(self) -> timedelta:
         jitter = self.inp.jitter * (2 * workflow.random().random() - 1)
-        return timedelta(seconds=max(0.1, self.inp.poll_interval_seconds * (1 + jitter)))
+        return timedelta(seconds=max(0.1, self.poll_interval * (1 + jitter)))
 
     @workflow.run
     async def run(self, inp: HubSyncInput) -> None:
@@ -145,6 +161,6 @@ class HubSyncWorkflow:
                 await workflow.sleep(self._interval())
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(HubSyncInput(
-            cluster=inp.cluster, poll_interval_seconds=inp.poll_interval_seconds, jitter=inp.jitter,
+            cluster=inp.cluster, poll_interval_seconds=self.poll_interval, jitter=inp.jitter,
             etag=self.etag, approvals_cursor=self.cursor, pending_reports=self.reports,
             dropped_reports=self.dropped, state=self.state, polls_before_continue=inp.polls_before_continue))
