@@ -3,6 +3,7 @@ real control plane, the Temporal dev server and the worker with its HubSync work
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import pytest
 from kubernetes import client
 from sqlalchemy import select
 from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from hub.db import Cluster as HubCluster
@@ -28,7 +30,7 @@ from models.hub import (
     HubSyncStatus,
     hub_sync_workflow_id,
 )
-from models.operation import Phase, burst_workflow_id
+from models.operation import DrainStatus, Phase, burst_workflow_id
 from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import (
     BURST_TAINT_KEY,
@@ -240,8 +242,6 @@ async def test_policies_sync_edits_are_undone_deletions_pruned_and_a_rotated_tok
 
 
 async def _polled_again(optimizer: Optimizer, polls: int, times: int = 2) -> HubSyncStatus:
-    import asyncio
-
     for _ in range(300):
         status = await optimizer.sync_status()
         if status.polls >= polls + times:
@@ -380,3 +380,38 @@ async def test_invalid_policy_from_the_hub_keeps_the_last_good_one_and_is_report
                          what="the refusal reported to the hub")
     assert failed[0]["action"] == "failed" and "spec.locations[0]" in failed[0]["detail"]
     assert (await optimizer.sync_status()).last_sync.invalid.keys() == {name}
+
+
+async def test_revoked_token_holds_a_return_home_until_a_valid_token_is_mounted(
+        optimizer: Optimizer, namespace: str) -> None:
+    hub = optimizer.hub
+    name = await optimizer.synced_policy("Automatic")
+    deploy, handle = optimizer.pending_workload(namespace, name)
+    serving = await wait_phase(handle, Phase.SERVING, timeout=60)
+
+    hub.revoke()
+    await until(lambda: (c := optimizer.condition(name, CONDITION_HUB_CONNECTED)) and c["status"] == "False",
+                timeout=10, what="the policy marked disconnected")
+    # The workload goes: return home would start now, but no drain starts while the token is refused.
+    optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    drain = optimizer.temporal.get_workflow_handle(f"drain/{handle.id}/{serving.operation}")
+
+    async def drain_status() -> str:
+        try:
+            status: DrainStatus = await drain.query("status", result_type=DrainStatus)
+        except RPCError:
+            return "not started"
+        return status.status
+
+    for _ in range(300):
+        if (status := await drain_status()).startswith("held"):
+            break
+        await asyncio.sleep(0.1)
+    assert status.startswith("held") and "token" in status
+    node = optimizer.stack.cluster.admin.core.read_node(str(serving.node_name))
+    assert not node.spec.unschedulable  # not even cordoned
+
+    hub.mount(hub.rotate())
+    done = await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    assert "returned home" in done.message
+    assert optimizer.burst_nodes(name) == []
