@@ -610,9 +610,10 @@ def test_worker_reaches_the_chart_gateway_by_its_service_name(chart_tls: ChartTL
 
 
 def test_a_client_without_the_chart_ca_is_refused(chart_tls: ChartTLS, setup: Setup, nodes: list[str]) -> None:
+    untrusted = r"CERTIFICATE_VERIFY_FAILED.*unable to get local issuer certificate"
     with HttpGatewayClient(chart_tls.url(SERVICE_HOST), setup.optimizer_token_file,
                            transport=resolving(SERVICE_HOST)) as http, \
-            pytest.raises(GatewayUnavailable, match=r"CERTIFICATE_VERIFY_FAILED.*unable to get local issuer certificate"):
+            pytest.raises(GatewayUnavailable, match=untrusted):
         http.issue_ticket(ticket_request(nodes))
 
 
