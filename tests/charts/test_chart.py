@@ -421,6 +421,8 @@ def test_notes_give_the_verify_steps(tmp_path: Path) -> None:
 
     notes = render_notes(tmp_path / "burst", "-f", BURST_VALUES)
     assert "kubectl -n kubeon-gpu get svc kubeon-gpu-optimizer-gateway" in notes
+    assert f"Burst nodes reach the gateway at {PUBLIC_URL}" in notes
+    assert "verify it with the CA in ConfigMap kubeon-gpu-optimizer-gateway-ca" in notes
     assert "prometheus.url is not set" not in notes
     assert "kubeon.a1b2c.tmprl.cloud:7233" in notes
 
