@@ -14,7 +14,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 
 from activities.audit import AuditLog
-from activities.gateway import GatewayClient, JoinTicketRequest, render_user_data
+from activities.gateway import GatewayClient, JoinTicketRequest, UserDataTooLarge, render_user_data
 from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
 from activities.planning import rank_offerings
 from activities.policy_sync import hold_reason
@@ -181,8 +181,12 @@ class BurstActivities:
             operation=req.operation, policy=req.policy, location=req.offering.location, node_name=req.node_name,
             labels=req.labels, taints=req.taints,
         ))
-        user_data = render_user_data(gateway_url=self.config.gateway_url, ticket=ticket, node_name=req.node_name,
-                                     labels=req.labels, taints=req.taints, ca_bundle=self.config.gateway_ca_bundle)
+        try:
+            user_data = render_user_data(gateway_url=self.config.gateway_url, ticket=ticket,
+                                         node_name=req.node_name, labels=req.labels, taints=req.taints,
+                                         ca_bundle=self.config.gateway_ca_bundle)
+        except UserDataTooLarge as exc:  # configuration (labels, CA bundle): a retry would not shrink it
+            raise ApplicationError(str(exc), type=PROVIDER_REJECTED, non_retryable=True) from None
         activity.heartbeat("launching")
         try:
             instance = provider.launch(req, user_data)

@@ -45,8 +45,9 @@ class GatewayRefused(GatewayError):
         self.status = status
 
 
-def _reason(response: httpx.Response) -> str:
-    """The gateway's error message (``{"error": ..., "message": ...}``), or the start of the body."""
+def error_message(response: httpx.Response) -> str:
+    """The error message of a gateway or hub answer (both ``{"error": ..., "message": ...}``), or the start of
+    the body."""
     try:
         doc = response.json()
     except ValueError:
@@ -78,7 +79,7 @@ def _send(client: httpx.Client, what: str, url: str, request: httpx.Request) -> 
         raise GatewayUnavailable(f"burst gateway {url}: {what} failed: cannot connect: {exc}") from None
     if response.status_code >= 500:
         raise GatewayUnavailable(f"burst gateway {url}: {what} failed with HTTP {response.status_code}: "
-                                 f"{_reason(response)}")
+                                 f"{error_message(response)}")
     return response
 
 
@@ -134,7 +135,7 @@ class HttpGatewayClient:
 
     def _refused(self, response: httpx.Response, what: str) -> GatewayRefused:
         return GatewayRefused(f"burst gateway {self.base_url} refused {what} (HTTP {response.status_code}): "
-                              f"{_reason(response)}", status=response.status_code)
+                              f"{error_message(response)}", status=response.status_code)
 
     def issue_ticket(self, request: JoinTicketRequest) -> str:
         what = f"a join ticket for {request.node_name} ({request.operation})"
@@ -148,7 +149,7 @@ class HttpGatewayClient:
         response = self._request("DELETE", f"/v1/nodes/{quote(node_name, safe='')}", what,
                                  params={"operation": operation})
         if response.status_code == 409:
-            raise TicketError(_reason(response))
+            raise TicketError(error_message(response))
         if response.status_code != 200:
             raise self._refused(response, what)
         return bool(_json(response, self.base_url, what, "removed"))
@@ -171,10 +172,10 @@ def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], anno
                       headers={"User-Agent": "kubeon-node-join"}) as client:
         response = _send(client, what, base, client.build_request("POST", "/v1/join", json=body))
     if response.status_code == 403:
-        raise TicketError(_reason(response))
+        raise TicketError(error_message(response))
     if response.status_code != 200:
         raise GatewayRefused(f"burst gateway {base} refused {what} (HTTP {response.status_code}): "
-                             f"{_reason(response)}", status=response.status_code)
+                             f"{error_message(response)}", status=response.status_code)
     return str(_json(response, base, what, "node"))
 
 

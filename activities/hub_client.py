@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from activities.gateway_http import error_message
 from models.hub import ActionReport
 
 
@@ -60,16 +61,6 @@ class ApprovalPage:
     more: bool
 
 
-def _reason(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:200] or response.reason_phrase
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return str(body["message"])
-    return response.text[:200]
-
-
 class HubClient:
     def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
@@ -97,11 +88,11 @@ class HubClient:
         except httpx.TransportError as exc:
             raise HubUnreachable(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
         if response.status_code == 401:
-            raise HubUnauthorized(f"hub rejected the cluster token (401): {_reason(response)}")
+            raise HubUnauthorized(f"hub rejected the cluster token (401): {error_message(response)}")
         if response.status_code >= 500:
-            raise HubUnreachable(f"hub {self.url} answered {response.status_code}: {_reason(response)}")
+            raise HubUnreachable(f"hub {self.url} answered {response.status_code}: {error_message(response)}")
         if response.status_code >= 400:
-            raise HubRefused(response.status_code, _reason(response))
+            raise HubRefused(response.status_code, error_message(response))
         return response
 
     def policies(self, etag: str | None = None) -> PolicySet | None:
