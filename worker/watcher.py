@@ -51,7 +51,7 @@ T = TypeVar("T")
 GroupKey = tuple[str, str, str, str]  # policy, namespace, owner kind, owner name
 # Temporal refuses a start whose summary is over `limit.userMetadataSummarySize` (400 bytes by default).
 SUMMARY_MAX = 200
-# A closed operation that ended this way served its pods or was decided by a person: its pods keep the
+# A closed operation that ended this way was decided by a person (or the policy): its pods keep the
 # recheck_seconds back-off. (COMPLETED and FAILED results, and failed, terminated or timed-out runs, did not give
 # a still-Unschedulable pod a node: the pod gets a new operation.)
 DECIDED_PHASES = frozenset({Phase.PROPOSED, Phase.REJECTED, Phase.EXPIRED, Phase.CANCELLED})
@@ -398,13 +398,14 @@ class PendingPodWatcher:
             if result.phase in DECIDED_PHASES:
                 self._decided[wf_id] = desc.run_id
                 return False
-            if result.phase == Phase.COMPLETED:  # withdrawn or returned home: the world moved on
+            if result.phase == Phase.COMPLETED and result.instance is not None:  # served, then returned home
                 self._ended.pop(wf_id, None)
                 return True
         elif desc.status not in FAILED_STATUSES:  # cancelled by an operator; continued as new
             self._decided[wf_id] = desc.run_id
             return False
-        # Failed: the first time at once, then after resync_seconds doubling up to recheck_seconds.
+        # Failed, or withdrawn although the pod still waits: the first time at once, then after resync_seconds
+        # doubling up to recheck_seconds (a run that keeps ending this way is not restarted every resync).
         ended = self._ended.get(wf_id)
         if ended is None or ended.run_id != desc.run_id:
             ended = self._ended[wf_id] = _Ended(run_id=desc.run_id, count=(ended.count + 1) if ended else 1,
