@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import pytest
@@ -108,11 +108,24 @@ async def resyncs(watcher: PendingPodWatcher, more: int) -> None:
     await asyncio.to_thread(wait_for, lambda: watcher.resyncs >= target, what=f"{more} resyncs")
 
 
-async def eventually(check: Callable[[], Coroutine[Any, Any, T]], *, what: str) -> T:
-    """The harness's wait_for (on a thread) over an async check run on this loop."""
+async def eventually(check: Callable[[], Coroutine[Any, Any, T | None]], *, what: str) -> T:
+    """The harness's wait_for (on a thread) over an async check run on this loop, each check bounded."""
     loop = asyncio.get_running_loop()
-    return await asyncio.to_thread(wait_for, lambda: asyncio.run_coroutine_threadsafe(check(), loop).result(),
-                                   what=what, retry_on=(RPCError, client.ApiException))
+    return await asyncio.to_thread(
+        wait_for, lambda: asyncio.run_coroutine_threadsafe(asyncio.wait_for(check(), 30), loop).result(),
+        what=what, retry_on=(RPCError, client.ApiException, TimeoutError))
+
+
+async def run_in_phase(handle: Any, phase: Phase, *, not_run: str = "") -> str:
+    """The ID of the workflow's running run once it is in ``phase`` (search attribute; no query, so nothing waits
+    on a workflow task), other than ``not_run``."""
+    async def check() -> str | None:
+        desc = await handle.describe(rpc_timeout=timedelta(seconds=10))
+        ok = (desc.status == WorkflowExecutionStatus.RUNNING and desc.run_id != not_run
+              and desc.typed_search_attributes.get(sa.PHASE) == phase.value)
+        return str(desc.run_id) if ok else None
+
+    return await eventually(check, what=f"a run of {handle.id} in {phase.value}")
 
 
 async def runs_of(temporal: Client, wf_id: str) -> list[str]:
@@ -147,6 +160,7 @@ async def test_groups_start_concurrently_and_a_failed_start_is_retried(
             assert len(await runs_of(temporal, h.id)) == 1
     for name in names:
         stack.cluster.admin.apps.delete_namespaced_deployment(name, namespace)
+    await asyncio.to_thread(pods_gone, stack, namespace)
 
 
 @contextlib.asynccontextmanager
@@ -158,6 +172,13 @@ async def one_deployment(stack: BurstStack, namespace: str, product: str) -> Asy
     finally:
         with contextlib.suppress(client.ApiException):
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        await asyncio.to_thread(pods_gone, stack, namespace)
+
+
+def pods_gone(stack: BurstStack, namespace: str) -> None:
+    """Pending pods left behind would tolerate the next test's policy too (same taint): wait until they are gone."""
+    wait_for(lambda: not stack.cluster.admin.core.list_namespaced_pod(namespace).items,
+             what=f"pods of {namespace} deleted")
 
 
 async def test_pod_whose_operation_failed_gets_a_new_one_on_resync(
@@ -193,18 +214,17 @@ async def test_pod_whose_operation_was_terminated_gets_a_new_one_on_resync(
         stack: BurstStack, worker: tuple[Client, Runtime], namespace: str, policy: str, product: str) -> None:
     temporal, runtime = worker
     stack.create_policy(policy, mode="Approve", locations=["sim/open"])
-    async with one_deployment(stack, namespace, product) as deploy, running(watcher_for(runtime, temporal)):
+    async with one_deployment(stack, namespace, product) as deploy, \
+            running(watcher_for(runtime, temporal)) as watcher:
         handle = temporal.get_workflow_handle(burst_workflow_id(runtime.settings.cluster, policy,
                                                                 f"{namespace}/Deployment/{deploy}"))
-        await wait_phase(handle, Phase.AWAITING_APPROVAL)
-        first = (await handle.describe()).run_id
-        await handle.terminate("the operator ended it by hand")
+        first = await run_in_phase(handle, Phase.AWAITING_APPROVAL)
+        await handle.terminate("the operator ended it by hand", rpc_timeout=timedelta(seconds=10))
+        # A new run for the pod that still waits, without any pod event.
+        await run_in_phase(handle, Phase.AWAITING_APPROVAL, not_run=first)
 
-        async def new_run() -> bool:  # for the pod that still waits, and awaiting approval again
-            desc = await handle.describe()
-            return (desc.run_id != first and desc.status == WorkflowExecutionStatus.RUNNING
-                    and desc.typed_search_attributes.get(sa.PHASE) == Phase.AWAITING_APPROVAL.value)
-
-        await eventually(new_run, what="a new run of the terminated operation, awaiting approval")
+        [pod] = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-        await handle.terminate("test over")
+        await asyncio.to_thread(wait_for, lambda: str(pod.metadata.uid) not in watcher.pending,
+                                what="the deleted pod gone from the watcher's cache")
+        await handle.terminate("test over", rpc_timeout=timedelta(seconds=10))
