@@ -89,11 +89,13 @@ class OpTimes:
     namespace: str
     deployment: str
     workflow_id: str
-    operation: str = ""
+    operation: str = ""  # the latest run's (a pod left without a node gets a new run of the same workflow ID)
+    operations: set[str] = field(default_factory=set)  # every run's
+    runs: int = 0
     node_name: str = ""
     unschedulable_seen: datetime | None = None  # the benchmark's pod watch saw PodScheduled=False/Unschedulable
     unschedulable_cond: datetime | None = None  # that condition's lastTransitionTime (1 s resolution)
-    workflow_start: datetime | None = None  # Temporal's start time of the BurstWorkflow
+    workflow_start: datetime | None = None  # Temporal's start time of the BurstWorkflow (its first run)
     ready_seen: datetime | None = None  # the benchmark's node watch saw Ready=True
     ready_cond: datetime | None = None  # Ready's lastTransitionTime (kwok sets the node's creation time)
     scheduled_seen: datetime | None = None  # the benchmark's pod watch saw the pod bound to a node
@@ -186,6 +188,8 @@ class ScaleOutcome:
     closed: int = 0
     completed_wall_s: float | None = None  # deletion of the workloads -> the last workflow closed
     completion_note: str = ""
+    runs: int = 0  # workflow runs (a workflow ID started again for a pod its earlier run left without a node)
+    stranded: list[str] = field(default_factory=list)  # why the pods left pending are pending
     diagnosis: list[str] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     records: list[OpTimes] = field(default_factory=list)
@@ -453,19 +457,23 @@ class Placement:
         return f"pods on own op's node {self.own}, on another op's node {self.other}, pending {self.pending}"
 
 
-def placement(pods: list[PodSeen], nodes: dict[str, NodeSeen], op_of_deployment: dict[tuple[str, str], str],
-              prefix: str) -> Placement:
+def latest_pods(pods: list[PodSeen], prefix: str) -> dict[tuple[str, str], PodSeen]:
     latest: dict[tuple[str, str], PodSeen] = {}
     for p in pods:
         if p.app.startswith(prefix) and not p.deleted:
             latest[(p.namespace, p.app)] = p
+    return latest
+
+
+def placement(pods: list[PodSeen], nodes: dict[str, NodeSeen], ops_of_deployment: dict[tuple[str, str], set[str]],
+              prefix: str) -> Placement:
     out = Placement()
-    for key, p in latest.items():
+    for key, p in latest_pods(pods, prefix).items():
         if not p.node_name:
             out.pending += 1
             continue
         node = nodes.get(p.node_name)
-        if node is not None and node.operation and node.operation == op_of_deployment.get(key):
+        if node is not None and node.operation and node.operation in ops_of_deployment.get(key, set()):
             out.own += 1
         else:
             out.other += 1
@@ -493,19 +501,32 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
     out.created_s = (utc_now() - t0).total_seconds()
     b.say(f"scale: {n} deployments created in {out.created_s:.1f}s")
 
-    async def refresh() -> tuple[int, dict[tuple[str, str], str]]:
-        """Visibility -> records (operation, start, status); returns (workflows, deployment -> operation)."""
+    async def refresh() -> tuple[int, dict[tuple[str, str], set[str]]]:
+        """Visibility -> records (operations, first start, latest run's status); returns (workflow runs,
+        deployment -> its runs' operations). A workflow ID has more than one run when the watcher started it again
+        for a pod an earlier run left without a node."""
         seen = 0
+        latest: dict[str, datetime] = {}
+        for r in out.records:
+            r.runs, r.operations = 0, set()
         async for wf in b.temporal.list_workflows(b.query(policy)):
             rec = by_id.get(wf.id)
             if rec is None:
                 continue
             seen += 1
-            rec.workflow_start = wf.start_time
-            rec.operation = wf.typed_search_attributes.get(sa.OPERATION) or rec.operation
-            rec.final = wf.status.name if wf.status else ""
-            rec.closed = wf.close_time if wf.status != WorkflowExecutionStatus.RUNNING else None
-        return seen, {(r.namespace, r.deployment): r.operation for r in out.records if r.operation}
+            rec.runs += 1
+            op = wf.typed_search_attributes.get(sa.OPERATION)
+            if op:
+                rec.operations.add(op)
+            if rec.workflow_start is None or wf.start_time < rec.workflow_start:
+                rec.workflow_start = wf.start_time
+            if wf.id not in latest or wf.start_time >= latest[wf.id]:
+                latest[wf.id] = wf.start_time
+                rec.operation = op or rec.operation
+                rec.final = wf.status.name if wf.status else ""
+                rec.closed = wf.close_time if wf.status != WorkflowExecutionStatus.RUNNING else None
+        out.runs = seen
+        return seen, {(r.namespace, r.deployment): r.operations for r in out.records if r.operations}
 
     def ops_of(audit: AuditView) -> set[str]:
         return {op for op, p in audit.policy.items() if p == policy}
@@ -523,9 +544,12 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
         ready = sum(1 for nd in nodes.values() if nd.operation in ops and nd.ready_seen)
         where = placement(pods, nodes, op_of, "s-")
         shown = " ".join(f"{p.value} {c}" for p, c in phases.items() if c)
-        line = (f"Unschedulable {unsched}/{n} | workflows {started} [{shown}] | nodes Ready {ready} | "
+        ids = sum(1 for r in out.records if r.runs)
+        line = (f"Unschedulable {unsched}/{n} | workflows {ids} ({started} runs) [{shown}] | nodes Ready {ready} | "
                 f"verified {verified}, withdrawn {withdrawn} | {where.line()}")
-        done = started >= n and settled >= started
+        # Settled: every deployment has a workflow and every run verified, withdrew or failed. A run that ended
+        # leaving its pod pending is followed by a new run (the watcher's resync), so also wait for the pods.
+        done = ids >= n and settled >= started and where.pending == 0
         return done, line, (verified, settled, ready, started, where.own, where.other, *phases.values())
 
     why = await progress_loop(b, "scale", serving_done, b.args.serve_deadline, b.args.stall_seconds)
@@ -547,6 +571,9 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
         out.settled_wall_s = (settled_at[-1] - t0).total_seconds()
     _, op_of = await refresh()
     out.placement = placement(b.observer.pods_snapshot(), b.observer.nodes_snapshot(), op_of, "s-")
+    out.stranded = await stranded(b, out.records, latest_pods(b.observer.pods_snapshot(), "s-"))
+    for line in out.stranded:
+        b.say(f"  pending: {line}")
     if why or out.reached_serving < n:
         out.serving_note = f"{out.reached_serving} of {n} reached Serving" + (f" ({why})" if why else "")
         b.say(f"scale: {out.serving_note}; diagnosing")
@@ -600,6 +627,38 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
     return out
 
 
+async def stranded(b: Bench, records: list[OpTimes], pods: dict[tuple[str, str], PodSeen]) -> list[str]:
+    """Why each pod still pending is pending, counted: no workflow, or its workflow's latest run (phase, and for a
+    Serving one whether its node serves another deployment's pod)."""
+    why: Counter[str] = Counter()
+    node_pod = {p.node_name: key for key, p in pods.items() if p.node_name}
+    for rec in records:
+        pod = pods.get((rec.namespace, rec.deployment))
+        if pod is None or pod.node_name:
+            continue
+        if not rec.runs:
+            why["no workflow started" + ("" if pod.unschedulable_seen else " (never seen Unschedulable)")] += 1
+            continue
+        try:
+            desc = await b.temporal.get_workflow_handle(rec.workflow_id).describe()
+        except Exception as exc:
+            why[f"describe failed: {type(exc).__name__}"] += 1
+            continue
+        phase = desc.typed_search_attributes.get(sa.PHASE) or "?"
+        status = desc.status.name if desc.status else "?"
+        key = f"latest of {rec.runs} run(s) {status} in phase {phase}"
+        if phase == Phase.SERVING.value and status == "RUNNING":
+            other = node_pod.get(f"burst-{rec.operation}")
+            key += (", its node serving another deployment's pod" if other and other != (rec.namespace, rec.deployment)
+                    else ", its node serving no pod")
+        elif status == "COMPLETED":
+            res = await b.temporal.get_workflow_handle(rec.workflow_id, run_id=desc.run_id,
+                                                       result_type=BurstResult).result()
+            key += f" ({res.message[:60]})"
+        why[key] += 1
+    return [f"{n:>4} x {k}" for k, n in why.most_common()]
+
+
 # -- report ----------------------------------------------------------------------------------------------------------
 def report(b: Bench) -> None:
     s = b.settings
@@ -642,8 +701,13 @@ def report(b: Bench) -> None:
         if sc.serving_wall_s is None and sc.settled_wall_s is not None:
             print(f"  {'wall time: workloads created -> all settled (Serving/withdrawn/failed)':<66} "
                   f"{sc.settled_wall_s:.1f}s")
+        if sc.runs:
+            print(f"  {'workflow runs (an ID started again for a pod left without a node)':<66} {sc.runs} runs "
+                  f"of {sum(1 for r in sc.records if r.runs)} workflow IDs")
         if sc.placement is not None:
             print(f"  {'at the end of the wait':<66} {sc.placement.line()}")
+        for line in sc.stranded:
+            print(f"  {'  why pending':<66} {line}")
         done = (f"{sc.completed_wall_s:.1f}s" if sc.completed_wall_s is not None
                 else f"not reached ({sc.completion_note or 'not all closed'})")
         print(f"  {'wall time: workloads deleted -> all workflows closed':<66} {done} "
