@@ -112,7 +112,8 @@ class PendingPodWatcher:
     # runs or ended proposed, rejected or expired: such an operation is not restarted on every status update.
     recheck_seconds: float = 600.0
     # Every this long the cached pods still Unschedulable are looked at again: those whose operation ended
-    # without giving them a node (withdrawn, returned home, failed) get a new one at once.
+    # without giving them a node get a new one, at once if it had served and returned home, after a back-off
+    # (resync_seconds, doubling) if it failed, was terminated or withdrew.
     resync_seconds: float = 30.0
     debounce_seconds: float = 0.2
     # Owner lookups in flight (the watcher's own threads; the Kubernetes client's pool is shared with the
@@ -349,8 +350,8 @@ class PendingPodWatcher:
     # -- resync ------------------------------------------------------------------------------------------------
     async def resync(self) -> list[str]:
         """Look again at the cached pods still Unschedulable. Pods whose operation ended without giving them a
-        node are forgotten and get a new operation now; pods without an operation (no policy matched, or the
-        start failed) are looked at again. Returns the workflow IDs touched."""
+        node are forgotten and get a new run (see _restart_now for when); pods without an operation (no policy
+        matched, or the start failed) are looked at again. Returns the workflow IDs touched."""
         self.resyncs += 1
         now = time.monotonic()
         waiting = [p for p in self._pending.values() if unschedulable_since(p) is not None]
@@ -404,13 +405,14 @@ class PendingPodWatcher:
         elif desc.status not in FAILED_STATUSES:  # cancelled by an operator; continued as new
             self._decided[wf_id] = desc.run_id
             return False
-        # Failed, or withdrawn although the pod still waits: the first time at once, then after resync_seconds
-        # doubling up to recheck_seconds (a run that keeps ending this way is not restarted every resync).
+        # Failed, or withdrawn although the pod still waits: started again resync_seconds after it was seen
+        # closed, doubling for each further run that ends this way, up to recheck_seconds (a policy that cannot be
+        # served is not restarted every resync; what failed stays readable for a while).
         ended = self._ended.get(wf_id)
         if ended is None or ended.run_id != desc.run_id:
             ended = self._ended[wf_id] = _Ended(run_id=desc.run_id, count=(ended.count + 1) if ended else 1,
                                                 seen_at=now)
-        wait = 0.0 if ended.count == 1 else min(self.recheck_seconds, self.resync_seconds * 2 ** (ended.count - 1))
+        wait = min(self.recheck_seconds, self.resync_seconds * 2 ** (ended.count - 1))
         return now - ended.seen_at >= wait
 
     def stop(self) -> None:
