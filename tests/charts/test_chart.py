@@ -35,7 +35,7 @@ from tests.charts.helm import (
     run_helm,
     template,
 )
-from tests.harness.rbac import GATEWAY_RULES, OPTIMIZER_RULES
+from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SERVICE_RULES, OPTIMIZER_RULES
 from worker.config import load_settings
 
 # R5.1 (verbatim from the install guide) lives in tests/harness/rbac.py, shared with the burst tests.
@@ -102,6 +102,8 @@ def test_default_renders_the_documented_objects(default: Rendered) -> None:
 def test_burst_renders_gateway_and_locations(burst: Rendered) -> None:
     for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"):
         burst.get(kind, GATEWAY)
+    for kind in ("Role", "RoleBinding"):
+        burst.get(kind, GATEWAY, NAMESPACE)
     burst.get("Secret", f"{GATEWAY}-ticket-key", NAMESPACE)
     burst.get("Secret", f"{GATEWAY}-tls", NAMESPACE)
     burst.get("ConfigMap", f"{GATEWAY}-ca", NAMESPACE)
@@ -166,10 +168,20 @@ def test_optimizer_has_no_secret_access_and_cannot_create_or_delete_nodes(burst:
             assert ns == "gpu-operator" and rule["resourceNames"] == ["time-slicing-config"], rule
 
 
-def test_gateway_has_only_node_and_tokenreview_rules(burst: Rendered) -> None:
+def test_gateway_has_only_node_and_tokenreview_rules_and_get_on_its_own_service(burst: Rendered) -> None:
     role = burst.get("ClusterRole", GATEWAY)
     assert role["rules"] == GATEWAY_RULES
-    assert [rule for _, rule in bound_rules(burst, GATEWAY)] == role["rules"]
+    # Its own Service, by name, in its own namespace: where its LoadBalancer address is (no publicUrl).
+    own = burst.get("Role", GATEWAY, NAMESPACE)
+    assert own["rules"] == GATEWAY_SERVICE_RULES == [
+        {"apiGroups": [""], "resources": ["services"], "resourceNames": [GATEWAY], "verbs": ["get"]}]
+    binding = burst.get("RoleBinding", GATEWAY, NAMESPACE)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": GATEWAY}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]
+    assert bound_rules(burst, GATEWAY) == [(None, r) for r in GATEWAY_RULES] + [
+        (NAMESPACE, r) for r in GATEWAY_SERVICE_RULES]
+    # The optimizer gains nothing from it (R5.1 unchanged).
+    assert not [rule for _, rule in bound_rules(burst, OPTIMIZER) if "services" in rule["resources"]]
     assert burst.get("Deployment", GATEWAY)["spec"]["template"]["spec"]["serviceAccountName"] == GATEWAY
     assert burst.get("ServiceAccount", GATEWAY, NAMESPACE)
 
@@ -325,6 +337,9 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     assert e["KUBEON_GATEWAY_LISTEN"] == "0.0.0.0:8443"
     assert e["KUBEON_GATEWAY_TICKET_KEY_FILE"] == "/var/run/kubeon/gateway/ticket-key"
     assert e["KUBEON_HEALTH_PORT"] == "8080"
+    # Where burst nodes join: publicUrl, else its own Service's LoadBalancer address.
+    assert e["KUBEON_GATEWAY_PUBLIC_URL"] == PUBLIC_URL
+    assert (e["KUBEON_GATEWAY_SERVICE"], e["KUBEON_GATEWAY_SERVICE_NAMESPACE"]) == (GATEWAY, NAMESPACE)
     assert not any(k.startswith("KUBEON_HUB") for k in e), "the gateway never talks to the hub"
     key = next(v for v in spec["volumes"] if v["name"] == "ticket-key")["secret"]
     assert key["secretName"] == f"{GATEWAY}-ticket-key" and key["items"] == [{"key": "key", "path": "ticket-key"}]
@@ -426,6 +441,14 @@ def test_notes_give_the_verify_steps(tmp_path: Path) -> None:
     assert "prometheus.url is not set" not in notes
     assert "kubeon.a1b2c.tmprl.cloud:7233" in notes
 
+    # R4.2's values, no publicUrl: the LoadBalancer's address, found by the gateway.
+    (tmp_path / "r42.yaml").write_text(DOCUMENTED_BURST_VALUES)
+    notes = render_notes(tmp_path / "lb", *REQUIRED, "-f", tmp_path / "r42.yaml")
+    assert "Burst nodes reach the gateway at the address its LoadBalancer Service gets" in notes
+    assert "verify its certificate as kubeon-gpu-optimizer-gateway.kubeon-gpu.svc" in notes
+    assert "gateway Service kubeon-gpu-optimizer-gateway has no LoadBalancer address yet" in notes
+    assert "kubectl -n kubeon-gpu get svc kubeon-gpu-optimizer-gateway" in notes
+
 
 # --- values as documented; the schema refuses bad ones, naming them ----------------------------------------------
 
@@ -467,6 +490,7 @@ resources:
   requests: { cpu: 100m, memory: 256Mi }
   limits: { memory: 512Mi }
 """
+# R4.2's block, as the spec writes it: a LoadBalancer Service and its annotations, no public URL.
 DOCUMENTED_BURST_VALUES = """
 burst:
   enabled: true
@@ -474,31 +498,31 @@ burst:
     service:
       type: LoadBalancer
       annotations:
-        # internal, if locations reach it privately
         service.beta.kubernetes.io/aws-load-balancer-scheme: internal
   locations:
     - name: aws/eu-central-1
-      credentials:
-        awsRoleArn: arn:aws:iam::111122223333:role/kubeon-burst-eu-central-1
+      credentials: { awsRoleArn: arn:aws:iam::111122223333:role/kubeon-burst-eu-central-1 }
     - name: gcp/europe-west4
-      credentials:
-        gcpServiceAccount: kubeon-burst@acme-ml.iam.gserviceaccount.com
+      credentials: { gcpServiceAccount: kubeon-burst@acme-ml.iam.gserviceaccount.com }
     - name: onprem/dc1
-      credentials:
-        existingSecret: kubeon-burst-dc1 # join token for registered servers
+      credentials: { existingSecret: kubeon-burst-dc1 }   # join token for registered servers
 """
 
 
 def test_documented_values_are_accepted(tmp_path: Path) -> None:
-    """The documents' values blocks (R1.2, R4.2) install as written, the burst block with the gateway's public
-    URL (burst.gateway.publicUrl, which R4.2's block predates); so does every documented choice."""
+    """The documents' values blocks (R1.2, R4.2) render as written, the burst block without a public URL (the
+    gateway finds its LoadBalancer's address); so does every documented choice. test_install.py installs them."""
     (tmp_path / "values.yaml").write_text(DOCUMENTED_VALUES)
     (tmp_path / "burst.yaml").write_text(DOCUMENTED_BURST_VALUES)
-    (tmp_path / "public-url.yaml").write_text(f"burst: {{gateway: {{publicUrl: {PUBLIC_URL}}}}}\n")
-    rendered = template(values=[tmp_path / "values.yaml", tmp_path / "burst.yaml", tmp_path / "public-url.yaml"])
+    assert "publicUrl" not in DOCUMENTED_BURST_VALUES
+    rendered = template(values=[tmp_path / "values.yaml", tmp_path / "burst.yaml"])
     e = env(container(rendered.get("Deployment", OPTIMIZER), "worker"))
     assert e["KUBEON_CLUSTER"] == "prod-use1-a" and e["KUBEON_BURST_ENABLED"] == "true"
+    assert e["KUBEON_GATEWAY_PUBLIC_URL"] == ""
     assert rendered.get("Service", GATEWAY)["spec"]["type"] == "LoadBalancer"
+    gateway = env(container(rendered.get("Deployment", GATEWAY), "gateway"))
+    assert (gateway["KUBEON_GATEWAY_PUBLIC_URL"], gateway["KUBEON_GATEWAY_SERVICE"]) == ("", GATEWAY)
+    rendered.get("Role", GATEWAY, NAMESPACE)
     run_helm(["template", RELEASE, CHART, "-f", tmp_path / "values.yaml"])
     run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
     for provider in ("karpenter", "eks-nodegroups", "aks-nodepools", "gke-nodepools"):

@@ -1,6 +1,7 @@
 """The burst gateway's TLS as the chart renders it (R4.3, R5.4): the gateway serves HTTPS with a certificate the
 chart generates (or the user's Secret), the worker trusts it through a ConfigMap holding only the CA certificate,
-and burst nodes are told the gateway's public URL (burst.gateway.publicUrl), which the certificate names.
+and burst nodes join where the gateway says: burst.gateway.publicUrl (which the certificate names) or, without
+it, the gateway's LoadBalancer address, verified as the Service name the certificate carries.
 
 Offline (`helm template`); that the generated certificate really works against `kubeon-gpu gateway` is in
 tests/worker/test_gateway_server.py, that it survives an upgrade in test_install.py."""
@@ -190,11 +191,29 @@ def test_worker_tells_burst_nodes_the_public_url(burst: Rendered) -> None:
     assert e["KUBEON_GATEWAY_URL"] == f"https://{GATEWAY}.{NAMESPACE}.svc:8443"
 
 
-def test_public_url_is_required_even_without_the_schema() -> None:
+def test_public_url_is_optional_with_a_load_balancer() -> None:
+    """No publicUrl: the gateway finds its LoadBalancer's address; nodes verify the Service name, which the
+    generated certificate carries (and nothing else: there is no public host to name)."""
+    rendered = template("--set", "burst.enabled=true")
+    assert rendered.get("Service", GATEWAY)["spec"]["type"] == "LoadBalancer"
+    assert sans(generated(rendered)[0]) == (SERVICE_NAMES, [])
+    gateway = env(container(rendered.get("Deployment", GATEWAY), "gateway"))
+    assert gateway["KUBEON_GATEWAY_PUBLIC_URL"] == ""
+    assert (gateway["KUBEON_GATEWAY_SERVICE"], gateway["KUBEON_GATEWAY_SERVICE_NAMESPACE"]) == (GATEWAY, NAMESPACE)
+    assert rendered.get("Role", GATEWAY, NAMESPACE)["rules"][0]["resourceNames"] == [GATEWAY]
+    rendered.get("ConfigMap", f"{GATEWAY}-ca", NAMESPACE)
+
+
+@pytest.mark.parametrize("service_type", ["NodePort", "ClusterIP"])
+def test_public_url_is_required_without_a_load_balancer_even_without_the_schema(service_type: str) -> None:
     proc = run_helm(["template", RELEASE, CHART, "--namespace", NAMESPACE, "-f", MINIMAL_VALUES,
-                     "--set", "burst.enabled=true", "--skip-schema-validation"], check=False)
+                     "--set", "burst.enabled=true", "--set", f"burst.gateway.service.type={service_type}",
+                     "--skip-schema-validation"], check=False)
     assert proc.returncode != 0
-    assert "burst.gateway.publicUrl is required with burst.enabled" in proc.stderr, proc.stderr
+    assert f"burst.gateway.publicUrl is required with burst.gateway.service.type={service_type}" in proc.stderr
+    assert "only a LoadBalancer Service has an address the gateway can find itself" in proc.stderr
+    template("--set", "burst.enabled=true", "--set", f"burst.gateway.service.type={service_type}",
+             "--set", "burst.gateway.publicUrl=https://203.0.113.10:31443")
 
 
 def test_public_url_is_not_needed_without_burst() -> None:

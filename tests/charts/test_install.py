@@ -21,7 +21,7 @@ from kubernetes import client
 
 from models.policy import API_GROUP, PLURAL
 from tests.charts.helm import BAD_VALUES, BURST_VALUES, CHART, MINIMAL_VALUES, NAMESPACE, RELEASE, run_helm
-from tests.charts.test_chart import DOCUMENTED_CLUSTER_ROLE, VERIFY_STEPS, expectations
+from tests.charts.test_chart import DOCUMENTED_BURST_VALUES, DOCUMENTED_CLUSTER_ROLE, VERIFY_STEPS, expectations
 from tests.harness.kube import Cluster, Kube, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -383,6 +383,56 @@ def test_gateway_admits_and_removes_nodes_and_nothing_else(installed: Install, g
         group = "apps" if resource == "deployments" else ""
         assert not can(gateway, verb, resource, group=group, subresource=sub, namespace=installed.other_ns), \
             f"gateway may {verb} {resource}/{sub}"
+
+
+def test_gateway_gets_its_own_service_and_no_other(installed: Install, gateway: Kube) -> None:
+    """The gateway's namespaced Role: get on its own Service (its LoadBalancer address), nothing more."""
+    own = wait_for(lambda: gateway.core.read_namespaced_service(GATEWAY, NAMESPACE),
+                   what="the gateway may get its own Service")
+    assert own.spec.type == "LoadBalancer"
+    refused(lambda: gateway.core.read_namespaced_service(f"{OPTIMIZER}-temporal", NAMESPACE))  # another Service
+    refused(lambda: gateway.core.list_namespaced_service(NAMESPACE))
+    refused(lambda: gateway.core.patch_namespaced_service(GATEWAY, NAMESPACE, {"metadata": {"labels": {"x": "y"}}}))
+    refused(lambda: gateway.core.patch_namespaced_service_status(
+        GATEWAY, NAMESPACE, {"status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}}}))
+    # The same name in another namespace is another Service.
+    admin = installed.cluster.admin
+    admin.core.create_namespaced_service(installed.other_ns, client.V1Service(
+        metadata=client.V1ObjectMeta(name=GATEWAY),
+        spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=8443)])))
+    refused(lambda: gateway.core.read_namespaced_service(GATEWAY, installed.other_ns))
+    assert not can(gateway, "watch", "services", namespace=NAMESPACE, name=GATEWAY)
+    assert not can(installed.cluster.service_account_client(NAMESPACE, OPTIMIZER, create=False), "get", "services",
+                   namespace=NAMESPACE, name=GATEWAY), "the optimizer's rules (R5.1) do not change"
+
+
+def test_r4_2_documented_values_install_without_a_public_url(installed: Install, gateway: Kube,
+                                                             tmp_path: Path) -> None:
+    """R4.2's block exactly as the spec writes it (a LoadBalancer Service and its annotations, no publicUrl).
+    Runs last: it replaces the module's values with the documented ones."""
+    documented = tmp_path / "r4.2.yaml"
+    documented.write_text(DOCUMENTED_BURST_VALUES)
+    proc = helm(installed, "upgrade", RELEASE, CHART, "--namespace", NAMESPACE, "--wait=false", "--reset-values",
+                "-f", MINIMAL_VALUES, "-f", documented)
+    assert "Burst nodes reach the gateway at the address its LoadBalancer Service gets" in proc.stdout, proc.stdout
+    status = json.loads(helm(installed, "status", RELEASE, "--namespace", NAMESPACE, "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed"
+    admin = installed.cluster.admin
+    service = admin.core.read_namespaced_service(GATEWAY, NAMESPACE)
+    assert service.spec.type == "LoadBalancer"
+    assert service.metadata.annotations["service.beta.kubernetes.io/aws-load-balancer-scheme"] == "internal"
+    container = admin.apps.read_namespaced_deployment(GATEWAY, NAMESPACE).spec.template.spec.containers[0]
+    env = {e.name: e.value for e in container.env}
+    assert not env["KUBEON_GATEWAY_PUBLIC_URL"], "no publicUrl: the LoadBalancer address"
+    assert (env["KUBEON_GATEWAY_SERVICE"], env["KUBEON_GATEWAY_SERVICE_NAMESPACE"]) == (GATEWAY, NAMESPACE)
+    secret = admin.core.read_namespaced_secret(f"{GATEWAY}-tls", NAMESPACE).data
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert f"{GATEWAY}.{NAMESPACE}.svc" in names.get_values_for_type(x509.DNSName), "what burst nodes verify"
+    assert "gw2.example.com" not in names.get_values_for_type(x509.DNSName)
+    assert wait_for(lambda: gateway.core.read_namespaced_service(GATEWAY, NAMESPACE), what="own Service").metadata
+    role = admin.rbac.read_cluster_role(OPTIMIZER)
+    assert [admin.api.sanitize_for_serialization(r) for r in role.rules] == DOCUMENTED_CLUSTER_ROLE
 
 
 # --- bad values refused by a real install ---------------------------------------------------------------------

@@ -33,6 +33,11 @@ GATEWAY_RULES = [
     # It authenticates the optimizer's calls by TokenReview.
     {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
 ]
+# And a namespaced Role (kubeon-gpu only): get its own Service, nothing else, to find the LoadBalancer address
+# burst nodes join at when burst.gateway.publicUrl is empty.
+GATEWAY_SERVICE_RULES = [
+    {"apiGroups": [""], "resources": ["services"], "resourceNames": [GATEWAY_SA], "verbs": ["get"]},
+]
 
 
 def _ensure(create: Callable[..., object], *args: object) -> None:

@@ -144,7 +144,8 @@ Checks the schema cannot express; each failure names the value.
 {{- end -}}
 {{- $_ := set $seen $loc.name true -}}
 {{- end -}}
-{{- if and .Values.burst.enabled (not .Values.burst.gateway.publicUrl) -}}
-{{- fail "burst.gateway.publicUrl is required with burst.enabled: the https URL burst nodes reach the gateway at from their own cloud (the LoadBalancer's DNS name or IP, or a node address and the NodePort), e.g. https://burst-gw.example.com:8443" -}}
+{{- $gw := .Values.burst.gateway -}}
+{{- if and .Values.burst.enabled (not $gw.publicUrl) (ne $gw.service.type "LoadBalancer") -}}
+{{- fail (printf "burst.gateway.publicUrl is required with burst.gateway.service.type=%s: only a LoadBalancer Service has an address the gateway can find itself; set the https URL burst nodes reach it at from their own cloud, e.g. https://<node address>:<nodePort> for NodePort" $gw.service.type) -}}
 {{- end -}}
 {{- end -}}
