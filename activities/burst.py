@@ -177,14 +177,17 @@ class BurstActivities:
         gate = self._gate(req.policy)  # checked again here, as the allow-list is: nothing launches while held
         if gate.held:
             raise ApplicationError(gate.reason, type=HELD, non_retryable=True)
-        ticket = self.gateway.issue_ticket(JoinTicketRequest(
+        grant = self.gateway.issue_ticket(JoinTicketRequest(
             operation=req.operation, policy=req.policy, location=req.offering.location, node_name=req.node_name,
             labels=req.labels, taints=req.taints,
         ))
         try:
-            user_data = render_user_data(gateway_url=self.config.gateway_url, ticket=ticket,
-                                         node_name=req.node_name, labels=req.labels, taints=req.taints,
-                                         ca_bundle=self.config.gateway_ca_bundle)
+            # Where the node joins: the endpoint the gateway names (its public URL or LoadBalancer address) and
+            # the name to verify its certificate as; a gateway naming none: the configured URL.
+            user_data = render_user_data(gateway_url=grant.endpoint or self.config.gateway_url,
+                                         server_name=grant.server_name if grant.endpoint else "",
+                                         ticket=grant.ticket, node_name=req.node_name, labels=req.labels,
+                                         taints=req.taints, ca_bundle=self.config.gateway_ca_bundle)
         except UserDataTooLarge as exc:  # configuration (labels, CA bundle): a retry would not shrink it
             raise ApplicationError(str(exc), type=PROVIDER_REJECTED, non_retryable=True) from None
         activity.heartbeat("launching")

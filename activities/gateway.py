@@ -14,7 +14,9 @@ import hmac
 import json
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from kubernetes import client
 from pydantic import BaseModel, Field
@@ -50,10 +52,20 @@ class JoinTicket(BaseModel):
     nonce: str = Field(default_factory=lambda: secrets.token_hex(8))
 
 
+class TicketGrant(BaseModel):
+    """The gateway's answer to a ticket request: the ticket, and where the node joins (``endpoint``, an https URL,
+    and ``server_name``, the name its certificate is verified against). Both empty: the worker's configured
+    URL (an in-process gateway without a public address)."""
+
+    ticket: str
+    endpoint: str = ""
+    server_name: str = ""
+
+
 class GatewayClient(Protocol):
     """What the optimizer's activities may ask of the gateway."""
 
-    def issue_ticket(self, request: JoinTicketRequest) -> str: ...
+    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant: ...
 
     def remove_node(self, node_name: str, *, operation: str) -> bool: ...
 
@@ -66,18 +78,99 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-class KubeGateway:
-    """The gateway's own logic, with the gateway's Kubernetes credentials and signing key."""
+class GatewayAddressPending(Exception):
+    """The gateway has no address burst nodes can reach yet (its LoadBalancer is being provisioned): retry."""
 
-    def __init__(self, api: client.ApiClient, signing_key: bytes, *, clock: Any = time.time) -> None:
+
+class GatewayAddressUnknown(Exception):
+    """The gateway cannot tell burst nodes where it is: no public URL and its Service is no LoadBalancer."""
+
+
+def url_host(url: str) -> str:
+    """The host of an URL, lower case, without port or IPv6 brackets."""
+    return (urlsplit(url).hostname or "").lower()
+
+
+@dataclass(frozen=True)
+class ServiceRef:
+    """The gateway's own Service, whose LoadBalancer address burst nodes connect to."""
+
+    name: str
+    namespace: str
+
+    @property
+    def dns_name(self) -> str:
+        """The name the chart's certificate carries and burst nodes verify it against (tls-server-name)."""
+        return f"{self.name}.{self.namespace}.svc"
+
+
+def endpoint_from_service(service: client.V1Service, ref: ServiceRef) -> tuple[str, str]:
+    """``(https://<lb-host>:<port>, <name>.<ns>.svc)`` from a LoadBalancer Service's status and its port."""
+    kind = service.spec.type if service.spec is not None else None
+    if kind != "LoadBalancer":
+        raise GatewayAddressUnknown(
+            f"gateway Service {ref.name} is of type {kind}, not LoadBalancer, so it has no address burst nodes "
+            f"can reach: set burst.gateway.publicUrl (e.g. https://<node address>:<nodePort>)")
+    lb = service.status.load_balancer if service.status is not None else None
+    ingress = [i for i in ((lb.ingress if lb is not None else None) or []) if i.hostname or i.ip]
+    if not ingress:
+        raise GatewayAddressPending(f"gateway Service {ref.name} has no LoadBalancer address yet (namespace "
+                                    f"{ref.namespace}); retry once `kubectl -n {ref.namespace} get svc {ref.name}` "
+                                    f"shows an EXTERNAL-IP, or set burst.gateway.publicUrl")
+    host = str(ingress[0].hostname or ingress[0].ip)
+    ports = (service.spec.ports if service.spec is not None else None) or []
+    port = next((p for p in ports if p.name == "tunnel"), ports[0] if ports else None)
+    if port is None:
+        raise GatewayAddressUnknown(f"gateway Service {ref.name} has no port")
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    return f"https://{host}:{port.port}", ref.dns_name
+
+
+class KubeGateway:
+    """The gateway's own logic, with the gateway's Kubernetes credentials and signing key.
+
+    Where burst nodes join: ``public_url`` when set (verified against its own host); else the LoadBalancer
+    address of ``service`` (read at every ticket, verified against the Service's DNS name, which the chart's
+    certificate carries); neither (dev, tests, in-process): the worker's configured URL."""
+
+    def __init__(self, api: client.ApiClient, signing_key: bytes, *, clock: Any = time.time,
+                 public_url: str = "", service: ServiceRef | None = None) -> None:
         if len(signing_key) < 16:
             raise ValueError("gateway ticket signing key must be at least 16 bytes")
         self._core = client.CoreV1Api(api)
         self._key = signing_key
         self._clock = clock
+        self._public_url = public_url.rstrip("/")
+        self._service = service
+
+    # -- where nodes join ------------------------------------------------------------------------------------
+    @property
+    def public_url(self) -> str:
+        return self._public_url
+
+    @property
+    def service(self) -> ServiceRef | None:
+        return self._service
+
+    def endpoint(self) -> tuple[str, str]:
+        """``(endpoint URL, TLS server name)`` burst nodes use; ``("", "")`` when the worker's URL stands.
+        Raises ``GatewayAddressPending`` until the LoadBalancer has an address, ``GatewayAddressUnknown`` when
+        there can be none, ``ApiException`` when the Service cannot be read."""
+        if self._public_url:
+            return self._public_url, url_host(self._public_url)
+        if self._service is None:
+            return "", ""
+        ref = self._service
+        return endpoint_from_service(self._core.read_namespaced_service(ref.name, ref.namespace), ref)
 
     # -- tickets ---------------------------------------------------------------------------------------------
-    def issue_ticket(self, request: JoinTicketRequest) -> str:
+    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
+        """A ticket and where to use it (the address first: no ticket while nodes could not reach us)."""
+        endpoint, server_name = self.endpoint()
+        return TicketGrant(ticket=self.sign_ticket(request), endpoint=endpoint, server_name=server_name)
+
+    def sign_ticket(self, request: JoinTicketRequest) -> str:
         ticket = JoinTicket(
             operation=request.operation, policy=request.policy, location=request.location,
             node_name=request.node_name, labels=request.labels, taints=request.taints,
@@ -173,12 +266,14 @@ class UserDataTooLarge(ValueError):
 
 
 def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
-                     taints: list[Taint], ca_bundle: str = "") -> str:
-    """User data for a burst node: where the gateway is (its public URL), the CA certificate(s) to verify it
-    with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it must
-    register as. At most ``USER_DATA_MAX_BYTES``."""
+                     taints: list[Taint], ca_bundle: str = "", server_name: str = "") -> str:
+    """User data for a burst node: where the gateway is (``gateway``, the endpoint it connects to), the name its
+    certificate is verified against (``serverName``; default: the endpoint's host), the CA certificate(s) to
+    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it
+    must register as. At most ``USER_DATA_MAX_BYTES``."""
     doc: dict[str, Any] = {
         "gateway": gateway_url,
+        "serverName": server_name or url_host(gateway_url),
         "ticket": ticket,
         "nodeName": node_name,
         "labels": labels,

@@ -4,8 +4,9 @@
 Deployment (``kubeon-gpu gateway``, see ``worker.gateway_server``). It authenticates with the optimizer's
 ServiceAccount token, read from its file on every call because projected tokens rotate. ``join_over_http`` is
 what a burst node's bootstrap does with the ticket in its user data, ``join_with_user_data`` the same from the
-user data itself: the gateway's public URL, verified with the CA bundle the user data carries (the simulated
-provider uses it as is).
+user data itself: it connects to the endpoint the user data names (the gateway's public URL or its LoadBalancer
+address) and verifies the certificate against the user data's ``serverName`` (like kubectl's tls-server-name) with
+the CA bundle the user data carries (the simulated provider uses it as is).
 
 Errors: a 409 on removal (the Node belongs to another operation) and a refused ticket on join raise
 ``TicketError`` with the gateway's reason, as the in-process ``KubeGateway`` does; 5xx answers, timeouts and
@@ -23,7 +24,7 @@ from urllib.parse import quote
 
 import httpx
 
-from activities.gateway import JoinTicketRequest, TicketError, parse_user_data_ticket
+from activities.gateway import JoinTicketRequest, TicketError, TicketGrant, parse_user_data_ticket, url_host
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
@@ -137,12 +138,21 @@ class HttpGatewayClient:
         return GatewayRefused(f"burst gateway {self.base_url} refused {what} (HTTP {response.status_code}): "
                               f"{error_message(response)}", status=response.status_code)
 
-    def issue_ticket(self, request: JoinTicketRequest) -> str:
+    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
+        """The ticket, and where the node joins: the gateway's endpoint and TLS server name (empty from a gateway
+        that names none: the worker's configured URL stands)."""
         what = f"a join ticket for {request.node_name} ({request.operation})"
         response = self._request("POST", "/v1/tickets", what, json=request.model_dump(mode="json"))
         if response.status_code != 200:
             raise self._refused(response, what)
-        return str(_json(response, self.base_url, what, "ticket"))
+        ticket = str(_json(response, self.base_url, what, "ticket"))
+        doc = response.json()
+        endpoint, server_name = doc.get("endpoint") or "", doc.get("serverName") or ""
+        if not isinstance(endpoint, str) or not isinstance(server_name, str) or (
+                endpoint and not endpoint.startswith(("https://", "http://"))):
+            raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer's endpoint "
+                                     f"{str(endpoint)[:100]!r} is not an https URL")
+        return TicketGrant(ticket=ticket, endpoint=endpoint, server_name=server_name)
 
     def remove_node(self, node_name: str, *, operation: str) -> bool:
         what = f"removing node {node_name} ({operation})"
@@ -157,20 +167,28 @@ class HttpGatewayClient:
 
 def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], annotations: dict[str, str],
                    provider_id: str, *, ca_file: Path | str | None = None, ca_bundle: str | None = None,
-                   timeout: float = DEFAULT_TIMEOUT_SECONDS, transport: TransportFactory | None = None) -> str:
+                   server_name: str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS,
+                   transport: TransportFactory | None = None) -> str:
     """What a booting burst node does: present its one-time ticket to ``POST /v1/join``; the Node's name.
 
-    The gateway's certificate is verified with ``ca_file`` and/or ``ca_bundle`` (PEM), else the system's trust
-    store. Retrying with the same ticket is safe (the gateway answers with the same Node). A refused ticket
-    raises ``TicketError`` with the gateway's reason."""
+    It connects to ``gateway_url``; the gateway's certificate is verified against ``server_name`` (sent as SNI
+    too; default: the URL's host), with ``ca_file`` and/or ``ca_bundle`` (PEM), else the system's trust store.
+    Verification is never off. Retrying with the same ticket is safe (the gateway answers with the same Node).
+    A refused ticket raises ``TicketError`` with the gateway's reason."""
     base = gateway_url.rstrip("/")
     what = "joining with a ticket"
+    if server_name and server_name.lower() != url_host(base):
+        what += f" (verifying the certificate as {server_name})"
     body = {"ticket": ticket, "capacity": capacity, "annotations": annotations, "providerId": provider_id}
     verify = _verify(ca_file, ca_bundle)
+    # httpcore takes the TLS server_hostname (SNI and the name checked against the certificate) from this
+    # request extension; the TCP connection still goes to the URL's host.
+    extensions = {"sni_hostname": server_name} if server_name else None
     with httpx.Client(base_url=base, verify=verify, timeout=timeout, follow_redirects=False,
                       transport=transport(verify) if transport is not None else None,
                       headers={"User-Agent": "kubeon-node-join"}) as client:
-        response = _send(client, what, base, client.build_request("POST", "/v1/join", json=body))
+        request = client.build_request("POST", "/v1/join", json=body, extensions=extensions)
+        response = _send(client, what, base, request)
     if response.status_code == 403:
         raise TicketError(error_message(response))
     if response.status_code != 200:
@@ -182,10 +200,12 @@ def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], anno
 def join_with_user_data(user_data: str, capacity: dict[str, str], annotations: dict[str, str], provider_id: str,
                         *, ca_file: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS,
                         transport: TransportFactory | None = None) -> str:
-    """A burst node's join from its user data alone (``render_user_data``): the gateway URL it names, the ticket,
-    and the CA bundle it carries; ``ca_file`` only when the user data has none (else the system trust store)."""
+    """A burst node's join from its user data alone (``render_user_data``): it connects to the endpoint it names
+    (``gateway``), verifies the certificate as ``serverName`` with the CA bundle it carries (``ca_file`` only when
+    the user data has none, else the system trust store), and presents the ticket."""
     doc = parse_user_data_ticket(user_data)
     ca_bundle = doc.get("caBundle") or None
     return join_over_http(str(doc["gateway"]), str(doc["ticket"]), capacity, annotations, provider_id,
-                          ca_file=None if ca_bundle else ca_file, ca_bundle=ca_bundle, timeout=timeout,
+                          ca_file=None if ca_bundle else ca_file, ca_bundle=ca_bundle,
+                          server_name=str(doc.get("serverName") or "") or None, timeout=timeout,
                           transport=transport)

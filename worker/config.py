@@ -50,9 +50,14 @@ class Settings(BaseModel):
     burst_locations_file: Path | None = None
     home_location: str = "aws/us-east-1"
     gateway_url: str = "https://kubeon-gpu-optimizer-gateway.kubeon-gpu.svc:8443"
-    # Where burst nodes in other clouds reach the gateway (the chart's burst.gateway.publicUrl): what their user
-    # data carries. Empty: gateway_url (only for nodes that resolve the cluster's Service names, e.g. sim).
+    # Where burst nodes in other clouds reach the gateway (the chart's burst.gateway.publicUrl). The gateway
+    # process names it in every ticket answer; the worker falls back to it (else gateway_url) only for a gateway
+    # that names no endpoint (in-process, dev and tests). Empty in the gateway: its Service's LoadBalancer address.
     gateway_public_url: str = ""
+    # The gateway's own Service and namespace (the gateway process): with no public URL, burst nodes connect to
+    # its LoadBalancer address and verify the certificate as <service>.<namespace>.svc.
+    gateway_service: str = ""
+    gateway_service_namespace: str = "kubeon-gpu"
     # In-process gateway (dev and tests): its own kubeconfig and ticket key, never the optimizer's.
     gateway_kubeconfig: Path | None = None
     gateway_ticket_key_file: Path | None = None

@@ -3,7 +3,11 @@
 It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimizer-gateway``: node rules and
 ``tokenreviews create``) and alone holds the ticket signing key. Endpoints on ``KUBEON_GATEWAY_LISTEN``:
 
-- ``POST /v1/tickets`` (the optimizer): a one-time join ticket for one node of one operation.
+- ``POST /v1/tickets`` (the optimizer): a one-time join ticket for one node of one operation, and where the node
+  joins: ``endpoint`` (``KUBEON_GATEWAY_PUBLIC_URL``, else ``https://<LoadBalancer address>:<port>`` of the
+  Service ``KUBEON_GATEWAY_SERVICE``, read with the gateway's namespaced Role) and ``serverName`` (the URL's host,
+  else ``<service>.<namespace>.svc``, which the chart's certificate carries). 503 ``address_pending`` until the
+  LoadBalancer has an address.
 - ``DELETE /v1/nodes/{name}?operation=op-...`` (the optimizer): remove a burst Node of that operation; 409 for a
   Node of another operation.
 - ``POST /v1/join`` (a booting burst node; the ticket is its only credential): register the Node.
@@ -40,7 +44,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from activities.gateway import JoinTicketRequest, KubeGateway, TicketError
+from activities.gateway import (
+    GatewayAddressPending,
+    GatewayAddressUnknown,
+    JoinTicketRequest,
+    KubeGateway,
+    ServiceRef,
+    TicketError,
+)
 from models.operation import LABEL_OPERATION
 from worker.config import ConfigError, Settings, load_settings
 from worker.runtime import kube_api
@@ -85,6 +96,9 @@ class GatewayServerConfig:
     # projected token only the gateway accepts, so the gateway never holds a token usable against the API server.
     token_audiences: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
+    # Where burst nodes join: public_url, else the LoadBalancer address of service; neither: the worker's URL.
+    public_url: str = ""
+    service: ServiceRef | None = None
 
     @property
     def tls(self) -> bool:
@@ -105,10 +119,13 @@ class GatewayServerConfig:
         audiences = settings.gateway_token_audiences
         # The gateway's own credentials: KUBEON_GATEWAY_KUBECONFIG, else KUBEON_KUBECONFIG, else in-cluster.
         kubeconfig = settings.gateway_kubeconfig or settings.kubeconfig
+        service = (ServiceRef(settings.gateway_service, settings.gateway_service_namespace)
+                   if settings.gateway_service else None)
         return cls(
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
+            public_url=settings.gateway_public_url, service=service,
         )
 
 
@@ -187,6 +204,18 @@ def _kube_error(exc: client.ApiException, what: str) -> GatewayHTTPError:
     if exc.status in (400, 422):
         return GatewayHTTPError(400, "invalid_node", f"{what}: the Kubernetes API refused it: {reason}")
     return GatewayHTTPError(502, "kubernetes_api_error", f"{what}: Kubernetes API error {exc.status}: {reason}")
+
+
+def _service_error(exc: client.ApiException, gateway: KubeGateway) -> GatewayHTTPError:
+    ref = gateway.service
+    what = f"reading the gateway's Service {ref.name} in {ref.namespace}" if ref else "reading the gateway's Service"
+    if exc.status == 403 and ref is not None:
+        return GatewayHTTPError(503, "kubernetes_api_error",
+                                f"{what}: forbidden; the gateway's ServiceAccount needs 'get' on services/{ref.name} "
+                                f"in {ref.namespace} (the chart's Role {ref.name}), or set burst.gateway.publicUrl")
+    if exc.status == 404:
+        return GatewayHTTPError(503, "kubernetes_api_error", f"{what}: it does not exist")
+    return _kube_error(exc, what)
 
 
 class BodySizeLimit:
@@ -366,10 +395,22 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     @app.post("/v1/tickets")
     def issue_ticket(body: JoinTicketRequest, caller: Caller) -> dict[str, str]:
         check_ticket_request(body)
-        ticket = gateway.issue_ticket(body)
-        log.info("issued a join ticket for node %s (operation %s, location %s) to %s", body.node_name,
-                 body.operation, body.location, caller)
-        return {"ticket": ticket}
+        try:
+            grant = gateway.issue_ticket(body)
+        except GatewayAddressPending as exc:
+            raise GatewayHTTPError(503, "address_pending", str(exc), {"Retry-After": "10"}) from None
+        except GatewayAddressUnknown as exc:
+            raise GatewayHTTPError(503, "no_public_address", str(exc)) from None
+        except client.ApiException as exc:
+            raise _service_error(exc, gateway) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise GatewayHTTPError(503, "kubernetes_api_unreachable",
+                                   f"cannot read the gateway's Service: the Kubernetes API is unreachable "
+                                   f"({type(exc).__name__})") from None
+        log.info("issued a join ticket for node %s (operation %s, location %s) to %s; the node joins at %s as %s",
+                 body.node_name, body.operation, body.location, caller, grant.endpoint or "the worker's URL",
+                 grant.server_name or "its host")
+        return {"ticket": grant.ticket, "endpoint": grant.endpoint, "serverName": grant.server_name}
 
     @app.delete("/v1/nodes/{name}")
     def remove_node(name: str, caller: Caller,
@@ -433,7 +474,7 @@ def serve(settings: Settings) -> int:
         except config.ConfigException as exc:
             raise ConfigError(f"no Kubernetes credentials: KUBEON_GATEWAY_KUBECONFIG is not set and this is not a "
                               f"pod with a ServiceAccount ({exc})") from None
-        gateway = KubeGateway(api, key)
+        gateway = KubeGateway(api, key, public_url=cfg.public_url, service=cfg.service)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
         return 2
@@ -469,10 +510,17 @@ def serve(settings: Settings) -> int:
         # Its own thread and loop: uvicorn only handles signals in the main thread, where the main server runs.
         threading.Thread(target=health_server.run, name="health", daemon=True).start()
     scheme = "https" if cfg.tls else "http"
-    log.info("burst gateway on %s://%s:%d (health on port %d), acting as %s; optimizer clients: %s%s", scheme,
+    if cfg.public_url:
+        where = f"burst nodes join at {cfg.public_url}"
+    elif cfg.service is not None:
+        where = (f"burst nodes join at the LoadBalancer address of Service {cfg.service.namespace}/"
+                 f"{cfg.service.name}, verified as {cfg.service.dns_name}")
+    else:
+        where = "burst nodes join at the worker's configured URL"
+    log.info("burst gateway on %s://%s:%d (health on port %d), acting as %s; optimizer clients: %s%s; %s", scheme,
              cfg.host, cfg.port, cfg.port if same_port else cfg.health_port, state.identity,
              ", ".join(sorted(cfg.allowed_clients)),
-             f"; token audiences: {', '.join(cfg.token_audiences)}" if cfg.token_audiences else "")
+             f"; token audiences: {', '.join(cfg.token_audiences)}" if cfg.token_audiences else "", where)
     try:
         main_server.run()
     finally:

@@ -1,6 +1,7 @@
 """KubeGateway's ticket logic against the real control plane, with the gateway's own ServiceAccount: signatures,
 expiry (injected clock), one ticket one node, idempotent re-join, removal only of the operation's own Node. And
-the user data a burst node boots with: the gateway's public URL, the CA to verify it with, within EC2's limit."""
+the user data a burst node boots with: where the gateway says to join (its public URL or LoadBalancer address), the
+name and the CA to verify it with, within EC2's limit."""
 
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ from kubernetes import client
 from activities.gateway import (
     TICKET_NONCE_ANNOTATION,
     USER_DATA_MAX_BYTES,
+    GatewayAddressPending,
+    GatewayAddressUnknown,
     JoinTicketRequest,
     KubeGateway,
+    ServiceRef,
     TicketError,
     UserDataTooLarge,
     _b64,
     _unb64,
+    endpoint_from_service,
     parse_user_data_ticket,
     render_user_data,
 )
@@ -94,7 +99,7 @@ def test_admitted_node_has_the_tickets_labels_taint_and_capacity(cluster: Cluste
                                                                 nodes: list[str]) -> None:
     gw = KubeGateway(gateway_api, secrets.token_bytes(32))
     req = ticket_request(nodes)
-    node = gw.admit(gw.issue_ticket(req), capacity=CAPACITY, annotations=KWOK_ANNOTATIONS,
+    node = gw.admit(gw.sign_ticket(req), capacity=CAPACITY, annotations=KWOK_ANNOTATIONS,
                     provider_id=f"sim://sim/eu-west/i-{req.node_name}")
     assert node.metadata.name == req.node_name
     got = cluster.admin.core.read_node(req.node_name)
@@ -114,7 +119,7 @@ def test_forged_tickets_are_refused_and_create_nothing(cluster: Cluster, gateway
     key = secrets.token_bytes(32)
     gw = KubeGateway(gateway_api, key)
     req = ticket_request(nodes)
-    good = gw.issue_ticket(req)
+    good = gw.sign_ticket(req)
 
     # Same signature, a body naming another node: the signature no longer matches.
     body, _, sig = good.partition(".")
@@ -123,7 +128,7 @@ def test_forged_tickets_are_refused_and_create_nothing(cluster: Cluster, gateway
     doc["labels"]["node-role.kubernetes.io/control-plane"] = ""
     tampered = f"{_b64(json.dumps(doc).encode())}.{sig}"
     # Signed with another key, as an attacker without the gateway's key would.
-    other = KubeGateway(gateway_api, secrets.token_bytes(32)).issue_ticket(req)
+    other = KubeGateway(gateway_api, secrets.token_bytes(32)).sign_ticket(req)
     for forged in (tampered, other, "not-a-ticket", f"{body}.", f".{sig}", ""):
         with pytest.raises(TicketError, match="signature is invalid"):
             gw.admit(forged, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
@@ -141,7 +146,7 @@ def test_expired_ticket_is_refused(cluster: Cluster, gateway_api: client.ApiClie
     clock = Clock()
     gw = KubeGateway(gateway_api, secrets.token_bytes(32), clock=clock)
     req = ticket_request(nodes, ttl=60)
-    ticket = gw.issue_ticket(req)
+    ticket = gw.sign_ticket(req)
     clock.now += 59
     assert gw.verify(ticket).node_name == req.node_name  # still good a second before expiry
     clock.now += 2
@@ -154,13 +159,13 @@ def test_one_ticket_one_node_and_rejoin_is_idempotent(cluster: Cluster, gateway_
                                                       nodes: list[str]) -> None:
     gw = KubeGateway(gateway_api, secrets.token_bytes(32))
     req = ticket_request(nodes)
-    ticket = gw.issue_ticket(req)
+    ticket = gw.sign_ticket(req)
     first = gw.admit(ticket, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
     # The booting node retries (lost answer): the same Node, not a second one and not an error.
     again = gw.admit(ticket, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
     assert again.metadata.uid == first.metadata.uid
     # A second ticket for the same node name (another instance claiming it) is refused.
-    second = gw.issue_ticket(req)
+    second = gw.sign_ticket(req)
     with pytest.raises(TicketError, match="already registered with another ticket"):
         gw.admit(second, capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
     # The ticket names its node: it can register no other.
@@ -172,7 +177,7 @@ def test_remove_refuses_another_operations_node(cluster: Cluster, gateway_api: c
                                                 nodes: list[str]) -> None:
     gw = KubeGateway(gateway_api, secrets.token_bytes(32))
     req = ticket_request(nodes)
-    gw.admit(gw.issue_ticket(req), capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
+    gw.admit(gw.sign_ticket(req), capacity=CAPACITY, annotations=KWOK_ANNOTATIONS)
 
     with pytest.raises(TicketError, match=f"belongs to operation '{req.operation}', not op-other"):
         gw.remove_node(req.node_name, operation="op-other")
@@ -210,29 +215,76 @@ def worker_burst_config(**env: str) -> BurstConfig:
     return load_settings({"KUBEON_CLUSTER": "prod-use1-a", "KUBEON_GATEWAY_URL": SERVICE_URL, **env}).burst_config()
 
 
-def launch_user_data(config: BurstConfig) -> str:
-    """User data as launch_instance renders it, for a node with every label a launch sets and a real ticket."""
+def launch_user_data(config: BurstConfig, gateway: KubeGateway | None = None) -> str:
+    """User data as launch_instance renders it, for a node with every label a launch sets and a real ticket:
+    where the gateway's grant says to join, else the worker's configured URL."""
     op = f"op-{uuid.uuid4().hex}"
     node = f"kubeon-burst-{uuid.uuid4().hex}"
     labels = {LABEL_OPERATION: op, LABEL_POLICY: "inference-burst-" + "x" * 40, LABEL_LOCATION: "aws.eu-central-1",
               LABEL_GPU_PRODUCT: "NVIDIA-H100-80GB-HBM3", LABEL_INSTANCE_TYPE: "p5.48xlarge"}
     taints = [Taint(key=BURST_TAINT)]
-    ticket = KubeGateway(client.ApiClient(), secrets.token_bytes(32)).issue_ticket(JoinTicketRequest(
+    gw = gateway or KubeGateway(client.ApiClient(), secrets.token_bytes(32))
+    grant = gw.issue_ticket(JoinTicketRequest(
         operation=op, policy=labels[LABEL_POLICY], location="aws/eu-central-1", node_name=node, labels=labels,
         taints=taints))
-    return render_user_data(gateway_url=config.gateway_url, ticket=ticket, node_name=node, labels=labels,
-                            taints=taints, ca_bundle=config.gateway_ca_bundle)
+    return render_user_data(gateway_url=grant.endpoint or config.gateway_url,
+                            server_name=grant.server_name if grant.endpoint else "", ticket=grant.ticket,
+                            node_name=node, labels=labels, taints=taints, ca_bundle=config.gateway_ca_bundle)
 
 
 def test_user_data_names_the_gateways_public_url() -> None:
     doc = parse_user_data_ticket(launch_user_data(worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL + "/")))
     assert doc["gateway"] == PUBLIC_URL
+    assert doc["serverName"] == "burst-gw.example.com"
 
 
 def test_user_data_falls_back_to_the_gateway_url_without_a_public_one() -> None:
     doc = parse_user_data_ticket(launch_user_data(worker_burst_config()))
     assert doc["gateway"] == SERVICE_URL
+    assert doc["serverName"] == f"kubeon-gpu-optimizer-gateway.{NAMESPACE}.svc"
     assert "caBundle" not in doc, "no CA file: the node uses its system trust store"
+
+
+def test_user_data_names_where_the_gateway_says_nodes_join() -> None:
+    """The gateway's grant wins over the worker's configured URL: its public URL (verified as its host), or its
+    LoadBalancer address verified as the Service name."""
+    config = worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL="https://stale.example.com:8443")
+    public = KubeGateway(client.ApiClient(), secrets.token_bytes(32), public_url=PUBLIC_URL + "/")
+    assert public.endpoint() == (PUBLIC_URL, "burst-gw.example.com")
+    doc = parse_user_data_ticket(launch_user_data(config, public))
+    assert (doc["gateway"], doc["serverName"]) == (PUBLIC_URL, "burst-gw.example.com")
+    ip = KubeGateway(client.ApiClient(), secrets.token_bytes(32), public_url="https://[2001:db8::10]:8443")
+    assert ip.endpoint() == ("https://[2001:db8::10]:8443", "2001:db8::10")
+    # In-process (dev, tests): no public URL and no Service, so the worker's configured URL stands.
+    assert KubeGateway(client.ApiClient(), secrets.token_bytes(32)).endpoint() == ("", "")
+
+
+def lb_service(kind: str = "LoadBalancer", ingress: list[client.V1LoadBalancerIngress] | None = None,
+               ports: list[client.V1ServicePort] | None = None) -> client.V1Service:
+    return client.V1Service(
+        metadata=client.V1ObjectMeta(name=GATEWAY_SA, namespace=NAMESPACE),
+        spec=client.V1ServiceSpec(type=kind, ports=ports or [client.V1ServicePort(name="tunnel", port=8443)]),
+        status=client.V1ServiceStatus(load_balancer=client.V1LoadBalancerStatus(ingress=ingress)))
+
+
+def test_endpoint_from_the_services_load_balancer() -> None:
+    ref = ServiceRef(GATEWAY_SA, NAMESPACE)
+    assert ref.dns_name == f"{GATEWAY_SA}.{NAMESPACE}.svc"
+    for ingress in (None, [], [client.V1LoadBalancerIngress()]):
+        with pytest.raises(GatewayAddressPending,
+                           match=f"^gateway Service {GATEWAY_SA} has no LoadBalancer address yet"):
+            endpoint_from_service(lb_service(ingress=ingress), ref)
+    host = [client.V1LoadBalancerIngress(hostname="internal-gw-1.elb.eu-central-1.amazonaws.com", ip="10.0.0.9")]
+    assert endpoint_from_service(lb_service(ingress=host), ref) == (
+        "https://internal-gw-1.elb.eu-central-1.amazonaws.com:8443", ref.dns_name)
+    v4 = [client.V1LoadBalancerIngress(ip="10.1.2.3")]
+    ports = [client.V1ServicePort(name="other", port=1), client.V1ServicePort(name="tunnel", port=443)]
+    assert endpoint_from_service(lb_service(ingress=v4, ports=ports), ref) == ("https://10.1.2.3:443", ref.dns_name)
+    v6 = [client.V1LoadBalancerIngress(ip="2001:db8::7")]
+    assert endpoint_from_service(lb_service(ingress=v6), ref)[0] == "https://[2001:db8::7]:8443"
+    for kind in ("NodePort", "ClusterIP"):
+        with pytest.raises(GatewayAddressUnknown, match=f"is of type {kind}, not LoadBalancer.*publicUrl"):
+            endpoint_from_service(lb_service(kind, ingress=v4), ref)
 
 
 def test_user_data_carries_the_gateways_ca(chart_ca: Path) -> None:

@@ -29,7 +29,7 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.audit import AuditLog
-from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, render_user_data
+from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, parse_user_data_ticket, render_user_data
 from activities.gateway_http import (
     IN_CLUSTER_TOKEN_FILE,
     GatewayRefused,
@@ -56,8 +56,16 @@ from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helm import template as helm_template
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
 from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_RULES, OPTIMIZER_SA, grant
+from tests.harness.kube import Cluster, Kube, wait_for
+from tests.harness.rbac import (
+    GATEWAY_RULES,
+    GATEWAY_SA,
+    GATEWAY_SERVICE_RULES,
+    OPTIMIZER_NAMESPACE,
+    OPTIMIZER_RULES,
+    OPTIMIZER_SA,
+    grant,
+)
 from worker import ops
 from worker.config import ConfigError, load_settings
 from worker.gateway_server import GatewayServerConfig
@@ -272,8 +280,11 @@ def test_ticket_join_and_remove_over_http(gateway: GatewayProcess, optimizer: Ht
                                           nodes: list[str]) -> None:
     cluster = setup.cluster
     req = ticket_request(nodes)
-    ticket = optimizer.issue_ticket(req)
+    grant = optimizer.issue_ticket(req)
+    ticket = grant.ticket
     assert ticket and setup.optimizer_token_file.read_text() not in ticket
+    # No public URL and no Service configured (in-process and dev set-ups): the worker's own URL stands.
+    assert (grant.endpoint, grant.server_name) == ("", "")
 
     # A booting burst node joins with nothing but the ticket.
     provider_id = f"sim://sim/eu-west/i-{req.node_name}"
@@ -289,7 +300,7 @@ def test_ticket_join_and_remove_over_http(gateway: GatewayProcess, optimizer: Ht
     assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, provider_id) == req.node_name
     assert cluster.admin.core.read_node(req.node_name).metadata.uid == node.metadata.uid
     # Another ticket for the same node name is refused: one node per name, one ticket per node.
-    second = optimizer.issue_ticket(req)
+    second = optimizer.issue_ticket(req).ticket
     with pytest.raises(TicketError, match="already registered with another ticket"):
         join_over_http(gateway.url, second, CAPACITY, KWOK_ANNOTATIONS, provider_id)
 
@@ -311,14 +322,14 @@ def test_forged_expired_and_garbage_tickets_are_403(gateway: GatewayProcess, opt
                                                     setup: Setup, nodes: list[str]) -> None:
     api = client.ApiClient()  # never used: issuing a ticket makes no API call
     req = ticket_request(nodes)
-    good = optimizer.issue_ticket(req)
+    good = optimizer.issue_ticket(req).ticket
     body, _, sig = good.partition(".")
     forged = {
         "tampered body": f"{body[:-4]}AAAA.{sig}",
-        "another key": KubeGateway(api, secrets.token_bytes(32)).issue_ticket(req),
+        "another key": KubeGateway(api, secrets.token_bytes(32)).sign_ticket(req),
         "garbage": "not-a-ticket",
         # Signed with the real key but long expired (an injected clock at the epoch).
-        "expired": KubeGateway(api, setup.ticket_key, clock=lambda: 0.0).issue_ticket(req),
+        "expired": KubeGateway(api, setup.ticket_key, clock=lambda: 0.0).sign_ticket(req),
     }
     for what, ticket in forged.items():
         response = join_raw(gateway, ticket)
@@ -335,7 +346,7 @@ def test_forged_expired_and_garbage_tickets_are_403(gateway: GatewayProcess, opt
 def test_join_annotations_and_body_are_checked(gateway: GatewayProcess, optimizer: HttpGatewayClient,
                                                setup: Setup, nodes: list[str]) -> None:
     req = ticket_request(nodes)
-    ticket = optimizer.issue_ticket(req)
+    ticket = optimizer.issue_ticket(req).ticket
     bad = join_raw(gateway, ticket, annotations={**KWOK_ANNOTATIONS, "example.com/evil": "1"})
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"] == "annotation_not_allowed"
@@ -488,7 +499,7 @@ def test_tls_and_a_gateway_only_token_audience(setup: Setup, nodes: list[str]) -
         audience_token.write_text(mint_token(setup.cluster, OPTIMIZER_SA, [GATEWAY_AUDIENCE]))
         req = ticket_request(nodes)
         with HttpGatewayClient(proc.url, audience_token, ca_file=ca_file) as http:
-            ticket = http.issue_ticket(req)
+            ticket = http.issue_ticket(req).ticket
         assert join_over_http(proc.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "", ca_file=ca_file) == req.node_name
         # The API server's audience (the default token): refused.
         with HttpGatewayClient(proc.url, setup.optimizer_token_file, ca_file=ca_file) as http, \
@@ -565,6 +576,10 @@ class _ResolvingTransport(httpx.BaseTransport):
         self._pool.close()
 
 
+def chart_url(port: int) -> str:
+    return f"https://{SERVICE_HOST}:{port}"
+
+
 def resolving(*hosts: str) -> TransportFactory:
     return lambda verify: _ResolvingTransport(verify, dict.fromkeys(hosts, "127.0.0.1"))
 
@@ -605,7 +620,7 @@ def test_worker_reaches_the_chart_gateway_by_its_service_name(chart_tls: ChartTL
                                                               nodes: list[str]) -> None:
     with HttpGatewayClient(chart_tls.url(SERVICE_HOST), setup.optimizer_token_file, ca_file=chart_tls.ca_file,
                            transport=resolving(SERVICE_HOST)) as http:
-        ticket = http.issue_ticket(ticket_request(nodes))
+        ticket = http.issue_ticket(ticket_request(nodes)).ticket
     assert ticket.count(".") == 1
 
 
@@ -636,13 +651,190 @@ def test_a_burst_node_joins_at_the_public_url_with_the_ca_from_its_user_data(cha
     req = ticket_request(nodes)
     with HttpGatewayClient(settings.gateway_url, setup.optimizer_token_file, ca_file=settings.gateway_ca_file,
                            transport=resolving(SERVICE_HOST)) as http:
-        ticket = http.issue_ticket(req)
+        ticket = http.issue_ticket(req).ticket
     user_data = render_user_data(gateway_url=burst.gateway_url, ticket=ticket, node_name=req.node_name,
                                  labels=req.labels, taints=req.taints, ca_bundle=burst.gateway_ca_bundle)
     # The node knows only its user data: the public name (no Service name resolves there) and the CA in it.
     assert join_with_user_data(user_data, CAPACITY, KWOK_ANNOTATIONS, "",
                                transport=resolving(PUBLIC_HOST)) == req.node_name
     assert setup.cluster.admin.core.read_node(req.node_name).metadata.labels[LABEL_OPERATION] == req.operation
+
+
+# ----- no publicUrl: the gateway's LoadBalancer address, verified as the Service name -------------------------
+
+
+@dataclass
+class LoadBalanced:
+    gateway: GatewayProcess
+    port: int
+    ca_file: Path
+    as_gateway: Kube  # the gateway's ServiceAccount
+
+
+@pytest.fixture(scope="module")
+def load_balanced(setup: Setup, chart_tls: ChartTLS) -> Iterator[LoadBalanced]:
+    """`kubeon-gpu gateway` as the chart runs it without burst.gateway.publicUrl (R4.2's values): the chart's
+    certificate, its own Service to read (KUBEON_GATEWAY_SERVICE), and the chart's namespaced Role for that; no
+    Service exists yet (each test makes it)."""
+    rendered = helm_template(values=[BURST_VALUES])
+    admin = setup.cluster.admin
+    role, binding = (rendered.get(kind, CHART_GATEWAY, CHART_NAMESPACE) for kind in ("Role", "RoleBinding"))
+    assert role["rules"] == GATEWAY_SERVICE_RULES
+    api = client.ApiClient()
+    deserialize = api._ApiClient__deserialize  # type: ignore[attr-defined]
+    for obj in (role, binding):
+        obj["metadata"].pop("labels", None)
+    admin.rbac.create_namespaced_role(CHART_NAMESPACE, deserialize(role, "V1Role"))
+    admin.rbac.create_namespaced_role_binding(CHART_NAMESPACE, deserialize(binding, "V1RoleBinding"))
+    pki = setup.workdir / "chart-tls"  # chart_tls wrote the chart's certificate, key and CA there
+    env = {"KUBEON_GATEWAY_KUBECONFIG": str(setup.gateway_kubeconfig),
+           "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file),
+           "KUBEON_GATEWAY_TLS_CERT_FILE": str(pki / "tls.crt"), "KUBEON_GATEWAY_TLS_KEY_FILE": str(pki / "tls.key"),
+           # What the chart's gateway Deployment sets with publicUrl empty.
+           "KUBEON_GATEWAY_PUBLIC_URL": "", "KUBEON_GATEWAY_SERVICE": CHART_GATEWAY,
+           "KUBEON_GATEWAY_SERVICE_NAMESPACE": CHART_NAMESPACE}
+    proc = GatewayProcess(setup.workdir, env, name="gateway-load-balanced").start()
+    try:
+        yield LoadBalanced(proc, int(proc.url.rsplit(":", 1)[1]), chart_tls.ca_file,
+                           setup.cluster.service_account_client(OPTIMIZER_NAMESPACE, GATEWAY_SA, create=False))
+    finally:
+        assert proc.stop() in (0, -signal.SIGTERM), proc.log
+        for delete in (admin.rbac.delete_namespaced_role_binding, admin.rbac.delete_namespaced_role):
+            with contextlib.suppress(client.ApiException):
+                delete(CHART_GATEWAY, CHART_NAMESPACE)
+
+
+@pytest.fixture
+def gateway_service(setup: Setup, load_balanced: LoadBalanced) -> Iterator[str]:
+    """The gateway's LoadBalancer Service, its port the gateway's; no address until a test sets its status."""
+    admin = setup.cluster.admin
+    admin.core.create_namespaced_service(CHART_NAMESPACE, client.V1Service(
+        metadata=client.V1ObjectMeta(name=CHART_GATEWAY),
+        spec=client.V1ServiceSpec(type="LoadBalancer", selector={"app.kubernetes.io/component": "gateway"},
+                                  ports=[client.V1ServicePort(name="tunnel", port=load_balanced.port,
+                                                              target_port="tunnel")])))
+    try:
+        yield CHART_GATEWAY
+    finally:
+        admin.core.delete_namespaced_service(CHART_GATEWAY, CHART_NAMESPACE)
+        wait_for(lambda: not admin.core.list_namespaced_service(
+            CHART_NAMESPACE, field_selector=f"metadata.name={CHART_GATEWAY}").items, what="gateway Service gone")
+
+
+def set_load_balancer_address(setup: Setup, ip: str) -> None:
+    """What a cloud controller does once the load balancer exists (there is none here: admin patches the
+    status subresource)."""
+    setup.cluster.admin.core.patch_namespaced_service_status(
+        CHART_GATEWAY, CHART_NAMESPACE, {"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}})
+
+
+def test_the_gateways_role_gets_its_own_service_only(load_balanced: LoadBalanced, gateway_service: str,
+                                                     setup: Setup) -> None:
+    gw = load_balanced.as_gateway
+    own = wait_for(lambda: gw.core.read_namespaced_service(gateway_service, CHART_NAMESPACE),
+                   what="the gateway's Role in effect")
+    assert own.spec.type == "LoadBalancer"
+    other = f"other-{uuid.uuid4().hex[:6]}"
+    setup.cluster.admin.core.create_namespaced_service(CHART_NAMESPACE, client.V1Service(
+        metadata=client.V1ObjectMeta(name=other), spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=80)])))
+    try:
+        for call in (lambda: gw.core.read_namespaced_service(other, CHART_NAMESPACE),
+                     lambda: gw.core.list_namespaced_service(CHART_NAMESPACE),
+                     lambda: gw.core.patch_namespaced_service_status(gateway_service, CHART_NAMESPACE, {
+                         "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.1"}]}}})):
+            with pytest.raises(client.ApiException) as info:
+                call()
+            assert info.value.status == 403, info.value.body
+    finally:
+        setup.cluster.admin.core.delete_namespaced_service(other, CHART_NAMESPACE)
+    assert not can(setup.cluster, OPTIMIZER_USER, "get", "services"), "the optimizer's rules (R5.1) are unchanged"
+
+
+def test_no_ticket_until_the_load_balancer_has_an_address(load_balanced: LoadBalanced, setup: Setup,
+                                                          nodes: list[str]) -> None:
+    with HttpGatewayClient(chart_url(load_balanced.port), setup.optimizer_token_file, ca_file=load_balanced.ca_file,
+                           transport=resolving(SERVICE_HOST)) as http:
+        with pytest.raises(GatewayUnavailable, match=f"HTTP 503: reading the gateway's Service {CHART_GATEWAY} "
+                                                     f"in {CHART_NAMESPACE}: it does not exist"):
+            http.issue_ticket(ticket_request(nodes))
+        setup.cluster.admin.core.create_namespaced_service(CHART_NAMESPACE, client.V1Service(
+            metadata=client.V1ObjectMeta(name=CHART_GATEWAY),
+            spec=client.V1ServiceSpec(type="LoadBalancer",
+                                      ports=[client.V1ServicePort(name="tunnel", port=load_balanced.port)])))
+        try:
+            pending = f"gateway Service {CHART_GATEWAY} has no LoadBalancer address yet"
+            with pytest.raises(GatewayUnavailable, match=f"HTTP 503: {pending}"):
+                http.issue_ticket(ticket_request(nodes))
+            context = ssl.create_default_context(cafile=str(load_balanced.ca_file))
+            with httpx.Client(verify=context, transport=resolving(SERVICE_HOST)(context), timeout=10) as raw_client:
+                raw = raw_client.post(f"{chart_url(load_balanced.port)}/v1/tickets",
+                                      json=ticket_request(nodes).model_dump(mode="json"),
+                                      headers={"Authorization": f"Bearer {setup.optimizer_token_file.read_text()}"})
+            assert raw.status_code == 503 and raw.json()["error"] == "address_pending", raw.text
+            assert raw.headers["Retry-After"] == "10"
+            set_load_balancer_address(setup, "127.0.0.1")
+            grant = http.issue_ticket(ticket_request(nodes))
+            assert grant.endpoint == f"https://127.0.0.1:{load_balanced.port}"
+        finally:
+            setup.cluster.admin.core.delete_namespaced_service(CHART_GATEWAY, CHART_NAMESPACE)
+    assert "Traceback" not in load_balanced.gateway.log
+
+
+def test_a_node_joins_at_the_load_balancer_address_verifying_the_service_name(
+        load_balanced: LoadBalanced, gateway_service: str, setup: Setup, nodes: list[str]) -> None:
+    set_load_balancer_address(setup, "127.0.0.1")
+    req = ticket_request(nodes)
+    # The worker reaches the gateway by its Service name, as in the cluster.
+    with HttpGatewayClient(chart_url(load_balanced.port), setup.optimizer_token_file, ca_file=load_balanced.ca_file,
+                           transport=resolving(SERVICE_HOST)) as http:
+        grant = http.issue_ticket(req)
+    assert grant.endpoint == f"https://127.0.0.1:{load_balanced.port}"
+    assert grant.server_name == SERVICE_HOST == f"{gateway_service}.{CHART_NAMESPACE}.svc"
+    # The user data launch_instance renders from the grant (the CA from the worker's ConfigMap).
+    ca_bundle = load_balanced.ca_file.read_text()
+    user_data = render_user_data(gateway_url=grant.endpoint, server_name=grant.server_name, ticket=grant.ticket,
+                                 node_name=req.node_name, labels=req.labels, taints=req.taints, ca_bundle=ca_bundle)
+    doc = parse_user_data_ticket(user_data)
+    assert (doc["gateway"], doc["serverName"]) == (grant.endpoint, SERVICE_HOST)
+
+    # A wrong server name is refused: the certificate is checked against serverName, not skipped.
+    wrong = user_data.replace(f'"serverName": "{SERVICE_HOST}"', '"serverName": "gateway.elsewhere.example"')
+    with pytest.raises(GatewayUnavailable,
+                       match=re.escape("Hostname mismatch, certificate is not valid for 'gateway.elsewhere.example'")):
+        join_with_user_data(wrong, CAPACITY, KWOK_ANNOTATIONS, "")
+    # Nor is the address itself a name the certificate carries: without serverName the join is refused too.
+    no_name = user_data.replace(f'"serverName": "{SERVICE_HOST}"', '"serverName": ""')
+    with pytest.raises(GatewayUnavailable, match=re.escape("IP address mismatch, certificate is not valid for "
+                                                           "'127.0.0.1'")):
+        join_with_user_data(no_name, CAPACITY, KWOK_ANNOTATIONS, "")
+    # Nor another CA.
+    other_ca = _issue(_name("another-ca"), None, is_ca=True)
+    other_pem = other_ca.write(setup.workdir, "another-ca")[0].read_text()
+    with pytest.raises(GatewayUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+        join_with_user_data(user_data.replace(json.dumps(doc["caBundle"])[1:-1], json.dumps(other_pem)[1:-1]),
+                            CAPACITY, KWOK_ANNOTATIONS, "")
+    assert node_absent(setup.cluster, req.node_name)
+
+    # The node: a real TCP connection to 127.0.0.1 (the LoadBalancer address), TLS verified as the Service name.
+    assert join_with_user_data(user_data, CAPACITY, KWOK_ANNOTATIONS, "") == req.node_name
+    assert setup.cluster.admin.core.read_node(req.node_name).metadata.labels[LABEL_OPERATION] == req.operation
+    assert (f"the node joins at https://127.0.0.1:{load_balanced.port} as {SERVICE_HOST}"
+            in load_balanced.gateway.log)
+
+
+def test_a_gateway_that_may_not_read_its_service_says_so(setup: Setup, nodes: list[str]) -> None:
+    proc = GatewayProcess(setup.workdir, {
+        "KUBEON_GATEWAY_KUBECONFIG": str(setup.gateway_kubeconfig),
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file),
+        "KUBEON_GATEWAY_SERVICE": "not-its-own", "KUBEON_GATEWAY_SERVICE_NAMESPACE": CHART_NAMESPACE,
+    }, name="gateway-foreign-service").start()
+    try:
+        with HttpGatewayClient(proc.url, setup.optimizer_token_file) as http, \
+                pytest.raises(GatewayUnavailable, match="forbidden; the gateway's ServiceAccount needs 'get' on "
+                                                        "services/not-its-own"):
+            http.issue_ticket(ticket_request(nodes))
+    finally:
+        assert proc.stop() in (0, -signal.SIGTERM), proc.log
 
 
 # ----- the documented test (R4.10) with the gateway as its own process ---------------------------------------
