@@ -34,6 +34,7 @@ from models.operation import (
     CleanupResult,
     EvictionResult,
     GoneCheck,
+    GroupPlacement,
     Instance,
     InstanceRef,
     LaunchRequest,
@@ -45,6 +46,7 @@ from models.operation import (
     NodeRemoval,
     NodeWaitRequest,
     Offering,
+    PlacementRequest,
     Plan,
     PlanRequest,
     PolicySnapshot,
@@ -224,6 +226,11 @@ class BurstActivities:
         """How many of the group's pods still wait for a node (0: nothing left to burst for)."""
         return self.kube.pending_group_pods(group)
 
+    @activity.defn(name="group_placement", no_thread_cancel_exception=True)
+    def group_placement(self, req: PlacementRequest) -> GroupPlacement:
+        """Whether the group still needs a node: pods waiting, or pods that took another operation's node."""
+        return self.kube.group_placement(req.group, req.operation)
+
     @activity.defn(name="serve_until_done")
     async def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
         """Hold while the burst node serves; return once the group is gone or (returnHome) home has room.
@@ -328,7 +335,7 @@ class BurstActivities:
     def all(self) -> list[Callable[..., Any]]:
         return [
             self.load_policy, self.plan_burst, self.request_capacity, self.launch_instance,
-            self.wait_for_node, self.verify_node, self.pending_pods, self.cordon_node, self.evict_pods,
-            self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation, self.record_audit,
-            self.action_gate,
+            self.wait_for_node, self.verify_node, self.pending_pods, self.group_placement, self.cordon_node,
+            self.evict_pods, self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation,
+            self.record_audit, self.action_gate,
         ]

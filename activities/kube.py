@@ -15,6 +15,7 @@ from models.operation import (
     LABEL_LOCATION,
     LABEL_OPERATION,
     EvictionResult,
+    GroupPlacement,
     NodeExpectation,
     PendingPod,
     ServeCheckRequest,
@@ -45,6 +46,32 @@ def gpus_requested(pod: client.V1Pod) -> int:
                 total += int(source[GPU_RESOURCE])
                 break
     return total
+
+
+def tolerates(pod: client.V1Pod, taint_key: str) -> bool:
+    for t in pod.spec.tolerations or []:
+        key_ok = t.key == taint_key or (t.key in (None, "") and t.operator == "Exists")
+        if key_ok and t.effect in (None, "", "NoSchedule"):
+            return True
+    return False
+
+
+def could_take(node: client.V1Node, pod: client.V1Pod, taint_key: str) -> bool:
+    """Whether a waiting pod is one this burst node is for: it tolerates the burst taint, its nodeSelector
+    matches the node and its GPU request fits the node. Pods with required node affinity are not judged (never
+    counted), so a pod that can never land here cannot keep a node from going home."""
+    spec = pod.spec
+    if spec.node_name or pod.metadata.deletion_timestamp is not None or not tolerates(pod, taint_key):
+        return False
+    affinity = spec.affinity.node_affinity if spec.affinity else None
+    if affinity is not None and affinity.required_during_scheduling_ignored_during_execution is not None:
+        return False
+    labels = node.metadata.labels or {}
+    if any(labels.get(k) != v for k, v in (spec.node_selector or {}).items()):
+        return False
+    gpus = gpus_requested(pod)
+    allocatable = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0")) if node.status else 0
+    return 0 < gpus <= allocatable
 
 
 def is_ready(node: client.V1Node) -> bool:
@@ -122,6 +149,22 @@ class KubeOps:
     def pending_group_pods(self, group: WorkloadGroup) -> int:
         return len([p for p in self.group_pods(group) if not p.spec.node_name])
 
+    def group_placement(self, group: WorkloadGroup, operation: str) -> GroupPlacement:
+        pods = self.group_pods(group)
+        placed_on = {p.spec.node_name for p in pods if p.spec.node_name}
+        others = 0
+        if placed_on:
+            burst_nodes = self.core.list_node(label_selector=LABEL_OPERATION).items
+            taken = {n.metadata.name for n in burst_nodes
+                     if (n.metadata.labels or {}).get(LABEL_OPERATION) != operation}
+            others = len([p for p in pods if p.spec.node_name in taken])
+        return GroupPlacement(pending=len([p for p in pods if not p.spec.node_name]), displaced=others)
+
+    def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
+        """How many waiting pods (any namespace, any group) this burst node could take."""
+        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=").items
+        return len([p for p in pending if could_take(node, p, taint_key)])
+
     # -- join ----------------------------------------------------------------------------------------------
     def wait_node_ready(self, node_name: str, operation: str, timeout: float, heartbeat: Heartbeat) -> str:
         """Watch (not poll) for the Node to register and turn Ready; heartbeat between watch windows."""
@@ -175,9 +218,10 @@ class KubeOps:
                 self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={expect.node_name}").items)]
             if placed:
                 return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
-            if expect.group is not None and self.pending_group_pods(expect.group) == 0:
-                # The group's pods found room elsewhere meanwhile: the node is verified but idle; serving
-                # notices that and returns it home.
+            if expect.group is not None and self.pending_group_pods(expect.group) == 0 and \
+                    self.waiting_for(node, expect.taint_key) == 0:
+                # Nothing waits that this node could take (the group's pods found room elsewhere): verified but
+                # idle; serving notices that and returns it home.
                 return VerifyResult(node_name=expect.node_name, pods_on_node=[])
             if time.monotonic() > deadline:
                 raise VerificationFailed(
@@ -195,6 +239,10 @@ class KubeOps:
         on_node = [p for p in on_node if p.metadata.deletion_timestamp is None]
         if not on_node:
             waiting = self.pending_group_pods(req.group)
+            if waiting == 0 and req.taint_key:
+                # Another group's pod may be waiting for exactly this node (its own went to someone else's).
+                node = self.core.read_node(req.node_name)
+                waiting = self.waiting_for(node, req.taint_key)
             if waiting == 0:
                 return ServeCheckResult(done=True, reason="workload gone from the burst node", pods_on_node=0)
             return ServeCheckResult(done=False, pods_on_node=0)

@@ -57,6 +57,7 @@ from bench.observe import (
     seconds_between,
     utc_now,
 )
+from models import search_attributes as sa
 from models.operation import (
     TERMINAL_PHASES,
     BurstResult,
@@ -70,7 +71,6 @@ from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.temporal import dev_server_path
 from worker.config import Settings
-from workflows import search_attributes as sa
 
 T = TypeVar("T")
 BENCH_LABEL = "kubeon-bench/run"

@@ -281,6 +281,22 @@ class ServeCheckRequest(Model):
     node_name: str
     return_home: bool
     check_seconds: float = 30
+    # An empty node is idle only when no pod tolerating this taint waits that it could take (not just the
+    # group's: burst nodes are shared). Empty in older histories: the group's pods alone.
+    taint_key: str = ""
+
+
+class PlacementRequest(Model):
+    group: WorkloadGroup
+    operation: str
+
+
+class GroupPlacement(Model):
+    """Where the group's pods are: still waiting, or placed on another operation's burst node (they took the
+    node that operation launched for its own pods, which now wait: this operation launches for them)."""
+
+    pending: int
+    displaced: int = 0
 
 
 class ServeCheckResult(Model):

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes.client import ApiException
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
@@ -44,8 +45,16 @@ def cluster(session_dir: Path) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def namespace(cluster: Cluster) -> str:
-    return cluster.create_namespace()
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh namespace, deleted after the test: a pod left Pending there would tolerate later tests' policies
+    (they are cluster-scoped) and start operations in them."""
+    name = cluster.create_namespace()
+    yield name
+    try:
+        cluster.admin.core.delete_namespace(name)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ from temporalio.common import (
     WorkflowIDReusePolicy,
 )
 
-from activities.kube import KubeOps, gpus_requested, pending_pod
+from activities.kube import KubeOps, gpus_requested, pending_pod, tolerates
+from models import search_attributes as sa
 from models.operation import (
     BurstInput,
     BurstResult,
@@ -43,7 +44,6 @@ from models.operation import (
     burst_workflow_id,
 )
 from models.policy import GpuPolicy, Mode
-from workflows import search_attributes as sa
 from workflows.burst import BurstWorkflow
 
 log = logging.getLogger("kubeon.watcher")
@@ -66,14 +66,6 @@ def unschedulable_since(pod: client.V1Pod) -> datetime | None:
         if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
             return cond.last_transition_time or datetime.now(UTC)
     return None
-
-
-def tolerates(pod: client.V1Pod, taint_key: str) -> bool:
-    for t in pod.spec.tolerations or []:
-        key_ok = t.key == taint_key or (t.key in (None, "") and t.operator == "Exists")
-        if key_ok and t.effect in (None, "", "NoSchedule"):
-            return True
-    return False
 
 
 def waits_for_node(pod: client.V1Pod) -> bool:

@@ -29,6 +29,7 @@ from models.operation import (
     CleanupResult,
     DecisionResult,
     DrainInput,
+    GroupPlacement,
     Instance,
     InstanceRef,
     LaunchRequest,
@@ -39,6 +40,7 @@ from models.operation import (
     Offering,
     OperationView,
     Phase,
+    PlacementRequest,
     Plan,
     PlanRequest,
     PolicySnapshot,
@@ -287,9 +289,16 @@ class BurstWorkflow:
             await self._audit("approved", f"plan {self.plan.plan_id}")
 
         await self._reserve(inp)
-        # Waiting for approval or capacity can outlast the need: launch nothing for a group that has gone.
-        pending = await workflow.execute_activity("pending_pods", inp.group, result_type=int,
-                                                  start_to_close_timeout=QUICK, retry_policy=RETRY)
+        # Waiting for approval or capacity can outlast the need: launch nothing for a group that has gone. A group
+        # whose pods took another operation's node has not gone: that operation's own pods now wait for this node.
+        if workflow.patched("launch-for-displaced"):
+            placement = await workflow.execute_activity(
+                "group_placement", PlacementRequest(group=inp.group, operation=self.operation),
+                result_type=GroupPlacement, start_to_close_timeout=QUICK, retry_policy=RETRY)
+            pending = placement.pending + placement.displaced
+        else:
+            pending = await workflow.execute_activity("pending_pods", inp.group, result_type=int,
+                                                      start_to_close_timeout=QUICK, retry_policy=RETRY)
         if pending == 0:
             await self._release()
             self._set_phase(Phase.COMPLETED, "no pod of the group is pending any more; nothing launched")
@@ -324,7 +333,7 @@ class BurstWorkflow:
         served = await workflow.execute_activity(
             "serve_until_done",
             ServeCheckRequest(group=inp.group, node_name=self.node_name, return_home=self.policy.return_home,
-                              check_seconds=s.serve_check_seconds),
+                              check_seconds=s.serve_check_seconds, taint_key=self.policy.tolerate),
             task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
             result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
             heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)

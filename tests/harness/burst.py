@@ -125,12 +125,13 @@ def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: 
 async def wait_phase(handle: Any, *phases: Phase, timeout: float = 90.0) -> OperationView:
     import asyncio
     import time
+    from datetime import timedelta
 
     deadline = time.monotonic() + timeout
     last: OperationView | None = None
     while time.monotonic() < deadline:
         try:
-            last = await handle.query("state", result_type=OperationView)
+            last = await handle.query("state", result_type=OperationView, rpc_timeout=timedelta(seconds=10))
         except Exception:  # not started yet, or the worker is restarting
             last = last
         if last is not None and last.phase in phases:

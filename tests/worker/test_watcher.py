@@ -16,13 +16,13 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from models import search_attributes as sa
 from models.operation import Phase, WorkloadGroup, burst_workflow_id
 from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result, unique, wait_for, wait_phase
 from tests.harness.kube import Cluster
 from worker.main import worker_services
 from worker.runtime import Runtime
 from worker.watcher import PendingPodWatcher, running, unschedulable_since
-from workflows import search_attributes as sa
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 T = TypeVar("T")

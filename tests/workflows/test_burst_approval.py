@@ -27,6 +27,7 @@ from models.operation import (
     BurstResult,
     CleanupRequest,
     CleanupResult,
+    GroupPlacement,
     LaunchRequest,
     LedgerReserve,
     LoadPolicyRequest,
@@ -34,6 +35,7 @@ from models.operation import (
     OperationSettings,
     PendingPod,
     Phase,
+    PlacementRequest,
     Plan,
     PlanRequest,
     PolicySnapshot,
@@ -100,16 +102,16 @@ class Recorded:
                 "capacity_granted", ReservationResult(granted=True, in_use=1, max_nodes=2,
                                                       operation=req.request.operation))
 
-        @activity.defn(name="pending_pods")
-        async def pending_pods(group: WorkloadGroup) -> int:
-            return len(group.pods)
+        @activity.defn(name="group_placement")
+        async def group_placement(req: PlacementRequest) -> GroupPlacement:
+            return GroupPlacement(pending=len(req.group.pods))
 
         @activity.defn(name="cleanup_operation")
         async def cleanup_operation(req: CleanupRequest) -> CleanupResult:
             self.cleanups.append(req)
             return CleanupResult()
 
-        return [load_policy, plan_burst, record_audit, launch_instance, request_capacity, pending_pods,
+        return [load_policy, plan_burst, record_audit, launch_instance, request_capacity, group_placement,
                 cleanup_operation, action_gate]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
@@ -20,7 +21,7 @@ from tests.harness.burst import (
     wait_for,
     wait_phase,
 )
-from tests.harness.kube import Cluster
+from tests.harness.kube import Cluster, until
 from worker import ops
 from worker.main import worker_services
 
@@ -108,3 +109,47 @@ async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[
     assert not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items
 
 
+
+
+async def test_operation_whose_pod_took_another_node_launches_for_the_pod_it_displaced(
+        stack: BurstStack, worker: tuple[Client, str], namespace: str, policy: str) -> None:
+    """Burst nodes serve every tolerating pod. When group A's pod takes the node B launched, B's own pod waits:
+    A must not withdraw (its pod is placed) but launch, and B's pod lands on A's node."""
+    temporal, cluster_name = worker
+    stack.create_policy(policy, mode="Approve", locations=["sim/eu-west"], max_nodes=2)
+    first_class = unique("burst-first")  # the scheduler places A's pod first when B's node appears
+    scheduling = client.SchedulingV1Api(stack.cluster.admin.api)
+    scheduling.create_priority_class(client.V1PriorityClass(metadata=client.V1ObjectMeta(name=first_class),
+                                                            value=1000))
+    try:
+        a, b = unique("infer-a"), unique("infer-b")
+        deployment_a = gpu_deployment(a)
+        deployment_a.spec.template.spec.priority_class_name = first_class
+        apps = stack.cluster.admin.apps
+        apps.create_namespaced_deployment(namespace, deployment_a)
+        apps.create_namespaced_deployment(namespace, gpu_deployment(b))
+        handle_a, handle_b = (temporal.get_workflow_handle(burst_workflow_id(
+            cluster_name, policy, f"{namespace}/Deployment/{d}")) for d in (a, b))
+        view_a = await wait_phase(handle_a, Phase.AWAITING_APPROVAL)
+        view_b = await wait_phase(handle_b, Phase.AWAITING_APPROVAL)
+
+        await ops.approve(temporal, view_b.operation, Approval(approver="alice"))
+        serving_b = await wait_phase(handle_b, Phase.SERVING)
+
+        def pod_node(app: str) -> str | None:
+            pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
+            return pods[0].spec.node_name if pods else None
+
+        assert pod_node(a) == serving_b.node_name and pod_node(b) is None  # A's pod took B's node
+
+        await ops.approve(temporal, view_a.operation, Approval(approver="alice"))
+        serving_a = await wait_phase(handle_a, Phase.SERVING)  # not withdrawn: it launches for B's pod
+        await until(lambda: pod_node(b) == serving_a.node_name, timeout=60, what="B's pod on A's node")
+
+        for d in (a, b):
+            apps.delete_namespaced_deployment(d, namespace)
+        for h in (handle_a, handle_b):
+            assert (await result(h)).phase == Phase.COMPLETED
+        assert not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items
+    finally:
+        scheduling.delete_priority_class(first_class)
