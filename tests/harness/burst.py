@@ -87,6 +87,10 @@ class BurstStack:
 
 def build_stack(cluster: Cluster, workdir: Path) -> BurstStack:
     install_gpupolicy_crd(cluster)
+    # GpuPolicies are cluster-scoped and the watcher gives a pod to the first matching policy by name: one left
+    # by an earlier test module would take this module's pods. Each burst module starts with none.
+    for leftover in cluster.admin.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)["items"]:
+        cluster.admin.custom.delete_cluster_custom_object(API_GROUP, "v1", PLURAL, leftover["metadata"]["name"])
     optimizer, _gateway = install_chart_identities(cluster)
     workdir.mkdir(parents=True, exist_ok=True)
     key = workdir / "ticket.key"

@@ -95,8 +95,13 @@ def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.cluster
 def test_apiserver_accepts_the_documented_policy(gpupolicy_crd: Cluster) -> None:
     created = _create(gpupolicy_crd, VALID)
-    assert created["spec"] == VALID["spec"]
-    parse_policy(created)  # what the apiserver returns parses back
+    try:
+        assert created["spec"] == VALID["spec"]
+        parse_policy(created)  # what the apiserver returns parses back
+    finally:
+        # Policies are cluster-scoped: a leftover one would claim later tests' pending pods.
+        gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
+                                                                created["metadata"]["name"])
 
 
 @pytest.mark.cluster
