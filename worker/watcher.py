@@ -48,7 +48,8 @@ from workflows.burst import BurstWorkflow
 
 log = logging.getLogger("kubeon.watcher")
 T = TypeVar("T")
-GroupKey = tuple[str, str, str, str]  # policy, namespace, owner kind, owner name
+# policy, namespace, owner kind, owner name, and "" or the serving operation a further node is for
+GroupKey = tuple[str, str, str, str, str]
 # Temporal refuses a start whose summary is over `limit.userMetadataSummarySize` (400 bytes by default).
 SUMMARY_MAX = 200
 # A closed operation that ended this way was decided by a person (or the policy): its pods keep the
@@ -121,6 +122,10 @@ class PendingPodWatcher:
     # Workflow IDs whose latest run closed in a decided phase: not described again until restarted.
     _decided: dict[str, str] = field(default_factory=dict, init=False)
     _ended: dict[str, _Ended] = field(default_factory=dict, init=False)
+    # Running workflow ID -> when it was first seen Serving while pods given to it still waited.
+    _serving_since: dict[str, float] = field(default_factory=dict, init=False)
+    # uid -> the serving operation a further node is started for (its node went to other pods).
+    _further_for: dict[str, str] = field(default_factory=dict, init=False)
     _executor: ThreadPoolExecutor | None = field(default=None, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
 
@@ -290,18 +295,19 @@ class PendingPodWatcher:
                 self._handled.pop(uid, None)
                 continue
             kind, name = found
-            groups[(policy.name, str(pod.metadata.namespace), kind, name)].append(pod)
+            further = self._further_for.pop(uid, "")
+            groups[(policy.name, str(pod.metadata.namespace), kind, name, further)].append(pod)
 
         starts = asyncio.Semaphore(self.start_concurrency)
 
         async def start_group(key: GroupKey, members: list[client.V1Pod]) -> str | None:
-            policy_name, namespace, kind, name = key
+            policy_name, namespace, kind, name, further = key
             group = WorkloadGroup(namespace=namespace, owner_kind=kind, owner_name=name,
                                   pods=[pending_pod(p) for p in members])
             since = min((t for t in (unschedulable_since(p) for p in members) if t), default=None)
             try:
                 async with starts:
-                    wf_id = await self.start(policy_name, group, since)
+                    wf_id = await self.start(policy_name, group, since, further_for=further)
             except Exception as exc:
                 log.warning("starting the operation for %s (policy %s) failed: %s; its %d pod(s) are retried",
                             group.key, policy_name, exc or type(exc).__name__, len(members))
@@ -317,9 +323,15 @@ class PendingPodWatcher:
         started = await asyncio.gather(*(start_group(k, m) for k, m in groups.items()))
         return [wf_id for wf_id in started if wf_id]
 
-    async def start(self, policy: str, group: WorkloadGroup, since: datetime | None) -> str:
-        wf_id = burst_workflow_id(self.cluster, policy, group.key)
+    async def start(self, policy: str, group: WorkloadGroup, since: datetime | None, *,
+                    further_for: str = "") -> str:
+        """Start (or join) the group's operation. ``further_for``: the group's operation ``further_for`` serves
+        but its pods still wait (their node went to other pods, or the group grew): one more node, under an ID
+        derived from that operation, so every watcher names the same one."""
+        wf_id = burst_workflow_id(self.cluster, policy, group.key + (f"+{further_for}" if further_for else ""))
         summary = f"Burst {group.key}: {group.gpus} GPU(s) pending (policy {policy})"
+        if further_for:
+            summary = f"Burst {group.key}: {group.gpus} GPU(s) still pending while {further_for} serves"
         if len(summary.encode()) > SUMMARY_MAX:
             summary = f"Burst {group.owner_kind} {group.owner_name}"[:SUMMARY_MAX - 3] + "..."
         handle = await self.temporal.start_workflow(
@@ -359,7 +371,7 @@ class PendingPodWatcher:
                 by_workflow[wf_id].append(uid)
         describes = asyncio.Semaphore(self.start_concurrency)
 
-        async def judged(wf_id: str) -> bool:
+        async def judged(wf_id: str) -> bool | str:
             async with describes:
                 try:
                     return await self._restart_now(wf_id, now)
@@ -369,21 +381,36 @@ class PendingPodWatcher:
 
         verdicts = await asyncio.gather(*(judged(wf_id) for wf_id in by_workflow))
         for (wf_id, uids), restart in zip(by_workflow.items(), verdicts, strict=True):
-            if restart:
+            if restart is True:
                 log.info("operation %s ended without a node for %d still unschedulable pod(s): starting it again",
                          wf_id, len(uids))
                 for uid in uids:
                     self._handled.pop(uid, None)
+            elif restart:  # the operation's ID: it serves, but these pods of its group still wait
+                log.info("operation %s serves but %d pod(s) of its group still wait: starting one more node",
+                         restart, len(uids))
+                for uid in uids:
+                    self._handled.pop(uid, None)
+                    self._further_for[uid] = restart
         referenced = set(self._workflow_of.values())
-        for table in (self._decided, self._ended):
+        for table in (self._decided, self._ended, self._serving_since):
             for wf_id in set(table) - referenced:
                 del table[wf_id]
         return await self.handle(waiting)
 
-    async def _restart_now(self, wf_id: str, now: float) -> bool:
-        """Whether the pods given ``wf_id`` get a new run now: its latest run closed without serving them."""
+    async def _restart_now(self, wf_id: str, now: float) -> bool | str:
+        """Whether the pods given ``wf_id`` get a new run now: its latest run closed without serving them. Or,
+        while it runs, the operation ID when it has been Serving for a resync and the pods still wait: burst nodes
+        take any tolerating pod, so its node may serve others (or the group grew); they get one more node."""
         desc = await self.temporal.get_workflow_handle(wf_id).describe()
-        if desc.status is None or desc.status == WorkflowExecutionStatus.RUNNING:
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            attrs = desc.typed_search_attributes
+            if attrs.get(sa.PHASE) != Phase.SERVING.value:
+                self._serving_since.pop(wf_id, None)
+                return False
+            seen = self._serving_since.setdefault(wf_id, now)
+            return (attrs.get(sa.OPERATION) or False) if now - seen >= self.resync_seconds else False
+        if desc.status is None:
             return False
         if desc.status == WorkflowExecutionStatus.COMPLETED:
             result = await self.temporal.get_workflow_handle(wf_id, run_id=desc.run_id,

@@ -75,7 +75,8 @@ class FlakyWatcher(PendingPodWatcher):
         self.in_flight = 0
         self.peak_in_flight = 0
 
-    async def start(self, policy: str, group: WorkloadGroup, since: datetime | None) -> str:
+    async def start(self, policy: str, group: WorkloadGroup, since: datetime | None, *,
+                    further_for: str = "") -> str:
         self.attempts[group.owner_name] += 1
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
@@ -83,7 +84,7 @@ class FlakyWatcher(PendingPodWatcher):
             await asyncio.sleep(0)  # every start of the batch gets in before the first one finishes
             if group.owner_name == self.fail_owner and self.attempts[group.owner_name] == 1:
                 raise RuntimeError("start refused (injected by the test)")
-            return await super().start(policy, group, since)
+            return await super().start(policy, group, since, further_for=further_for)
         finally:
             self.in_flight -= 1
 
@@ -228,3 +229,36 @@ async def test_pod_whose_operation_was_terminated_gets_a_new_one_on_resync(
         await asyncio.to_thread(wait_for, lambda: str(pod.metadata.uid) not in watcher.pending,
                                 what="the deleted pod gone from the watcher's cache")
         await handle.terminate("test over", rpc_timeout=timedelta(seconds=10))
+
+
+async def test_pods_still_waiting_while_their_operation_serves_get_one_more_node(
+        stack: BurstStack, worker: tuple[Client, Runtime], namespace: str, policy: str, product: str) -> None:
+    """A group larger than one node (or whose node went to other tolerating pods): the operation serves, its
+    other pods wait; the resync starts one more node for them, under an ID derived from the serving operation."""
+    temporal, runtime = worker
+    stack.create_policy(policy, mode="Automatic", locations=["sim/open"], max_nodes=4)
+    name = unique("pair")
+    core = stack.cluster.admin.core
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(name, replicas=2,
+                                                                                   gpu_product=product))
+    await all_unschedulable(core, namespace, 2)
+    async with running(watcher_for(runtime, temporal)) as watcher:
+        first = temporal.get_workflow_handle(burst_workflow_id(runtime.settings.cluster, policy,
+                                                               f"{namespace}/Deployment/{name}"))
+        await run_in_phase(first, Phase.SERVING)
+        serving = (await first.describe()).typed_search_attributes.get(sa.OPERATION)
+        further = temporal.get_workflow_handle(burst_workflow_id(
+            runtime.settings.cluster, policy, f"{namespace}/Deployment/{name}+{serving}"))
+        await run_in_phase(further, Phase.SERVING)
+
+        def placed() -> set[str] | None:
+            nodes = {str(p.spec.node_name) for p in core.list_namespaced_pod(namespace).items if p.spec.node_name}
+            return nodes if len(nodes) == 2 else None
+
+        nodes = await asyncio.to_thread(wait_for, placed, what="both pods on burst nodes of their own")
+        second = (await further.describe()).typed_search_attributes.get(sa.OPERATION)
+        assert nodes == {f"burst-{serving}", f"burst-{second}"}
+        assert watcher.resyncs >= 1
+        stack.cluster.admin.apps.delete_namespaced_deployment(name, namespace)
+        for handle in (first, further):
+            assert (await result(handle)).phase == Phase.COMPLETED
