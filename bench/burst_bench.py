@@ -253,6 +253,14 @@ class Bench:
     async def count(self, policy: str, extra: str = "") -> int:
         return (await self.temporal.count_workflows(self.query(policy, extra))).count
 
+    async def last_close(self, policy: str) -> datetime | None:
+        """When the last of the policy's workflows closed (every run, also the further nodes' derived IDs)."""
+        last = None
+        async for wf in self.temporal.list_workflows(self.query(policy, "ExecutionStatus != 'Running'")):
+            if wf.close_time is not None and (last is None or wf.close_time > last):
+                last = wf.close_time
+        return last
+
     async def phase_counts(self, policy: str) -> dict[Phase, int]:
         counts = await asyncio.gather(*(self.count(policy, f"{sa.PHASE.name} = '{p.value}' AND "
                                                            "ExecutionStatus = 'Running'"
@@ -547,9 +555,11 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
         ids = sum(1 for r in out.records if r.runs)
         line = (f"Unschedulable {unsched}/{n} | workflows {ids} ({started} runs) [{shown}] | nodes Ready {ready} | "
                 f"verified {verified}, withdrawn {withdrawn} | {where.line()}")
-        # Settled: every deployment has a workflow and every run verified, withdrew or failed. A run that ended
-        # leaving its pod pending is followed by a new run (the watcher's resync), so also wait for the pods.
-        done = ids >= n and settled >= started and where.pending == 0
+        # Settled: every deployment's pod is on a burst node (some never get a workflow of their own: they land on
+        # another operation's node first) and every run verified, withdrew or failed. A run that ended leaving its
+        # pod pending is followed by a new run, and a pod left waiting while its operation serves by one more node
+        # (the watcher's resync), so wait for the pods.
+        done = where.pending == 0 and where.own + where.other >= n and settled >= started
         return done, line, (verified, settled, ready, started, where.own, where.other, *phases.values())
 
     why = await progress_loop(b, "scale", serving_done, b.args.serve_deadline, b.args.stall_seconds)
@@ -613,8 +623,9 @@ async def scale_scenario(b: Bench, n: int) -> ScaleOutcome:
     closes = [r.closed for r in out.records if r.closed is not None]
     out.closed = len(closes)
     out.completed = sum(1 for r in out.records if r.final == WorkflowExecutionStatus.COMPLETED.name)
-    if closes and out.closed >= total and not out.completion_note:
-        out.completed_wall_s = (max(closes) - t1).total_seconds()
+    last_close = await b.last_close(policy) if not out.completion_note else None
+    if last_close is not None:
+        out.completed_wall_s = (last_close - t1).total_seconds()
     audit = read_audit(b.audit_file)
     pods, nodes = pods_by_app(b.observer.pods_snapshot()), b.observer.nodes_snapshot()
     for rec in out.records:
