@@ -90,11 +90,11 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1s")
         return seconds
 
-    @field_validator("gateway_public_url")
+    @field_validator("gateway_public_url", "hub_url")
     @classmethod
-    def _gateway_public_url(cls, value: str) -> str:
+    def _http_url(cls, value: str) -> str:
         if value and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL (e.g. https://burst-gw.example.com:8443)")
+            raise ValueError(f"{value!r} is not an http(s) URL (e.g. https://host.example.com:8443)")
         return value.rstrip("/")
 
     def gateway_node_url(self) -> str:
@@ -112,13 +112,6 @@ class Settings(BaseModel):
         if "-----BEGIN CERTIFICATE-----" not in pem:
             raise ConfigError(f"KUBEON_GATEWAY_CA_FILE {self.gateway_ca_file}: no PEM certificate in it")
         return pem
-
-    @field_validator("hub_url")
-    @classmethod
-    def _hub_url(cls, value: str) -> str:
-        if value and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL")
-        return value.rstrip("/")
 
     def burst_config(self) -> BurstConfig:
         """Locations from the chart's ``burst.locations`` (a JSON or YAML list, or an object with ``locations``)."""
