@@ -23,3 +23,19 @@ def test_bad_mode_names_the_variable() -> None:
 def test_missing_cluster_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="KUBEON_CLUSTER"):
         load_settings({})
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("60s", 60.0), ("5m", 300.0), ("1m30s", 90.0), ("45", 45.0)])
+def test_hub_poll_interval_takes_the_charts_durations(value: str, seconds: float) -> None:
+    settings = load_settings({"KUBEON_CLUSTER": "c", "KUBEON_HUB_POLL_INTERVAL": value})
+    assert settings.hub_poll_interval == seconds
+
+
+@pytest.mark.parametrize(("variable", "value", "why"), [
+    ("KUBEON_HUB_POLL_INTERVAL", "soon", "not a duration"),
+    ("KUBEON_HUB_POLL_INTERVAL", "500ms", "at least 1s"),
+    ("KUBEON_HUB_URL", "ftp://hub.example.com", "not an http"),
+])
+def test_bad_hub_setting_names_the_variable_and_why(variable: str, value: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=f"{variable}: .*{why}"):
+        load_settings({"KUBEON_CLUSTER": "c", variable: value})
