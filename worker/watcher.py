@@ -141,11 +141,15 @@ class PendingPodWatcher:
         thread.start()
         next_resync = loop.time() + self.resync_seconds
         try:
-            while True:
+            # The stop flag ends the loop even if a cancellation were lost (asyncio.wait_for in 3.11 can swallow
+            # one that races with the queue's result: the worker's shutdown then waited for ever).
+            while not self._stop.is_set():
+                first = None
                 try:
-                    first = await asyncio.wait_for(queue.get(), max(0.0, next_resync - loop.time()))
+                    async with asyncio.timeout(max(0.0, next_resync - loop.time())):
+                        first = await queue.get()
                 except TimeoutError:
-                    first = None
+                    pass
                 if first is not None:
                     await asyncio.sleep(self.debounce_seconds)  # gather the rest of a rollout's pods into one batch
                     events = [first]
@@ -450,4 +454,5 @@ async def running(watcher: PendingPodWatcher) -> AsyncIterator[PendingPodWatcher
         watcher.stop()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            # Bounded: the loop also ends on the stop flag, at the latest one resync period from now.
+            await asyncio.wait([task], timeout=watcher.resync_seconds + 5)
