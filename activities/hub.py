@@ -90,9 +90,9 @@ class HubActivities:
                  "" if pulled else ", not modified on the hub")
         self._transition("connected", "")
         result = HubPollResult(state="connected", etag=policy_set.etag, approvals_cursor=req.approvals_cursor,
-                               policies_changed=pulled is not None, sync=outcome)
+                               sync=outcome)
         try:
-            await self._invalid_reports(req.cluster, outcome.invalid, policy_set.revision)
+            await self._invalid_reports(outcome.invalid, policy_set.revision)
             await self._approvals(req, result)
             await self._deliver(req.reports, result)
         except HubUnauthorized as exc:
@@ -104,7 +104,7 @@ class HubActivities:
             self._transition("unreachable", str(exc))
         return result
 
-    async def _invalid_reports(self, cluster: str, invalid: dict[str, str], revision: int) -> None:
+    async def _invalid_reports(self, invalid: dict[str, str], revision: int) -> None:
         """Tell the hub which of its policies this optimizer refused, once per policy and revision."""
         for name, why in sorted(invalid.items()):
             key = f"policy-invalid/{name}/r{revision}"

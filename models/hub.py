@@ -120,7 +120,6 @@ class HubPollResult(Model):
     approvals_cursor: int = 0
     # More approvals are waiting on the hub: poll again at once.
     more_approvals: bool = False
-    policies_changed: bool = False
     sync: PolicySyncOutcome | None = None
     approvals: list[ApprovalOutcome] = Field(default_factory=list)
     delivered_reports: list[str] = Field(default_factory=list)

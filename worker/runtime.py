@@ -95,28 +95,27 @@ class Runtime:
         syncer = PolicySyncer(self.kube.api, default_mode=self.settings.default_mode)
         return HubActivities(hub=self.hub, syncer=syncer, temporal=temporal)
 
-    def hub_sync_input(self) -> HubSyncInput:
-        return HubSyncInput(cluster=self.settings.cluster, poll_interval_seconds=self.settings.hub_poll_interval)
-
-    async def start_hub_sync(self, temporal: Client) -> str:
-        """Start the cluster's hub sync workflow, or wake the running one (every replica does this; one runs)."""
+    async def _signal_hub_sync(self, temporal: Client, signal: str, arg: object) -> str:
+        """Signal-with-start the cluster's hub sync workflow: every replica may; one runs, and the signal is
+        durable even if the workflow was not running yet."""
         handle = await temporal.start_workflow(
-            HubSyncWorkflow.run, self.hub_sync_input(), id=hub_sync_workflow_id(self.settings.cluster),
-            task_queue=self.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            HubSyncWorkflow.run,
+            HubSyncInput(cluster=self.settings.cluster, poll_interval_seconds=self.settings.hub_poll_interval),
+            id=hub_sync_workflow_id(self.settings.cluster), task_queue=self.settings.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, start_signal=signal, start_signal_args=[arg],
             static_summary=f"Hub sync of cluster {self.settings.cluster} from {self.settings.hub_url}")
-        # A running sync (started by another replica or an earlier version of this one) takes these settings.
-        await handle.signal("configure", HubSyncConfig(poll_interval_seconds=self.settings.hub_poll_interval))
         return handle.id
 
+    async def start_hub_sync(self, temporal: Client) -> str:
+        """Start the hub sync, or hand a running one (another replica's, an earlier version's) these settings."""
+        return await self._signal_hub_sync(
+            temporal, "configure", HubSyncConfig(poll_interval_seconds=self.settings.hub_poll_interval))
+
     def report_sink(self, temporal: Client) -> ReportSink:
-        """Queue an action report in the hub sync workflow's state (signal-with-start: the report is durable
-        even if the sync workflow is not running yet)."""
+        """Queue an action report in the hub sync workflow's state."""
 
         async def send(report: ActionReport) -> None:
-            await temporal.start_workflow(
-                HubSyncWorkflow.run, self.hub_sync_input(), id=hub_sync_workflow_id(self.settings.cluster),
-                task_queue=self.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                start_signal="report", start_signal_args=[report])
+            await self._signal_hub_sync(temporal, "report", report)
 
         return send
 
