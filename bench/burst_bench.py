@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 from kubernetes import client
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from bench.observe import (
@@ -58,6 +57,7 @@ from bench.observe import (
     utc_now,
 )
 from models import search_attributes as sa
+from models.converter import DATA_CONVERTER
 from models.operation import (
     TERMINAL_PHASES,
     BurstResult,
@@ -800,7 +800,7 @@ async def main_async(args: argparse.Namespace) -> int:
         temporal_log = workdir / "temporal.log"
         with output_to(temporal_log):  # the dev server inherits them: its errors go to its log, not the table
             env = await WorkflowEnvironment.start_local(
-                dev_server_existing_path=str(dev_server_path()), data_converter=pydantic_data_converter,
+                dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER,
                 search_attributes=list(sa.ALL), ui=False, dev_server_log_level="error",
                 dev_server_extra_args=[a for kv in args.dynamic_config for a in ("--dynamic-config-value", kv)])
         stack.push_async_callback(env.shutdown)

@@ -37,6 +37,9 @@ ReportAction = Literal["proposed", "approved", "launched", "joined", "verified",
                        "rejected", "expired", "withdrawn", "cancelled", "held", "resumed"]
 REPORT_ACTIONS: Final[frozenset[str]] = frozenset(ReportAction.__args__)  # type: ignore[attr-defined]
 HubState = Literal["starting", "connected", "unauthorized", "unreachable", "error"]
+# KubeonPhase of the HubSync workflow: CamelCase like every other operation's phase.
+HUB_PHASES: Final[dict[str, str]] = {"starting": "Starting", "connected": "Connected",
+                                     "unauthorized": "Unauthorized", "unreachable": "Unreachable", "error": "Error"}
 
 
 REPORT_DETAIL_LIMIT: Final = 8192  # the hub's limit on a report's detail
@@ -76,6 +79,13 @@ class HubSyncInput(Model):
     dropped_reports: int = 0
     state: HubState = "starting"
     polls_before_continue: int = 500
+    # Continue as new once the run's history has this many events (Temporal warns at 10,240 and stops at
+    # 51,200): at a 5 s poll a run is about 7 minutes, at the default 60 s about 90.
+    history_events_before_continue: int = 1_000
+    last_success_at: datetime | None = None
+    last_error: str = ""
+    last_error_at: datetime | None = None
+    total_polls: int = 0
 
 
 class HubSyncConfig(Model):
@@ -139,6 +149,10 @@ class HubSyncStatus(Model):
     pending_reports: int
     dropped_reports: int
     last_sync: PolicySyncOutcome | None = None
+    last_success_at: datetime | None = None
+    last_error: str = ""
+    last_error_at: datetime | None = None
+    total_polls: int = 0
 
 
 class GateRequest(Model):

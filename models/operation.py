@@ -423,3 +423,8 @@ def ledger_workflow_id(cluster: str, policy: str) -> str:
 class DrainStatus(Model):
     status: str
     blocked: dict[str, str] = Field(default_factory=dict)
+    cordoned: bool = False
+    evicted: list[str] = Field(default_factory=list)  # namespace/name, in eviction order
+    pdb_waits: dict[str, int] = Field(default_factory=dict)  # pod -> eviction rounds a PDB refused it
+    terminated: str | None = None  # the instance ID, once terminated
+    node_removed: bool = False

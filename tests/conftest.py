@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from kubernetes.client import ApiException
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes
+from models.converter import DATA_CONVERTER
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.moto_server import MotoServer
@@ -61,7 +61,7 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 async def temporal_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=str(test_server_path()),
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
     )
     await register_search_attributes(env.client)
     try:
@@ -74,7 +74,7 @@ async def temporal_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
 async def temporal_dev_server() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(dev_server_path()),
-        data_converter=pydantic_data_converter,
+        data_converter=DATA_CONVERTER,
         search_attributes=list(search_attributes.ALL),
         ui=False,
         dev_server_log_level="error",

@@ -9,7 +9,6 @@ from typing import Any
 from kubernetes import client, config
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, TLSConfig
 
 from activities.audit import AuditLog
@@ -21,6 +20,7 @@ from activities.kube import KubeOps
 from activities.policy_sync import PolicySyncer
 from activities.providers.base import Provider
 from models import search_attributes
+from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
 from models.locations import BurstConfig
 from models.operation import Instance
@@ -44,7 +44,7 @@ async def connect_temporal(settings: Settings) -> Client:
     api_key = settings.temporal_api_key_file.read_text().strip() if settings.temporal_api_key_file else None
     return await Client.connect(
         settings.temporal_address, namespace=settings.temporal_namespace,
-        data_converter=pydantic_data_converter, tls=TLSConfig() if settings.temporal_tls else False,
+        data_converter=DATA_CONVERTER, tls=TLSConfig() if settings.temporal_tls else False,
         api_key=api_key,
     )
 

@@ -22,6 +22,7 @@ from models.operation import (
     NodeRemoval,
     Phase,
 )
+from models.ui_text import Details, code, md
 from workflows.gate import action_gate, wait_until_allowed
 
 SHORT = timedelta(seconds=60)
@@ -37,16 +38,39 @@ class DrainWorkflow:
     def __init__(self) -> None:
         self.status = "starting"
         self.blocked: dict[str, str] = {}
+        self.cordoned = False
+        self.evicted: list[str] = []
+        self.pdb_waits: dict[str, int] = {}
+        self.terminated: str | None = None
+        self.node_removed = False
 
-    @workflow.query(name="status")
+    @workflow.query(name="status", description=(
+        "What the drain did so far: cordoned, pods evicted (in order), pods a PodDisruptionBudget holds and how "
+        "often, the instance terminated, the Node removed."))
     def current_status(self) -> DrainStatus:
-        return DrainStatus(status=self.status, blocked=dict(self.blocked))
+        return DrainStatus(status=self.status, blocked=dict(self.blocked), cordoned=self.cordoned,
+                           evicted=list(self.evicted), pdb_waits=dict(self.pdb_waits), terminated=self.terminated,
+                           node_removed=self.node_removed)
 
     def _details(self, inp: DrainInput) -> None:
-        lines = [f"**Drain** node `{inp.node_name}` of operation `{inp.operation}` ({inp.reason or 'requested'})",
-                 f"status: {self.status}"]
-        lines += [f"- {pod}: {why}" for pod, why in sorted(self.blocked.items())]
-        workflow.set_current_details("\n".join(lines))
+        where = f", location {md(inp.instance.location)}" if inp.instance else ""
+        d = Details()
+        d.para(f"**Drain** of node {code(inp.node_name)} (operation {code(inp.operation)}, policy "
+               f"{code(inp.policy)}{where}): {md(inp.reason or 'requested')}")
+        d.para(f"**Status:** {md(self.status)}")
+        d.para("**Cordoned:** " + ("yes" if self.cordoned else "not yet"))
+        if self.evicted:
+            d.para(f"**Evicted** ({len(self.evicted)}):")
+            d.bullets((code(p) for p in self.evicted), limit=30, more="more pods")
+        if self.blocked:
+            d.para("**Waiting for PodDisruptionBudgets** (never forced):")
+            d.bullets(f"{code(p)}: {md(why)} ({self.pdb_waits.get(p, 1)} round(s))"
+                      for p, why in sorted(self.blocked.items()))
+        if self.terminated:
+            d.para(f"**Terminated** instance {code(self.terminated)}")
+        if self.node_removed:
+            d.para("**Node removed**")
+        workflow.set_current_details(d.render())
 
     def _set(self, inp: DrainInput, status: str) -> None:
         self.status = status
@@ -65,23 +89,29 @@ class DrainWorkflow:
         workflow.upsert_search_attributes([
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
             sa.OPERATION_KIND.value_set("Drain"), sa.PHASE.value_set(Phase.DRAINING.value),
+            sa.OPERATION.value_set(inp.operation),
+            *([sa.LOCATION.value_set(inp.instance.location)] if inp.instance else []),
         ])
         await self._hold_while_disconnected(inp)  # R2.3: no drain starts while the hub rejects our token
         self._set(inp, "cordoning")
         node = NodeRef(node_name=inp.node_name)
         present = await workflow.execute_activity(
-            "cordon_node", node, result_type=bool, start_to_close_timeout=SHORT, retry_policy=RETRY)
-        evicted: set[str] = set()
+            "cordon_node", node, result_type=bool, start_to_close_timeout=SHORT, retry_policy=RETRY,
+            summary=f"cordon {inp.node_name}")
+        self.cordoned = present
         if present:
-            await self._evict_until_empty(inp, node, evicted)
+            await self._evict_until_empty(inp, node)
         if inp.instance is not None:
             self._set(inp, f"terminating {inp.instance.instance_id}")
             await workflow.execute_activity(
-                "terminate_instance", inp.instance, start_to_close_timeout=SHORT, retry_policy=RETRY)
+                "terminate_instance", inp.instance, start_to_close_timeout=SHORT, retry_policy=RETRY,
+                summary=f"terminate {inp.instance.instance_id} in {inp.instance.location}")
+            self.terminated = inp.instance.instance_id
         self._set(inp, "removing node")
         removed = await workflow.execute_activity(
             "remove_node", NodeRemoval(node_name=inp.node_name, operation=inp.operation), result_type=bool,
-            start_to_close_timeout=SHORT, retry_policy=RETRY)
+            start_to_close_timeout=SHORT, retry_policy=RETRY, summary=f"remove Node {inp.node_name}")
+        self.node_removed = True
         self._set(inp, "confirming node and instance gone")
         deadline = workflow.now() + timedelta(minutes=10)
         while not await workflow.execute_activity(
@@ -91,20 +121,25 @@ class DrainWorkflow:
             if workflow.now() > deadline:
                 raise ApplicationError(
                     f"node {inp.node_name} or its instance still present 10 minutes after removal")
-            await workflow.sleep(timedelta(seconds=2))
+            await workflow.sleep(timedelta(seconds=2), summary="until the Node and the instance are gone")
         workflow.upsert_search_attributes([sa.PHASE.value_set(Phase.COMPLETED.value)])
-        self._set(inp, "done")
-        return DrainResult(node_name=inp.node_name, evicted=len(evicted),
+        self._set(inp, "done: node drained, instance terminated, Node removed" if inp.instance
+                  else "done: node drained and removed")
+        return DrainResult(node_name=inp.node_name, evicted=len(self.evicted),
                            instance_terminated=inp.instance is not None, node_removed=removed)
 
-    async def _evict_until_empty(self, inp: DrainInput, node: NodeRef, evicted: set[str]) -> None:
+    async def _evict_until_empty(self, inp: DrainInput, node: NodeRef) -> None:
         backoff = 1.0
         deadline = workflow.now() + timedelta(seconds=inp.settings.drain_timeout_seconds)
         while True:
             await self._hold_while_disconnected(inp)
             res: EvictionResult = await workflow.execute_activity(
-                "evict_pods", node, result_type=EvictionResult, start_to_close_timeout=SHORT, retry_policy=RETRY)
-            evicted.update(p for p in res.remaining if p not in res.blocked)
+                "evict_pods", node, result_type=EvictionResult, start_to_close_timeout=SHORT, retry_policy=RETRY,
+                summary=f"evict the pods of {inp.node_name} (Eviction API, PDBs honoured)")
+            # Pods still listed and not blocked had their eviction accepted (they may still be terminating).
+            self.evicted += [p for p in res.remaining if p not in res.blocked and p not in self.evicted]
+            for pod in res.blocked:
+                self.pdb_waits[pod] = self.pdb_waits.get(pod, 0) + 1
             self.blocked = dict(res.blocked)
             if not res.remaining:
                 return
@@ -119,5 +154,5 @@ class DrainWorkflow:
                 raise ApplicationError(
                     f"drain of {inp.node_name} not finished after {inp.settings.drain_timeout_seconds}s: "
                     + "; ".join(f"{p} {w}" for p, w in sorted(res.blocked.items())))
-            await workflow.sleep(timedelta(seconds=backoff))
+            await workflow.sleep(timedelta(seconds=backoff), summary="before the next eviction round")
             backoff = min(backoff * 2, 30.0) if res.blocked else 1.0

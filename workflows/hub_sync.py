@@ -18,6 +18,7 @@ from temporalio.exceptions import ActivityError
 
 from models import search_attributes as sa
 from models.hub import (
+    HUB_PHASES,
     ActionReport,
     HubPollRequest,
     HubPollResult,
@@ -26,6 +27,7 @@ from models.hub import (
     HubSyncInput,
     HubSyncStatus,
 )
+from models.ui_text import Details, code, md
 
 # A report batch per poll; the rest go in the next polls (an immediate one when the hub keeps up).
 REPORT_BATCH = 100
@@ -60,8 +62,14 @@ class HubSyncWorkflow:
         self.last: HubPollResult | None = None
         self.wake = False
         self.poll_interval = inp.poll_interval_seconds
+        self.last_success_at = inp.last_success_at
+        self.last_error, self.last_error_at = inp.last_error, inp.last_error_at
+        self.total_polls = inp.total_polls
+        self.phase = ""
 
-    @workflow.signal(name="report")
+    @workflow.signal(name="report", description=(
+        "Internal: an operation's action report, queued here until the hub has it (sent by the record_audit "
+        "activity). Not for operators."))
     def report(self, report: ActionReport) -> None:
         key = report.idempotency_key
         if key in self.queued_keys or key in self.recent:
@@ -74,37 +82,48 @@ class HubSyncWorkflow:
             self.dropped += 1
         self.wake = True
 
-    @workflow.signal(name="sync_now")
+    @workflow.signal(name="sync_now", description="Poll the hub now instead of at the next interval (no input).")
     def sync_now(self) -> None:
         self.wake = True
 
-    @workflow.signal(name="configure")
+    @workflow.signal(name="configure", description=(
+        "Internal: a restarted worker's settings (poll interval). Sent by every worker replica at start-up."))
     def configure(self, config: HubSyncConfig) -> None:
         """A worker started with other settings (a new hub.pollInterval) tells the running sync."""
         self.poll_interval = config.poll_interval_seconds
         self.wake = True
 
-    @workflow.query(name="status")
+    @workflow.query(name="status", description=(
+        "The sync's state: connection, last successful sync and last error, policies, approvals cursor and the "
+        "reports waiting for the hub."))
     def status(self) -> HubSyncStatus:
         return HubSyncStatus(
             cluster=self.inp.cluster, poll_interval_seconds=self.poll_interval, state=self.state,
             message=self.message, polls=self.polls,
             last_poll_at=self.last_poll_at, etag=self.etag, approvals_cursor=self.cursor,
             pending_reports=len(self.reports), dropped_reports=self.dropped,
-            last_sync=self.last.sync if self.last else None)
+            last_sync=self.last.sync if self.last else None, last_success_at=self.last_success_at,
+            last_error=self.last_error, last_error_at=self.last_error_at, total_polls=self.total_polls)
 
     def _details(self) -> str:
-        lines = [f"**Hub sync** of cluster `{self.inp.cluster}` every {self.poll_interval:g}s",
-                 f"**State:** {self.state}" + (f" — {self.message}" if self.message else ""),
-                 f"polls {self.polls}, approvals cursor {self.cursor}, reports queued {len(self.reports)}"
-                 + (f", dropped {self.dropped}" if self.dropped else "")]
+        d = Details()
+        d.para(f"**Hub sync** of cluster {code(self.inp.cluster)} every {self.poll_interval:g} s:",
+               f"**{HUB_PHASES[self.state]}**" + (f" — {md(self.message)}" if self.message else ""))
+        d.para(f"**Last successful sync:** {_when(self.last_success_at)}",
+               f"· **last poll:** {_when(self.last_poll_at)}")
+        if self.last_error:
+            d.para(f"**Last error** ({_when(self.last_error_at)}): {md(self.last_error)}")
+        d.para(f"**Reports waiting for the hub:** {len(self.reports)}"
+               + (f" ({self.dropped} dropped: the queue was full)" if self.dropped else ""),
+               f"· approvals cursor {self.cursor} · polls {self.total_polls}")
         if self.last and self.last.sync:
-            lines.append(f"**Policies** (hub revision {self.last.sync.revision}): {self.last.sync.summary()}")
-            lines += [f"- invalid {name}: {why}" for name, why in sorted(self.last.sync.invalid.items())[:10]]
-        if self.last:
-            lines += [f"- approval {a.hub_id} of {a.operation}: {a.result} {a.message}".rstrip()
-                      for a in self.last.approvals[:10]]
-        return "\n".join(lines)
+            d.para(f"**Policies** (hub revision {md(self.last.sync.revision)}): {md(self.last.sync.summary())}")
+            d.bullets(f"invalid {code(name)}: {md(why)}" for name, why in sorted(self.last.sync.invalid.items()))
+        if self.last and self.last.approvals:
+            d.para("**Approvals applied in the last poll**")
+            d.bullets(f"{md(a.hub_id)} of {code(a.operation)}: {md((a.result + ' ' + a.message).strip())}"
+                      for a in self.last.approvals)
+        return d.render()
 
     async def _poll(self) -> None:
         batch = self.reports[:REPORT_BATCH]
@@ -117,9 +136,14 @@ class HubSyncWorkflow:
         except ActivityError as exc:
             # Kubernetes or Temporal trouble inside the poll: say so and try again next interval; nothing moves.
             self.state, self.message = "error", str(exc.cause or exc)
+            self.last_error, self.last_error_at = self.message, workflow.now()
             return
         self.last = result
         self.state, self.message = result.state, result.message
+        if result.state == "connected":
+            self.last_success_at = workflow.now()
+        else:
+            self.last_error, self.last_error_at = f"{HUB_PHASES[result.state]}: {result.message}", workflow.now()
         self.etag = result.etag
         self.cursor = max(self.cursor, result.approvals_cursor)
         done = set(result.delivered_reports) | set(result.refused_reports)
@@ -134,33 +158,47 @@ class HubSyncWorkflow:
 
     @workflow.run
     async def run(self, inp: HubSyncInput) -> None:
-        workflow.upsert_search_attributes([sa.CLUSTER.value_set(inp.cluster),
-                                           sa.OPERATION_KIND.value_set("HubSync")])
+        self.phase = HUB_PHASES[self.state]
+        workflow.upsert_search_attributes([sa.CLUSTER.value_set(inp.cluster), sa.OPERATION_KIND.value_set("HubSync"),
+                                           sa.PHASE.value_set(self.phase)])
         for _ in range(inp.polls_before_continue):
             self.wake = False
             await self._poll()
             self.polls += 1
+            self.total_polls += 1
             self.last_poll_at = workflow.now()
-            workflow.upsert_search_attributes([sa.PHASE.value_set(self.state)])
+            if HUB_PHASES[self.state] != self.phase:  # an upsert is a history event: only on change
+                self.phase = HUB_PHASES[self.state]
+                workflow.upsert_search_attributes([sa.PHASE.value_set(self.phase)])
             workflow.set_current_details(self._details())
-            if workflow.info().is_continue_as_new_suggested():
+            info = workflow.info()
+            if (info.is_continue_as_new_suggested()
+                    or info.get_current_history_length() >= inp.history_events_before_continue):
                 break
             backlog = (self.state == "connected" and
                        (bool(self.last and self.last.more_approvals) or len(self.reports) > 0))
             if backlog:
-                await workflow.sleep(MIN_GAP)
+                await workflow.sleep(MIN_GAP, summary="more approvals or reports: poll again shortly")
                 continue
             try:
-                await workflow.wait_condition(lambda: self.wake, timeout=self._interval())
+                await workflow.wait_condition(lambda: self.wake, timeout=self._interval(),
+                                              timeout_summary="next hub poll")
             except TimeoutError:
                 continue
             if self.state == "connected":
-                await workflow.sleep(MIN_GAP)
+                await workflow.sleep(MIN_GAP, summary="woken by a report: gather others for a moment")
             else:
                 # Hub down or token rejected: new reports wait for the next interval instead of hammering it.
-                await workflow.sleep(self._interval())
+                await workflow.sleep(self._interval(), summary=f"hub {self.state}: wait a full interval")
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(HubSyncInput(
             cluster=inp.cluster, poll_interval_seconds=self.poll_interval, jitter=inp.jitter,
             etag=self.etag, approvals_cursor=self.cursor, pending_reports=self.reports,
-            dropped_reports=self.dropped, state=self.state, polls_before_continue=inp.polls_before_continue))
+            dropped_reports=self.dropped, state=self.state, polls_before_continue=inp.polls_before_continue,
+            history_events_before_continue=inp.history_events_before_continue,
+            last_success_at=self.last_success_at, last_error=self.last_error, last_error_at=self.last_error_at,
+            total_polls=self.total_polls))
+
+
+def _when(at: datetime | None) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S UTC") if at else "never"

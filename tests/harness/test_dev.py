@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 
+from models.converter import DATA_CONVERTER
 from tests.harness.controlplane import free_port
 from tests.harness.kube import Kube
 from worker import ops
@@ -68,7 +68,7 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         workload = yaml.safe_load((ROOT / "examples" / "burst-workload.yaml").read_text())
         admin.apps.create_namespaced_deployment("default", workload)
 
-        temporal = await Client.connect(f"127.0.0.1:{port}", data_converter=pydantic_data_converter)
+        temporal = await Client.connect(f"127.0.0.1:{port}", data_converter=DATA_CONVERTER)
         deadline = time.monotonic() + 120
         while True:
             rows = await ops.list_operations(temporal)

@@ -18,6 +18,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from models import search_attributes as sa
 from models.hub import (
     ActionReport,
     HubPollRequest,
@@ -146,4 +147,46 @@ async def test_a_restarted_worker_sets_a_new_poll_interval(env: Env) -> None:
     await server.sleep(timedelta(seconds=200))
     await status_when(handle, lambda s: s.polls == polls + 1)
     assert len(hub.requests) == polls + 1
+    await handle.terminate("test over")
+
+
+async def test_a_five_second_poll_for_ten_minutes_keeps_each_run_short(env: Env) -> None:
+    server, queue, hub = env
+    handle = await start(server.client, queue)
+    await handle.signal(HubSyncWorkflow.configure, HubSyncConfig(poll_interval_seconds=5))
+    await server.sleep(timedelta(minutes=10))
+    status = await status_when(handle, lambda s: s.total_polls >= 100)
+    limit = HubSyncInput(cluster="c").history_events_before_continue
+    run_id: str | None = handle.first_execution_run_id
+    lengths: list[int] = []
+    while run_id:  # follow the chain of runs (the test server has no list API)
+        events = [e async for e in server.client.get_workflow_handle(handle.id, run_id=run_id)
+                  .fetch_history_events()]
+        lengths.append(len(events))
+        last = events[-1]
+        run_id = (last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
+                  if last.HasField("workflow_execution_continued_as_new_event_attributes") else None)
+    assert len(lengths) >= 2, "no continue-as-new within 10 minutes of 5 s polls"
+    # The check runs after each poll; one poll cycle adds about a dozen events past the limit at most.
+    assert max(lengths) < limit + 20, lengths
+    # The total survives continue-as-new, the per-run count does not.
+    assert status.total_polls > status.polls and status.poll_interval_seconds == 5
+    assert 100 <= len(hub.requests) <= 135  # 10 minutes / 5 s (±10 % jitter), plus the first polls
+    assert status.last_success_at is not None and status.last_error == ""
+    await handle.terminate("test over")
+
+
+async def test_the_last_error_and_last_success_are_kept_and_the_phase_is_camel_case(env: Env) -> None:
+    server, queue, hub = env
+    hub.state = "unreachable"
+    handle = await start(server.client, queue)
+    status = await status_when(handle, lambda s: s.polls >= 1)
+    assert status.last_success_at is None and status.last_error == "Unreachable: hub down"
+    assert (await handle.describe()).typed_search_attributes.get(sa.PHASE) == "Unreachable"
+    hub.state = "connected"
+    await server.sleep(timedelta(seconds=150))
+    status = await status_when(handle, lambda s: s.state == "connected")
+    assert status.last_success_at is not None and status.last_error == "Unreachable: hub down"
+    assert status.last_error_at is not None and status.last_error_at < status.last_success_at
+    assert (await handle.describe()).typed_search_attributes.get(sa.PHASE) == "Connected"
     await handle.terminate("test over")
