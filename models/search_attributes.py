@@ -13,5 +13,13 @@ LOCATION: Final = SearchAttributeKey.for_keyword("KubeonLocation")
 PHASE: Final = SearchAttributeKey.for_keyword("KubeonPhase")
 OPERATION_KIND: Final = SearchAttributeKey.for_keyword("KubeonOperationKind")
 OPERATION: Final = SearchAttributeKey.for_keyword("KubeonOperation")
+# What approving a plan spends: the plan's total USD per hour, compute and estimated transfer together, so a list
+# of operations awaiting approval can show and sort by cost.
+USD_PER_HOUR: Final = SearchAttributeKey.for_float("KubeonUsdPerHour")
 
-ALL: Final = (CLUSTER, POLICY, LOCATION, PHASE, OPERATION_KIND, OPERATION)
+ALL: Final = (CLUSTER, POLICY, LOCATION, PHASE, OPERATION_KIND, OPERATION, USD_PER_HOUR)
+
+
+def cli_type(key: SearchAttributeKey[str] | SearchAttributeKey[float]) -> str:
+    """The type name `temporal server start-dev --search-attribute NAME=TYPE` takes."""
+    return "Double" if key is USD_PER_HOUR else "Keyword"

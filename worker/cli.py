@@ -64,6 +64,19 @@ def _gateway(_: argparse.Namespace) -> int:
     return 0
 
 
+def _console(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from worker.console import ConsoleSettings, create_app
+
+    host, _, port = args.listen.rpartition(":")
+    app = create_app(ConsoleSettings(upstream=args.upstream, namespace=args.namespace))
+    print(f"kubeon-gpu console: the Temporal UI at {args.upstream} with the Kubeon columns, on "
+          f"http://{args.listen}/ (opens the operations awaiting approval)", flush=True)
+    uvicorn.run(app, host=host or "127.0.0.1", port=int(port), log_level="warning")
+    return 0
+
+
 def _ops(args: argparse.Namespace) -> int:
     from models.operation import Approval, Rejection
     from worker import ops
@@ -77,6 +90,8 @@ def _ops(args: argparse.Namespace) -> int:
             if args.ops_command == "list":
                 rows = await ops.list_operations(temporal, cluster=args.cluster)
                 print(ops.rows_json(rows) if args.json else ops.render_table(rows))
+                if args.ui and not args.json:
+                    print(ops.awaiting_approval_line(rows, args.ui, settings.temporal_namespace))
             elif args.ops_command == "show":
                 view = await ops.show(temporal, args.operation)
                 print(view.model_dump_json(indent=2) if args.json else _render_view(view))
@@ -105,7 +120,9 @@ def _ops(args: argparse.Namespace) -> int:
 def _render_hub(status: HubSyncStatus) -> str:
     lines = [f"cluster          {status.cluster}", f"state            {status.state}"
              + (f": {status.message}" if status.message else ""),
-             f"polls            {status.polls} (last {status.last_poll_at or 'never'})",
+             f"polls            {status.total_polls} (last {status.last_poll_at or 'never'})",
+             f"last sync        {status.last_success_at or 'never'}",
+             *([f"last error       {status.last_error} ({status.last_error_at})"] if status.last_error else []),
              f"approvals cursor {status.approvals_cursor}",
              f"reports queued   {status.pending_reports}"
              + (f" ({status.dropped_reports} dropped)" if status.dropped_reports else "")]
@@ -153,12 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gateway", help="run the burst gateway (node admission and removal)").set_defaults(
         func=_gateway)
     sub.add_parser("hub", help="run the self-hosted hub (`kubeon-gpu hub --help`)")
+    console = sub.add_parser("console", help="serve the Temporal UI with the Kubeon columns, opening on the "
+                                             "operations awaiting approval")
+    console.add_argument("--upstream", default=os.environ.get("KUBEON_TEMPORAL_UI_URL", "http://127.0.0.1:8233"),
+                         help="the Temporal UI to serve (env KUBEON_TEMPORAL_UI_URL)")
+    console.add_argument("--listen", default="127.0.0.1:8234", help="host:port to serve on")
+    console.add_argument("--namespace", default=os.environ.get("KUBEON_TEMPORAL_NAMESPACE", "default"))
+    console.set_defaults(func=_console)
 
     ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)
     listing = ops_sub.add_parser("list", help="operations, newest first")
     listing.add_argument("--json", action="store_true")
     listing.add_argument("--cluster", help="only this cluster's operations")
+    listing.add_argument("--ui", default=os.environ.get("KUBEON_UI_URL", ""),
+                         help="the Temporal UI (or `kubeon-gpu console`) URL: print a link to what awaits approval "
+                              "(env KUBEON_UI_URL)")
     showing = ops_sub.add_parser("show", help="one operation: phase, plan, instance, history")
     showing.add_argument("operation", help="operation ID (op-...) or workflow ID")
     showing.add_argument("--json", action="store_true")

@@ -96,3 +96,11 @@ async def cancel(temporal: Client, operation: str) -> str:
         raise DecisionRefused(f"operation {operation} is {desc.status.name if desc.status else '?'}, not running")
     await handle.cancel()
     return handle.id
+
+
+def awaiting_approval_line(rows: list[OperationRow], ui_url: str, namespace: str) -> str:
+    """The line under `ops list` that links the Temporal UI, filtered to what waits for approval."""
+    from worker.console import workflows_url
+
+    waiting = sum(1 for r in rows if r.phase == "AwaitingApproval")
+    return f"{waiting} awaiting approval; in the Temporal UI: {workflows_url(ui_url, namespace)}"

@@ -56,7 +56,7 @@ async def register_search_attributes(temporal: Client) -> None:
     from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
     from temporalio.service import RPCStatusCode
 
-    wanted = {k.name: IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD for k in search_attributes.ALL}
+    wanted = {k.name: IndexedValueType.ValueType(k.indexed_value_type) for k in search_attributes.ALL}
     try:
         existing = await temporal.operator_service.list_search_attributes(
             ListSearchAttributesRequest(namespace=temporal.namespace))

@@ -46,7 +46,7 @@ def start_temporal(workdir: Path, port: int, ui_port: int) -> subprocess.Popen[b
             "--ui-port", str(ui_port), "--db-filename", str(workdir / "temporal.db"), "--log-level", "warn",
             "--metrics-port", str(free_port())]
     for key in search_attributes.ALL:
-        argv += ["--search-attribute", f"{key.name}=Keyword"]
+        argv += ["--search-attribute", f"{key.name}={search_attributes.cli_type(key)}"]
     log = open(workdir / "temporal.log", "ab")  # noqa: SIM115 - lives with the process
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
