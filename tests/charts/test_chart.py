@@ -387,7 +387,12 @@ def test_embedded_temporal(default: Rendered) -> None:
     assert pvc["spec"]["resources"]["requests"]["storage"] == "1Gi"
     assert "storageClassName" not in pvc["spec"]
     service = default.get("Service", TEMPORAL, NAMESPACE)
-    assert {p["port"] for p in service["spec"]["ports"]} == {7233, 8233}
+    assert {p["port"] for p in service["spec"]["ports"]} == {7233, 8233, 8234}
+    console = container(deployment, "console")
+    assert [*console["command"], *console["args"]] == [
+        "kubeon-gpu", "console", "--upstream", "http://127.0.0.1:8233", "--listen", "0.0.0.0:8234",
+        "--namespace", "default"]
+    assert console["securityContext"] == c["securityContext"]  # R5.5 for every container
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
 
     sized = template("--set", "temporal.embedded.persistence.size=5Gi",
@@ -431,7 +436,7 @@ def test_notes_give_the_verify_steps(tmp_path: Path) -> None:
     for step in VERIFY_STEPS:
         assert step in notes, f"NOTES lack {step!r}:\n{notes}"
     assert "prometheus.url is not set" in notes
-    assert "port-forward svc/kubeon-gpu-optimizer-temporal 8233:8233" in notes
+    assert "port-forward svc/kubeon-gpu-optimizer-temporal 8234:8234" in notes
     assert "get svc kubeon-gpu-optimizer-gateway" not in notes
 
     notes = render_notes(tmp_path / "burst", "-f", BURST_VALUES)

@@ -109,8 +109,8 @@ async def test_the_console_opens_on_what_awaits_approval_with_policy_location_an
         await page.evaluate(f"localStorage.setItem({json.dumps(COLUMNS_KEY)}, {json.dumps(json.dumps(mine))})")
         await page.reload()
         await page.locator("tr", has_text="burst/c/inference-burst-eu/waiting").wait_for(timeout=30_000)
-        headers = {h.strip() for h in await page.locator("th").all_inner_texts()}
-        assert "KubeonPolicy" not in headers and "Workflow ID" in headers
+        chosen = {h.strip() for h in await page.locator("th").all_inner_texts()}
+        assert "KubeonPolicy" not in chosen and "Workflow ID" in chosen
         stored = await page.evaluate(f"localStorage.getItem({json.dumps(COLUMNS_KEY)})")
         assert json.loads(stored)["default"] == mine["default"]
         assert re.search(r"/namespaces/default/workflows", page.url)
