@@ -122,7 +122,10 @@ class FakeServer:
     module: str
     logdir: Path
     tls_dir: Path | None = None
+    # An identity endpoint (plain HTTP on a port of its own): the Azure fake's managed identity.
+    with_identity: bool = False
     url: str = ""
+    identity_url: str = ""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self, *, port: int = 0, timeout: float = 30.0) -> FakeServer:
@@ -134,6 +137,10 @@ class FakeServer:
         argv = [sys.executable, "-m", self.module, "--port", str(port)]
         if self.tls_dir:
             argv += ["--tls-dir", str(self.tls_dir)]
+        if self.with_identity:
+            identity_port = free_port()
+            self.identity_url = f"http://127.0.0.1:{identity_port}/msi/token"
+            argv += ["--identity-port", str(identity_port)]
         self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, cwd=Path(__file__).resolve().parents[2])
         deadline = time.monotonic() + timeout
