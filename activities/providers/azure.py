@@ -122,7 +122,7 @@ class AzureProvider:
                 restricted_zones: set[str] = set()
                 blocked = False
                 for r in sku.restrictions or []:
-                    if r.type == "Location" and loc.region in (r.values or []):
+                    if r.type == "Location" and loc.region in (r.values_property or []):
                         blocked = True
                     elif r.type == "Zone" and r.restriction_info is not None:
                         restricted_zones |= set(r.restriction_info.zones or [])
