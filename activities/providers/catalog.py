@@ -19,8 +19,9 @@ AWS_GPU_INSTANCES: tuple[OfferingSpec, ...] = (
 
 
 def _specs(gpu_product: str, rows: tuple[tuple[str, int, float], ...], ratio: float = 1.0) -> tuple[OfferingSpec, ...]:
+    # Scaled per GPU, so sizes priced linearly stay exactly linear (the planner ranks by USD per GPU-hour).
     return tuple(OfferingSpec(instance_type=name, gpus=gpus, gpu_product=gpu_product,
-                              usd_per_hour=round(usd * ratio, 4)) for name, gpus, usd in rows)
+                              usd_per_hour=round(round(usd / gpus * ratio, 4) * gpus, 4)) for name, gpus, usd in rows)
 
 
 # Google Compute Engine, Linux on-demand, VM + attached GPUs (USD/hour). Source: GCE "GPU pricing" and "VM instance
@@ -32,8 +33,8 @@ _GCP_US_CENTRAL1: tuple[tuple[str, tuple[tuple[str, int, float], ...]], ...] = (
     ("NVIDIA-L4", (("g2-standard-4", 1, 0.7068), ("g2-standard-8", 1, 0.8536), ("g2-standard-12", 1, 1.0004),
                    ("g2-standard-16", 1, 1.1472), ("g2-standard-24", 2, 2.0008), ("g2-standard-32", 1, 1.7344),
                    ("g2-standard-48", 4, 4.0016))),
-    ("NVIDIA-A100-SXM4-40GB", (("a2-highgpu-1g", 1, 3.6731), ("a2-highgpu-2g", 2, 7.3461),
-                               ("a2-highgpu-4g", 4, 14.6923), ("a2-highgpu-8g", 8, 29.3846))),
+    ("NVIDIA-A100-SXM4-40GB", (("a2-highgpu-1g", 1, 3.6734), ("a2-highgpu-2g", 2, 7.3468),
+                               ("a2-highgpu-4g", 4, 14.6936), ("a2-highgpu-8g", 8, 29.3872))),
     ("NVIDIA-H100-80GB-HBM3", (("a3-highgpu-8g", 8, 88.2539),)),
 )
 GCP_GPU_INSTANCES: dict[str, tuple[OfferingSpec, ...]] = {
