@@ -6,7 +6,7 @@ the custom role on the location's one resource group (VMs and NICs, R4.5). TLS i
 or private endpoint is trusted through ``KUBEON_AZURE_CA_FILE``, never by switching verification off.
 
 Identity is tags: ``kubeon.io/burst=<policy>`` and ``kubeon.io/operation=<operation>``. Azure has no server-side
-tag filter for VMs, so lists are filtered here. A VM is named after the node and its zone, so a retried PUT
+tag filter for VMs, so lists are filtered here. A VM is named after the node, its size and zone, so a retried PUT
 (after a crash, before the answer) updates that same VM and can never update another operation's; a launch first
 looks for the operation's VM. The NIC is created inline with the VM (``networkInterfaceConfigurations``, deleted
 with it). Long-running operations are polled through ``Azure-AsyncOperation`` with this provider's deadline.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import threading
 import time
 from typing import Any
@@ -91,7 +92,7 @@ class AzureProvider:
 
     def _error(self, location: str, call: str, exc: Exception) -> ProviderError:
         code, message = self._code(exc)
-        if code in QUOTA_CODES or "quota" in message.lower() and code:
+        if code in QUOTA_CODES and "quota" in message.lower():
             return ProviderError(f"{location}: quota exceeded ({code}: {message.split('. Submit')[0]}); request "
                                  "more in the Azure portal (Subscriptions > Usage + quotas) or remove the location",
                                  retryable=False)
@@ -248,7 +249,10 @@ class AzureProvider:
 
     @staticmethod
     def _vm_name(request: LaunchRequest, zone: str) -> str:
-        return f"{request.node_name}-z{zone}" if zone else request.node_name
+        """One name per operation, size and zone: a retried PUT is the same VM; another size or zone (tried after
+        a failure, whose VM may still be deleting) is another VM."""
+        size = hashlib.sha256(request.offering.instance_type.encode()).hexdigest()[:6]
+        return f"{request.node_name}-{size}-z{zone or 'r'}"
 
     def launch(self, request: LaunchRequest, user_data: str) -> Instance:
         check_allowed(request)

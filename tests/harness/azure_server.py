@@ -262,6 +262,10 @@ class ResourceManager(FakeCloud):
                                for n in nics for ip in n.get("properties", {}).get("ipConfigurations", [])):
             raise arm_error(400, "InvalidParameter", "Required parameter 'networkProfile' is missing (null).")
         existing = self.vms.get(key)
+        if existing is not None and existing["properties"]["provisioningState"] == "Deleting":
+            raise arm_error(409, "OperationNotAllowed", f"Operation 'PUT' is not allowed on VM '{name}' since the VM "
+                            "is marked for deletion. You can only retry the Delete operation (or wait for an ongoing "
+                            "one to complete).")
         if existing is not None:  # a PUT on an existing VM is an update (of tags here); zones cannot change
             if (existing.get("zones") or []) != zones:
                 raise arm_error(409, "PropertyChangeNotAllowed", "Changing property 'zones' is not allowed.")

@@ -89,14 +89,12 @@ class Cloud:
                     out.append(f"{r['path'].split('/zones/')[1].split('/')[0]}/{body['name']}")
             elif self.name == "azure" and r["method"] == "PUT":
                 if body.get("tags", {}).get(TAG_BURST) == policy:
-                    out.append(r["path"].rsplit("/", 1)[1])
+                    out.append(f"{body['location']}/{r['path'].rsplit('/', 1)[1]}")
         return out
 
     def region_of(self, created: str) -> str:
-        if self.name == "gcp":
-            return created.split("/")[0].rsplit("-", 1)[0]
-        return next(r["body"]["location"] for r in self.server.requests()
-                    if r["method"] == "PUT" and r["path"].endswith("/" + created))
+        zone_or_region = created.split("/")[0]
+        return zone_or_region.rsplit("-", 1)[0] if self.name == "gcp" else zone_or_region
 
     def live(self, policy: str) -> list[dict[str, Any]]:
         """The policy's instances that exist and are not being deleted, per the official client."""
