@@ -79,6 +79,7 @@ class AwsSettings(_Camel):
 
 
 class GcpSettings(_Camel):
+    # None: the project of the location's service account (<name>@<project>.iam.gserviceaccount.com).
     project: Annotated[str | None, _pattern(r"[a-z][-a-z0-9]{4,28}[a-z0-9]", "a project ID", "acme-ml")] = None
     # Zones tried in turn; empty: every zone of the region that offers the machine type (machineTypes API).
     zones: list[str] = Field(default_factory=list)
@@ -144,7 +145,12 @@ class LocationConfig(_Camel):
             self._require(self.region in GCP_REGIONS, "name", f"{self.region!r} is not a Google Cloud region")
             self._require(bool(self.credentials.gcp_service_account), "credentials.gcpServiceAccount",
                           "is required for gcp locations")
-            self._require(bool(self.gcp.project), "gcp.project", "is required for gcp locations")
+            sa_project = re.fullmatch(r"[^@]+@([a-z][-a-z0-9]{4,28}[a-z0-9])\.iam\.gserviceaccount\.com",
+                                      self.credentials.gcp_service_account or "")
+            if not self.gcp.project and sa_project:
+                self.gcp.project = sa_project.group(1)  # a user-managed service account's own project
+            self._require(bool(self.gcp.project), "gcp.project",
+                          "is required for gcp locations (the service account names no project)")
             for zone in self.gcp.zones:
                 self._require(zone.startswith(self.region + "-"), "gcp.zones",
                               f"zone {zone!r} is not in region {self.region}")
