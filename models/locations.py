@@ -109,7 +109,8 @@ class AzureSettings(_Camel):
         "/subscriptions/<id>/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst")] = None
     # publisher:offer:sku:version, or an image / gallery image resource ID.
     image: Annotated[str, _pattern(r"([^:\s]+:){3}[^:\s]+|/subscriptions/\S+", "an image URN or resource ID",
-                                   "Canonical:ubuntu-24_04-lts:server:latest")] = "Canonical:ubuntu-24_04-lts:server:latest"
+                                   "Canonical:ubuntu-24_04-lts:server:latest")] = \
+        "Canonical:ubuntu-24_04-lts:server:latest"
     # Availability zones tried in turn; empty: those the resource SKUs API lists for the VM size.
     zones: list[str] = Field(default_factory=list)
     admin_username: str = "kubeon"

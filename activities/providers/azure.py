@@ -282,7 +282,7 @@ class AzureProvider:
             except ProviderError:
                 raise
             except Exception as exc:
-                code, message = self._code(exc)
+                code, _ = self._code(exc)
                 if code in CAPACITY_CODES:
                     failures.append(f"zone {zone or '-'}: {code}")
                     self._discard(location, loc, name)  # a failed allocation leaves a Failed VM behind

@@ -47,7 +47,8 @@ GCP_GPU_INSTANCES: dict[str, tuple[OfferingSpec, ...]] = {
 # 2023-12-18T14:34:50Z, westeurope) and SkyPilot's catalog v6 (eastus); westeurope sizes missing from the snapshot are
 # eastus times the ratio of the series' westeurope / eastus rows. Only sizes with whole GPUs (NVadsA10_v5 below
 # NV36ads shares one A10). Curated 2026-12-01.
-AZURE_CATALOG_SOURCE = "prices.azure.com retail prices via karpenter-azure (2023-12-18) and skypilot v6; curated 2026-12-01"
+AZURE_CATALOG_SOURCE = ("prices.azure.com retail prices via karpenter-azure (2023-12-18) and skypilot v6; "
+                        "curated 2026-12-01")
 _AZURE_EASTUS: tuple[tuple[str, float, tuple[tuple[str, int, float], ...]], ...] = (
     # (gpu product, westeurope / eastus, sizes)
     ("Tesla-T4", 0.658 / 0.526, (("Standard_NC4as_T4_v3", 1, 0.526), ("Standard_NC8as_T4_v3", 1, 0.752),

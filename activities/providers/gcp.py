@@ -346,9 +346,10 @@ class GcpProvider:
             scheduling=compute_v1.Scheduling(on_host_maintenance="TERMINATE", automatic_restart=False,
                                              provisioning_model="STANDARD"),
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key="user-data", value=user_data)]),
-            disks=[compute_v1.AttachedDisk(boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
-                source_image=image, disk_size_gb=settings.disk_size_gb,
-                labels={LABEL_BURST: label_value(request.policy)}))],
+            disks=[compute_v1.AttachedDisk(
+                boot=True, auto_delete=True, initialize_params=compute_v1.AttachedDiskInitializeParams(
+                    source_image=image, disk_size_gb=settings.disk_size_gb,
+                    labels={LABEL_BURST: label_value(request.policy)}))],
             network_interfaces=[nic],
         )
         if settings.node_service_account:
@@ -362,7 +363,8 @@ class GcpProvider:
         except InstanceNotFoundError:
             return
         if instance.tags.get(TAG_BURST) != policy:
-            raise NotOwnedError(f"{location}: instance {instance_id} does not carry {LABEL_BURST}={label_value(policy)}")
+            raise NotOwnedError(
+                f"{location}: instance {instance_id} does not carry {LABEL_BURST}={label_value(policy)}")
         if instance.state == "shutting-down":
             return
         loc = self._config.location(location)

@@ -11,7 +11,8 @@ real bearer-token policy runs. VMs live in memory.
 
 Faults: ``sku_not_available`` ([sizes]: a synchronous 409 SkuNotAvailable), ``allocation_failed_zones`` ([zones]:
 the create's operation fails with ZonalAllocationFailed, the VM stays, Failed, as Azure leaves it),
-``allocation_failed`` (AllocationFailed, any zone; ``allocation_failed_locations``: in those regions), ``quota`` ({"family": ...}: 409 OperationNotAllowed), plus the
+``allocation_failed`` (AllocationFailed, any zone; ``allocation_failed_locations``: in those regions),
+``quota`` ({"family": ...}: 409 OperationNotAllowed), plus the
 shared ones (cloud_fake.py). A VM "boots" when its create operation succeeds: PowerState/running, its customData
 is what the booter joins with.
 
@@ -274,7 +275,7 @@ class ResourceManager(FakeCloud):
         error_body = None
         if zones and set(zones) & set(self.faults.get("allocation_failed_zones", [])):
             error_body = {"code": "ZonalAllocationFailed", "message": "Allocation failed. We do not have sufficient "
-                          f"capacity for the requested VM size in this zone. Read more about improving likelihood "
+                          "capacity for the requested VM size in this zone. Read more about improving likelihood "
                           "of allocation success at http://aka.ms/allocation-guidance"}
         elif self.faults.get("allocation_failed") or location in self.faults.get("allocation_failed_locations", []):
             error_body = {"code": "AllocationFailed", "message": "Allocation failed. We do not have sufficient "

@@ -78,7 +78,7 @@ def parse_filter(text: str) -> Any:
             if value[:1] in "\"'":
                 value = value[1:-1]
             tokens.append(("term", (m.group("field"), m.group("op"), value)))
-    it = iter(tokens + [("end", None)])
+    it = iter([*tokens, ("end", None)])
     current = [next(it)]
 
     def take() -> tuple[str, Any]:
@@ -292,7 +292,8 @@ class ComputeEngine(FakeCloud):
     def _get(self, project: str, zone: str, name: str) -> dict[str, Any]:
         inst = self.instances.get((project, zone, name))
         if inst is None:
-            raise error(404, "notFound", f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found")
+            raise error(404, "notFound",
+                        f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found")
         return inst
 
     def _wait(self, project: str, zone: str, name: str, *, wait: bool) -> Response:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,7 +55,7 @@ AZURE = {"name": "azure/westeurope", "credentials": {"azureClientId": "55555555-
                                "virtualNetworks/vnet/subnets/burst"}}
 
 
-def _burst(tmp_path: Path, location: dict[str, object]) -> object:
+def _burst(tmp_path: Path, location: Mapping[str, object]) -> Any:
     path = tmp_path / "locations.json"
     path.write_text(json.dumps([location]))
     return load_settings({"KUBEON_CLUSTER": "c1", "KUBEON_BURST_LOCATIONS_FILE": str(path)}).burst_config()
@@ -62,12 +64,12 @@ def _burst(tmp_path: Path, location: dict[str, object]) -> object:
 def test_gcp_and_azure_locations_are_accepted(tmp_path: Path) -> None:
     for location in (GCP, AZURE):
         config = _burst(tmp_path, location)
-        assert config.locations[0].name == location["name"]  # type: ignore[attr-defined]
+        assert config.locations[0].name == location["name"]
 
 
 def test_gcp_project_defaults_to_the_service_accounts(tmp_path: Path) -> None:
     config = _burst(tmp_path, {**GCP, "gcp": {}})
-    assert config.locations[0].gcp.project == "acme-ml"  # type: ignore[attr-defined]
+    assert config.locations[0].gcp.project == "acme-ml"
 
 
 @pytest.mark.parametrize(("location", "field"), [
@@ -85,7 +87,7 @@ def test_gcp_project_defaults_to_the_service_accounts(tmp_path: Path) -> None:
     ({**AZURE, "azure": {**AZURE["azure"], "subnetId": "subnet-1"}}, "azure.subnetId: .*not a subnet"),  # type: ignore[dict-item]
     ({**AZURE, "azure": {**AZURE["azure"], "image": "ubuntu"}}, "azure.image: .*not an image"),  # type: ignore[dict-item]
 ])
-def test_bad_cloud_location_is_refused_naming_the_field(tmp_path: Path, location: dict[str, object],
+def test_bad_cloud_location_is_refused_naming_the_field(tmp_path: Path, location: Mapping[str, object],
                                                          field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         _burst(tmp_path, location)

@@ -87,9 +87,8 @@ class Cloud:
             if self.name == "gcp" and r["method"] == "POST" and r["path"].endswith("/instances"):
                 if body.get("labels", {}).get("kubeon-burst") == policy.replace(".", "_"):
                     out.append(f"{r['path'].split('/zones/')[1].split('/')[0]}/{body['name']}")
-            elif self.name == "azure" and r["method"] == "PUT":
-                if body.get("tags", {}).get(TAG_BURST) == policy:
-                    out.append(f"{body['location']}/{r['path'].rsplit('/', 1)[1]}")
+            elif self.name == "azure" and r["method"] == "PUT" and body.get("tags", {}).get(TAG_BURST) == policy:
+                out.append(f"{body['location']}/{r['path'].rsplit('/', 1)[1]}")
         return out
 
     def region_of(self, created: str) -> str:

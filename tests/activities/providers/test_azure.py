@@ -158,5 +158,5 @@ def test_tls_is_verified(server: FakeServer, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("IDENTITY_ENDPOINT", server.identity_url)
     monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_HEADER)
     provider = AzureProvider(config(), endpoint_url=server.url)
-    with pytest.raises(ProviderError, match="SSL|certificate"):
+    with pytest.raises(ProviderError, match=r"SSL|certificate"):
         provider.price_offerings(LOCATION)
