@@ -249,7 +249,8 @@ class GcpProvider:
                 raise ProviderError(f"{location}: operation {op.name} in {zone} not done after {self._deadline:.0f}s")
             report_progress(f"{op.operation_type} in {zone}: {op.status.name}")
             try:
-                op = ops.wait(project=project, zone=zone, operation=op.name, timeout=30)
+                # GCE holds a wait up to 2 minutes; 10 s keeps heartbeats well inside the activity's timeout.
+                op = ops.wait(project=project, zone=zone, operation=op.name, timeout=10)
             except Exception as exc:
                 status = int(getattr(exc, "code", 0) or 0)
                 if status and status < 500 and status != 429:
