@@ -143,6 +143,7 @@ def test_list_by_tag_get_terminate(provider: AzureProvider, server: FakeServer) 
     assert [i.instance_id for i in provider.list(LOCATION, operation="op-other0000000")] == [other.instance_id]
     with pytest.raises(NotOwnedError):
         provider.terminate(LOCATION, other.instance_id, policy="team.a")
+    server.fault(operation_seconds=30)  # the delete takes a while, as a cloud's does
     provider.terminate(LOCATION, inst.instance_id, policy="team.a")
     assert provider.get(LOCATION, inst.instance_id).state == "shutting-down"
     provider.terminate(LOCATION, inst.instance_id, policy="team.a")
@@ -160,3 +161,17 @@ def test_tls_is_verified(server: FakeServer, monkeypatch: pytest.MonkeyPatch) ->
     provider = AzureProvider(config(), endpoint_url=server.url)
     with pytest.raises(ProviderError, match=r"SSL|certificate"):
         provider.price_offerings(LOCATION)
+
+
+def test_an_operation_past_the_deadline_fails_the_launch(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    server.reset()
+    monkeypatch.setenv("IDENTITY_ENDPOINT", server.identity_url)
+    monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_HEADER)
+    provider = AzureProvider(config(), endpoint_url=server.url, ca_file=str(server.ca_file), polling_interval=0.1,
+                             operation_deadline=1.0)
+    req = request(provider)
+    server.fault(operation_seconds=30, retry_after=0)
+    with pytest.raises(ProviderError, match="not done after 1s") as err:
+        provider.launch(req, "x")
+    assert err.value.retryable
+    assert [i.state for i in provider.list(LOCATION, operation=req.operation)] == ["pending"]

@@ -138,6 +138,7 @@ def test_list_get_terminate(provider: GcpProvider, server: FakeServer) -> None:
     assert provider.list("gcp/us-central1") == []
     with pytest.raises(NotOwnedError):
         provider.terminate(LOCATION, other.instance_id, policy="team.a")
+    server.fault(operation_seconds=30)  # the delete takes a while, as a cloud's does
     provider.terminate(LOCATION, inst.instance_id, policy="team.a")
     assert provider.get(LOCATION, inst.instance_id).state == "shutting-down"
     provider.terminate(LOCATION, inst.instance_id, policy="team.a")  # deleting already: no second delete
@@ -175,3 +176,15 @@ def test_no_builtin_prices_for_a_region_is_named(server: FakeServer) -> None:
         provider.price_offerings("gcp/asia-east1")
 
 
+
+
+def test_an_operation_past_the_deadline_fails_the_launch(server: FakeServer) -> None:
+    server.reset()
+    provider = GcpProvider(config(), endpoint_url=server.url, operation_deadline=1.0)
+    req = request(provider)
+    server.fault(operation_seconds=30)
+    with pytest.raises(ProviderError, match="not done after 1s") as err:
+        provider.launch(req, "x")
+    assert err.value.retryable  # the retry finds the instance by its label once it runs
+    waits = [r for r in server.requests() if r["path"].endswith("/wait")]
+    assert waits and all("/zones/europe-west4-a/" in r["path"] for r in waits), "polled here, at this endpoint"
