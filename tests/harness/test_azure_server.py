@@ -129,3 +129,21 @@ def test_resource_skus_name_zones_and_gpus(compute: Any, server: FakeServer) -> 
     assert t4.location_info[0].zones == ["1", "2", "3"]
     assert {c.name: c.value for c in t4.capabilities}["GPUs"] == "1"
     assert skus["Standard_ND96isr_H100_v5"].restrictions[0].reason_code == "NotAvailableForSubscription"
+
+
+def test_nth_call_fails_once_with_a_server_error(compute: Any, server: FakeServer) -> None:
+    compute.virtual_machines.begin_create_or_update(RG, "vm-n", vm()).result()
+    server.fault(fail_nth={"n": 1, "status": 500})
+    with pytest.raises(HttpResponseError) as err:
+        compute.virtual_machines.get(RG, "vm-n")
+    assert err.value.status_code == 500 and err.value.error is not None
+    assert err.value.error.code == "InternalServerError"
+    assert compute.virtual_machines.get(RG, "vm-n").name == "vm-n"
+
+
+def test_put_on_an_existing_vm_is_an_update_not_a_second_vm(compute: Any, server: FakeServer) -> None:
+    compute.virtual_machines.begin_create_or_update(RG, "vm-u", vm()).result()
+    compute.virtual_machines.begin_create_or_update(RG, "vm-u", vm(tags={"kubeon.io/burst": "q"})).result()
+    assert [v["tags"] for v in server.state()["vms"]] == [{"kubeon.io/burst": "q"}]
+    with pytest.raises(ResourceExistsError):  # a zone cannot change: another zone is another VM name
+        compute.virtual_machines.begin_create_or_update(RG, "vm-u", vm(zone="2"))
