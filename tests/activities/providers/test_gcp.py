@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +190,19 @@ def test_an_operation_past_the_deadline_fails_the_launch(server: FakeServer) -> 
     assert err.value.retryable  # the retry finds the instance by its label once it runs
     waits = [r for r in server.requests() if r["path"].endswith("/wait")]
     assert waits and all("/zones/europe-west4-a/" in r["path"] for r in waits), "polled here, at this endpoint"
+
+
+def test_without_an_emulator_the_locations_service_account_is_impersonated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's own identity (here an ADC file; workload identity in a cluster) is the source; the calls carry
+    the location's service account. Nothing is sent until a call refreshes the token."""
+    from google.auth import impersonated_credentials
+
+    adc = tmp_path / "adc.json"
+    adc.write_text(json.dumps({"type": "authorized_user", "client_id": "c", "client_secret": "s",
+                               "refresh_token": "r"}))
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(adc))
+    provider = GcpProvider(config())
+    creds = provider._credentials(config().location(LOCATION))
+    assert isinstance(creds, impersonated_credentials.Credentials)
+    assert creds.service_account_email == SA
