@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from typing import Annotated, Final, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from models.policy import _check_location
@@ -14,10 +15,44 @@ class _Camel(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
 
 
+GUID: Final = r"[0-9a-fA-F]{8}-([0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}"
+# Regions each cloud has (late 2026); a location naming another is refused at start (a typo would otherwise be a
+# location that never launches anything).
+GCP_REGIONS: Final = frozenset({
+    "africa-south1", "asia-east1", "asia-east2", "asia-northeast1", "asia-northeast2", "asia-northeast3",
+    "asia-south1", "asia-south2", "asia-southeast1", "asia-southeast2", "australia-southeast1",
+    "australia-southeast2", "europe-central2", "europe-north1", "europe-north2", "europe-southwest1",
+    "europe-west1", "europe-west2", "europe-west3", "europe-west4", "europe-west6", "europe-west8", "europe-west9",
+    "europe-west10", "europe-west12", "me-central1", "me-central2", "me-west1", "northamerica-northeast1",
+    "northamerica-northeast2", "northamerica-south1", "southamerica-east1", "southamerica-west1", "us-central1",
+    "us-east1", "us-east4", "us-east5", "us-south1", "us-west1", "us-west2", "us-west3", "us-west4",
+})
+AZURE_REGIONS: Final = frozenset({
+    "australiaeast", "australiasoutheast", "brazilsouth", "canadacentral", "canadaeast", "centralindia",
+    "centralus", "eastasia", "eastus", "eastus2", "francecentral", "germanywestcentral", "israelcentral",
+    "italynorth", "japaneast", "japanwest", "koreacentral", "mexicocentral", "northcentralus", "northeurope",
+    "norwayeast", "polandcentral", "qatarcentral", "southafricanorth", "southcentralus", "southeastasia",
+    "southindia", "spaincentral", "swedencentral", "switzerlandnorth", "uaenorth", "uksouth", "ukwest",
+    "westcentralus", "westeurope", "westus", "westus2", "westus3",
+})
+
+
+def _pattern(regex: str, what: str, example: str) -> AfterValidator:
+    def check(value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(regex, value):
+            raise ValueError(f"{value!r} is not {what} (e.g. {example})")
+        return value
+
+    return AfterValidator(check)
+
+
 class Credentials(_Camel):
     aws_role_arn: str | None = None
-    gcp_service_account: str | None = None
-    azure_client_id: str | None = None
+    gcp_service_account: Annotated[str | None, _pattern(
+        r"[a-z0-9][-a-z0-9]{4,61}@[-a-z0-9.]+\.gserviceaccount\.com", "a service account e-mail",
+        "kubeon-burst@my-project.iam.gserviceaccount.com")] = None
+    azure_client_id: Annotated[str | None, _pattern(
+        GUID, "a client ID (GUID)", "55555555-6666-7777-8888-999999999999")] = None
     existing_secret: str | None = None
 
 
@@ -43,6 +78,47 @@ class AwsSettings(_Camel):
     instance_profile: str = "kubeon-burst-node"
 
 
+class GcpSettings(_Camel):
+    # None: the project of the location's service account (<name>@<project>.iam.gserviceaccount.com).
+    project: Annotated[str | None, _pattern(r"[a-z][-a-z0-9]{4,28}[a-z0-9]", "a project ID", "acme-ml")] = None
+    # Zones tried in turn; empty: every zone of the region that offers the machine type (machineTypes API).
+    zones: list[str] = Field(default_factory=list)
+    # The subnetwork the nodes' interface joins (regions/<region>/subnetworks/<name>); None: the default network.
+    subnetwork: Annotated[str | None, _pattern(
+        r"(projects/[a-z][-a-z0-9]{4,28}[a-z0-9]/)?regions/[a-z0-9-]+/subnetworks/[a-z]([-a-z0-9]*[a-z0-9])?",
+        "a subnetwork", "regions/europe-west4/subnetworks/kubeon-burst")] = None
+    # Boot image; None: the newest of the project's image family kubeon-burst-node.
+    image: Annotated[str | None, _pattern(
+        r"(projects/[-a-z0-9]+/)?global/images/(family/)?[a-z]([-a-z0-9]*[a-z0-9])?", "an image",
+        "projects/acme-ml/global/images/family/kubeon-burst-node")] = None
+    # The nodes' own service account (None: none attached, the node needs no Google API).
+    node_service_account: str | None = None
+    disk_size_gb: Annotated[int, Field(ge=10, le=65536)] = 100
+
+
+class AzureSettings(_Camel):
+    subscription: Annotated[str | None, _pattern(GUID, "a subscription ID (GUID)",
+                                                 "11111111-2222-3333-4444-555555555555")] = None
+    # The one resource group the location's identity may create VMs and NICs in (R4.5).
+    resource_group: Annotated[str | None, _pattern(r"[-\w._()]{0,89}[-\w_()]", "a resource group name",
+                                                   "kubeon-burst-westeurope")] = None
+    # The existing subnet the inline NIC joins.
+    subnet_id: Annotated[str | None, _pattern(
+        rf"/subscriptions/{GUID}/resourceGroups/[-\w._()]+/providers/Microsoft\.Network/virtualNetworks/"
+        r"[-\w.]+/subnets/[-\w.]+", "a subnet resource ID",
+        "/subscriptions/<id>/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst")] = None
+    # publisher:offer:sku:version, or an image / gallery image resource ID.
+    image: Annotated[str, _pattern(r"([^:\s]+:){3}[^:\s]+|/subscriptions/\S+", "an image URN or resource ID",
+                                   "Canonical:ubuntu-24_04-lts:server:latest")] = \
+        "Canonical:ubuntu-24_04-lts:server:latest"
+    # Availability zones tried in turn; empty: those the resource SKUs API lists for the VM size.
+    zones: list[str] = Field(default_factory=list)
+    admin_username: str = "kubeon"
+    # None: a freshly generated key nobody keeps (nodes join through the gateway; nobody logs in).
+    ssh_public_key: str | None = None
+    disk_size_gb: Annotated[int, Field(ge=30, le=4095)] = 128
+
+
 class SimSettings(_Camel):
     boot_seconds: Annotated[float, Field(ge=0)] = 2.0
     # Simulated capacity: at most this many running instances at once; more is "insufficient capacity".
@@ -59,7 +135,41 @@ class LocationConfig(_Camel):
     offerings: list[OfferingSpec] = Field(default_factory=list)
     transfer: TransferEstimate = Field(default_factory=TransferEstimate)
     aws: AwsSettings = Field(default_factory=AwsSettings)
+    gcp: GcpSettings = Field(default_factory=GcpSettings)
+    azure: AzureSettings = Field(default_factory=AzureSettings)
     sim: SimSettings = Field(default_factory=SimSettings)
+
+    @model_validator(mode="after")
+    def _cloud_settings(self) -> Self:
+        """What each cloud needs to launch at all, named by field (the chart's schema checks the same)."""
+        if self.provider == "gcp":
+            self._require(self.region in GCP_REGIONS, "name", f"{self.region!r} is not a Google Cloud region")
+            self._require(bool(self.credentials.gcp_service_account), "credentials.gcpServiceAccount",
+                          "is required for gcp locations")
+            sa_project = re.fullmatch(r"[^@]+@([a-z][-a-z0-9]{4,28}[a-z0-9])\.iam\.gserviceaccount\.com",
+                                      self.credentials.gcp_service_account or "")
+            if not self.gcp.project and sa_project:
+                self.gcp.project = sa_project.group(1)  # a user-managed service account's own project
+            self._require(bool(self.gcp.project), "gcp.project",
+                          "is required for gcp locations (the service account names no project)")
+            for zone in self.gcp.zones:
+                self._require(zone.startswith(self.region + "-"), "gcp.zones",
+                              f"zone {zone!r} is not in region {self.region}")
+            if self.gcp.subnetwork:
+                self._require(f"regions/{self.region}/" in self.gcp.subnetwork, "gcp.subnetwork",
+                              f"{self.gcp.subnetwork!r} is not in region {self.region}")
+        elif self.provider == "azure":
+            self._require(self.region in AZURE_REGIONS, "name", f"{self.region!r} is not an Azure region")
+            self._require(bool(self.credentials.azure_client_id), "credentials.azureClientId",
+                          "is required for azure locations")
+            for field in ("subscription", "resource_group", "subnet_id"):
+                self._require(bool(getattr(self.azure, field)), f"azure.{to_camel(field)}",
+                              "is required for azure locations")
+        return self
+
+    def _require(self, ok: bool, field: str, problem: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.name}: {field} {problem}")
 
     @property
     def provider(self) -> str:

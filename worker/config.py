@@ -76,6 +76,11 @@ class Settings(BaseModel):
     hub_ca_file: Path | None = None
     state_dir: Path = Path("/tmp/kubeon")
     aws_endpoint_url: str | None = None
+    # Emulators or private endpoints of the other clouds (tests, make dev). GCP: calls carry anonymous
+    # credentials then (no Google token goes to another endpoint). Azure: TLS is verified with azure_ca_file.
+    gcp_endpoint_url: str | None = None
+    azure_endpoint_url: str | None = None
+    azure_ca_file: Path | None = None
     health_port: int = 8080
     max_concurrent_activities: int = 100
     approval_timeout_seconds: int = 3600
@@ -89,6 +94,22 @@ class Settings(BaseModel):
         if isinstance(seconds, (int, float)) and seconds < 1:
             raise ValueError("must be at least 1s")
         return seconds
+
+    @field_validator("gcp_endpoint_url")
+    @classmethod
+    def _gcp_endpoint(cls, value: str | None) -> str | None:
+        # The scheme is required: google-cloud-compute turns a bare host:port into https.
+        if value and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL (e.g. http://127.0.0.1:8470)")
+        return value.rstrip("/") if value else value
+
+    @field_validator("azure_endpoint_url")
+    @classmethod
+    def _azure_endpoint(cls, value: str | None) -> str | None:
+        # Bearer tokens go only over TLS (azure-core refuses otherwise; so does this setting).
+        if value and not re.match(r"^https://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an https URL (e.g. https://127.0.0.1:8471)")
+        return value.rstrip("/") if value else value
 
     @field_validator("gateway_public_url", "hub_url")
     @classmethod

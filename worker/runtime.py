@@ -153,6 +153,15 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
         from activities.providers.aws import AwsProvider
 
         providers["aws"] = AwsProvider(burst, endpoint_url=settings.aws_endpoint_url)
+    if "gcp" in kinds:
+        from activities.providers.gcp import GcpProvider
+
+        providers["gcp"] = GcpProvider(burst, endpoint_url=settings.gcp_endpoint_url)
+    if "azure" in kinds:
+        from activities.providers.azure import AzureProvider
+
+        providers["azure"] = AzureProvider(burst, endpoint_url=settings.azure_endpoint_url,
+                                           ca_file=str(settings.azure_ca_file) if settings.azure_ca_file else None)
     if "sim" in kinds:
         from activities.gateway import parse_user_data_ticket
         from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider

@@ -58,3 +58,12 @@ def check_allowed(request: LaunchRequest) -> None:
             f"location {request.offering.location} is not in policy {request.policy}'s locations "
             f"({', '.join(request.allowed_locations)}); refusing to launch"
         )
+
+
+def report_progress(details: str) -> None:
+    """Heartbeat from inside a provider call that waits on the cloud (an operation, a long-running poll), so the
+    activity's heartbeat timeout measures a stuck call, not a slow cloud. Outside an activity: nothing."""
+    from temporalio import activity
+
+    if activity.in_activity():
+        activity.heartbeat(details)

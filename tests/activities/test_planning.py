@@ -59,8 +59,9 @@ def test_same_offerings_give_the_same_plan_id() -> None:
 def test_transfer_estimate_by_provider() -> None:
     home = "aws/us-east-1"
     assert transfer_usd_per_gpu_hour(home, LocationConfig(name="aws/eu-central-1")) == 0.02
-    assert transfer_usd_per_gpu_hour(home, LocationConfig(name="gcp/europe-west4")) == 0.09
+    gcp = {"name": "gcp/europe-west4", "credentials": {"gcpServiceAccount": "burst@acme-ml.iam.gserviceaccount.com"}}
+    assert transfer_usd_per_gpu_hour(home, LocationConfig.model_validate(gcp)) == 0.09
     assert transfer_usd_per_gpu_hour(home, LocationConfig(name="onprem/dc1")) == 0.0
-    custom = LocationConfig(name="gcp/europe-west4",
-                            transfer=TransferEstimate(egress_gb_per_gpu_hour=3, usd_per_gb=0.05))
+    custom = LocationConfig.model_validate({**gcp, "transfer": TransferEstimate(egress_gb_per_gpu_hour=3,
+                                                                                usd_per_gb=0.05)})
     assert transfer_usd_per_gpu_hour(home, custom) == 0.15

@@ -1,7 +1,8 @@
 """`make dev`: everything on one machine, no cloud account.
 
 The Temporal dev server (UI at http://127.0.0.1:8233), the local control plane with kwok, two `sim` locations
-with different prices, a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) seeded with an admin key, the
+with different prices, aws/eu-central-1 (moto), gcp/europe-west4 and azure/westeurope (local servers, named in
+endpoints.json), a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) seeded with an admin key, the
 cluster `dev` with its token and the example policies from examples/policies, and the worker (`kubeon-gpu
 worker`, with the optimizer's own ServiceAccount; the gateway in-process with its own), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
@@ -20,12 +21,16 @@ from pathlib import Path
 
 import yaml
 
+from activities.gateway import KubeGateway
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
 from tests.harness.burst import build_stack, worker_process
+from tests.harness.cloud_boot import gateway_join
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
+from tests.harness.dev_clouds import DevClouds
 from tests.harness.kube import Kube, wait_for
 from tests.harness.temporal import dev_server_path
+from worker.runtime import kube_api
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_LOCATIONS = [
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     temporal: subprocess.Popen[bytes] | None = None
     hub: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
+    devclouds: DevClouds | None = None
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
@@ -164,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         temporal = start_temporal(workdir, args.temporal_port, args.ui_port)
 
         stack = build_stack(cluster, workdir / "stack")
+        say("starting the local clouds: moto (aws/eu-central-1), gcp/europe-west4, azure/westeurope")
+        devclouds = DevClouds(workdir / "clouds", endpoints_file=workdir / "endpoints.json").start()
+        os.environ.update(devclouds.worker_env())  # the worker inherits them
+        devclouds.boot(gateway_join(KubeGateway(kube_api(stack.gateway_kubeconfig),
+                                                stack.ticket_key_file.read_bytes().strip())))
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
         hub_settings = {}
@@ -182,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
                          f"{hub_url}/v1/clusters/dev/reports\n")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
-                                  locations=DEV_LOCATIONS, cluster_name="dev", serve_check_seconds=5,
-                                  approval_timeout_seconds=86400, **hub_settings)
+                                  locations=DEV_LOCATIONS + devclouds.locations, cluster_name="dev",
+                                  serve_check_seconds=5, approval_timeout_seconds=86400, **hub_settings,
+                                  **devclouds.settings())
         worker = worker_process(settings, workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
@@ -200,8 +212,9 @@ KubeOn GPU optimizer is running locally.
 
   kubeconfig   {rel}
   Temporal UI  http://127.0.0.1:{args.ui_port}
-{hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h)
-
+{hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h), aws/eu-central-1, gcp/europe-west4,
+               azure/westeurope (list prices; emulators in {os.path.relpath(devclouds.endpoints_file, Path.cwd())}):
+{devclouds.banner()}
 Next:
   kubectl --kubeconfig {rel} apply -f examples/burst-workload.yaml
   .venv/bin/kubeon-gpu ops list
@@ -224,6 +237,8 @@ ready""", flush=True)
         stop(worker)
         stop(hub)
         stop(temporal)
+        if devclouds is not None:
+            devclouds.stop()
         plane.stop()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import signal
@@ -64,6 +65,9 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         assert "kubectl --kubeconfig" in banner and "examples/burst-workload.yaml" in banner
         assert f"http://127.0.0.1:{hub_port}" in banner and "policies synced from the hub: inference-burst" in banner
         assert "policies synced: 1 created" in (tmp_path / "dev" / "worker.log").read_text()  # R1.5
+        endpoints = json.loads((tmp_path / "dev" / "endpoints.json").read_text())
+        assert set(endpoints) == {"aws", "gcp", "azure"} and endpoints["azure"]["ca"].endswith(".pem")
+        assert endpoints["gcp"]["url"] in banner and endpoints["azure"]["resourceGroup"] in banner
         admin = Kube.from_kubeconfig(tmp_path / "dev" / "kubeconfig")
         workload = yaml.safe_load((ROOT / "examples" / "burst-workload.yaml").read_text())
         admin.apps.create_namespaced_deployment("default", workload)

@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from worker.config import ConfigError, load_settings
@@ -39,3 +44,57 @@ def test_hub_poll_interval_takes_the_charts_durations(value: str, seconds: float
 def test_bad_hub_setting_names_the_variable_and_why(variable: str, value: str, why: str) -> None:
     with pytest.raises(ConfigError, match=f"{variable}: .*{why}"):
         load_settings({"KUBEON_CLUSTER": "c", variable: value})
+
+
+GCP = {"name": "gcp/europe-west4", "credentials": {"gcpServiceAccount": "kubeon-burst@acme-ml.iam.gserviceaccount.com"},
+       "gcp": {"project": "acme-ml"}}
+AZURE_SUB = "11111111-2222-3333-4444-555555555555"
+AZURE = {"name": "azure/westeurope", "credentials": {"azureClientId": "55555555-6666-7777-8888-999999999999"},
+         "azure": {"subscription": AZURE_SUB, "resourceGroup": "kubeon-burst",
+                   "subnetId": f"/subscriptions/{AZURE_SUB}/resourceGroups/net/providers/Microsoft.Network/"
+                               "virtualNetworks/vnet/subnets/burst"}}
+
+
+def _burst(tmp_path: Path, location: Mapping[str, object]) -> Any:
+    path = tmp_path / "locations.json"
+    path.write_text(json.dumps([location]))
+    return load_settings({"KUBEON_CLUSTER": "c1", "KUBEON_BURST_LOCATIONS_FILE": str(path)}).burst_config()
+
+
+def test_gcp_and_azure_locations_are_accepted(tmp_path: Path) -> None:
+    for location in (GCP, AZURE):
+        config = _burst(tmp_path, location)
+        assert config.locations[0].name == location["name"]
+
+
+def test_gcp_project_defaults_to_the_service_accounts(tmp_path: Path) -> None:
+    config = _burst(tmp_path, {**GCP, "gcp": {}})
+    assert config.locations[0].gcp.project == "acme-ml"
+
+
+@pytest.mark.parametrize(("location", "field"), [
+    ({**GCP, "gcp": {}, "credentials": {"gcpServiceAccount": "123456789-compute@developer.gserviceaccount.com"}},
+     "gcp.project is required"),
+    ({**GCP, "gcp": {"project": "Not_A_Project"}}, "burst.locations.0.gcp.project: .*not a project ID"),
+    ({**GCP, "name": "gcp/europe-west44"}, "name 'europe-west44' is not a Google Cloud region"),
+    ({**GCP, "credentials": {"gcpServiceAccount": "kubeon"}}, "credentials.gcpServiceAccount: .*service account"),
+    ({**GCP, "credentials": {}}, "credentials.gcpServiceAccount is required"),
+    ({**GCP, "gcp": {"project": "acme-ml", "zones": ["us-central1-a"]}}, "gcp.zones zone 'us-central1-a' is not in"),
+    ({**GCP, "gcp": {"project": "acme-ml", "subnetwork": "regions/us-central1/subnetworks/s"}}, "gcp.subnetwork"),
+    ({**AZURE, "credentials": {"azureClientId": "not-a-guid"}}, "credentials.azureClientId: .*not a client ID"),
+    ({**AZURE, "name": "azure/westeurop"}, "name 'westeurop' is not an Azure region"),
+    ({**AZURE, "azure": {**AZURE["azure"], "subscription": None}}, "azure.subscription is required"),  # type: ignore[dict-item]
+    ({**AZURE, "azure": {**AZURE["azure"], "subnetId": "subnet-1"}}, "azure.subnetId: .*not a subnet"),  # type: ignore[dict-item]
+    ({**AZURE, "azure": {**AZURE["azure"], "image": "ubuntu"}}, "azure.image: .*not an image"),  # type: ignore[dict-item]
+])
+def test_bad_cloud_location_is_refused_naming_the_field(tmp_path: Path, location: Mapping[str, object],
+                                                         field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        _burst(tmp_path, location)
+
+
+@pytest.mark.parametrize(("variable", "value"), [("KUBEON_GCP_ENDPOINT_URL", "127.0.0.1:8470"),
+                                                 ("KUBEON_AZURE_ENDPOINT_URL", "http://127.0.0.1:8471")])
+def test_cloud_endpoints_need_their_scheme(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=variable):
+        load_settings({"KUBEON_CLUSTER": "c1", variable: value})

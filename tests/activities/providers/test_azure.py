@@ -1,0 +1,177 @@
+"""The Azure provider against the local ARM server over HTTPS (azure-mgmt-compute and azure-identity underneath)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+
+import pytest
+
+from activities.providers.azure import AzureProvider
+from activities.providers.base import (
+    InsufficientCapacityError,
+    LocationNotAllowedError,
+    NotOwnedError,
+    ProviderError,
+)
+from models.locations import BurstConfig
+from models.operation import TAG_BURST, TAG_OPERATION, LaunchRequest
+from tests.harness.azure_server import IDENTITY_HEADER
+from tests.harness.cloud_fake import FakeServer
+
+LOCATION = "azure/westeurope"
+SUB = "11111111-2222-3333-4444-555555555555"
+CLIENT_ID = "55555555-6666-7777-8888-999999999999"
+SUBNET = f"/subscriptions/{SUB}/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
+    tmp = tmp_path_factory.mktemp("azure")
+    srv = FakeServer("tests.harness.azure_server", tmp, tls_dir=tmp / "tls", with_identity=True).start()
+    yield srv
+    srv.stop()
+
+
+def config(**azure: object) -> BurstConfig:
+    return BurstConfig.model_validate({"home": "aws/us-east-1", "locations": [
+        {"name": LOCATION, "credentials": {"azureClientId": CLIENT_ID},
+         "azure": {"subscription": SUB, "resourceGroup": "kubeon-burst-we", "subnetId": SUBNET, **azure}},
+        {"name": "azure/eastus", "credentials": {"azureClientId": CLIENT_ID},
+         "azure": {"subscription": SUB, "resourceGroup": "kubeon-burst-eus", "subnetId": SUBNET}}]})
+
+
+@pytest.fixture
+def provider(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> AzureProvider:
+    server.reset()
+    server.fault(operation_seconds=0.1, retry_after=0)
+    monkeypatch.setenv("IDENTITY_ENDPOINT", server.identity_url)
+    monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_HEADER)
+    return AzureProvider(config(), endpoint_url=server.url, ca_file=str(server.ca_file), polling_interval=0.1)
+
+
+def request(provider: AzureProvider, size: str = "Standard_NC4as_T4_v3", op: str = "op-0123456789ab",
+            policy: str = "team.a") -> LaunchRequest:
+    offering = next(o for o in provider.price_offerings(LOCATION) if o.instance_type == size)
+    return LaunchRequest(operation=op, cluster="prod", policy=policy, allowed_locations=[LOCATION],
+                         offering=offering, node_name=f"burst-{op}", labels={}, taints=[])
+
+
+def puts(server: FakeServer) -> list[str]:
+    return [r["path"].rsplit("/", 1)[1] for r in server.requests() if r["method"] == "PUT"]
+
+
+def test_price_offerings_leave_out_restricted_sizes(provider: AzureProvider, server: FakeServer) -> None:
+    server.fault(sku_restricted=["Standard_ND96isr_H100_v5"])
+    offers = {o.instance_type: o for o in provider.price_offerings(LOCATION)}
+    assert "Standard_ND96isr_H100_v5" not in offers
+    assert offers["Standard_NC4as_T4_v3"].instance_usd_per_hour == pytest.approx(0.658)
+    assert offers["Standard_NC24ads_A100_v4"].gpu_product == "NVIDIA-A100-80GB-PCIe"
+
+
+def test_launch_tags_custom_data_and_inline_nic(provider: AzureProvider, server: FakeServer) -> None:
+    inst = provider.launch(request(provider), "#cloud-config\nuser data")
+    assert inst.state == "running" and inst.instance_id.startswith("burst-op-0123456789ab-")
+    assert inst.instance_id.endswith("-z1")
+    assert inst.tags[TAG_BURST] == "team.a" and inst.tags[TAG_OPERATION] == "op-0123456789ab"
+    body = next(r["body"] for r in server.requests() if r["method"] == "PUT")
+    assert body["zones"] == ["1"]
+    props = body["properties"]
+    assert base64.b64decode(props["osProfile"]["customData"]).decode() == "#cloud-config\nuser data"
+    nic = props["networkProfile"]["networkInterfaceConfigurations"][0]["properties"]
+    assert nic["deleteOption"] == "Delete" and nic["ipConfigurations"][0]["properties"]["subnet"]["id"] == SUBNET
+    assert props["osProfile"]["linuxConfiguration"]["disablePasswordAuthentication"] is True
+    token = next(r for r in server.requests() if r["path"] == "/msi/token")
+    assert token["query"]["client_id"] == CLIENT_ID
+
+
+def test_a_retried_launch_finds_the_vm(provider: AzureProvider, server: FakeServer) -> None:
+    req = request(provider)
+    first = provider.launch(req, "x")
+    assert provider.launch(req, "x").instance_id == first.instance_id
+    assert len(server.state()["vms"]) == 1 and len(puts(server)) == 1
+
+
+def test_zonal_allocation_failure_moves_to_the_next_zone(provider: AzureProvider, server: FakeServer) -> None:
+    server.fault(allocation_failed_zones=["1"])
+    inst = provider.launch(request(provider), "x")
+    assert inst.instance_id.endswith("-z2")
+    first, second = puts(server)
+    assert first.endswith("-z1") and second.endswith("-z2") and first[:-3] == second[:-3]
+    deleted = [r["path"].rsplit("/", 1)[1] for r in server.requests() if r["method"] == "DELETE"]
+    assert deleted == [first], "the Failed VM left by the allocation is deleted"
+
+
+def test_every_zone_failing_is_insufficient_capacity(provider: AzureProvider, server: FakeServer) -> None:
+    server.fault(allocation_failed_zones=["1", "2", "3"])
+    with pytest.raises(InsufficientCapacityError, match="ZonalAllocationFailed"):
+        provider.launch(request(provider), "x")
+    assert len(puts(server)) == 3
+
+
+def test_sku_not_available_is_insufficient_capacity_for_the_region(provider: AzureProvider,
+                                                                    server: FakeServer) -> None:
+    req = request(provider)
+    server.fault(sku_not_available=["Standard_NC4as_T4_v3"])
+    with pytest.raises(InsufficientCapacityError, match="SkuNotAvailable"):
+        provider.launch(req, "x")
+    assert len(puts(server)) == 1
+
+
+def test_quota_is_a_clear_error_not_retried(provider: AzureProvider, server: FakeServer) -> None:
+    req = request(provider)
+    server.fault(quota={"family": "standardNCASv3_T4Family"})
+    with pytest.raises(ProviderError, match="standardNCASv3_T4Family Cores quota") as err:
+        provider.launch(req, "x")
+    assert not err.value.retryable and not isinstance(err.value, InsufficientCapacityError)
+    assert len(puts(server)) == 1
+
+
+def test_location_outside_the_policy_is_never_called(provider: AzureProvider, server: FakeServer) -> None:
+    req = request(provider).model_copy(update={"allowed_locations": ["azure/eastus"]})
+    server.reset()
+    with pytest.raises(LocationNotAllowedError):
+        provider.launch(req, "x")
+    assert server.requests() == []
+
+
+def test_list_by_tag_get_terminate(provider: AzureProvider, server: FakeServer) -> None:
+    server.fault(page_size=1)
+    inst = provider.launch(request(provider), "x")
+    other = provider.launch(request(provider, op="op-other0000000", policy="team-b"), "x")
+    assert [i.instance_id for i in provider.list(LOCATION, policy="team.a")] == [inst.instance_id]
+    assert [i.instance_id for i in provider.list(LOCATION, operation="op-other0000000")] == [other.instance_id]
+    with pytest.raises(NotOwnedError):
+        provider.terminate(LOCATION, other.instance_id, policy="team.a")
+    server.fault(operation_seconds=30)  # the delete takes a while, as a cloud's does
+    provider.terminate(LOCATION, inst.instance_id, policy="team.a")
+    assert provider.get(LOCATION, inst.instance_id).state == "shutting-down"
+    provider.terminate(LOCATION, inst.instance_id, policy="team.a")
+    assert sum(r["method"] == "DELETE" for r in server.requests()) == 1
+
+
+def test_terminate_of_a_gone_vm_is_done(provider: AzureProvider) -> None:
+    provider.terminate(LOCATION, "burst-op-gone-z1", policy="team.a")
+
+
+def test_tls_is_verified(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the CA that signed the server's certificate, nothing is sent (no switch turns checks off)."""
+    monkeypatch.setenv("IDENTITY_ENDPOINT", server.identity_url)
+    monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_HEADER)
+    provider = AzureProvider(config(), endpoint_url=server.url)
+    with pytest.raises(ProviderError, match=r"SSL|certificate"):
+        provider.price_offerings(LOCATION)
+
+
+def test_an_operation_past_the_deadline_fails_the_launch(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    server.reset()
+    monkeypatch.setenv("IDENTITY_ENDPOINT", server.identity_url)
+    monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_HEADER)
+    provider = AzureProvider(config(), endpoint_url=server.url, ca_file=str(server.ca_file), polling_interval=0.1,
+                             operation_deadline=1.0)
+    req = request(provider)
+    server.fault(operation_seconds=30, retry_after=0)
+    with pytest.raises(ProviderError, match="not done after 1s") as err:
+        provider.launch(req, "x")
+    assert err.value.retryable
+    assert [i.state for i in provider.list(LOCATION, operation=req.operation)] == ["pending"]

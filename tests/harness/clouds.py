@@ -1,0 +1,73 @@
+"""Locations, servers and official clients for the local Google Cloud and Azure servers (tests and make dev)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.harness.azure_server import IDENTITY_HEADER
+from tests.harness.cloud_fake import FakeServer
+
+GCP_PROJECT = "kubeon-burst-dev"
+GCP_SA = "kubeon-burst@kubeon-burst-dev.iam.gserviceaccount.com"
+AZURE_SUBSCRIPTION = "11111111-2222-3333-4444-555555555555"
+AZURE_CLIENT_ID = "55555555-6666-7777-8888-999999999999"
+
+
+def azure_resource_group(region: str) -> str:
+    return f"kubeon-burst-{region}"
+
+
+def gcp_location(region: str = "europe-west4", *, project: str = GCP_PROJECT, **extra: Any) -> dict[str, Any]:
+    return {"name": f"gcp/{region}", "credentials": {"gcpServiceAccount": GCP_SA},
+            "gcp": {"project": project}, **extra}
+
+
+def azure_location(region: str = "westeurope", **extra: Any) -> dict[str, Any]:
+    subnet = (f"/subscriptions/{AZURE_SUBSCRIPTION}/resourceGroups/kubeon-net/providers/Microsoft.Network/"
+              f"virtualNetworks/kubeon-{region}/subnets/burst")
+    return {"name": f"azure/{region}", "credentials": {"azureClientId": AZURE_CLIENT_ID},
+            "azure": {"subscription": AZURE_SUBSCRIPTION, "resourceGroup": azure_resource_group(region),
+                      "subnetId": subnet}, **extra}
+
+
+def start_gcp(logdir: Path, *, port: int = 0) -> FakeServer:
+    return FakeServer("tests.harness.gcp_server", logdir).start(port=port)
+
+
+def start_azure(logdir: Path, *, port: int = 0) -> FakeServer:
+    return FakeServer("tests.harness.azure_server", logdir, tls_dir=logdir / "azure-tls",
+                      with_identity=True).start(port=port)
+
+
+def azure_identity_env(server: FakeServer) -> dict[str, str]:
+    """What azure-identity's ManagedIdentityCredential reads to reach the server's identity endpoint."""
+    return {"IDENTITY_ENDPOINT": server.identity_url, "IDENTITY_HEADER": IDENTITY_HEADER}
+
+
+def gcp_instances(server: FakeServer) -> Any:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    return compute_v1.InstancesClient(credentials=AnonymousCredentials(), transport="rest",
+                                      client_options={"api_endpoint": server.url})
+
+
+def gcp_live(server: FakeServer, label_filter: str, project: str = GCP_PROJECT) -> list[Any]:
+    """Instances matching the filter in any zone, through the official client."""
+    from google.cloud import compute_v1
+
+    pager = gcp_instances(server).aggregated_list(request=compute_v1.AggregatedListInstancesRequest(
+        project=project, filter=label_filter))
+    return [i for _, scoped in pager for i in scoped.instances]
+
+
+def azure_compute(server: FakeServer) -> Any:
+    import os
+
+    from azure.identity import ManagedIdentityCredential
+    from azure.mgmt.compute import ComputeManagementClient
+
+    os.environ.update(azure_identity_env(server))
+    return ComputeManagementClient(ManagedIdentityCredential(client_id=AZURE_CLIENT_ID), AZURE_SUBSCRIPTION,
+                                   base_url=server.url, connection_verify=str(server.ca_file), retry_total=0)
