@@ -217,7 +217,7 @@ async def test_agent_killed_while_joining_resumes_with_the_same_ticket(onprem: O
     agent = onprem.agent("gpu-a")
     await onprem.server_in("gpu-a", "idle")
     policy = await onprem.policy()
-    _deploy, handle, view = await onprem.proposed(namespace, policy)
+    deploy, handle, view = await onprem.proposed(namespace, policy)
     await onprem.approve(view)
     await onprem.server_in("gpu-a", "joining")
     await until(lambda: agent.state().get("phase") == "joining" or None, timeout=10, what="agent joining")
@@ -228,6 +228,15 @@ async def test_agent_killed_while_joining_resumes_with_the_same_ticket(onprem: O
     view = await wait_phase(handle, Phase.SERVING, timeout=90)
     assert view.node_name in onprem.nodes(policy)
     assert "joined cluster" in agent.log
+    await _remove(onprem, namespace, deploy, handle, policy)
+    await onprem.server_in("gpu-a", "idle")
+
+
+async def _remove(env: OnPrem, namespace: str, deploy: str, handle: WorkflowHandle[Any, Any], policy: str) -> None:
+    """Remove the workload and wait until its burst node is gone (a Node left behind would take later pods)."""
+    env.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await until(lambda: not env.nodes(policy), timeout=30, what="the burst Node removed")
 
 
 async def test_hub_down_during_release_the_release_is_delivered_when_it_is_back(
@@ -271,7 +280,7 @@ async def test_server_offline_while_claimed_fails_over_to_the_next_location(onpr
     agent = onprem.agent("gpu-a")
     await onprem.server_in("gpu-a", "idle")
     policy = await onprem.policy()
-    _deploy, handle, view = await onprem.proposed(namespace, policy)
+    deploy, handle, view = await onprem.proposed(namespace, policy)
     agent.signal(signal.SIGSTOP)  # silent from now on, still online in the hub for OFFLINE_AFTER seconds
     await onprem.approve(view)
     view = await wait_phase(handle, Phase.SERVING, timeout=90)
@@ -284,6 +293,7 @@ async def test_server_offline_while_claimed_fails_over_to_the_next_location(onpr
     agent.signal(signal.SIGCONT)  # back: told nothing, idle, claimable again
     await onprem.server_in("gpu-a", "idle")
     assert agent.state().get("phase", "idle") == "idle"
+    await _remove(onprem, namespace, deploy, handle, policy)
 
 
 def test_the_gateway_refuses_a_server_without_the_pools_join_token(stack: BurstStack, tmp_path: Path) -> None:
