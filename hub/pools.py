@@ -89,9 +89,17 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def issue_join_token(session: Session, now: datetime, actor: Actor, pool: Pool) -> JoinTokenIssued:
-    token_id = secrets.token_hex(8)
-    token = f"kgp_{token_id}_{secrets.token_urlsafe(32)}"
+def issue_join_token(session: Session, now: datetime, actor: Actor, pool: Pool, existing: str | None = None
+                     ) -> JoinTokenIssued:
+    """A new join token, or ``existing`` (one generated elsewhere: the dev seed's token file) adopted."""
+    if existing is not None:
+        match = _JOIN_TOKEN_RE.match(existing)
+        if match is None:
+            raise ValueError("not a pool join token: expected kgp_<16 hex digits>_<43 URL-safe characters>")
+        token_id, token = match.group(1), existing
+    else:
+        token_id = secrets.token_hex(8)
+        token = f"kgp_{token_id}_{secrets.token_urlsafe(32)}"
     session.add(PoolJoinToken(token_id=token_id, pool_id=pool.id, digest=_digest(token), created_at=now,
                               created_by=actor.label))
     session.flush()
@@ -216,6 +224,15 @@ def _clear_claim(server: PoolServer) -> None:
                   "shown only in this response", openapi_extra=body_doc(PoolCreate))
 def create_pool(actor: AdminDep, session: SessionDep, now: NowDep,
                 body: Annotated[PoolCreate, Depends(json_body(PoolCreate))]) -> PoolCreated:
+    pool, issued = add_pool(session, now, actor, body)
+    session.commit()
+    session.refresh(pool)
+    return PoolCreated(pool=pool_out(session, pool, now), join_token=issued)
+
+
+def add_pool(session: Session, now: datetime, actor: Actor, body: PoolCreate, join_token: str | None = None
+             ) -> tuple[Pool, JoinTokenIssued]:
+    """Create the pool and its first join token (``join_token``: adopt that one). Callers commit."""
     if session.scalar(select(Pool.id).where(Pool.name == body.name)) is not None:
         raise Conflict(f"pool {body.name!r} already exists", code="pool_exists", details=[("name", "taken")])
     pool = Pool(name=body.name, description=body.description, rate_card=body.rate_card.model_dump(),
@@ -225,10 +242,7 @@ def create_pool(actor: AdminDep, session: SessionDep, now: NowDep,
     session.flush()
     _audit(session, now, actor, "pool.created", target=pool.name,
            detail={"rate_card": pool.rate_card, "offline_after_seconds": pool.offline_after_seconds})
-    issued = issue_join_token(session, now, actor, pool)
-    session.commit()
-    session.refresh(pool)
-    return PoolCreated(pool=pool_out(session, pool, now), join_token=issued)
+    return pool, issue_join_token(session, now, actor, pool, join_token)
 
 
 @pools_admin.get("", summary="List pools with their servers (viewer)")

@@ -246,3 +246,36 @@ async def test_operators_register_and_retire_servers_viewers_only_read(hub: Hub)
     assert (await hub.client.get("/v1/pools", headers=viewer)).status_code == 200
     events = [(e["action"], e["actor"]) for e in await hub.audit() if e["action"].startswith("pool.server")]
     assert events == [("pool.server_registered", "user:olga"), ("pool.server_retired", "user:olga")]
+
+
+def test_the_dev_seed_creates_the_pool_once_and_reuses_its_join_token_file(tmp_path: Any, database_url: str) -> None:
+    import shutil
+    from pathlib import Path
+
+    from sqlalchemy import select
+
+    from hub.db import Database
+    from hub.pool_db import Pool
+    from hub.seed import seed_file
+    from tests.hub.conftest import FakeClock
+
+    shipped = Path(__file__).resolve().parent.parent.parent / "hub" / "dev-seed.yaml"
+    (tmp_path / "hub").mkdir()
+    seed = tmp_path / "hub" / "dev-seed.yaml"
+    shutil.copy(shipped, seed)
+    shutil.copytree(shipped.parent.parent / "examples", tmp_path / "examples")
+    token_file = tmp_path / ".kubeon/hub/dc1.join-token"
+    for fresh in (True, False):  # a new database imports the token file the servers already hold
+        db = Database(database_url if fresh else f"sqlite:///{tmp_path / 'other.db'}")
+        try:
+            db.create_schema()
+            done = seed_file(db, seed, clock=FakeClock())
+            assert any(line.startswith("pool dc1 created") for line in done), done
+            assert ("written to" in " ".join(done)) is fresh and ("imported" in " ".join(done)) is not fresh
+            assert seed_file(db, seed, clock=FakeClock()) == []  # again: nothing to do
+            with db.session() as s:
+                pool = s.scalar(select(Pool))
+                assert pool is not None and pool.rate_card["usd_per_gpu_hour"] == {"NVIDIA-L4": 0.45}
+                assert [t.token_id for t in pool.tokens] == [token_file.read_text().split("_")[1]]
+        finally:
+            db.dispose()
