@@ -26,6 +26,7 @@ reports its actions; the hub never connects to the optimizer.
 
 * People and automation: `Authorization: Bearer <API key>` on `/v1/users`, `/v1/clusters/...`, `/v1/audit`.
 * An optimizer: `Authorization: Bearer <cluster token>` on `/v1/cluster/...`; it sees only its own cluster.
+* An on-prem server's agent: `Authorization: Bearer <pool join token>` on `/v1/pool-agent/heartbeat`.
 
 Errors are `{"error": code, "message": text, "details": [{"field", "message"}]}`. Request bodies are JSON
 (`Content-Type: application/json`), at most 1 MiB.
