@@ -13,6 +13,8 @@ from pydantic import TypeAdapter
 from hub.auth import HubState, hub_state
 from hub.db import Database
 from hub.http import BodySizeLimit, install_error_handlers, install_openapi
+from hub.pools import BODY_MODELS as POOL_BODY_MODELS
+from hub.pools import ROUTERS as POOL_ROUTERS
 from hub.routes import clusters_api, people
 from hub.schemas import ActionReportCreate, ApiKeyCreate, ApprovalCreate, ClusterCreate, Health, UserCreate
 from hub.settings import Clock, HubSettings, system_clock
@@ -24,6 +26,7 @@ reports its actions; the hub never connects to the optimizer.
 
 * People and automation: `Authorization: Bearer <API key>` on `/v1/users`, `/v1/clusters/...`, `/v1/audit`.
 * An optimizer: `Authorization: Bearer <cluster token>` on `/v1/cluster/...`; it sees only its own cluster.
+* An on-prem server's agent: `Authorization: Bearer <pool join token>` on `/v1/pool-agent/heartbeat`.
 
 Errors are `{"error": code, "message": text, "details": [{"field", "message"}]}`. Request bodies are JSON
 (`Content-Type: application/json`), at most 1 MiB.
@@ -56,6 +59,8 @@ def create_app(settings: HubSettings, clock: Clock = system_clock, *, database: 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(people)
     app.include_router(clusters_api)
+    for router in POOL_ROUTERS:  # on-prem burst pools (hub/pools.py)
+        app.include_router(router)
 
     @app.get("/healthz", tags=["health"], summary="Liveness and database reachability (no auth)")
     def healthz(state: Annotated[HubState, Depends(hub_state)]) -> Health:
@@ -64,7 +69,7 @@ def create_app(settings: HubSettings, clock: Clock = system_clock, *, database: 
 
     install_openapi(
         app,
-        [UserCreate, ApiKeyCreate, ClusterCreate, ApprovalCreate, ActionReportCreate],
+        [UserCreate, ApiKeyCreate, ClusterCreate, ApprovalCreate, ActionReportCreate, *POOL_BODY_MODELS],
         {"GpuPolicy": TypeAdapter(GpuPolicy)},
     )
     return app

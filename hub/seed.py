@@ -36,6 +36,9 @@ from hub import ops, tokens
 from hub.audit import SEED_ACTOR, Role
 from hub.db import ApiKey, Cluster, ClusterToken, Database, Principal
 from hub.errors import HubError
+from hub.pool_db import Pool
+from hub.pool_schemas import PoolCreate, RateCard
+from hub.pools import add_pool
 from hub.schemas import Name
 from hub.settings import ROTATION_GRACE, Clock, system_clock
 from hub.tokens import IssuedToken, TokenKind
@@ -63,9 +66,21 @@ class SeedCluster(_Seed):
     policy_files: list[StrictStr] = Field(default_factory=list, alias="policyFiles")
 
 
+class SeedPool(_Seed):
+    """An on-prem pool (hub/pools.py): its rate card and the file holding its join token."""
+
+    name: Name
+    description: Annotated[StrictStr, Field(max_length=200)] = ""
+    rate_card: RateCard = Field(alias="rateCard")
+    offline_after_seconds: Annotated[int, Field(strict=True, ge=5, le=86_400)] = Field(
+        default=60, alias="offlineAfterSeconds")
+    join_token_file: StrictStr | None = Field(default=None, alias="joinTokenFile")
+
+
 class SeedSpec(_Seed):
     users: list[SeedUser] = Field(default_factory=list)
     clusters: list[SeedCluster] = Field(default_factory=list)
+    pools: list[SeedPool] = Field(default_factory=list)
 
 
 def load_seed_file(path: Path) -> SeedSpec:
@@ -98,6 +113,8 @@ def seed(db: Database, spec: SeedSpec, *, base_dir: Path, clock: Clock = system_
                 done += _seed_user(session, now, user, base_dir)
             for cluster in spec.clusters:
                 done += _seed_cluster(session, now, cluster, base_dir)
+            for pool in spec.pools:
+                done += _seed_pool(session, now, pool, base_dir)
         except HubError as exc:
             raise SeedError(f"seed: {exc.message}") from None
         session.commit()
@@ -190,6 +207,26 @@ def _seed_cluster(session: Session, now: datetime, spec: SeedCluster, base_dir: 
             done.append(f"cluster {spec.name}: policy {name} {'created' if written.created else 'updated'} "
                         f"(revision {cluster.policy_revision})")
     return done
+
+
+def _seed_pool(session: Session, now: datetime, spec: SeedPool, base_dir: Path) -> list[str]:
+    """Create the pool once (an existing pool is kept as it is); its join token from the file, or written there."""
+    if session.scalar(select(Pool.id).where(Pool.name == spec.name)) is not None:
+        return []
+    path = base_dir / spec.join_token_file if spec.join_token_file else None
+    existing = path.read_text().strip() if path is not None and path.exists() else None
+    body = PoolCreate(name=spec.name, description=spec.description, rate_card=spec.rate_card,
+                      offline_after_seconds=spec.offline_after_seconds)
+    try:
+        _, issued = add_pool(session, now, SEED_ACTOR, body, existing)
+    except ValueError as exc:
+        raise SeedError(f"pool {spec.name}: {path}: {exc}") from None
+    if existing is not None:
+        return [f"pool {spec.name} created, join token from {path} imported"]
+    if path is not None:
+        _write_secret(path, issued.token)
+        return [f"pool {spec.name} created, join token {issued.token_id} written to {path}"]
+    return [f"pool {spec.name} created, join token {issued.token} (shown once)"]
 
 
 def _report_token(

@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     console.add_argument("--listen", default="127.0.0.1:8234", help="host:port to serve on")
     console.add_argument("--namespace", default=os.environ.get("KUBEON_TEMPORAL_NAMESPACE", "default"))
     console.set_defaults(func=_console)
+    sub.add_parser("onprem-agent", help="run on an on-prem GPU server: join bursts of its pool "
+                   "(`kubeon-gpu onprem-agent --help`)")
 
     ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)
@@ -213,6 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hub.server import serve as hub_serve
 
         return int(hub_serve(argv[1:], prog="kubeon-gpu hub") or 0)
+    if argv[:1] == ["onprem-agent"]:  # so does the agent
+        from worker.onprem_agent import main as agent_main
+
+        return agent_main(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -69,6 +69,8 @@ class Settings(BaseModel):
     gateway_token_audiences: str = ""
     gateway_token_file: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
     gateway_ca_file: Path | None = None
+    # The gateway: on-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
+    pool_tokens_dir: Path = Path("/var/run/kubeon/burst")
     # The hub (R2.x): empty URL means no hub, policies are applied to the cluster directly.
     hub_url: str = ""
     hub_token_file: Path = Path("/var/run/kubeon/hub/token")

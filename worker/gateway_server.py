@@ -54,6 +54,7 @@ from activities.gateway import (
 )
 from models.operation import LABEL_OPERATION
 from worker.config import ConfigError, Settings, load_settings
+from worker.pool_join import DEFAULT_TOKENS_DIR, JOIN_TOKEN_HEADER, JoinTokenRefused, check_join_token
 from worker.runtime import kube_api
 
 log = logging.getLogger("kubeon.gateway")
@@ -383,7 +384,8 @@ Caller = Annotated[str, Depends(optimizer)]
 
 
 def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
-               max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None,
+               pool_tokens_dir: Path = DEFAULT_TOKENS_DIR) -> FastAPI:
     app = _bare_app()
     app.state.reviewer = reviewer
     app.state.allowed_clients = allowed_clients
@@ -426,13 +428,14 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         return {"removed": removed}
 
     @app.post("/v1/join")
-    def join(body: JoinRequest) -> dict[str, str]:
+    def join(body: JoinRequest, request: Request) -> dict[str, str]:
         check_join_annotations(body.annotations)
         try:
             ticket = gateway.verify(body.ticket)
+            check_join_token(ticket.location, request.headers.get(JOIN_TOKEN_HEADER), pool_tokens_dir)
             node = gateway.admit(body.ticket, capacity=body.capacity, annotations=body.annotations,
                                  provider_id=body.provider_id)
-        except TicketError as exc:
+        except (TicketError, JoinTokenRefused) as exc:
             log.warning("refused a join: %s", exc)
             raise GatewayHTTPError(403, "ticket_refused", str(exc)) from None
         except client.ApiException as exc:
@@ -487,7 +490,7 @@ def serve(settings: Settings) -> int:
         log.warning("cannot tell the gateway's own identity (SelfSubjectReview): %s", type(exc).__name__)
     same_port = cfg.health_port in (0, cfg.port)
     app = create_app(gateway, reviewer, cfg.allowed_clients, max_body_bytes=cfg.max_body_bytes,
-                     health=state if same_port else None)
+                     health=state if same_port else None, pool_tokens_dir=settings.pool_tokens_dir)
     if not cfg.tls and cfg.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("serving plain HTTP on %s: set KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE",
                     cfg.host)

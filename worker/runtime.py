@@ -182,6 +182,15 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
         sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
         providers["sim"] = sim
         closers.append(sim.stop)
+    if "onprem" in kinds:
+        if not settings.hub_url:
+            raise ConfigError("burst.locations names onprem pools: they are claimed through the hub (set hub.url)")
+        from activities.providers.onprem import OnPremProvider, PoolClient
+
+        pools = PoolClient(settings.hub_url, settings.hub_token_file,
+                           ca_file=str(settings.hub_ca_file) if settings.hub_ca_file else None)
+        providers["onprem"] = OnPremProvider(burst, pools)
+        closers.append(pools.close)
     unsupported = kinds - set(providers)
     if unsupported:
         raise ConfigError(f"burst.locations names providers not supported yet: {', '.join(sorted(unsupported))}")

@@ -321,9 +321,9 @@ def test_worker_env_contract_burst_and_external_temporal(burst: Rendered) -> Non
     configmap = burst.get("ConfigMap", locations, NAMESPACE)
     values = yaml.safe_load(BURST_VALUES.read_text())
     assert json.loads(configmap["data"]["locations.json"]) == values["burst"]["locations"]
-    # the on-prem join token Secret is mounted per location, read-only
-    dc1 = mounts["/var/run/kubeon/burst/onprem.dc1"]
-    assert dc1["readOnly"] is True and volumes[dc1["name"]]["secret"]["secretName"] == "kubeon-burst-dc1"
+    # the on-prem join token Secret is the gateway's (it checks the pool's servers), never the worker's
+    assert "/var/run/kubeon/burst/onprem.dc1" not in mounts
+    assert all(v.get("secret", {}).get("secretName") != "kubeon-burst-dc1" for v in spec["volumes"])
     # the gateway's ticket key never reaches the worker
     assert all(v.get("secret", {}).get("secretName") != f"{GATEWAY}-ticket-key" for v in spec["volumes"])
     assert "checksum/burst-locations" in deployment["spec"]["template"]["metadata"]["annotations"]
@@ -344,6 +344,12 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     key = next(v for v in spec["volumes"] if v["name"] == "ticket-key")["secret"]
     assert key["secretName"] == f"{GATEWAY}-ticket-key" and key["items"] == [{"key": "key", "path": "ticket-key"}]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # the on-prem pool's join token (existingSecret), where worker.pool_join reads it: <dir>/onprem.dc1/token
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    dc1 = mounts["/var/run/kubeon/burst/onprem.dc1"]
+    assert dc1["readOnly"] is True
+    join = next(v for v in spec["volumes"] if v["name"] == dc1["name"])["secret"]
+    assert join["secretName"] == "kubeon-burst-dc1" and join["items"] == [{"key": "token", "path": "token"}]
 
     service = burst.get("Service", GATEWAY, NAMESPACE)
     assert service["spec"]["type"] == "LoadBalancer"

@@ -154,10 +154,11 @@ def test_worker_mounts_no_secret_but_its_hub_token() -> None:
 
 
 def test_worker_mounts_none_of_the_gateways_secrets(burst: Rendered) -> None:
-    # What values-burst.yaml asks for (the Temporal API key, the on-prem join token), nothing of the gateway's.
-    assert secret_names(burst.get("Deployment", OPTIMIZER)) == {
-        "kubeon-gpu-optimizer-token", "kubeon-temporal-api-key", "kubeon-burst-dc1"}
-    assert secret_names(burst.get("Deployment", GATEWAY)) == {f"{GATEWAY}-ticket-key", f"{GATEWAY}-tls"}
+    # What values-burst.yaml asks for (the Temporal API key), nothing of the gateway's. The on-prem pool's join
+    # token is the gateway's: it checks the pool's servers; the worker claims them with its hub token.
+    assert secret_names(burst.get("Deployment", OPTIMIZER)) == {"kubeon-gpu-optimizer-token", "kubeon-temporal-api-key"}
+    assert secret_names(burst.get("Deployment", GATEWAY)) == {
+        f"{GATEWAY}-ticket-key", f"{GATEWAY}-tls", "kubeon-burst-dc1"}
 
 
 # --- the user's own certificate -------------------------------------------------------------------------------

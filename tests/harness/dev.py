@@ -24,11 +24,12 @@ import yaml
 from activities.gateway import KubeGateway
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.burst import build_stack, worker_process
+from tests.harness.burst import BurstStack, build_stack, worker_process
 from tests.harness.cloud_boot import gateway_join
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
 from tests.harness.dev_clouds import DevClouds
 from tests.harness.kube import Kube, wait_for
+from tests.harness.onprem import AgentProcess, GatewayThread
 from tests.harness.temporal import dev_server_path
 from worker.runtime import kube_api
 
@@ -114,6 +115,36 @@ def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[byte
     return proc
 
 
+ONPREM_POOL = "dc1"
+ONPREM_SERVERS = ("gpu-1", "gpu-2")
+ONPREM_USD_PER_GPU_HOUR = 0.45
+
+
+def start_onprem_pool(workdir: Path, hub_url: str, admin_key: str, stack: BurstStack
+                      ) -> tuple[GatewayThread, list[AgentProcess]]:
+    """The pool onprem/dc1 in the hub (rate card NVIDIA-L4 at $0.45/GPU-h) with two local "servers": agents as
+    processes that join through the gateway's HTTP app like real burst nodes (kwok runs their nodes)."""
+    import httpx
+
+    created = httpx.post(f"{hub_url}/v1/pools", headers={"Authorization": f"Bearer {admin_key}"}, timeout=10, json={
+        "name": ONPREM_POOL, "description": "make dev: two local agents", "offline_after_seconds": 20,
+        "rate_card": {"usd_per_gpu_hour": {"NVIDIA-L4": ONPREM_USD_PER_GPU_HOUR}}})
+    created.raise_for_status()
+    token = created.json()["join_token"]["token"]
+    token_file = workdir / "onprem" / "join-token"
+    token_file.parent.mkdir(parents=True, exist_ok=True)
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    gateway = GatewayThread(stack.gateway_kubeconfig, stack.ticket_key_file.read_bytes().strip(),
+                            workdir / "onprem" / "gateway-tokens")
+    gateway.mount_join_token(f"onprem/{ONPREM_POOL}", token)  # what the chart does with existingSecret
+    gateway.start()
+    agents = [AgentProcess(hub_url=hub_url, join_token_file=token_file, pool=ONPREM_POOL, server=name,
+                           state_dir=workdir / "onprem" / name, heartbeat_seconds=2).start()
+              for name in ONPREM_SERVERS]
+    return gateway, agents
+
+
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -153,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     hub: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
     devclouds: DevClouds | None = None
+    gateway: GatewayThread | None = None
+    agents: list[AgentProcess] = []
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
@@ -177,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 stack.ticket_key_file.read_bytes().strip())))
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
-        hub_settings = {}
+        hub_settings: dict[str, object] = {}
         hub_lines = ""
+        locations = DEV_LOCATIONS
         if args.no_hub:
             names = load_policies(admin, args.policies)
             say(f"policies created in the cluster: {', '.join(names)}")
@@ -188,12 +222,18 @@ def main(argv: list[str] | None = None) -> int:
             hub = start_hub(workdir, args.hub_port, args.policies)
             hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                             "hub_poll_interval": 5}
+            gateway, agents = start_onprem_pool(workdir, hub_url, (workdir / "hub" / "dev.key").read_text().strip(),
+                                                stack)
+            locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}",
+                                          "credentials": {"existingSecret": "kubeon-burst-dc1"}}]
+            hub_settings["gateway_url"] = gateway.url  # where the pool's servers join (the sim nodes: in-process)
+            say(f"pool onprem/{ONPREM_POOL} with servers {', '.join(ONPREM_SERVERS)} (agents: {workdir / 'onprem'})")
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
                          f"{hub_url}/v1/clusters/dev/reports\n")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
-                                  locations=DEV_LOCATIONS + devclouds.locations, cluster_name="dev",
+                                  locations=locations + devclouds.locations, cluster_name="dev",
                                   serve_check_seconds=5, approval_timeout_seconds=86400, **hub_settings,
                                   **devclouds.settings())
         worker = worker_process(settings, workdir / "worker.log")
@@ -207,13 +247,16 @@ def main(argv: list[str] | None = None) -> int:
             "\n  (or approve in the hub: curl -H \"Authorization: Bearer $(cat "
             f"{os.path.relpath(workdir / 'hub' / 'dev.key', Path.cwd())})\" -d '{{\"operation\": \"<OPERATION>\", "
             f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals)")
+        onprem_line = "" if not agents else (
+            f", onprem/{ONPREM_POOL} (${ONPREM_USD_PER_GPU_HOUR}/GPU-h, servers {', '.join(ONPREM_SERVERS)})")
         print(f"""
 KubeOn GPU optimizer is running locally.
 
   kubeconfig   {rel}
   Temporal UI  http://127.0.0.1:{args.ui_port}
-{hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h), aws/eu-central-1, gcp/europe-west4,
-               azure/westeurope (list prices; emulators in {os.path.relpath(devclouds.endpoints_file, Path.cwd())}):
+{hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h){onprem_line}, aws/eu-central-1,
+               gcp/europe-west4, azure/westeurope (list prices; emulators in
+               {os.path.relpath(devclouds.endpoints_file, Path.cwd())}):
 {devclouds.banner()}
 Next:
   kubectl --kubeconfig {rel} apply -f examples/burst-workload.yaml
@@ -235,6 +278,10 @@ ready""", flush=True)
         return 0
     finally:
         stop(worker)
+        for agent in agents:
+            agent.stop()
+        if gateway is not None:
+            gateway.stop()
         stop(hub)
         stop(temporal)
         if devclouds is not None:

@@ -84,7 +84,7 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         view = await ops.show(temporal, waiting[0].operation)
         assert view.policy == "inference-burst"
         assert view.plan is not None and view.plan.best is not None
-        assert view.plan.best.location == "sim/eu-west"  # the cheaper of the two sim locations
+        assert view.plan.best.location == "onprem/dc1"  # the pool's rate card is the cheapest
         # Approved in the hub (the seeded admin key), the operation goes on to launch in the cluster.
         key = (tmp_path / "dev" / "hub" / "dev.key").read_text().strip()
         async with httpx.AsyncClient(timeout=10) as http:
@@ -96,6 +96,12 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
             assert time.monotonic() < deadline + 60, view.history
             await asyncio.sleep(1)
         assert view.approver == "hub:user:dev", view.history
+        # One of the pool's two local servers was claimed and joins through the gateway like a burst node.
+        while (view := await ops.show(temporal, view.operation)).phase != "Serving":
+            assert time.monotonic() < deadline + 120, view.history
+            await asyncio.sleep(1)
+        assert view.instance is not None and view.instance.location == "onprem/dc1"
+        assert view.instance.instance_id in ("gpu-1", "gpu-2")
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
