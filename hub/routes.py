@@ -16,7 +16,10 @@ from hub.auth import AdminDep, ClusterDep, HubState, NowDep, OperatorDep, Sessio
 from hub.db import ActionReport, Approval, AuditEvent, Cluster, Policy, Principal
 from hub.http import ERROR_RESPONSES, body_doc, json_body, read_json
 from hub.schemas import (
+    AUDIT_ACTION_PATTERN,
+    MAX_ID,
     NAME_PATTERN,
+    OPERATION_PATTERN,
     ActionReportCreate,
     ActionReportOut,
     ActionReportPage,
@@ -53,7 +56,7 @@ DEFAULT_PAGE: Final = 100
 ClusterName = Annotated[str, Path(max_length=63, pattern=NAME_PATTERN, description="cluster name")]
 UserName = Annotated[str, Path(max_length=63, pattern=NAME_PATTERN, description="user name")]
 PolicyName = Annotated[str, Path(max_length=253, pattern=RESOURCE_NAME_PATTERN, description="GpuPolicy name")]
-After = Annotated[int, Query(ge=0, description="cursor: return only items with a larger id")]
+After = Annotated[int, Query(ge=0, le=MAX_ID, description="cursor: return only items with a larger id")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
 IfNoneMatch = Annotated[str | None, Header(description="an ETag from an earlier answer; 304 if unchanged")]
 StateDep = Annotated[HubState, Depends(hub_state)]
@@ -330,7 +333,7 @@ def list_approvals(
 @people.get("/clusters/{cluster}/reports", tags=["reports"], summary="The cluster's action reports (viewer)")
 def list_reports(
     _: ViewerDep, session: SessionDep, cluster: ClusterName, after: After = 0, limit: Limit = DEFAULT_PAGE,
-    operation: Annotated[str | None, Query(max_length=128)] = None,
+    operation: Annotated[str | None, Query(max_length=128, pattern=OPERATION_PATTERN)] = None,
 ) -> ActionReportPage:
     found = ops.get_cluster(session, cluster)
     query = select(ActionReport).where(ActionReport.cluster_id == found.id, ActionReport.id > after)
@@ -347,7 +350,8 @@ def list_reports(
 def audit_log(
     _: AdminDep, session: SessionDep, after: After = 0, limit: Limit = DEFAULT_PAGE,
     cluster: Annotated[str | None, Query(max_length=63, pattern=NAME_PATTERN)] = None,
-    action: Annotated[str | None, Query(max_length=64, description="e.g. token.rotated")] = None,
+    action: Annotated[str | None, Query(max_length=64, pattern=AUDIT_ACTION_PATTERN,
+                                        description="e.g. token.rotated")] = None,
 ) -> AuditPage:
     query = select(AuditEvent).where(AuditEvent.id > after)
     if cluster is not None:
