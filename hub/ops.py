@@ -248,7 +248,9 @@ def normalize_policy(name: str, document: Any) -> dict[str, Any]:
     try:
         policy = parse_policy(document)
     except PolicyError as exc:
-        raise Unprocessable(f"invalid GpuPolicy: {exc}", details=exc.errors, code="invalid_policy") from None
+        # An unknown key "" at the top has the empty path: name the document instead.
+        details = [(f or "(document)", m) for f, m in exc.errors]
+        raise Unprocessable(f"invalid GpuPolicy: {exc}", details=details, code="invalid_policy") from None
     if policy.name != name:
         raise Unprocessable(
             f"invalid GpuPolicy: metadata.name {policy.name!r} does not match {name!r} in the path",

@@ -187,3 +187,8 @@ async def test_approval_of_a_proposed_operation_is_recorded_and_pulled(
     assert r.status_code == 201, r.text
     pulled = (await hub.client.get("/v1/cluster/approvals", headers=auth["cluster"])).json()
     assert [a["operation"] for a in pulled["approvals"]] == ["op-0123456789ab"]
+
+
+async def test_an_empty_unknown_key_in_a_policy_is_named(hub: Hub, auth: dict[str, dict[str, str]]) -> None:
+    r = await hub.client.put("/v1/clusters/prod-eu/policies/p", json={"": 0}, headers=hub.admin)
+    _refused(r, 422, "(document)")

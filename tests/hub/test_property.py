@@ -255,14 +255,19 @@ def test_the_endpoint_table_covers_every_route() -> None:
     assert routes == {(e.method, e.path) for e in ENDPOINTS}
 
 
-def _field_named(field_name: str, endpoint: Endpoint) -> bool:
-    if endpoint.policy:  # a GpuPolicy path such as spec.limits.maxNodes, or the document itself
-        return bool(re.match(r"^(\(document\)|apiVersion|kind|metadata|spec|status)($|[.\[ ])", field_name)) or (
-            field_name in endpoint.fields)
-    root = re.split(r"[.\[]", field_name.removeprefix("query.").removeprefix("path."), maxsplit=1)[0]
-    return field_name in endpoint.fields or root in {f.split(".")[-1] for f in endpoint.fields} or (
-        # an unknown body key is named as sent (extra fields are refused)
-        endpoint.body is not None and not field_name.startswith(("query.", "path.")))
+def _field_named(field_name: str, req: Request) -> bool:
+    """Whether a refusal's ``details[].field`` names something of this request: a parameter or body field of the
+    endpoint, a GpuPolicy path (``spec.limits.maxNodes``), or an unknown body key as it was sent."""
+    endpoint = req.endpoint
+    sent = json.loads(req.content) if req.content else None
+    sent_keys = set(sent) if isinstance(sent, dict) else set()
+    if field_name in endpoint.fields or field_name in sent_keys:
+        return True
+    known = sent_keys | set(endpoint.body or {})
+    if endpoint.policy:
+        known |= {"(document)", "apiVersion", "kind", "metadata", "spec", "status"}
+    root = re.split(r"[.\[ ]", field_name, maxsplit=1)[0]
+    return root in known
 
 
 def _texts(value: Any) -> Iterator[str]:
@@ -301,7 +306,7 @@ def test_hostile_input_never_breaks_the_hub_and_refusals_change_nothing(target: 
         if r.status_code == 422:
             assert body["details"], body
             for detail in body["details"]:
-                assert _field_named(detail["field"], req.endpoint), f"{req!r}: {detail} names no field"
+                assert _field_named(detail["field"], req), f"{req!r}: {detail} names no field"
         assert snapshot(target.db) == before, f"{req!r} -> {r.status_code} changed the stored state"
 
     attack()
