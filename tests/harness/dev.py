@@ -5,6 +5,11 @@ with different prices, a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) s
 cluster `dev` with its token and the example policies from examples/policies, and the worker (`kubeon-gpu
 worker`, with the optimizer's own ServiceAccount; the gateway in-process with its own), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
+
+No way of ending it leaves a process behind (tests/harness/children.py): every service is started through
+``Children.start`` (pids in ``<dir>/children.json``, killed by the kernel if the harness dies); Ctrl-C, SIGTERM or
+SIGHUP stop them all, SIGTERM then SIGKILL after a bounded grace (a second Ctrl-C: at once); a new run ends what
+a killed one left; a second run while one is running fails at once and leaves its state directory alone.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import yaml
 
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.burst import build_stack, worker_process
+from tests.harness.burst import WORKER_ARGV, build_stack, worker_env
+from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_ports, reap, recorded
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
 from tests.harness.kube import Kube, wait_for
 from tests.harness.temporal import dev_server_path
@@ -41,15 +47,13 @@ def say(msg: str) -> None:
     print(f"[kubeon dev] {msg}", flush=True)
 
 
-def start_temporal(workdir: Path, port: int, ui_port: int) -> subprocess.Popen[bytes]:
+def start_temporal(children: Children, workdir: Path, port: int, ui_port: int) -> subprocess.Popen[bytes]:
     argv = [str(dev_server_path()), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port),
             "--ui-port", str(ui_port), "--db-filename", str(workdir / "temporal.db"), "--log-level", "warn",
             "--metrics-port", str(free_port())]
     for key in search_attributes.ALL:
         argv += ["--search-attribute", f"{key.name}=Keyword"]
-    log = open(workdir / "temporal.log", "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = children.start("temporal", argv, log=workdir / "temporal.log")
     import socket
 
     def listening() -> bool:
@@ -80,7 +84,7 @@ def load_policies(admin: Kube, folder: Path) -> list[str]:
     return names
 
 
-def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[bytes]:
+def start_hub(children: Children, workdir: Path, port: int, policies: Path) -> subprocess.Popen[bytes]:
     """The self-hosted hub, seeded like hub/dev-seed.yaml but with its secrets in the (fresh) work directory."""
     seed = {
         "users": [{"name": "dev", "role": "admin", "keyFile": "hub/dev.key"}],
@@ -89,11 +93,10 @@ def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[byte
     }
     seed_file = workdir / "hub-seed.yaml"
     seed_file.write_text(yaml.safe_dump(seed))
-    log = open(workdir / "hub.log", "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
-         f"sqlite:///{workdir / 'hub.db'}", "--seed-file", str(seed_file), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+    proc = children.start(
+        "hub", [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
+                f"sqlite:///{workdir / 'hub.db'}", "--seed-file", str(seed_file), "--log-level", "warning"],
+        log=workdir / "hub.log", cwd=ROOT)
 
     def answering() -> bool:
         if proc.poll() is not None:
@@ -109,15 +112,33 @@ def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[byte
     return proc
 
 
-def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=40)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+class Interrupted(Exception):
+    """A signal arrived while starting: stop what has started."""
+
+
+def prepare(workdir: Path, ports: dict[str, int]) -> tuple[InstanceLock | None, str]:
+    """Before anything is touched: the state directory's lock (a running `make dev` keeps it), the leftovers of an
+    earlier run that was killed (ended), and the ports (each free, or named with the process holding it). Only
+    then is the state directory wiped. Returns the lock, or None and why it cannot start."""
+    lock = InstanceLock(workdir)
+    holder = lock.acquire()
+    if holder is not None:
+        running = recorded(workdir)
+        held = ", ".join(f"{port} ({what})" for what, port in (running.get("ports") or {}).items())
+        return None, (f"another `make dev` (pid {holder or '?'}) is running with the state directory {workdir}"
+                      + (f" and ports {held}" if held else "") + f": left untouched; stop it first (kill {holder})")
+    reaped = reap(workdir)
+    if reaped:
+        say(f"ended what an earlier run left running: {', '.join(reaped)}")
+    busy = busy_ports(ports)
+    if busy:
+        lock.release()
+        return None, "; ".join(busy) + ": stop it or choose other ports (--temporal-port, --ui-port, --hub-port)"
+    for entry in workdir.iterdir() if workdir.exists() else []:
+        # a fresh cluster each time: the state of a previous run is stale
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return lock, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,21 +153,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="no hub: create the policies in the cluster directly (kubectl-style)")
     args = parser.parse_args(argv)
 
-    workdir: Path = args.dir
-    shutil.rmtree(workdir, ignore_errors=True)  # a fresh cluster each time: state of a previous run is stale
-    workdir.mkdir(parents=True)
+    workdir: Path = args.dir.resolve()
+    ports = {"Temporal": args.temporal_port, "Temporal UI": args.ui_port}
+    if not args.no_hub:
+        ports["hub"] = args.hub_port
+    lock, why = prepare(workdir, ports)
+    if lock is None:
+        say(why)
+        return 1
+    children = Children(workdir, ports=ports)
     stopping = threading.Event()
+    started = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
+        # Ctrl-C, SIGTERM, the terminal closing (SIGHUP): stop. While starting, at once; a second one while
+        # stopping kills what is left without waiting for it.
+        if stopping.is_set():
+            children.hurry = True
+            say(f"{signal.Signals(signum).name} again: killing what is left")
+            return
         stopping.set()
+        if not started.is_set():
+            raise Interrupted(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
 
-    plane = ControlPlane(workdir / "controlplane")
-    temporal: subprocess.Popen[bytes] | None = None
+    plane = ControlPlane(workdir / "controlplane", popen=children.popen)
     hub: subprocess.Popen[bytes] | None = None
-    worker: subprocess.Popen[bytes] | None = None
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
@@ -161,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cluster = Cluster(plane=plane, admin=admin)
         say(f"starting the Temporal dev server on 127.0.0.1:{args.temporal_port}")
-        temporal = start_temporal(workdir, args.temporal_port, args.ui_port)
+        start_temporal(children, workdir, args.temporal_port, args.ui_port)
 
         stack = build_stack(cluster, workdir / "stack")
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
@@ -174,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             hub_url = f"http://127.0.0.1:{args.hub_port}"
             say(f"starting the hub on {hub_url}")
-            hub = start_hub(workdir, args.hub_port, args.policies)
+            hub = start_hub(children, workdir, args.hub_port, args.policies)
             hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                             "hub_poll_interval": 5}
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
@@ -184,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
                                   locations=DEV_LOCATIONS, cluster_name="dev", serve_check_seconds=5,
                                   approval_timeout_seconds=86400, **hub_settings)
-        worker = worker_process(settings, workdir / "worker.log")
+        worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
             names = wait_for(lambda: [p["metadata"]["name"] for p in admin.custom.list_cluster_custom_object(
@@ -211,6 +245,7 @@ Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kube
 
 Ctrl-C stops everything.
 ready""", flush=True)
+        started.set()
         while not stopping.wait(0.5):  # Ctrl-C, or the worker or hub dying, ends the run
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
@@ -220,11 +255,16 @@ ready""", flush=True)
                 return 1
         say("stopping")
         return 0
+    except Interrupted as exc:
+        say(f"{exc} while starting: stopping")
+        return 1
     finally:
-        stop(worker)
-        stop(hub)
-        stop(temporal)
+        stopping.set()
+        killed = children.stop_all()
+        if killed:
+            say(f"killed after {GRACE_SECONDS:.0f}s without exiting: {', '.join(killed)}")
         plane.stop()
+        lock.release()
 
 
 if __name__ == "__main__":

@@ -192,3 +192,14 @@ async def test_approval_of_a_proposed_operation_is_recorded_and_pulled(
 async def test_an_empty_unknown_key_in_a_policy_is_named(hub: Hub, auth: dict[str, dict[str, str]]) -> None:
     r = await hub.client.put("/v1/clusters/prod-eu/policies/p", json={"": 0}, headers=hub.admin)
     _refused(r, 422, "(document)")
+
+
+async def test_the_optimizers_report_details_are_always_accepted(hub: Hub, auth: dict[str, dict[str, str]]) -> None:
+    """The worker puts error text into details: report_detail makes any of it storable (and within the limit)."""
+    from models.hub import report_detail
+
+    raw = "exit\x00 \x1b[31mred\x1b[0m\nnext\tline \ud800" + "x" * 9000
+    r = await hub.client.post("/v1/cluster/reports", headers=auth["cluster"] | {"Content-Type": "application/json"},
+                              content=json.dumps(report("k-detail", detail=report_detail(raw))))
+    assert r.status_code == 201, r.text
+    assert r.json()["detail"].startswith("exit\ufffd \ufffd[31mred\ufffd[0m\nnext\tline \ufffd")
