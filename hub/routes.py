@@ -305,7 +305,10 @@ def delete_policy(actor: OperatorDep, session: SessionDep, now: NowDep, cluster:
 @people.post(
     "/clusters/{cluster}/approvals", tags=["approvals"], summary="Approve or reject an operation (operator)",
     description="201 when recorded; 200 when the same decision was already recorded (safe to retry); 409 when a "
-    "different decision exists for the operation (decisions are final).",
+    "different decision exists for the operation (decisions are final). Only an operation the cluster reported as "
+    "`proposed` can be decided: 404 `operation_not_proposed` before that report arrived (the cluster sends it with "
+    "its next poll: retry), 409 `operation_ended` once it was rejected, expired, withdrawn, cancelled, removed or "
+    "failed.",
     openapi_extra=body_doc(ApprovalCreate), responses={201: {"model": ApprovalDecided, "description": "Recorded"}},
 )
 def decide(
