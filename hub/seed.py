@@ -36,7 +36,7 @@ from hub import ops, tokens
 from hub.audit import SEED_ACTOR, Role
 from hub.db import ApiKey, Cluster, ClusterToken, Database, Principal
 from hub.errors import HubError
-from hub.schemas import Name
+from hub.schemas import Line, Name
 from hub.settings import ROTATION_GRACE, Clock, system_clock
 from hub.tokens import IssuedToken, TokenKind
 
@@ -57,7 +57,7 @@ class SeedUser(_Seed):
 
 class SeedCluster(_Seed):
     name: Name
-    description: Annotated[StrictStr, Field(max_length=200)] = ""
+    description: Annotated[Line, Field(max_length=200)] = ""
     token_file: StrictStr | None = Field(default=None, alias="tokenFile")
     policies: list[dict[str, Any]] = Field(default_factory=list)
     policy_files: list[StrictStr] = Field(default_factory=list, alias="policyFiles")
