@@ -250,7 +250,10 @@ def _socket_owners(inodes: set[str]) -> Iterator[int]:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could not listen on the port. SO_REUSEADDR as the servers set it: connections of a killed
+    run lingering in TIME_WAIT do not hold the port, a listening socket does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

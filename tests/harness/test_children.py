@@ -178,3 +178,16 @@ def test_make_dev_on_a_busy_port_fails_at_once_naming_port_and_pid(
     out = capsys.readouterr().out
     assert f"port {port} (hub) is in use by pid {os.getpid()}" in out
     assert (state / "kubeconfig").read_text() == "the running one's"
+
+
+def test_a_port_left_in_time_wait_by_a_killed_run_is_free() -> None:
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn, Temporal, etcd... do
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end of the connection lingers in TIME_WAIT
+        client.close()
+    assert busy_ports({"hub": port}) == []
