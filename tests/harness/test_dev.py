@@ -64,7 +64,11 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         assert f"http://127.0.0.1:{ui}" in banner
         assert "kubectl --kubeconfig" in banner and "examples/burst-workload.yaml" in banner
         assert f"http://127.0.0.1:{hub_port}" in banner and "policies synced from the hub: inference-burst" in banner
-        assert "policies synced: 1 created" in (tmp_path / "dev" / "worker.log").read_text()  # R1.5
+        # R1.5 (logged once the sync's status writes are done: the GpuPolicy exists a moment earlier)
+        log_deadline = time.monotonic() + 30
+        while "policies synced: 1 created" not in (tmp_path / "dev" / "worker.log").read_text():
+            assert time.monotonic() < log_deadline, "the worker never logged 'policies synced: 1 created'"
+            time.sleep(0.2)
         admin = Kube.from_kubeconfig(tmp_path / "dev" / "kubeconfig")
         workload = yaml.safe_load((ROOT / "examples" / "burst-workload.yaml").read_text())
         admin.apps.create_namespaced_deployment("default", workload)
@@ -180,7 +184,8 @@ def test_make_dev_killed_terminated_or_hung_up_leaves_no_child_and_a_second_one_
         fourth = start_dev(state, ports)
         running.append(fourth)
         deadline = time.monotonic() + 120
-        while len(recorded_children(state)) < 3:  # etcd, kube-apiserver, ... are up
+        # its own record (not the previous run's), once etcd, kube-apiserver, ... are up
+        while recorded(state).get("harness") != fourth.pid or len(recorded_children(state)) < 3:
             assert time.monotonic() < deadline and fourth.poll() is None, "make dev did not start its children"
             time.sleep(0.2)
         children = recorded_children(state)
