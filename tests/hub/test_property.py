@@ -25,7 +25,7 @@ from hub.settings import HubSettings
 from tests.hub.conftest import BOOTSTRAP_KEY, FakeClock, snapshot
 from tests.hub.helpers import policy_document
 
-EXAMPLES: Final = 500  # per database: ~10 s on SQLite, ~15 s on PostgreSQL on a busy 2-core machine
+EXAMPLES: Final = 300  # per database: ~5 s on an idle machine, under a minute on a busy 2-core one
 ABSENT: Final = object()
 PROPOSED: Final = "op-000000000001"
 
