@@ -92,7 +92,7 @@ class HubActivities:
         result = HubPollResult(state="connected", etag=policy_set.etag, approvals_cursor=req.approvals_cursor,
                                sync=outcome)
         try:
-            await self._invalid_reports(outcome.invalid, policy_set.revision)
+            await self._invalid_reports(outcome.invalid, outcome.not_ready, policy_set.revision)
             await self._approvals(req, result)
             await self._deliver(req.reports, result)
         except HubUnauthorized as exc:
@@ -104,21 +104,24 @@ class HubActivities:
             self._transition("unreachable", str(exc))
         return result
 
-    async def _invalid_reports(self, invalid: dict[str, str], revision: int) -> None:
-        """Tell the hub which of its policies this optimizer refused, once per policy and revision."""
-        for name, why in sorted(invalid.items()):
-            key = f"policy-invalid/{name}/r{revision}"
+    async def _invalid_reports(self, invalid: dict[str, str], not_ready: dict[str, str], revision: int) -> None:
+        """Tell the hub which of its policies this optimizer refused or cannot fully act on, once per policy and
+        revision."""
+        problems = [(f"policy-invalid/{name}/r{revision}", name,
+                     f"invalid policy (hub revision {revision}); the last good version stays enforced: {why}")
+                    for name, why in sorted(invalid.items())]
+        problems += [(f"policy-not-ready/{name}/r{revision}", name,
+                      f"policy not ready (hub revision {revision}): {why}") for name, why in sorted(not_ready.items())]
+        for key, name, detail in problems:
             if key in self._reported_invalid or not re.match(RESOURCE_NAME_PATTERN, name):
                 continue
-            log.warning("policy %s from the hub is invalid and was not applied: %s", name, why)
+            log.warning("policy %s from the hub: %s", name, detail)
             try:
                 await asyncio.to_thread(self.hub.report, ActionReport(
                     idempotency_key=key, operation=f"policy/{name}", policy=name, action="failed",
-                    detail=report_detail(f"invalid policy (hub revision {revision}); the last good version "
-                                         f"stays enforced: {why}"),
-                    occurred_at=activity.info().current_attempt_scheduled_time))
+                    detail=report_detail(detail), occurred_at=activity.info().current_attempt_scheduled_time))
             except HubRefused as exc:
-                log.warning("hub refused the report of invalid policy %s: %s", name, exc)
+                log.warning("hub refused the report on policy %s: %s", name, exc)
             self._reported_invalid.add(key)
 
     async def _approvals(self, req: HubPollRequest, result: HubPollResult) -> None:

@@ -7,6 +7,9 @@ its status whether it is in force (``Ready``) and whether the hub still answers 
 - Only created or drifted objects are written (one LIST per sync): a ``kubectl edit`` of a hub policy is undone
   by the next sync, and a sync that changes nothing makes no write at all.
 - Only objects labelled ``gpu.kubeon.io/source=hub`` are pruned; a policy a user created by hand is left alone.
+- A policy naming a location this installation does not configure (``burst.locations``) is applied, but says
+  ``Ready=False`` (reason ``UnknownLocation``) naming ``spec.locations[i]`` and the location: the hub cannot know
+  every cluster's locations, the cluster can. Nothing is ever launched there (R4.7).
 
 Server-side apply of ``status``: the status subresource has its own managed-fields entry per manager, and an
 apply from the same manager removes every status field it owned and did not send. So every status write here
@@ -19,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, Final
@@ -36,10 +39,11 @@ from models.hub import (
     REASON_INVALID,
     REASON_SYNCED,
     REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LOCATION,
     SOURCE_HUB,
     PolicySyncOutcome,
 )
-from models.policy import API_GROUP, API_VERSION, KIND, PLURAL, Mode, PolicyError, parse_policy
+from models.policy import API_GROUP, API_VERSION, KIND, PLURAL, GpuPolicy, Mode, PolicyError, parse_policy
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +141,25 @@ class PolicySyncer:
     """Writes the hub's policies into the cluster with the optimizer's own credentials (R5.1: gpupolicies and
     gpupolicies/status)."""
 
-    def __init__(self, api: client.ApiClient, *, default_mode: Mode,
+    def __init__(self, api: client.ApiClient, *, default_mode: Mode, locations: Collection[str] | None = None,
                  clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.default_mode: Mode = default_mode
+        # The locations this installation configures (burst.locations); None: not checked.
+        self.locations = None if locations is None else frozenset(locations)
         self.clock = clock
+
+    def unknown_locations(self, policy: GpuPolicy) -> str | None:
+        """Why the policy cannot be fully in force here (each location it names that is not configured), or None."""
+        if self.locations is None:
+            return None
+        unknown = [f"spec.locations[{i}]: location {loc!r} is not configured on this cluster"
+                   for i, loc in enumerate(policy.spec.locations) if loc not in self.locations]
+        if not unknown:
+            return None
+        configured = ", ".join(sorted(self.locations)) or "none"
+        return (f"{'; '.join(unknown)} (burst.locations: {configured}); nothing is launched there until it is "
+                "configured or removed from the policy")
 
     # -- the sync ----------------------------------------------------------------------------------------------
     def sync(self, documents: list[dict[str, Any]], revision: int) -> PolicySyncOutcome:
@@ -179,8 +197,12 @@ class PolicySyncer:
             else:
                 outcome.unchanged.append(name)
             mode = policy.spec.effective_mode(self.default_mode)
-            self._write_status(obj, partial(self._synced_status, mode=mode, revision=revision, invalid=None),
-                               stamp=True)
+            not_ready = self.unknown_locations(policy)
+            if not_ready is not None:
+                outcome.not_ready[name] = not_ready
+                log.warning("hub policy %s is not ready: %s", name, not_ready)
+            self._write_status(obj, partial(self._synced_status, mode=mode, revision=revision, invalid=not_ready,
+                                            reason=REASON_UNKNOWN_LOCATION), stamp=True)
 
         for name, obj in live.items():
             if name in seen or not _is_hub(obj):
@@ -275,8 +297,8 @@ class PolicySyncer:
         out = [new if c.get("type") == type_ else c for c in conditions]
         return out if old is not None else [*out, new]
 
-    def _synced_status(self, obj: dict[str, Any], mode: Mode, revision: int, invalid: str | None
-                       ) -> dict[str, Any]:
+    def _synced_status(self, obj: dict[str, Any], mode: Mode, revision: int, invalid: str | None,
+                       reason: str = REASON_INVALID) -> dict[str, Any]:
         generation = obj.get("metadata", {}).get("generation")
         old: dict[str, Any] = copy.deepcopy(obj.get("status") or {})
         conditions = [c for c in old.get("conditions") or [] if isinstance(c, dict)]
@@ -284,8 +306,7 @@ class PolicySyncer:
             conditions = self._set_condition(conditions, CONDITION_READY, True, REASON_SYNCED,
                                              f"spec of hub revision {revision} is in force", generation)
         else:
-            conditions = self._set_condition(conditions, CONDITION_READY, False, REASON_INVALID, invalid,
-                                             generation)
+            conditions = self._set_condition(conditions, CONDITION_READY, False, reason, invalid, generation)
         # The sync runs after the hub answered; keep an existing Connected condition (and its message) as is.
         connected = _condition(old, CONDITION_HUB_CONNECTED)
         if connected is None or connected.get("status") != "True" or connected.get("reason") != REASON_CONNECTED:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
@@ -15,11 +16,13 @@ from hub import tokens
 from hub.audit import Actor, ActorKind, AuditAction, Role, record
 from hub.db import ActionReport, ApiKey, Approval, Cluster, ClusterToken, Policy, Principal
 from hub.errors import Conflict, NotFound, Unauthorized, Unprocessable
-from hub.schemas import ActionReportCreate, ApprovalCreate, ClusterStatus, TokenState
+from hub.schemas import ActionReportCreate, ApprovalCreate, ClusterStatus, TokenState, disallowed_character
 from hub.tokens import IssuedToken, TokenKind
 from models.policy import PolicyError, parse_policy
 
 VALID_TOKEN_STATES: Final = ("active", "expiring")
+# Reports after which an operation takes no decision any more.
+ENDED_ACTIONS: Final = frozenset({"rejected", "expired", "withdrawn", "cancelled", "removed", "failed"})
 _METADATA_KEPT: Final = ("name", "labels", "annotations")
 
 
@@ -245,7 +248,9 @@ def normalize_policy(name: str, document: Any) -> dict[str, Any]:
     try:
         policy = parse_policy(document)
     except PolicyError as exc:
-        raise Unprocessable(f"invalid GpuPolicy: {exc}", details=exc.errors, code="invalid_policy") from None
+        # An unknown key "" at the top has the empty path: name the document instead.
+        details = [(f or "(document)", m) for f, m in exc.errors]
+        raise Unprocessable(f"invalid GpuPolicy: {exc}", details=details, code="invalid_policy") from None
     if policy.name != name:
         raise Unprocessable(
             f"invalid GpuPolicy: metadata.name {policy.name!r} does not match {name!r} in the path",
@@ -253,7 +258,30 @@ def normalize_policy(name: str, document: Any) -> dict[str, Any]:
         )
     doc = policy.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude={"status"})
     doc["metadata"] = {k: v for k, v in doc["metadata"].items() if k in _METADATA_KEPT and v is not None}
+    problems = list(_disallowed_in(doc, ""))
+    if problems:
+        raise Unprocessable("invalid GpuPolicy: " + "; ".join(f"{f}: {m}" for f, m in problems), details=problems,
+                            code="invalid_policy")
     return doc
+
+
+def _disallowed_in(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every text of a stored document (keys too) holding a character the hub refuses, as (field, why)."""
+    if isinstance(value, str):
+        problem = disallowed_character(value)
+        if problem:
+            yield path or "(document)", problem
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            problem = disallowed_character(str(key), multi_line=False)
+            if problem:
+                yield f"{path or '(document)'} key {key!r}", problem
+                continue
+            yield from _disallowed_in(item, where)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _disallowed_in(item, f"{path}[{index}]")
 
 
 def put_policy(session: Session, now: datetime, actor: Actor, cluster: Cluster, name: str, document: Any
@@ -322,6 +350,7 @@ def decide(session: Session, now: datetime, actor: Actor, cluster: Cluster, req:
         raise Conflict(
             f"operation {req.operation!r} of cluster {cluster.name!r} was already decided: {existing.decision} "
             f"by {existing.decided_by} at {_iso(existing.decided_at)}", code="already_decided")
+    _check_decidable(session, cluster, req.operation)
     approval = Approval(
         cluster_id=cluster.id, operation=req.operation, decision=req.decision, plan_id=req.plan_id,
         reason=req.reason, decided_by=actor.label, decided_at=now,
@@ -335,6 +364,32 @@ def decide(session: Session, now: datetime, actor: Actor, cluster: Cluster, req:
         detail={"approval_id": approval.id, "plan_id": req.plan_id, "reason": req.reason},
     )
     return approval, True
+
+
+def _check_decidable(session: Session, cluster: Cluster, operation: str) -> None:
+    """A decision is recorded only for an operation the cluster reported as ``proposed`` and not yet ended: one
+    nothing could act on would otherwise stay in the hub for good. 404 before the proposal has arrived (the
+    cluster delivers reports every poll: retry after it), 409 once the operation ended."""
+    reports = session.execute(
+        select(ActionReport.action, ActionReport.occurred_at)
+        .where(ActionReport.cluster_id == cluster.id, ActionReport.operation == operation)
+        .order_by(ActionReport.id)
+    ).all()
+    if not any(action == "proposed" for action, _ in reports):
+        raise NotFound(
+            f"cluster {cluster.name!r} has not proposed operation {operation!r}: only an operation the cluster "
+            "reported as proposed can be approved or rejected (a new proposal arrives with the cluster's next "
+            "poll; retry then)",
+            details=[("operation", f"no 'proposed' report of {operation!r} from cluster {cluster.name!r}")],
+            code="operation_not_proposed",
+        )
+    ended = next(((a, at) for a, at in reversed(reports) if a in ENDED_ACTIONS), None)
+    if ended is not None:
+        raise Conflict(
+            f"operation {operation!r} of cluster {cluster.name!r} has already ended ({ended[0]} at "
+            f"{_iso(ended[1])}): a decision could not act on it",
+            details=[("operation", f"ended: {ended[0]}")], code="operation_ended",
+        )
 
 
 def approvals_after(session: Session, cluster: Cluster, after: int, limit: int) -> tuple[list[Approval], bool]:

@@ -16,7 +16,10 @@ from hub.auth import AdminDep, ClusterDep, HubState, NowDep, OperatorDep, Sessio
 from hub.db import ActionReport, Approval, AuditEvent, Cluster, Policy, Principal
 from hub.http import ERROR_RESPONSES, body_doc, json_body, read_json
 from hub.schemas import (
+    AUDIT_ACTION_PATTERN,
+    MAX_ID,
     NAME_PATTERN,
+    OPERATION_PATTERN,
     ActionReportCreate,
     ActionReportOut,
     ActionReportPage,
@@ -53,7 +56,7 @@ DEFAULT_PAGE: Final = 100
 ClusterName = Annotated[str, Path(max_length=63, pattern=NAME_PATTERN, description="cluster name")]
 UserName = Annotated[str, Path(max_length=63, pattern=NAME_PATTERN, description="user name")]
 PolicyName = Annotated[str, Path(max_length=253, pattern=RESOURCE_NAME_PATTERN, description="GpuPolicy name")]
-After = Annotated[int, Query(ge=0, description="cursor: return only items with a larger id")]
+After = Annotated[int, Query(ge=0, le=MAX_ID, description="cursor: return only items with a larger id")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="page size")]
 IfNoneMatch = Annotated[str | None, Header(description="an ETag from an earlier answer; 304 if unchanged")]
 StateDep = Annotated[HubState, Depends(hub_state)]
@@ -302,7 +305,10 @@ def delete_policy(actor: OperatorDep, session: SessionDep, now: NowDep, cluster:
 @people.post(
     "/clusters/{cluster}/approvals", tags=["approvals"], summary="Approve or reject an operation (operator)",
     description="201 when recorded; 200 when the same decision was already recorded (safe to retry); 409 when a "
-    "different decision exists for the operation (decisions are final).",
+    "different decision exists for the operation (decisions are final). Only an operation the cluster reported as "
+    "`proposed` can be decided: 404 `operation_not_proposed` before that report arrived (the cluster sends it with "
+    "its next poll: retry), 409 `operation_ended` once it was rejected, expired, withdrawn, cancelled, removed or "
+    "failed.",
     openapi_extra=body_doc(ApprovalCreate), responses={201: {"model": ApprovalDecided, "description": "Recorded"}},
 )
 def decide(
@@ -330,7 +336,7 @@ def list_approvals(
 @people.get("/clusters/{cluster}/reports", tags=["reports"], summary="The cluster's action reports (viewer)")
 def list_reports(
     _: ViewerDep, session: SessionDep, cluster: ClusterName, after: After = 0, limit: Limit = DEFAULT_PAGE,
-    operation: Annotated[str | None, Query(max_length=128)] = None,
+    operation: Annotated[str | None, Query(max_length=128, pattern=OPERATION_PATTERN)] = None,
 ) -> ActionReportPage:
     found = ops.get_cluster(session, cluster)
     query = select(ActionReport).where(ActionReport.cluster_id == found.id, ActionReport.id > after)
@@ -347,7 +353,8 @@ def list_reports(
 def audit_log(
     _: AdminDep, session: SessionDep, after: After = 0, limit: Limit = DEFAULT_PAGE,
     cluster: Annotated[str | None, Query(max_length=63, pattern=NAME_PATTERN)] = None,
-    action: Annotated[str | None, Query(max_length=64, description="e.g. token.rotated")] = None,
+    action: Annotated[str | None, Query(max_length=64, pattern=AUDIT_ACTION_PATTERN,
+                                        description="e.g. token.rotated")] = None,
 ) -> AuditPage:
     query = select(AuditEvent).where(AuditEvent.id > after)
     if cluster is not None:

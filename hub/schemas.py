@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, get_args
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictStr
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StrictStr
 
 from hub.audit import Role
 from models.hub import ReportAction
@@ -14,6 +15,41 @@ from models.policy import RESOURCE_NAME_PATTERN, LocationName
 NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 OPERATION_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 KEY_PATTERN: Final = r"^[\x21-\x7e]+$"  # printable ASCII, no spaces
+# Ids (cursors) are 32-bit on every database the hub runs on (PostgreSQL `integer`); a larger cursor is refused.
+MAX_ID: Final = 2**31 - 1
+AUDIT_ACTION_PATTERN: Final = r"^[a-z][a-z0-9_.]*$"
+
+# Refused in every text the hub stores or filters by, on SQLite and PostgreSQL alike: C0 controls (NUL among
+# them: PostgreSQL text cannot hold it) and DEL/C1 controls, and lone UTF-16 surrogates (not encodable as UTF-8).
+# Multi-line texts (reasons, report details) may hold tab, newline and carriage return; one-line texts a tab.
+_MULTI_LINE_DISALLOWED: Final = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+_ONE_LINE_DISALLOWED: Final = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def disallowed_character(value: str, *, multi_line: bool = True) -> str | None:
+    """Why ``value`` cannot be stored (naming the first bad character and its position), or None."""
+    found = (_MULTI_LINE_DISALLOWED if multi_line else _ONE_LINE_DISALLOWED).search(value)
+    if found is None:
+        return None
+    return f"must not contain the control character U+{ord(found.group()):04X} (at position {found.start()})"
+
+
+def _multi_line(value: str) -> str:
+    problem = disallowed_character(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _one_line(value: str) -> str:
+    problem = disallowed_character(value, multi_line=False)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_multi_line)]
+Line = Annotated[StrictStr, AfterValidator(_one_line)]
 
 Name = Annotated[StrictStr, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
 PolicyName = Annotated[StrictStr, Field(min_length=1, max_length=253, pattern=RESOURCE_NAME_PATTERN)]
@@ -43,21 +79,21 @@ class UserCreate(_In):
 
 
 class ApiKeyCreate(_In):
-    description: Annotated[StrictStr, Field(max_length=200)] = ""
+    description: Annotated[Line, Field(max_length=200)] = ""
 
 
 class ClusterCreate(_In):
     name: Name
-    description: Annotated[StrictStr, Field(max_length=200)] = ""
+    description: Annotated[Line, Field(max_length=200)] = ""
 
 
 class ApprovalCreate(_In):
     operation: OperationId = Field(description="the operation id, e.g. `op-1a2b3c4d5e6f`")
     decision: Decision
-    plan_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = Field(
+    plan_id: Annotated[Line, Field(min_length=1, max_length=128)] | None = Field(
         default=None, description="approve this plan only; the optimizer refuses a stale approval of an older plan"
     )
-    reason: Annotated[StrictStr, Field(max_length=2000)] = ""
+    reason: Annotated[Text, Field(max_length=2000)] = ""
 
 
 class ActionReportCreate(_In):
@@ -68,9 +104,9 @@ class ActionReportCreate(_In):
     policy: PolicyName
     action: Action
     location: LocationName | None = Field(default=None, description="`<provider>/<region or pool>` of the node")
-    instance: Annotated[StrictStr, Field(min_length=1, max_length=253)] | None = None
-    node: Annotated[StrictStr, Field(min_length=1, max_length=253)] | None = None
-    detail: Annotated[StrictStr, Field(max_length=8192)] = ""
+    instance: Annotated[Line, Field(min_length=1, max_length=253)] | None = None
+    node: Annotated[Line, Field(min_length=1, max_length=253)] | None = None
+    detail: Annotated[Text, Field(max_length=8192)] = ""
     occurred_at: AwareDatetime = Field(description="RFC 3339 with a time zone, e.g. `2025-01-31T12:00:00Z`")
 
 

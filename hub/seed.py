@@ -39,7 +39,7 @@ from hub.errors import HubError
 from hub.pool_db import Pool
 from hub.pool_schemas import PoolCreate, RateCard
 from hub.pools import add_pool
-from hub.schemas import Name
+from hub.schemas import Line, Name
 from hub.settings import ROTATION_GRACE, Clock, system_clock
 from hub.tokens import IssuedToken, TokenKind
 
@@ -60,7 +60,7 @@ class SeedUser(_Seed):
 
 class SeedCluster(_Seed):
     name: Name
-    description: Annotated[StrictStr, Field(max_length=200)] = ""
+    description: Annotated[Line, Field(max_length=200)] = ""
     token_file: StrictStr | None = Field(default=None, alias="tokenFile")
     policies: list[dict[str, Any]] = Field(default_factory=list)
     policy_files: list[StrictStr] = Field(default_factory=list, alias="policyFiles")

@@ -7,6 +7,7 @@ survives a worker crash and an unreachable hub, and the hub's idempotency keys m
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Final, Literal
 
@@ -26,6 +27,8 @@ CONDITION_READY: Final = "Ready"
 CONDITION_HUB_CONNECTED: Final = "HubConnected"
 REASON_SYNCED: Final = "Synced"
 REASON_INVALID: Final = "InvalidPolicy"
+# The policy names a location this installation does not configure (burst.locations): nothing launches there.
+REASON_UNKNOWN_LOCATION: Final = "UnknownLocation"
 REASON_CONNECTED: Final = "Connected"
 # The hub answered 401: the token is revoked or unknown. The optimizer takes no action until a valid one arrives.
 REASON_UNAUTHORIZED: Final = "Unauthorized"
@@ -49,7 +52,13 @@ def hub_sync_workflow_id(cluster: str) -> str:
     return f"hub-sync/{cluster}"
 
 
+# Characters the hub refuses in a report's detail (control characters but tab, newline, CR; lone surrogates).
+_DETAIL_REFUSED: Final = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
 def report_detail(text: str) -> str:
+    """A detail the hub accepts: within its limit, control characters replaced by U+FFFD."""
+    text = _DETAIL_REFUSED.sub("\ufffd", text)
     return text if len(text) <= REPORT_DETAIL_LIMIT else text[: REPORT_DETAIL_LIMIT - 1] + "…"
 
 
@@ -108,10 +117,14 @@ class PolicySyncOutcome(Model):
     pruned: list[str] = Field(default_factory=list)
     # name -> why: kept at its last good version (or not created), said in its status and reported to the hub.
     invalid: dict[str, str] = Field(default_factory=dict)
+    # name -> why: applied, but Ready=False because this installation cannot act on all of it (e.g. a location
+    # not in burst.locations); said in its status and reported to the hub.
+    not_ready: dict[str, str] = Field(default_factory=dict)
 
     def summary(self) -> str:
-        return (f"{len(self.created)} created, {len(self.updated)} updated, {len(self.unchanged)} unchanged, "
+        text = (f"{len(self.created)} created, {len(self.updated)} updated, {len(self.unchanged)} unchanged, "
                 f"{len(self.pruned)} pruned, {len(self.invalid)} invalid")
+        return text + (f", {len(self.not_ready)} not ready" if self.not_ready else "")
 
 
 class ApprovalOutcome(Model):

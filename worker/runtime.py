@@ -92,7 +92,8 @@ class Runtime:
     def hub_activities(self, temporal: Client) -> HubActivities | None:
         if self.hub is None:
             return None
-        syncer = PolicySyncer(self.kube.api, default_mode=self.settings.default_mode)
+        syncer = PolicySyncer(self.kube.api, default_mode=self.settings.default_mode,
+                              locations=[loc.name for loc in self.burst.locations])
         return HubActivities(hub=self.hub, syncer=syncer, temporal=temporal)
 
     async def _signal_hub_sync(self, temporal: Client, signal: str, arg: object) -> str:

@@ -25,6 +25,7 @@ from models.hub import (
     REASON_INVALID,
     REASON_SYNCED,
     REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LOCATION,
     REASON_UNREACHABLE,
     SOURCE_HUB,
 )
@@ -292,6 +293,34 @@ def test_invalid_document_keeps_last_good_spec_and_names_the_field(cluster: Clus
     outcome = syncer.sync([good], revision=3)
     assert outcome.invalid == {} and outcome.unchanged == [name]
     assert condition(live(cluster, name), CONDITION_READY)["status"] == "True"
+
+
+def test_policy_naming_an_unconfigured_location_is_applied_but_not_ready_naming_it(
+        cluster: Cluster, optimizer_api: client.ApiClient, clock: Clock) -> None:
+    syncer = PolicySyncer(optimizer_api, default_mode="Recommend", clock=clock,
+                          locations=["aws/eu-central-1", "sim/eu-west"])
+    policy = doc(locations=["aws/eu-central-1", "sim/nowhere", "gcp/europe-west4"])
+    name = policy["metadata"]["name"]
+
+    outcome = syncer.sync([policy], revision=1)
+
+    assert outcome.created == [name] and outcome.invalid == {}
+    assert list(outcome.not_ready) == [name] and "1 not ready" in outcome.summary()
+    got = live(cluster, name)
+    assert got["spec"]["locations"] == policy["spec"]["locations"]  # as the hub says: what it names is visible
+    ready = condition(got, CONDITION_READY)
+    assert (ready["status"], ready["reason"]) == ("False", REASON_UNKNOWN_LOCATION)
+    assert "spec.locations[1]: location 'sim/nowhere' is not configured" in ready["message"]
+    assert "spec.locations[2]: location 'gcp/europe-west4'" in ready["message"]
+    assert "spec.locations[0]" not in ready["message"]
+    assert "burst.locations: aws/eu-central-1, sim/eu-west" in ready["message"]
+
+    # The location removed on the hub: Ready again.
+    policy["spec"]["locations"] = ["aws/eu-central-1"]
+    outcome = syncer.sync([policy], revision=2)
+    assert outcome.not_ready == {} and outcome.updated == [name]
+    ready = condition(live(cluster, name), CONDITION_READY)
+    assert (ready["status"], ready["reason"]) == ("True", REASON_SYNCED)
 
 
 def test_invalid_new_document_creates_nothing(cluster: Cluster, syncer: PolicySyncer) -> None:

@@ -168,11 +168,17 @@ async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
     return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
 
 
+def worker_env(settings: Settings) -> dict[str, str]:
+    return {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None}}
+
+
+WORKER_ARGV = [sys.executable, "-m", "worker.cli", "worker"]
+
+
 def worker_process(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
     """`kubeon-gpu worker` as its own process (crash tests SIGKILL it)."""
-    env = {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None}}
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
-    return subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=out,
+    return subprocess.Popen(WORKER_ARGV, env=worker_env(settings), stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -180,5 +186,5 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-__all__ = ["BurstStack", "build_stack", "gpu_deployment", "result", "unique", "wait_for", "wait_phase",
-           "worker_process"]
+__all__ = ["WORKER_ARGV", "BurstStack", "build_stack", "gpu_deployment", "result", "unique", "wait_for",
+           "wait_phase", "worker_env", "worker_process"]

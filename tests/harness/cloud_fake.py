@@ -127,6 +127,8 @@ class FakeServer:
     url: str = ""
     identity_url: str = ""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # How the process is started: `make dev` passes its registry's (children die with it, leftovers are reaped).
+    popen: Callable[..., subprocess.Popen[bytes]] = field(default=subprocess.Popen, repr=False)
 
     def start(self, *, port: int = 0, timeout: float = 30.0) -> FakeServer:
         port = port or free_port()
@@ -141,7 +143,7 @@ class FakeServer:
             identity_port = free_port()
             self.identity_url = f"http://127.0.0.1:{identity_port}/msi/token"
             argv += ["--identity-port", str(identity_port)]
-        self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        self._proc = self.popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, cwd=Path(__file__).resolve().parents[2])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +33,13 @@ def azure_location(region: str = "westeurope", **extra: Any) -> dict[str, Any]:
                       "subnetId": subnet}, **extra}
 
 
-def start_gcp(logdir: Path, *, port: int = 0) -> FakeServer:
-    return FakeServer("tests.harness.gcp_server", logdir).start(port=port)
+def start_gcp(logdir: Path, *, port: int = 0, popen: Callable[..., Any] = subprocess.Popen) -> FakeServer:
+    return FakeServer("tests.harness.gcp_server", logdir, popen=popen).start(port=port)
 
 
-def start_azure(logdir: Path, *, port: int = 0) -> FakeServer:
+def start_azure(logdir: Path, *, port: int = 0, popen: Callable[..., Any] = subprocess.Popen) -> FakeServer:
     return FakeServer("tests.harness.azure_server", logdir, tls_dir=logdir / "azure-tls",
-                      with_identity=True).start(port=port)
+                      with_identity=True, popen=popen).start(port=port)
 
 
 def azure_identity_env(server: FakeServer) -> dict[str, str]:

@@ -18,6 +18,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,8 @@ class ControlPlane:
     admin_kubeconfig: Path = field(default_factory=Path)
     ca_file: Path = field(default_factory=Path)
     started_seconds: float = 0.0
+    # How components are started: `make dev` passes its registry's (pids recorded, killed with the harness).
+    popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, timeout: float = 120.0) -> ControlPlane:
@@ -293,7 +296,7 @@ class ControlPlane:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed when the process ends
-        self._procs[name] = subprocess.Popen(
+        self._procs[name] = self.popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
 

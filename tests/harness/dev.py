@@ -6,6 +6,11 @@ endpoints.json), a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) seeded 
 cluster `dev` with its token and the example policies from examples/policies, and the worker (`kubeon-gpu
 worker`, with the optimizer's own ServiceAccount; the gateway in-process with its own), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
+
+No way of ending it leaves a process behind (tests/harness/children.py): every service is started through
+``Children.start`` (pids in ``<dir>/children.json``, killed by the kernel if the harness dies); Ctrl-C, SIGTERM or
+SIGHUP stop them all, SIGTERM then SIGKILL after a bounded grace (a second Ctrl-C: at once); a new run ends what
+a killed one left; a second run while one is running fails at once and leaves its state directory alone.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import yaml
 from activities.gateway import KubeGateway
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.burst import BurstStack, build_stack, worker_process
+from tests.harness.burst import WORKER_ARGV, BurstStack, build_stack, worker_env
+from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_ports, reap, recorded
 from tests.harness.cloud_boot import gateway_join
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
 from tests.harness.dev_clouds import DevClouds
@@ -47,15 +53,13 @@ def say(msg: str) -> None:
     print(f"[kubeon dev] {msg}", flush=True)
 
 
-def start_temporal(workdir: Path, port: int, ui_port: int) -> subprocess.Popen[bytes]:
+def start_temporal(children: Children, workdir: Path, port: int, ui_port: int) -> subprocess.Popen[bytes]:
     argv = [str(dev_server_path()), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(port),
             "--ui-port", str(ui_port), "--db-filename", str(workdir / "temporal.db"), "--log-level", "warn",
             "--metrics-port", str(free_port())]
     for key in search_attributes.ALL:
         argv += ["--search-attribute", f"{key.name}={search_attributes.cli_type(key)}"]
-    log = open(workdir / "temporal.log", "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = children.start("temporal", argv, log=workdir / "temporal.log")
     import socket
 
     def listening() -> bool:
@@ -86,7 +90,7 @@ def load_policies(admin: Kube, folder: Path) -> list[str]:
     return names
 
 
-def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[bytes]:
+def start_hub(children: Children, workdir: Path, port: int, policies: Path) -> subprocess.Popen[bytes]:
     """The self-hosted hub, seeded like hub/dev-seed.yaml but with its secrets in the (fresh) work directory."""
     seed = {
         "users": [{"name": "dev", "role": "admin", "keyFile": "hub/dev.key"}],
@@ -95,11 +99,10 @@ def start_hub(workdir: Path, port: int, policies: Path) -> subprocess.Popen[byte
     }
     seed_file = workdir / "hub-seed.yaml"
     seed_file.write_text(yaml.safe_dump(seed))
-    log = open(workdir / "hub.log", "ab")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
-         f"sqlite:///{workdir / 'hub.db'}", "--seed-file", str(seed_file), "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+    proc = children.start(
+        "hub", [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
+                f"sqlite:///{workdir / 'hub.db'}", "--seed-file", str(seed_file), "--log-level", "warning"],
+        log=workdir / "hub.log", cwd=ROOT)
 
     def answering() -> bool:
         if proc.poll() is not None:
@@ -120,7 +123,7 @@ ONPREM_SERVERS = ("gpu-1", "gpu-2")
 ONPREM_USD_PER_GPU_HOUR = 0.45
 
 
-def start_onprem_pool(workdir: Path, hub_url: str, admin_key: str, stack: BurstStack
+def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key: str, stack: BurstStack
                       ) -> tuple[GatewayThread, list[AgentProcess]]:
     """The pool onprem/dc1 in the hub (rate card NVIDIA-L4 at $0.45/GPU-h) with two local "servers": agents as
     processes that join through the gateway's HTTP app like real burst nodes (kwok runs their nodes)."""
@@ -140,20 +143,40 @@ def start_onprem_pool(workdir: Path, hub_url: str, admin_key: str, stack: BurstS
     gateway.mount_join_token(f"onprem/{ONPREM_POOL}", token)  # what the chart does with existingSecret
     gateway.start()
     agents = [AgentProcess(hub_url=hub_url, join_token_file=token_file, pool=ONPREM_POOL, server=name,
-                           state_dir=workdir / "onprem" / name, heartbeat_seconds=2).start()
+                           state_dir=workdir / "onprem" / name, heartbeat_seconds=2,
+                           popen=children.popen).start()
               for name in ONPREM_SERVERS]
     return gateway, agents
 
 
-def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=40)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+
+class Interrupted(Exception):
+    """A signal arrived while starting: stop what has started."""
+
+
+def prepare(workdir: Path, ports: dict[str, int]) -> tuple[InstanceLock | None, str]:
+    """Before anything is touched: the state directory's lock (a running `make dev` keeps it), the leftovers of an
+    earlier run that was killed (ended), and the ports (each free, or named with the process holding it). Only
+    then is the state directory wiped. Returns the lock, or None and why it cannot start."""
+    lock = InstanceLock(workdir)
+    holder = lock.acquire()
+    if holder is not None:
+        running = recorded(workdir)
+        held = ", ".join(f"{port} ({what})" for what, port in (running.get("ports") or {}).items())
+        return None, (f"another `make dev` (pid {holder or '?'}) is running with the state directory {workdir}"
+                      + (f" and ports {held}" if held else "") + f": left untouched; stop it first (kill {holder})")
+    reaped = reap(workdir)
+    if reaped:
+        say(f"ended what an earlier run left running: {', '.join(reaped)}")
+    busy = busy_ports(ports)
+    if busy:
+        lock.release()
+        return None, "; ".join(busy) + ": stop it or choose other ports (--temporal-port, --ui-port, --hub-port)"
+    for entry in workdir.iterdir() if workdir.exists() else []:
+        # a fresh cluster each time: the state of a previous run is stale
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return lock, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,21 +191,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="no hub: create the policies in the cluster directly (kubectl-style)")
     args = parser.parse_args(argv)
 
-    workdir: Path = args.dir
-    shutil.rmtree(workdir, ignore_errors=True)  # a fresh cluster each time: state of a previous run is stale
-    workdir.mkdir(parents=True)
+    workdir: Path = args.dir.resolve()
+    ports = {"Temporal": args.temporal_port, "Temporal UI": args.ui_port}
+    if not args.no_hub:
+        ports["hub"] = args.hub_port
+    lock, why = prepare(workdir, ports)
+    if lock is None:
+        say(why)
+        return 1
+    children = Children(workdir, ports=ports)
     stopping = threading.Event()
+    started = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
+        # Ctrl-C, SIGTERM, the terminal closing (SIGHUP): stop. While starting, at once; a second one while
+        # stopping kills what is left without waiting for it.
+        if stopping.is_set():
+            children.hurry = True
+            say(f"{signal.Signals(signum).name} again: killing what is left")
+            return
         stopping.set()
+        if not started.is_set():
+            raise Interrupted(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
 
-    plane = ControlPlane(workdir / "controlplane")
-    temporal: subprocess.Popen[bytes] | None = None
+    plane = ControlPlane(workdir / "controlplane", popen=children.popen)
     hub: subprocess.Popen[bytes] | None = None
-    worker: subprocess.Popen[bytes] | None = None
     devclouds: DevClouds | None = None
     gateway: GatewayThread | None = None
     agents: list[AgentProcess] = []
@@ -200,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
 
         cluster = Cluster(plane=plane, admin=admin)
         say(f"starting the Temporal dev server on 127.0.0.1:{args.temporal_port}")
-        temporal = start_temporal(workdir, args.temporal_port, args.ui_port)
+        start_temporal(children, workdir, args.temporal_port, args.ui_port)
 
         stack = build_stack(cluster, workdir / "stack")
         say("starting the local clouds: moto (aws/eu-central-1), gcp/europe-west4, azure/westeurope")
-        devclouds = DevClouds(workdir / "clouds", endpoints_file=workdir / "endpoints.json").start()
+        devclouds = DevClouds(workdir / "clouds", endpoints_file=workdir / "endpoints.json",
+                              popen=children.popen).start()
         os.environ.update(devclouds.worker_env())  # the worker inherits them
         devclouds.boot(gateway_join(KubeGateway(kube_api(stack.gateway_kubeconfig),
                                                 stack.ticket_key_file.read_bytes().strip())))
@@ -219,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             hub_url = f"http://127.0.0.1:{args.hub_port}"
             say(f"starting the hub on {hub_url}")
-            hub = start_hub(workdir, args.hub_port, args.policies)
+            hub = start_hub(children, workdir, args.hub_port, args.policies)
             hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                             "hub_poll_interval": 5}
-            gateway, agents = start_onprem_pool(workdir, hub_url, (workdir / "hub" / "dev.key").read_text().strip(),
-                                                stack)
+            admin_key = (workdir / "hub" / "dev.key").read_text().strip()
+            gateway, agents = start_onprem_pool(children, workdir, hub_url, admin_key, stack)
             locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}",
                                           "credentials": {"existingSecret": "kubeon-burst-dc1"}}]
             hub_settings["gateway_url"] = gateway.url  # where the pool's servers join (the sim nodes: in-process)
@@ -236,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                                   locations=locations + devclouds.locations, cluster_name="dev",
                                   serve_check_seconds=5, approval_timeout_seconds=86400, **hub_settings,
                                   **devclouds.settings())
-        worker = worker_process(settings, workdir / "worker.log")
+        worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
             names = wait_for(lambda: [p["metadata"]["name"] for p in admin.custom.list_cluster_custom_object(
@@ -267,6 +304,7 @@ Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kube
 
 Ctrl-C stops everything.
 ready""", flush=True)
+        started.set()
         while not stopping.wait(0.5):  # Ctrl-C, or the worker or hub dying, ends the run
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
@@ -276,17 +314,22 @@ ready""", flush=True)
                 return 1
         say("stopping")
         return 0
+    except Interrupted as exc:
+        say(f"{exc} while starting: stopping")
+        return 1
     finally:
-        stop(worker)
+        stopping.set()
         for agent in agents:
             agent.stop()
         if gateway is not None:
             gateway.stop()
-        stop(hub)
-        stop(temporal)
         if devclouds is not None:
             devclouds.stop()
+        killed = children.stop_all()
+        if killed:
+            say(f"killed after {GRACE_SECONDS:.0f}s without exiting: {', '.join(killed)}")
         plane.stop()
+        lock.release()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,13 @@ class DevClouds:
     locations: list[dict[str, Any]] = field(default_factory=list)
     endpoints: dict[str, dict[str, str]] = field(default_factory=dict)
     _booters: list[Any] = field(default_factory=list)
+    popen: Callable[..., Any] = field(default=subprocess.Popen, repr=False)  # `make dev`'s registry's
 
     def start(self) -> DevClouds:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.moto = MotoServer(self.workdir).start()
-        self.gcp = clouds.start_gcp(self.workdir)
-        self.azure = clouds.start_azure(self.workdir)
+        self.moto = MotoServer(self.workdir, popen=self.popen).start()
+        self.gcp = clouds.start_gcp(self.workdir, popen=self.popen)
+        self.azure = clouds.start_azure(self.workdir, popen=self.popen)
         image = self._aws_setup()
         self.locations = [
             {"name": f"aws/{AWS_REGION}", "credentials": {"awsRoleArn": AWS_ROLE}, "aws": {"imageId": image}},

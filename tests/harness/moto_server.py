@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +19,14 @@ class MotoServer:
     logdir: Path
     endpoint: str = ""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # How the process is started: `make dev` passes its registry's (children die with it, leftovers are reaped).
+    popen: Callable[..., subprocess.Popen[bytes]] = field(default=subprocess.Popen, repr=False)
 
     def start(self, timeout: float = 30.0) -> MotoServer:
         port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
         log = open(self.logdir / "moto.log", "wb")  # noqa: SIM115 - lives as long as the process
-        self._proc = subprocess.Popen(
+        self._proc = self.popen(
             [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ class AgentProcess:
     gpus: int = 1
     heartbeat_seconds: float = 0.5
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # How the process is started: `make dev` passes its registry's (children die with it, leftovers are reaped).
+    popen: Callable[..., subprocess.Popen[bytes]] = field(default=subprocess.Popen, repr=False)
 
     @property
     def log_file(self) -> Path:
@@ -58,7 +61,7 @@ class AgentProcess:
     def start(self) -> AgentProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child
-        self._proc = subprocess.Popen(
+        self._proc = self.popen(
             [sys.executable, "-m", "worker.cli", "onprem-agent", "--hub-url", self.hub_url,
              "--join-token-file", str(self.join_token_file), "--pool", self.pool, "--server", self.server,
              "--gpu-product", self.gpu_product, "--gpus", str(self.gpus), "--state-dir", str(self.state_dir),

@@ -19,6 +19,7 @@ import yaml
 from temporalio.client import Client
 
 from models.converter import DATA_CONVERTER
+from tests.harness.children import Child, recorded
 from tests.harness.controlplane import free_port
 from tests.harness.kube import Kube
 from worker import ops
@@ -64,7 +65,11 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         assert f"http://127.0.0.1:{ui}" in banner
         assert "kubectl --kubeconfig" in banner and "examples/burst-workload.yaml" in banner
         assert f"http://127.0.0.1:{hub_port}" in banner and "policies synced from the hub: inference-burst" in banner
-        assert "policies synced: 1 created" in (tmp_path / "dev" / "worker.log").read_text()  # R1.5
+        # R1.5 (logged once the sync's status writes are done: the GpuPolicy exists a moment earlier)
+        log_deadline = time.monotonic() + 30
+        while "policies synced: 1 created" not in (tmp_path / "dev" / "worker.log").read_text():
+            assert time.monotonic() < log_deadline, "the worker never logged 'policies synced: 1 created'"
+            time.sleep(0.2)
         endpoints = json.loads((tmp_path / "dev" / "endpoints.json").read_text())
         assert set(endpoints) == {"aws", "gcp", "azure"} and endpoints["azure"]["ca"].endswith(".pem")
         assert endpoints["gcp"]["url"] in banner and endpoints["azure"]["resourceGroup"] in banner
@@ -85,12 +90,18 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         assert view.policy == "inference-burst"
         assert view.plan is not None and view.plan.best is not None
         assert view.plan.best.location == "onprem/dc1"  # the pool's rate card is the cheapest
-        # Approved in the hub (the seeded admin key), the operation goes on to launch in the cluster.
+        # Approved in the hub (the seeded admin key), the operation goes on to launch in the cluster. The hub takes
+        # the decision once the cluster's `proposed` report has arrived (within a poll, 5 s).
         key = (tmp_path / "dev" / "hub" / "dev.key").read_text().strip()
         async with httpx.AsyncClient(timeout=10) as http:
-            approved = await http.post(f"http://127.0.0.1:{hub_port}/v1/clusters/dev/approvals",
-                                       headers={"Authorization": f"Bearer {key}"},
-                                       json={"operation": view.operation, "decision": "approve"})
+            while True:
+                approved = await http.post(f"http://127.0.0.1:{hub_port}/v1/clusters/dev/approvals",
+                                           headers={"Authorization": f"Bearer {key}"},
+                                           json={"operation": view.operation, "decision": "approve"})
+                if approved.status_code != 404 or time.monotonic() > deadline:
+                    break
+                assert approved.json()["error"] == "operation_not_proposed", approved.text
+                await asyncio.sleep(1)
         assert approved.status_code == 201, approved.text
         while (view := await ops.show(temporal, view.operation)).phase in ("AwaitingApproval", "WaitingForCapacity"):
             assert time.monotonic() < deadline + 60, view.history
@@ -103,6 +114,10 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         assert view.instance is not None and view.instance.location == "onprem/dc1"
         assert view.instance.instance_id in ("gpu-1", "gpu-2")
     finally:
+        children = recorded_children(tmp_path / "dev")
+        # Ctrl-C twice (an impatient user): the second kills what has not exited yet.
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=90)
@@ -110,6 +125,86 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
             os.killpg(proc.pid, signal.SIGKILL)
             raise
     assert proc.returncode == 0
+    names = {c.name.rsplit("-v", 1)[0] for c in children}  # binaries are named <component>-<version>
+    assert {"etcd", "kube-apiserver", "kube-scheduler", "kwok", "temporal", "hub", "worker"} <= names, names
+    assert_all_gone(children, "Ctrl-C twice")
     # Ctrl-C leaves nothing running: no process of the dev environment survives.
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "dev")], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
+
+
+def recorded_children(state: Path) -> list[Child]:
+    doc = recorded(state)
+    return [Child(name=c["name"], pid=int(c["pid"]), start=int(c["start"])) for c in doc.get("children", [])]
+
+
+def assert_all_gone(children: list[Child], how: str, timeout: float = 30) -> None:
+    """None of the children (nor anything left in their process groups) is alive ``timeout`` s after ``how``."""
+    assert children, f"no children recorded before {how}"
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {c.name: c.pid for c in children if c.running() or c.group_members()}
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"alive {timeout:.0f}s after {how}: {left}"
+        time.sleep(0.2)
+
+
+def start_dev(state: Path, ports: tuple[int, int, int]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.harness.dev", "--dir", str(state), "--temporal-port", str(ports[0]),
+         "--ui-port", str(ports[1]), "--hub-port", str(ports[2])],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_make_dev_killed_terminated_or_hung_up_leaves_no_child_and_a_second_one_keeps_off(tmp_path: Path) -> None:
+    state, ports = tmp_path / "dev", (free_port(), free_port(), free_port())
+    running: list[subprocess.Popen[str]] = []
+    try:
+        first = start_dev(state, ports)
+        running.append(first)
+        _read_until(first, "ready", timeout=240)
+        kubeconfig = (state / "kubeconfig").read_text()
+        children = recorded_children(state)
+
+        # A second one while the first runs: fails at once naming the first's pid and ports, touches nothing.
+        second = start_dev(state, ports)
+        out, _ = second.communicate(timeout=30)
+        assert second.returncode == 1, out
+        assert f"another `make dev` (pid {first.pid})" in out and f"{ports[2]} (hub)" in out, out
+        assert (state / "kubeconfig").read_text() == kubeconfig
+        assert all(c.running() for c in children), "the second make dev touched the first's processes"
+
+        # SIGKILL of the harness: the kernel ends its children (PR_SET_PDEATHSIG).
+        first.kill()
+        first.wait()
+        assert_all_gone(children, "SIGKILL of the harness")
+
+        # Then a new one starts cleanly on the same directory and ports; SIGTERM ends it and its children.
+        third = start_dev(state, ports)
+        running.append(third)
+        _read_until(third, "ready", timeout=240)
+        children = recorded_children(state)
+        os.kill(third.pid, signal.SIGTERM)
+        third.wait(timeout=90)
+        assert third.returncode == 0
+        assert_all_gone(children, "SIGTERM")
+
+        # The terminal closing (SIGHUP to its process group) while it is still starting.
+        fourth = start_dev(state, ports)
+        running.append(fourth)
+        deadline = time.monotonic() + 120
+        # its own record (not the previous run's), once etcd, kube-apiserver, ... are up
+        while recorded(state).get("harness") != fourth.pid or len(recorded_children(state)) < 3:
+            assert time.monotonic() < deadline and fourth.poll() is None, "make dev did not start its children"
+            time.sleep(0.2)
+        children = recorded_children(state)
+        os.killpg(fourth.pid, signal.SIGHUP)
+        out, _ = fourth.communicate(timeout=90)
+        assert fourth.returncode == 1 and "SIGHUP while starting: stopping" in out, out
+        assert_all_gone(children, "SIGHUP")
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

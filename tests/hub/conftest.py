@@ -113,6 +113,13 @@ class Hub:
         key: str = r.json()["key"]
         return key
 
+    async def propose(self, token: str, operation: str) -> None:
+        """The cluster reports ``operation`` as proposed, as its optimizer does before waiting for approval."""
+        r = await self.client.post("/v1/cluster/reports", headers=self.bearer(token), json={
+            "idempotency_key": f"{operation}/proposed", "operation": operation, "policy": "inference-burst-eu",
+            "action": "proposed", "detail": "plan: 1 node", "occurred_at": "2025-03-01T12:00:00Z"})
+        assert r.status_code in (200, 201), r.text
+
     async def put_policy(self, cluster: str, document: dict[str, Any], headers: dict[str, str] | None = None
                          ) -> httpx.Response:
         name = document["metadata"]["name"]

@@ -21,6 +21,10 @@ async def test_approvals_are_pulled_after_a_cursor_with_conditional_requests(hub
     etag = first.headers["etag"]
     assert (await hub.client.get("/v1/cluster/approvals", headers=auth | {"If-None-Match": etag})).status_code == 304
 
+    await hub.propose(token, "op-111111111111")
+    await hub.propose(token, "op-222222222222")
+    first = await hub.client.get("/v1/cluster/approvals", headers=auth)  # reports change no approval's etag
+    assert first.headers["etag"] == etag
     r = await hub.client.post(
         "/v1/clusters/prod-eu/approvals",
         json={"operation": "op-111111111111", "decision": "approve", "plan_id": "plan-1", "reason": "cheap"},

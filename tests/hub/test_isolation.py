@@ -15,7 +15,8 @@ async def _two_clusters(hub: Hub) -> tuple[str, str]:
     token_b = await hub.create_cluster("cluster-b")
     assert (await hub.put_policy("cluster-a", policy_document("only-a"))).status_code == 201
     assert (await hub.put_policy("cluster-b", policy_document("only-b", max_nodes=2))).status_code == 201
-    for cluster, op in (("cluster-a", "op-aaaaaaaaaaaa"), ("cluster-b", "op-bbbbbbbbbbbb")):
+    for cluster, op, token in (("cluster-a", "op-aaaaaaaaaaaa", token_a), ("cluster-b", "op-bbbbbbbbbbbb", token_b)):
+        await hub.propose(token, op)
         r = await hub.client.post(f"/v1/clusters/{cluster}/approvals", json={"operation": op, "decision": "approve"},
                                   headers=hub.admin)
         assert r.status_code == 201, r.text
@@ -73,8 +74,9 @@ async def test_cluster_token_sees_and_writes_only_its_own_cluster(hub: Hub) -> N
     assert r.status_code == 201 and r.json()["cluster"] == "cluster-a"
     a_reports = (await hub.client.get("/v1/clusters/cluster-a/reports", headers=hub.admin)).json()["reports"]
     b_reports = (await hub.client.get("/v1/clusters/cluster-b/reports", headers=hub.admin)).json()["reports"]
-    assert [r["detail"] for r in a_reports] == ["a"]
-    assert [r["detail"] for r in b_reports] == ["g5.xlarge launched"]
+    assert [(r["action"], r["detail"]) for r in a_reports] == [("proposed", "plan: 1 node"), ("launched", "a")]
+    assert [(r["action"], r["detail"]) for r in b_reports] == [("proposed", "plan: 1 node"),
+                                                               ("launched", "g5.xlarge launched")]
 
     # B's ETag means nothing to A
     etag_b = (await hub.client.get("/v1/cluster/policies", headers=hub.bearer(token_b))).headers["etag"]

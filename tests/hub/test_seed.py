@@ -55,3 +55,15 @@ def test_seed_refuses_a_token_file_of_another_cluster(tmp_path: Path) -> None:
             seed_file(db, seed)
     finally:
         db.dispose()
+
+
+def test_seed_refuses_a_control_character_naming_the_field(tmp_path: Path) -> None:
+    seed = tmp_path / "seed.yaml"
+    seed.write_text('clusters:\n  - {name: a, description: "bell\\a"}\n')
+    db = Database(f"sqlite:///{tmp_path / 'hub.db'}")
+    try:
+        db.create_schema()
+        with pytest.raises(SeedError, match=r"description.*U\+0007"):
+            seed_file(db, seed)
+    finally:
+        db.dispose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,10 @@ from models.hub import (
     CONDITION_READY,
     LABEL_SOURCE,
     REASON_UNAUTHORIZED,
+    REASON_UNKNOWN_LOCATION,
     REASON_UNREACHABLE,
     HubSyncStatus,
+    PolicySyncOutcome,
     hub_sync_workflow_id,
 )
 from models.operation import DrainStatus, Phase, burst_workflow_id
@@ -71,9 +73,15 @@ class Hub:
     def delete(self, name: str) -> None:
         assert self.admin.delete(f"/v1/clusters/{self.cluster}/policies/{name}").status_code == 200
 
-    def decide(self, operation: str, decision: str, **extra: Any) -> None:
-        r = self.admin.post(f"/v1/clusters/{self.cluster}/approvals",
-                            json={"operation": operation, "decision": decision, **extra})
+    def decide(self, operation: str, decision: str, **extra: Any) -> httpx.Response:
+        return self.admin.post(f"/v1/clusters/{self.cluster}/approvals",
+                               json={"operation": operation, "decision": decision, **extra})
+
+    async def decide_when_proposed(self, operation: str, decision: str, **extra: Any) -> None:
+        """The hub takes a decision only once the cluster's `proposed` report arrived (its next poll)."""
+        await until(lambda: any(r["operation"] == operation and r["action"] == "proposed" for r in self.reports()),
+                    timeout=30, what=f"the proposal of {operation} reported to the hub")
+        r = self.decide(operation, decision, **extra)
         assert r.status_code == 201, r.text
 
     def rotate(self) -> str:
@@ -241,6 +249,17 @@ async def test_policies_sync_edits_are_undone_deletions_pruned_and_a_rotated_tok
     assert (await optimizer.sync_status()).state == "connected"
 
 
+async def _synced_with(optimizer: Optimizer, check: Callable[[PolicySyncOutcome], bool]) -> HubSyncStatus:
+    """The sync's status once its last policy sync passes ``check`` (the poll that reported to the hub may still
+    be finishing when the report is seen there)."""
+    for _ in range(300):
+        status = await optimizer.sync_status()
+        if status.last_sync is not None and check(status.last_sync):
+            return status
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the hub sync's status never showed the expected policy sync: {status}")
+
+
 async def _polled_again(optimizer: Optimizer, polls: int, times: int = 2) -> HubSyncStatus:
     for _ in range(300):
         status = await optimizer.sync_status()
@@ -258,8 +277,12 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
     approved, rejected = list(handles)
     views = {d: await wait_phase(h, Phase.AWAITING_APPROVAL) for d, h in handles.items()}
     assert views[approved].plan is not None
-    hub.decide(views[approved].operation, "approve", plan_id=views[approved].plan.plan_id, reason="needed")
-    hub.decide(views[rejected].operation, "reject", reason="too dear")
+    # An operation the cluster never proposed: refused, nothing is stored that could never be acted on.
+    never = hub.decide("op-000000000000", "approve")
+    assert never.status_code == 404 and never.json()["error"] == "operation_not_proposed", never.text
+    await hub.decide_when_proposed(views[approved].operation, "approve", plan_id=views[approved].plan.plan_id,
+                                   reason="needed")
+    await hub.decide_when_proposed(views[rejected].operation, "reject", reason="too dear")
 
     serving = await wait_phase(handles[approved], Phase.SERVING)
     assert serving.approver is not None and serving.approver.startswith("hub:")
@@ -379,7 +402,28 @@ async def test_invalid_policy_from_the_hub_keeps_the_last_good_one_and_is_report
     failed = await until(lambda: [r for r in hub.reports() if r["operation"] == f"policy/{name}"], timeout=30,
                          what="the refusal reported to the hub")
     assert failed[0]["action"] == "failed" and "spec.locations[0]" in failed[0]["detail"]
-    assert (await optimizer.sync_status()).last_sync.invalid.keys() == {name}
+    await _synced_with(optimizer, lambda sync: sync.invalid.keys() == {name})
+
+
+async def test_policy_naming_a_location_this_cluster_does_not_configure_is_not_ready_and_reported(
+        optimizer: Optimizer) -> None:
+    hub, name = optimizer.hub, unique("p")
+    hub.put(policy(name, mode="Automatic", locations=["sim/eu-west", "sim/nowhere"]))
+
+    ready = await until(lambda: (c := optimizer.condition(name, CONDITION_READY)) and c["status"] == "False" and c,
+                        timeout=30, what=f"{name} marked not ready")
+    assert ready["reason"] == REASON_UNKNOWN_LOCATION
+    assert "spec.locations[1]: location 'sim/nowhere' is not configured on this cluster" in ready["message"]
+    assert "sim/eu-west" in ready["message"].split("burst.locations:")[1]  # what is configured, to compare
+    failed = await until(lambda: [r for r in hub.reports() if r["operation"] == f"policy/{name}"], timeout=30,
+                         what="the policy's problem reported to the hub")
+    assert failed[0]["action"] == "failed" and "sim/nowhere" in failed[0]["detail"]
+    await _synced_with(optimizer, lambda sync: sync.not_ready.keys() == {name})
+
+    # Fixed in the hub: Ready again.
+    hub.put(policy(name, mode="Automatic", locations=["sim/eu-west"]))
+    await until(lambda: (c := optimizer.condition(name, CONDITION_READY)) and c["status"] == "True", timeout=30,
+                what=f"{name} ready again")
 
 
 async def test_revoked_token_holds_a_return_home_until_a_valid_token_is_mounted(
