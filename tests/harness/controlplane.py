@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import ipaddress
 import os
+import random
 import signal
 import socket
 import ssl
@@ -80,7 +81,22 @@ def ensure_binaries(components: tuple[str, ...] = ("etcd", "kubernetes", "kwok")
     return {n: p for n, p in paths.items() if wanted[n][0] in components}
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands to outgoing connections could be taken by
+# one of them between this choice and the server's bind, which fails a long start-up minutes later.
+_PORTS = range(20_000, 32_768)
+
+
 def free_port() -> int:
+    """A loopback port free now, outside the ephemeral range (random, so parallel tests rarely pick the same)."""
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
