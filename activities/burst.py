@@ -26,6 +26,7 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
+from activities.tracing import traced
 from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
 from models.locations import BurstConfig
 from models.operation import (
@@ -105,7 +106,8 @@ class BurstActivities:
         report_sink: ReportSink | None = None,
     ) -> None:
         self.kube = kube
-        self.providers = providers
+        # The one seam where every provider, present or future, gets its cloud-call spans and metrics.
+        self.providers = {name: traced(provider) for name, provider in providers.items()}
         self.gateway = gateway
         self.config = config
         self.audit_log = audit
