@@ -131,7 +131,8 @@ def temporal_runtime() -> Runtime:
     if _runtime is None:
         port = _free_loopback_port()
         runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
-            bind_address=f"127.0.0.1:{port}", counters_total_suffix=True, durations_as_seconds=True)))
+            bind_address=f"127.0.0.1:{port}", counters_total_suffix=True, unit_suffix=True,
+            durations_as_seconds=True)))
         _runtime = (runtime, port)
     return _runtime[0]
 
@@ -372,7 +373,9 @@ def _observe(info: activity.Info, arg: Any, result: Any, ctx: Mapping[str, str])
     elapsed = (dt.datetime.now(dt.UTC) - info.scheduled_time).total_seconds()
     name = info.activity_type
     if name == "record_audit" and result is True:
-        pm.OPERATION_ACTIONS.labels(kind=kind, policy=policy, action=str(getattr(arg, "action", ""))).inc()
+        action = str(getattr(arg, "action", ""))
+        pm.OPERATION_ACTIONS.labels(kind=kind, policy=policy, action=action).inc()
+        log.info("%s operation %s: %s", kind.lower(), ctx.get("operation", "?"), action)
     elif name == "launch_instance":
         offering = getattr(arg, "offering", None)
         pm.LAUNCH_SECONDS.labels(policy=policy, location=str(getattr(offering, "location", ""))).observe(elapsed)
@@ -394,18 +397,19 @@ class _ObservingActivityInbound(temporal_worker.ActivityInboundInterceptor):
         ctx = operation_context(info.workflow_id, info.workflow_run_id, arg)
         token = LOG_CONTEXT.set(ctx)  # copied into the thread of a sync activity
         try:
-            result = await super().execute_activity(input)
-        except BaseException:
-            if info.activity_type == "hub_poll":
-                pm.HUB_POLLS.labels(state="error").inc()
-            raise
+            try:
+                result = await super().execute_activity(input)
+            except BaseException:
+                if info.activity_type == "hub_poll":
+                    pm.HUB_POLLS.labels(state="error").inc()
+                raise
+            try:
+                _observe(info, arg, result, ctx)
+            except Exception as exc:  # a metric must never fail an activity
+                log.debug("metrics of %s: %s", info.activity_type, exc)
+            return result
         finally:
             LOG_CONTEXT.reset(token)
-        try:
-            _observe(info, arg, result, ctx)
-        except Exception as exc:  # a metric must never fail an activity
-            log.debug("metrics of %s: %s", info.activity_type, exc)
-        return result
 
 
 class ObservingInterceptor(temporal_client.Interceptor, temporal_worker.Interceptor):

@@ -168,9 +168,10 @@ async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
     return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
 
 
-def worker_process(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it)."""
-    env = {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None}}
+def worker_process(settings: Settings, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it); ``env``: more variables (OTEL_*)."""
+    env = {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None},
+           **(env or {})}
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
     return subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -23,6 +23,7 @@ class ReceivedSpan:
     parent_span_id: str
     service: str
     attributes: dict[str, Any] = field(default_factory=dict)
+    resource: dict[str, Any] = field(default_factory=dict)
     status_code: int = 0
 
 
@@ -74,7 +75,8 @@ class OtlpReceiver:
                     spans.append(ReceivedSpan(
                         name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
                         parent_span_id=s.parent_span_id.hex(), service=str(resource.get("service.name", "")),
-                        attributes={a.key: _value(a.value) for a in s.attributes}, status_code=s.status.code))
+                        attributes={a.key: _value(a.value) for a in s.attributes}, resource=resource,
+                        status_code=s.status.code))
         with self._lock:
             self.requests += 1
             self.bodies.append(body)
