@@ -17,7 +17,7 @@ GATEWAY = "kubeon-gpu-optimizer-gateway"
 SCRAPE = {"prometheus.io/scrape": "true", "prometheus.io/port": "8080", "prometheus.io/path": "/metrics"}
 
 
-def annotations(deployment: dict) -> dict[str, str]:
+def pod_annotations(deployment: dict) -> dict[str, str]:
     return dict(deployment["spec"]["template"]["metadata"].get("annotations") or {})
 
 
@@ -25,7 +25,7 @@ def test_defaults_scrape_annotations_and_no_tracing_no_monitor() -> None:
     rendered = template(values=[BURST_VALUES])
     for name in (OPTIMIZER, GATEWAY):
         deployment = rendered.get("Deployment", name)
-        assert SCRAPE.items() <= annotations(deployment).items(), name
+        assert SCRAPE.items() <= pod_annotations(deployment).items(), name
         ports = {p["name"]: p["containerPort"] for p in container(deployment, name.rsplit("-", 1)[-1]
                                                                    if name == GATEWAY else "worker")["ports"]}
         assert ports["health"] == 8080
@@ -52,7 +52,7 @@ def test_tracing_and_json_logs_from_values() -> None:
     assert telemetry.traces_exporter(e) == "otlp" and telemetry.log_format(e) == "json"
     gateway_env = env(container(rendered.get("Deployment", GATEWAY), "gateway"))
     assert gateway_env["KUBEON_LOG_FORMAT"] == "json" and not [k for k in gateway_env if k.startswith("OTEL_")]
-    assert not SCRAPE.keys() & annotations(worker).keys()
+    assert not SCRAPE.keys() & pod_annotations(worker).keys()
 
 
 def test_service_monitor_scrapes_worker_and_gateway_health_ports() -> None:
