@@ -26,7 +26,7 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
-from activities.tracing import traced
+from activities.tracing import traced, untraced
 from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
 from models.locations import BurstConfig
 from models.operation import (
@@ -80,6 +80,7 @@ def beat(details: str) -> None:
         raise asyncio.CancelledError(f"cancelled while {details}")
 
 
+@untraced  # the ledger outlives the operation that starts it: its own traces
 async def signal_ledger(temporal: Client, task_queue: str, cluster: str, policy: str, signal: str,
                         arg: object) -> None:
     """Signal-with-start on the policy's ledger workflow."""

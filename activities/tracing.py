@@ -9,11 +9,13 @@ spans; the metrics are always kept (``/metrics``).
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
@@ -29,11 +31,28 @@ from activities.providers.base import (
 from models.operation import Instance, LaunchRequest, Offering
 
 TRACER_NAME = "kubeon.optimizer"
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def tracer() -> trace.Tracer:
     # Looked up per call: the worker installs its tracer provider after modules are imported.
     return trace.get_tracer(TRACER_NAME)
+
+
+def untraced(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Run an async call with no current span: for a call that starts a long-lived workflow (a policy's ledger),
+    which would otherwise carry the first operation's trace for good and gather every later one's spans in it."""
+
+    @functools.wraps(fn)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        token = otel_context.attach(otel_context.Context())
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            otel_context.detach(token)
+
+    return call
 
 
 def outcome_of(exc: BaseException | None) -> str:
@@ -156,4 +175,4 @@ def traced(provider: Provider) -> Provider:
     return provider if isinstance(provider, TracedProvider) else TracedProvider(provider)
 
 
-__all__ = ["HttpCall", "TracedProvider", "cloud_call", "http_call", "outcome_of", "traced", "tracer"]
+__all__ = ["HttpCall", "TracedProvider", "cloud_call", "http_call", "outcome_of", "traced", "tracer", "untraced"]

@@ -120,6 +120,16 @@ def test_json_log_line_carries_operation_and_trace(spans: InMemorySpanExporter) 
     assert doc["trace_id"] == format(span.get_span_context().trace_id, "032x")
 
 
+def test_json_log_line_of_a_workflow_logger_names_its_operation() -> None:
+    wf = "burst/prod/inference-eu/0123456789ab"
+    record = logging.LogRecord("temporalio.workflow", logging.WARNING, __file__, 1, "release not delivered", (),
+                               None)
+    record.temporal_workflow = {"workflow_id": wf, "run_id": "run-9", "workflow_type": "BurstWorkflow"}
+    doc = json.loads(JsonFormatter().format(record))
+    assert (doc["workflow_id"], doc["policy"], doc["operation"]) == (wf, "inference-eu", operation_id(wf, "run-9"))
+    assert doc["level"] == "WARNING" and "trace_id" not in doc  # no span here
+
+
 def test_every_provider_call_is_a_span_with_outcome(spans: InMemorySpanExporter, tmp_path: Path) -> None:
     spans.clear()
     fake = FakeProvider()

@@ -248,6 +248,9 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
                 "RunWorkflow:BurstWorkflow", "HandleUpdate:approve_plan", "StartChildWorkflow:DrainWorkflow",
                 "RunWorkflow:DrainWorkflow", "cloud.launch", "cloud.terminate"}
             assert expected <= names, sorted(expected - names)
+            # The policy's ledger outlives the operation: its spans are in traces of their own.
+            assert not [s for s in spans if str(s.attributes.get("temporalWorkflowID", "")).startswith("ledger/")]
+            assert [s for s in otlp.snapshot() if s.name == "RunWorkflow:PolicyLedger"]
             (root,) = [s for s in spans if not s.parent_span_id]
             assert root.name == "StartWorkflow:BurstWorkflow" and root.service == "kubeon-test-worker"
             (launch,) = by_name(spans, "cloud.launch")
