@@ -33,8 +33,9 @@ OPERATION_ACTIONS = Counter("kubeon_operation_actions", "Audited actions of oper
                             ["kind", "policy", "action"])
 LAUNCH_SECONDS = Histogram("kubeon_launch_duration_seconds", "From asking for a node to the cloud instance "
                            "started, retries included", ["policy", "location"], buckets=LATENCY_BUCKETS)
-JOIN_SECONDS = Histogram("kubeon_join_duration_seconds", "From the instance started to its Node Ready in the "
-                         "cluster, retries and worker restarts included", ["policy"], buckets=LATENCY_BUCKETS)
+JOIN_SECONDS = Histogram("kubeon_join_duration_seconds", "From the join wait's start (right after the launch) to "
+                         "the Node Ready in the cluster, retries and worker restarts included", ["policy"],
+                         buckets=LATENCY_BUCKETS)
 HUB_POLLS = Counter("kubeon_hub_polls", "Hub polls by resulting state (connected; anything else is a failure)",
                     ["state"])
 HUB_LAST_SYNC = Gauge("kubeon_hub_last_sync_timestamp_seconds",
