@@ -279,22 +279,34 @@ class Telemetry:
     receiver: Any
     metrics_url: str
     scrapes: int = 0
+    failed: int = 0
     scrape_bytes: int = 0
+    scrape_seconds: list[float] = field(default_factory=list)
 
     async def scrape_loop(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor) -> None:
         import httpx
 
         while True:
-            response = await loop.run_in_executor(pool, lambda: httpx.get(self.metrics_url, timeout=10))
-            if response.status_code == 200:
+            started = time.monotonic()
+            try:
+                response = await loop.run_in_executor(pool, lambda: httpx.get(self.metrics_url, timeout=30))
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
                 self.scrapes += 1
                 self.scrape_bytes = len(response.content)
+                self.scrape_seconds.append(time.monotonic() - started)
+            else:
+                self.failed += 1
             await asyncio.sleep(15)
 
     def line(self) -> str:
         spans = len(self.receiver.snapshot())
+        took = (f", p50 {percentile(self.scrape_seconds, 50):.2f}s max {max(self.scrape_seconds):.2f}s"
+                if self.scrape_seconds else "")
         return (f"on: {spans} spans received in {self.receiver.requests} OTLP/HTTP requests; /metrics scraped "
-                f"{self.scrapes} times ({self.scrape_bytes / 1024:.0f} KiB each); JSON logs")
+                f"{self.scrapes} times, {self.failed} failed ({self.scrape_bytes / 1024:.0f} KiB{took}); JSON logs")
 
 
 def tail(path: Path, chars: int = 3000) -> str:

@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import datetime as dt
+import functools
 import json
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Response
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from worker.runtime import Runtime as WorkerRuntime
 
 log = logging.getLogger("kubeon.telemetry")
+T = TypeVar("T")
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -178,6 +181,16 @@ class StateCollector:
         self._last = 0.0
         self._lock = asyncio.Lock()
         self._price_checked: dict[str, float] = {}
+        # Its own thread: the default executor is busy with the serving activities' checks under load, and a
+        # scrape queued behind them would time out.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics")
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args,
+                                                                                                   **kwargs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def refresh(self) -> None:
         async with self._lock:
@@ -194,7 +207,7 @@ class StateCollector:
                     log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
 
     async def _nodes(self, policies: set[str]) -> None:
-        nodes = await asyncio.to_thread(self.runtime.kube.core.list_node, label_selector=LABEL_POLICY)
+        nodes = await self._blocking(self.runtime.kube.core.list_node, label_selector=LABEL_POLICY)
         counts: dict[tuple[str, str], int] = {}
         cost: dict[str, list[float]] = {}
         for node in nodes.items:
@@ -220,7 +233,7 @@ class StateCollector:
             self._price_checked[location] = time.monotonic()
             provider = self.runtime.providers.get(location.split("/", 1)[0])
             if provider is not None:
-                _remember_prices(await asyncio.to_thread(provider.price_offerings, location))
+                _remember_prices(await self._blocking(provider.price_offerings, location))
         return PRICES.get(key, (0.0, 0.0))
 
     async def _operations(self, policies: set[str]) -> None:
@@ -269,8 +282,10 @@ _collector: StateCollector | None = None
 
 
 def attach(collector: StateCollector | None) -> None:
-    """The collector ``/metrics`` refreshes (the running worker's); None detaches it."""
+    """The collector ``/metrics`` refreshes (the running worker's); None detaches (and closes) it."""
     global _collector
+    if _collector is not None and _collector is not collector:
+        _collector.close()
     _collector = collector
 
 
