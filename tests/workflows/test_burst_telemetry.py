@@ -298,6 +298,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             code = worker.stop()
             with contextlib.suppress(Exception):
                 await temporal.get_workflow_handle(hub_sync_workflow_id(hub.cluster)).terminate("test over")
+            stack.delete_policy(policy)  # synced from the hub; cluster-scoped, it would take later tests' pods
         assert code == 0, worker.log.read_text()[-3000:]
 
         # -- JSON logs with the operation and its trace -----------------------------------------------------------
