@@ -169,7 +169,7 @@ def _location_of_label(value: str) -> str:
 
 
 class StateCollector:
-    """What is true now, read at scrape time (at most every ``min_interval`` seconds) from the sources every
+    """What is true now, read when scraped (at most every ``min_interval`` seconds) from the sources every
     replica shares: burst Nodes, Temporal visibility, the ledger and hub sync workflows' queries."""
 
     def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0
@@ -178,8 +178,8 @@ class StateCollector:
         self.runtime = runtime
         self.cluster = runtime.settings.cluster
         self.min_interval = min_interval
-        self._last = 0.0
-        self._lock = asyncio.Lock()
+        self._last = -1e9
+        self._task: asyncio.Task[None] | None = None
         self._price_checked: dict[str, float] = {}
         # Its own thread: the default executor is busy with the serving activities' checks under load, and a
         # scrape queued behind them would time out.
@@ -190,21 +190,28 @@ class StateCollector:
                                                                                                    **kwargs))
 
     def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def refresh(self) -> None:
-        async with self._lock:
-            if time.monotonic() - self._last < self.min_interval:
-                return
+    async def refresh(self, wait: float = 2.0) -> None:
+        """Start reading the sources when the last read is older than ``min_interval``, and wait for it at most
+        ``wait`` seconds: a scrape answers in time with the last values when a source is slow under load."""
+        if (self._task is None or self._task.done()) and time.monotonic() - self._last >= self.min_interval:
             self._last = time.monotonic()
-            policies: set[str] = set()
-            for source, step in (("kubernetes", self._nodes), ("temporal", self._operations),
-                                 ("ledger", self._ledgers), ("hub", self._hub)):
-                try:
-                    await step(policies)
-                except Exception as exc:  # one source down must not take the others' metrics with it
-                    pm.SCRAPE_ERRORS.labels(source=source).inc()
-                    log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
+            self._task = asyncio.create_task(self._read_all())
+        if self._task is not None and not self._task.done():
+            await asyncio.wait({self._task}, timeout=wait)
+
+    async def _read_all(self) -> None:
+        policies: set[str] = set()
+        for source, step in (("kubernetes", self._nodes), ("temporal", self._operations),
+                             ("ledger", self._ledgers), ("hub", self._hub)):
+            try:
+                await step(policies)
+            except Exception as exc:  # one source down must not take the others' metrics with it
+                pm.SCRAPE_ERRORS.labels(source=source).inc()
+                log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
 
     async def _nodes(self, policies: set[str]) -> None:
         nodes = await self._blocking(self.runtime.kube.core.list_node, label_selector=LABEL_POLICY)
