@@ -26,6 +26,7 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
+from activities.tracing import traced, untraced
 from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
 from models.locations import BurstConfig
 from models.operation import (
@@ -79,6 +80,7 @@ def beat(details: str) -> None:
         raise asyncio.CancelledError(f"cancelled while {details}")
 
 
+@untraced  # the ledger outlives the operation that starts it: its own traces
 async def signal_ledger(temporal: Client, task_queue: str, cluster: str, policy: str, signal: str,
                         arg: object) -> None:
     """Signal-with-start on the policy's ledger workflow."""
@@ -105,7 +107,8 @@ class BurstActivities:
         report_sink: ReportSink | None = None,
     ) -> None:
         self.kube = kube
-        self.providers = providers
+        # The one seam where every provider, present or future, gets its cloud-call spans and metrics.
+        self.providers = {name: traced(provider) for name, provider in providers.items()}
         self.gateway = gateway
         self.config = config
         self.audit_log = audit

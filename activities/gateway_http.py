@@ -25,6 +25,7 @@ from urllib.parse import quote
 import httpx
 
 from activities.gateway import JoinTicketRequest, TicketError, TicketGrant, parse_user_data_ticket, url_host
+from activities.tracing import http_call
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
@@ -71,7 +72,19 @@ def _verify(ca_file: Path | str | None, ca_bundle: str | None = None) -> ssl.SSL
 TransportFactory = Callable[[ssl.SSLContext | bool], httpx.BaseTransport]
 
 
+def _route(path: str) -> str:
+    """The path template of a gateway request, for its span and metric (no node name)."""
+    return "/v1/nodes/{name}" if path.startswith("/v1/nodes/") else path
+
+
 def _send(client: httpx.Client, what: str, url: str, request: httpx.Request) -> httpx.Response:
+    with http_call("gateway", request.method, _route(request.url.path)) as call:
+        response = _send_untraced(client, what, url, request)
+        call.response(response.status_code)
+        return response
+
+
+def _send_untraced(client: httpx.Client, what: str, url: str, request: httpx.Request) -> httpx.Response:
     try:
         response = client.send(request)
     except httpx.TimeoutException as exc:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from activities.gateway_http import error_message
+from activities.tracing import http_call
 from models.hub import ActionReport
 
 
@@ -83,10 +84,12 @@ class HubClient:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token()}", **kwargs.pop("headers", {})}
-        try:
-            response = self._http.request(method, path, headers=headers, **kwargs)
-        except httpx.TransportError as exc:
-            raise HubUnreachable(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
+        with http_call("hub", method, path) as call:
+            try:
+                response = self._http.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError as exc:
+                raise HubUnreachable(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
+            call.response(response.status_code)
         if response.status_code == 401:
             raise HubUnauthorized(f"hub rejected the cluster token (401): {error_message(response)}")
         if response.status_code >= 500:

@@ -67,8 +67,9 @@ from models.operation import (
     ledger_workflow_id,
 )
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, worker_process
-from tests.harness.controlplane import ControlPlane
+from tests.harness.controlplane import ControlPlane, free_port
 from tests.harness.kube import Cluster, Kube
+from tests.harness.otlp import OtlpReceiver
 from tests.harness.temporal import dev_server_path
 from worker.config import Settings
 
@@ -217,6 +218,7 @@ class Bench:
     latency_note: str = ""
     latency_completion: list[float] = field(default_factory=list)
     scale: ScaleOutcome | None = None
+    telemetry: Telemetry | None = None
 
     def say(self, message: str) -> None:
         log(self.clock, message)
@@ -267,6 +269,44 @@ class Bench:
                                                    if p not in TERMINAL_PHASES else f"{sa.PHASE.name} = '{p.value}'")
                                         for p in PHASES_SHOWN))
         return dict(zip(PHASES_SHOWN, counts, strict=True))
+
+
+@dataclass
+class Telemetry:
+    """--telemetry on: spans exported over OTLP/HTTP to a receiver on loopback, JSON logs, and /metrics scraped
+    every 15 s as Prometheus would. Off: no exporter, text logs, no scrape (the worker still counts its metrics)."""
+
+    receiver: Any
+    metrics_url: str
+    scrapes: int = 0
+    failed: int = 0
+    scrape_bytes: int = 0
+    scrape_seconds: list[float] = field(default_factory=list)
+
+    async def scrape_loop(self, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor) -> None:
+        import httpx
+
+        while True:
+            started = time.monotonic()
+            try:
+                response = await loop.run_in_executor(pool, lambda: httpx.get(self.metrics_url, timeout=30))
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                self.scrapes += 1
+                self.scrape_bytes = len(response.content)
+                self.scrape_seconds.append(time.monotonic() - started)
+            else:
+                self.failed += 1
+            await asyncio.sleep(15)
+
+    def line(self) -> str:
+        spans = len(self.receiver.snapshot())
+        took = (f", p50 {percentile(self.scrape_seconds, 50):.2f}s max {max(self.scrape_seconds):.2f}s"
+                if self.scrape_seconds else "")
+        return (f"on: {spans} spans received in {self.receiver.requests} OTLP/HTTP requests; /metrics scraped "
+                f"{self.scrapes} times, {self.failed} failed ({self.scrape_bytes / 1024:.0f} KiB{took}); JSON logs")
 
 
 def tail(path: Path, chars: int = 3000) -> str:
@@ -726,6 +766,8 @@ def report(b: Bench) -> None:
         if sc.cpu:
             cpu = ", ".join(f"{k} {v:.0f}s" for k, v in sorted(sc.cpu.items(), key=lambda kv: -kv[1]) if v >= 0.5)
             print(f"  {'CPU seconds used during the scenario':<66} {cpu}")
+    print(f"  {'telemetry (--telemetry)':<66} " + (b.telemetry.line() if b.telemetry else
+                                                    "off: no exporter, text logs, no scrape"))
     print("4. Worker memory (kubeon-gpu worker subprocess)")
     print(f"  {'RSS idle after start-up':<66} {b.sampler.mib(b.idle_rss_kib):.0f} MiB")
     print(f"  {'peak RSS sampled every 0.5s':<66} {b.sampler.mib(b.sampler.peak_rss_kib):.0f} MiB")
@@ -813,14 +855,21 @@ async def main_async(args: argparse.Namespace) -> int:
             overrides["max_concurrent_activities"] = args.max_concurrent_activities
         settings = burst.settings(temporal_address=env.client.service_client.config.target_host, task_queue=queue,
                                   locations=sim_locations(args.capacity, args.boot_seconds), cluster_name=queue,
-                                  **overrides)
+                                  health_port=free_port(), **overrides)
+        telemetry: Telemetry | None = None
+        worker_env: dict[str, str] = {"OTEL_SDK_DISABLED": "true"}
+        if args.telemetry == "on":
+            receiver = OtlpReceiver().__enter__()
+            stack.callback(receiver.__exit__, None, None, None)
+            telemetry = Telemetry(receiver=receiver, metrics_url=f"http://127.0.0.1:{settings.health_port}/metrics")
+            worker_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "KUBEON_LOG_FORMAT": "json"}
         observer = ClusterObserver(Kube.from_kubeconfig(plane.admin_kubeconfig).api,
                                    pod_selector=f"{BENCH_LABEL}={run}",
                                    node_selector="gpu.kubeon.io/operation").start()
         stack.callback(observer.stop)
 
         worker_log = workdir / "worker.log"
-        proc = worker_process(settings, worker_log)
+        proc = worker_process(settings, worker_log, worker_env)
         stack.callback(stop_worker, proc)  # runs first: the worker goes before the servers it talks to
         await wait_worker_started(proc, worker_log)
         sampler = ProcessSampler(proc.pid).start()
@@ -834,11 +883,14 @@ async def main_async(args: argparse.Namespace) -> int:
                   temporal_log=temporal_log,
                   temporal=env.client, settings=settings, worker=proc, worker_log=worker_log, sampler=sampler,
                   observer=observer, pool=pool, audit_file=settings.state_dir / "audit.jsonl",
-                  idle_rss_kib=sampler.last_rss_kib)
+                  idle_rss_kib=sampler.last_rss_kib, telemetry=telemetry)
+        scraping = asyncio.create_task(telemetry.scrape_loop(loop, pool)) if telemetry else None
         try:
             await latency_scenario(b, args.latency_samples)
             await scale_scenario(b, args.ops)
         finally:
+            if scraping is not None:
+                scraping.cancel()
             sampler.sample()
             report(b)
             if observer.errors:
@@ -882,6 +934,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(repeatable; default: the server's defaults)")
     p.add_argument("--py-spy", default="", help="py-spy binary for a stack dump of a hung worker (default: PATH)")
     p.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
+    p.add_argument("--telemetry", choices=["off", "on"], default="off",
+                   help="on: OTLP/HTTP traces to a loopback receiver, JSON logs, /metrics scraped every 15 s")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, audit.jsonl)")
     return p.parse_args(argv)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -49,11 +48,21 @@ def _version(_: argparse.Namespace) -> int:
 
 
 def _worker(_: argparse.Namespace) -> int:
-    from worker.config import load_settings
+    from worker import telemetry
+    from worker.config import ConfigError, load_settings
     from worker.main import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(load_settings()))
+    try:
+        telemetry.configure_logging()
+        tracing = telemetry.setup_tracing("kubeon-gpu-worker")
+    except ConfigError as exc:
+        print(f"kubeon-gpu worker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(load_settings()))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # flush the spans still queued
     return 0
 
 

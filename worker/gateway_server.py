@@ -53,6 +53,7 @@ from activities.gateway import (
     TicketError,
 )
 from models.operation import LABEL_OPERATION
+from worker import telemetry
 from worker.config import ConfigError, Settings, load_settings
 from worker.pool_join import DEFAULT_TOKENS_DIR, JOIN_TOKEN_HEADER, JoinTokenRefused, check_join_token
 from worker.runtime import kube_api
@@ -319,6 +320,8 @@ def add_health_routes(app: FastAPI, state: HealthState) -> None:
         return JSONResponse({"status": "ready" if ok else "not ready", "identity": state.identity},
                             status_code=200 if ok else 503)
 
+    telemetry.add_metrics_route(app)
+
 
 def _bare_app() -> FastAPI:
     app = FastAPI(title="kubeon burst gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -390,6 +393,7 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     app.state.reviewer = reviewer
     app.state.allowed_clients = allowed_clients
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(telemetry.GatewayRequestCounter)
     if health is not None:
         add_health_routes(app, health)
 
@@ -452,7 +456,7 @@ class _QuietProbes(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (len(args) >= 3 and args[2] in ("/healthz", "/readyz"))
+        return not (len(args) >= 3 and args[2] in ("/healthz", "/readyz", "/metrics"))
 
 
 def create_health_app(state: HealthState) -> FastAPI:
@@ -533,7 +537,11 @@ def serve(settings: Settings) -> int:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        telemetry.configure_logging()
+    except ConfigError as exc:
+        print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
+        sys.exit(2)
     environ = dict(os.environ)
     if not environ.get("KUBEON_CLUSTER"):
         environ["KUBEON_CLUSTER"] = "unset"  # the gateway does not use it; the chart sets it anyway

@@ -17,6 +17,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
 from models.operation import SERVE_QUEUE_SUFFIX
+from worker import telemetry
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.watcher import PendingPodWatcher, running
@@ -34,7 +35,8 @@ GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 def workflow_runner() -> SandboxedWorkflowRunner:
     # Our models are deterministic pydantic classes: pass them through instead of re-importing per workflow.
     return SandboxedWorkflowRunner(
-        restrictions=SandboxRestrictions.default.with_passthrough_modules("models", "pydantic", "pydantic_core"))
+        restrictions=SandboxRestrictions.default.with_passthrough_modules("models", "pydantic", "pydantic_core",
+                                                                          "opentelemetry"))
 
 
 def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
@@ -50,11 +52,15 @@ def make_worker(temporal: Client, activities: BurstActivities, settings: Setting
 async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(Exception):
         line = await reader.readline()
-        ok = line.split(b" ")[1:2] in ([b"/healthz"], [b"/readyz"])
+        path = line.split(b" ")[1:2]
+        ok = path in ([b"/healthz"], [b"/readyz"], [b"/metrics"])
         status = b"200 OK" if ok else b"404 Not Found"
         body = b"ok\n" if ok else b"not found\n"
-        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\nConnection: close\r\n\r\n" + body)
+        content_type = b"text/plain"
+        if path == [b"/metrics"]:
+            body, content_type = await telemetry.metrics_body(), telemetry.METRICS_CONTENT_TYPE.encode()
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
         await writer.drain()
     writer.close()
 
@@ -62,7 +68,7 @@ async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 @contextlib.asynccontextmanager
 async def worker_services(settings: Settings, runtime: Runtime | None = None,
                           *, watch: bool = True) -> AsyncIterator[tuple[Client, Runtime, PendingPodWatcher]]:
-    temporal = await connect_temporal(settings)
+    temporal = await connect_temporal(settings, runtime=telemetry.temporal_runtime())
     await register_search_attributes(temporal)
     runtime = runtime or build_runtime(settings)
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
@@ -78,6 +84,7 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
                           activities=[runtime_activities.serve_until_done, runtime_activities.await_actions_allowed],
                           max_concurrent_activities=10000,
                           graceful_shutdown_timeout=GRACEFUL_SHUTDOWN)
+    telemetry.attach(telemetry.StateCollector(temporal, runtime))
     try:
         async with worker, serve_worker:
             if hub is not None:
@@ -89,6 +96,7 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
             else:
                 yield temporal, runtime, watcher
     finally:
+        telemetry.attach(None)
         runtime.close()
         executor.shutdown(wait=False, cancel_futures=True)
 

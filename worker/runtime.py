@@ -9,6 +9,7 @@ from typing import Any
 from kubernetes import client, config
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.service import RPCError, TLSConfig
 
 from activities.audit import AuditLog
@@ -24,6 +25,7 @@ from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
 from models.locations import BurstConfig
 from models.operation import Instance
+from worker import telemetry
 from worker.config import ConfigError, Settings
 from workflows.hub_sync import HubSyncWorkflow
 
@@ -40,12 +42,14 @@ def kube_api(kubeconfig: Path | None, *, pool_size: int = 32) -> client.ApiClien
     return client.ApiClient(configuration)
 
 
-async def connect_temporal(settings: Settings) -> Client:
+async def connect_temporal(settings: Settings, *, runtime: TemporalRuntime | None = None) -> Client:
+    """A client whose calls, and whose workers' workflows and activities, are traced and counted (see
+    worker/telemetry.py); ``runtime``: the worker's, with the SDK's Prometheus metrics."""
     api_key = settings.temporal_api_key_file.read_text().strip() if settings.temporal_api_key_file else None
     return await Client.connect(
         settings.temporal_address, namespace=settings.temporal_namespace,
         data_converter=DATA_CONVERTER, tls=TLSConfig() if settings.temporal_tls else False,
-        api_key=api_key,
+        api_key=api_key, interceptors=telemetry.client_interceptors(), runtime=runtime,
     )
 
 

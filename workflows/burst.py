@@ -58,6 +58,7 @@ from models.policy import location_label_value
 from workflows.drain import DrainWorkflow
 from workflows.gate import action_gate, wait_until_allowed
 from workflows.ledger import GRANTED_SIGNAL
+from workflows.observe import phase_span
 
 # Must match activities.burst (workflows may not import activities).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
@@ -107,6 +108,7 @@ class BurstWorkflow:
         self.history.append(f"{stamp} {phase.value}" + (f": {message}" if message else ""))
         workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
         workflow.set_current_details(self._details())
+        phase_span("Burst", phase.value)
 
     def _details(self) -> str:
         assert self.inp is not None

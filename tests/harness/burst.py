@@ -168,17 +168,19 @@ async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
     return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
 
 
-def worker_env(settings: Settings) -> dict[str, str]:
-    return {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None}}
+def worker_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: this process's, the settings as KUBEON_* variables, ``extra`` (OTEL_*)."""
+    return {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None},
+            **(extra or {})}
 
 
 WORKER_ARGV = [sys.executable, "-m", "worker.cli", "worker"]
 
 
-def worker_process(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it)."""
+def worker_process(settings: Settings, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it); ``env``: more variables (OTEL_*)."""
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(WORKER_ARGV, env=worker_env(settings), stdout=out,
+    return subprocess.Popen(WORKER_ARGV, env=worker_env(settings, env), stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 

@@ -343,6 +343,40 @@ def test_forged_expired_and_garbage_tickets_are_403(gateway: GatewayProcess, opt
     assert "Traceback" not in gateway.log
 
 
+def test_metrics_count_joins_by_outcome_and_carry_no_ticket(gateway: GatewayProcess, optimizer: HttpGatewayClient,
+                                                            nodes: list[str]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.harness.dashboard import dashboard_metric_names
+
+    def scrape() -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+        response = httpx.get(f"{gateway.health_url}/metrics", timeout=5)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(response.text) for s in f.samples}
+        return response.text, samples
+
+    def joins(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], outcome: str) -> float:
+        return samples.get(("kubeon_gateway_joins_total", (("outcome", outcome),)), 0.0)
+
+    _, before = scrape()
+    req = ticket_request(nodes)
+    ticket = optimizer.issue_ticket(req).ticket
+    assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "") == req.node_name
+    assert join_raw(gateway, "not-a-ticket").status_code == 403
+    assert join_raw(gateway, ticket, capacity="lots").status_code == 400
+    text, after = scrape()
+    assert {o: joins(after, o) - joins(before, o) for o in ("admitted", "refused", "invalid")} == {
+        "admitted": 1, "refused": 1, "invalid": 1}
+    tickets = ("kubeon_gateway_requests_total", (("code", "201"), ("route", "/v1/tickets")))
+    issued = after.get(tickets, 0.0) + after.get((tickets[0], (("code", "200"), ("route", "/v1/tickets"))), 0.0)
+    assert issued >= 1
+    assert ticket not in text and req.node_name not in text  # labels name routes and outcomes, no IDs
+    names = {name for name, _ in after}
+    missing = {n for n in dashboard_metric_names() if n.startswith("kubeon_gateway_")} - names
+    assert not missing, sorted(missing)
+
+
 def test_join_annotations_and_body_are_checked(gateway: GatewayProcess, optimizer: HttpGatewayClient,
                                                setup: Setup, nodes: list[str]) -> None:
     req = ticket_request(nodes)

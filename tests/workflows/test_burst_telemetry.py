@@ -1,0 +1,407 @@
+"""Observability end to end: `kubeon-gpu worker` as its own process exports one trace per burst to a real OTLP/HTTP
+endpoint (decoded with opentelemetry-proto), keeps it across a SIGKILL, serves the expected counts on /metrics,
+writes JSON logs with the operation, and leaks no secret into any of them. With OTEL_* unset it exports nothing."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from temporalio.testing import WorkflowEnvironment
+
+from activities.gateway import parse_user_data_ticket
+from models.hub import hub_sync_workflow_id
+from models.operation import TAG_OPERATION, Phase, burst_workflow_id
+from models.policy import API_GROUP, PLURAL
+from tests.harness.burst import (
+    BURST_TAINT_KEY,
+    SIM_LOCATIONS,
+    BurstStack,
+    build_stack,
+    gpu_deployment,
+    result,
+    unique,
+    wait_phase,
+    worker_process,
+)
+from tests.harness.controlplane import free_port
+from tests.harness.dashboard import dashboard_metric_names
+from tests.harness.kube import Cluster, until, wait_for
+from tests.harness.otlp import OtlpReceiver, ReceivedSpan
+from tests.hub.conftest import BOOTSTRAP_KEY
+from tests.hub.process import HubProcess
+from worker.config import Settings
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+PHASES = ("Planning", "AwaitingApproval", "Launching", "Joining", "Verifying", "Serving", "Draining", "Completed")
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("telemetry"))
+
+
+@pytest.fixture
+def no_otel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in list(os.environ):
+        if var.startswith("OTEL_"):
+            monkeypatch.delenv(var)
+
+
+class Samples:
+    """One scrape of /metrics, parsed with prometheus_client's parser."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        self.names = {s.name for s in self.samples}
+
+    def value(self, name: str, **labels: str) -> float:
+        return sum(s.value for s in self.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+@dataclass
+class Worker:
+    settings: Settings
+    log: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, **more_env: str) -> None:
+        self.proc = worker_process(self.settings, self.log, {**self.env, **more_env})
+        wait_for(self.healthy, what="worker /healthz", timeout=60)
+
+    def healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.health_port}"
+
+    def metrics(self) -> Samples:
+        response = httpx.get(f"{self.url}/metrics", timeout=10)
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        return Samples(response.text)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> int | None:
+        """SIGTERM (the worker flushes its spans), then nothing of its process group is left."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+
+def otel_env(otlp: OtlpReceiver, instance: str = "first") -> dict[str, str]:
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "OTEL_SERVICE_NAME": "kubeon-test-worker", "OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={instance}",
+            "KUBEON_LOG_FORMAT": "json"}
+
+
+def operation_spans(spans: list[ReceivedSpan], workflow_id: str) -> list[ReceivedSpan]:
+    """Spans of the operation's workflow and its drain child, and of their activities (Temporal's interceptor
+    tags those with the run; a client's call on the workflow, e.g. the hub sync's approval, is the caller's)."""
+    return [s for s in spans if "temporalRunID" in s.attributes and (
+        s.attributes.get("temporalWorkflowID") == workflow_id
+        or str(s.attributes.get("temporalWorkflowID", "")).startswith(f"drain/{workflow_id}/"))]
+
+
+def one_trace(otlp: OtlpReceiver, workflow_id: str) -> list[ReceivedSpan]:
+    """Every span of the operation's trace (none yet: empty); the operation's spans must all be in one."""
+    spans = otlp.snapshot()
+    traces = {s.trace_id for s in operation_spans(spans, workflow_id)}
+    assert len(traces) <= 1, f"{workflow_id}: spans in {len(traces)} traces: " + repr(
+        sorted((s.trace_id[:6], s.name) for s in operation_spans(spans, workflow_id)))
+    return [s for s in spans if s.trace_id in traces]
+
+
+def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
+    return [s for s in spans if s.name == name]
+
+
+def sim_records(settings: Settings, operation: str) -> list[dict[str, Any]]:
+    state = json.loads((settings.state_dir / "sim-instances.json").read_text())
+    return [rec for rec in state.values() if rec["tags"].get(TAG_OPERATION) == operation]
+
+
+@dataclass
+class Hub:
+    process: HubProcess
+    admin: httpx.Client
+    cluster: str
+    token_file: Path
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[Hub]:
+    key_file = tmp_path / "bootstrap.key"
+    key_file.write_text(BOOTSTRAP_KEY + "\n")
+    process = HubProcess(["--database-url", f"sqlite:///{tmp_path / 'hub.db'}", "--bootstrap-admin-key-file",
+                          str(key_file)], logdir=tmp_path).start()
+    admin = httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {BOOTSTRAP_KEY}"}, timeout=10)
+    name = unique("c")
+    created = admin.post("/v1/clusters", json={"name": name})
+    assert created.status_code == 201, created.text
+    token_file = tmp_path / "token"
+    token_file.write_text(created.json()["token"]["token"])
+    try:
+        yield Hub(process=process, admin=admin, cluster=name, token_file=token_file)
+    finally:
+        admin.close()
+        process.stop()
+
+
+async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
+        stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEnvironment, namespace: str,
+        tmp_path: Path) -> None:
+    temporal = temporal_dev_server.client
+    policy = unique("obs")
+    with OtlpReceiver() as otlp:
+        settings = stack.settings(
+            temporal_address=temporal.service_client.config.target_host, task_queue=unique("q"),
+            locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
+            hub_token_file=hub.token_file, hub_poll_interval=1.0, health_port=free_port())
+        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp))
+        worker.start()
+        try:
+            created = hub.admin.put(f"/v1/clusters/{hub.cluster}/policies/{policy}", json={
+                "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+                "spec": {"kind": "Burst", "mode": "Approve", "workloads": {"tolerate": BURST_TAINT_KEY},
+                         "locations": ["sim/eu-west", "sim/us-west"], "limits": {"maxNodes": 2, "maxGpuHour": 4.5},
+                         "returnHome": True}})
+            assert created.status_code in (200, 201), created.text
+            await until(lambda: stack.cluster.admin.custom.list_cluster_custom_object(
+                API_GROUP, "v1", PLURAL, field_selector=f"metadata.name={policy}")["items"], timeout=60,
+                what="policy synced from the hub")
+            deploy = unique("infer")
+            stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+            wf_id = burst_workflow_id(hub.cluster, policy, f"{namespace}/Deployment/{deploy}")
+            handle = temporal.get_workflow_handle(wf_id)
+            proposed = await wait_phase(handle, Phase.AWAITING_APPROVAL, timeout=120)
+            assert proposed.plan is not None
+            decided = hub.admin.post(f"/v1/clusters/{hub.cluster}/approvals", json={
+                "operation": proposed.operation, "decision": "approve", "plan_id": proposed.plan.plan_id})
+            assert decided.status_code == 201, decided.text
+            serving = await wait_phase(handle, Phase.SERVING, timeout=120)
+
+            # While it serves: its node, what it costs, its phase and its place in the ledger.
+            def serving_metrics() -> Samples | None:
+                m = worker.metrics()
+                ok = (m.value("kubeon_burst_nodes", policy=policy, location="sim/eu-west") == 1
+                      and m.value("kubeon_operations", kind="Burst", phase="Serving") >= 1
+                      and m.value("kubeon_ledger_reserved_nodes", policy=policy) == 1)
+                return m if ok else None
+
+            during = await until(serving_metrics, timeout=60, what="metrics of the serving burst")
+            assert during.value("kubeon_committed_usd_per_hour", policy=policy, component="compute") == 0.9
+            assert during.value("kubeon_committed_usd_per_hour", policy=policy, component="transfer") > 0
+
+            stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+            done = await result(handle, timeout=150)
+            assert done.phase == Phase.COMPLETED, done.message
+
+            # -- the trace: every phase, the cloud call a child of the launch activity -------------------------
+            def finished_trace() -> list[ReceivedSpan] | None:
+                spans = one_trace(otlp, wf_id)
+                names = {s.name for s in spans}
+                return spans if {"Phase:Completed", "RunActivity:remove_node"} <= names else None
+
+            spans = await until(finished_trace, timeout=30, what="the whole trace exported")
+            names = {s.name for s in spans}
+            expected = {f"Phase:{p}" for p in PHASES} | {f"RunActivity:{a}" for a in (
+                "load_policy", "plan_burst", "request_capacity", "launch_instance", "wait_for_node", "verify_node",
+                "serve_until_done", "cordon_node", "evict_pods", "terminate_instance", "remove_node")} | {
+                "RunWorkflow:BurstWorkflow", "HandleUpdate:approve_plan", "StartChildWorkflow:DrainWorkflow",
+                "RunWorkflow:DrainWorkflow", "cloud.launch", "cloud.terminate"}
+            assert expected <= names, sorted(expected - names)
+            # The policy's ledger outlives the operation: its spans are in traces of their own.
+            assert not [s for s in spans if str(s.attributes.get("temporalWorkflowID", "")).startswith("ledger/")]
+            assert [s for s in otlp.snapshot() if s.name == "RunWorkflow:PolicyLedger"]
+            (root,) = [s for s in spans if not s.parent_span_id]
+            assert root.name == "StartWorkflow:BurstWorkflow" and root.service == "kubeon-test-worker"
+            (launch,) = by_name(spans, "cloud.launch")
+            (launch_activity,) = by_name(spans, "RunActivity:launch_instance")
+            assert launch.parent_span_id == launch_activity.span_id
+            assert {k: launch.attributes[k] for k in ("cloud.provider", "kubeon.location", "kubeon.instance_type",
+                                                      "kubeon.outcome")} == {
+                "cloud.provider": "sim", "kubeon.location": "sim/eu-west", "kubeon.instance_type": "sim.l4.1",
+                "kubeon.outcome": "ok"}
+            (terminate,) = by_name(spans, "cloud.terminate")
+            assert terminate.parent_span_id == by_name(spans, "RunActivity:terminate_instance")[0].span_id
+            hub_calls = [s for s in otlp.snapshot() if s.name.startswith("hub ")]
+            assert {"hub GET /v1/cluster/policies", "hub POST /v1/cluster/reports"} <= {s.name for s in hub_calls}
+
+            # -- the metrics after the return home --------------------------------------------------------------
+            def settled() -> Samples | None:
+                m = worker.metrics()
+                gone = m.value("kubeon_burst_nodes", policy=policy) == 0
+                removed = m.value("kubeon_operation_actions_total", policy=policy, action="removed")
+                return m if gone and removed else None
+
+            after = await until(settled, timeout=60, what="metrics after the return home")
+            for action in ("proposed", "approved", "launched", "joined", "verified", "drained", "removed"):
+                assert after.value("kubeon_operation_actions_total", kind="Burst", policy=policy,
+                                   action=action) == 1, action
+            assert after.value("kubeon_launch_duration_seconds_count", policy=policy, location="sim/eu-west") == 1
+            assert after.value("kubeon_launch_duration_seconds_sum", policy=policy) > 0
+            assert after.value("kubeon_join_duration_seconds_count", policy=policy) == 1
+            assert after.value("kubeon_join_duration_seconds_sum", policy=policy) > 0.1  # the sim boots in 0.5 s
+            assert after.value("kubeon_join_duration_seconds_bucket", policy=policy, le="+Inf") == 1
+            assert after.value("kubeon_cloud_requests_total", provider="sim", call="launch", outcome="ok") == 1
+            assert after.value("kubeon_cloud_requests_total", provider="sim", call="terminate") >= 1
+            assert after.value("kubeon_hub_polls_total", state="connected") >= 1
+            assert after.value("kubeon_hub_last_sync_timestamp_seconds") > time.time() - 60
+            assert after.value("kubeon_hub_connected") == 1
+            assert after.value("kubeon_http_client_requests_total", peer="hub", route="/v1/cluster/reports",
+                               outcome="ok") >= 1
+            assert after.value("temporal_activity_execution_latency_seconds_count") > 0  # the SDK's own
+            # The dashboard shows only what the worker exports (the gateway's panels: tests/worker).
+            # (Gauges of what is gone are absent after the return home: the scrape while serving has them.)
+            missing = {n for n in dashboard_metric_names() if not n.startswith("kubeon_gateway_")} - (
+                during.names | after.names)
+            assert not missing, sorted(missing)
+        finally:
+            code = worker.stop()
+            with contextlib.suppress(Exception):
+                await temporal.get_workflow_handle(hub_sync_workflow_id(hub.cluster)).terminate("test over")
+            stack.delete_policy(policy)  # synced from the hub; cluster-scoped, it would take later tests' pods
+        assert code == 0, worker.log.read_text()[-3000:]
+
+        # -- JSON logs with the operation and its trace -----------------------------------------------------------
+        lines = [json.loads(line) for line in worker.log.read_text().splitlines() if line.strip()]
+        trace_id = spans[0].trace_id
+        launched = [d for d in lines if d.get("operation") == serving.operation and d["message"].endswith("launched")]
+        assert launched and launched[0]["policy"] == policy and launched[0]["trace_id"] == trace_id
+        assert launched[0]["workflow_id"] == wf_id
+
+        # -- no secret anywhere: logs, spans as exported, metrics ------------------------------------------------
+        (record,) = sim_records(settings, serving.operation)
+        user_data: str = record["user_data"]
+        ticket: str = parse_user_data_ticket(user_data)["ticket"]
+        secrets = {"hub token": hub.token_file.read_text().strip(), "join ticket": ticket, "user data": user_data}
+        haystacks = {"logs": worker.log.read_bytes(), "spans": b"\n".join(otlp.bodies),
+                     "decoded spans": repr(otlp.snapshot()).encode(), "metrics": after.text.encode()}
+        for what, secret in secrets.items():
+            assert len(secret) >= 16, what
+            for form in {secret.encode(), base64.b64encode(secret.encode())}:
+                for where, data in haystacks.items():
+                    assert form not in data, f"the {what} is in the {where}"
+
+
+async def test_the_trace_survives_a_worker_killed_mid_join(
+        stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, tmp_path: Path) -> None:
+    temporal = temporal_dev_server.client
+    product = unique("NVIDIA-T")
+    location = {"name": "sim/eu-west", "sim": {"bootSeconds": 6},
+                "offerings": [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": 1.0}]}
+    queue = unique("trace")
+    policy = unique("trace")
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"])
+    with OtlpReceiver() as otlp:
+        settings = stack.settings(temporal_address=temporal.service_client.config.target_host, task_queue=queue,
+                                  locations=[location], cluster_name=queue, health_port=free_port())
+        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp, "first"))
+        try:
+            worker.start()
+            deploy = unique("infer")
+            stack.cluster.admin.apps.create_namespaced_deployment(namespace,
+                                                                  gpu_deployment(deploy, gpu_product=product))
+            wf_id = burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}")
+            handle = temporal.get_workflow_handle(wf_id)
+            await wait_phase(handle, Phase.JOINING, timeout=90)
+            await until(lambda: by_name(otlp.snapshot(), "StartActivity:wait_for_node"), timeout=10,
+                        what="the join's scheduling exported")
+            worker.kill()  # mid-join: the instance is still booting
+            worker.start(OTEL_RESOURCE_ATTRIBUTES="service.instance.id=second")
+            await wait_phase(handle, Phase.SERVING, timeout=150)
+            stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+            done = await result(handle, timeout=150)
+            assert done.phase == Phase.COMPLETED, done.message
+
+            def completed_trace() -> list[ReceivedSpan] | None:
+                trace = one_trace(otlp, wf_id)
+                return trace if by_name(trace, "Phase:Completed") else None
+
+            spans = await until(completed_trace, timeout=30, what="the trace after the restart")
+        finally:
+            worker.stop()
+            stack.delete_policy(policy)
+
+    def of(instance: str) -> set[str]:
+        return {s.name for s in spans if s.resource.get("service.instance.id") == instance}
+
+    assert {"RunActivity:launch_instance", "cloud.launch", "StartActivity:wait_for_node"} <= of("first")
+    assert {"RunActivity:wait_for_node", "RunActivity:verify_node", "Phase:Serving", "RunWorkflow:DrainWorkflow",
+            "Phase:Completed"} <= of("second")
+    # The resumed join is the child of the span that scheduled it before the kill: the same trace, unbroken.
+    (scheduled,) = by_name(spans, "StartActivity:wait_for_node")
+    resumed = [s for s in by_name(spans, "RunActivity:wait_for_node") if s.resource["service.instance.id"] == "second"]
+    assert resumed and all(s.parent_span_id == scheduled.span_id for s in resumed)
+    assert "RunWorkflow:BurstWorkflow" not in of("second")  # a replay adds no duplicate
+
+
+async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
+        stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, tmp_path: Path,
+        no_otel_env: None) -> None:
+    temporal = temporal_dev_server.client
+    queue, policy = unique("plain"), unique("plain")
+    stack.create_policy(policy, mode=None, locations=["sim/eu-west"])  # Recommend: a proposal, nothing launched
+    settings = stack.settings(temporal_address=temporal.service_client.config.target_host, task_queue=queue,
+                              locations=SIM_LOCATIONS, cluster_name=queue, health_port=free_port())
+    worker = Worker(settings, tmp_path / "worker.log", {})
+    try:
+        worker.start()
+        deploy = unique("infer")
+        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
+        assert (await result(handle)).phase == Phase.PROPOSED
+
+        def counted() -> Samples | None:
+            m = worker.metrics()
+            return m if m.value("kubeon_operation_actions_total", policy=policy, action="proposed") == 1 else None
+
+        m = await until(counted, timeout=30, what="the proposal counted")
+        assert "temporal_workflow_completed_total" in m.names
+        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    finally:
+        code = worker.stop()
+        stack.delete_policy(policy)
+    assert code == 0
+    log = worker.log.read_text()
+    assert "worker started" in log
+    for word in ("otel", "opentelemetry", "otlp", "exporter", "traces", "tracing", "span"):
+        assert word not in log.lower(), f"{word!r} in the log of a worker without OTEL_*:\n{log}"

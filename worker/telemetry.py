@@ -1,0 +1,508 @@
+"""Observability of the worker (and the gateway): traces, metrics, logs.
+
+- **Traces**: Temporal's ``TracingInterceptor`` on the client (so on every worker built from it): one operation is
+  one trace, from the watcher's start through every activity, retry, child workflow and worker restart (the
+  context travels in Temporal headers, kept in the history). Cloud, hub and gateway calls add spans of their own
+  (``activities/tracing.py``). Exported over OTLP/HTTP, configured by the standard ``OTEL_*`` variables
+  (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``...); with
+  neither an OTLP endpoint nor ``OTEL_TRACES_EXPORTER`` set, no exporter starts and nothing is said about it.
+- **Metrics**: ``/metrics`` on the health port serves the product's metrics (``activities/product_metrics.py``;
+  counted by ``ObservingInterceptor`` around activities, or read at scrape time by ``StateCollector``) followed
+  by the Temporal SDK's own (its runtime's Prometheus endpoint, bound to loopback only, proxied).
+- **Logs**: ``KUBEON_LOG_FORMAT=json`` writes one JSON object a line with the workflow ID, operation, policy and
+  trace ID where there is one; the default is readable text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import datetime as dt
+import functools
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Response
+from opentelemetry import trace
+from prometheus_client import REGISTRY, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from temporalio import activity
+from temporalio import client as temporal_client
+from temporalio import worker as temporal_worker
+from temporalio.contrib.opentelemetry import TracingInterceptor
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.service import RPCError
+
+from activities import product_metrics as pm
+from models import search_attributes as sa
+from models.hub import HubSyncStatus, hub_sync_workflow_id
+from models.operation import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY, ReservationResult, operation_id
+from worker.config import ConfigError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from worker.runtime import Runtime as WorkerRuntime
+
+log = logging.getLogger("kubeon.telemetry")
+T = TypeVar("T")
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+LOG_FORMATS = ("text", "json")
+OTLP_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+# ----- traces ----------------------------------------------------------------------------------------------------
+
+
+def traces_exporter(environ: Mapping[str, str]) -> str | None:
+    """Which span exporter the environment asks for: ``otlp``, ``console`` or None (tracing off)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    wanted = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if wanted == "none":
+        return None
+    if not wanted:
+        return "otlp" if any(environ.get(v, "").strip() for v in OTLP_ENDPOINT_VARS) else None
+    if wanted not in ("otlp", "console"):
+        raise ConfigError(f"OTEL_TRACES_EXPORTER={wanted!r}: this version exports otlp (OTLP/HTTP), console or none")
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
+    if wanted == "otlp" and protocol.strip() not in ("", "http/protobuf"):
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: only http/protobuf is supported")
+    return wanted
+
+
+def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -> TracerProvider | None:
+    """Install the global tracer provider the environment asks for; None (and no exporter, no thread, no log
+    line) when it asks for none. ``OTEL_SERVICE_NAME`` overrides ``service_name``."""
+    environ = os.environ if environ is None else environ
+    exporter_name = traces_exporter(environ)
+    if exporter_name is None:
+        return None
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+    # Resource.create reads OTEL_RESOURCE_ATTRIBUTES; OTEL_SERVICE_NAME wins over the default name.
+    resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME", "").strip() or service_name})
+    exporter: SpanExporter
+    if exporter_name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()  # endpoint, headers, timeout, compression: the OTEL_EXPORTER_OTLP_* variables
+    else:
+        exporter = ConsoleSpanExporter(out=sys.stderr)
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    where = next((environ[v] for v in reversed(OTLP_ENDPOINT_VARS) if environ.get(v)), "the default endpoint")
+    log.info("traces: %s as service %s", f"OTLP/HTTP to {where}" if exporter_name == "otlp" else "console",
+             resource.attributes.get(SERVICE_NAME))
+    return provider
+
+
+def client_interceptors() -> list[temporal_client.Interceptor]:
+    """For ``Client.connect``: they apply to the client's calls and to every worker built on that client."""
+    return [TracingInterceptor(), ObservingInterceptor()]
+
+
+# ----- the Temporal SDK's metrics --------------------------------------------------------------------------------
+
+_runtime: tuple[Runtime, int] | None = None
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def temporal_runtime() -> Runtime:
+    """One Temporal runtime per process with its Prometheus endpoint on a loopback port; ``/metrics`` on the health
+    port proxies it, so only one port is ever scraped."""
+    global _runtime
+    if _runtime is None:
+        port = _free_loopback_port()
+        runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
+            bind_address=f"127.0.0.1:{port}", counters_total_suffix=True, unit_suffix=True,
+            durations_as_seconds=True)))
+        _runtime = (runtime, port)
+    return _runtime[0]
+
+
+async def sdk_metrics() -> bytes:
+    if _runtime is None:
+        return b""
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            response = await http.get(f"http://127.0.0.1:{_runtime[1]}/metrics")
+        return response.content if response.status_code == 200 else b""
+    except httpx.HTTPError:
+        return b""
+
+
+# ----- the product's metrics -------------------------------------------------------------------------------------
+
+# (location, instance type) -> (compute USD/h, transfer USD/h) of one instance, from plans and price lists.
+PRICES: dict[tuple[str, str], tuple[float, float]] = {}
+
+
+def _remember_prices(offerings: Any) -> None:
+    for o in offerings or ():
+        PRICES[(o.location, o.instance_type)] = (float(o.instance_usd_per_hour),
+                                                 float(o.transfer_usd_per_gpu_hour) * int(o.gpus))
+
+
+def _location_of_label(value: str) -> str:
+    provider, _, rest = value.partition(".")  # aws.eu-central-1 -> aws/eu-central-1 (a label cannot hold "/")
+    return f"{provider}/{rest}" if rest else value
+
+
+class StateCollector:
+    """What is true now, read when scraped (at most every ``min_interval`` seconds) from the sources every
+    replica shares: burst Nodes, Temporal visibility, the ledger and hub sync workflows' queries."""
+
+    def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0
+                 ) -> None:
+        self.temporal = temporal
+        self.runtime = runtime
+        self.cluster = runtime.settings.cluster
+        self.min_interval = min_interval
+        self._last = -1e9
+        self._task: asyncio.Task[None] | None = None
+        self._price_checked: dict[str, float] = {}
+        # Its own thread: the default executor is busy with the serving activities' checks under load, and a
+        # scrape queued behind them would time out.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics")
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args,
+                                                                                                   **kwargs))
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def refresh(self, wait: float = 2.0) -> None:
+        """Start reading the sources when the last read is older than ``min_interval``, and wait for it at most
+        ``wait`` seconds: a scrape answers in time with the last values when a source is slow under load."""
+        if (self._task is None or self._task.done()) and time.monotonic() - self._last >= self.min_interval:
+            self._last = time.monotonic()
+            self._task = asyncio.create_task(self._read_all())
+        if self._task is not None and not self._task.done():
+            await asyncio.wait({self._task}, timeout=wait)
+
+    async def _read_all(self) -> None:
+        policies: set[str] = set()
+        for source, step in (("kubernetes", self._nodes), ("temporal", self._operations),
+                             ("ledger", self._ledgers), ("hub", self._hub)):
+            try:
+                await step(policies)
+            except Exception as exc:  # one source down must not take the others' metrics with it
+                pm.SCRAPE_ERRORS.labels(source=source).inc()
+                log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
+
+    async def _nodes(self, policies: set[str]) -> None:
+        nodes = await self._blocking(self.runtime.kube.core.list_node, label_selector=LABEL_POLICY)
+        counts: dict[tuple[str, str], int] = {}
+        cost: dict[str, list[float]] = {}
+        for node in nodes.items:
+            labels = (node.metadata.labels if node.metadata else None) or {}
+            policy, location = labels[LABEL_POLICY], _location_of_label(labels.get(LABEL_LOCATION, ""))
+            policies.add(policy)
+            counts[(policy, location)] = counts.get((policy, location), 0) + 1
+            price = await self._price(location, labels.get(LABEL_INSTANCE_TYPE, ""))
+            total = cost.setdefault(policy, [0.0, 0.0])
+            total[0] += price[0]
+            total[1] += price[1]
+        pm.BURST_NODES.clear()
+        for (policy, location), n in counts.items():
+            pm.BURST_NODES.labels(policy=policy, location=location).set(n)
+        pm.COMMITTED_USD_PER_HOUR.clear()
+        for policy, (compute, transfer) in cost.items():
+            pm.COMMITTED_USD_PER_HOUR.labels(policy=policy, component="compute").set(round(compute, 6))
+            pm.COMMITTED_USD_PER_HOUR.labels(policy=policy, component="transfer").set(round(transfer, 6))
+
+    async def _price(self, location: str, instance_type: str) -> tuple[float, float]:
+        key = (location, instance_type)
+        if key not in PRICES and time.monotonic() - self._price_checked.get(location, -1e9) > 600:
+            self._price_checked[location] = time.monotonic()
+            provider = self.runtime.providers.get(location.split("/", 1)[0])
+            if provider is not None:
+                _remember_prices(await self._blocking(provider.price_offerings, location))
+        return PRICES.get(key, (0.0, 0.0))
+
+    async def _operations(self, policies: set[str]) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        query = f"ExecutionStatus = 'Running' AND {sa.CLUSTER.name} = '{self.cluster}'"
+        async for wf in self.temporal.list_workflows(query, limit=10000):
+            attrs = wf.typed_search_attributes
+            kind, phase = attrs.get(sa.OPERATION_KIND), attrs.get(sa.PHASE)
+            if kind:
+                counts[(kind, phase or "")] = counts.get((kind, phase or ""), 0) + 1
+            if attrs.get(sa.POLICY):
+                policies.add(str(attrs.get(sa.POLICY)))
+        pm.OPERATIONS.clear()
+        for (kind, phase), n in counts.items():
+            pm.OPERATIONS.labels(kind=kind, phase=phase).set(n)
+
+    async def _ledgers(self, policies: set[str]) -> None:
+        from models.operation import ledger_workflow_id
+
+        results: dict[str, ReservationResult] = {}
+        for policy in sorted(policies):
+            handle = self.temporal.get_workflow_handle(ledger_workflow_id(self.cluster, policy))
+            try:
+                results[policy] = await handle.query("reservations", result_type=ReservationResult,
+                                                     rpc_timeout=dt.timedelta(seconds=3))
+            except (RPCError, temporal_client.WorkflowQueryFailedError):
+                continue  # no ledger (yet) for this policy
+        pm.LEDGER_RESERVED.clear()
+        pm.LEDGER_WAITING.clear()
+        for policy, res in results.items():
+            pm.LEDGER_RESERVED.labels(policy=policy).set(res.in_use)
+            pm.LEDGER_WAITING.labels(policy=policy).set(len(res.waiting))
+
+    async def _hub(self, _: set[str]) -> None:
+        if self.runtime.hub is None:
+            return
+        handle = self.temporal.get_workflow_handle(hub_sync_workflow_id(self.cluster))
+        status = await handle.query("status", result_type=HubSyncStatus, rpc_timeout=dt.timedelta(seconds=3))
+        pm.HUB_REPORTS_QUEUED.set(status.pending_reports)
+        pm.HUB_CONNECTED.set(1 if status.state == "connected" else 0)
+        if status.last_poll_at is not None:
+            pm.HUB_LAST_POLL.set(status.last_poll_at.timestamp())
+
+
+_collector: StateCollector | None = None
+
+
+def attach(collector: StateCollector | None) -> None:
+    """The collector ``/metrics`` refreshes (the running worker's); None detaches (and closes) it."""
+    global _collector
+    if _collector is not None and _collector is not collector:
+        _collector.close()
+    _collector = collector
+
+
+async def metrics_body() -> bytes:
+    """The whole ``/metrics`` answer: the product's metrics (and the process's), then the Temporal SDK's."""
+    if _collector is not None:
+        await _collector.refresh()
+    ours = generate_latest(REGISTRY)
+    return ours + (b"" if ours.endswith(b"\n") else b"\n") + await sdk_metrics()
+
+
+# ----- the gateway -----------------------------------------------------------------------------------------------
+
+GATEWAY_ROUTES = ("/v1/join", "/v1/tickets", "/healthz", "/readyz", "/metrics")
+
+
+def _gateway_route(path: str) -> str:
+    if path.startswith("/v1/nodes/"):
+        return "/v1/nodes/{name}"
+    return path if path in GATEWAY_ROUTES else "other"
+
+
+def _join_outcome(status: int) -> str:
+    if status < 300:
+        return "admitted"
+    if status in (401, 403, 409):
+        return "refused"
+    return "invalid" if status < 500 else "error"
+
+
+class GatewayRequestCounter:
+    """ASGI middleware of the gateway: requests by route template and status, joins by outcome. It sees only the
+    status code, never a body (the join ticket) or a header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = _gateway_route(str(scope.get("path", "")))
+            pm.GATEWAY_REQUESTS.labels(route=route, code=str(status)).inc()
+            if route == "/v1/join" and scope.get("method") == "POST":
+                pm.GATEWAY_JOINS.labels(outcome=_join_outcome(status)).inc()
+
+
+def add_metrics_route(app: FastAPI) -> None:
+    """``GET /metrics`` (Prometheus text format) on a FastAPI app: the gateway's health port."""
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=METRICS_CONTENT_TYPE)
+
+
+# ----- facts counted around activities ---------------------------------------------------------------------------
+
+# What JSON log lines of the running activity carry (workflow ID, operation, policy).
+LOG_CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("kubeon_log_context",
+                                                                                    default=None)
+
+
+def operation_context(workflow_id: str | None, run_id: str | None, arg: Any = None) -> dict[str, str]:
+    """Workflow ID, operation and policy of a workflow or its activity. The activity's argument says best (its
+    ``operation`` and ``policy`` fields); else they are read from the workflow ID's documented shapes:
+    ``burst/<cluster>/<policy>/<group>`` (operation: derived from the run), ``ledger/<cluster>/<policy>``,
+    ``drain/<burst workflow ID>/<operation>``."""
+    ctx: dict[str, str] = {}
+    if workflow_id:
+        ctx["workflow_id"] = workflow_id
+        parts = workflow_id.split("/")
+        if parts[0] == "drain" and len(parts) >= 6:
+            ctx["operation"] = parts[-1]
+            parts = parts[1:]
+        if parts[0] in ("burst", "ledger") and len(parts) >= 3:
+            ctx["policy"] = parts[2]
+        if parts[0] == "burst" and run_id and "operation" not in ctx and len(parts) == 4:
+            ctx["operation"] = operation_id(workflow_id, run_id)
+    for key in ("operation", "policy"):
+        value = getattr(arg, key, None)
+        if isinstance(value, str) and value:
+            ctx[key] = value
+    return ctx
+
+
+def _observe(info: activity.Info, arg: Any, result: Any, ctx: Mapping[str, str]) -> None:
+    kind = (info.workflow_type or "").removesuffix("Workflow") or "?"
+    policy = ctx.get("policy", "")
+    elapsed = (dt.datetime.now(dt.UTC) - info.scheduled_time).total_seconds()
+    name = info.activity_type
+    if name == "record_audit" and result is True:
+        action = str(getattr(arg, "action", ""))
+        pm.OPERATION_ACTIONS.labels(kind=kind, policy=policy, action=action).inc()
+        log.info("%s operation %s: %s", kind.lower(), ctx.get("operation", "?"), action)
+    elif name == "launch_instance":
+        offering = getattr(arg, "offering", None)
+        pm.LAUNCH_SECONDS.labels(policy=policy, location=str(getattr(offering, "location", ""))).observe(elapsed)
+    elif name == "wait_for_node":
+        pm.JOIN_SECONDS.labels(policy=policy).observe(elapsed)
+    elif name == "plan_burst":
+        _remember_prices(getattr(result, "candidates", None))
+    elif name == "hub_poll":
+        state = str(getattr(result, "state", "?"))
+        pm.HUB_POLLS.labels(state=state).inc()
+        if state == "connected":
+            pm.HUB_LAST_SYNC.set(time.time())
+
+
+class _ObservingActivityInbound(temporal_worker.ActivityInboundInterceptor):
+    async def execute_activity(self, input: temporal_worker.ExecuteActivityInput) -> Any:
+        info = activity.info()
+        arg = input.args[0] if input.args else None
+        ctx = operation_context(info.workflow_id, info.workflow_run_id, arg)
+        token = LOG_CONTEXT.set(ctx)  # copied into the thread of a sync activity
+        try:
+            try:
+                result = await super().execute_activity(input)
+            except BaseException:
+                if info.activity_type == "hub_poll":
+                    pm.HUB_POLLS.labels(state="error").inc()
+                raise
+            try:
+                _observe(info, arg, result, ctx)
+            except Exception as exc:  # a metric must never fail an activity
+                log.debug("metrics of %s: %s", info.activity_type, exc)
+            return result
+        finally:
+            LOG_CONTEXT.reset(token)
+
+
+class ObservingInterceptor(temporal_client.Interceptor, temporal_worker.Interceptor):
+    """Counts the product's facts around activities (audited actions, launch and join latency, hub polls) and
+    gives their log lines the operation's context. A client interceptor too, so every worker of the client
+    gets it."""
+
+    def intercept_activity(self, next: temporal_worker.ActivityInboundInterceptor
+                           ) -> temporal_worker.ActivityInboundInterceptor:
+        return _ObservingActivityInbound(next)
+
+
+# ----- logs ------------------------------------------------------------------------------------------------------
+
+
+def _record_context(record: logging.LogRecord) -> dict[str, str]:
+    ctx = LOG_CONTEXT.get()
+    if ctx:
+        return dict(ctx)
+    details = getattr(record, "temporal_activity", None) or getattr(record, "temporal_workflow", None)
+    if isinstance(details, Mapping):
+        return operation_context(details.get("workflow_id"), details.get("workflow_run_id") or details.get("run_id"))
+    return {}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message, and the operation's context and trace where known."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+        }
+        doc.update(_record_context(record))
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            doc["trace_id"] = format(span.trace_id, "032x")
+            doc["span_id"] = format(span.span_id, "016x")
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str, ensure_ascii=False)
+
+
+def log_format(environ: Mapping[str, str]) -> str:
+    value = environ.get("KUBEON_LOG_FORMAT", "").strip().lower() or "text"
+    if value not in LOG_FORMATS:
+        raise ConfigError(f"KUBEON_LOG_FORMAT={value!r}: use text (the default) or json")
+    return value
+
+
+def configure_logging(environ: Mapping[str, str] | None = None, *, level: int = logging.INFO) -> None:
+    environ = os.environ if environ is None else environ
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format(environ) == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
+
+
+__all__ = [
+    "GatewayRequestCounter",
+    "JsonFormatter",
+    "ObservingInterceptor",
+    "StateCollector",
+    "add_metrics_route",
+    "attach",
+    "client_interceptors",
+    "configure_logging",
+    "metrics_body",
+    "operation_context",
+    "setup_tracing",
+    "temporal_runtime",
+    "traces_exporter",
+]
