@@ -52,6 +52,10 @@ class JoinError(RuntimeError):
     """The join failed; the message says at which step and why."""
 
 
+class JoinUnavailable(JoinError):
+    """The gateway could not be reached, its certificate did not verify, or it answered 5xx: retry."""
+
+
 class JoinRefusedByGateway(JoinError):
     def __init__(self, message: str, *, status: int, code: str) -> None:
         super().__init__(message)
@@ -113,7 +117,7 @@ def kubelet_csr(key: ec.EllipticCurvePrivateKey, node_name: str) -> str:
 
 
 def redeem_over_https(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS, ca_file: Path | None = None,
-                      transport: httpx.BaseTransport | None = None) -> Redeemer:
+                      transport: Callable[[Any], httpx.BaseTransport] | None = None) -> Redeemer:
     """POST /v1/join at the gateway the join document names, verified with its caBundle (else ``ca_file``, else
     the system trust store) as its serverName. Verification is never off."""
     import ssl
@@ -128,21 +132,24 @@ def redeem_over_https(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS, 
     def redeem(request: JoinRedeem) -> JoinAnswer:
         extensions = {"sni_hostname": server_name} if server_name else None
         with httpx.Client(base_url=base, verify=verify, timeout=timeout, follow_redirects=False,
-                          transport=transport, headers={"User-Agent": "kubeon-node-join"}) as http:
+                          transport=transport(verify) if transport is not None else None,
+                          headers={"User-Agent": "kubeon-node-join"}) as http:
             req = http.build_request("POST", "/v1/join", json=request.model_dump(mode="json", by_alias=True),
                                      extensions=extensions)
             try:
                 response = http.send(req)
             except httpx.HTTPError as exc:
-                raise JoinError(f"redeeming the ticket at {base}: {type(exc).__name__}: {exc}") from None
+                raise JoinUnavailable(f"redeeming the ticket at {base}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
             try:
                 body = response.json()
                 code, message = str(body.get("error", "")), str(body.get("message", ""))
             except ValueError:
                 code, message = "", response.text[:300]
-            raise JoinRefusedByGateway(f"the gateway {base} refused the join (HTTP {response.status_code} "
-                                       f"{code}): {message}", status=response.status_code, code=code)
+            text = f"the gateway {base} refused the join (HTTP {response.status_code} {code}): {message}"
+            if response.status_code >= 500:
+                raise JoinUnavailable(text)
+            raise JoinRefusedByGateway(text, status=response.status_code, code=code)
         return JoinAnswer.model_validate(response.json())
 
     return redeem

@@ -270,17 +270,29 @@ class BodySizeLimit:
             await error.response()(scope, receive, send)
             return
         received = 0
+        refused = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            # Over the limit while reading (a chunked body has no Content-Length): answer 413 here, then tell
+            # the application the client went away. Raising would reach FastAPI's body parser, which turns any
+            # error into a 400.
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise self._too_large(f"more than {self.max_bytes} bytes")
+                    refused = True
+                    await self._too_large(f"more than {self.max_bytes} bytes").response()(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
     def _too_large(self, got: str) -> GatewayHTTPError:
         return GatewayHTTPError(413, "body_too_large",
