@@ -232,13 +232,15 @@ def start_kubelet(files: NodeFiles, command: str) -> subprocess.Popen[bytes] | N
     env = {**os.environ, "KUBEON_NODE_DIR": str(files.state_dir)}
     argv = shlex.split(command)
     if argv[:1] == ["systemctl"]:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise JoinError(f"`{command}` failed: {proc.stderr.strip()[:300]}")
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise JoinError(f"`{command}` failed: {done.stderr.strip()[:300]}")
         return None
     log = open(files.state_dir / "kubelet.log", "ab")  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    (files.state_dir / "kubelet.pid").write_text(f"{proc.pid}\n")
+    return proc
 
 
 def main_join(config: Path, state_dir: Path, *, interface: str, kubelet_command: str, provider_id: str,

@@ -86,11 +86,11 @@ def bring_up(interface: str, address: str, *, mtu: int = DEFAULT_MTU, routes: li
 NFT_TABLE = "kubeon_gateway"
 
 
-def gateway_rules(interface: str, *, service_cidr: str, masquerade_out: bool = True) -> str:
+def gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_cidr: str) -> str:
     """nftables for the gateway: clamp the TCP MSS of forwarded SYNs to the route's MTU (both directions through
-    the tunnel) and masquerade tunnel traffic to the service CIDR, so replies come back to the gateway."""
-    masq = (f"    ip saddr != {service_cidr} ip daddr {service_cidr} iifname \"{interface}\" masquerade\n"
-            if masquerade_out else "")
+    the tunnel); masquerade tunnel traffic to the service CIDR (replies come back to the gateway, whose node's
+    kube-proxy DNATs the service IP); masquerade cluster traffic into the tunnel to the gateway's tunnel address
+    (burst nodes route only the gateway, the service CIDR and the burst pod CIDR through it)."""
     return (
         f"table ip {NFT_TABLE} {{\n"
         "  chain forward {\n"
@@ -100,14 +100,16 @@ def gateway_rules(interface: str, *, service_cidr: str, masquerade_out: bool = T
         "  }\n"
         "  chain postrouting {\n"
         "    type nat hook postrouting priority srcnat; policy accept;\n"
-        f"{masq}"
+        f"    iifname \"{interface}\" ip daddr {service_cidr} masquerade\n"
+        f"    oifname \"{interface}\" ip saddr != {{ {tunnel_cidr}, {pod_cidr} }} masquerade\n"
         "  }\n"
         "}\n"
     )
 
 
-def apply_gateway_rules(interface: str, *, service_cidr: str, netns: str | None = None) -> None:
+def apply_gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_cidr: str,
+                        netns: str | None = None) -> None:
     """Replace the gateway's nftables table, and turn on IPv4 forwarding."""
     run(["nft", "-f", "-"], netns=netns, input_text=f"table ip {NFT_TABLE}\ndelete table ip {NFT_TABLE}\n"
-        + gateway_rules(interface, service_cidr=service_cidr))
+        + gateway_rules(interface, service_cidr=service_cidr, tunnel_cidr=tunnel_cidr, pod_cidr=pod_cidr))
     run(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], netns=netns)

@@ -1,8 +1,9 @@
 """A TCP proxy: the gateway's API server address inside the tunnel (``<gateway tunnel IP>:443``) forwarded to the
 real API server. Bytes are copied as they are (TLS end to end between the node and the API server).
 
-``listen_netns`` makes the listening socket in a named network namespace while the upstream connections are made
-from the caller's: a socket stays in the namespace it was created in (setns(2) applies to the calling thread only).
+``listen_netns`` makes the listening socket in a named network namespace, ``upstream_netns`` the upstream
+connections (default: the caller's): a socket stays in the namespace it was created in (setns(2) applies to the
+calling thread only, so each socket is made in a short-lived thread of its own).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def _setns(fd: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def listen_in_netns(netns: str | None, host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` in ``netns`` (``/run/netns/<name>``), or in this namespace."""
+def socket_in_netns(netns: str | None, host: str, listen_port: int | None = None) -> socket.socket:
+    """A TCP socket made in ``netns`` (``/run/netns/<name>``), or in this namespace; listening on
+    ``host:listen_port`` when that is given, else unconnected (connect it from any thread)."""
     result: list[socket.socket | BaseException] = []
 
     def make() -> None:
@@ -34,9 +36,10 @@ def listen_in_netns(netns: str | None, host: str, port: int) -> socket.socket:
                 with open(Path("/run/netns") / netns) as ns:
                     _setns(ns.fileno())
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(128)
+            if listen_port is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, listen_port))
+                sock.listen(128)
             result.append(sock)
         except BaseException as exc:  # handed to the caller's thread
             result.append(exc)
@@ -53,10 +56,15 @@ def listen_in_netns(netns: str | None, host: str, port: int) -> socket.socket:
     return got
 
 
+def listen_in_netns(netns: str | None, host: str, port: int) -> socket.socket:
+    return socket_in_netns(netns, host, port)
+
+
 class TcpProxy:
     def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], *, listen_netns: str | None = None,
-                 connect_timeout: float = 10.0) -> None:
+                 upstream_netns: str | None = None, connect_timeout: float = 10.0) -> None:
         self.upstream = upstream
+        self._upstream_netns = upstream_netns
         self._sock = listen_in_netns(listen_netns, *listen)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._timeout = connect_timeout
@@ -79,7 +87,12 @@ class TcpProxy:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            up = socket.create_connection(self.upstream, timeout=self._timeout)
+            if self._upstream_netns:
+                up = socket_in_netns(self._upstream_netns, self.upstream[0])
+                up.settimeout(self._timeout)
+                up.connect(self.upstream)
+            else:
+                up = socket.create_connection(self.upstream, timeout=self._timeout)
         except OSError:
             conn.close()
             return

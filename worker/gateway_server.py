@@ -533,7 +533,8 @@ def start_tunnel(cfg: GatewayServerConfig, gateway: KubeGateway, api: client.Api
     tunnel.configure()
     prefix = cfg.plan.tunnel_cidr.split("/")[1]
     link.bring_up(tunnel.interface, f"{cfg.plan.gateway_ip}/{prefix}", mtu=cfg.mtu, routes=[cfg.plan.pod_cidr])
-    link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr)
+    link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr, tunnel_cidr=cfg.plan.tunnel_cidr,
+                             pod_cidr=cfg.plan.pod_cidr)
     gateway.reconcile()
     proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
     log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
