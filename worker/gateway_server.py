@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import signal
 import ssl
 import sys
 import threading
@@ -614,6 +615,9 @@ def serve(settings: Settings) -> int:
              cfg.host, cfg.port, cfg.port if same_port else cfg.health_port, state.identity,
              ", ".join(sorted(cfg.allowed_clients)),
              f"; token audiences: {', '.join(cfg.token_audiences)}" if cfg.token_audiences else "", where)
+    # uvicorn re-raises the signal it stopped on once it has shut down; with the default SIGTERM handler that
+    # would end the process before the tunnel (wireguard-go, the proxy) is stopped below.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(main_server, "should_exit", True))
     try:
         main_server.run()
     finally:
