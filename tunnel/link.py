@@ -112,4 +112,6 @@ def apply_gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, 
     """Replace the gateway's nftables table, and turn on IPv4 forwarding."""
     run(["nft", "-f", "-"], netns=netns, input_text=f"table ip {NFT_TABLE}\ndelete table ip {NFT_TABLE}\n"
         + gateway_rules(interface, service_cidr=service_cidr, tunnel_cidr=tunnel_cidr, pod_cidr=pod_cidr))
-    run(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], netns=netns)
+    # In a pod the chart sets it (securityContext.sysctls): /proc/sys is read-only there.
+    if run(["sysctl", "-n", "net.ipv4.ip_forward"], netns=netns).strip() != "1":
+        run(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], netns=netns)
