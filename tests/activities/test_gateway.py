@@ -516,3 +516,29 @@ def test_a_ca_file_without_a_certificate_is_a_configuration_error(tmp_path: Path
     not_pem.write_text("MIIDBTCCAe2gAwIBAgIQ\n")
     with pytest.raises(ValueError, match=f"KUBEON_GATEWAY_CA_FILE {not_pem}: no PEM certificate"):
         worker_burst_config(KUBEON_GATEWAY_CA_FILE=str(not_pem))
+
+
+# ----- least privilege: every rule of the gateway's is needed ---------------------------------------------------
+
+JOIN_RULES = [r for r in GATEWAY_RULES if r["resources"] != ["tokenreviews"]] + [
+    r for r in GATEWAY_SERVICE_RULES if r["resources"] == ["configmaps"]]
+
+
+@pytest.mark.parametrize("missing", range(len(JOIN_RULES)),
+                         ids=[f"{'/'.join(r['resources'])}:{','.join(r['verbs'])}" for r in JOIN_RULES])
+def test_each_join_rule_is_needed(cluster: Cluster, nodes: list[str], tmp_path: Path, missing: int) -> None:
+    """Without any one of its rules, the gateway's join, labelling or removal is refused by the API server (the
+    chart's ServiceAccount doing all of it with all of them: tests/charts/test_install.py)."""
+    name = f"gw-minus-{missing}"
+    rules = [r for i, r in enumerate(JOIN_RULES) if i != missing]
+    api = grant(cluster, name, [r for r in rules if r["resources"] != ["configmaps"]]).api
+    grant_namespaced(cluster, name, [r for r in rules if r["resources"] == ["configmaps"]])
+    gw = KubeGateway(api, secrets.token_bytes(32), namespace=NAMESPACE, sign_timeout=5)
+    req = ticket_request(nodes)
+    files = NodeFiles(tmp_path / "node")
+    with pytest.raises(client.ApiException) as err:
+        answer = gw.join(redeem_for(files, gw.sign_ticket(req), req.node_name))
+        register_self(node_client(files, answer), answer)
+        gw.reconcile()
+        gw.remove_node(req.node_name, operation=req.operation)
+    assert err.value.status == 403, err.value
