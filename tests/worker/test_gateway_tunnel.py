@@ -5,23 +5,40 @@ tests/harness/netbed.py): `kubeon-gpu gateway` with wireguard-go in its namespac
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
 
+from activities.audit import AuditLog
 from activities.gateway import JOINING_TAINT, JoinTicketRequest, render_user_data
 from activities.gateway_http import HttpGatewayClient
-from models.operation import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from activities.kube import KubeOps
+from activities.providers.sim import SimProvider
+from models.join import parse_user_data
+from models.operation import (
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    Approval,
+    Instance,
+    Phase,
+    Taint,
+    burst_workflow_id,
+)
+from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
 from tests.harness.controlplane import _issue, _name, free_port
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import GATEWAY_PUBLIC_IP, BedNode, NetBed, sh
@@ -38,6 +55,9 @@ from tests.harness.rbac import (
 from tunnel import keys
 from tunnel.proxy import TcpProxy
 from tunnel.uapi import Uapi
+from worker import ops
+from worker.main import worker_services
+from worker.runtime import Runtime
 
 pytestmark = pytest.mark.cluster
 
@@ -318,3 +338,109 @@ def test_removing_the_node_removes_its_peer_and_frees_its_addresses(
     slots = cluster.admin.core.list_namespaced_config_map(
         OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
     assert all(cm.data["node"] != joined.name for cm in slots)
+
+
+# ----- R4.10 in Approve mode with a tunnel node ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("burst-tunnel"))
+
+
+@pytest.fixture
+async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, temporal_dev_server: WorkflowEnvironment,
+                        tmp_path: Path) -> AsyncIterator[tuple[Client, str, dict[str, Joined]]]:
+    """The worker as in a cluster (the optimizer's own credentials, the gateway over HTTPS); each simulated
+    instance boots as a burst node in a namespace of its own: `kubeon-gpu node join` with its user data, then the
+    kubelet stand-in, through the tunnel."""
+    queue = unique("q")
+    token = tmp_path / "optimizer.token"
+    token.write_text(str(stack.cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue,
+                              gateway_kubeconfig=None, gateway_ticket_key_file=None, gateway_url=gateway.url,
+                              gateway_ca_file=gateway.ca_file)
+    http = HttpGatewayClient(settings.gateway_url, token, ca_file=gateway.ca_file)
+    booted: dict[str, Joined] = {}
+
+    def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+        booted[instance.instance_id] = boot_node(bed, user_data, capacity, tmp_path,
+                                                 f"sim://{instance.location}/{instance.instance_id}")
+
+    burst = settings.burst_config()
+    sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
+    runtime = Runtime(settings=settings, kube=KubeOps(stack.optimizer.api), burst=burst, gateway=http,
+                      providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
+                      closers=[sim.stop, http.close])
+    async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
+        yield temporal, settings.cluster, booted
+
+
+def boot_node(bed: NetBed, user_data: str, capacity: dict[str, str], workdir: Path, provider_id: str) -> Joined:
+    doc = parse_user_data(user_data)
+    name = str(doc["nodeName"])
+    config = workdir / f"{name}.join"
+    config.write_text(user_data)
+    node = bed.add_node()
+    state = workdir / name
+    proc = bed.spawn([sys.executable, "-m", "worker.cli", "node", "join", "--config", str(config),
+                      "--state-dir", str(state), "--interface", node.interface,
+                      "--kubelet-command", f"{sys.executable} -m tests.harness.kubelet", "--provider-id", provider_id,
+                      "--capacity", ",".join(f"{k}={v}" for k, v in capacity.items())],
+                     netns=node.netns, log=workdir / f"{name}.join.log")
+    assert proc.wait(timeout=120) == 0, (workdir / f"{name}.join.log").read_text()
+    op = str(doc["labels"][LABEL_OPERATION])
+    return Joined(node, name, op, state, keys.public_key((state / "wireguard.key").read_text().strip()))
+
+
+async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: NetBed, gateway: Gateway,
+                                                     tunnel_worker: tuple[Client, str, dict[str, Joined]],
+                                                     namespace: str) -> None:
+    temporal, cluster_name, booted = tunnel_worker
+    cluster = stack.cluster
+    policy = unique("tunnel")
+    stack.create_policy(policy, mode="Approve", locations=["sim/eu-west"], max_nodes=1)
+    try:
+        deploy = unique("infer")
+        cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
+                                                                f"{namespace}/Deployment/{deploy}"))
+        view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
+        assert view.plan is not None and view.plan.best is not None
+        await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=view.plan.plan_id))
+        view = await wait_phase(handle, Phase.SERVING, timeout=180)
+        (joined,) = booted.values()
+        assert joined.name == view.node_name
+        # The node registered itself: its own Lease, its own CSR approved by the gateway; taint and location.
+        lease = client.CoordinationV1Api(cluster.admin.api).read_namespaced_lease(joined.name, "kube-node-lease")
+        assert lease.spec.holder_identity == joined.name
+        node = cluster.admin.core.read_node(joined.name)
+        assert node.metadata.labels[LABEL_OPERATION] == view.operation
+        assert node.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
+        assert [(t.key, t.effect) for t in node.spec.taints] == [(BURST_TAINT, "NoSchedule")]
+        assert joined.public_key in Uapi(bed.gateway_interface).get().peers
+        # The pod landed and runs: the cluster side reaches it at its pod IP through the gateway.
+        (pod,) = cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+        assert pod.spec.node_name == joined.name
+        pod_name = str(pod.metadata.name)
+        ip = wait_for(lambda: cluster.admin.core.read_namespaced_pod(pod_name, namespace).status.pod_ip,
+                      what="the pod's IP", timeout=30)
+        assert http_get(bed.cl, f"http://{ip}:8080/").strip() == f"kubeon-pod {namespace}/{pod_name}"
+
+        # The workload goes: drained, terminated, the Node, its peer and its addresses gone.
+        cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        done = await result(handle, timeout=180)
+        assert done.phase == Phase.COMPLETED, done.message
+        wait_for(lambda: not cluster.admin.core.list_node(field_selector=f"metadata.name={joined.name}").items,
+                 what="the burst Node removed")
+        assert joined.public_key not in Uapi(bed.gateway_interface).get().peers
+        slots = cluster.admin.core.list_namespaced_config_map(
+            OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+        assert all(cm.data["node"] != joined.name for cm in slots)
+        states = json.loads((stack.workdir / f"state-{cluster_name}" / "sim-instances.json").read_text())
+        assert [r["state"] for r in states.values()] == ["terminated"]
+    finally:
+        stack.delete_policy(policy)
