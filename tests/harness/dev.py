@@ -3,7 +3,8 @@
 The Temporal dev server (UI at http://127.0.0.1:8233), the local control plane with kwok, two `sim` locations
 with different prices, a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) seeded with an admin key, the
 cluster `dev` with its token and the example policies from examples/policies, and the worker (`kubeon-gpu
-worker`, with the optimizer's own ServiceAccount; the gateway in-process with its own), which pulls the
+worker`, with the optimizer's own ServiceAccount; `kubeon-gpu gateway` as its own process with its own, as the
+chart runs them: simulated nodes redeem their tickets there and register with their own certificates), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
 """
 
@@ -22,7 +23,7 @@ import yaml
 
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.burst import build_stack, worker_process
+from tests.harness.burst import build_stack, gateway_process, worker_process
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
 from tests.harness.kube import Kube, wait_for
 from tests.harness.temporal import dev_server_path
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     temporal: subprocess.Popen[bytes] | None = None
     hub: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
+    gateway: subprocess.Popen[bytes] | None = None
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
@@ -181,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
                          f"{hub_url}/v1/clusters/dev/reports\n")
+        gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", free_port())
+        say(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
                                   locations=DEV_LOCATIONS, cluster_name="dev", serve_check_seconds=5,
-                                  approval_timeout_seconds=86400, **hub_settings)
+                                  approval_timeout_seconds=86400, **hub_settings, **gateway_settings)
         worker = worker_process(settings, workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
@@ -215,6 +219,9 @@ ready""", flush=True)
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
                 return 1
+            if gateway.poll() is not None:
+                say(f"gateway exited {gateway.returncode}; see {workdir / 'gateway.log'}")
+                return 1
             if hub is not None and hub.poll() is not None:
                 say(f"hub exited {hub.returncode}; see {workdir / 'hub.log'}")
                 return 1
@@ -222,6 +229,7 @@ ready""", flush=True)
         return 0
     finally:
         stop(worker)
+        stop(gateway)
         stop(hub)
         stop(temporal)
         plane.stop()

@@ -20,9 +20,14 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from models.join import parse_user_data
+from models.operation import LABEL_OPERATION
+from tests.harness.kube import Cluster, wait_for
+from tunnel import keys
 from tunnel.proxy import TcpProxy
 
 GATEWAY_PUBLIC_IP = "198.51.100.1"
@@ -147,3 +152,121 @@ class NetBed:
                     os.kill(int(pid), signal.SIGKILL)
             sh("ip", "netns", "del", ns, check=False)
         self.namespaces.clear()
+
+
+# ----- the gateway as its own process in the bed -----------------------------------------------------------------
+
+UDP_PORT = 51820
+
+
+@dataclass
+class Gateway:
+    """`kubeon-gpu gateway` in the bed's gateway namespace, with its tunnel."""
+
+    bed: NetBed
+    workdir: Path
+    env: dict[str, str]
+    url: str  # from the host, through a proxy into the gateway's namespace
+    ca_file: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> str:
+        return (self.workdir / "gateway.log").read_text(errors="replace")
+
+    def start(self) -> Gateway:
+        self.proc = self.bed.spawn([sys.executable, "-m", "worker.gateway_server"], netns=self.bed.gw,
+                                   log=self.workdir / "gateway.log", env=self.env)
+        marker = self.log.count("restored from the API")
+        wait_for(lambda: self.log.count("restored from the API") > marker or self._dead(), timeout=60,
+                 what="the gateway's tunnel up")
+        assert not self._dead(), self.log
+        wait_for(lambda: "Uvicorn running" in self.log.split("restored from the API")[-1], timeout=30,
+                 what="the gateway serving")
+        return self
+
+    def _dead(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGTERM)  # ip netns exec execs: this is the gateway itself
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+
+
+def start_tunnel_gateway(cluster: Cluster, bed: NetBed, workdir: Path, *, service_cidr: str, pod_cidr: str,
+                         tunnel_cidr: str) -> Gateway:
+    """The chart's ServiceAccounts and rules, a CA and certificate for the gateway's public address, its ticket
+    and WireGuard keys; the gateway started with its tunnel, reachable from the host at ``Gateway.url``."""
+    from tests.harness.controlplane import _issue, _name, free_port
+    from tests.harness.rbac import (
+        GATEWAY_RULES,
+        GATEWAY_SA,
+        GATEWAY_SERVICE_RULES,
+        OPTIMIZER_NAMESPACE,
+        OPTIMIZER_RULES,
+        OPTIMIZER_SA,
+        grant,
+        grant_namespaced,
+    )
+    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
+    grant(cluster, GATEWAY_SA, GATEWAY_RULES)
+    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": GATEWAY_RULES})
+    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
+    ca = _issue(_name("tunnel-gateway-ca"), None, is_ca=True)
+    ca_file, _ = ca.write(workdir, "ca")
+    cert, key = _issue(_name("gateway"), ca, server_ips=(GATEWAY_PUBLIC_IP, "127.0.0.1")).write(workdir, "tls")
+    (workdir / "ticket.key").write_text(secrets.token_hex(32))
+    (workdir / "wg.key").write_text(keys.generate_private_key() + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
+    env.update({
+        "PYTHONUNBUFFERED": "1", "KUBEON_CLUSTER": "test",
+        "KUBEON_GATEWAY_KUBECONFIG": str(cluster.service_account_kubeconfig(OPTIMIZER_NAMESPACE, GATEWAY_SA)),
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(workdir / "ticket.key"),
+        "KUBEON_GATEWAY_TLS_CERT_FILE": str(cert), "KUBEON_GATEWAY_TLS_KEY_FILE": str(key),
+        "KUBEON_GATEWAY_LISTEN": f"{GATEWAY_PUBLIC_IP}:8443", "KUBEON_HEALTH_PORT": "8443",
+        "KUBEON_GATEWAY_PUBLIC_URL": f"https://{GATEWAY_PUBLIC_IP}:8443",
+        "KUBEON_GATEWAY_TUNNEL_INTERFACE": bed.gateway_interface,
+        "KUBEON_GATEWAY_WIREGUARD_KEY_FILE": str(workdir / "wg.key"),
+        "KUBEON_GATEWAY_UDP_PORT": str(UDP_PORT), "KUBEON_GATEWAY_SERVICE_CIDR": service_cidr,
+        "KUBEON_GATEWAY_POD_CIDR": pod_cidr, "KUBEON_GATEWAY_TUNNEL_CIDR": tunnel_cidr,
+    })
+    port = free_port()
+    bed.proxies.append(TcpProxy(("127.0.0.1", port), (GATEWAY_PUBLIC_IP, 8443), upstream_netns=bed.gw).start())
+    return Gateway(bed, workdir, env, f"https://127.0.0.1:{port}", ca_file).start()
+
+
+@dataclass
+class Joined:
+    node: BedNode
+    name: str
+    operation: str
+    state: Path
+    public_key: str
+
+
+def boot_node(bed: NetBed, user_data: str, capacity: dict[str, str], workdir: Path, provider_id: str,
+              node: BedNode | None = None) -> Joined:
+    """A booting burst VM: its user data, `kubeon-gpu node join` in a namespace of its own (which starts the
+    kubelet stand-in, and wireguard-go, both left running there until the bed closes)."""
+    doc = parse_user_data(user_data)
+    name = str(doc["nodeName"])
+    config = workdir / f"{name}.join"
+    config.write_text(user_data)
+    node = node or bed.add_node()
+    state = workdir / name
+    proc = bed.spawn([sys.executable, "-m", "worker.cli", "node", "join", "--config", str(config),
+                      "--state-dir", str(state), "--interface", node.interface,
+                      "--kubelet-command", f"{sys.executable} -m tests.harness.kubelet", "--provider-id", provider_id,
+                      "--capacity", ",".join(f"{k}={v}" for k, v in capacity.items())],
+                     netns=node.netns, log=workdir / f"{name}.join.log")
+    assert proc.wait(timeout=120) == 0, (workdir / f"{name}.join.log").read_text()
+    op = str(doc["labels"][LABEL_OPERATION])
+    return Joined(node, name, op, state, keys.public_key((state / "wireguard.key").read_text().strip()))

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from kubernetes import client
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
@@ -92,6 +93,15 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
             assert time.monotonic() < deadline + 60, view.history
             await asyncio.sleep(1)
         assert view.approver == "hub:user:dev", view.history
+        # The simulated node redeems its ticket at the gateway process and registers itself with its own
+        # certificate.
+        while (view := await ops.show(temporal, view.operation)).phase != "Serving":
+            assert time.monotonic() < deadline + 120, view.history
+            await asyncio.sleep(1)
+        assert f"node {view.node_name} joined" in (tmp_path / "dev" / "gateway.log").read_text()
+        csrs = client.CertificatesV1Api(admin.api).list_certificate_signing_request().items
+        assert any(c.status.certificate and str(view.node_name) in (c.status.conditions[0].message or "")
+                   for c in csrs)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,7 +24,6 @@ from activities.gateway import JOINING_TAINT, JoinTicketRequest, render_user_dat
 from activities.gateway_http import HttpGatewayClient
 from activities.kube import KubeOps
 from activities.providers.sim import SimProvider
-from models.join import parse_user_data
 from models.operation import (
     LABEL_LOCATION,
     LABEL_OPERATION,
@@ -39,21 +35,22 @@ from models.operation import (
     burst_workflow_id,
 )
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
-from tests.harness.controlplane import _issue, _name, free_port
 from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import GATEWAY_PUBLIC_IP, BedNode, NetBed, sh
-from tests.harness.rbac import (
-    GATEWAY_RULES,
-    GATEWAY_SA,
-    GATEWAY_SERVICE_RULES,
-    OPTIMIZER_NAMESPACE,
-    OPTIMIZER_RULES,
-    OPTIMIZER_SA,
-    grant,
-    grant_namespaced,
+from tests.harness.netbed import (
+    GATEWAY_PUBLIC_IP,
+    UDP_PORT,
+    Gateway,
+    Joined,
+    NetBed,
+    boot_node,
+    sh,
+    start_tunnel_gateway,
 )
-from tunnel import keys
-from tunnel.proxy import TcpProxy
+from tests.harness.rbac import (
+    GATEWAY_SA,
+    OPTIMIZER_NAMESPACE,
+    OPTIMIZER_SA,
+)
 from tunnel.uapi import Uapi
 from worker import ops
 from worker.main import worker_services
@@ -67,46 +64,7 @@ SERVICE_CIDR = "10.96.0.0/16"  # the harness API server's
 POD_CIDR = "10.245.0.0/16"
 TUNNEL_CIDR = "10.250.0.0/16"
 SERVICE_IP = "10.96.77.77"
-UDP_PORT = 51820
 MARKER = f"kubeon-marker-{uuid.uuid4().hex}"
-
-
-@dataclass
-class Gateway:
-    bed: NetBed
-    workdir: Path
-    env: dict[str, str]
-    url: str  # from the host, through a proxy into the gateway's namespace
-    ca_file: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def log(self) -> str:
-        return (self.workdir / "gateway.log").read_text(errors="replace")
-
-    def start(self) -> Gateway:
-        self.proc = self.bed.spawn([sys.executable, "-m", "worker.gateway_server"], netns=self.bed.gw,
-                                   log=self.workdir / "gateway.log", env=self.env)
-        marker = self.log.count("restored from the API")
-        wait_for(lambda: self.log.count("restored from the API") > marker or self._dead(), timeout=60,
-                 what="the gateway's tunnel up")
-        assert not self._dead(), self.log
-        wait_for(lambda: "Uvicorn running" in self.log.split("restored from the API")[-1], timeout=30,
-                 what="the gateway serving")
-        return self
-
-    def _dead(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        self.proc.send_signal(signal.SIGTERM)  # ip netns exec execs: this is the gateway itself
-        try:
-            return self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -121,45 +79,12 @@ def bed(cluster: Cluster) -> Iterator[NetBed]:
 
 @pytest.fixture(scope="module")
 def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    workdir = tmp_path_factory.mktemp("tunnel")
-    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
-    grant(cluster, GATEWAY_SA, GATEWAY_RULES)
-    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": GATEWAY_RULES})
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    ca = _issue(_name("tunnel-gateway-ca"), None, is_ca=True)
-    ca_file, _ = ca.write(workdir, "ca")
-    cert, key = _issue(_name("gateway"), ca, server_ips=(GATEWAY_PUBLIC_IP, "127.0.0.1")).write(workdir, "tls")
-    (workdir / "ticket.key").write_text(uuid.uuid4().hex * 2)
-    (workdir / "wg.key").write_text(keys.generate_private_key() + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
-    env.update({
-        "PYTHONUNBUFFERED": "1", "KUBEON_CLUSTER": "test",
-        "KUBEON_GATEWAY_KUBECONFIG": str(cluster.service_account_kubeconfig(OPTIMIZER_NAMESPACE, GATEWAY_SA)),
-        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(workdir / "ticket.key"),
-        "KUBEON_GATEWAY_TLS_CERT_FILE": str(cert), "KUBEON_GATEWAY_TLS_KEY_FILE": str(key),
-        "KUBEON_GATEWAY_LISTEN": f"{GATEWAY_PUBLIC_IP}:8443", "KUBEON_HEALTH_PORT": "8443",
-        "KUBEON_GATEWAY_PUBLIC_URL": f"https://{GATEWAY_PUBLIC_IP}:8443",
-        "KUBEON_GATEWAY_TUNNEL_INTERFACE": bed.gateway_interface,
-        "KUBEON_GATEWAY_WIREGUARD_KEY_FILE": str(workdir / "wg.key"),
-        "KUBEON_GATEWAY_UDP_PORT": str(UDP_PORT), "KUBEON_GATEWAY_SERVICE_CIDR": SERVICE_CIDR,
-        "KUBEON_GATEWAY_POD_CIDR": POD_CIDR, "KUBEON_GATEWAY_TUNNEL_CIDR": TUNNEL_CIDR,
-    })
-    port = free_port()
-    bed.proxies.append(TcpProxy(("127.0.0.1", port), (GATEWAY_PUBLIC_IP, 8443), upstream_netns=bed.gw).start())
-    gw = Gateway(bed, workdir, env, f"https://127.0.0.1:{port}", ca_file).start()
+    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
+                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
     try:
         yield gw
     finally:
         gw.stop()
-
-
-@dataclass
-class Joined:
-    node: BedNode
-    name: str
-    operation: str
-    state: Path
-    public_key: str
 
 
 def join_node(cluster: Cluster, bed: NetBed, gateway: Gateway, workdir: Path) -> Joined:
@@ -179,19 +104,8 @@ def join_node(cluster: Cluster, bed: NetBed, gateway: Gateway, workdir: Path) ->
     assert grant_.endpoint == f"https://{GATEWAY_PUBLIC_IP}:8443"
     user_data = render_user_data(gateway_url=grant_.endpoint, ticket=grant_.ticket, node_name=name, labels=labels,
                                  taints=[Taint(key=BURST_TAINT)], ca_bundle=gateway.ca_file.read_text())
-    config = workdir / f"{name}.join"
-    config.write_text(user_data)
-    node = bed.add_node()
-    state = workdir / name
-    proc = bed.spawn([sys.executable, "-m", "worker.cli", "node", "join", "--config", str(config),
-                      "--state-dir", str(state), "--interface", node.interface,
-                      "--kubelet-command", f"{sys.executable} -m tests.harness.kubelet",
-                      "--provider-id", f"sim://tunnel/{name}",
-                      "--capacity", "cpu=8,memory=64Gi,pods=110,nvidia.com/gpu=1"],
-                     netns=node.netns, log=workdir / f"{name}.join.log")
-    assert proc.wait(timeout=120) == 0, (workdir / f"{name}.join.log").read_text()
-    # The kubelet and wireguard-go the join started run on in the node's namespace (the bed stops them).
-    return Joined(node, name, op, state, keys.public_key((state / "wireguard.key").read_text().strip()))
+    capacity = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
+    return boot_node(bed, user_data, capacity, workdir, f"sim://tunnel/{name}")
 
 
 def ready(cluster: Cluster, name: str) -> bool:
@@ -377,23 +291,6 @@ async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, tempor
                       closers=[sim.stop, http.close])
     async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
         yield temporal, settings.cluster, booted
-
-
-def boot_node(bed: NetBed, user_data: str, capacity: dict[str, str], workdir: Path, provider_id: str) -> Joined:
-    doc = parse_user_data(user_data)
-    name = str(doc["nodeName"])
-    config = workdir / f"{name}.join"
-    config.write_text(user_data)
-    node = bed.add_node()
-    state = workdir / name
-    proc = bed.spawn([sys.executable, "-m", "worker.cli", "node", "join", "--config", str(config),
-                      "--state-dir", str(state), "--interface", node.interface,
-                      "--kubelet-command", f"{sys.executable} -m tests.harness.kubelet", "--provider-id", provider_id,
-                      "--capacity", ",".join(f"{k}={v}" for k, v in capacity.items())],
-                     netns=node.netns, log=workdir / f"{name}.join.log")
-    assert proc.wait(timeout=120) == 0, (workdir / f"{name}.join.log").read_text()
-    op = str(doc["labels"][LABEL_OPERATION])
-    return Joined(node, name, op, state, keys.public_key((state / "wireguard.key").read_text().strip()))
 
 
 async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: NetBed, gateway: Gateway,
