@@ -12,6 +12,7 @@ land). Every address is inside the namespaces it creates; everything is stopped 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.tunnel_join", description=__doc__)
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=180.0, help="per node, seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the directory (gateway.log, each node's files)")
     args = parser.parse_args(argv)
     if not 1 <= args.nodes <= 60:
         parser.error("--nodes must be between 1 and 60 (one /30 of 192.0.2.0/24 per node)")
@@ -105,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             gateway.stop()
         bed.close()
         plane.stop()
+        if args.keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
