@@ -536,7 +536,11 @@ def start_tunnel(cfg: GatewayServerConfig, gateway: KubeGateway, api: client.Api
     link.bring_up(tunnel.interface, f"{cfg.plan.gateway_ip}/{prefix}", mtu=cfg.mtu, routes=[cfg.plan.pod_cidr])
     link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr, tunnel_cidr=cfg.plan.tunnel_cidr,
                              pod_cidr=cfg.plan.pod_cidr)
-    gateway.reconcile()
+    try:
+        gateway.reconcile()  # the peers back from the API before the first node's packets
+    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        log.warning("cannot restore the tunnel's peers yet (%s); the reconciler retries every second",
+                    type(exc).__name__)
     proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
     log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
              tunnel.interface, cfg.plan.gateway_ip, cfg.udp_port, len(tunnel.uapi.get().peers), *proxy.address,

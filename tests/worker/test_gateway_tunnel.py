@@ -160,6 +160,10 @@ def test_the_node_registers_itself_through_the_tunnel(cluster: Cluster, gateway:
     peer = Uapi(gateway.bed.gateway_interface).get().peers[joined.public_key]
     assert sorted(peer.allowed_ips) == sorted([f"{node.status.addresses[0].address}/32", node.spec.pod_cidr])
     assert peer.last_handshake > 0
+    # MSS clamped both ways through the tunnel; tunnel traffic to Services masqueraded.
+    rules = sh("nft", "list", "table", "ip", "kubeon_gateway", netns=gateway.bed.gw)
+    assert rules.count("tcp option maxseg size set rt mtu") == 2
+    assert f"ip daddr {SERVICE_CIDR} masquerade" in rules
 
 
 @pytest.fixture(scope="module")
