@@ -10,8 +10,9 @@
    so it works from behind NAT with no inbound port. Routes through it: the gateway's tunnel address, the service
    CIDR, the burst pod CIDR.
 4. The kubelet kubeconfig (its certificate and key, the cluster CA, the API server through the tunnel verified
-   as ``kubernetes.default.svc``) and ``registration.json`` (labels, taints, pod CIDR, provider ID), then the
-   kubelet is started (a systemd unit on a real image; a stand-in in tests).
+   as ``kubernetes.default.svc``), ``registration.json`` (labels, taints, pod CIDR, provider ID) and ``kubelet.env``
+   (the same as kubelet flags, for the image's systemd unit), then the kubelet is started (a systemd unit on a
+   real image; a stand-in in tests).
 
 Idempotent: a rerun (after a reboot) reuses the keys and the saved answer, and only brings things up again.
 """
@@ -221,8 +222,17 @@ def write_registration(files: NodeFiles, answer: JoinAnswer, *, provider_id: str
     ``--node-labels``, ``--register-with-taints``, ``--provider-id`` would), and its tunnel address."""
     from node.register import registration_from
 
-    files.registration.write_text(json.dumps(registration_from(answer, provider_id=provider_id,
-                                                               capacity=capacity or {}), indent=1, sort_keys=True))
+    registration = registration_from(answer, provider_id=provider_id, capacity=capacity or {})
+    files.registration.write_text(json.dumps(registration, indent=1, sort_keys=True))
+    # The same for a real kubelet's systemd unit (EnvironmentFile=): its flags.
+    flags = [f"--kubeconfig={files.kubeconfig}",
+             "--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(answer.labels.items())),
+             "--register-with-taints=" + ",".join(f"{t.key}={t.value}:{t.effect}" for t in answer.taints)]
+    if provider_id:
+        flags.append(f"--provider-id={provider_id}")
+    if registration["internalIP"]:
+        flags.append(f"--node-ip={registration['internalIP']}")
+    (files.state_dir / "kubelet.env").write_text(f"KUBELET_KUBEON_ARGS={shlex.quote(' '.join(flags))}\n")
     return files.registration
 
 

@@ -17,7 +17,15 @@ from activities.gateway import JoinTicketRequest, KubeGateway
 from activities.gateway_join import check_csr
 from models.join import JoinAnswer, JoinRedeem
 from models.operation import LABEL_OPERATION, Taint
-from node.join import JoinError, NodeFiles, join, kubelet_csr, kubelet_key, wireguard_private_key
+from node.join import (
+    JoinError,
+    NodeFiles,
+    join,
+    kubelet_csr,
+    kubelet_key,
+    wireguard_private_key,
+    write_registration,
+)
 from node.register import node_api
 from tests.harness.kube import Cluster
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
@@ -71,6 +79,11 @@ def test_a_rerun_reuses_keys_and_answer_without_redeeming_again(cluster: Cluster
     assert kubeconfig["users"][0]["user"] == {"client-certificate": str(files.kubelet_cert),
                                               "client-key": str(files.kubelet_key)}
     assert stat.S_IMODE(files.kubeconfig.stat().st_mode) == 0o600
+    # What the kubelet registers with: the ticket's labels and taints plus the joining taint.
+    write_registration(files, first, provider_id="sim://x/i-1")
+    env = (files.state_dir / "kubelet.env").read_text()
+    assert f"--node-labels={LABEL_OPERATION}=" in env and "--register-with-taints=k=true:NoSchedule," in env
+    assert "gpu.kubeon.io/joining=true:NoSchedule" in env and "--provider-id=sim://x/i-1" in env
     # The gateway runs no tunnel here: a node that wants one says so.
     with pytest.raises(JoinError, match="runs no tunnel"):
         join(doc, files, redeem=redeem, tunnel=True)
