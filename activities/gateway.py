@@ -391,14 +391,15 @@ class KubeGateway:
         capacity exceeds its ticket's offering, release the slots of removed nodes and of tickets that expired
         unregistered, resync the WireGuard peers with the slots, drop ticket records past their expiry."""
         report: dict[str, list[str]] = {"labelled": [], "cordoned": [], "released": []}
+        # Slots first, then nodes: a slot marked registered names a node that existed before this list.
+        slots = self._records.slots()
         nodes = {n.metadata.name: n for n in self._core.list_node().items}
         now = self._clock()
-        slots = self._records.slots()
         live = []
         for slot in slots:
             node = nodes.get(slot.node)
             if node is None:
-                if slot.registered_uid or slot.expires_at < now:
+                if (slot.registered_uid or slot.expires_at < now) and self._node_gone(slot.node):
                     self._release(slot)
                     report["released"].append(slot.node)
                 else:
@@ -429,6 +430,15 @@ class KubeGateway:
             if float((record.data or {}).get("expiresAt", "0")) + TICKET_RECORD_GRACE_SECONDS < now:
                 self._records.delete(str(record.metadata.name))
         return report
+
+    def _node_gone(self, name: str) -> bool:
+        try:
+            self._core.read_node(name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return True
+            raise
+        return False
 
     def _apply_ticket(self, node: client.V1Node, slot: Slot, *, lift_joining: bool) -> bool:
         """The ticket's labels and taints (only those), the pod CIDR; the joining taint lifted when checked."""
