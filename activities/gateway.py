@@ -201,6 +201,7 @@ class KubeGateway:
         self._ca_bundle: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._joining = False  # a slot whose node has not registered yet, or is still under its joining taint
 
     @property
     def tunnel(self) -> GatewayTunnel | None:
@@ -297,6 +298,7 @@ class KubeGateway:
                 self._tunnel.uapi.set_peer(wg_key, [f"{slot.tunnel_ip}/32", slot.pod_cidr])
             except UapiError as exc:
                 raise JoinRefused("tunnel_unavailable", str(exc), status=503) from None
+        self._joining = True
         certificate = self._sign(csr, redeem, ticket)
         tunnel = self._tunnel.answer(slot, self._udp_endpoint()) if self._tunnel is not None else None
         api_server, api_server_name = self._node_api_server()
@@ -424,6 +426,7 @@ class KubeGateway:
                 report["cordoned"].append(slot.node)
             if self._apply_ticket(node, slot, lift_joining=not refused):
                 report["labelled"].append(slot.node)
+        self._joining = any(not s.registered_uid or s.node in report["labelled"] for s in live)
         if self._tunnel is not None:
             self._tunnel.sync(live)
         for record in self._records.tickets():
@@ -474,14 +477,17 @@ class KubeGateway:
         self._records.release_ticket(slot.nonce)
         self._records.delete(slot.name)
 
-    def start_reconciler(self, interval: float = 1.0) -> None:
-        """Reconcile every ``interval`` seconds in a daemon thread, until ``stop()``."""
+    def start_reconciler(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:
+        """Reconcile every ``interval`` seconds in a daemon thread, until ``stop()``; every ``joining_interval``
+        while a node that joined has not registered yet (its joining taint is lifted that much sooner)."""
         def loop() -> None:
-            while not self._stop.wait(interval):
+            wait = interval
+            while not self._stop.wait(wait):
                 try:
                     self.reconcile()
                 except Exception as exc:  # the API may be briefly away; the next pass retries
                     log.warning("gateway reconcile failed: %s: %s", type(exc).__name__, exc)
+                wait = joining_interval if self._joining else interval
 
         if self._thread is None:
             self._thread = threading.Thread(target=loop, name="gateway-reconcile", daemon=True)
