@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 KEY_BYTES = 32
 
 
-class KeyError_(ValueError):
+class WireGuardKeyError(ValueError):
     """A WireGuard key is malformed; the message names the field."""
 
 
@@ -30,17 +30,17 @@ def public_key(private_key: str) -> str:
 
 
 def decode_key(value: str, field: str) -> bytes:
-    """The 32 raw bytes of a base64 WireGuard key; ``KeyError_`` naming ``field`` when it is not one."""
+    """The 32 raw bytes of a base64 WireGuard key; ``WireGuardKeyError`` naming ``field`` when it is not one."""
     if not isinstance(value, str) or len(value) != 44 or not value.endswith("="):
-        raise KeyError_(f"{field}: not a WireGuard key (44 characters of base64, as `wg pubkey` prints)")
+        raise WireGuardKeyError(f"{field}: not a WireGuard key (44 characters of base64, as `wg pubkey` prints)")
     try:
         raw = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise KeyError_(f"{field}: not valid base64") from None
+        raise WireGuardKeyError(f"{field}: not valid base64") from None
     if len(raw) != KEY_BYTES:
-        raise KeyError_(f"{field}: {len(raw)} bytes, a WireGuard key has {KEY_BYTES}")
+        raise WireGuardKeyError(f"{field}: {len(raw)} bytes, a WireGuard key has {KEY_BYTES}")
     if raw == bytes(KEY_BYTES):
-        raise KeyError_(f"{field}: the all-zero key is not a usable WireGuard key")
+        raise WireGuardKeyError(f"{field}: the all-zero key is not a usable WireGuard key")
     return raw
 
 
