@@ -26,6 +26,8 @@ COPY workflows ./workflows
 COPY activities ./activities
 COPY worker ./worker
 COPY hub ./hub
+COPY node ./node
+COPY tunnel ./tunnel
 # Bytecode is compiled here: the running container cannot write it.
 RUN pip install --no-deps . \
     && python -m compileall -q /opt/kubeon/lib \
@@ -40,6 +42,12 @@ ENV PATH=/opt/kubeon/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
+# The gateway's tunnel: wireguard-go (no kernel module needed), iproute2 and nftables (the gateway pod runs with
+# NET_ADMIN only; the worker never needs them), from the base image's Debian release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends wireguard-go iproute2 nftables \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/kubeon /opt/kubeon
 USER 10001:10001
 WORKDIR /tmp

@@ -28,11 +28,19 @@ lint: venv
 	$(BIN)/hadolint Dockerfile
 
 # PostgreSQL from Debian's package: the hub's tests run against it as well as SQLite.
+# WireGuard (userspace wireguard-go, wg), iproute2 and tcpdump: the tunnel test bed's network namespaces.
+# nftables: the gateway's MSS clamping and service-CIDR NAT.
 system-deps:
-	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
-	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@missing=""; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v wireguard-go >/dev/null || missing="$$missing wireguard-go"; \
+	command -v wg >/dev/null || missing="$$missing wireguard-tools"; \
+	command -v ip >/dev/null || missing="$$missing iproute2"; \
+	command -v tcpdump >/dev/null || missing="$$missing tcpdump"; \
+	command -v nft >/dev/null || missing="$$missing nftables"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 pytest: venv binaries
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -14,7 +14,13 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 
 from activities.audit import AuditLog
-from activities.gateway import GatewayClient, JoinTicketRequest, UserDataTooLarge, render_user_data
+from activities.gateway import (
+    JOIN_REFUSED_ANNOTATION,
+    GatewayClient,
+    JoinTicketRequest,
+    UserDataTooLarge,
+    render_user_data,
+)
 from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
 from activities.planning import rank_offerings
 from activities.policy_sync import hold_reason
@@ -184,7 +190,7 @@ class BurstActivities:
             raise ApplicationError(gate.reason, type=HELD, non_retryable=True)
         grant = self.gateway.issue_ticket(JoinTicketRequest(
             operation=req.operation, policy=req.policy, location=req.offering.location, node_name=req.node_name,
-            labels=req.labels, taints=req.taints,
+            labels=req.labels, taints=req.taints, gpus=req.offering.gpus,
         ))
         try:
             # Where the node joins: the endpoint the gateway names (its public URL or LoadBalancer address) and
@@ -219,8 +225,15 @@ class BurstActivities:
 
     @activity.defn(name="verify_node", no_thread_cancel_exception=True)
     def verify_node(self, req: NodeExpectation) -> VerifyResult:
+        def checked(details: str) -> None:  # the gateway's join check (e.g. more GPUs than the offering) failed
+            beat(details)
+            node = self.kube.core.read_node(req.node_name)
+            reason = (node.metadata.annotations or {}).get(JOIN_REFUSED_ANNOTATION)
+            if reason:
+                raise VerificationFailed(f"node {req.node_name} failed the gateway's join check: {reason} (cordoned)")
+
         try:
-            return self.kube.verify_node(req, beat)
+            return self.kube.verify_node(req, checked)
         except VerificationFailed as exc:
             raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
 

@@ -2,14 +2,11 @@
 
 ``HttpGatewayClient`` implements ``GatewayClient`` for the worker in a real cluster, where the gateway is its own
 Deployment (``kubeon-gpu gateway``, see ``worker.gateway_server``). It authenticates with the optimizer's
-ServiceAccount token, read from its file on every call because projected tokens rotate. ``join_over_http`` is
-what a burst node's bootstrap does with the ticket in its user data, ``join_with_user_data`` the same from the
-user data itself: it connects to the endpoint the user data names (the gateway's public URL or its LoadBalancer
-address) and verifies the certificate against the user data's ``serverName`` (like kubectl's tls-server-name) with
-the CA bundle the user data carries (the simulated provider uses it as is).
+ServiceAccount token, read from its file on every call because projected tokens rotate. A burst node's side of
+the join is ``node.join``.
 
-Errors: a 409 on removal (the Node belongs to another operation) and a refused ticket on join raise
-``TicketError`` with the gateway's reason, as the in-process ``KubeGateway`` does; 5xx answers, timeouts and
+Errors: a 409 on removal (the Node belongs to another operation) raises ``TicketError`` with the gateway's
+reason, as the in-process ``KubeGateway`` does; 5xx answers, timeouts and
 connection failures raise ``GatewayUnavailable`` (retryable); any other refusal raises ``GatewayRefused``.
 Tickets and tokens never appear in a message.
 """
@@ -24,7 +21,7 @@ from urllib.parse import quote
 
 import httpx
 
-from activities.gateway import JoinTicketRequest, TicketError, TicketGrant, parse_user_data_ticket, url_host
+from activities.gateway import JoinTicketRequest, TicketError, TicketGrant
 from activities.tracing import http_call
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -176,49 +173,3 @@ class HttpGatewayClient:
         if response.status_code != 200:
             raise self._refused(response, what)
         return bool(_json(response, self.base_url, what, "removed"))
-
-
-def join_over_http(gateway_url: str, ticket: str, capacity: dict[str, str], annotations: dict[str, str],
-                   provider_id: str, *, ca_file: Path | str | None = None, ca_bundle: str | None = None,
-                   server_name: str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS,
-                   transport: TransportFactory | None = None) -> str:
-    """What a booting burst node does: present its one-time ticket to ``POST /v1/join``; the Node's name.
-
-    It connects to ``gateway_url``; the gateway's certificate is verified against ``server_name`` (sent as SNI
-    too; default: the URL's host), with ``ca_file`` and/or ``ca_bundle`` (PEM), else the system's trust store.
-    Verification is never off. Retrying with the same ticket is safe (the gateway answers with the same Node).
-    A refused ticket raises ``TicketError`` with the gateway's reason."""
-    base = gateway_url.rstrip("/")
-    what = "joining with a ticket"
-    if server_name and server_name.lower() != url_host(base):
-        what += f" (verifying the certificate as {server_name})"
-    body = {"ticket": ticket, "capacity": capacity, "annotations": annotations, "providerId": provider_id}
-    verify = _verify(ca_file, ca_bundle)
-    # httpcore takes the TLS server_hostname (SNI and the name checked against the certificate) from this
-    # request extension; the TCP connection still goes to the URL's host.
-    extensions = {"sni_hostname": server_name} if server_name else None
-    with httpx.Client(base_url=base, verify=verify, timeout=timeout, follow_redirects=False,
-                      transport=transport(verify) if transport is not None else None,
-                      headers={"User-Agent": "kubeon-node-join"}) as client:
-        request = client.build_request("POST", "/v1/join", json=body, extensions=extensions)
-        response = _send(client, what, base, request)
-    if response.status_code == 403:
-        raise TicketError(error_message(response))
-    if response.status_code != 200:
-        raise GatewayRefused(f"burst gateway {base} refused {what} (HTTP {response.status_code}): "
-                             f"{error_message(response)}", status=response.status_code)
-    return str(_json(response, base, what, "node"))
-
-
-def join_with_user_data(user_data: str, capacity: dict[str, str], annotations: dict[str, str], provider_id: str,
-                        *, ca_file: Path | str | None = None, timeout: float = DEFAULT_TIMEOUT_SECONDS,
-                        transport: TransportFactory | None = None) -> str:
-    """A burst node's join from its user data alone (``render_user_data``): it connects to the endpoint it names
-    (``gateway``), verifies the certificate as ``serverName`` with the CA bundle it carries (``ca_file`` only when
-    the user data has none, else the system trust store), and presents the ticket."""
-    doc = parse_user_data_ticket(user_data)
-    ca_bundle = doc.get("caBundle") or None
-    return join_over_http(str(doc["gateway"]), str(doc["ticket"]), capacity, annotations, provider_id,
-                          ca_file=None if ca_bundle else ca_file, ca_bundle=ca_bundle,
-                          server_name=str(doc.get("serverName") or "") or None, timeout=timeout,
-                          transport=transport)

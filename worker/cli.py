@@ -86,6 +86,21 @@ def _console(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_join(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from node.join import JoinError, main_join
+
+    capacity = dict(kv.split("=", 1) for kv in args.capacity.split(",") if "=" in kv) if args.capacity else {}
+    try:
+        return main_join(Path(args.config), Path(args.state_dir), interface=args.interface,
+                         kubelet_command=args.kubelet_command, provider_id=args.provider_id, capacity=capacity,
+                         tunnel=not args.no_tunnel)
+    except (JoinError, OSError, ValueError) as exc:
+        print(f"kubeon-gpu node join: {exc}", file=sys.stderr)
+        return 1
+
+
 def _ops(args: argparse.Namespace) -> int:
     from models.operation import Approval, Rejection
     from worker import ops
@@ -188,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     console.set_defaults(func=_console)
     sub.add_parser("onprem-agent", help="run on an on-prem GPU server: join bursts of its pool "
                    "(`kubeon-gpu onprem-agent --help`)")
+
+    node = sub.add_parser("node", help="the burst node's side (run on the burst VM by its user data)")
+    node_sub = node.add_subparsers(dest="node_command", required=True)
+    joining = node_sub.add_parser("join", help="redeem the join ticket, bring up the tunnel, start the kubelet")
+    joining.add_argument("--config", default="/etc/kubeon/join.json", help="the join document from user data")
+    joining.add_argument("--state-dir", default="/var/lib/kubeon", help="keys, certificate, kubeconfig (0600)")
+    joining.add_argument("--interface", default="kubeon0", help="the WireGuard interface")
+    joining.add_argument("--kubelet-command", default="systemctl restart kubelet",
+                         help="how the kubelet is started (KUBEON_NODE_DIR names the state directory)")
+    joining.add_argument("--provider-id", default="", help="the Node's spec.providerID")
+    joining.add_argument("--capacity", default="", help="capacity the kubelet reports, k=v,... (stand-ins)")
+    joining.add_argument("--no-tunnel", action="store_true", help="simulated nodes only: no WireGuard")
+    joining.set_defaults(func=_node_join)
 
     ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)

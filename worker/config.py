@@ -71,6 +71,20 @@ class Settings(BaseModel):
     gateway_ca_file: Path | None = None
     # The gateway: on-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
     pool_tokens_dir: Path = Path("/var/run/kubeon/burst")
+    # The gateway's WireGuard tunnel (R4.3). No interface: no tunnel (sim nodes reach the API server directly,
+    # with the same certificates). The UDP port is the gateway Service's `wireguard` port.
+    gateway_tunnel_interface: str = ""
+    gateway_wireguard_key_file: Path | None = None
+    gateway_udp_port: int = Field(default=51820, gt=0, lt=65536)
+    # host:port nodes send UDP to; empty: the host nodes join at (public URL or LoadBalancer) and the UDP port.
+    gateway_tunnel_endpoint: str = ""
+    gateway_tunnel_cidr: str = "10.250.0.0/16"
+    gateway_pod_cidr: str = "10.245.0.0/16"
+    gateway_node_cidr_mask: int = Field(default=24, ge=8, le=30)
+    gateway_service_cidr: str = "10.96.0.0/12"
+    gateway_tunnel_mtu: int = Field(default=1380, ge=1280, le=1420)
+    # host:port of the API server the tunnel's proxy forwards to; empty: the gateway's own API server.
+    gateway_api_upstream: str = ""
     # The hub (R2.x): empty URL means no hub, policies are applied to the cluster directly.
     hub_url: str = ""
     hub_token_file: Path = Path("/var/run/kubeon/hub/token")

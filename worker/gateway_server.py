@@ -10,7 +10,15 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   LoadBalancer has an address.
 - ``DELETE /v1/nodes/{name}?operation=op-...`` (the optimizer): remove a burst Node of that operation; 409 for a
   Node of another operation.
-- ``POST /v1/join`` (a booting burst node; the ticket is its only credential): register the Node.
+- ``POST /v1/join`` (a booting burst node; the ticket is its only credential): redeem the ticket with the node's
+  WireGuard public key and kubelet CSR (``models.join.JoinRedeem``); the answer (``JoinAnswer``) carries the
+  signed kubelet certificate, the tunnel's parameters, the pod CIDR and the API server address. The gateway creates
+  no Node; the node registers itself, then the gateway's reconciler applies its ticket's labels and taints.
+
+With ``KUBEON_GATEWAY_TUNNEL_INTERFACE`` the gateway runs ``wireguard-go`` on that interface (UDP
+``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS and
+masquerades tunnel traffic to the service CIDR (nftables), and proxies ``<gateway tunnel IP>:443`` to the API
+server. Peers and address slots live in ConfigMaps in its namespace and are restored from there on start.
 
 The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``), checked with the
 TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets or removals.
@@ -26,6 +34,7 @@ import json
 import logging
 import os
 import re
+import signal
 import ssl
 import sys
 import threading
@@ -40,7 +49,6 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kubernetes import client, config
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -52,7 +60,11 @@ from activities.gateway import (
     ServiceRef,
     TicketError,
 )
+from activities.gateway_join import AddressPlan, GatewayTunnel, JoinRefused
+from models.join import JoinRedeem
 from models.operation import LABEL_OPERATION
+from tunnel import keys, link
+from tunnel.proxy import TcpProxy
 from worker import telemetry
 from worker.config import ConfigError, Settings, load_settings
 from worker.pool_join import DEFAULT_TOKENS_DIR, JOIN_TOKEN_HEADER, JoinTokenRefused, check_join_token
@@ -64,9 +76,6 @@ DEFAULT_LISTEN: Final = "0.0.0.0:8443"
 DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
 MAX_BODY_BYTES: Final = 64 * 1024
 MAX_TICKET_TTL_SECONDS: Final = 24 * 3600
-# Annotations a joining node may set on its Node: kwok's (simulated kubelets) and the node TTL hint.
-JOIN_ANNOTATION_PREFIXES: Final = ("kwok.x-k8s.io/",)
-JOIN_ANNOTATIONS: Final = frozenset({"node.alpha.kubernetes.io/ttl"})
 # Labels no ticket may set: the gateway sets the hostname and OS; node roles are the cluster admin's.
 RESERVED_LABELS: Final = frozenset({"kubernetes.io/hostname", "kubernetes.io/os"})
 RESERVED_LABEL_PREFIXES: Final = ("node-role.kubernetes.io/", "node-restriction.kubernetes.io/")
@@ -101,6 +110,14 @@ class GatewayServerConfig:
     # Where burst nodes join: public_url, else the LoadBalancer address of service; neither: the worker's URL.
     public_url: str = ""
     service: ServiceRef | None = None
+    namespace: str = "kubeon-gpu"
+    plan: AddressPlan = field(default_factory=AddressPlan)
+    tunnel_interface: str = ""
+    wireguard_key_file: Path | None = None
+    udp_port: int = 51820
+    tunnel_endpoint: str = ""
+    mtu: int = 1380
+    api_upstream: str = ""
 
     @property
     def tls(self) -> bool:
@@ -123,11 +140,26 @@ class GatewayServerConfig:
         kubeconfig = settings.gateway_kubeconfig or settings.kubeconfig
         service = (ServiceRef(settings.gateway_service, settings.gateway_service_namespace)
                    if settings.gateway_service else None)
+        try:
+            plan = AddressPlan(tunnel_cidr=settings.gateway_tunnel_cidr, pod_cidr=settings.gateway_pod_cidr,
+                               node_mask=settings.gateway_node_cidr_mask, service_cidr=settings.gateway_service_cidr)
+        except ValueError as exc:
+            raise ConfigError(f"KUBEON_GATEWAY_TUNNEL_CIDR / KUBEON_GATEWAY_POD_CIDR / KUBEON_GATEWAY_SERVICE_CIDR: "
+                              f"{exc}") from None
+        if settings.gateway_tunnel_interface:
+            link.check_ifname(settings.gateway_tunnel_interface)
+            if settings.gateway_wireguard_key_file is None:
+                raise ConfigError("KUBEON_GATEWAY_WIREGUARD_KEY_FILE is required with KUBEON_GATEWAY_TUNNEL_INTERFACE:"
+                                  " the gateway's WireGuard private key (it must survive restarts)")
         return cls(
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
             public_url=settings.gateway_public_url, service=service,
+            namespace=settings.gateway_service_namespace, plan=plan,
+            tunnel_interface=settings.gateway_tunnel_interface, wireguard_key_file=settings.gateway_wireguard_key_file,
+            udp_port=settings.gateway_udp_port, tunnel_endpoint=settings.gateway_tunnel_endpoint,
+            mtu=settings.gateway_tunnel_mtu, api_upstream=settings.gateway_api_upstream,
         )
 
 
@@ -241,17 +273,29 @@ class BodySizeLimit:
             await error.response()(scope, receive, send)
             return
         received = 0
+        refused = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            # Over the limit while reading (a chunked body has no Content-Length): answer 413 here, then tell
+            # the application the client went away. Raising would reach FastAPI's body parser, which turns any
+            # error into a 400.
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise self._too_large(f"more than {self.max_bytes} bytes")
+                    refused = True
+                    await self._too_large(f"more than {self.max_bytes} bytes").response()(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
     def _too_large(self, got: str) -> GatewayHTTPError:
         return GatewayHTTPError(413, "body_too_large",
@@ -259,17 +303,6 @@ class BodySizeLimit:
 
 
 # ----- request checks ------------------------------------------------------------------------------------------
-
-
-class JoinRequest(BaseModel):
-    """What a booting burst node sends: its ticket and what its kubelet would report."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    ticket: str = Field(min_length=1, max_length=16 * 1024)
-    capacity: dict[str, str] = Field(max_length=64)
-    annotations: dict[str, str] = Field(default_factory=dict, max_length=32)
-    provider_id: str = Field(default="", alias="providerId", max_length=512)
 
 
 def check_ticket_request(req: JoinTicketRequest) -> None:
@@ -290,14 +323,6 @@ def check_ticket_request(req: JoinTicketRequest) -> None:
         problems.append(f"ttl_seconds must be between 1 and {MAX_TICKET_TTL_SECONDS}")
     if problems:
         raise GatewayHTTPError(400, "invalid_ticket_request", "join ticket refused: " + "; ".join(problems))
-
-
-def check_join_annotations(annotations: Mapping[str, str]) -> None:
-    refused = sorted(k for k in annotations if k not in JOIN_ANNOTATIONS and not k.startswith(JOIN_ANNOTATION_PREFIXES))
-    if refused:
-        raise GatewayHTTPError(400, "annotation_not_allowed",
-                               f"annotations not allowed on a burst node: {', '.join(refused)[:300]} (allowed: "
-                               f"{', '.join(JOIN_ANNOTATION_PREFIXES)}*, {', '.join(sorted(JOIN_ANNOTATIONS))})")
 
 
 # ----- the application -----------------------------------------------------------------------------------------
@@ -432,21 +457,27 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         return {"removed": removed}
 
     @app.post("/v1/join")
-    def join(body: JoinRequest, request: Request) -> dict[str, str]:
-        check_join_annotations(body.annotations)
+    def join(body: JoinRedeem, request: Request) -> dict[str, object]:
         try:
-            ticket = gateway.verify(body.ticket)
-            check_join_token(ticket.location, request.headers.get(JOIN_TOKEN_HEADER), pool_tokens_dir)
-            node = gateway.admit(body.ticket, capacity=body.capacity, annotations=body.annotations,
-                                 provider_id=body.provider_id)
-        except (TicketError, JoinTokenRefused) as exc:
+            # On-prem servers also present their pool's join token (R4.5); cloud nodes have the ticket alone.
+            check_join_token(gateway.verify(body.ticket).location, request.headers.get(JOIN_TOKEN_HEADER),
+                             pool_tokens_dir)
+            answer = gateway.join(body)
+        except JoinTokenRefused as exc:
             log.warning("refused a join: %s", exc)
-            raise GatewayHTTPError(403, "ticket_refused", str(exc)) from None
+            raise GatewayHTTPError(403, "join_token_refused", str(exc)) from None
+        except TicketError as exc:
+            log.warning("refused a join: %s", exc)
+            status = 409 if exc.code == "node_exists" else 403
+            raise GatewayHTTPError(status, exc.code, str(exc)) from None
+        except JoinRefused as exc:
+            log.warning("refused a join: %s", exc)
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
         except client.ApiException as exc:
-            raise _kube_error(exc, "registering the node") from None
-        name = str(node.metadata.name) if node.metadata is not None else ticket.node_name
-        log.info("admitted node %s (operation %s, location %s)", name, ticket.operation, ticket.location)
-        return {"node": name}
+            raise _kube_error(exc, "joining the node") from None
+        log.info("node %s joined: pod CIDR %s%s; it registers itself now", answer.node_name, answer.pod_cidr,
+                 f", tunnel {answer.tunnel.address}" if answer.tunnel else "")
+        return answer.model_dump(mode="json", by_alias=True)
 
     return app
 
@@ -465,6 +496,70 @@ def create_health_app(state: HealthState) -> FastAPI:
     return app
 
 
+# ----- the tunnel ----------------------------------------------------------------------------------------------
+
+
+def build_tunnel(cfg: GatewayServerConfig) -> GatewayTunnel | None:
+    if not cfg.tunnel_interface:
+        return None
+    assert cfg.wireguard_key_file is not None
+    try:
+        private = keys.check_key(cfg.wireguard_key_file.read_text().strip(), str(cfg.wireguard_key_file))
+    except ValueError as exc:
+        raise ConfigError(f"KUBEON_GATEWAY_WIREGUARD_KEY_FILE: {exc}") from None
+    return GatewayTunnel(interface=cfg.tunnel_interface, private_key=private, endpoint=cfg.tunnel_endpoint,
+                         listen_port=cfg.udp_port, plan=cfg.plan, mtu=cfg.mtu)
+
+
+@dataclass
+class TunnelLinks:
+    """What the gateway process runs for its tunnel: wireguard-go and the API server proxy."""
+
+    wireguard: object
+    proxy: TcpProxy
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        if hasattr(self.wireguard, "poll"):
+            link.stop_wireguard_go(self.wireguard)  # type: ignore[arg-type]
+
+
+def api_upstream(cfg: GatewayServerConfig, api: client.ApiClient) -> tuple[str, int]:
+    from urllib.parse import urlsplit
+
+    target = cfg.api_upstream or urlsplit(str(api.configuration.host)).netloc
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"KUBEON_GATEWAY_API_UPSTREAM {target!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def start_tunnel(cfg: GatewayServerConfig, gateway: KubeGateway, api: client.ApiClient) -> TunnelLinks:
+    """wireguard-go on the interface (kept if it already runs), its key and port, the gateway's tunnel address
+    and routes for the burst pod CIDR, nftables (MSS clamp, service CIDR masquerade), the peers from the API, and
+    the API server proxy on <gateway tunnel IP>:443."""
+    tunnel = gateway.tunnel
+    assert tunnel is not None
+    wireguard: object = None
+    if not tunnel.uapi.path.exists():
+        wireguard = link.start_wireguard_go(tunnel.interface)
+    tunnel.configure()
+    prefix = cfg.plan.tunnel_cidr.split("/")[1]
+    link.bring_up(tunnel.interface, f"{cfg.plan.gateway_ip}/{prefix}", mtu=cfg.mtu, routes=[cfg.plan.pod_cidr])
+    link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr, tunnel_cidr=cfg.plan.tunnel_cidr,
+                             pod_cidr=cfg.plan.pod_cidr)
+    try:
+        gateway.reconcile()  # the peers back from the API before the first node's packets
+    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        log.warning("cannot restore the tunnel's peers yet (%s); the reconciler retries every second",
+                    type(exc).__name__)
+    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
+    log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
+             tunnel.interface, cfg.plan.gateway_ip, cfg.udp_port, len(tunnel.uapi.get().peers), *proxy.address,
+             *proxy.upstream)
+    return TunnelLinks(wireguard=wireguard, proxy=proxy)
+
+
 # ----- serving -------------------------------------------------------------------------------------------------
 
 
@@ -481,10 +576,18 @@ def serve(settings: Settings) -> int:
         except config.ConfigException as exc:
             raise ConfigError(f"no Kubernetes credentials: KUBEON_GATEWAY_KUBECONFIG is not set and this is not a "
                               f"pod with a ServiceAccount ({exc})") from None
-        gateway = KubeGateway(api, key, public_url=cfg.public_url, service=cfg.service)
+        tunnel = build_tunnel(cfg)
+        gateway = KubeGateway(api, key, public_url=cfg.public_url, service=cfg.service, namespace=cfg.namespace,
+                              plan=cfg.plan, tunnel=tunnel)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
         return 2
+    try:
+        links = start_tunnel(cfg, gateway, api) if tunnel is not None else None
+    except (link.LinkError, OSError) as exc:
+        print(f"kubeon-gpu gateway: the tunnel cannot start: {exc}", file=sys.stderr)
+        return 1
+    gateway.start_reconciler()
     reviewer = TokenReviewer(api, cfg.token_audiences)
     state = HealthState()
     try:
@@ -528,11 +631,17 @@ def serve(settings: Settings) -> int:
              cfg.host, cfg.port, cfg.port if same_port else cfg.health_port, state.identity,
              ", ".join(sorted(cfg.allowed_clients)),
              f"; token audiences: {', '.join(cfg.token_audiences)}" if cfg.token_audiences else "", where)
+    # uvicorn re-raises the signal it stopped on once it has shut down; with the default SIGTERM handler that
+    # would end the process before the tunnel (wireguard-go, the proxy) is stopped below.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(main_server, "should_exit", True))
     try:
         main_server.run()
     finally:
         if health_server is not None:
             health_server.should_exit = True
+        gateway.stop()
+        if links is not None:
+            links.stop()
     return 0
 
 

@@ -3,7 +3,7 @@
 It registers the server in its pool in the hub and heartbeats; the hub answers what the server should be part of.
 When a burst claims the server, the agent joins the claiming cluster through that cluster's gateway exactly as a
 cloud burst node does, with the user data (gateway ticket) the claim carries — the same call that boots a
-simulated instance (``join_with_user_data``), plus the pool's join token, which the gateway checks. When the claim
+simulated instance (``node.join``), plus the pool's join token, which the gateway checks. When the claim
 is released it leaves (the node side stopped, ticket and credentials wiped) and reports the server idle.
 
 Its state (idle / joining / serving, the claim's operation and user data) is in a state file written atomically:
@@ -30,9 +30,9 @@ import httpx
 from pydantic import BaseModel
 
 from activities.gateway import TicketError
-from activities.gateway_http import GatewayRefused, GatewayUnavailable, join_with_user_data
 from activities.hub_client import HubClient, HubError, HubRefused, HubUnauthorized
 from models.operation import GPU_RESOURCE
+from node.join import JoinRefusedByGateway, JoinUnavailable
 from worker.pool_join import JOIN_TOKEN_HEADER
 
 log = logging.getLogger("kubeon.onprem-agent")
@@ -90,12 +90,35 @@ class _WithJoinToken(httpx.BaseTransport):
 
 
 def join_node(user_data: str, *, gpus: int, provider_id: str, join_token: str, simulated: bool,
-              ca_file: Path | None = None) -> str:
-    """Join the cluster the user data names, as a cloud burst node does (ticket through the gateway)."""
+              state_dir: Path, ca_file: Path | None = None) -> str:
+    """Join the cluster the user data names as a cloud burst node does: its own keys and kubelet CSR, the ticket
+    redeemed at the gateway (with the pool's join token, which the gateway checks). Simulated, the node registers
+    itself over the API server's own address and kwok plays its kubelet; otherwise the tunnel comes up and the
+    kubelet's registration file and flags are written for its systemd unit."""
+    from models.join import parse_user_data
+    from node.join import NodeFiles, join, redeem_over_https, write_registration
+    from node.register import join_simulated
+
+    doc = parse_user_data(user_data)
     capacity = {"cpu": "32", "memory": "256Gi", "pods": "110", GPU_RESOURCE: str(gpus)}
-    return join_with_user_data(user_data, capacity, SIM_ANNOTATIONS if simulated else {}, provider_id,
-                               ca_file=ca_file,
-                               transport=lambda verify: _WithJoinToken(httpx.HTTPTransport(verify=verify), join_token))
+    redeem = redeem_over_https(
+        doc, ca_file=ca_file,
+        transport=lambda verify: _WithJoinToken(httpx.HTTPTransport(verify=verify), join_token))
+    if simulated:
+        node = join_simulated(doc, state_dir, redeem, provider_id=provider_id, capacity=capacity,
+                              annotations=SIM_ANNOTATIONS)
+        return answer_name(node)
+    files = NodeFiles(state_dir)
+    answer = join(doc, files, redeem=redeem, tunnel=True)
+    write_registration(files, answer, provider_id=provider_id, capacity=capacity)
+    return answer.node_name
+
+
+def answer_name(node: Any) -> str:
+    name = node.metadata.name if node.metadata else None
+    if not name:
+        raise ValueError("the registered Node has no name")
+    return str(name)
 
 
 class Agent:
@@ -156,12 +179,14 @@ class Agent:
         (self.cfg.credentials_dir / "user-data").write_text(s.user_data)
         token = self.cfg.join_token_file.read_text().strip()
         try:
-            node = join_node(s.user_data, gpus=self.cfg.gpus, provider_id=f"onprem://{self.cfg.pool}/{self.cfg.server}",
-                             join_token=token, simulated=self.cfg.simulated, ca_file=self.cfg.gateway_ca_file)
-        except GatewayUnavailable as exc:
+            node = join_node(s.user_data, gpus=self.cfg.gpus,
+                             provider_id=f"onprem://{self.cfg.pool}/{self.cfg.server}", join_token=token,
+                             simulated=self.cfg.simulated, state_dir=self.cfg.credentials_dir / "node-state",
+                             ca_file=self.cfg.gateway_ca_file)
+        except JoinUnavailable as exc:
             log.warning("gateway unavailable, will retry the join of %s: %s", s.operation, exc)
             return False
-        except (TicketError, GatewayRefused) as exc:
+        except (TicketError, JoinRefusedByGateway, ValueError) as exc:
             log.error("the gateway refused the join of operation %s: %s; leaving", s.operation, exc)
             self._leave()
             return False

@@ -15,6 +15,7 @@ from temporalio.service import RPCError, TLSConfig
 from activities.audit import AuditLog
 from activities.burst import BurstActivities, ReportSink
 from activities.gateway import GatewayClient, KubeGateway
+from activities.gateway_join import AddressPlan
 from activities.hub import HubActivities
 from activities.hub_client import HubClient
 from activities.kube import KubeOps
@@ -141,7 +142,12 @@ def build_gateway(settings: Settings) -> GatewayClient:
     if settings.gateway_ticket_key_file is None:
         raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is needed with KUBEON_GATEWAY_KUBECONFIG")
     key = settings.gateway_ticket_key_file.read_bytes().strip()
-    return KubeGateway(kube_api(settings.gateway_kubeconfig), key)
+    plan = AddressPlan(tunnel_cidr=settings.gateway_tunnel_cidr, pod_cidr=settings.gateway_pod_cidr,
+                       node_mask=settings.gateway_node_cidr_mask, service_cidr=settings.gateway_service_cidr)
+    gateway = KubeGateway(kube_api(settings.gateway_kubeconfig), key, namespace=settings.gateway_service_namespace,
+                          plan=plan)
+    gateway.start_reconciler()
+    return gateway
 
 
 def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -> Runtime:
@@ -150,7 +156,7 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
     gw = gateway or build_gateway(settings)
     providers: dict[str, Provider] = {}
     closers: list[Any] = []
-    close_gateway = getattr(gw, "close", None)
+    close_gateway = getattr(gw, "close", None) or getattr(gw, "stop", None)
     if close_gateway is not None:
         closers.append(close_gateway)
     kinds = {loc.provider for loc in burst.locations}
@@ -168,21 +174,22 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
         providers["azure"] = AzureProvider(burst, endpoint_url=settings.azure_endpoint_url,
                                            ca_file=str(settings.azure_ca_file) if settings.azure_ca_file else None)
     if "sim" in kinds:
-        from activities.gateway import parse_user_data_ticket
         from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
+        from models.join import parse_user_data
+        from node.join import redeem_over_https
+        from node.register import join_simulated
 
         def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
-            # The simulated instance joins exactly as a real node: with its user data's ticket, through the
-            # gateway at the URL its user data names, verified with the CA bundle its user data carries.
-            provider_id = f"sim://{instance.location}/{instance.instance_id}"
-            if isinstance(gw, KubeGateway):
-                doc = parse_user_data_ticket(user_data)
-                gw.admit(doc["ticket"], capacity=capacity, annotations=KWOK_ANNOTATIONS, provider_id=provider_id)
-            else:
-                from activities.gateway_http import join_with_user_data
-
-                join_with_user_data(user_data, capacity, KWOK_ANNOTATIONS, provider_id,
-                                    ca_file=settings.gateway_ca_file)
+            # The simulated instance joins through the same protocol as a real node: its own keys and CSR, the
+            # ticket of its user data redeemed at the gateway (over HTTPS at the URL its user data names, verified
+            # with the CA bundle it carries; or in-process), then it registers its own Node with its own
+            # certificate. No tunnel: it reaches the API server over loopback; kwok plays its kubelet.
+            doc = parse_user_data(user_data)
+            redeem = (gw.join if isinstance(gw, KubeGateway)
+                      else redeem_over_https(doc, ca_file=settings.gateway_ca_file))
+            join_simulated(doc, settings.state_dir / "sim-nodes" / instance.instance_id, redeem,
+                           provider_id=f"sim://{instance.location}/{instance.instance_id}", capacity=capacity,
+                           annotations=KWOK_ANNOTATIONS)
 
         sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
         providers["sim"] = sim

@@ -1,8 +1,10 @@
 """A simulated location for local runs and tests, like Karpenter's kwok provider.
 
 Instances live in a JSON state file (so they survive a worker restart, as a cloud's would). After the
-location's boot delay an instance "boots": it reads its user data and joins through the gateway exactly as a
-real node would, registering a Node that kwok then runs as a simulated kubelet.
+location's boot delay an instance "boots" (the worker's boot hook): it reads its user data and joins through the
+gateway with the same protocol as a real node (its own keys and kubelet CSR, the ticket redeemed, its own
+certificate), then registers its own Node, which kwok runs as a simulated kubelet. Without a tunnel: it reaches
+the API server over loopback (the tunnel tests boot instances into network namespaces instead).
 """
 
 from __future__ import annotations

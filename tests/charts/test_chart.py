@@ -6,6 +6,7 @@ the real control plane and the RBAC proof with the chart's own ServiceAccounts a
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -168,13 +169,21 @@ def test_optimizer_has_no_secret_access_and_cannot_create_or_delete_nodes(burst:
             assert ns == "gpu-operator" and rule["resourceNames"] == ["time-slicing-config"], rule
 
 
-def test_gateway_has_only_node_and_tokenreview_rules_and_get_on_its_own_service(burst: Rendered) -> None:
+def test_gateway_has_only_join_node_and_tokenreview_rules_and_its_own_namespaced_ones(burst: Rendered) -> None:
     role = burst.get("ClusterRole", GATEWAY)
     assert role["rules"] == GATEWAY_RULES
-    # Its own Service, by name, in its own namespace: where its LoadBalancer address is (no publicUrl).
+    # It creates no Node (nodes register themselves) and approves CSRs for the kubelet client signer only.
+    assert not [r for r in role["rules"] if "nodes" in r["resources"] and "create" in r["verbs"]]
+    approve = [r for r in role["rules"] if "approve" in r["verbs"]]
+    assert approve == [{"apiGroups": ["certificates.k8s.io"], "resources": ["signers"],
+                        "resourceNames": ["kubernetes.io/kube-apiserver-client-kubelet"], "verbs": ["approve"]}]
+    assert not [r for r in role["rules"] if "secrets" in r["resources"]]
+    # Its own Service, by name, in its own namespace: where its LoadBalancer address is (no publicUrl); its
+    # records (redeemed tickets, address slots) as ConfigMaps there.
     own = burst.get("Role", GATEWAY, NAMESPACE)
     assert own["rules"] == GATEWAY_SERVICE_RULES == [
-        {"apiGroups": [""], "resources": ["services"], "resourceNames": [GATEWAY], "verbs": ["get"]}]
+        {"apiGroups": [""], "resources": ["services"], "resourceNames": [GATEWAY], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get", "list", "patch", "delete"]}]
     binding = burst.get("RoleBinding", GATEWAY, NAMESPACE)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": GATEWAY}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY, "namespace": NAMESPACE}]
@@ -192,10 +201,11 @@ def all_deployments(default: Rendered, burst: Rendered) -> list[dict[str, Any]]:
     return default.all("Deployment") + burst.all("Deployment")
 
 
-def test_security_context_r5_5_on_every_pod_and_container(default: Rendered, burst: Rendered) -> None:
+def test_security_context_r5_5_on_every_pod_and_container_but_the_gateways(default: Rendered, burst: Rendered
+                                                                           ) -> None:
     deployments = all_deployments(default, burst)
     assert {d["metadata"]["name"] for d in deployments} == {OPTIMIZER, GATEWAY, TEMPORAL}
-    for deployment in deployments:
+    for deployment in (d for d in deployments if d["metadata"]["name"] != GATEWAY):
         spec = pod_spec(deployment)
         pod = spec["securityContext"]
         assert pod["runAsNonRoot"] is True
@@ -216,6 +226,34 @@ def test_security_context_r5_5_on_every_pod_and_container(default: Rendered, bur
             assert tmp, f"{c['name']} has no writable /tmp"
             volume = next(v for v in spec["volumes"] if v["name"] == tmp[0]["name"])
             assert "emptyDir" in volume
+
+
+def test_the_gateway_pod_alone_gets_net_admin_and_the_tun_device(burst: Rendered) -> None:
+    spec = pod_spec(burst.get("Deployment", GATEWAY, NAMESPACE))
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert spec["securityContext"]["sysctls"] == [{"name": "net.ipv4.ip_forward", "value": "1"}]
+    (c,) = spec["containers"]
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    tun = next(v for v in spec["volumes"] if v["name"] == "tun")
+    assert tun["hostPath"] == {"path": "/dev/net/tun", "type": "CharDevice"}
+    assert {"name": "wireguard", "containerPort": 51820, "protocol": "UDP"} in c["ports"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KUBEON_GATEWAY_TUNNEL_INTERFACE"] and env["KUBEON_GATEWAY_POD_CIDR"] == "10.245.0.0/16"
+    ports = burst.get("Service", GATEWAY, NAMESPACE)["spec"]["ports"]
+    assert {"name": "wireguard", "port": 51820, "targetPort": "wireguard", "protocol": "UDP"} in ports
+    key = next(v for v in spec["volumes"] if v["name"] == "wireguard-key")
+    assert key["secret"]["secretName"] == f"{GATEWAY}-wireguard"
+    generated = base64.b64decode(burst.get("Secret", f"{GATEWAY}-wireguard", NAMESPACE)["data"]["private-key"])
+    assert len(base64.b64decode(generated)) == 32  # a WireGuard key, base64 as `wg genkey` prints
+    # The worker: none of it.
+    for deployment in burst.all("Deployment"):
+        if deployment["metadata"]["name"] != GATEWAY:
+            for container_ in pod_spec(deployment)["containers"]:
+                assert container_["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_worker_pod(default: Rendered) -> None:
@@ -354,7 +392,9 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     service = burst.get("Service", GATEWAY, NAMESPACE)
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["metadata"]["annotations"] == {"service.beta.kubernetes.io/aws-load-balancer-scheme": "internal"}
-    assert service["spec"]["ports"] == [{"name": "tunnel", "port": 8443, "targetPort": "tunnel", "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [{"name": "tunnel", "port": 8443, "targetPort": "tunnel", "protocol": "TCP"},
+                                        {"name": "wireguard", "port": 51820, "targetPort": "wireguard",
+                                         "protocol": "UDP"}]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
 
@@ -371,7 +411,7 @@ def test_gateway_service_from_values() -> None:
     assert service["spec"]["type"] == "NodePort"
     assert service["spec"]["ports"][0]["port"] == 31443
     assert service["metadata"]["annotations"] == {"example.com/owner": "ml-platform"}
-    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [f"{GATEWAY}-tls"], \
+    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [f"{GATEWAY}-wireguard", f"{GATEWAY}-tls"], \
         "an existing ticket key Secret is used, not created"
     key = next(v for v in pod_spec(rendered.get("Deployment", GATEWAY))["volumes"] if v["name"] == "ticket-key")
     assert key["secret"]["secretName"] == "my-ticket-key"

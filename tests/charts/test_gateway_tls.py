@@ -158,7 +158,7 @@ def test_worker_mounts_none_of_the_gateways_secrets(burst: Rendered) -> None:
     # token is the gateway's: it checks the pool's servers; the worker claims them with its hub token.
     assert secret_names(burst.get("Deployment", OPTIMIZER)) == {"kubeon-gpu-optimizer-token", "kubeon-temporal-api-key"}
     assert secret_names(burst.get("Deployment", GATEWAY)) == {
-        f"{GATEWAY}-ticket-key", f"{GATEWAY}-tls", "kubeon-burst-dc1"}
+        f"{GATEWAY}-ticket-key", f"{GATEWAY}-tls", f"{GATEWAY}-wireguard", "kubeon-burst-dc1"}
 
 
 # --- the user's own certificate -------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_existing_secret_renders_no_generated_certificate(burst: Rendered) -> No
     ca_pem = generated(burst)[2].public_bytes(serialization.Encoding.PEM).decode()
     rendered = template(*SIM_ONLY, "--set", "burst.gateway.tls.existingSecret=burst-gw-tls",
                         "--set-string", f"burst.gateway.tls.caBundle={ca_pem}")
-    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [f"{GATEWAY}-ticket-key"]
+    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [f"{GATEWAY}-ticket-key", f"{GATEWAY}-wireguard"]
     tls = volume_for(rendered.get("Deployment", GATEWAY), "/var/run/kubeon/gateway-tls", "gateway")
     assert tls["secret"]["secretName"] == "burst-gw-tls"
     assert rendered.get("ConfigMap", f"{GATEWAY}-ca", NAMESPACE)["data"]["ca.crt"] == ca_pem.strip() + "\n"

@@ -362,18 +362,39 @@ def test_optimizer_permission_matrix(installed: Install, optimizer: Kube) -> Non
 
 # --- RBAC with the gateway's own credentials -----------------------------------------------------------------
 
-def test_gateway_admits_and_removes_nodes_and_nothing_else(installed: Install, gateway: Kube) -> None:
-    name = f"burst-{uuid.uuid4().hex[:6]}"
-    node = client.V1Node(
-        metadata=client.V1ObjectMeta(name=name, labels={"gpu.kubeon.io/location": "sim.eu-west"}),
-        spec=client.V1NodeSpec(taints=[client.V1Taint(key="gpu.kubeon.io/burst", effect="NoSchedule")]))
+def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(installed: Install, gateway: Kube,
+                                                                          tmp_path: Path) -> None:
+    """Sufficient: as the chart's own ServiceAccount, the whole join (CSR created, approved for the kubelet
+    signer, signed; records kept), the registered node labelled and its joining taint lifted, and its removal."""
+    import secrets
+
+    from activities.gateway import JoinTicketRequest, KubeGateway
+    from models.operation import Taint
+    from node.join import NodeFiles
+    from tests.harness.joining import node_client, redeem_for, register_self
+
+    wait_for(lambda: can(gateway, "approve", "signers", group="certificates.k8s.io",
+                         name="kubernetes.io/kube-apiserver-client-kubelet"), what="the chart's gateway rules")
+    gw = KubeGateway(gateway.api, secrets.token_bytes(32), namespace=NAMESPACE)
+    name, op = f"burst-{uuid.uuid4().hex[:6]}", f"op-{uuid.uuid4().hex[:8]}"
+    ticket = gw.sign_ticket(JoinTicketRequest(
+        operation=op, policy="p", location="sim/eu-west", node_name=name,
+        labels={"gpu.kubeon.io/operation": op, "gpu.kubeon.io/location": "sim.eu-west"},
+        taints=[Taint(key="gpu.kubeon.io/burst")]))
+    files = NodeFiles(tmp_path / name)
     try:
-        wait_for(lambda: gateway.core.create_node(node), what="gateway may create a Node")
-        gateway.core.patch_node(name, {"metadata": {"labels": {"gpu.kubeon.io/operation": "op-1"}}})
-        assert gateway.core.read_node(name).metadata.labels["gpu.kubeon.io/operation"] == "op-1"
-        gateway.core.delete_node(name)
+        answer = gw.join(redeem_for(files, ticket, name))
+        register_self(node_client(files, answer), answer)
+        assert name in gw.reconcile()["labelled"]
+        taints = {t.key for t in gateway.core.read_node(name).spec.taints}
+        assert "gpu.kubeon.io/burst" in taints and "gpu.kubeon.io/joining" not in taints
+        assert gw.remove_node(name, operation=op) is True
     finally:
         _ignore_missing(lambda: installed.cluster.admin.core.delete_node(name))
+    # It creates no Node (nodes register themselves) and approves for no other signer.
+    refused(lambda: gateway.core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=f"x-{name}"))))
+    for signer in ("kubernetes.io/kube-apiserver-client", "kubernetes.io/kubelet-serving"):
+        assert not can(gateway, "approve", "signers", group="certificates.k8s.io", name=signer), signer
     refused(lambda: gateway.core.read_namespaced_secret(f"{GATEWAY}-ticket-key", NAMESPACE))
     refused(lambda: gateway.core.list_namespaced_secret(NAMESPACE))
     refused(lambda: gateway.core.list_pod_for_all_namespaces())

@@ -9,6 +9,7 @@ import secrets
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,9 +185,31 @@ def worker_process(settings: Settings, log: Path, env: dict[str, str] | None = N
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+def gateway_process(stack: BurstStack, log: Path, port: int, *, extra_env: dict[str, str] | None = None,
+                    popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen,
+                    ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """`kubeon-gpu gateway` as its own process with its own ServiceAccount and the ticket key (as the chart runs
+    it; no tunnel: sim nodes reach the API server over loopback), on 127.0.0.1:``port``; and the settings a
+    worker needs to use it over HTTP with the optimizer's ServiceAccount token."""
+    token = stack.workdir / "optimizer.token"
+    token.write_text(str(stack.cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, "kubeon-gpu", client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=86400))).status.token))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
+    env.update({"KUBEON_CLUSTER": "dev", "KUBEON_GATEWAY_KUBECONFIG": str(stack.gateway_kubeconfig),
+                "KUBEON_GATEWAY_TICKET_KEY_FILE": str(stack.ticket_key_file),
+                "KUBEON_GATEWAY_LISTEN": f"127.0.0.1:{port}", "KUBEON_HEALTH_PORT": str(port),
+                "PYTHONUNBUFFERED": "1", **(extra_env or {})})
+    out = open(log, "ab")  # noqa: SIM115 - handed to the child
+    proc = popen([sys.executable, "-m", "worker.cli", "gateway"], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, {"gateway_kubeconfig": None, "gateway_ticket_key_file": None,
+                  "gateway_url": f"http://127.0.0.1:{port}", "gateway_token_file": token}
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-__all__ = ["WORKER_ARGV", "BurstStack", "build_stack", "gpu_deployment", "result", "unique", "wait_for",
-           "wait_phase", "worker_env", "worker_process"]
+__all__ = ["WORKER_ARGV", "BurstStack", "build_stack", "gateway_process", "gpu_deployment", "result", "unique",
+           "wait_for", "wait_phase", "worker_env", "worker_process"]

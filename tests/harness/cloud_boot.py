@@ -4,11 +4,12 @@ sees) and joins through the gateway with the ticket in it; kwok then runs the No
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from activities.gateway import parse_user_data_ticket
 from activities.providers.sim import KWOK_ANNOTATIONS
 from tests.harness.azure_server import SIZES
 from tests.harness.cloud_fake import FakeServer
@@ -19,16 +20,20 @@ Join = Callable[[str, str, dict[str, str], str], str]
 
 
 def gateway_join(gateway: Any) -> Join:
-    """Join through an in-process gateway (KubeGateway.admit), else through the gateway's HTTP API."""
+    """Join with the product's node code: redeemed at an in-process gateway (``KubeGateway.join``), else at the
+    gateway's HTTP API the user data names; the node then registers itself with its own certificate."""
 
-    def join(_iid: str, user_data: str, capacity: dict[str, str], provider_id: str) -> str:
-        if hasattr(gateway, "admit"):
-            doc = parse_user_data_ticket(user_data)
-            node = gateway.admit(doc["ticket"], capacity=capacity, annotations=KWOK_ANNOTATIONS,
-                                 provider_id=provider_id)
+    def join(iid: str, user_data: str, capacity: dict[str, str], provider_id: str) -> str:
+        from models.join import parse_user_data
+        from node.register import join_simulated
+        from tests.harness.joining import join_with_user_data
+
+        if hasattr(gateway, "join"):
+            doc = parse_user_data(user_data)
+            state = Path(tempfile.gettempdir()) / "kubeon-test-nodes" / f"cloud-{iid}"
+            node = join_simulated(doc, state, gateway.join, provider_id=provider_id, capacity=capacity,
+                                  annotations=KWOK_ANNOTATIONS)
             return str(node.metadata.name)
-        from activities.gateway_http import join_with_user_data
-
         return join_with_user_data(user_data, capacity, KWOK_ANNOTATIONS, provider_id)
 
     return join

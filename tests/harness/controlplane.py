@@ -1,6 +1,7 @@
 """A real Kubernetes control plane for tests and `make dev`.
 
-etcd, kube-apiserver (RBAC on), kube-controller-manager, kube-scheduler and kwok (simulated kubelets for Nodes
+etcd, kube-apiserver (Node,RBAC authorization, NodeRestriction admission), kube-controller-manager (signing
+kubelet client certificates with the cluster CA), kube-scheduler and kwok (simulated kubelets for Nodes
 annotated ``kwok.x-k8s.io/node=fake``), built from the Go module proxy by ``build-binaries.sh`` and started on
 free loopback ports in a temporary directory. ``stop()`` leaves no process behind: every component runs in a
 process group of its own and is killed with it.
@@ -202,6 +203,7 @@ class ControlPlane:
     server: str = ""
     admin_kubeconfig: Path = field(default_factory=Path)
     ca_file: Path = field(default_factory=Path)
+    ca_key_file: Path = field(default_factory=Path)
     started_seconds: float = 0.0
     # How components are started: `make dev` passes its registry's (pids recorded, killed with the harness).
     popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
@@ -214,7 +216,7 @@ class ControlPlane:
         pki = self.workdir / "pki"
         pki.mkdir(exist_ok=True)
         ca = _issue(_name("kubeon-test-ca"), None, is_ca=True)
-        self.ca_file, _ = ca.write(pki, "ca")
+        self.ca_file, self.ca_key_file = ca.write(pki, "ca")
         serving = _issue(
             _name("kube-apiserver"), ca,
             server_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
@@ -261,6 +263,8 @@ class ControlPlane:
             f"--tls-private-key-file={serving[1]}",
             f"--client-ca-file={self.ca_file}",
             "--authorization-mode=Node,RBAC",
+            # As a real cluster: a node's credentials reach only its own Node, Lease and pods' status.
+            "--enable-admission-plugins=NodeRestriction",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={sa_pub_file}",
@@ -280,6 +284,9 @@ class ControlPlane:
             f"--authorization-kubeconfig={self.admin_kubeconfig}",
             f"--root-ca-file={self.ca_file}",
             f"--service-account-private-key-file={sa_key_file}",
+            # The csrsigning controller signs approved kubelet client CSRs (the gateway approves them).
+            f"--cluster-signing-cert-file={self.ca_file}",
+            f"--cluster-signing-key-file={self.ca_key_file}",
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
             f"--secure-port={free_port()}",

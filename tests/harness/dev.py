@@ -4,7 +4,8 @@ The Temporal dev server (UI at http://127.0.0.1:8233), the local control plane w
 with different prices, aws/eu-central-1 (moto), gcp/europe-west4 and azure/westeurope (local servers, named in
 endpoints.json), a home GPU node, a local hub (`kubeon-gpu hub`, SQLite) seeded with an admin key, the
 cluster `dev` with its token and the example policies from examples/policies, and the worker (`kubeon-gpu
-worker`, with the optimizer's own ServiceAccount; the gateway in-process with its own), which pulls the
+worker`, with the optimizer's own ServiceAccount; `kubeon-gpu gateway` as its own process with its own, as the
+chart runs them: simulated nodes redeem their tickets there and register with their own certificates), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
 
 No way of ending it leaves a process behind (tests/harness/children.py): every service is started through
@@ -26,18 +27,17 @@ from pathlib import Path
 
 import yaml
 
-from activities.gateway import KubeGateway
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.burst import WORKER_ARGV, BurstStack, build_stack, worker_env
+from tests.harness.burst import WORKER_ARGV, build_stack, gateway_process, worker_env
 from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_ports, reap, recorded
 from tests.harness.cloud_boot import gateway_join
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
 from tests.harness.dev_clouds import DevClouds
 from tests.harness.kube import Kube, wait_for
-from tests.harness.onprem import AgentProcess, GatewayThread
+from tests.harness.onprem import AgentProcess
 from tests.harness.temporal import dev_server_path
-from worker.runtime import kube_api
+from worker.pool_join import token_file as pool_token_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_LOCATIONS = [
@@ -123,10 +123,11 @@ ONPREM_SERVERS = ("gpu-1", "gpu-2")
 ONPREM_USD_PER_GPU_HOUR = 0.45
 
 
-def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key: str, stack: BurstStack
-                      ) -> tuple[GatewayThread, list[AgentProcess]]:
+def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key: str, tokens_dir: Path
+                      ) -> list[AgentProcess]:
     """The pool onprem/dc1 in the hub (rate card NVIDIA-L4 at $0.45/GPU-h) with two local "servers": agents as
-    processes that join through the gateway's HTTP app like real burst nodes (kwok runs their nodes)."""
+    processes that join through the gateway like real burst nodes (kwok runs their nodes). The pool's join token
+    goes where the chart mounts each location's existingSecret for the gateway (``tokens_dir``)."""
     import httpx
 
     created = httpx.post(f"{hub_url}/v1/pools", headers={"Authorization": f"Bearer {admin_key}"}, timeout=10, json={
@@ -138,15 +139,14 @@ def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key
     token_file.parent.mkdir(parents=True, exist_ok=True)
     token_file.write_text(token)
     token_file.chmod(0o600)
-    gateway = GatewayThread(stack.gateway_kubeconfig, stack.ticket_key_file.read_bytes().strip(),
-                            workdir / "onprem" / "gateway-tokens")
-    gateway.mount_join_token(f"onprem/{ONPREM_POOL}", token)  # what the chart does with existingSecret
-    gateway.start()
+    mounted = pool_token_file(tokens_dir, f"onprem/{ONPREM_POOL}")
+    mounted.parent.mkdir(parents=True, exist_ok=True)
+    mounted.write_text(token)
     agents = [AgentProcess(hub_url=hub_url, join_token_file=token_file, pool=ONPREM_POOL, server=name,
                            state_dir=workdir / "onprem" / name, heartbeat_seconds=2,
                            popen=children.popen).start()
               for name in ONPREM_SERVERS]
-    return gateway, agents
+    return agents
 
 
 
@@ -220,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     plane = ControlPlane(workdir / "controlplane", popen=children.popen)
     hub: subprocess.Popen[bytes] | None = None
     devclouds: DevClouds | None = None
-    gateway: GatewayThread | None = None
     agents: list[AgentProcess] = []
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
@@ -243,10 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         devclouds = DevClouds(workdir / "clouds", endpoints_file=workdir / "endpoints.json",
                               popen=children.popen).start()
         os.environ.update(devclouds.worker_env())  # the worker inherits them
-        devclouds.boot(gateway_join(KubeGateway(kube_api(stack.gateway_kubeconfig),
-                                                stack.ticket_key_file.read_bytes().strip())))
+        # Their instances join like the sim nodes: at the gateway process their user data names.
+        devclouds.boot(gateway_join(None))
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
+        tokens_dir = workdir / "gateway-pool-tokens"
+        gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", free_port(), popen=children.popen,
+                                                    extra_env={"KUBEON_POOL_TOKENS_DIR": str(tokens_dir)})
+        say(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         hub_settings: dict[str, object] = {}
         hub_lines = ""
         locations = DEV_LOCATIONS
@@ -260,10 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                             "hub_poll_interval": 5}
             admin_key = (workdir / "hub" / "dev.key").read_text().strip()
-            gateway, agents = start_onprem_pool(children, workdir, hub_url, admin_key, stack)
+            agents = start_onprem_pool(children, workdir, hub_url, admin_key, tokens_dir)
             locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}",
                                           "credentials": {"existingSecret": "kubeon-burst-dc1"}}]
-            hub_settings["gateway_url"] = gateway.url  # where the pool's servers join (the sim nodes: in-process)
             say(f"pool onprem/{ONPREM_POOL} with servers {', '.join(ONPREM_SERVERS)} (agents: {workdir / 'onprem'})")
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
                                   locations=locations + devclouds.locations, cluster_name="dev",
                                   serve_check_seconds=5, approval_timeout_seconds=86400, **hub_settings,
-                                  **devclouds.settings())
+                                  **gateway_settings, **devclouds.settings())
         worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
@@ -309,6 +311,9 @@ ready""", flush=True)
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")
                 return 1
+            if gateway.poll() is not None:
+                say(f"gateway exited {gateway.returncode}; see {workdir / 'gateway.log'}")
+                return 1
             if hub is not None and hub.poll() is not None:
                 say(f"hub exited {hub.returncode}; see {workdir / 'hub.log'}")
                 return 1
@@ -321,8 +326,6 @@ ready""", flush=True)
         stopping.set()
         for agent in agents:
             agent.stop()
-        if gateway is not None:
-            gateway.stop()
         if devclouds is not None:
             devclouds.stop()
         killed = children.stop_all()

@@ -27,16 +27,27 @@ OPTIMIZER_RULES = [
      "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
 ]
 
-# The burst gateway: node admission and Node removal, nothing the optimizer needs.
+KUBELET_CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
+# The burst gateway: the join (kubelet client CSRs for one signer), labelling joined nodes, Node removal; nothing
+# the optimizer needs. It creates no Node: nodes register themselves.
 GATEWAY_RULES = [
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    # Read nodes (its reconciler lists them), apply ticket labels/taints and cordon, remove drained burst nodes.
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch", "delete"]},
+    # Create the kubelet client CSR of a node it validated, read it back, approve it for that one signer.
+    {"apiGroups": ["certificates.k8s.io"], "resources": ["certificatesigningrequests"], "verbs": ["create", "get"]},
+    {"apiGroups": ["certificates.k8s.io"], "resources": ["certificatesigningrequests/approval"],
+     "verbs": ["update"]},
+    {"apiGroups": ["certificates.k8s.io"], "resources": ["signers"], "resourceNames": [KUBELET_CLIENT_SIGNER],
+     "verbs": ["approve"]},
     # It authenticates the optimizer's calls by TokenReview.
     {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
 ]
 # And a namespaced Role (kubeon-gpu only): get its own Service, nothing else, to find the LoadBalancer address
-# burst nodes join at when burst.gateway.publicUrl is empty.
+# burst nodes join at when burst.gateway.publicUrl is empty; its records (redeemed tickets, address slots) as
+# ConfigMaps.
 GATEWAY_SERVICE_RULES = [
     {"apiGroups": [""], "resources": ["services"], "resourceNames": [GATEWAY_SA], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "get", "list", "patch", "delete"]},
 ]
 
 
@@ -48,13 +59,29 @@ def _ensure(create: Callable[..., object], *args: object) -> None:
             raise
 
 
+def _rules(rules: list[dict[str, list[str]]]) -> list[client.V1PolicyRule]:
+    return [client.V1PolicyRule(api_groups=r["apiGroups"], resources=r["resources"], verbs=r["verbs"],
+                                resource_names=r.get("resourceNames")) for r in rules]
+
+
+def grant_namespaced(cluster: Cluster, name: str, rules: list[dict[str, list[str]]],
+                     namespace: str = OPTIMIZER_NAMESPACE) -> None:
+    """A Role of ``rules`` in ``namespace`` bound to the ServiceAccount ``name`` there."""
+    admin = cluster.admin
+    _ensure(admin.rbac.create_namespaced_role, namespace, client.V1Role(
+        metadata=client.V1ObjectMeta(name=name, namespace=namespace), rules=_rules(rules)))
+    _ensure(admin.rbac.create_namespaced_role_binding, namespace, client.V1RoleBinding(
+        metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+        role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name=name),
+        subjects=[client.RbacV1Subject(kind="ServiceAccount", name=name, namespace=namespace)]))
+
+
 def grant(cluster: Cluster, name: str, rules: list[dict[str, list[str]]], namespace: str = OPTIMIZER_NAMESPACE
           ) -> Kube:
     """A ServiceAccount bound to a ClusterRole of ``rules``; returns a client acting as it."""
     admin = cluster.admin
     _ensure(admin.core.create_namespace, client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-    policy_rules = [client.V1PolicyRule(api_groups=r["apiGroups"], resources=r["resources"], verbs=r["verbs"])
-                    for r in rules]
+    policy_rules = _rules(rules)
     _ensure(admin.rbac.create_cluster_role, client.V1ClusterRole(metadata=client.V1ObjectMeta(name=name),
                                                                  rules=policy_rules))
     _ensure(admin.rbac.create_cluster_role_binding, client.V1ClusterRoleBinding(
@@ -64,7 +91,7 @@ def grant(cluster: Cluster, name: str, rules: list[dict[str, list[str]]], namesp
     return cluster.service_account_client(namespace, name)
 
 
-CHART_IDENTITY_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+CHART_IDENTITY_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
 
 def install_chart_identities(cluster: Cluster) -> tuple[Kube, Kube]:
@@ -83,6 +110,20 @@ def install_chart_identities(cluster: Cluster) -> tuple[Kube, Kube]:
         if doc["kind"] == "ServiceAccount":
             obj = api._ApiClient__deserialize(doc, "V1ServiceAccount")  # type: ignore[attr-defined]
             _ensure(admin.core.create_namespaced_service_account, OPTIMIZER_NAMESPACE, obj)
+        elif doc["kind"] in ("Role", "RoleBinding"):
+            if doc["metadata"].get("namespace") != OPTIMIZER_NAMESPACE:
+                continue
+            kind = "V1Role" if doc["kind"] == "Role" else "V1RoleBinding"
+            obj = api._ApiClient__deserialize(doc, kind)  # type: ignore[attr-defined]
+            create = (admin.rbac.create_namespaced_role if doc["kind"] == "Role"
+                      else admin.rbac.create_namespaced_role_binding)
+            try:
+                create(OPTIMIZER_NAMESPACE, obj)
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise
+                if doc["kind"] == "Role":
+                    admin.rbac.replace_namespaced_role(doc["metadata"]["name"], OPTIMIZER_NAMESPACE, obj)
         elif doc["kind"] == "ClusterRole":
             obj = api._ApiClient__deserialize(doc, "V1ClusterRole")  # type: ignore[attr-defined]
             try:

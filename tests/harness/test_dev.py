@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from kubernetes import client
 from temporalio.client import Client
 
 from models.converter import DATA_CONVERTER
@@ -113,6 +114,12 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
             await asyncio.sleep(1)
         assert view.instance is not None and view.instance.location == "onprem/dc1"
         assert view.instance.instance_id in ("gpu-1", "gpu-2")
+        # It redeemed its ticket at the gateway process (with the pool's join token) and registered itself with
+        # its own certificate.
+        assert f"node {view.node_name} joined" in (tmp_path / "dev" / "gateway.log").read_text()
+        csrs = client.CertificatesV1Api(admin.api).list_certificate_signing_request().items
+        assert any(c.status.certificate and str(view.node_name) in (c.status.conditions[0].message or "")
+                   for c in csrs)
     finally:
         children = recorded_children(tmp_path / "dev")
         # Ctrl-C twice (an impatient user): the second kills what has not exited yet.

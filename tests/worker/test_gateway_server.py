@@ -36,8 +36,6 @@ from activities.gateway_http import (
     GatewayUnavailable,
     HttpGatewayClient,
     TransportFactory,
-    join_over_http,
-    join_with_user_data,
 )
 from activities.kube import KubeOps
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
@@ -51,11 +49,13 @@ from models.operation import (
     Taint,
     burst_workflow_id,
 )
+from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
 from tests.charts.helm import BURST_VALUES
 from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helm import template as helm_template
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
 from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
+from tests.harness.joining import join_over_http, join_with_user_data, redeem_for
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import (
     GATEWAY_RULES,
@@ -65,6 +65,7 @@ from tests.harness.rbac import (
     OPTIMIZER_RULES,
     OPTIMIZER_SA,
     grant,
+    grant_namespaced,
 )
 from worker import ops
 from worker.config import ConfigError, load_settings
@@ -183,6 +184,7 @@ def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Setup:
     workdir = tmp_path_factory.mktemp("gateway")
     grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
     grant(cluster, GATEWAY_SA, gateway_rules())
+    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
     # The ClusterRole may already exist from another module with the rules it had then: make it these.
     cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": gateway_rules()})
     wait_for(lambda: can(cluster, GATEWAY_USER, "create", "tokenreviews", "authentication.k8s.io"),
@@ -245,9 +247,11 @@ def node_absent(cluster: Cluster, name: str) -> bool:
     return not cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
 
 
-def join_raw(gateway: GatewayProcess, ticket: str, **extra: Any) -> httpx.Response:
-    body = {"ticket": ticket, "capacity": CAPACITY, "annotations": KWOK_ANNOTATIONS, "providerId": "", **extra}
-    return httpx.post(f"{gateway.url}/v1/join", json=body, timeout=10)
+def join_raw(gateway: GatewayProcess, ticket: str, node: str = "burst-x", **extra: Any) -> httpx.Response:
+    """POST /v1/join with a well-formed request of fresh keys (``extra`` overrides its fields)."""
+    files = NodeFiles(Path(f"/tmp/kubeon-test-nodes/raw-{uuid.uuid4().hex}"))
+    body = {**redeem_for(files, ticket, node).model_dump(mode="json", by_alias=True), **extra}
+    return httpx.post(f"{gateway.url}/v1/join", json=body, timeout=30)
 
 
 # ----- who the gateway is ------------------------------------------------------------------------------------
@@ -257,9 +261,10 @@ def test_gateway_acts_with_its_own_service_account_not_admin(gateway: GatewayPro
     assert gateway.readyz()["identity"] == GATEWAY_USER
     assert f"acting as {GATEWAY_USER}" in gateway.log
     assert httpx.get(f"{gateway.health_url}/healthz", timeout=5).json() == {"status": "ok"}
-    # What that identity may do: nodes and token reviews, nothing else.
-    assert can(setup.cluster, GATEWAY_USER, "create", "nodes")
+    # What that identity may do: kubelet CSRs, patch and delete nodes, token reviews; it creates no Node.
+    assert not can(setup.cluster, GATEWAY_USER, "create", "nodes")
     assert can(setup.cluster, GATEWAY_USER, "delete", "nodes")
+    assert can(setup.cluster, GATEWAY_USER, "create", "certificatesigningrequests", "certificates.k8s.io")
     assert can(setup.cluster, GATEWAY_USER, "create", "tokenreviews", "authentication.k8s.io")
     for verb, resource in (("get", "secrets"), ("list", "secrets"), ("create", "pods"), ("delete", "pods"),
                            ("create", "clusterrolebindings")):
@@ -286,7 +291,7 @@ def test_ticket_join_and_remove_over_http(gateway: GatewayProcess, optimizer: Ht
     # No public URL and no Service configured (in-process and dev set-ups): the worker's own URL stands.
     assert (grant.endpoint, grant.server_name) == ("", "")
 
-    # A booting burst node joins with nothing but the ticket.
+    # A booting burst node joins with nothing but the ticket (and its own keys), then registers itself.
     provider_id = f"sim://sim/eu-west/i-{req.node_name}"
     assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, provider_id) == req.node_name
     node = cluster.admin.core.read_node(req.node_name)
@@ -295,14 +300,19 @@ def test_ticket_join_and_remove_over_http(gateway: GatewayProcess, optimizer: Ht
     assert node.metadata.labels[LABEL_POLICY] == "inference-burst"
     assert (BURST_TAINT, "NoSchedule") in [(t.key, t.effect) for t in node.spec.taints]
     assert node.spec.provider_id == provider_id
+    assert node.metadata.managed_fields[0].manager != "kubeon-gateway"
     wait_for(lambda: cluster.node_ready(req.node_name), what=f"{req.node_name} Ready (kwok)")
-    # The node retries its join (lost answer): same Node.
+    # The gateway's reconciler checks it against its ticket and lifts the joining taint.
+    wait_for(lambda: {t.key for t in cluster.admin.core.read_node(req.node_name).spec.taints} == {BURST_TAINT},
+             what="the joining taint lifted")
+    # The node retries its join (lost answer, same keys): same Node.
     assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, provider_id) == req.node_name
     assert cluster.admin.core.read_node(req.node_name).metadata.uid == node.metadata.uid
     # Another ticket for the same node name is refused: one node per name, one ticket per node.
     second = optimizer.issue_ticket(req).ticket
-    with pytest.raises(TicketError, match="already registered with another ticket"):
+    with pytest.raises(JoinRefusedByGateway, match="already joined with another ticket") as refused:
         join_over_http(gateway.url, second, CAPACITY, KWOK_ANNOTATIONS, provider_id)
+    assert refused.value.status == 409
 
     # Removal: only by the operation that owns it.
     with pytest.raises(TicketError, match=f"belongs to operation '{req.operation}', not op-someone-else"):
@@ -316,6 +326,10 @@ def test_ticket_join_and_remove_over_http(gateway: GatewayProcess, optimizer: Ht
     assert optimizer.remove_node(req.node_name, operation=req.operation) is True
     wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
     assert optimizer.remove_node(req.node_name, operation=req.operation) is False
+    # The ticket, still within its lifetime and readable in the instance's user data, is never good again.
+    replay = join_raw(gateway, ticket, req.node_name)
+    assert replay.status_code == 403 and replay.json()["error"] == "ticket_replayed", replay.text
+    assert node_absent(cluster, req.node_name)
 
 
 def test_forged_expired_and_garbage_tickets_are_403(gateway: GatewayProcess, optimizer: HttpGatewayClient,
@@ -332,13 +346,14 @@ def test_forged_expired_and_garbage_tickets_are_403(gateway: GatewayProcess, opt
         "expired": KubeGateway(api, setup.ticket_key, clock=lambda: 0.0).sign_ticket(req),
     }
     for what, ticket in forged.items():
-        response = join_raw(gateway, ticket)
+        response = join_raw(gateway, ticket, req.node_name)
         assert response.status_code == 403, (what, response.text)
         doc = response.json()
-        assert doc["error"] == "ticket_refused", what
+        assert doc["error"] == ("ticket_expired" if what == "expired" else "ticket_invalid"), what
         assert ("expired" if what == "expired" else "signature is invalid") in doc["message"], (what, doc)
-        with pytest.raises(TicketError):
-            join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "")
+        with pytest.raises(JoinRefusedByGateway) as refused:
+            join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "", node_name=req.node_name)
+        assert refused.value.status == 403
     assert node_absent(setup.cluster, req.node_name)
     assert "Traceback" not in gateway.log
 
@@ -377,35 +392,46 @@ def test_metrics_count_joins_by_outcome_and_carry_no_ticket(gateway: GatewayProc
     assert not missing, sorted(missing)
 
 
-def test_join_annotations_and_body_are_checked(gateway: GatewayProcess, optimizer: HttpGatewayClient,
-                                               setup: Setup, nodes: list[str]) -> None:
+def test_join_bodies_are_checked_and_refusals_name_the_cause(gateway: GatewayProcess, optimizer: HttpGatewayClient,
+                                                              setup: Setup, nodes: list[str]) -> None:
     req = ticket_request(nodes)
     ticket = optimizer.issue_ticket(req).ticket
-    bad = join_raw(gateway, ticket, annotations={**KWOK_ANNOTATIONS, "example.com/evil": "1"})
-    assert bad.status_code == 400, bad.text
-    assert bad.json()["error"] == "annotation_not_allowed"
-    assert "example.com/evil" in bad.json()["message"]
-    with pytest.raises(GatewayRefused, match="annotations not allowed") as refused:
-        join_over_http(gateway.url, ticket, CAPACITY, {"node.kubernetes.io/exclude-from-external-load-balancers":
-                                                       ""}, "")
-    assert refused.value.status == 400
+    # A CSR for another node, a malformed WireGuard key, wrong usages: 400 naming the cause, nothing admitted.
+    other = join_raw(gateway, ticket, "control-plane-1")
+    assert other.status_code == 400 and other.json()["error"] == "csr_invalid"
+    assert f"CN=system:node:{req.node_name}" in other.json()["message"]
+    key = join_raw(gateway, ticket, req.node_name, wireguardPublicKey="not-a-key")
+    assert key.status_code == 400 and key.json()["error"] == "wireguard_key_invalid"
+    assert "wireguardPublicKey" in key.json()["message"]
+    usages = join_raw(gateway, ticket, req.node_name, usages=["digital signature", "server auth"])
+    assert usages.status_code == 400 and "usages" in usages.json()["message"]
+    extra = join_raw(gateway, ticket, req.node_name, capacity={"cpu": "8"})
+    assert extra.status_code == 400 and "capacity" in extra.json()["message"]
     assert node_absent(setup.cluster, req.node_name)
 
-    # Missing fields, not JSON, too big: clear 4xx answers, never a 500.
-    missing = httpx.post(f"{gateway.url}/v1/join", json={"capacity": CAPACITY}, timeout=10)
-    assert missing.status_code == 400 and "ticket" in missing.json()["message"]
+    # Missing fields, not JSON, too big (by Content-Length and chunked): clear 4xx answers, never a 500.
+    missing = httpx.post(f"{gateway.url}/v1/join", json={"ticket": ticket}, timeout=10)
+    assert missing.status_code == 400 and "wireguardPublicKey" in missing.json()["message"]
     not_json = httpx.post(f"{gateway.url}/v1/join", content=b"{nope", timeout=10,
                           headers={"Content-Type": "application/json"})
     assert not_json.status_code == 400
-    huge = httpx.post(f"{gateway.url}/v1/join", json={"ticket": "x" * 100_000, "capacity": {}}, timeout=10)
+    huge = httpx.post(f"{gateway.url}/v1/join", json={"ticket": "x" * 100_000}, timeout=10)
     assert huge.status_code == 413 and huge.json()["error"] == "body_too_large"
+    assert "the limit is 65536 bytes" in huge.json()["message"]
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"ticket": "'
+        for _ in range(20):
+            yield b"x" * 8192
+        yield b'"}'
+
+    chunked = httpx.post(f"{gateway.url}/v1/join", content=chunks(), timeout=10,
+                         headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413 and "the limit is 65536 bytes" in chunked.json()["message"]
     assert httpx.get(f"{gateway.url}/v1/nope", timeout=10).status_code == 404
-    # A bad capacity from the node: the API server's reason, as a 400.
-    cap = join_raw(gateway, ticket, capacity={"cpu": "lots"})
-    assert cap.status_code == 400, cap.text
-    assert node_absent(setup.cluster, req.node_name)
     # Then the node joins properly with the same ticket.
     assert join_over_http(gateway.url, ticket, CAPACITY, KWOK_ANNOTATIONS, "") == req.node_name
+    assert "Traceback" not in gateway.log
 
 
 def test_ticket_requests_must_be_for_tainted_removable_burst_nodes(optimizer: HttpGatewayClient,
@@ -489,7 +515,7 @@ def test_client_errors_name_the_gateway(setup: Setup, nodes: list[str]) -> None:
     with HttpGatewayClient(nothing, setup.optimizer_token_file, timeout=5) as http, \
             pytest.raises(GatewayUnavailable, match=f"burst gateway {nothing}: .*cannot connect"):
         http.issue_ticket(req)
-    with pytest.raises(GatewayUnavailable, match=nothing):
+    with pytest.raises(JoinUnavailable, match=nothing):
         join_over_http(nothing, "t", CAPACITY, KWOK_ANNOTATIONS, "")
     with HttpGatewayClient(nothing, setup.workdir / "no-such-token") as http, \
             pytest.raises(Exception, match="cannot read the ServiceAccount token"):
@@ -718,6 +744,10 @@ def load_balanced(setup: Setup, chart_tls: ChartTLS) -> Iterator[LoadBalanced]:
     deserialize = api._ApiClient__deserialize  # type: ignore[attr-defined]
     for obj in (role, binding):
         obj["metadata"].pop("labels", None)
+    # The chart's own Role and binding, not the setup's copy of the same rules.
+    for delete in (admin.rbac.delete_namespaced_role_binding, admin.rbac.delete_namespaced_role):
+        with contextlib.suppress(client.ApiException):
+            delete(CHART_GATEWAY, CHART_NAMESPACE)
     admin.rbac.create_namespaced_role(CHART_NAMESPACE, deserialize(role, "V1Role"))
     admin.rbac.create_namespaced_role_binding(CHART_NAMESPACE, deserialize(binding, "V1RoleBinding"))
     pki = setup.workdir / "chart-tls"  # chart_tls wrote the chart's certificate, key and CA there
@@ -733,9 +763,6 @@ def load_balanced(setup: Setup, chart_tls: ChartTLS) -> Iterator[LoadBalanced]:
                            setup.cluster.service_account_client(OPTIMIZER_NAMESPACE, GATEWAY_SA, create=False))
     finally:
         assert proc.stop() in (0, -signal.SIGTERM), proc.log
-        for delete in (admin.rbac.delete_namespaced_role_binding, admin.rbac.delete_namespaced_role):
-            with contextlib.suppress(client.ApiException):
-                delete(CHART_GATEWAY, CHART_NAMESPACE)
 
 
 @pytest.fixture
@@ -833,18 +860,18 @@ def test_a_node_joins_at_the_load_balancer_address_verifying_the_service_name(
 
     # A wrong server name is refused: the certificate is checked against serverName, not skipped.
     wrong = user_data.replace(f'"serverName": "{SERVICE_HOST}"', '"serverName": "gateway.elsewhere.example"')
-    with pytest.raises(GatewayUnavailable,
+    with pytest.raises(JoinUnavailable,
                        match=re.escape("Hostname mismatch, certificate is not valid for 'gateway.elsewhere.example'")):
         join_with_user_data(wrong, CAPACITY, KWOK_ANNOTATIONS, "")
     # Nor is the address itself a name the certificate carries: without serverName the join is refused too.
     no_name = user_data.replace(f'"serverName": "{SERVICE_HOST}"', '"serverName": ""')
-    with pytest.raises(GatewayUnavailable, match=re.escape("IP address mismatch, certificate is not valid for "
+    with pytest.raises(JoinUnavailable, match=re.escape("IP address mismatch, certificate is not valid for "
                                                            "'127.0.0.1'")):
         join_with_user_data(no_name, CAPACITY, KWOK_ANNOTATIONS, "")
     # Nor another CA.
     other_ca = _issue(_name("another-ca"), None, is_ca=True)
     other_pem = other_ca.write(setup.workdir, "another-ca")[0].read_text()
-    with pytest.raises(GatewayUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+    with pytest.raises(JoinUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
         join_with_user_data(user_data.replace(json.dumps(doc["caBundle"])[1:-1], json.dumps(other_pem)[1:-1]),
                             CAPACITY, KWOK_ANNOTATIONS, "")
     assert node_absent(setup.cluster, req.node_name)
@@ -924,7 +951,7 @@ async def test_burst_end_to_end_through_the_gateway_process(stack: BurstStack, g
         assert any(t.key == BURST_TAINT and t.effect == "NoSchedule" for t in node.spec.taints)
         pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
         assert [p.spec.node_name for p in pods] == [view.node_name]
-        assert f"admitted node {view.node_name} (operation {view.operation}" in gateway.log
+        assert f"node {view.node_name} joined: pod CIDR" in gateway.log
 
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle)

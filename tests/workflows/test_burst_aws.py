@@ -7,6 +7,7 @@ import base64
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -17,6 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.gateway import KubeGateway, parse_user_data_ticket
 from activities.providers.sim import KWOK_ANNOTATIONS
 from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Approval, Phase, burst_workflow_id
+from node.register import join_simulated
 from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result, unique, wait_for, wait_phase
 from tests.harness.kube import Cluster, Kube
 from tests.harness.moto_server import MotoServer
@@ -58,7 +60,8 @@ class BootedInstances:
     """Plays the booted burst instances: reads each instance's user data from moto and joins through the
     gateway with the ticket found there, as the node's bootstrap would; kwok then runs the Node."""
 
-    def __init__(self, moto: MotoServer, gateway: KubeGateway, policy: str) -> None:
+    def __init__(self, moto: MotoServer, gateway: KubeGateway, policy: str, state_dir: Path) -> None:
+        self.state_dir = state_dir
         self.ec2 = _ec2(moto)
         self.gateway = gateway
         self.policy = policy
@@ -86,9 +89,10 @@ class BootedInstances:
                 attr = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
                 user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
                 doc = parse_user_data_ticket(user_data)
-                node = self.gateway.admit(doc["ticket"], capacity={
-                    "cpu": "4", "memory": "16Gi", "pods": "110", "nvidia.com/gpu": "1"},
-                    annotations=KWOK_ANNOTATIONS, provider_id=f"aws:///{REGION}/{iid}")
+                # The node's own join (keys, CSR, ticket) and registration with its own certificate.
+                node = join_simulated(doc, self.state_dir / iid, self.gateway.join,
+                                      provider_id=f"aws:///{REGION}/{iid}", annotations=KWOK_ANNOTATIONS,
+                                      capacity={"cpu": "4", "memory": "16Gi", "pods": "110", "nvidia.com/gpu": "1"})
                 self.joined[iid] = str(node.metadata.name)
 
 
@@ -129,7 +133,7 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
     ec2 = _ec2(moto_server)
     assert not ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_BURST}", "Values": [policy]}])["Reservations"]
 
-    with BootedInstances(moto_server, gateway, policy) as booted:
+    with BootedInstances(moto_server, gateway, policy, stack.workdir / f"aws-nodes-{policy}") as booted:
         await ops.approve(temporal, view.operation, Approval(approver="bob"))
         view = await wait_phase(handle, Phase.SERVING, timeout=120)
         assert view.instance is not None

@@ -17,9 +17,9 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import JoinTicketRequest, KubeGateway
-from activities.gateway_http import TicketError, join_over_http
 from models.operation import LABEL_LOCATION, Approval, Phase, Taint, burst_workflow_id
 from models.policy import API_GROUP, PLURAL
+from node.join import JoinRefusedByGateway
 from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
@@ -29,6 +29,7 @@ from tests.harness.burst import (
     unique,
     wait_phase,
 )
+from tests.harness.joining import join_over_http
 from tests.harness.kube import Cluster, until
 from tests.harness.onprem import AgentProcess, GatewayThread
 from tests.hub.conftest import BOOTSTRAP_KEY
@@ -313,9 +314,9 @@ def test_the_gateway_refuses_a_server_without_the_pools_join_token(stack: BurstS
             if presented is not None:
                 def transport(verify: Any, token: str = presented) -> httpx.BaseTransport:
                     return _Header(httpx.HTTPTransport(verify=verify), token)
-            with pytest.raises(TicketError, match=why):
+            with pytest.raises(JoinRefusedByGateway, match=why):
                 join_over_http(gateway.url, ticket(LOCATION), capacity, {}, "", transport=transport)
-        with pytest.raises(TicketError, match="no join token"):
+        with pytest.raises(JoinRefusedByGateway, match="no join token"):
             join_over_http(gateway.url, ticket("onprem/dc9"), capacity, {}, "",
                            transport=lambda v: _Header(httpx.HTTPTransport(verify=v), "x"))
     finally:

@@ -1,0 +1,117 @@
+"""Ticket redeemed -> Node Ready through the WireGuard tunnel, for N burst nodes joining at once.
+
+The test bed of tests/worker/test_gateway_tunnel.py: the local control plane, `kubeon-gpu gateway` with its
+tunnel in a network namespace, and N burst nodes, each in its own namespace running `kubeon-gpu node join` and
+the kubelet stand-in. For each node: from starting `node join` (keys, the ticket redeemed, the CSR signed, the
+tunnel up, the kubelet started) to the Node Ready with the gateway's joining taint lifted (the point a pod can
+land). Every address is inside the namespaces it creates; everything is stopped at the end.
+
+    .venv/bin/python -m bench.tunnel_join --nodes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from kubernetes import client
+
+from activities.gateway import JOINING_TAINT, JoinTicketRequest, render_user_data
+from activities.gateway_http import HttpGatewayClient
+from models.operation import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from tests.harness.controlplane import ControlPlane
+from tests.harness.kube import Cluster, Kube
+from tests.harness.netbed import BedNode, NetBed, boot_node, start_tunnel_gateway
+from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.tunnel_join", description=__doc__)
+    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=180.0, help="per node, seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the directory (gateway.log, each node's files)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.nodes <= 60:
+        parser.error("--nodes must be between 1 and 60 (one /30 of 192.0.2.0/24 per node)")
+    workdir = Path(tempfile.mkdtemp(prefix="kubeon-tunnel-bench-"))
+    plane = ControlPlane(workdir / "controlplane")
+    bed = NetBed()
+    gateway = None
+    try:
+        plane.start()
+        cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
+        bed.create(api_port=int(urlsplit(plane.server).port or 443))
+        bed.route_cluster(service_cidr="10.96.0.0/16", pod_cidr="10.245.0.0/16", tunnel_cidr="10.250.0.0/16")
+        gateway = start_tunnel_gateway(cluster, bed, workdir, service_cidr="10.96.0.0/16",
+                                       pod_cidr="10.245.0.0/16", tunnel_cidr="10.250.0.0/16")
+        token = workdir / "optimizer.token"
+        token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+            OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+        user_data = []
+        with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
+            for _ in range(args.nodes):
+                op, name = f"op-{uuid.uuid4().hex[:10]}", f"burst-{uuid.uuid4().hex[:8]}"
+                labels = {LABEL_OPERATION: op, LABEL_POLICY: "bench", LABEL_LOCATION: "tunnel.bench"}
+                taints = [Taint(key="gpu.kubeon.io/burst")]
+                grant = http.issue_ticket(JoinTicketRequest(operation=op, policy="bench", location="sim/bench",
+                                                            node_name=name, labels=labels, taints=taints, gpus=1))
+                user_data.append((name, render_user_data(gateway_url=grant.endpoint, ticket=grant.ticket,
+                                                         node_name=name, labels=labels, taints=taints,
+                                                         ca_bundle=gateway.ca_file.read_text())))
+        # The namespaces first (a VM exists before it boots): their set-up is not part of the join.
+        booting = [(name, data, bed.add_node()) for name, data in user_data]
+        capacity = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
+        core = cluster.admin.core
+
+        def one(item: tuple[str, str, BedNode]) -> float:
+            name, data, vm = item
+            t0 = time.monotonic()
+            boot_node(bed, data, capacity, workdir, f"sim://bench/{name}", node=vm)
+            deadline = t0 + args.timeout
+            while time.monotonic() < deadline:
+                try:
+                    node = core.read_node(name)
+                except client.ApiException:
+                    node = None
+                if node is not None and any(c.type == "Ready" and c.status == "True"
+                                            for c in node.status.conditions or []) and \
+                        JOINING_TAINT.key not in {t.key for t in node.spec.taints or []}:
+                    return time.monotonic() - t0
+                time.sleep(0.1)
+            raise TimeoutError(f"{name} not Ready within {args.timeout}s")
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=args.nodes) as pool:
+            results = list(pool.map(one, booting))
+        wall = time.monotonic() - started
+        print(f"\nticket redeemed -> Node Ready through the tunnel, {args.nodes} nodes joining at once")
+        print(f"  p50 {statistics.median(results):.2f} s   p95 {percentile(results, 0.95):.2f} s   "
+              f"max {max(results):.2f} s   all Ready after {wall:.2f} s")
+        return 0
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        bed.close()
+        plane.stop()
+        if args.keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

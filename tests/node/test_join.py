@@ -1,0 +1,92 @@
+"""`kubeon-gpu node join`'s steps without a tunnel (the sim path), against the real in-process gateway: its keys
+stay on the node and are reused by a rerun, its CSR has the gateway's expected shape, its kubeconfig holds only
+its own credentials."""
+
+from __future__ import annotations
+
+import secrets
+import stat
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from activities.gateway import JoinTicketRequest, KubeGateway
+from activities.gateway_join import check_csr
+from models.join import JoinAnswer, JoinRedeem
+from models.operation import LABEL_OPERATION, Taint
+from node.join import (
+    JoinError,
+    NodeFiles,
+    join,
+    kubelet_csr,
+    kubelet_key,
+    wireguard_private_key,
+    write_registration,
+)
+from node.register import node_api
+from tests.harness.kube import Cluster
+from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
+from tunnel import keys
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster) -> KubeGateway:
+    api = grant(cluster, GATEWAY_SA, GATEWAY_RULES).api
+    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
+    return KubeGateway(api, secrets.token_bytes(32))
+
+
+def document(gateway: KubeGateway) -> dict[str, object]:
+    op, name = f"op-{uuid.uuid4().hex[:8]}", f"burst-{uuid.uuid4().hex[:8]}"
+    ticket = gateway.sign_ticket(JoinTicketRequest(operation=op, policy="p", location="sim/x", node_name=name,
+                                                   labels={LABEL_OPERATION: op}, taints=[Taint(key="k")]))
+    return {"ticket": ticket, "nodeName": name}
+
+
+def test_keys_are_private_to_the_node_and_reused(tmp_path: Path) -> None:
+    files = NodeFiles(tmp_path / "n")
+    wg, key = wireguard_private_key(files), kubelet_key(files)
+    for path in (files.wireguard_key, files.kubelet_key):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert wireguard_private_key(files) == wg
+    assert kubelet_key(files).private_numbers() == key.private_numbers()
+    # The CSR is what the gateway accepts for this node, and nothing else.
+    check_csr(kubelet_csr(key, "burst-1"), "burst-1", ["digital signature", "client auth"])
+
+
+def test_a_rerun_reuses_keys_and_answer_without_redeeming_again(cluster: Cluster, gateway: KubeGateway,
+                                                                tmp_path: Path) -> None:
+    doc = document(gateway)
+    files = NodeFiles(tmp_path / "n")
+    sent: list[JoinRedeem] = []
+
+    def redeem(request: JoinRedeem) -> JoinAnswer:
+        sent.append(request)
+        return gateway.join(request)
+
+    first = join(doc, files, redeem=redeem, tunnel=False)
+    assert sent[0].wireguard_public_key == keys.public_key(files.wireguard_key.read_text().strip())
+    assert "PRIVATE" not in sent[0].model_dump_json() and files.wireguard_key.read_text().strip() not in \
+        sent[0].model_dump_json()
+    again = join(doc, files, redeem=redeem, tunnel=False)  # after a reboot
+    assert len(sent) == 1 and again == first
+    kubeconfig = yaml.safe_load(files.kubeconfig.read_text())
+    assert kubeconfig["users"][0]["user"] == {"client-certificate": str(files.kubelet_cert),
+                                              "client-key": str(files.kubelet_key)}
+    assert stat.S_IMODE(files.kubeconfig.stat().st_mode) == 0o600
+    # What the kubelet registers with: the ticket's labels and taints plus the joining taint.
+    write_registration(files, first, provider_id="sim://x/i-1")
+    env = (files.state_dir / "kubelet.env").read_text()
+    assert f"--node-labels={LABEL_OPERATION}=" in env and "--register-with-taints=k=true:NoSchedule," in env
+    assert "gpu.kubeon.io/joining=true:NoSchedule" in env and "--provider-id=sim://x/i-1" in env
+    # The gateway runs no tunnel here: a node that wants one says so.
+    with pytest.raises(JoinError, match="runs no tunnel"):
+        join(doc, files, redeem=redeem, tunnel=True)
+    with pytest.raises(client.ApiException) as err:  # its credentials are a node's: no listing of all nodes
+        client.CoreV1Api(node_api(files.kubeconfig)).list_node()
+    assert err.value.status == 403
