@@ -91,6 +91,11 @@ def next_wake(schedule: ScheduleWake, after: datetime) -> datetime:
     raise ValueError(f"no wake time in the week after {after.isoformat()}")  # weekdays is never empty
 
 
+def _live(pod: Any) -> bool:
+    return pod.metadata.deletion_timestamp is None and not (pod.status and pod.status.phase in ("Succeeded",
+                                                                                               "Failed"))
+
+
 class ScaleOps:
     """Workload reads, scale patches and policy status writes (sync; the activities and the watcher share it)."""
 
@@ -146,8 +151,7 @@ class ScaleOps:
         else:
             wanted = (workload.spec.selector.match_labels or {}) if workload.spec.selector else {}
             found = [p for p in pods if all((p.metadata.labels or {}).get(k) == v for k, v in wanted.items())]
-        return [p for p in found if p.metadata.deletion_timestamp is None
-                and not (p.status and p.status.phase in ("Succeeded", "Failed"))]
+        return [p for p in found if _live(p)]
 
     def observe(self, req: ObserveRequest) -> Observation:
         workload = self.read_workload(req.workload)
