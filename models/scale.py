@@ -181,6 +181,12 @@ class WakeRequest(Model):
     reason: str = ""
 
 
+class WakeResult(Model):
+    operation: str
+    phase: ScalePhase
+    message: str
+
+
 class ScaleView(Model):
     """What `ops show` and the workflow's ``state`` query return for a scale operation."""
 
