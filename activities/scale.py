@@ -91,6 +91,10 @@ def next_wake(schedule: ScheduleWake, after: datetime) -> datetime:
     raise ValueError(f"no wake time in the week after {after.isoformat()}")  # weekdays is never empty
 
 
+def _name(obj: Any) -> str:
+    return str(obj.metadata.name)
+
+
 def _live(pod: Any) -> bool:
     return pod.metadata.deletion_timestamp is None and not (pod.status and pod.status.phase in ("Succeeded",
                                                                                                "Failed"))
@@ -132,13 +136,17 @@ class ScaleOps:
                                        ) from None
             raise
 
-    def list_workloads(self, namespace: str, kinds: list[str], match_labels: dict[str, str]) -> list[Any]:
+    def list_workloads(self, namespace: str, kinds: list[str], match_labels: dict[str, str]
+                       ) -> list[tuple[WorkloadRef, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
-        out: list[Any] = []
+        out: list[tuple[WorkloadRef, Any]] = []
+        found: list[Any]
         if "Deployment" in kinds:
-            out += self.apps.list_namespaced_deployment(namespace, label_selector=selector).items
+            found = self.apps.list_namespaced_deployment(namespace, label_selector=selector).items
+            out += [(WorkloadRef(namespace=namespace, kind="Deployment", name=_name(w)), w) for w in found]
         if "StatefulSet" in kinds:
-            out += self.apps.list_namespaced_stateful_set(namespace, label_selector=selector).items
+            found = self.apps.list_namespaced_stateful_set(namespace, label_selector=selector).items
+            out += [(WorkloadRef(namespace=namespace, kind="StatefulSet", name=_name(w)), w) for w in found]
         return out
 
     def pods_of(self, workload: Any, pods: list[Any] | None = None) -> list[Any]:
