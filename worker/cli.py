@@ -17,6 +17,7 @@ import yaml
 from models.hub import HubSyncStatus
 from models.operation import OperationView
 from models.policy import PolicyError, parse_policy
+from models.scale import ScaleView
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -84,6 +85,11 @@ def _ops(args: argparse.Namespace) -> int:
                 result = await ops.approve(temporal, args.operation, Approval(
                     approver=args.approver, plan_id=args.plan, reason=args.reason))
                 print(f"{result.operation}: {result.message}")
+            elif args.ops_command == "wake":
+                from models.scale import WakeRequest
+
+                woken = await ops.wake(temporal, args.operation, WakeRequest(by=args.by, reason=args.reason))
+                print(f"{woken.operation}: {woken.message}")
             elif args.ops_command == "reject":
                 result = await ops.reject(temporal, args.operation, Rejection(approver=args.approver,
                                                                                reason=args.reason))
@@ -115,7 +121,19 @@ def _render_hub(status: HubSyncStatus) -> str:
     return "\n".join(lines)
 
 
-def _render_view(view: OperationView) -> str:
+def _render_view(view: OperationView | ScaleView) -> str:
+    if isinstance(view, ScaleView):
+        lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
+                 f"workload   {view.workload}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
+        if view.replicas_before is not None:
+            lines.append(f"replicas   {view.replicas_before} before scale-down")
+        if view.message:
+            lines.append(f"message    {view.message}")
+        if view.approver:
+            lines.append(f"approver   {view.approver}")
+        if view.woken_by:
+            lines.append(f"woken by   {view.woken_by}")
+        return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
     lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
              f"group      {view.group}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
     if view.message:
@@ -154,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         func=_gateway)
     sub.add_parser("hub", help="run the self-hosted hub (`kubeon-gpu hub --help`)")
 
-    ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
+    ops_parser = sub.add_parser("ops", help="list, show, approve, reject, wake and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)
     listing = ops_sub.add_parser("list", help="operations, newest first")
     listing.add_argument("--json", action="store_true")
@@ -171,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     rejecting.add_argument("operation")
     rejecting.add_argument("--approver", default=os.environ.get("USER") or "cli")
     rejecting.add_argument("--reason", default="")
+    waking = ops_sub.add_parser("wake", help="wake a workload scaled to zero (back to its replicas, Ready)")
+    waking.add_argument("operation")
+    waking.add_argument("--by", default=os.environ.get("USER") or "cli", help="who wakes it (audit)")
+    waking.add_argument("--reason", default="")
     cancelling = ops_sub.add_parser("cancel", help="cancel: drain and remove what the operation made")
     cancelling.add_argument("operation")
     hub_sync = ops_sub.add_parser("hub", help="the hub sync: state, last policy sync, queued reports")

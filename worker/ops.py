@@ -6,16 +6,17 @@ import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
 from models.operation import Approval, DecisionResult, OperationView, Rejection
+from models.scale import ScaleView, WakeRequest, WakeResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
-           "show"]
+           "show", "wake"]
 
 
 @dataclass
@@ -39,7 +40,7 @@ class OperationRow:
 
 
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
-    query = f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain')"
+    query = f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain', 'Scale')"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []
@@ -65,9 +66,27 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView:
+async def show(temporal: Client, operation: str) -> OperationView | ScaleView:
     handle = await resolve(temporal, operation)
+    if handle.id.startswith("scale/"):
+        view: ScaleView = await handle.query("state", result_type=ScaleView)
+        return view
     result: OperationView = await handle.query("state", result_type=OperationView)
+    return result
+
+
+async def wake(temporal: Client, operation: str, request: WakeRequest) -> WakeResult:
+    """Wake a workload a ScaleToZero operation scaled to zero: back to its replicas, then verified Ready."""
+    handle = await resolve(temporal, operation)
+    if not handle.id.startswith("scale/"):
+        raise DecisionRefused(f"operation {operation} is not a ScaleToZero operation")
+    desc = await handle.describe()
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
+    try:
+        result: WakeResult = await handle.execute_update("wake", request, result_type=WakeResult)
+    except WorkflowUpdateFailedError as exc:
+        raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
     return result
 
 
