@@ -71,14 +71,14 @@ class ScaleStack:
 
     def running_pods(self, namespace: str, name: str, count: int) -> list[str]:
         def running() -> list[str] | None:
-            pods = self.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={name}").items
-            names = sorted(p.metadata.name for p in pods if p.status.phase == "Running"
+            pods: list[Any] = self.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={name}").items
+            names = sorted(str(p.metadata.name) for p in pods if p.status.phase == "Running"
                            and p.metadata.deletion_timestamp is None)
             return names if len(names) == count else None
         return wait_for(running, what=f"{count} running pod(s) of {namespace}/{name}", timeout=90)
 
     def replicas(self, namespace: str, name: str) -> tuple[int, int]:
-        d = self.cluster.admin.apps.read_namespaced_deployment(name, namespace)
+        d: Any = self.cluster.admin.apps.read_namespaced_deployment(name, namespace)
         return int(d.spec.replicas), int(d.status.ready_replicas or 0)
 
     def give_gpus(self, namespace: str, pods: list[str], *, activity: float, minutes: int,
@@ -106,7 +106,7 @@ class ScaleStack:
             "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name}, "spec": body})
 
     def scale_status(self, policy: str) -> dict[str, Any]:
-        doc = self.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
+        doc: Any = self.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
         return dict((doc.get("status") or {}).get(STATUS_KEY) or {})
 
     def decision(self, policy: str, workload: str) -> dict[str, Any] | None:
