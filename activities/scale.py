@@ -21,6 +21,7 @@ from models.policy import (
     API_GROUP,
     PLURAL,
     WEEKDAYS,
+    AnyPolicy,
     PolicyError,
     ScaleToZeroPolicy,
     ScheduleWake,
@@ -238,24 +239,25 @@ class ScaleOps:
             return None
         return policy if isinstance(policy, ScaleToZeroPolicy) else None
 
-    def list_policies(self) -> list[ScaleToZeroPolicy]:
+    def list_all_policies(self) -> list[AnyPolicy]:
         listed: dict[str, Any] = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)  # type: ignore[assignment]
         out = []
         for doc in listed.get("items", []):
             try:
-                policy = parse_policy(doc)
+                out.append(parse_policy(doc))
             except PolicyError:
                 continue  # never enforced; the hub sync reports it
-            if isinstance(policy, ScaleToZeroPolicy):
-                out.append(policy)
         return out
 
-    def patch_status(self, policy: str, scale_status: dict[str, Any]) -> None:
-        """Merge ``scale_status`` into ``status.scaleToZero`` (a JSON merge patch: other keys, other writers'
+    def list_policies(self) -> list[ScaleToZeroPolicy]:
+        return [p for p in self.list_all_policies() if isinstance(p, ScaleToZeroPolicy)]
+
+    def patch_status(self, policy: str, scale_status: dict[str, Any], key: str = STATUS_KEY) -> None:
+        """Merge ``scale_status`` into ``status.<key>`` (a JSON merge patch: other keys, other writers'
         workloads and the hub sync's conditions stay)."""
         try:
             self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
-                                                           {"status": {STATUS_KEY: scale_status}})
+                                                           {"status": {key: scale_status}})
         except client.ApiException as exc:
             if exc.status != 404:
                 raise

@@ -1,7 +1,8 @@
 """The ``GpuPolicy`` resource (``gpu.kubeon.io/v1``, cluster-scoped): R3.1-R3.3.
 
-One resource, one ``spec`` per kind: ``Burst`` (``GpuPolicy``, ``GpuPolicySpec``) and ``ScaleToZero``
-(``ScaleToZeroPolicy``, ``ScaleToZeroSpec``). ``parse_policy`` picks the model by ``spec.kind``.
+One resource, one ``spec`` per kind: ``Burst`` (``GpuPolicy``, ``GpuPolicySpec``), ``ScaleToZero``
+(``ScaleToZeroPolicy``, ``ScaleToZeroSpec``) and ``GpuTypeFit`` (``GpuTypeFitPolicy``, recommendations only).
+``parse_policy`` picks the model by ``spec.kind``.
 
 The CRD's OpenAPI schema in ``charts/kubeon-gpu-optimizer/crds/`` must accept and reject the same documents as
 these models; ``tests/models/test_policy.py`` applies one corpus to both. Field types are strict (a string is
@@ -36,10 +37,10 @@ PLURAL: Final = "gpupolicies"
 Mode = Literal["Recommend", "Approve", "Automatic"]
 MODES: Final[tuple[str, ...]] = ("Recommend", "Approve", "Automatic")
 
-# R3.2 names these kinds; Burst and ScaleToZero have a spec so far. The others are listed so that an error can
-# say "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
-SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero")
-PLANNED_KINDS: Final[tuple[str, ...]] = ("Sharing", "Autoscaling", "Packing", "GpuTypeFit")
+# R3.2 names these kinds; Burst, ScaleToZero and GpuTypeFit have a spec so far. The others are listed so that an
+# error can say "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
+SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit")
+PLANNED_KINDS: Final[tuple[str, ...]] = ("Sharing", "Autoscaling", "Packing")
 
 PROVIDERS: Final[tuple[str, ...]] = ("aws", "gcp", "azure", "onprem", "sim")
 
@@ -300,6 +301,66 @@ class ScaleToZeroSpec(_Spec):
         return any(e.matches(namespace, name) for e in self.exclude)
 
 
+# --- GpuTypeFit (Recommend only) ----------------------------------------------------------------------------
+
+FitWindow = Annotated[Duration, _duration_between(3600, 30 * 24 * 3600)]
+HOURS_PER_MONTH: Final = 730.0
+
+
+class GpuOffering(_Spec):
+    """A GPU type (or a MIG slice of one) a workload could run on: its memory as the system reports it (e.g. GFD's
+    ``nvidia.com/gpu.memory``, not the nominal GB), its price per GPU-hour and its compute relative to the
+    current type (1.0: the same)."""
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=63)]
+    memory_mib: Annotated[StrictInt, Field(ge=1024, le=1_048_576, alias="memoryMiB")]
+    usd_per_hour: Annotated[StrictFloat, Field(gt=0, le=10000)]
+    relative_compute: Annotated[StrictFloat, Field(gt=0, le=100)] = 1.0
+    mig: StrictBool = False
+
+
+class FitRule(_Spec):
+    """A candidate fits when the workload's peak framebuffer plus ``headroom`` fits its memory and its p95
+    activity, scaled by the candidate's relative compute, stays at or below ``maxActivity``."""
+
+    current: GpuOffering
+    candidates: Annotated[list[GpuOffering], Field(min_length=1, max_length=32)]
+    headroom: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.2
+    window: FitWindow = "168h"
+    min_coverage: Annotated[StrictFloat, Field(ge=0.5, le=1)] = 0.9
+    max_activity: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.7
+
+    @property
+    def window_seconds(self) -> int:
+        return duration_seconds(self.window)
+
+
+class GpuTypeFitSpec(_Spec):
+    kind: StrictStr
+    # Recommend only: GPU type fit never acts.
+    mode: Literal["Recommend"] | None = None
+    namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
+    selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
+    exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
+    fit: FitRule
+
+    @field_validator("kind")
+    @classmethod
+    def _fit_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "GpuTypeFit")
+
+    @field_validator("namespaces")
+    @classmethod
+    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
+        return _unique(namespaces, "namespace")
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return "Recommend"
+
+    def excluded(self, namespace: str, name: str) -> bool:
+        return any(e.matches(namespace, name) for e in self.exclude)
+
+
 class ObjectMeta(BaseModel):
     # Metadata read back from the apiserver carries uid, resourceVersion, managedFields...: keep them all.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -335,7 +396,20 @@ class ScaleToZeroPolicy(BaseModel):
         return self.metadata.name
 
 
-AnyPolicy = GpuPolicy | ScaleToZeroPolicy
+class GpuTypeFitPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["gpu.kubeon.io/v1"] = Field(alias="apiVersion")
+    kind: Literal["GpuPolicy"]
+    metadata: ObjectMeta
+    spec: GpuTypeFitSpec
+    status: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy
 
 
 class PolicyError(ValueError):
@@ -371,6 +445,8 @@ def parse_policy(document: Any) -> AnyPolicy:
     model: type[AnyPolicy] = GpuPolicy
     if isinstance(spec, dict) and spec.get("kind") == "ScaleToZero":
         model = ScaleToZeroPolicy
+    elif isinstance(spec, dict) and spec.get("kind") == "GpuTypeFit":
+        model = GpuTypeFitPolicy
     try:
         return model.model_validate(document)
     except ValidationError as exc:

@@ -1,8 +1,9 @@
-"""The ScaleToZero loop: every resync, each ScaleToZero policy's workloads are measured (two Prometheus queries per
-policy, whatever the number of pods) and every idle one gets its ScaleWorkflow (one per workload: a running one
-is left as it is). What was decided, and why not for the others, goes into the policy's ``status.scaleToZero``:
-the mode enforced (R1.3), namespaces refused for lack of the chart's scale Role (R5.2), metrics problems, and
-one line per workload."""
+"""The metrics loop for ScaleToZero and GpuTypeFit policies. Every resync, each ScaleToZero policy's workloads
+are measured (two Prometheus queries per policy, whatever the number of pods) and every idle one gets its
+ScaleWorkflow (one per workload: a running one is left as it is). What was decided, and why not for the others,
+goes into the policy's ``status.scaleToZero``: the mode enforced (R1.3), namespaces refused for lack of the
+chart's scale Role (R5.2), metrics problems, and one line per workload. GpuTypeFit policies get their
+recommendations in ``status.gpuTypeFit`` (no action is taken)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
-from activities.metrics import MetricsError, PodActivity, judge_idle
+from activities.fit import FitRecommendation, recommend
+from activities.kube import gpus_requested
+from activities.metrics import MetricsError, PodActivity, PodMemory, judge_idle
 from activities.scale import ScaleOps, scale_role_missing
-from models.policy import Mode, ScaleToZeroPolicy
+from models.policy import GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
 from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
 
 log = logging.getLogger("kubeon.scale")
 MAX_DECISIONS = 100
+FIT_STATUS_KEY = "gpuTypeFit"
+NO_PROMETHEUS_FIT = "prometheus.url is not set: GPU type fit needs DCGM metrics"
 
 
 @dataclass
@@ -57,12 +62,49 @@ class ScaleWatcher:
     # -- evaluation (blocking: runs in a thread) ------------------------------------------------------------
     def evaluate(self) -> list[Candidate]:
         out: list[Candidate] = []
-        for policy in self.ops.list_policies():
+        for policy in self.ops.list_all_policies():
             try:
-                out += self.evaluate_policy(policy)
+                if isinstance(policy, ScaleToZeroPolicy):
+                    out += self.evaluate_policy(policy)
+                elif isinstance(policy, GpuTypeFitPolicy):
+                    self.evaluate_fit(policy)
             except Exception:  # one policy's failure never stops the others
-                log.exception("ScaleToZero policy %s: evaluation failed", policy.name)
+                log.exception("policy %s: evaluation failed", policy.name)
         return out
+
+    def evaluate_fit(self, policy: GpuTypeFitPolicy) -> list[FitRecommendation]:
+        spec, rule = policy.spec, policy.spec.fit
+        workloads: list[tuple[str, str, list[str], int]] = []
+        for ns in spec.namespaces:
+            ns_pods = self.ops.core.list_namespaced_pod(ns).items
+            for ref, w in self.ops.list_workloads(ns, list(spec.selector.kinds), spec.selector.match_labels):
+                if spec.excluded(ns, ref.name):
+                    continue
+                pods = self.ops.pods_of(w, ns_pods)
+                gpus = sum(gpus_requested(p) for p in pods)
+                if gpus:
+                    workloads.append((ref.key, ns, sorted(str(p.metadata.name) for p in pods), gpus))
+        problem = ""
+        memory: dict[tuple[str, str], PodMemory] = {}
+        if self.ops.metrics is None:
+            problem = NO_PROMETHEUS_FIT
+        elif workloads:
+            try:
+                memory = self.ops.metrics.pod_memory(spec.namespaces, rule.window_seconds)
+            except MetricsError as exc:
+                problem = str(exc)
+        recs = [] if problem else [
+            recommend(key, [memory[(ns, p)] for p in pods if (ns, p) in memory], gpus, rule)
+            for key, ns, pods, gpus in workloads]
+        recs.sort(key=lambda r: (-r.saving_usd_per_month, r.workload))
+        self.ops.patch_status(policy.name, {
+            "enforcedMode": "Recommend",
+            "conditions": [_condition("GpuMetrics", not problem, "Measured" if not problem else "NotMeasured",
+                                      problem or "DCGM series found")],
+            "evaluatedAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "savingUsdPerMonth": round(sum(r.saving_usd_per_month for r in recs), 2),
+            "recommendations": [r.status() for r in recs[:MAX_DECISIONS]]}, key=FIT_STATUS_KEY)
+        return recs
 
     def evaluate_policy(self, policy: ScaleToZeroPolicy) -> list[Candidate]:
         spec = policy.spec
