@@ -332,8 +332,9 @@ class ScaleWorkflow:
             gone = self._gone(policy)
             obs = await self._observe()
             if gone or not obs.idle or obs.replicas != self.replicas_before:
-                why = gone or (f"no longer idle: {obs.reason}" if not obs.idle else
-                               f"replicas changed from {self.replicas_before} to {obs.replicas} meanwhile")
+                # A rescale by something else (HPA, KEDA, GitOps) says more than the idleness it causes.
+                why = gone or (f"replicas changed from {self.replicas_before} to {obs.replicas} meanwhile"
+                               if obs.replicas != self.replicas_before else f"no longer idle: {obs.reason}")
                 self._set_phase(ScalePhase.WITHDRAWN, f"proposal withdrawn: {why}")
                 await self._audit("withdrawn", why)
                 return self._outcome()
