@@ -58,6 +58,31 @@ def _worker(_: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """R1.6: print what the optimizer finds and misses, what a missing one disables and how to fix it."""
+    from activities.metrics import PrometheusClient
+    from worker.config import load_settings
+    from worker.doctor import as_json, render, run_checks
+    from worker.runtime import kube_api
+
+    overrides = {"KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
+    if args.kubeconfig:
+        overrides["KUBEON_KUBECONFIG"] = args.kubeconfig
+    if args.prometheus_url is not None:
+        overrides["KUBEON_PROMETHEUS_URL"] = args.prometheus_url
+    settings = load_settings({**os.environ, **overrides})
+    metrics = PrometheusClient(settings.prometheus_url, timeout=5) if settings.prometheus_url else None
+    try:
+        prereqs = run_checks(kube_api(settings.kubeconfig), metrics,
+                             gpu_operator_namespace=settings.gpu_operator_namespace,
+                             capacity_provider=settings.capacity_provider)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    print(json.dumps(as_json(prereqs), indent=2) if args.json else render(prereqs))
+    return 0
+
+
 def _gateway(_: argparse.Namespace) -> int:
     from worker.gateway_server import main as gateway_main
 
@@ -171,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gateway", help="run the burst gateway (node admission and removal)").set_defaults(
         func=_gateway)
     sub.add_parser("hub", help="run the self-hosted hub (`kubeon-gpu hub --help`)")
+    doctor = sub.add_parser("doctor", help="check the prerequisites: KubeOn agent, GPU Operator, Karpenter, DCGM")
+    doctor.add_argument("--kubeconfig", help="default KUBEON_KUBECONFIG, else in-cluster credentials")
+    doctor.add_argument("--prometheus-url", help="default KUBEON_PROMETHEUS_URL")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=_doctor)
 
     ops_parser = sub.add_parser("ops", help="list, show, approve, reject, wake and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)

@@ -84,6 +84,9 @@ class Settings(BaseModel):
     serve_check_seconds: int = 30
     # The chart's prometheus.url: DCGM metrics for ScaleToZero (without it, those policies only recommend, R1.3).
     prometheus_url: str = ""
+    # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
+    capacity_provider: str = "karpenter"
+    gpu_operator_namespace: str = "gpu-operator"
     scale_resync_seconds: float = 60.0
     scale_observe_seconds: int = 60
     scale_rescale_check_seconds: int = 30

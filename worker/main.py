@@ -91,7 +91,8 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
             if watch:
                 scaler = ScaleWatcher(runtime.scale_ops(), temporal, cluster=settings.cluster,
                                       task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
-                                      settings=settings.scale_settings(), resync_seconds=settings.scale_resync_seconds)
+                                      settings=settings.scale_settings(), resync_seconds=settings.scale_resync_seconds,
+                                      prerequisites=runtime.prerequisites)
                 async with running(watcher), scale_watcher.running(scaler):
                     yield temporal, runtime, watcher
             else:

@@ -27,6 +27,7 @@ from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workf
 from models.locations import BurstConfig
 from models.operation import Instance
 from worker.config import ConfigError, Settings
+from worker.doctor import Prerequisite, run_checks
 from workflows.hub_sync import HubSyncWorkflow
 
 
@@ -97,6 +98,10 @@ class Runtime:
 
     def scale_activities(self) -> ScaleActivities:
         return ScaleActivities(self.scale_ops())
+
+    def prerequisites(self) -> list[Prerequisite]:
+        return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,
+                          capacity_provider=self.settings.capacity_provider)
 
     def hub_activities(self, temporal: Client) -> HubActivities | None:
         if self.hub is None:

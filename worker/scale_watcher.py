@@ -24,6 +24,7 @@ from activities.metrics import MetricsError, PodActivity, PodMemory, judge_idle
 from activities.scale import ScaleOps, scale_role_missing
 from models.policy import GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
 from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
+from worker.doctor import Prerequisite, PrerequisiteLog
 
 log = logging.getLogger("kubeon.scale")
 MAX_DECISIONS = 100
@@ -44,7 +45,9 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str
 
 class ScaleWatcher:
     def __init__(self, ops: ScaleOps, temporal: Client, *, cluster: str, task_queue: str,
-                 default_mode: Callable[[], Mode], settings: ScaleSettings, resync_seconds: float = 60.0) -> None:
+                 default_mode: Callable[[], Mode], settings: ScaleSettings, resync_seconds: float = 60.0,
+                 prerequisites: Callable[[], list[Prerequisite]] | None = None,
+                 prerequisites_every: float = 600.0) -> None:
         self.ops = ops
         self.temporal = temporal
         self.cluster = cluster
@@ -54,6 +57,10 @@ class ScaleWatcher:
         self.resync_seconds = resync_seconds
         self.started: list[str] = []  # workflow IDs started, for tests and logs
         self._stop = asyncio.Event()
+        self.prerequisites = prerequisites
+        self.prerequisites_every = prerequisites_every
+        self._prereq_log = PrerequisiteLog()
+        self._prereq_checked = -1e18
 
     @property
     def prometheus_configured(self) -> bool:
@@ -183,9 +190,18 @@ class ScaleWatcher:
         self.started += started
         return started
 
+    async def check_prerequisites(self) -> None:
+        """R1.6: at start and then every ``prerequisites_every`` seconds; a line each when one changes."""
+        now = asyncio.get_running_loop().time()
+        if self.prerequisites is None or now - self._prereq_checked < self.prerequisites_every:
+            return
+        self._prereq_checked = now
+        self._prereq_log.report(await asyncio.to_thread(self.prerequisites))
+
     async def run(self) -> None:
         while not self._stop.is_set():
             try:
+                await self.check_prerequisites()
                 await self.resync()
             except Exception:
                 log.exception("ScaleToZero resync failed; retrying in %gs", self.resync_seconds)

@@ -19,6 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.scale import ScaleForbidden, ScaleOps
 from models.operation import Approval
+from models.policy import API_GROUP, PLURAL
 from models.scale import NO_PROMETHEUS, ScalePhase, ScaleRequest, WakeRequest, WorkloadRef, scale_workflow_id
 from tests.harness.burst import worker_process
 from tests.harness.kube import Cluster, until
@@ -279,3 +280,28 @@ async def test_worker_killed_at_zero_wakes_once_to_the_right_count(
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+async def test_gpu_type_fit_recommends_a_cheaper_type_for_a_small_peak_only(
+        stack: ScaleStack, worker: tuple[Client, Settings], allowed_ns: str, policy: str) -> None:
+    for name, gib in (("small", 9), ("large", 70)):
+        stack.deploy(allowed_ns, name, replicas=1)
+        stack.give_gpus(allowed_ns, stack.running_pods(allowed_ns, name, 1), activity=0.02,
+                        fb_used_mib=gib * 1024, minutes=70)
+    stack.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+        "spec": {"kind": "GpuTypeFit", "namespaces": [allowed_ns], "fit": {
+            "window": "1h", "current": {"name": "a100-80gb", "memoryMiB": 81920, "usdPerHour": 4.1},
+            "candidates": [{"name": "l4", "memoryMiB": 23034, "usdPerHour": 0.8, "relativeCompute": 0.3}]}}})
+
+    def recommendations() -> dict[str, Any] | None:
+        doc: Any = stack.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
+        recs = ((doc.get("status") or {}).get("gpuTypeFit") or {}).get("recommendations") or []
+        return {r["workload"].split("/")[-1]: r for r in recs} if len(recs) == 2 else None
+
+    recs = await until(recommendations, what="two GPU type fit recommendations")
+    assert recs["small"]["recommended"] == "l4"
+    assert recs["small"]["savingUsdPerMonth"] == round((4.1 - 0.8) * 730, 2)
+    assert recs["small"]["peakMiB"] == 9 * 1024
+    assert recs["large"]["recommended"] == "" and "no cheaper GPU type fits" in recs["large"]["reason"]
+    assert stack.replicas(allowed_ns, "small")[0] == 1  # recommend only: nothing changes
