@@ -1,6 +1,8 @@
 """Prerequisites (R1.6): the KubeOn agent, the NVIDIA GPU Operator, Karpenter or managed node groups, and DCGM
 exporter series in Prometheus. Each is found or missing, with what a missing one disables and how to fix it.
-Read with the optimizer's own permissions (R5.1); a check that cannot decide says so and never raises.
+Read with the optimizer's own permissions (R5.1): the GPU Operator by its Deployment, else by the
+``nvidia.com/gpu.deploy.*`` labels it puts on GPU nodes (the ClusterRole reads no ClusterPolicy or DaemonSet). A
+check that cannot decide says so and never raises.
 
 The worker logs one line per prerequisite at start and whenever one changes; `kubeon-gpu doctor` prints the table.
 """
@@ -55,23 +57,14 @@ def check_gpu_operator(api: client.ApiClient, namespace: str) -> Prerequisite:
     fix = (f"install the NVIDIA GPU Operator in namespace {namespace} (helm install gpu-operator "
            "nvidia/gpu-operator -n gpu-operator), or set gpuOperator.namespace to where it runs")
     name = "NVIDIA GPU Operator"
-    try:
-        policies: Any = client.CustomObjectsApi(api).list_cluster_custom_object("nvidia.com", "v1", "clusterpolicies")
-        if policies.get("items"):
-            return Prerequisite(name, "found", f"ClusterPolicy {policies['items'][0]['metadata']['name']}",
-                                disables, fix)
-        return Prerequisite(name, "missing", "the ClusterPolicy CRD exists but no ClusterPolicy", disables, fix)
-    except client.ApiException as exc:
-        if exc.status not in (403, 404):
-            raise
-        how = f"ClusterPolicy {_api_reason(exc)}"
+    # The ClusterRole reads neither ClusterPolicies nor DaemonSets (R5.1): its Deployment, else its node labels.
     try:
         deployment: Any = client.AppsV1Api(api).read_namespaced_deployment("gpu-operator", namespace)
-        return Prerequisite(name, "found", f"{how}; Deployment {namespace}/{deployment.metadata.name}", disables, fix)
+        return Prerequisite(name, "found", f"Deployment {namespace}/{deployment.metadata.name}", disables, fix)
     except client.ApiException as exc:
         if exc.status not in (403, 404):
             raise
-        how += f"; Deployment {namespace}/gpu-operator {_api_reason(exc)}"
+        how = f"Deployment {namespace}/gpu-operator {_api_reason(exc)}"
     nodes: list[Any] = client.CoreV1Api(api).list_node().items
     labelled = [n.metadata.name for n in nodes
                 if any(k.startswith(GPU_OPERATOR_LABEL_PREFIX) for k in (n.metadata.labels or {}))]

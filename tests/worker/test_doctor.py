@@ -49,7 +49,7 @@ def test_doctor_names_missing_gpu_operator_and_prometheus(optimizer_kubeconfig: 
     out = capsys.readouterr().out
     lines = {line.split("  ")[0]: line for line in out.splitlines()[1:]}
     assert "missing" in lines["NVIDIA GPU Operator"]
-    assert "ClusterPolicy forbidden" in lines["NVIDIA GPU Operator"]  # the ClusterRole cannot read it: labels
+    assert "Deployment gpu-operator/gpu-operator not found" in lines["NVIDIA GPU Operator"]
     assert "sharing (time-slicing and MIG" in lines["NVIDIA GPU Operator"]
     assert "missing" in lines["DCGM exporter + Prometheus"]
     assert "prometheus.url is not set" in lines["DCGM exporter + Prometheus"]
