@@ -135,3 +135,51 @@ def test_apiserver_rejects_malformed_scale_policy(gpupolicy_crd: Cluster, case: 
     assert err.value.status in (400, 422), err.value.body
     leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
     assert leaf in err.value.body, err.value.body
+
+
+FIT = {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": "fit"},
+       "spec": {"kind": "GpuTypeFit", "namespaces": ["ml"], "fit": {
+           "current": {"name": "a100-80gb", "memoryMiB": 81920, "usdPerHour": 4.1},
+           "candidates": [{"name": "l4", "memoryMiB": 23034, "usdPerHour": 0.8, "relativeCompute": 0.3}]}}}
+
+
+def test_gpu_type_fit_policy_is_recommend_only() -> None:
+    p = parse_policy(FIT)
+    assert isinstance(p, policy.GpuTypeFitPolicy)
+    assert p.spec.fit.window_seconds == 7 * 24 * 3600 and p.spec.fit.headroom == 0.2
+    assert p.spec.effective_mode("Automatic") == "Recommend"
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["mode"] = "Automatic"
+    with pytest.raises(PolicyError) as err:
+        parse_policy(doc)
+    assert "spec.mode" in err.value.fields
+
+
+@pytest.mark.parametrize(("path", "value", "field"), [
+    ("candidates", [], "spec.fit.candidates"),
+    ("headroom", 2, "spec.fit.headroom"),
+    ("window", "10m", "spec.fit.window"),
+])
+def test_gpu_type_fit_malformed_fields_are_named(path: str, value: object, field: str) -> None:
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["fit"][path] = value
+    with pytest.raises(PolicyError) as err:
+        parse_policy(doc)
+    assert field in err.value.fields
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_gpu_type_fit_and_refuses_acting_modes(gpupolicy_crd: Cluster) -> None:
+    created = _create(gpupolicy_crd, FIT)
+    gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
+                                                            created["metadata"]["name"])
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["mode"] = "Approve"
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, doc)
+    assert "GpuTypeFit only recommends" in err.value.body
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["fit"]["candidates"][0]["memoryMiB"] = "24GB"
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, doc)
+    assert "memoryMiB" in err.value.body
