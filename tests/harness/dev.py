@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub-port", type=int, default=8090)
     parser.add_argument("--policies", type=Path, default=ROOT / "examples" / "policies",
                         help="GpuPolicy files the hub is seeded with")
+    parser.add_argument("--prometheus-port", type=int, default=0, help="default: a free port")
     parser.add_argument("--no-hub", action="store_true",
                         help="no hub: create the policies in the cluster directly (kubectl-style)")
     args = parser.parse_args(argv)
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     temporal: subprocess.Popen[bytes] | None = None
     hub: subprocess.Popen[bytes] | None = None
     worker: subprocess.Popen[bytes] | None = None
+    stopping_metrics: list[Callable[[], None]] = []
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
@@ -166,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         stack = build_stack(cluster, workdir / "stack")
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
-        hub_settings = {}
+        # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
+        from tests.harness.dev_metrics import DevMetrics
+
+        metrics = DevMetrics(cluster, workdir / "metrics").start(port=args.prometheus_port)
+        stopping_metrics.append(metrics.stop)
+        say(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture")
+        hub_settings: dict[str, object] = {"prometheus_url": metrics.url}
         hub_lines = ""
         if args.no_hub:
             names = load_policies(admin, args.policies)
@@ -175,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             hub_url = f"http://127.0.0.1:{args.hub_port}"
             say(f"starting the hub on {hub_url}")
             hub = start_hub(workdir, args.hub_port, args.policies)
-            hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
-                            "hub_poll_interval": 5}
+            hub_settings.update({"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
+                                 "hub_poll_interval": 5})
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
@@ -209,6 +218,11 @@ Next:
 
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
+ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"):
+  kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml
+  kubectl --kubeconfig {rel} -n ml-inference annotate deploy llm dev.kubeon.io/gpu-activity=0.01 \\
+      dev.kubeon.io/idle-history=40m
+
 Ctrl-C stops everything.
 ready""", flush=True)
         while not stopping.wait(0.5):  # Ctrl-C, or the worker or hub dying, ends the run
@@ -224,6 +238,8 @@ ready""", flush=True)
         stop(worker)
         stop(hub)
         stop(temporal)
+        for stop_metrics in stopping_metrics:
+            stop_metrics()
         plane.stop()
 
 

@@ -1,0 +1,55 @@
+"""`make dev`'s GPU metrics: pods on the simulated A100 node get DCGM series, and the idle-history annotation
+backfills enough history for the example ScaleToZero policy to find the Deployment idle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from activities.metrics import PodActivity, PrometheusClient, judge_idle
+from tests.harness.dev_metrics import IDLE_HISTORY, NAMESPACE, NODE, DevMetrics
+from tests.harness.kube import Cluster, wait_for
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def dev_metrics(cluster: Cluster, tmp_path: Path) -> Iterator[DevMetrics]:
+    metrics = DevMetrics(cluster, tmp_path).start()
+    try:
+        yield metrics
+    finally:
+        metrics.stop()
+        cluster.admin.core.delete_namespace(NAMESPACE)
+        cluster.admin.core.delete_node(NODE)
+
+
+def test_example_workload_is_measured_and_can_be_made_idle(cluster: Cluster, dev_metrics: DevMetrics) -> None:
+    workload = yaml.safe_load((ROOT / "examples/scale-to-zero-workload.yaml").read_text())
+    cluster.admin.apps.create_namespaced_deployment(NAMESPACE, workload)
+    client = PrometheusClient(dev_metrics.url)
+    try:
+        def pods_measured() -> dict[tuple[str, str], PodActivity] | None:
+            dev_metrics.sync()
+            got = client.pod_activity([NAMESPACE], 60)
+            return got if len(got) == 2 else None
+
+        busy = wait_for(pods_measured, what="both llm pods in Prometheus", timeout=90, interval=1)
+        assert all(a.peak == pytest.approx(0.6) for a in busy.values())
+        cluster.admin.apps.patch_namespaced_deployment("llm", NAMESPACE, {"metadata": {"annotations": {
+            "dev.kubeon.io/gpu-activity": "0.01", IDLE_HISTORY: "40m"}}})
+        dev_metrics.sync()
+        assert dev_metrics.prometheus is not None
+        dev_metrics.prometheus.wait_scraped()
+        activity = client.pod_activity([NAMESPACE], 1800)
+        pods = sorted(activity)
+        # The backfilled history says idle; the busy scrapes of the last seconds still count against it.
+        assert all(activity[k].coverage >= 0.9 for k in pods)
+        verdict = judge_idle(pods, activity, threshold=0.05, idle_for_s=1800, min_coverage=0.9)
+        assert not verdict.idle and "peaked at 60%" in verdict.reason
+    finally:
+        client.close()
