@@ -219,9 +219,8 @@ Next:
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
 ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"):
-  kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml
-  kubectl --kubeconfig {rel} -n ml-inference annotate deploy llm dev.kubeon.io/gpu-activity=0.01 \\
-      dev.kubeon.io/idle-history=40m
+  kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, with 40m of history)
+  kubectl --kubeconfig {rel} get gpupolicy idle-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
 
 Ctrl-C stops everything.
 ready""", flush=True)

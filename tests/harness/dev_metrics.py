@@ -3,8 +3,8 @@ Role, a kwok node with 4 simulated A100s), the DCGM exporter fixture and a real 
 
 A syncer gives each running pod on that node a simulated GPU. Its activity comes from its Deployment's annotation
 ``dev.kubeon.io/gpu-activity`` (0-1, default 0.6: busy); ``dev.kubeon.io/idle-history: 40m`` backfills that much
-idle history for the Deployment's current pods (Prometheus restarts once), so "idle for 30 minutes" is seen at
-once instead of after 30 minutes.
+history at that activity for the Deployment's new pods (Prometheus restarts), so "idle for 30 minutes" is seen
+at once instead of after 30 minutes. examples/scale-to-zero-workload.yaml carries both.
 """
 
 from __future__ import annotations
