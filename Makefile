@@ -27,16 +27,19 @@ lint: venv
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile
 
-# PostgreSQL from Debian's package: the hub's tests run against it as well as SQLite.
+# PostgreSQL from Debian's package: the hub's tests run against it as well as SQLite. Prometheus (with promtool)
+# from Debian's package: the metrics tests scrape the DCGM exporter fixture, backfill and unit-test PromQL.
 system-deps:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
+	@{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 pytest: venv binaries
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Everything on this machine: Temporal dev server + UI, control plane with kwok, sim locations, the worker.
-dev: venv binaries
+dev: venv binaries system-deps
 	$(BIN)/python -m tests.harness.dev $(ARGS)
 
 clean:

@@ -21,6 +21,7 @@ from tests.harness.controlplane import free_port
 from tests.harness.dcgm_exporter import DcgmExporter, Gpu, openmetrics_history
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 
+pytestmark = pytest.mark.prometheus
 IDLE_FOR = 30 * 60
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from activities import metrics
 from activities.metrics import LabelForm
 from tests.harness.prometheus import binary
 
+pytestmark = pytest.mark.prometheus
 FORM = LabelForm()
 WINDOW = 1800
 

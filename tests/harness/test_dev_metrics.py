@@ -13,7 +13,7 @@ from activities.metrics import PodActivity, PrometheusClient, judge_idle
 from tests.harness.dev_metrics import ACTIVITY, NAMESPACE, NODE, DevMetrics
 from tests.harness.kube import Cluster, wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.prometheus]
 ROOT = Path(__file__).resolve().parents[2]
 
 

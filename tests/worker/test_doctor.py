@@ -19,7 +19,7 @@ from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA, install_chart_
 from worker.cli import main
 from worker.doctor import PrerequisiteLog, run_checks
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.prometheus]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from worker import ops
 from worker.config import Settings
 from worker.main import worker_services
 
-pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.prometheus]
 
 
 @pytest.fixture(scope="module")
