@@ -96,6 +96,16 @@ def _ops(args: argparse.Namespace) -> int:
     from worker.config import load_settings
     from worker.runtime import connect_temporal
 
+    if args.ops_command == "fit":
+        from worker.runtime import kube_api
+
+        env = {**os.environ, "KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
+        if args.kubeconfig:
+            env["KUBEON_KUBECONFIG"] = args.kubeconfig
+        rows = ops.fit_recommendations(kube_api(load_settings(env).kubeconfig))
+        print(json.dumps(rows, indent=2) if args.json else ops.render_fit(rows))
+        return 0
+
     async def run() -> int:
         settings = load_settings({**os.environ, "KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"})
         temporal = await connect_temporal(settings)
@@ -219,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     rejecting.add_argument("operation")
     rejecting.add_argument("--approver", default=os.environ.get("USER") or "cli")
     rejecting.add_argument("--reason", default="")
+    fitting = ops_sub.add_parser("fit", help="GPU type fit recommendations (GpuTypeFit policies' status)")
+    fitting.add_argument("--kubeconfig", help="default KUBEON_KUBECONFIG, else in-cluster credentials")
+    fitting.add_argument("--json", action="store_true")
     waking = ops_sub.add_parser("wake", help="wake a workload scaled to zero (back to its replicas, Ready)")
     waking.add_argument("operation")
     waking.add_argument("--by", default=os.environ.get("USER") or "cli", help="who wakes it (audit)")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
+from kubernetes import client
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
@@ -13,6 +15,7 @@ from activities.decisions import DecisionRefused, OperationNotFound, decide, res
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
 from models.operation import Approval, DecisionResult, OperationView, Rejection
+from models.policy import API_GROUP, PLURAL
 from models.scale import ScaleView, WakeRequest, WakeResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
@@ -106,6 +109,26 @@ async def hub_status(temporal: Client, cluster: str) -> HubSyncStatus:
         raise OperationNotFound(f"no hub sync for cluster {cluster} (is KUBEON_HUB_URL set on the worker?): "
                                 f"{exc.message}") from None
     return status
+
+
+def fit_recommendations(api: Any) -> list[dict[str, Any]]:
+    """GPU type fit recommendations from every GpuTypeFit policy's status (Recommend only: nothing acts on them)."""
+    listed: Any = client.CustomObjectsApi(api).list_cluster_custom_object(API_GROUP, "v1", PLURAL)
+    rows = []
+    for doc in listed.get("items", []):
+        if (doc.get("spec") or {}).get("kind") != "GpuTypeFit":
+            continue
+        for rec in ((doc.get("status") or {}).get("gpuTypeFit") or {}).get("recommendations") or []:
+            rows.append({"policy": doc["metadata"]["name"], **rec})
+    return rows
+
+
+def render_fit(rows: list[dict[str, Any]]) -> str:
+    table = [["POLICY", "WORKLOAD", "CURRENT", "RECOMMENDED", "PEAK MIB", "P95", "SAVING $/MONTH", "REASON"]]
+    table += [[r["policy"], r["workload"], r["current"], r["recommended"] or "-", str(r["peakMiB"]),
+               f"{r['p95Activity']:.0%}", f"{r['savingUsdPerMonth']:,.2f}", r["reason"]] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
 
 
 async def cancel(temporal: Client, operation: str) -> str:

@@ -324,7 +324,11 @@ class ScaleWorkflow:
             if self.approval is not None:
                 await self._audit("approved", f"plan {self.plan_id()}")
                 break
-            if policy.mode == "Approve" and waited >= inp.settings.approval_timeout_seconds:
+            if waited >= inp.settings.approval_timeout_seconds:
+                if policy.mode == "Recommend":
+                    # The proposal ends (its history stays short); the next resync proposes again while idle.
+                    self.message = f"{proposal}; still idle after {waited}s (re-proposed while idle)"
+                    return self._outcome()
                 self._set_phase(ScalePhase.EXPIRED, f"no approval within {inp.settings.approval_timeout_seconds}s")
                 await self._audit("expired")
                 return self._outcome()
@@ -410,6 +414,12 @@ class ScaleWorkflow:
                     break
                 if demand.error and not self.message.endswith(demand.error):
                     self.message = f"demand query not answered: {demand.error}"
+            # A policy deleted, or no longer naming the workload, gives it back its replicas.
+            policy = await self._load_policy()
+            gone = self._gone(policy)
+            if gone:
+                why = f"{gone}: restoring its replicas"
+                break
             found = await workflow.execute_activity("read_replicas", inp.workload, result_type=int,
                                                     start_to_close_timeout=QUICK, retry_policy=RETRY)
             if found != 0:

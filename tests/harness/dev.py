@@ -220,7 +220,7 @@ Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kube
 
 ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"):
   kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, with 40m of history)
-  kubectl --kubeconfig {rel} get gpupolicy idle-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
+  kubectl --kubeconfig {rel} get gpupolicy scale-to-zero-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
 
 Ctrl-C stops everything.
 ready""", flush=True)

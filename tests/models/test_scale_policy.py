@@ -115,7 +115,7 @@ def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.cluster
 def test_apiserver_accepts_the_documented_scale_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
-    example = yaml.safe_load((ROOT / "examples/policies/idle-inference-scale-to-zero.yaml").read_text())
+    example = yaml.safe_load((ROOT / "examples/policies/scale-to-zero-inference.yaml").read_text())
     for doc in (VALID, example):
         created = _create(gpupolicy_crd, doc)
         try:

@@ -25,6 +25,7 @@ from tests.harness.burst import worker_process
 from tests.harness.kube import Cluster, until
 from tests.harness.scale import ScaleStack, build_scale_stack, unique, wait_scale_phase
 from worker import ops
+from worker.cli import main
 from worker.config import Settings
 from worker.main import worker_services
 
@@ -283,7 +284,8 @@ async def test_worker_killed_at_zero_wakes_once_to_the_right_count(
 
 
 async def test_gpu_type_fit_recommends_a_cheaper_type_for_a_small_peak_only(
-        stack: ScaleStack, worker: tuple[Client, Settings], allowed_ns: str, policy: str) -> None:
+        stack: ScaleStack, worker: tuple[Client, Settings], allowed_ns: str, policy: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     for name, gib in (("small", 9), ("large", 70)):
         stack.deploy(allowed_ns, name, replicas=1)
         stack.give_gpus(allowed_ns, stack.running_pods(allowed_ns, name, 1), activity=0.02,
@@ -305,3 +307,22 @@ async def test_gpu_type_fit_recommends_a_cheaper_type_for_a_small_peak_only(
     assert recs["small"]["peakMiB"] == 9 * 1024
     assert recs["large"]["recommended"] == "" and "no cheaper GPU type fits" in recs["large"]["reason"]
     assert stack.replicas(allowed_ns, "small")[0] == 1  # recommend only: nothing changes
+    # `kubeon-gpu ops fit` shows them, with the optimizer's own credentials.
+    assert main(["ops", "fit", "--kubeconfig", str(stack.burst.optimizer_kubeconfig)]) == 0
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith(policy)]
+    assert any(f"{allowed_ns}/Deployment/small" in line and " l4 " in line and "2,409.00" in line for line in shown)
+    assert any(f"{allowed_ns}/Deployment/large" in line and " - " in line for line in shown)
+
+
+async def test_deleting_the_policy_gives_a_workload_at_zero_its_replicas_back(
+        stack: ScaleStack, worker: tuple[Client, Settings], allowed_ns: str, policy: str) -> None:
+    temporal, settings = worker
+    _idle_deployment(stack, allowed_ns, "orphan", replicas=2)
+    stack.create_policy(policy, [allowed_ns], mode="Automatic")
+    handle = _handle(temporal, settings, policy, allowed_ns, "orphan")
+    await wait_scale_phase(handle, ScalePhase.SCALED_TO_ZERO)
+    stack.burst.delete_policy(policy)
+    done = await handle.result()
+    assert done["phase"] == ScalePhase.COMPLETED.value, done
+    assert f"policy {policy} is gone: restoring its replicas" in done["message"]
+    assert stack.replicas(allowed_ns, "orphan") == (2, 2)
