@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client import ApiException
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
@@ -69,7 +70,14 @@ class ScaleWatcher:
     # -- evaluation (blocking: runs in a thread) ------------------------------------------------------------
     def evaluate(self) -> list[Candidate]:
         out: list[Candidate] = []
-        for policy in self.ops.list_all_policies():
+        try:
+            policies = self.ops.list_all_policies()
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            log.debug("no GpuPolicy CRD yet: nothing to measure")
+            return out
+        for policy in policies:
             try:
                 if isinstance(policy, ScaleToZeroPolicy):
                     out += self.evaluate_policy(policy)
