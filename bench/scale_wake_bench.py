@@ -21,10 +21,18 @@ from models import search_attributes
 from models.scale import ScalePhase, WakeRequest, WorkloadRef, scale_workflow_id
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
-from tests.harness.scale import build_scale_stack, wait_scale_phase
+from tests.harness.scale import ScaleStack, build_scale_stack, wait_scale_phase
 from tests.harness.temporal import dev_server_path
 from worker import ops
 from worker.main import worker_services
+
+
+async def no_pods(stack: ScaleStack, ns: str, name: str) -> None:
+    deadline = time.monotonic() + 90
+    while stack.cluster.admin.core.list_namespaced_pod(ns, label_selector=f"app={name}").items:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pods of {ns}/{name} still there after 90 s")
+        await asyncio.sleep(0.2)
 
 
 async def run(rounds: int, replicas: int, workdir: Path) -> tuple[list[float], list[float]]:
@@ -51,7 +59,7 @@ async def run(rounds: int, replicas: int, workdir: Path) -> tuple[list[float], l
                 ref = WorkloadRef(namespace=ns, kind="Deployment", name=name)
                 handle = temporal.get_workflow_handle(scale_workflow_id(settings.cluster, policy, ref))
                 view = await wait_scale_phase(handle, ScalePhase.SCALED_TO_ZERO, timeout=120)
-                await asyncio.to_thread(stack.running_pods, ns, name, 0)
+                await no_pods(stack, ns, name)
                 t0 = time.monotonic()
                 await ops.wake(temporal, view.operation, WakeRequest(by="bench"))
                 await handle.result()
@@ -60,7 +68,7 @@ async def run(rounds: int, replicas: int, workdir: Path) -> tuple[list[float], l
                 # The same Deployment, by hand: 0 -> N through /scale, poll until Ready.
                 apps = cluster.admin.apps
                 apps.patch_namespaced_deployment_scale(name, ns, {"spec": {"replicas": 0}})
-                await asyncio.to_thread(stack.running_pods, ns, name, 0)
+                await no_pods(stack, ns, name)
                 t0 = time.monotonic()
                 apps.patch_namespaced_deployment_scale(name, ns, {"spec": {"replicas": replicas}})
                 while stack.replicas(ns, name)[1] < replicas:
