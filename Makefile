@@ -29,7 +29,8 @@ lint: venv
 
 # PostgreSQL from Debian's package: the hub's tests run against it as well as SQLite.
 # WireGuard (userspace wireguard-go, wg), iproute2 and tcpdump: the tunnel test bed's network namespaces.
-# nftables: the gateway's MSS clamping and service-CIDR NAT.
+# nftables: the gateway's MSS clamping and service-CIDR NAT. Prometheus (with promtool): the metrics tests
+# scrape the DCGM exporter fixture, backfill history and unit-test PromQL. Chromium: the Temporal UI tests.
 system-deps:
 	@missing=""; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
@@ -39,6 +40,7 @@ system-deps:
 	command -v tcpdump >/dev/null || missing="$$missing tcpdump"; \
 	command -v nft >/dev/null || missing="$$missing nftables"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	{ command -v prometheus && command -v promtool; } >/dev/null || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
@@ -46,7 +48,7 @@ pytest: venv binaries
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Everything on this machine: Temporal dev server + UI, control plane with kwok, sim locations, the worker.
-dev: venv binaries
+dev: venv binaries system-deps
 	$(BIN)/python -m tests.harness.dev $(ARGS)
 
 clean:

@@ -23,7 +23,7 @@ from models.operation import (
     VerifyResult,
     WorkloadGroup,
 )
-from models.policy import API_GROUP, PLURAL, GpuPolicy, parse_policy
+from models.policy import API_GROUP, PLURAL, GpuPolicy, PolicyError, parse_policy
 
 Heartbeat = Callable[..., None]
 PDB_PATTERN = re.compile(r"disruption budget ([a-z0-9]([-a-z0-9.]*[a-z0-9])?)")
@@ -94,8 +94,12 @@ class KubeOps:
 
     # -- policies ----------------------------------------------------------------------------------------
     def read_policy(self, name: str) -> GpuPolicy:
+        """A Burst policy (a policy of another kind is an error naming its kind)."""
         doc = self.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
-        return parse_policy(doc)
+        policy = parse_policy(doc)
+        if not isinstance(policy, GpuPolicy):
+            raise PolicyError([("spec.kind", f"policy {name} is {policy.spec.kind}, not Burst")])
+        return policy
 
     def policy_status(self, name: str) -> dict[str, Any] | None:
         """The policy's status as stored (None when the policy does not exist)."""
@@ -108,13 +112,16 @@ class KubeOps:
         return dict(doc.get("status") or {})
 
     def list_policies(self) -> list[GpuPolicy]:
+        """The valid Burst policies."""
         out = []
         listed: dict[str, Any] = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)  # type: ignore[assignment]
         for doc in listed.get("items", []):
             try:
-                out.append(parse_policy(doc))
+                policy = parse_policy(doc)
             except ValueError:
                 continue  # an invalid policy is never enforced; the sync reports it in its status
+            if isinstance(policy, GpuPolicy):
+                out.append(policy)
         return out
 
     # -- ownership ---------------------------------------------------------------------------------------

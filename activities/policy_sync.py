@@ -43,7 +43,17 @@ from models.hub import (
     SOURCE_HUB,
     PolicySyncOutcome,
 )
-from models.policy import API_GROUP, API_VERSION, KIND, PLURAL, GpuPolicy, Mode, PolicyError, parse_policy
+from models.policy import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    PLURAL,
+    AnyPolicy,
+    GpuPolicy,
+    Mode,
+    PolicyError,
+    parse_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +159,10 @@ class PolicySyncer:
         self.locations = None if locations is None else frozenset(locations)
         self.clock = clock
 
-    def unknown_locations(self, policy: GpuPolicy) -> str | None:
-        """Why the policy cannot be fully in force here (each location it names that is not configured), or None."""
-        if self.locations is None:
+    def unknown_locations(self, policy: AnyPolicy) -> str | None:
+        """Why the policy cannot be fully in force here (each location it names that is not configured), or None.
+        Only Burst policies name locations."""
+        if self.locations is None or not isinstance(policy, GpuPolicy):
             return None
         unknown = [f"spec.locations[{i}]: location {loc!r} is not configured on this cluster"
                    for i, loc in enumerate(policy.spec.locations) if loc not in self.locations]

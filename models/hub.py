@@ -37,7 +37,7 @@ REASON_UNREACHABLE: Final = "Unreachable"
 
 # Actions reported to the hub (R2.8), plus the other ends an operation can have.
 ReportAction = Literal["proposed", "approved", "launched", "joined", "verified", "drained", "removed", "failed",
-                       "rejected", "expired", "withdrawn", "cancelled", "held", "resumed"]
+                       "rejected", "expired", "withdrawn", "cancelled", "held", "resumed", "scaled", "woken"]
 REPORT_ACTIONS: Final[frozenset[str]] = frozenset(ReportAction.__args__)  # type: ignore[attr-defined]
 HubState = Literal["starting", "connected", "unauthorized", "unreachable", "error"]
 # KubeonPhase of the HubSync workflow: CamelCase like every other operation's phase.

@@ -1,5 +1,9 @@
 """The ``GpuPolicy`` resource (``gpu.kubeon.io/v1``, cluster-scoped): R3.1-R3.3.
 
+One resource, one ``spec`` per kind: ``Burst`` (``GpuPolicy``, ``GpuPolicySpec``), ``ScaleToZero``
+(``ScaleToZeroPolicy``, ``ScaleToZeroSpec``) and ``GpuTypeFit`` (``GpuTypeFitPolicy``, recommendations only).
+``parse_policy`` picks the model by ``spec.kind``.
+
 The CRD's OpenAPI schema in ``charts/kubeon-gpu-optimizer/crds/`` must accept and reject the same documents as
 these models; ``tests/models/test_policy.py`` applies one corpus to both. Field types are strict (a string is
 not a number) because the apiserver is strict too.
@@ -8,6 +12,7 @@ not a number) because the apiserver is strict too.
 from __future__ import annotations
 
 import re
+import zoneinfo
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
@@ -32,10 +37,10 @@ PLURAL: Final = "gpupolicies"
 Mode = Literal["Recommend", "Approve", "Automatic"]
 MODES: Final[tuple[str, ...]] = ("Recommend", "Approve", "Automatic")
 
-# R3.2 names these kinds; only Burst has a spec so far. The others are listed so that an error can say
-# "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
-SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst",)
-PLANNED_KINDS: Final[tuple[str, ...]] = ("ScaleToZero", "Sharing", "Autoscaling", "Packing", "GpuTypeFit")
+# R3.2 names these kinds; Burst, ScaleToZero and GpuTypeFit have a spec so far. The others are listed so that an
+# error can say "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
+SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit")
+PLANNED_KINDS: Final[tuple[str, ...]] = ("Sharing", "Autoscaling", "Packing")
 
 PROVIDERS: Final[tuple[str, ...]] = ("aws", "gcp", "azure", "onprem", "sim")
 
@@ -104,11 +109,7 @@ class GpuPolicySpec(_Spec):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, kind: str) -> str:
-        if kind in SUPPORTED_KINDS:
-            return kind
-        if kind in PLANNED_KINDS:
-            raise ValueError(f"kind {kind!r} is not supported yet by this version (supported: Burst)")
-        raise ValueError(f"unknown kind {kind!r} (supported: {', '.join(SUPPORTED_KINDS)})")
+        return _known_kind(kind, "Burst")
 
     @field_validator("locations")
     @classmethod
@@ -127,6 +128,237 @@ class GpuPolicySpec(_Spec):
     @property
     def location_names(self) -> list[Location]:
         return [Location(loc) for loc in self.locations]
+
+
+def _known_kind(kind: str, expected: str) -> str:
+    if kind == expected:
+        return kind
+    if kind in PLANNED_KINDS:
+        raise ValueError(f"kind {kind!r} is not supported yet by this version (supported: "
+                         f"{', '.join(SUPPORTED_KINDS)})")
+    raise ValueError(f"unknown kind {kind!r} (supported: {', '.join(SUPPORTED_KINDS)})")
+
+
+# --- ScaleToZero -----------------------------------------------------------------------------------------------
+
+# Go-style durations the apiserver's CEL ``duration()`` also reads: 30m, 1h30m, 45s.
+DURATION_PATTERN: Final = r"^([0-9]{1,4}h)?([0-9]{1,4}m)?([0-9]{1,6}s)?$"
+# A label key (qualified name) and value, as Kubernetes accepts them.
+LABEL_KEY_PATTERN: Final = TAINT_KEY_PATTERN
+LABEL_VALUE_PATTERN: Final = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+NAMESPACE_PATTERN: Final = rf"^{DNS_LABEL}$"
+TIME_OF_DAY_PATTERN: Final = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
+WORKLOAD_KINDS: Final[tuple[str, ...]] = ("Deployment", "StatefulSet")
+WEEKDAYS: Final[tuple[str, ...]] = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+IDLE_FOR_MIN_SECONDS: Final = 5 * 60
+IDLE_FOR_MAX_SECONDS: Final = 7 * 24 * 3600
+WorkloadKind = Literal["Deployment", "StatefulSet"]
+Weekday = Literal["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+
+
+def _all_workload_kinds() -> list[WorkloadKind]:
+    return ["Deployment", "StatefulSet"]
+
+
+def _all_weekdays() -> list[Weekday]:
+    return ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+
+
+def duration_seconds(text: str) -> int:
+    """Seconds in a duration matching ``DURATION_PATTERN`` (``1h30m`` -> 5400)."""
+    match = re.fullmatch(DURATION_PATTERN, text)
+    if not match or not text:
+        raise ValueError(f"{text!r} is not a duration such as 30m, 1h30m or 45s")
+    h, m, s = (int(g[:-1]) if g else 0 for g in match.groups())
+    return h * 3600 + m * 60 + s
+
+
+def _duration_between(low: int, high: int) -> Any:
+    def check(text: str) -> str:
+        seconds = duration_seconds(text)
+        if not low <= seconds <= high:
+            raise ValueError(f"{text!r} must be between {low}s and {high}s")
+        return text
+    return AfterValidator(check)
+
+
+Duration = Annotated[StrictStr, Field(min_length=2, max_length=20, pattern=DURATION_PATTERN)]
+IdleFor = Annotated[Duration, _duration_between(IDLE_FOR_MIN_SECONDS, IDLE_FOR_MAX_SECONDS)]
+PollInterval = Annotated[Duration, _duration_between(5, 3600)]
+Namespace = Annotated[StrictStr, Field(max_length=63, pattern=NAMESPACE_PATTERN)]
+LabelKey = Annotated[StrictStr, Field(max_length=316, pattern=LABEL_KEY_PATTERN)]
+LabelValue = Annotated[StrictStr, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+
+
+def _unique(items: list[Any], what: str) -> list[Any]:
+    seen: list[Any] = []
+    for item in items:
+        if item in seen:
+            raise ValueError(f"duplicate {what} {item!r}")
+        seen.append(item)
+    return items
+
+
+class WorkloadSelector(_Spec):
+    """Which Deployments and StatefulSets of the named namespaces the policy scales: all of them by default."""
+
+    match_labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=32)] = Field(default_factory=dict)
+    kinds: Annotated[list[WorkloadKind], Field(min_length=1, max_length=2)] = Field(
+        default_factory=_all_workload_kinds)
+
+    @field_validator("kinds")
+    @classmethod
+    def _unique_kinds(cls, kinds: list[str]) -> list[str]:
+        return _unique(kinds, "kind")
+
+
+class IdleRule(_Spec):
+    """Idle: every GPU of every pod of the workload at or below ``threshold`` (fraction of time the graphics
+    engine is active, 0-1) for ``idleFor``, with samples covering at least ``minCoverage`` of that window."""
+
+    threshold: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.05
+    idle_for: IdleFor = "30m"
+    min_coverage: Annotated[StrictFloat, Field(ge=0.5, le=1)] = 0.9
+
+    @property
+    def idle_for_seconds(self) -> int:
+        return duration_seconds(self.idle_for)
+
+
+class Exclusion(_Spec):
+    """A workload never scaled: by name, in one namespace or (without ``namespace``) in all of the policy's."""
+
+    name: Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]
+    namespace: Namespace | None = None
+
+    def matches(self, namespace: str, name: str) -> bool:
+        return self.name == name and self.namespace in (None, namespace)
+
+
+def _check_time_zone(value: str) -> str:
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {value!r} (an IANA name such as Europe/Berlin or UTC)") from None
+    return value
+
+
+class ScheduleWake(_Spec):
+    """Wake at a time of day (kube-green's ``wakeUpAt``), on the given weekdays, in a time zone."""
+
+    at: Annotated[StrictStr, Field(pattern=TIME_OF_DAY_PATTERN)]
+    weekdays: Annotated[list[Weekday], Field(min_length=1, max_length=7)] = Field(
+        default_factory=_all_weekdays)
+    time_zone: Annotated[StrictStr, Field(max_length=64), AfterValidator(_check_time_zone)] = "UTC"
+
+    @field_validator("weekdays")
+    @classmethod
+    def _unique_days(cls, days: list[str]) -> list[str]:
+        return _unique(days, "weekday")
+
+
+class DemandWake(_Spec):
+    """Wake when a Prometheus query's value rises above ``activationThreshold`` (KEDA's activation model), e.g.
+    a request queue's length. Polled every ``pollInterval``."""
+
+    query: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
+    activation_threshold: Annotated[StrictFloat, Field(ge=0)] = 0.0
+    poll_interval: PollInterval = "30s"
+
+
+class Wake(_Spec):
+    """How a workload scaled to zero comes back. Manual (``kubeon-gpu ops wake``, the ``wake`` update or signal)
+    always works; a schedule and a demand query are optional and may be combined: the first to fire wakes it."""
+
+    schedule: ScheduleWake | None = None
+    demand: DemandWake | None = None
+
+
+class ScaleToZeroSpec(_Spec):
+    kind: StrictStr
+    mode: Mode | None = None
+    # Each must have the chart's scale Role (values scaleToZero.namespaces); the worker refuses others.
+    namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
+    selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
+    idle: IdleRule = Field(default_factory=IdleRule)
+    exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
+    wake: Wake = Field(default_factory=Wake)
+
+    @field_validator("kind")
+    @classmethod
+    def _scale_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "ScaleToZero")
+
+    @field_validator("namespaces")
+    @classmethod
+    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
+        return _unique(namespaces, "namespace")
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return self.mode or default_mode
+
+    def excluded(self, namespace: str, name: str) -> bool:
+        return any(e.matches(namespace, name) for e in self.exclude)
+
+
+# --- GpuTypeFit (Recommend only) ----------------------------------------------------------------------------
+
+FitWindow = Annotated[Duration, _duration_between(3600, 30 * 24 * 3600)]
+HOURS_PER_MONTH: Final = 730.0
+
+
+class GpuOffering(_Spec):
+    """A GPU type (or a MIG slice of one) a workload could run on: its memory as the system reports it (e.g. GFD's
+    ``nvidia.com/gpu.memory``, not the nominal GB), its price per GPU-hour and its compute relative to the
+    current type (1.0: the same)."""
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=63)]
+    memory_mib: Annotated[StrictInt, Field(ge=1024, le=1_048_576, alias="memoryMiB")]
+    usd_per_hour: Annotated[StrictFloat, Field(gt=0, le=10000)]
+    relative_compute: Annotated[StrictFloat, Field(gt=0, le=100)] = 1.0
+    mig: StrictBool = False
+
+
+class FitRule(_Spec):
+    """A candidate fits when the workload's peak framebuffer plus ``headroom`` fits its memory and its p95
+    activity, scaled by the candidate's relative compute, stays at or below ``maxActivity``."""
+
+    current: GpuOffering
+    candidates: Annotated[list[GpuOffering], Field(min_length=1, max_length=32)]
+    headroom: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.2
+    window: FitWindow = "168h"
+    min_coverage: Annotated[StrictFloat, Field(ge=0.5, le=1)] = 0.9
+    max_activity: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.7
+
+    @property
+    def window_seconds(self) -> int:
+        return duration_seconds(self.window)
+
+
+class GpuTypeFitSpec(_Spec):
+    kind: StrictStr
+    # Recommend only: GPU type fit never acts.
+    mode: Literal["Recommend"] | None = None
+    namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
+    selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
+    exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
+    fit: FitRule
+
+    @field_validator("kind")
+    @classmethod
+    def _fit_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "GpuTypeFit")
+
+    @field_validator("namespaces")
+    @classmethod
+    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
+        return _unique(namespaces, "namespace")
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return "Recommend"
+
+    def excluded(self, namespace: str, name: str) -> bool:
+        return any(e.matches(namespace, name) for e in self.exclude)
 
 
 class ObjectMeta(BaseModel):
@@ -149,6 +381,35 @@ class GpuPolicy(BaseModel):
     @property
     def name(self) -> str:
         return self.metadata.name
+
+
+class ScaleToZeroPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["gpu.kubeon.io/v1"] = Field(alias="apiVersion")
+    kind: Literal["GpuPolicy"]
+    metadata: ObjectMeta
+    spec: ScaleToZeroSpec
+    status: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+class GpuTypeFitPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["gpu.kubeon.io/v1"] = Field(alias="apiVersion")
+    kind: Literal["GpuPolicy"]
+    metadata: ObjectMeta
+    spec: GpuTypeFitSpec
+    status: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy
 
 
 class PolicyError(ValueError):
@@ -175,12 +436,19 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def parse_policy(document: Any) -> GpuPolicy:
-    """Validate a GpuPolicy document (a dict as read from YAML or the apiserver). Raises ``PolicyError``."""
+def parse_policy(document: Any) -> AnyPolicy:
+    """Validate a GpuPolicy document (a dict as read from YAML or the apiserver) with the model of its
+    ``spec.kind``. Raises ``PolicyError``."""
     if not isinstance(document, dict):
         raise PolicyError([("(document)", f"a GpuPolicy must be a mapping, got {type(document).__name__}")])
+    spec = document.get("spec")
+    model: type[AnyPolicy] = GpuPolicy
+    if isinstance(spec, dict) and spec.get("kind") == "ScaleToZero":
+        model = ScaleToZeroPolicy
+    elif isinstance(spec, dict) and spec.get("kind") == "GpuTypeFit":
+        model = GpuTypeFitPolicy
     try:
-        return GpuPolicy.model_validate(document)
+        return model.model_validate(document)
     except ValidationError as exc:
         errors: list[tuple[str, str]] = []
         for err in exc.errors(include_url=False):

@@ -16,6 +16,7 @@ import yaml
 from models.hub import HubSyncStatus
 from models.operation import OperationView
 from models.policy import PolicyError, parse_policy
+from models.scale import ScaleView
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -66,6 +67,31 @@ def _worker(_: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """R1.6: print what the optimizer finds and misses, what a missing one disables and how to fix it."""
+    from activities.metrics import PrometheusClient
+    from worker.config import load_settings
+    from worker.doctor import as_json, render, run_checks
+    from worker.runtime import kube_api
+
+    overrides = {"KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
+    if args.kubeconfig:
+        overrides["KUBEON_KUBECONFIG"] = args.kubeconfig
+    if args.prometheus_url is not None:
+        overrides["KUBEON_PROMETHEUS_URL"] = args.prometheus_url
+    settings = load_settings({**os.environ, **overrides})
+    metrics = PrometheusClient(settings.prometheus_url, timeout=5) if settings.prometheus_url else None
+    try:
+        prereqs = run_checks(kube_api(settings.kubeconfig), metrics,
+                             gpu_operator_namespace=settings.gpu_operator_namespace,
+                             capacity_provider=settings.capacity_provider)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    print(json.dumps(as_json(prereqs), indent=2) if args.json else render(prereqs))
+    return 0
+
+
 def _gateway(_: argparse.Namespace) -> int:
     from worker.gateway_server import main as gateway_main
 
@@ -107,6 +133,16 @@ def _ops(args: argparse.Namespace) -> int:
     from worker.config import load_settings
     from worker.runtime import connect_temporal
 
+    if args.ops_command == "fit":
+        from worker.runtime import kube_api
+
+        env = {**os.environ, "KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
+        if args.kubeconfig:
+            env["KUBEON_KUBECONFIG"] = args.kubeconfig
+        rows = ops.fit_recommendations(kube_api(load_settings(env).kubeconfig))
+        print(json.dumps(rows, indent=2) if args.json else ops.render_fit(rows))
+        return 0
+
     async def run() -> int:
         settings = load_settings({**os.environ, "KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"})
         temporal = await connect_temporal(settings)
@@ -123,6 +159,11 @@ def _ops(args: argparse.Namespace) -> int:
                 result = await ops.approve(temporal, args.operation, Approval(
                     approver=args.approver, plan_id=args.plan, reason=args.reason))
                 print(f"{result.operation}: {result.message}")
+            elif args.ops_command == "wake":
+                from models.scale import WakeRequest
+
+                woken = await ops.wake(temporal, args.operation, WakeRequest(by=args.by, reason=args.reason))
+                print(f"{woken.operation}: {woken.message}")
             elif args.ops_command == "reject":
                 result = await ops.reject(temporal, args.operation, Rejection(approver=args.approver,
                                                                                reason=args.reason))
@@ -156,7 +197,19 @@ def _render_hub(status: HubSyncStatus) -> str:
     return "\n".join(lines)
 
 
-def _render_view(view: OperationView) -> str:
+def _render_view(view: OperationView | ScaleView) -> str:
+    if isinstance(view, ScaleView):
+        lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
+                 f"workload   {view.workload}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
+        if view.replicas_before is not None:
+            lines.append(f"replicas   {view.replicas_before} before scale-down")
+        if view.message:
+            lines.append(f"message    {view.message}")
+        if view.approver:
+            lines.append(f"approver   {view.approver}")
+        if view.woken_by:
+            lines.append(f"woken by   {view.woken_by}")
+        return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
     lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
              f"group      {view.group}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
     if view.message:
@@ -216,8 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     joining.add_argument("--capacity", default="", help="capacity the kubelet reports, k=v,... (stand-ins)")
     joining.add_argument("--no-tunnel", action="store_true", help="simulated nodes only: no WireGuard")
     joining.set_defaults(func=_node_join)
+    doctor = sub.add_parser("doctor", help="check the prerequisites: KubeOn agent, GPU Operator, Karpenter, DCGM")
+    doctor.add_argument("--kubeconfig", help="default KUBEON_KUBECONFIG, else in-cluster credentials")
+    doctor.add_argument("--prometheus-url", help="default KUBEON_PROMETHEUS_URL")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=_doctor)
 
-    ops_parser = sub.add_parser("ops", help="list, show, approve, reject and cancel operations")
+    ops_parser = sub.add_parser("ops", help="list, show, approve, reject, wake and cancel operations")
     ops_sub = ops_parser.add_subparsers(dest="ops_command", required=True)
     listing = ops_sub.add_parser("list", help="operations, newest first")
     listing.add_argument("--json", action="store_true")
@@ -237,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     rejecting.add_argument("operation")
     rejecting.add_argument("--approver", default=os.environ.get("USER") or "cli")
     rejecting.add_argument("--reason", default="")
+    fitting = ops_sub.add_parser("fit", help="GPU type fit recommendations (GpuTypeFit policies' status)")
+    fitting.add_argument("--kubeconfig", help="default KUBEON_KUBECONFIG, else in-cluster credentials")
+    fitting.add_argument("--json", action="store_true")
+    waking = ops_sub.add_parser("wake", help="wake a workload scaled to zero (back to its replicas, Ready)")
+    waking.add_argument("operation")
+    waking.add_argument("--by", default=os.environ.get("USER") or "cli", help="who wakes it (audit)")
+    waking.add_argument("--reason", default="")
     cancelling = ops_sub.add_parser("cancel", help="cancel: drain and remove what the operation made")
     cancelling.add_argument("operation")
     hub_sync = ops_sub.add_parser("hub", help="the hub sync: state, last policy sync, queued reports")

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from models.locations import BurstConfig
 from models.operation import OperationSettings
 from models.policy import Mode
+from models.scale import ScaleSettings
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,14 @@ class Settings(BaseModel):
     approval_timeout_seconds: int = 3600
     join_timeout_seconds: int = 900
     serve_check_seconds: int = 30
+    # The chart's prometheus.url: DCGM metrics for ScaleToZero (without it, those policies only recommend, R1.3).
+    prometheus_url: str = ""
+    # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
+    capacity_provider: str = "karpenter"
+    gpu_operator_namespace: str = "gpu-operator"
+    scale_resync_seconds: float = 60.0
+    scale_observe_seconds: int = 60
+    scale_rescale_check_seconds: int = 30
 
     @field_validator("hub_poll_interval", mode="before")
     @classmethod
@@ -127,7 +136,7 @@ class Settings(BaseModel):
             raise ValueError(f"{value!r} is not an https URL (e.g. https://127.0.0.1:8471)")
         return value.rstrip("/") if value else value
 
-    @field_validator("gateway_public_url", "hub_url")
+    @field_validator("gateway_public_url", "hub_url", "prometheus_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
         if value and not re.match(r"^https?://[^/\s]+", value):
@@ -172,6 +181,11 @@ class Settings(BaseModel):
             first = exc.errors(include_url=False)[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ConfigError(f"{self.burst_locations_file}: burst.{where}: {first['msg']}") from None
+
+    def scale_settings(self) -> ScaleSettings:
+        return ScaleSettings(approval_timeout_seconds=self.approval_timeout_seconds,
+                             observe_seconds=self.scale_observe_seconds,
+                             rescale_check_seconds=self.scale_rescale_check_seconds)
 
     def operation_settings(self) -> OperationSettings:
         return OperationSettings(approval_timeout_seconds=self.approval_timeout_seconds,

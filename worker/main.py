@@ -16,18 +16,21 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
+from activities.scale import ScaleActivities
 from models.operation import SERVE_QUEUE_SUFFIX
-from worker import telemetry
+from worker import scale_watcher, telemetry
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
+from worker.scale_watcher import ScaleWatcher
 from worker.watcher import PendingPodWatcher, running
 from workflows.burst import BurstWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
 from workflows.ledger import PolicyLedgerWorkflow
+from workflows.scale import ScaleWorkflow
 
 log = logging.getLogger("kubeon.worker")
-WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow, HubSyncWorkflow]
+WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow, HubSyncWorkflow, ScaleWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 
@@ -40,10 +43,11 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 
 def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
-                executor: ThreadPoolExecutor, hub: HubActivities | None = None) -> Worker:
+                executor: ThreadPoolExecutor, hub: HubActivities | None = None,
+                scale: ScaleActivities | None = None) -> Worker:
     return Worker(
         temporal, task_queue=settings.task_queue, workflows=WORKFLOWS,
-        activities=activities.all() + ([hub.hub_poll] if hub else []),
+        activities=activities.all() + ([hub.hub_poll] if hub else []) + (scale.all() if scale else []),
         activity_executor=executor, max_concurrent_activities=settings.max_concurrent_activities,
         workflow_runner=workflow_runner(), graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
@@ -74,7 +78,7 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
     runtime_activities = runtime.activities(temporal)
     hub = runtime.hub_activities(temporal)
-    worker = make_worker(temporal, runtime_activities, settings, executor, hub)
+    worker = make_worker(temporal, runtime_activities, settings, executor, hub, runtime.scale_activities())
     watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
                                 task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                 settings=settings.operation_settings())
@@ -91,7 +95,11 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
                 log.info("hub sync %s: %s every %gs", await runtime.start_hub_sync(temporal), settings.hub_url,
                          settings.hub_poll_interval)
             if watch:
-                async with running(watcher):
+                scaler = ScaleWatcher(runtime.scale_ops(), temporal, cluster=settings.cluster,
+                                      task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
+                                      settings=settings.scale_settings(), resync_seconds=settings.scale_resync_seconds,
+                                      prerequisites=runtime.prerequisites)
+                async with running(watcher), scale_watcher.running(scaler):
                     yield temporal, runtime, watcher
             else:
                 yield temporal, runtime, watcher

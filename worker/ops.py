@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus
+from kubernetes import client
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
 from models.operation import Approval, DecisionResult, OperationView, Rejection
+from models.policy import API_GROUP, PLURAL
+from models.scale import ScaleView, WakeRequest, WakeResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
-           "show"]
+           "show", "wake"]
 
 
 @dataclass
@@ -39,7 +43,7 @@ class OperationRow:
 
 
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
-    query = f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain')"
+    query = f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain', 'Scale')"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []
@@ -65,9 +69,27 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView:
+async def show(temporal: Client, operation: str) -> OperationView | ScaleView:
     handle = await resolve(temporal, operation)
+    if handle.id.startswith("scale/"):
+        view: ScaleView = await handle.query("state", result_type=ScaleView)
+        return view
     result: OperationView = await handle.query("state", result_type=OperationView)
+    return result
+
+
+async def wake(temporal: Client, operation: str, request: WakeRequest) -> WakeResult:
+    """Wake a workload a ScaleToZero operation scaled to zero: back to its replicas, then verified Ready."""
+    handle = await resolve(temporal, operation)
+    if not handle.id.startswith("scale/"):
+        raise DecisionRefused(f"operation {operation} is not a ScaleToZero operation")
+    desc = await handle.describe()
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
+    try:
+        result: WakeResult = await handle.execute_update("wake", request, result_type=WakeResult)
+    except WorkflowUpdateFailedError as exc:
+        raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
     return result
 
 
@@ -87,6 +109,26 @@ async def hub_status(temporal: Client, cluster: str) -> HubSyncStatus:
         raise OperationNotFound(f"no hub sync for cluster {cluster} (is KUBEON_HUB_URL set on the worker?): "
                                 f"{exc.message}") from None
     return status
+
+
+def fit_recommendations(api: Any) -> list[dict[str, Any]]:
+    """GPU type fit recommendations from every GpuTypeFit policy's status (Recommend only: nothing acts on them)."""
+    listed: Any = client.CustomObjectsApi(api).list_cluster_custom_object(API_GROUP, "v1", PLURAL)
+    rows = []
+    for doc in listed.get("items", []):
+        if (doc.get("spec") or {}).get("kind") != "GpuTypeFit":
+            continue
+        for rec in ((doc.get("status") or {}).get("gpuTypeFit") or {}).get("recommendations") or []:
+            rows.append({"policy": doc["metadata"]["name"], **rec})
+    return rows
+
+
+def render_fit(rows: list[dict[str, Any]]) -> str:
+    table = [["POLICY", "WORKLOAD", "CURRENT", "RECOMMENDED", "PEAK MIB", "P95", "SAVING $/MONTH", "REASON"]]
+    table += [[r["policy"], r["workload"], r["current"], r["recommended"] or "-", str(r["peakMiB"]),
+               f"{r['p95Activity']:.0%}", f"{r['savingUsdPerMonth']:,.2f}", r["reason"]] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
 
 
 async def cancel(temporal: Client, operation: str) -> str:

@@ -19,8 +19,10 @@ from activities.gateway_join import AddressPlan
 from activities.hub import HubActivities
 from activities.hub_client import HubClient
 from activities.kube import KubeOps
+from activities.metrics import PrometheusClient
 from activities.policy_sync import PolicySyncer
 from activities.providers.base import Provider
+from activities.scale import ScaleActivities, ScaleOps
 from models import search_attributes
 from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
@@ -28,6 +30,7 @@ from models.locations import BurstConfig
 from models.operation import Instance
 from worker import telemetry
 from worker.config import ConfigError, Settings
+from worker.doctor import Prerequisite, run_checks
 from workflows.hub_sync import HubSyncWorkflow
 
 
@@ -88,11 +91,22 @@ class Runtime:
     audit: AuditLog
     closers: list[Any] = field(default_factory=list)
     hub: HubClient | None = None
+    metrics: PrometheusClient | None = None
 
     def activities(self, temporal: Client | None) -> BurstActivities:
         return BurstActivities(kube=self.kube, providers=self.providers, gateway=self.gateway, config=self.burst,
                                audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue,
                                report_sink=self.report_sink(temporal) if self.hub and temporal else None)
+
+    def scale_ops(self) -> ScaleOps:
+        return ScaleOps(self.kube.api, self.metrics)
+
+    def scale_activities(self) -> ScaleActivities:
+        return ScaleActivities(self.scale_ops())
+
+    def prerequisites(self) -> list[Prerequisite]:
+        return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,
+                          capacity_provider=self.settings.capacity_provider)
 
     def hub_activities(self, temporal: Client) -> HubActivities | None:
         if self.hub is None:
@@ -212,5 +226,8 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
         hub = HubClient(settings.hub_url, settings.hub_token_file,
                         ca_file=str(settings.hub_ca_file) if settings.hub_ca_file else None)
         closers.append(hub.close)
+    metrics = PrometheusClient(settings.prometheus_url) if settings.prometheus_url else None
+    if metrics is not None:
+        closers.append(metrics.close)
     return Runtime(settings=settings, kube=kube, burst=burst, gateway=gw, providers=providers, audit=audit,
-                   closers=closers, hub=hub)
+                   closers=closers, hub=hub, metrics=metrics)

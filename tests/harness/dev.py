@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub-port", type=int, default=8090)
     parser.add_argument("--policies", type=Path, default=ROOT / "examples" / "policies",
                         help="GpuPolicy files the hub is seeded with")
+    parser.add_argument("--prometheus-port", type=int, default=0, help="default: a free port")
     parser.add_argument("--no-hub", action="store_true",
                         help="no hub: create the policies in the cluster directly (kubectl-style)")
     args = parser.parse_args(argv)
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     hub: subprocess.Popen[bytes] | None = None
     devclouds: DevClouds | None = None
     agents: list[AgentProcess] = []
+    stopping_metrics: list[Callable[[], None]] = []
     try:
         say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
@@ -250,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", free_port(), popen=children.popen,
                                                     extra_env={"KUBEON_POOL_TOKENS_DIR": str(tokens_dir)})
         say(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
-        hub_settings: dict[str, object] = {}
+        # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
+        from tests.harness.dev_metrics import DevMetrics
+
+        metrics = DevMetrics(cluster, workdir / "metrics", popen=children.popen).start(port=args.prometheus_port)
+        stopping_metrics.append(metrics.stop)
+        say(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture")
+        hub_settings: dict[str, object] = {"prometheus_url": metrics.url}
         hub_lines = ""
         locations = DEV_LOCATIONS
         if args.no_hub:
@@ -260,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             hub_url = f"http://127.0.0.1:{args.hub_port}"
             say(f"starting the hub on {hub_url}")
             hub = start_hub(children, workdir, args.hub_port, args.policies)
-            hub_settings = {"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
-                            "hub_poll_interval": 5}
+            hub_settings.update({"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
+                                 "hub_poll_interval": 5})
             admin_key = (workdir / "hub" / "dev.key").read_text().strip()
             agents = start_onprem_pool(children, workdir, hub_url, admin_key, tokens_dir)
             locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}",
@@ -304,6 +313,10 @@ Next:
 
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
+ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"):
+  kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, with 40m of history)
+  kubectl --kubeconfig {rel} get gpupolicy scale-to-zero-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
+
 Ctrl-C stops everything.
 ready""", flush=True)
         started.set()
@@ -328,6 +341,8 @@ ready""", flush=True)
             agent.stop()
         if devclouds is not None:
             devclouds.stop()
+        for stop_metrics in stopping_metrics:
+            stop_metrics()
         killed = children.stop_all()
         if killed:
             say(f"killed after {GRACE_SECONDS:.0f}s without exiting: {', '.join(killed)}")

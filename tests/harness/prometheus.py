@@ -1,0 +1,119 @@
+"""A real Prometheus on loopback (Debian's ``prometheus`` package: ``/usr/bin/prometheus`` and ``promtool``, which
+`make system-deps` installs when missing), scraping the DCGM exporter fixture, with history backfilled by
+``promtool tsdb create-blocks-from openmetrics`` before it starts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tests.harness.controlplane import free_port
+
+SCRAPE_JOB = "dcgm"
+
+
+class PrometheusMissing(RuntimeError):
+    pass
+
+
+def binary(name: str) -> Path:
+    found = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+    if not found:
+        raise PrometheusMissing(f"{name} not found: install Debian's prometheus package (`make system-deps`)")
+    return Path(found)
+
+
+@dataclass
+class Prometheus:
+    workdir: Path
+    targets: list[str] = field(default_factory=list)
+    scrape_interval: str = "1s"
+    # Labels added to the scraped series as a Kubernetes ServiceMonitor adds the exporter pod's own: with
+    # honor_labels false, the exporter's pod/namespace labels become exported_pod/exported_namespace.
+    target_labels: dict[str, str] = field(default_factory=dict)
+    honor_labels: bool = True
+    port: int = 0
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # How the process is started: `make dev` passes its registry's (children die with it, leftovers are reaped).
+    popen: Callable[..., subprocess.Popen[bytes]] = field(default=subprocess.Popen, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.workdir / "data"
+
+    def backfill(self, openmetrics: str) -> None:
+        """Write history into the data directory (before ``start``, or between ``stop`` and ``start``)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        source = self.workdir / f"backfill-{time.monotonic_ns()}.om"
+        source.write_text(openmetrics)
+        done = subprocess.run([str(binary("promtool")), "tsdb", "create-blocks-from", "openmetrics", str(source),
+                               str(self.data_dir)], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"promtool create-blocks-from failed: {done.stdout}{done.stderr}")
+
+    def start(self, timeout: float = 60.0) -> Prometheus:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        config = {
+            "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": "15s"},
+            "scrape_configs": [{
+                "job_name": SCRAPE_JOB, "honor_labels": self.honor_labels,
+                "static_configs": [{"targets": self.targets, "labels": self.target_labels}],
+            }],
+        }
+        (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 - lives as long as the process
+        self._proc = self.popen(
+            [str(binary("prometheus")), f"--config.file={self.workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={self.data_dir}", f"--web.listen-address=127.0.0.1:{self.port}",
+             "--storage.tsdb.retention.time=30d", "--web.enable-lifecycle"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited {self._proc.returncode}: {self.log_tail()}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).close()
+                return self
+            time.sleep(0.2)
+        raise RuntimeError(f"prometheus did not get ready on {self.url} within {timeout}s: {self.log_tail()}")
+
+    def wait_scraped(self, timeout: float = 30.0) -> None:
+        """Until every target has been scraped successfully once."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=5) as answer:
+                active = json.load(answer)["data"]["activeTargets"]
+            if active and all(t["health"] == "up" for t in active):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"prometheus did not scrape {self.targets} within {timeout}s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return (self.workdir / "prometheus.log").read_text()[-chars:]
+        return ""
+
+    def stop(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None

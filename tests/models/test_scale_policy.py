@@ -1,0 +1,185 @@
+"""ScaleToZero policies: the model and the CRD schema accept the documented shape and refuse malformed ones,
+naming the field."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from models import policy
+from models.policy import PolicyError, ScaleToZeroPolicy, duration_seconds, parse_policy
+from tests.harness.crd import install_gpupolicy_crd
+from tests.harness.kube import Cluster
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_scale_policy.yaml").read_text())
+CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_scale_policies.yaml").read_text())
+
+
+def apply_case(case: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(VALID)
+    for path, value in (case.get("set") or {}).items():
+        *parents, leaf = path.split(".")
+        target = doc
+        for p in parents:
+            target = target.setdefault(p, {})
+        target[leaf] = value
+    for path in case.get("delete") or []:
+        *parents, leaf = path.split(".")
+        target = doc
+        for p in parents:
+            target = target[p]
+        del target[leaf]
+    return doc
+
+
+def test_documented_scale_to_zero_policy_is_valid() -> None:
+    p = parse_policy(VALID)
+    assert isinstance(p, ScaleToZeroPolicy)
+    spec = p.spec
+    assert spec.namespaces == ["ml-inference", "ml-batch"]
+    assert spec.selector.match_labels == {"gpu.kubeon.io/scale-to-zero": "true"}
+    assert spec.idle.idle_for_seconds == 1800
+    assert spec.excluded("ml-inference", "always-on") and spec.excluded("ml-batch", "trainer")
+    assert not spec.excluded("ml-inference", "trainer")
+    assert spec.wake.schedule is not None and spec.wake.schedule.time_zone == "Europe/Berlin"
+    assert spec.wake.demand is not None and spec.wake.demand.poll_interval == "30s"
+    assert spec.effective_mode("Recommend") == "Approve"
+
+
+def test_defaults_idle_for_thirty_minutes_and_all_workload_kinds() -> None:
+    doc = {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": "s"},
+           "spec": {"kind": "ScaleToZero", "namespaces": ["ml"]}}
+    spec = parse_policy(doc).spec
+    assert isinstance(spec, policy.ScaleToZeroSpec)
+    assert spec.idle.idle_for == "30m" and spec.idle.threshold == 0.05
+    assert spec.selector.kinds == ["Deployment", "StatefulSet"]
+    assert spec.wake.schedule is None and spec.wake.demand is None
+    assert spec.effective_mode("Recommend") == "Recommend"
+
+
+def test_durations() -> None:
+    assert duration_seconds("1h30m") == 5400
+    assert duration_seconds("45s") == 45
+    with pytest.raises(ValueError, match="not a duration"):
+        duration_seconds("")
+
+
+def test_corpus_has_twenty_cases_with_unique_names() -> None:
+    names = [c["name"] for c in CORPUS]
+    assert len(names) >= 20
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_model_rejects_malformed_scale_policy_naming_the_field(case: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(apply_case(case))
+    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
+
+
+def test_crd_schema_uses_the_model_patterns() -> None:
+    crd = yaml.safe_load((ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["namespaces"]["items"]["pattern"] == policy.NAMESPACE_PATTERN
+    assert spec["idle"]["properties"]["idleFor"]["pattern"] == policy.DURATION_PATTERN
+    assert spec["selector"]["properties"]["matchLabels"]["additionalProperties"]["pattern"] == \
+        policy.LABEL_VALUE_PATTERN
+    assert spec["selector"]["properties"]["kinds"]["items"]["enum"] == list(policy.WORKLOAD_KINDS)
+    assert spec["wake"]["properties"]["schedule"]["properties"]["at"]["pattern"] == policy.TIME_OF_DAY_PATTERN
+    assert spec["wake"]["properties"]["schedule"]["properties"]["weekdays"]["items"]["enum"] == \
+        list(policy.WEEKDAYS)
+
+
+# --- the same corpus against the real apiserver --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpupolicy_crd(cluster: Cluster) -> Cluster:
+    install_gpupolicy_crd(cluster)
+    return cluster
+
+
+def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["name"] = f"s-{uuid.uuid4().hex[:10]}"
+    return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
+        policy.API_GROUP, "v1", policy.PLURAL, doc, field_validation="Strict")
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_the_documented_scale_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
+    example = yaml.safe_load((ROOT / "examples/policies/scale-to-zero-inference.yaml").read_text())
+    for doc in (VALID, example):
+        created = _create(gpupolicy_crd, doc)
+        try:
+            assert created["spec"] == doc["spec"]
+            assert isinstance(parse_policy(created), ScaleToZeroPolicy)
+        finally:
+            gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
+                                                                    created["metadata"]["name"])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", [c for c in CORPUS if c.get("refusedBy") != "worker"],
+                         ids=[c["name"] for c in CORPUS if c.get("refusedBy") != "worker"])
+def test_apiserver_rejects_malformed_scale_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, apply_case(case))
+    assert err.value.status in (400, 422), err.value.body
+    leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
+    assert leaf in err.value.body, err.value.body
+
+
+FIT = {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": "fit"},
+       "spec": {"kind": "GpuTypeFit", "namespaces": ["ml"], "fit": {
+           "current": {"name": "a100-80gb", "memoryMiB": 81920, "usdPerHour": 4.1},
+           "candidates": [{"name": "l4", "memoryMiB": 23034, "usdPerHour": 0.8, "relativeCompute": 0.3}]}}}
+
+
+def test_gpu_type_fit_policy_is_recommend_only() -> None:
+    p = parse_policy(FIT)
+    assert isinstance(p, policy.GpuTypeFitPolicy)
+    assert p.spec.fit.window_seconds == 7 * 24 * 3600 and p.spec.fit.headroom == 0.2
+    assert p.spec.effective_mode("Automatic") == "Recommend"
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["mode"] = "Automatic"
+    with pytest.raises(PolicyError) as err:
+        parse_policy(doc)
+    assert "spec.mode" in err.value.fields
+
+
+@pytest.mark.parametrize(("path", "value", "field"), [
+    ("candidates", [], "spec.fit.candidates"),
+    ("headroom", 2, "spec.fit.headroom"),
+    ("window", "10m", "spec.fit.window"),
+])
+def test_gpu_type_fit_malformed_fields_are_named(path: str, value: object, field: str) -> None:
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["fit"][path] = value
+    with pytest.raises(PolicyError) as err:
+        parse_policy(doc)
+    assert field in err.value.fields
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_gpu_type_fit_and_refuses_acting_modes(gpupolicy_crd: Cluster) -> None:
+    created = _create(gpupolicy_crd, FIT)
+    gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
+                                                            created["metadata"]["name"])
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["mode"] = "Approve"
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, doc)
+    assert "GpuTypeFit only recommends" in err.value.body
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["fit"]["candidates"][0]["memoryMiB"] = "24GB"
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, doc)
+    assert "memoryMiB" in err.value.body

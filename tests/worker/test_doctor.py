@@ -1,0 +1,102 @@
+"""Prerequisite detection (R1.6) on the real control plane, with the chart's ServiceAccount and ClusterRole, and a
+real Prometheus for the DCGM check."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from activities.metrics import PrometheusClient
+from tests.harness.controlplane import free_port
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.kube import Cluster
+from tests.harness.prometheus import Prometheus
+from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA, install_chart_identities
+from worker.cli import main
+from worker.doctor import PrerequisiteLog, run_checks
+
+pytestmark = [pytest.mark.cluster, pytest.mark.prometheus]
+
+
+@pytest.fixture(scope="module")
+def optimizer_kubeconfig(cluster: Cluster) -> Path:
+    install_chart_identities(cluster)
+    return cluster.service_account_kubeconfig(OPTIMIZER_NAMESPACE, OPTIMIZER_SA, create=False)
+
+
+@pytest.fixture(scope="module")
+def dcgm_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    exporter = DcgmExporter().start()
+    exporter.add_node("gpu-doctor", gpus=1)
+    prom = Prometheus(tmp_path_factory.mktemp("doctor-prom"), targets=[exporter.address]).start()
+    prom.wait_scraped()
+    try:
+        yield prom.url
+    finally:
+        prom.stop()
+        exporter.stop()
+
+
+def test_doctor_names_missing_gpu_operator_and_prometheus(optimizer_kubeconfig: Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBEON_PROMETHEUS_URL", raising=False)
+    assert main(["doctor", "--kubeconfig", str(optimizer_kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("  ")[0]: line for line in out.splitlines()[1:]}
+    assert "missing" in lines["NVIDIA GPU Operator"]
+    assert "Deployment gpu-operator/gpu-operator not found" in lines["NVIDIA GPU Operator"]
+    assert "sharing (time-slicing and MIG" in lines["NVIDIA GPU Operator"]
+    assert "missing" in lines["DCGM exporter + Prometheus"]
+    assert "prometheus.url is not set" in lines["DCGM exporter + Prometheus"]
+    assert "scale to zero (Recommend only, R1.3), sharing and GPU type fit" in lines["DCGM exporter + Prometheus"]
+    assert "missing" in lines["KubeOn agent"] and "missing" in lines["Karpenter"]
+    assert out.splitlines()[0].split() == ["PREREQUISITE", "STATUS", "DETAIL", "DISABLES", "WHEN", "MISSING", "FIX"]
+
+
+def test_gpu_operator_found_by_node_labels(cluster: Cluster, optimizer_kubeconfig: Path) -> None:
+    from worker.runtime import kube_api
+
+    node = f"gpu-op-{uuid.uuid4().hex[:6]}"
+    cluster.create_kwok_node(node, labels={"nvidia.com/gpu.deploy.device-plugin": "true"})
+    try:
+        checks = {p.name: p for p in run_checks(kube_api(optimizer_kubeconfig), None,
+                                                gpu_operator_namespace="gpu-operator", capacity_provider="karpenter")}
+        assert checks["NVIDIA GPU Operator"].status == "found"
+        assert "1 node(s) carry its nvidia.com/gpu.deploy.* labels" in checks["NVIDIA GPU Operator"].detail
+    finally:
+        cluster.admin.core.delete_node(node)
+
+
+def test_dcgm_series_found_and_prometheus_down_reported(optimizer_kubeconfig: Path, dcgm_prometheus: str) -> None:
+    from worker.runtime import kube_api
+
+    api = kube_api(optimizer_kubeconfig)
+    found = {p.name: p for p in run_checks(api, PrometheusClient(dcgm_prometheus), gpu_operator_namespace="x",
+                                           capacity_provider="karpenter")}
+    dcgm = found["DCGM exporter + Prometheus"]
+    assert dcgm.status == "found" and "pods labelled pod/namespace" in dcgm.detail
+    down = {p.name: p for p in run_checks(api, PrometheusClient(f"http://127.0.0.1:{free_port()}", timeout=2),
+                                          gpu_operator_namespace="x", capacity_provider="eks-nodegroups")}
+    assert down["DCGM exporter + Prometheus"].status == "missing"
+    assert "unreachable" in down["DCGM exporter + Prometheus"].detail
+    assert down["capacity (eks-nodegroups)"].status == "unknown"
+
+
+def test_one_log_line_each_then_only_changes(caplog: pytest.LogCaptureFixture, optimizer_kubeconfig: Path) -> None:
+    from worker.runtime import kube_api
+
+    prereqs = run_checks(kube_api(optimizer_kubeconfig), None, gpu_operator_namespace="gpu-operator",
+                         capacity_provider="karpenter")
+    report = PrerequisiteLog()
+    with caplog.at_level(logging.INFO, logger="kubeon.prerequisites"):
+        report.report(prereqs)
+        report.report(prereqs)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kubeon.prerequisites"]
+    assert len(lines) == len(prereqs) == 4
+    assert any(line.startswith("prerequisite NVIDIA GPU Operator: missing") and "fix: install the NVIDIA GPU Operator"
+               in line for line in lines)

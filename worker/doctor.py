@@ -1,0 +1,154 @@
+"""Prerequisites (R1.6): the KubeOn agent, the NVIDIA GPU Operator, Karpenter or managed node groups, and DCGM
+exporter series in Prometheus. Each is found or missing, with what a missing one disables and how to fix it.
+Read with the optimizer's own permissions (R5.1): the GPU Operator by its Deployment, else by the
+``nvidia.com/gpu.deploy.*`` labels it puts on GPU nodes (the ClusterRole reads no ClusterPolicy or DaemonSet). A
+check that cannot decide says so and never raises.
+
+The worker logs one line per prerequisite at start and whenever one changes; `kubeon-gpu doctor` prints the table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from kubernetes import client
+
+from activities.metrics import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
+
+log = logging.getLogger("kubeon.prerequisites")
+Status = Literal["found", "missing", "unknown"]
+AGENT_SELECTOR = "app.kubernetes.io/name=kubeon-agent"
+GPU_OPERATOR_LABEL_PREFIX = "nvidia.com/gpu.deploy."
+
+
+@dataclass(frozen=True)
+class Prerequisite:
+    name: str
+    status: Status
+    detail: str
+    disables: str  # what does not work while it is missing
+    fix: str
+
+    def log_line(self) -> str:
+        line = f"prerequisite {self.name}: {self.status}: {self.detail}"
+        return line if self.status == "found" else f"{line}; disables {self.disables}; fix: {self.fix}"
+
+
+def _api_reason(exc: client.ApiException) -> str:
+    return {403: "forbidden", 404: "not found"}.get(exc.status or 0, f"HTTP {exc.status}")
+
+
+def check_agent(api: client.ApiClient) -> Prerequisite:
+    disables, fix = ("the hub's cluster inventory and cost views (the optimizer itself keeps working)",
+                     "install the read-only KubeOn agent (its chart labels it app.kubernetes.io/name=kubeon-agent)")
+    found: list[Any] = client.AppsV1Api(api).list_deployment_for_all_namespaces(label_selector=AGENT_SELECTOR).items
+    if found:
+        d = found[0]
+        return Prerequisite("KubeOn agent", "found", f"Deployment {d.metadata.namespace}/{d.metadata.name}",
+                            disables, fix)
+    return Prerequisite("KubeOn agent", "missing", f"no Deployment labelled {AGENT_SELECTOR}", disables, fix)
+
+
+def check_gpu_operator(api: client.ApiClient, namespace: str) -> Prerequisite:
+    disables = "sharing (time-slicing and MIG through the GPU Operator)"
+    fix = (f"install the NVIDIA GPU Operator in namespace {namespace} (helm install gpu-operator "
+           "nvidia/gpu-operator -n gpu-operator), or set gpuOperator.namespace to where it runs")
+    name = "NVIDIA GPU Operator"
+    # The ClusterRole reads neither ClusterPolicies nor DaemonSets (R5.1): its Deployment, else its node labels.
+    try:
+        deployment: Any = client.AppsV1Api(api).read_namespaced_deployment("gpu-operator", namespace)
+        return Prerequisite(name, "found", f"Deployment {namespace}/{deployment.metadata.name}", disables, fix)
+    except client.ApiException as exc:
+        if exc.status not in (403, 404):
+            raise
+        how = f"Deployment {namespace}/gpu-operator {_api_reason(exc)}"
+    nodes: list[Any] = client.CoreV1Api(api).list_node().items
+    labelled = [n.metadata.name for n in nodes
+                if any(k.startswith(GPU_OPERATOR_LABEL_PREFIX) for k in (n.metadata.labels or {}))]
+    if labelled:
+        return Prerequisite(name, "found", f"{how}; {len(labelled)} node(s) carry its {GPU_OPERATOR_LABEL_PREFIX}* "
+                                           "labels", disables, fix)
+    return Prerequisite(name, "missing", f"{how}; no node carries its {GPU_OPERATOR_LABEL_PREFIX}* labels",
+                        disables, fix)
+
+
+def check_capacity(api: client.ApiClient, provider: str) -> Prerequisite:
+    disables = "autoscaling and packing"
+    if provider != "karpenter":
+        return Prerequisite(f"capacity ({provider})", "unknown",
+                            f"capacity.provider is {provider}: its node groups are checked through the cloud API "
+                            "when used, not from the cluster", disables,
+                            "make sure the optimizer's cloud credentials may read and resize the node groups")
+    fix = "install Karpenter (karpenter.sh/v1 NodePool CRDs), or set capacity.provider to your managed node groups"
+    try:
+        pools: Any = client.CustomObjectsApi(api).list_cluster_custom_object("karpenter.sh", "v1", "nodepools")
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return Prerequisite("Karpenter", "missing", "no karpenter.sh/v1 NodePool CRD", disables, fix)
+        raise
+    return Prerequisite("Karpenter", "found", f"karpenter.sh/v1 NodePools: {len(pools.get('items') or [])}",
+                        disables, fix)
+
+
+def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:
+    name = "DCGM exporter + Prometheus"
+    disables = "scale to zero (Recommend only, R1.3), sharing and GPU type fit"
+    if metrics is None:
+        return Prerequisite(name, "missing", "prometheus.url is not set", disables,
+                            "set prometheus.url to a Prometheus that scrapes the NVIDIA DCGM exporter")
+    fix = "install the NVIDIA DCGM exporter (the GPU Operator ships it) and let this Prometheus scrape it"
+    try:
+        form = metrics.detect(refresh=True)
+        profiling = bool(metrics.query(f"count({GR_ENGINE_ACTIVE})"))
+    except MetricsError as exc:
+        return Prerequisite(name, "missing", str(exc), disables, fix)
+    activity = GR_ENGINE_ACTIVE if profiling else "DCGM_FI_DEV_GPU_UTIL / 100 (no profiling metrics)"
+    return Prerequisite(name, "found", f"{metrics.url}: pods labelled {form.pod}/{form.namespace}, activity from "
+                                       f"{activity}", disables, fix)
+
+
+def run_checks(api: client.ApiClient, metrics: PrometheusClient | None, *, gpu_operator_namespace: str,
+               capacity_provider: str) -> list[Prerequisite]:
+    """Every check; one that fails unexpectedly is reported as unknown, never raised."""
+    checks: list[tuple[str, str, Callable[[], Prerequisite]]] = [
+        ("KubeOn agent", "the hub's cluster inventory", lambda: check_agent(api)),
+        ("NVIDIA GPU Operator", "sharing", lambda: check_gpu_operator(api, gpu_operator_namespace)),
+        ("capacity", "autoscaling and packing", lambda: check_capacity(api, capacity_provider)),
+        ("DCGM exporter + Prometheus", "scale to zero, sharing and GPU type fit", lambda: check_dcgm(metrics)),
+    ]
+    out = []
+    for name, disables, check in checks:
+        try:
+            out.append(check())
+        except Exception as exc:
+            out.append(Prerequisite(name, "unknown", f"check failed: {exc}", disables,
+                                    "see the worker log; re-run `kubeon-gpu doctor`"))
+    return out
+
+
+def render(prereqs: list[Prerequisite]) -> str:
+    header = ["PREREQUISITE", "STATUS", "DETAIL", "DISABLES WHEN MISSING", "FIX"]
+    rows = [header] + [[p.name, p.status, p.detail, "-" if p.status == "found" else p.disables,
+                        "-" if p.status == "found" else p.fix] for p in prereqs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def as_json(prereqs: list[Prerequisite]) -> list[dict[str, str]]:
+    return [asdict(p) for p in prereqs]
+
+
+class PrerequisiteLog:
+    """Logs each prerequisite once at start and again only when its status changes."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Status] = {}
+
+    def report(self, prereqs: list[Prerequisite]) -> None:
+        for p in prereqs:
+            if self._last.get(p.name) != p.status:
+                (log.info if p.status == "found" else log.warning)(p.log_line())
+                self._last[p.name] = p.status

@@ -1,0 +1,232 @@
+"""The metrics loop for ScaleToZero and GpuTypeFit policies. Every resync, each ScaleToZero policy's workloads
+are measured (two Prometheus queries per policy, whatever the number of pods) and every idle one gets its
+ScaleWorkflow (one per workload: a running one is left as it is). What was decided, and why not for the others,
+goes into the policy's ``status.scaleToZero``: the mode enforced (R1.3), namespaces refused for lack of the
+chart's scale Role (R5.2), metrics problems, and one line per workload. GpuTypeFit policies get their
+recommendations in ``status.gpuTypeFit`` (no action is taken)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client import ApiException
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+
+from activities.fit import FitRecommendation, recommend
+from activities.kube import gpus_requested
+from activities.metrics import MetricsError, PodActivity, PodMemory, judge_idle
+from activities.scale import ScaleOps, scale_role_missing
+from models.policy import GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
+from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
+from worker.doctor import Prerequisite, PrerequisiteLog
+
+log = logging.getLogger("kubeon.scale")
+MAX_DECISIONS = 100
+FIT_STATUS_KEY = "gpuTypeFit"
+NO_PROMETHEUS_FIT = "prometheus.url is not set: GPU type fit needs DCGM metrics"
+
+
+@dataclass
+class Candidate:
+    policy: str
+    workload: WorkloadRef
+    reason: str
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+class ScaleWatcher:
+    def __init__(self, ops: ScaleOps, temporal: Client, *, cluster: str, task_queue: str,
+                 default_mode: Callable[[], Mode], settings: ScaleSettings, resync_seconds: float = 60.0,
+                 prerequisites: Callable[[], list[Prerequisite]] | None = None,
+                 prerequisites_every: float = 600.0) -> None:
+        self.ops = ops
+        self.temporal = temporal
+        self.cluster = cluster
+        self.task_queue = task_queue
+        self.default_mode = default_mode
+        self.settings = settings
+        self.resync_seconds = resync_seconds
+        self.started: list[str] = []  # workflow IDs started, for tests and logs
+        self._stop = asyncio.Event()
+        self.prerequisites = prerequisites
+        self.prerequisites_every = prerequisites_every
+        self._prereq_log = PrerequisiteLog()
+        self._prereq_checked = -1e18
+
+    @property
+    def prometheus_configured(self) -> bool:
+        return self.ops.metrics is not None
+
+    # -- evaluation (blocking: runs in a thread) ------------------------------------------------------------
+    def evaluate(self) -> list[Candidate]:
+        out: list[Candidate] = []
+        try:
+            policies = self.ops.list_all_policies()
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            log.debug("no GpuPolicy CRD yet: nothing to measure")
+            return out
+        for policy in policies:
+            try:
+                if isinstance(policy, ScaleToZeroPolicy):
+                    out += self.evaluate_policy(policy)
+                elif isinstance(policy, GpuTypeFitPolicy):
+                    self.evaluate_fit(policy)
+            except Exception:  # one policy's failure never stops the others
+                log.exception("policy %s: evaluation failed", policy.name)
+        return out
+
+    def evaluate_fit(self, policy: GpuTypeFitPolicy) -> list[FitRecommendation]:
+        spec, rule = policy.spec, policy.spec.fit
+        workloads: list[tuple[str, str, list[str], int]] = []
+        for ns in spec.namespaces:
+            ns_pods = self.ops.core.list_namespaced_pod(ns).items
+            for ref, w in self.ops.list_workloads(ns, list(spec.selector.kinds), spec.selector.match_labels):
+                if spec.excluded(ns, ref.name):
+                    continue
+                pods = self.ops.pods_of(w, ns_pods)
+                gpus = sum(gpus_requested(p) for p in pods)
+                if gpus:
+                    workloads.append((ref.key, ns, sorted(str(p.metadata.name) for p in pods), gpus))
+        problem = ""
+        memory: dict[tuple[str, str], PodMemory] = {}
+        if self.ops.metrics is None:
+            problem = NO_PROMETHEUS_FIT
+        elif workloads:
+            try:
+                memory = self.ops.metrics.pod_memory(spec.namespaces, rule.window_seconds)
+            except MetricsError as exc:
+                problem = str(exc)
+        recs = [] if problem else [
+            recommend(key, [memory[(ns, p)] for p in pods if (ns, p) in memory], gpus, rule)
+            for key, ns, pods, gpus in workloads]
+        recs.sort(key=lambda r: (-r.saving_usd_per_month, r.workload))
+        self.ops.patch_status(policy.name, {
+            "enforcedMode": "Recommend",
+            "conditions": [_condition("GpuMetrics", not problem, "Measured" if not problem else "NotMeasured",
+                                      problem or "DCGM series found")],
+            "evaluatedAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "savingUsdPerMonth": round(sum(r.saving_usd_per_month for r in recs), 2),
+            "recommendations": [r.status() for r in recs[:MAX_DECISIONS]]}, key=FIT_STATUS_KEY)
+        return recs
+
+    def evaluate_policy(self, policy: ScaleToZeroPolicy) -> list[Candidate]:
+        spec = policy.spec
+        mode = spec.effective_mode(self.default_mode())
+        mode_reason = ""
+        if not self.prometheus_configured and mode != "Recommend":
+            mode, mode_reason = "Recommend", NO_PROMETHEUS
+        permitted = [ns for ns in spec.namespaces if self.ops.can_scale(ns)]
+        refused = [ns for ns in spec.namespaces if ns not in permitted]
+        for ns in refused:
+            log.warning("ScaleToZero policy %s: %s", policy.name, scale_role_missing(ns))
+        decisions: list[dict[str, Any]] = []
+        candidates: list[Candidate] = []
+        workloads: list[tuple[WorkloadRef, list[str]]] = []
+        for ns in permitted:
+            ns_pods = self.ops.core.list_namespaced_pod(ns).items
+            for ref, w in self.ops.list_workloads(ns, list(spec.selector.kinds), spec.selector.match_labels):
+                if spec.excluded(ns, ref.name):
+                    decisions.append({"workload": ref.key, "idle": False, "reason": "excluded by the policy"})
+                    continue
+                if (w.spec.replicas if w.spec.replicas is not None else 1) == 0:
+                    decisions.append({"workload": ref.key, "idle": False, "reason": "at 0 replicas"})
+                    continue
+                workloads.append((ref, sorted(p.metadata.name for p in self.ops.pods_of(w, ns_pods))))
+        metrics_problem = ""
+        activity: dict[tuple[str, str], PodActivity] = {}
+        if self.ops.metrics is None:
+            metrics_problem = NO_PROMETHEUS
+        elif workloads:
+            try:
+                activity = self.ops.metrics.pod_activity(permitted, spec.idle.idle_for_seconds)
+            except MetricsError as exc:
+                metrics_problem = str(exc)
+        for ref, pods in workloads:
+            if metrics_problem:
+                decisions.append({"workload": ref.key, "idle": False, "reason": f"not measured: {metrics_problem}"})
+                continue
+            verdict = judge_idle([(ref.namespace, p) for p in pods], activity, threshold=spec.idle.threshold,
+                                 idle_for_s=spec.idle.idle_for_seconds, min_coverage=spec.idle.min_coverage)
+            decisions.append({"workload": ref.key, "idle": verdict.idle, "reason": verdict.reason})
+            if verdict.idle:
+                candidates.append(Candidate(policy=policy.name, workload=ref, reason=verdict.reason))
+        decisions.sort(key=lambda d: (not d["idle"], d["workload"]))
+        conditions = [
+            _condition("PrometheusConfigured", self.prometheus_configured,
+                       "Configured" if self.prometheus_configured else "NoPrometheusUrl",
+                       "prometheus.url is set" if self.prometheus_configured else NO_PROMETHEUS),
+            _condition("ScaleRolePresent", not refused, "AllNamespaces" if not refused else "ScaleRoleMissing",
+                       "; ".join(scale_role_missing(ns) for ns in refused) or
+                       f"may scale in {', '.join(permitted)}"),
+            _condition("GpuMetrics", not metrics_problem, "Measured" if not metrics_problem else "NotMeasured",
+                       metrics_problem or "DCGM series found"),
+        ]
+        self.ops.patch_status(policy.name, {
+            "enforcedMode": mode, "modeReason": mode_reason, "conditions": conditions,
+            "refusedNamespaces": refused, "evaluatedAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "idleWorkloads": len(candidates), "decisions": decisions[:MAX_DECISIONS]})
+        return candidates
+
+    # -- acting -------------------------------------------------------------------------------------------
+    async def resync(self) -> list[str]:
+        """Evaluate every policy and make sure each idle workload has its operation; their workflow IDs."""
+        candidates = await asyncio.to_thread(self.evaluate)
+        started = []
+        for c in candidates:
+            wf_id = scale_workflow_id(self.cluster, c.policy, c.workload)
+            handle = await self.temporal.start_workflow(
+                "ScaleWorkflow",
+                ScaleInput(cluster=self.cluster, policy=c.policy, workload=c.workload,
+                           default_mode=self.default_mode(), prometheus_configured=self.prometheus_configured,
+                           settings=self.settings),
+                id=wf_id, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                static_summary=f"ScaleToZero {c.workload.key} (policy {c.policy})")
+            started.append(handle.id)
+        self.started += started
+        return started
+
+    async def check_prerequisites(self) -> None:
+        """R1.6: at start and then every ``prerequisites_every`` seconds; a line each when one changes."""
+        now = asyncio.get_running_loop().time()
+        if self.prerequisites is None or now - self._prereq_checked < self.prerequisites_every:
+            return
+        self._prereq_checked = now
+        self._prereq_log.report(await asyncio.to_thread(self.prerequisites))
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.check_prerequisites()
+                await self.resync()
+            except Exception:
+                log.exception("ScaleToZero resync failed; retrying in %gs", self.resync_seconds)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.resync_seconds):
+                    await self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@contextlib.asynccontextmanager
+async def running(watcher: ScaleWatcher) -> AsyncIterator[ScaleWatcher]:
+    task = asyncio.create_task(watcher.run(), name="scale-watcher")
+    try:
+        yield watcher
+    finally:
+        watcher.stop()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(task, timeout=watcher.resync_seconds + 30)
