@@ -20,13 +20,13 @@ from models.operation import SERVE_QUEUE_SUFFIX
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.watcher import PendingPodWatcher, running
-from workflows.burst import BurstWorkflow
+from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
-from workflows.ledger import PolicyLedgerWorkflow
+from workflows.provision import ProvisionWorkflow
 
 log = logging.getLogger("kubeon.worker")
-WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow, HubSyncWorkflow]
+WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 

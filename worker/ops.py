@@ -12,7 +12,7 @@ from temporalio.service import RPCError
 from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.operation import Approval, DecisionResult, OperationView, Rejection
+from models.operation import Approval, DecisionResult, OperationView, ProvisionView, Rejection
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
            "show"]
@@ -28,18 +28,21 @@ class OperationRow:
     policy: str
     location: str
     started: str
+    batch: str = ""
 
     @classmethod
     def header(cls) -> list[str]:
-        return ["OPERATION", "KIND", "PHASE", "STATUS", "POLICY", "LOCATION", "STARTED", "WORKFLOW"]
+        return ["OPERATION", "KIND", "BATCH", "PHASE", "STATUS", "POLICY", "LOCATION", "STARTED", "WORKFLOW"]
 
     def cells(self) -> list[str]:
-        return [self.operation, self.kind, self.phase, self.status, self.policy, self.location, self.started,
-                self.workflow_id]
+        return [self.operation, self.kind, self.batch, self.phase, self.status, self.policy, self.location,
+                self.started, self.workflow_id]
 
 
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
-    query = f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain')"
+    """Provisioning workflows (one per policy; OPERATION is its open or latest batch), their batches' nodes
+    (BATCH) and drains."""
+    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain')"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []
@@ -50,6 +53,7 @@ async def list_operations(temporal: Client, *, cluster: str | None = None, limit
             workflow_id=wf.id, operation=attrs.get(sa.OPERATION) or "", kind=attrs.get(sa.OPERATION_KIND) or "",
             status=wf.status.name if wf.status else "", phase=attrs.get(sa.PHASE) or "",
             policy=attrs.get(sa.POLICY) or "", location=attrs.get(sa.LOCATION) or "", started=started,
+            batch=attrs.get(sa.BATCH) or "",
         ))
     return rows
 
@@ -65,8 +69,13 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView:
+async def show(temporal: Client, operation: str) -> OperationView | ProvisionView:
+    """A node (launch ... return home) or a policy's provisioning (its open proposal, plan, batches, nodes)."""
     handle = await resolve(temporal, operation)
+    desc = await handle.describe()
+    if desc.workflow_type == "Provision":
+        view: ProvisionView = await handle.query("state", result_type=ProvisionView)
+        return view
     result: OperationView = await handle.query("state", result_type=OperationView)
     return result
 
