@@ -99,6 +99,11 @@ class ProvisionWorkflow:
     def pods_gone(self, msg: PodsGone) -> None:
         for uid in msg.uids:
             self._forget(uid)
+        # Pods bound anywhere change the room on the policy's nodes: pods that no plan could place yet are
+        # looked at again (their reason may have changed, or a node they were planned onto was taken).
+        keys = {p.key for p in self.waiting.values()}
+        if any(k in self.unplaced for k in keys):
+            self.dirty = True
 
     @workflow.signal(name="node_finished")
     def node_finished(self, msg: NodeFinished) -> None:
