@@ -353,15 +353,26 @@ class ProvisionWorkflow:
         record.phase = Phase.AWAITING_APPROVAL
         self._set_phase(Phase.AWAITING_APPROVAL, f"batch {record.batch}: {record.plan.summary()}")
         await self._audit(record, "proposed")
+        planned = {pod for n in record.plan.new_nodes for pod in n.pods}
+
+        def wanted() -> bool:
+            return any(p.key in planned for p in self.waiting.values())
+
         try:
-            await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
-                                          timeout=timedelta(seconds=s.approval_timeout_seconds))
+            await workflow.wait_condition(
+                lambda: self.approval is not None or self.rejection is not None or not wanted(),
+                timeout=timedelta(seconds=s.approval_timeout_seconds))
         except TimeoutError:
             self.proposal = None
             self._decided(record, Phase.EXPIRED, f"no approval within {s.approval_timeout_seconds}s")
             await self._audit(record, "expired")
             return False
         self.proposal = None
+        if self.approval is None and self.rejection is None:  # every pod it was for is gone (bound, deleted)
+            record.phase, record.message = Phase.COMPLETED, "withdrawn: none of its pods waits any more"
+            self._keep(record)
+            await self._audit(record, "withdrawn", record.message)
+            return False
         if self.rejection is not None:
             r = self.rejection
             self._decided(record, Phase.REJECTED, f"rejected by {r.approver}: {r.reason}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -159,7 +160,7 @@ def pods_st(draw: st.DrawFn) -> list[PendingPod]:
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> dict[str, object]:
+def cases(draw: st.DrawFn) -> dict[str, Any]:
     catalogue = draw(offerings_st)
     rooms = [Room(name=f"burst-{i}", labels=node_labels(o, "p"), free=draw(st.integers(1, o.gpus)))
              for i, o in enumerate(draw(st.lists(st.sampled_from(catalogue), max_size=2)) if catalogue else [])]
@@ -169,12 +170,12 @@ def cases(draw: st.DrawFn) -> dict[str, object]:
             "max_new_nodes": draw(st.integers(0, 5))}
 
 
-def _exhaustive(case: dict[str, object]) -> tuple[int, float]:
+def _exhaustive(case: dict[str, Any]) -> tuple[int, float]:
     """(most pods served, least $/h for that) over every assignment of pods to rooms and new nodes."""
-    pods = [p for p in case["pods"] if p.tolerates(TAINT)]  # type: ignore[attr-defined]
-    rooms: list[Room] = case["rooms"]  # type: ignore[assignment]
-    eligible, _ = eligible_offerings(case["offerings"], case["locations"], case["max_gpu_hour"])  # type: ignore[arg-type]
-    max_new: int = case["max_new_nodes"]  # type: ignore[assignment]
+    pods = [p for p in case["pods"] if p.tolerates(TAINT)]
+    rooms: list[Room] = case["rooms"]
+    eligible, _ = eligible_offerings(case["offerings"], case["locations"], case["max_gpu_hour"])
+    max_new: int = case["max_new_nodes"]
     best = (0, 0.0)
     # Each pod: unplaced (-1), a room (0..R-1), or a new node (R + block, blocks numbered in order of use).
     r = len(rooms)
@@ -207,16 +208,16 @@ def _exhaustive(case: dict[str, object]) -> tuple[int, float]:
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_planner_properties(case: dict[str, object]) -> None:
-    plan = plan_pods(batch="op-b", policy="p", taint_key=TAINT, **case)  # type: ignore[arg-type]
-    pods = {p.key: p for p in case["pods"]}  # type: ignore[attr-defined]
-    rooms = {room.name: room for room in case["rooms"]}  # type: ignore[attr-defined]
-    assert len(plan.new_nodes) <= case["max_new_nodes"]  # type: ignore[operator]
+def test_planner_properties(case: dict[str, Any]) -> None:
+    plan = plan_pods(batch="op-b", policy="p", taint_key=TAINT, **case)
+    pods = {p.key: p for p in case["pods"]}
+    rooms = {room.name: room for room in case["rooms"]}
+    assert len(plan.new_nodes) <= case["max_new_nodes"]
     seen: list[str] = []
     for node in plan.new_nodes:
         o = node.offering
-        assert o.location in case["locations"]  # type: ignore[operator]
-        assert o.usd_per_gpu_hour <= case["max_gpu_hour"]  # type: ignore[operator]
+        assert o.location in case["locations"]
+        assert o.usd_per_gpu_hour <= case["max_gpu_hour"]
         members = [pods[k] for k in node.pods]
         assert members and sum(p.gpus for p in members) == node.gpus_used <= o.gpus
         assert all(pod_matches(p, node_labels(o, "p")) and p.tolerates(TAINT) for p in members)

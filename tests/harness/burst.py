@@ -177,6 +177,7 @@ async def provision_state(temporal: Any, cluster: str, policy: str, check: Any =
                           timeout: float = 90.0) -> ProvisionView:
     """The provisioning's state once ``check(view)`` holds (or once it answers, without a check)."""
     import asyncio
+    import contextlib
     import time
     from datetime import timedelta
 
@@ -184,10 +185,8 @@ async def provision_state(temporal: Any, cluster: str, policy: str, check: Any =
     deadline = time.monotonic() + timeout
     last: ProvisionView | None = None
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(Exception):  # not started yet, or the worker is restarting
             last = await handle.query("state", result_type=ProvisionView, rpc_timeout=timedelta(seconds=10))
-        except Exception:  # not started yet, or the worker is restarting
-            pass
         if last is not None and (check is None or check(last)):
             return last
         await asyncio.sleep(0.2)
@@ -213,6 +212,21 @@ async def node_for(temporal: Any, cluster: str, policy: str, pod_prefix: str, ti
     return temporal.get_workflow_handle(node_workflows(view, pod_prefix)[0])
 
 
+async def approve_batch(temporal: Any, cluster: str, policy: str, pod_prefix: str, approver: str = "alice"
+                        ) -> tuple[Any, Any]:
+    """Approve (Approve mode) the proposal covering pods named ``pod_prefix``...: (the batch record, the handle
+    of the node workflow started for those pods)."""
+    from models.operation import Approval
+    from worker import ops
+
+    view = await provision_state(temporal, cluster, policy, lambda v: v.proposal is not None and any(
+        p.startswith(pod_prefix) for n in v.proposal.plan.new_nodes for p in n.pods))
+    assert view.proposal is not None
+    await ops.approve(temporal, view.proposal.batch, Approval(approver=approver,
+                                                              plan_id=view.proposal.plan.plan_id))
+    return view.proposal, await node_for(temporal, cluster, policy, pod_prefix)
+
+
 def worker_process(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
     """`kubeon-gpu worker` as its own process (crash tests SIGKILL it)."""
     env = {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None}}
@@ -225,5 +239,5 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-__all__ = ["BurstStack", "build_stack", "gpu_deployment", "node_for", "node_workflows", "provision_state",
-           "provisioning", "result", "unique", "wait_for", "wait_phase", "worker_process"]
+__all__ = ["BurstStack", "approve_batch", "build_stack", "gpu_deployment", "node_for", "node_workflows",
+           "provision_state", "provisioning", "result", "unique", "wait_for", "wait_phase", "worker_process"]
