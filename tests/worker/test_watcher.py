@@ -79,8 +79,9 @@ class FlakyWatcher(PendingPodWatcher):
 def watcher_for(runtime: Runtime, temporal: Client, cls: type[PendingPodWatcher] = PendingPodWatcher,
                 **kwargs: Any) -> Any:
     s = runtime.settings
+    kwargs.setdefault("resync_seconds", 1)
     return cls(kube=runtime.kube, temporal=temporal, cluster=s.cluster, task_queue=s.task_queue,
-               default_mode=lambda: "Recommend", settings=s.operation_settings(), resync_seconds=1, **kwargs)
+               default_mode=lambda: "Recommend", settings=s.operation_settings(), **kwargs)
 
 
 async def all_unschedulable(core: client.CoreV1Api, namespace: str, count: int) -> None:
@@ -109,7 +110,9 @@ async def test_pods_go_to_their_policys_provisioning_and_a_failed_send_is_retrie
     batch = view.batches[0]
     assert batch.phase == Phase.PROPOSED
     assert {n.offering.gpu_product for n in batch.plan.new_nodes} == {product}
-    assert sum(len(n.pods) for b in view.batches for n in b.plan.new_nodes) == 6
+    # maxNodes 4 (one-GPU nodes): four pods planned, two named as waiting for capacity.
+    assert sum(len(n.pods) for b in view.batches for n in b.plan.new_nodes) == 4
+    assert len([u for u in batch.plan.unplaced if "maxNodes 4 reached" in u.why]) == 2
 
 
 async def test_two_replicas_make_one_provisioning_and_one_plan(
