@@ -124,7 +124,7 @@ class Bench:
         self.cluster.admin.custom.create_cluster_custom_object("gpu.kubeon.io", "v1", "gpupolicies", {
             "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name},
             "spec": {"kind": "Burst", "mode": "Automatic", "workloads": {"tolerate": "gpu.kubeon.io/burst"},
-                     "locations": POLICY_LOCATIONS, "limits": {"maxNodes": 2000, "maxGpuHour": 100},
+                     "locations": POLICY_LOCATIONS, "limits": {"maxNodes": 1000, "maxGpuHour": 100},
                      "returnHome": True}})
 
     async def until(self, check: Any, deadline_s: float, what: str) -> bool:
@@ -164,11 +164,9 @@ def planned_at(views: ProvisionView) -> dict[str, datetime]:
     return out
 
 
-async def idle_scenario(b: Bench, samples: int) -> None:
+async def idle_scenario(b: Bench, samples: int, policy: str) -> None:
     if samples <= 0:
         return
-    policy = f"idle-{b.run}"
-    b.create_policy(policy)
     ns = b.cluster.create_namespace("bench-idle")
     plan, node, bound = [], [], []
     for i in range(samples):
@@ -187,7 +185,7 @@ async def idle_scenario(b: Bench, samples: int) -> None:
             break
         seen = pod()
         new = [n for k, n in b.observer.nodes_snapshot().items() if k not in before]
-        start = seen.unschedulable_cond or seen.unschedulable_seen
+        start = seen.unschedulable_seen or seen.unschedulable_cond
         if start and new:
             node.append((min(n.first_seen for n in new) - start).total_seconds())
         if start and seen.scheduled_seen:
@@ -208,11 +206,9 @@ async def idle_scenario(b: Bench, samples: int) -> None:
                 f"  Unschedulable -> pod bound   {fmt(bound)}"]
 
 
-async def load_scenario(b: Bench, n: int) -> None:
+async def load_scenario(b: Bench, n: int, policy: str) -> None:
     if n <= 0:
         return
-    policy = f"load-{b.run}"
-    b.create_policy(policy)
     ns = b.cluster.create_namespace("bench-load")
     names = [f"load-{i}" for i in range(n)]
     before = set(b.observer.nodes_snapshot())
@@ -242,12 +238,14 @@ async def load_scenario(b: Bench, n: int) -> None:
     view = await b.state(policy)
     pods = [p for p in b.observer.pods_snapshot() if p.namespace == ns]
     nodes = {k: v for k, v in b.observer.nodes_snapshot().items() if k not in before}
-    launched = [nd for batch in view.batches for nd in batch.plan.new_nodes]
+    mine = [batch for batch in view.batches if any(p.startswith(f"{ns}/") for nd in batch.plan.new_nodes
+                                                   for p in nd.pods)]
+    launched = [nd for batch in mine for nd in batch.plan.new_nodes]
     usd = round(sum(nd.offering.usd_per_hour for nd in launched), 4)
     opt_nodes, opt_usd = optimum(offered(b.settings), n)
     at = planned_at(view)
-    to_plan = [(at[f"{ns}/{p.name}"] - (p.unschedulable_cond or p.unschedulable_seen)).total_seconds()
-               for p in pods if f"{ns}/{p.name}" in at and (p.unschedulable_cond or p.unschedulable_seen)]
+    to_plan = [(at[f"{ns}/{p.name}"] - (p.unschedulable_seen or p.unschedulable_cond)).total_seconds()
+               for p in pods if f"{ns}/{p.name}" in at and (p.unschedulable_seen or p.unschedulable_cond)]
     kinds: dict[str, int] = {}
     for nd in launched:
         kinds[nd.offering.instance_type] = kinds.get(nd.offering.instance_type, 0) + 1
@@ -256,7 +254,7 @@ async def load_scenario(b: Bench, n: int) -> None:
                 f"  nodes launched                 {len(nodes)} ({', '.join(f'{c}x {k}' for k, c in kinds.items())});"
                 f" planned {len(launched)}; optimum {opt_nodes}",
                 f"  $/h launched                   {usd:.2f} (optimum {opt_usd:.2f})",
-                f"  batches                        {len(view.batches)}",
+                f"  batches                        {len(mine)}",
                 f"  Unschedulable -> plan          {fmt(to_plan)}",
                 f"  worker CPU seconds             {cpu:.1f}"]
     t1 = time.monotonic()
@@ -338,7 +336,8 @@ async def main_async(args: argparse.Namespace) -> int:
         queue = f"bench-{run}"
         settings = burst.settings(temporal_address=env.client.service_client.config.target_host, task_queue=queue,
                                   locations=sim_locations(args.capacity, args.boot_seconds), cluster_name=queue,
-                                  serve_check_seconds=args.serve_check_seconds)
+                                  serve_check_seconds=args.serve_check_seconds,
+                                  batch_idle_seconds=args.batch_idle_seconds)
         observer = ClusterObserver(Kube.from_kubeconfig(plane.admin_kubeconfig).api,
                                    pod_selector=f"{BENCH_LABEL}={run}",
                                    node_selector="gpu.kubeon.io/operation").start()
@@ -352,8 +351,10 @@ async def main_async(args: argparse.Namespace) -> int:
         b = Bench(args=args, clock=clock, run=run, cluster=cluster, temporal=env.client, settings=settings,
                   worker=proc, sampler=sampler, observer=observer, pool=pool, lines=lines)
         try:
-            await idle_scenario(b, args.latency_samples)
-            await load_scenario(b, args.ops)
+            policy = f"bench-{run}"  # one policy: the watcher gives a pod to the first matching one by name
+            b.create_policy(policy)
+            await idle_scenario(b, args.latency_samples, policy)
+            await load_scenario(b, args.ops, policy)
         finally:
             sampler.sample()
             lines += [f"worker peak RSS {sampler.mib(sampler.peak_rss_kib):.0f} MiB "
@@ -376,6 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-check-seconds", type=int, default=1, help="the worker's serve_check_seconds")
     p.add_argument("--capacity", type=int, default=1000, help="simulated capacity of each sim location")
     p.add_argument("--boot-seconds", type=float, default=0.0, help="simulated boot delay of an instance")
+    p.add_argument("--batch-idle-seconds", type=float, default=Settings.model_fields["batch_idle_seconds"].default,
+                   help="the worker's batch idle window (KUBEON_BATCH_IDLE_SECONDS)")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds any one wait may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, audit.jsonl)")
     return p.parse_args(argv)

@@ -113,7 +113,7 @@ class OperationSettings(Model):
     drain_timeout_seconds: int = 3600
     # Batching: a policy's waiting pods are planned together once no new one arrived for the idle window (0: at
     # once; pods arriving meanwhile go into the next plan), and at the latest this long after the first arrived.
-    batch_idle_seconds: float = 0.3
+    batch_idle_seconds: float = 0.0
     batch_max_seconds: float = 10.0
     # A proposal is read by a person: it gathers a rollout's pods for at least this long before it is made.
     proposal_idle_seconds: float = 2.0

@@ -82,7 +82,7 @@ class Settings(BaseModel):
     join_timeout_seconds: int = 900
     serve_check_seconds: int = 30
     # Batching of a policy's waiting pods (see OperationSettings): idle window and longest wait before a plan.
-    batch_idle_seconds: float = 0.3
+    batch_idle_seconds: float = 0.0
     batch_max_seconds: float = 10.0
 
     @field_validator("hub_poll_interval", mode="before")

@@ -64,7 +64,12 @@ class PendingPodWatcher:
     settings: OperationSettings = field(default_factory=OperationSettings)
     # Every this long the cached pods still Unschedulable are sent again.
     resync_seconds: float = 30.0
+    # A rollout's pods turn Unschedulable over a few hundred milliseconds (the ReplicaSet creates them in
+    # doubling batches): events are gathered until none came for debounce_seconds, at most debounce_max_seconds,
+    # so they reach the provisioning (which plans at once) as one batch. Timed here, in process: a durable timer
+    # in the workflow would fire with the server's coarser timer resolution.
     debounce_seconds: float = 0.2
+    debounce_max_seconds: float = 1.0
     # Signals in flight (one per policy per batch of events).
     start_concurrency: int = 32
     resyncs: int = field(default=0, init=False)
@@ -99,10 +104,16 @@ class PendingPodWatcher:
                 except TimeoutError:
                     pass
                 if first is not None:
-                    await asyncio.sleep(self.debounce_seconds)  # gather the rest of a rollout's pods into one batch
                     events = [first]
-                    while not queue.empty():
-                        events.append(queue.get_nowait())
+                    until = loop.time() + self.debounce_max_seconds
+                    while (left := min(self.debounce_seconds, until - loop.time())) > 0:
+                        try:
+                            async with asyncio.timeout(left):
+                                events.append(await queue.get())
+                        except TimeoutError:
+                            break
+                        while not queue.empty():
+                            events.append(queue.get_nowait())
                     await self._guarded(self.handle(self.observe(events)))
                 if loop.time() >= next_resync:
                     await self._guarded(self.resync())
