@@ -109,13 +109,10 @@ def eligible_offerings(offerings: Iterable[Offering], locations: list[str], max_
 
 def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod], rooms: list[Room],
               offerings: list[Offering], locations: list[str], max_gpu_hour: float, max_new_nodes: int,
-              max_nodes: int | None = None, preferred: dict[str, str] | None = None,
-              headroom_at_limit: bool = True) -> BatchPlan:
+              max_nodes: int | None = None, preferred: dict[str, str] | None = None) -> BatchPlan:
     """The plan for ``pods``. ``rooms``: nodes already there with free GPUs; ``max_new_nodes``: what maxNodes
     leaves; ``preferred``: pod -> node it was planned onto before (kept when it still fits, so plans are
-    stable). ``headroom_at_limit``: a plan that uses every node maxNodes leaves makes each of them the largest
-    offering its pods fit (the cheapest such): no node can be added later, so pods still to come (a rollout's
-    stragglers) find room on them instead of waiting for a node to free up."""
+    stable)."""
     eligible, refused = eligible_offerings(offerings, locations, max_gpu_hour)
     labels = [node_labels(o, policy) for o in eligible]
     order = sorted(pods, key=lambda p: (-p.gpus, p.key))
@@ -145,14 +142,6 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
     else:
         _heuristic(state, rooms, eligible, budget, preferred or {})
 
-    if headroom_at_limit and budget and len(state.nodes) == budget:
-        for k, (_oi, members) in enumerate(state.nodes):
-            common = ~0
-            for m in members:
-                common &= offer_mask[m]
-            need = sum(placeable[m].gpus for m in members)
-            fits = [i for i in range(len(eligible)) if common >> i & 1 and eligible[i].gpus >= need]
-            state.nodes[k] = (max(fits, key=lambda i: (eligible[i].gpus, -eligible[i].usd_per_hour, -i)), members)
     placed = set(state.on_existing)
     new_nodes: list[PlannedNode] = []
     for oi, members in state.nodes:

@@ -117,6 +117,9 @@ class OperationSettings(Model):
     batch_max_seconds: float = 10.0
     # A proposal is read by a person: it gathers a rollout's pods for at least this long before it is made.
     proposal_idle_seconds: float = 2.0
+    # Automatic, where the waiting pods could take every node maxNodes leaves: a rollout's stragglers are gathered
+    # this long first, or the nodes planned for the first of its pods would leave none for the rest.
+    limit_idle_seconds: float = 1.0
     # Pods of a rejected, expired or recommended batch are planned again only after this long (if still waiting);
     # pods whose node failed after a back-off from retry_seconds, doubling, up to this.
     recheck_seconds: float = 600.0

@@ -296,6 +296,8 @@ class ProvisionWorkflow:
         policy = self.policy
         idle = s.batch_idle_seconds if policy.mode == "Automatic" else max(s.batch_idle_seconds,
                                                                            s.proposal_idle_seconds)
+        if len(self.nodes) + len(self._due()) >= policy.max_nodes:
+            idle = max(idle, s.limit_idle_seconds)
         await self._gather(idle)
         self.dirty = False
         self.first_arrival = self.last_arrival = None
