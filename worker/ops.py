@@ -101,6 +101,11 @@ async def hub_status(temporal: Client, cluster: str) -> HubSyncStatus:
 async def cancel(temporal: Client, operation: str) -> str:
     handle = await resolve(temporal, operation)
     desc = await handle.describe()
+    if desc.workflow_type == "Provision":
+        # The provisioning holds maxNodes and the nodes of every batch: it is not cancelled; its nodes are, one
+        # by one, and a proposal is rejected.
+        raise DecisionRefused(f"{operation} is the policy's provisioning, not a node: reject its proposal "
+                              "(`ops reject`) or cancel a node (`ops list` shows them)")
     if desc.status != WorkflowExecutionStatus.RUNNING:
         raise DecisionRefused(f"operation {operation} is {desc.status.name if desc.status else '?'}, not running")
     await handle.cancel()

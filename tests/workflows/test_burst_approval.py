@@ -220,6 +220,8 @@ async def test_rejection_launches_nothing_and_stale_or_late_decisions_are_refuse
     assert recorded.actions(batch) == ["proposed", "rejected"]
     with pytest.raises(ops.DecisionRefused, match="not awaiting approval"):
         await ops.approve(server.client, handle.id, Approval(approver="dave"))
+    with pytest.raises(ops.DecisionRefused, match="the policy's provisioning, not a node"):
+        await ops.cancel(server.client, handle.id)  # it holds maxNodes and every batch's nodes
 
 
 async def test_signal_approval_from_the_ui_starts_one_node_workflow_per_planned_node(env: Env) -> None:
