@@ -9,6 +9,7 @@ tested; the real activities are tested on the real parts elsewhere). Planning ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -46,8 +48,10 @@ from models.operation import (
     ProvisionView,
     Rejection,
 )
+from tests.harness.temporal import test_server_path
 from worker import ops
 from worker.main import workflow_runner
+from worker.runtime import register_search_attributes
 from workflows.burst import BurstNodeWorkflow
 from workflows.provision import ProvisionWorkflow
 
@@ -70,6 +74,7 @@ class Recorded:
     released: asyncio.Event = field(default_factory=asyncio.Event)
     gate_checks: list[str] = field(default_factory=list)
     launch_hangs: bool = False
+    provisionings: list[str] = field(default_factory=list)
 
     def serve_activities(self) -> list[Callable[..., Any]]:
         @activity.defn(name="await_actions_allowed")
@@ -106,8 +111,9 @@ class Recorded:
         @activity.defn(name="launch_instance")
         async def launch_instance(req: LaunchRequest) -> None:
             self.launches.append(req)
-            if self.launch_hangs:  # a launch still under way: its node holds its place under maxNodes
-                await asyncio.Event().wait()
+            while self.launch_hangs:  # a launch still under way: its node holds its place under maxNodes
+                activity.heartbeat("launching")
+                await asyncio.sleep(0.2)
             raise ApplicationError("must not launch", type="ProviderRejected", non_retryable=True)
 
         @activity.defn(name="cleanup_operation")
@@ -122,12 +128,28 @@ class Recorded:
 
 
 Env = tuple[WorkflowEnvironment, str, Recorded]
+RECORDED: dict[str, Recorded] = {}  # task queue -> what its test started
 
 
 @pytest.fixture
-async def env(temporal_time_skipping: WorkflowEnvironment) -> AsyncIterator[Env]:
+async def own_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
+    """A time-skipping server of this test alone: a provisioning is long-lived (timers, a node's launch under
+    way), and on the session's shared server what it leaves would hold up later tests' time skipping."""
+    server = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(test_server_path()),
+                                                           data_converter=pydantic_data_converter)
+    await register_search_attributes(server.client)
+    try:
+        yield server
+    finally:
+        await server.shutdown()
+
+
+@pytest.fixture
+async def env(own_time_skipping: WorkflowEnvironment) -> AsyncIterator[Env]:
+    temporal_time_skipping = own_time_skipping
     recorded = Recorded()
     queue = f"q-{uuid.uuid4().hex[:6]}"
+    RECORDED[queue] = recorded
     client = temporal_time_skipping.client
     async with (
         Worker(client, task_queue=queue, workflows=[ProvisionWorkflow, BurstNodeWorkflow],
@@ -135,6 +157,17 @@ async def env(temporal_time_skipping: WorkflowEnvironment) -> AsyncIterator[Env]
         Worker(client, task_queue=queue + SERVE_QUEUE_SUFFIX, activities=recorded.serve_activities()),
     ):
         yield temporal_time_skipping, queue, recorded
+        # The time-skipping server is shared by the session: end what this test started (the provisioning is
+        # long-lived; its timers would keep later tests' time skipping busy).
+        recorded.launch_hangs = False
+        for wf_id in recorded.provisionings:
+            with contextlib.suppress(Exception):
+                view: ProvisionView = await client.get_workflow_handle(wf_id).query(ProvisionWorkflow.state)
+                for node in [n for b in view.batches for n in b.nodes]:
+                    with contextlib.suppress(Exception):
+                        await client.get_workflow_handle(node).terminate("test over")
+            with contextlib.suppress(Exception):
+                await client.get_workflow_handle(wf_id).terminate("test over")
 
 
 def _pods(count: int, prefix: str = "infer") -> list[PendingPod]:
@@ -146,6 +179,7 @@ def _pods(count: int, prefix: str = "infer") -> list[PendingPod]:
 async def _send(client: Client, queue: str, wf_id: str, pods: list[PendingPod], **inp: Any
                 ) -> WorkflowHandle[Any, Any]:
     """What every watcher replica does: signal-with-start the policy's provisioning."""
+    RECORDED[queue].provisionings.append(wf_id)
     return await client.start_workflow(
         ProvisionWorkflow.run,
         ProvisionInput(cluster="c", policy="p", settings=OperationSettings(approval_timeout_seconds=3600), **inp),
