@@ -10,7 +10,6 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 
 from activities.audit import AuditLog
@@ -22,7 +21,7 @@ from activities.gateway import (
     render_user_data,
 )
 from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
-from activities.planning import rank_offerings
+from activities.planning import Room, node_labels, plan_pods
 from activities.policy_sync import hold_reason
 from activities.providers.base import (
     InstanceNotFoundError,
@@ -32,36 +31,30 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
-from activities.tracing import traced, untraced
+from activities.tracing import traced
 from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
 from models.locations import BurstConfig
 from models.operation import (
     AuditRecord,
+    BatchPlan,
+    BatchPlanRequest,
     CleanupRequest,
     CleanupResult,
     EvictionResult,
     GoneCheck,
-    GroupPlacement,
     Instance,
     InstanceRef,
     LaunchRequest,
-    LedgerInput,
-    LedgerReserve,
     LoadPolicyRequest,
     NodeExpectation,
     NodeRef,
     NodeRemoval,
     NodeWaitRequest,
     Offering,
-    PlacementRequest,
-    Plan,
-    PlanRequest,
     PolicySnapshot,
     ServeCheckRequest,
     ServeCheckResult,
     VerifyResult,
-    WorkloadGroup,
-    ledger_workflow_id,
 )
 
 # Error types the workflows branch on (ApplicationError.type).
@@ -74,7 +67,6 @@ NOT_OWNED = "NotOwned"
 PROVIDER_REJECTED = "ProviderRejected"
 HELD = "Held"
 
-LEDGER_WORKFLOW = "PolicyLedger"
 # Where audit records go for the hub (the worker signals the hub sync workflow); None without a hub.
 ReportSink = Callable[[ActionReport], Awaitable[None]]
 
@@ -84,16 +76,6 @@ def beat(details: str) -> None:
     activity.heartbeat(details)
     if activity.is_cancelled():
         raise asyncio.CancelledError(f"cancelled while {details}")
-
-
-@untraced  # the ledger outlives the operation that starts it: its own traces
-async def signal_ledger(temporal: Client, task_queue: str, cluster: str, policy: str, signal: str,
-                        arg: object) -> None:
-    """Signal-with-start on the policy's ledger workflow."""
-    await temporal.start_workflow(
-        LEDGER_WORKFLOW, LedgerInput(cluster=cluster, policy=policy), id=ledger_workflow_id(cluster, policy),
-        task_queue=task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        start_signal=signal, start_signal_args=[arg])
 
 
 # Sync activities run in threads. They are never interrupted by an injected CancelledError (one raised inside a
@@ -153,11 +135,10 @@ class BurstActivities:
             max_gpu_hour=float(spec.limits.max_gpu_hour), return_home=spec.return_home,
         )
 
-    @activity.defn(name="plan_burst", no_thread_cancel_exception=True)
-    def plan_burst(self, req: PlanRequest) -> Plan:
+    def _offerings(self, locations: list[str]) -> tuple[list[Offering], list[str]]:
         offerings: list[Offering] = []
         unavailable: list[str] = []
-        for location in req.locations:
+        for location in locations:
             try:
                 self.config.location(location)
                 offerings += self._provider(location).price_offerings(location)
@@ -165,21 +146,28 @@ class BurstActivities:
                 unavailable.append(f"{location}: {exc.args[0]}")
             except (ProviderError, ApplicationError) as exc:
                 unavailable.append(f"{location}: {exc}")
-        plan = rank_offerings(req, offerings)
+        return offerings, unavailable
+
+    @activity.defn(name="plan_batch", no_thread_cancel_exception=True)
+    def plan_batch(self, req: BatchPlanRequest) -> BatchPlan:
+        """Plan the batch: which of its pods still wait, the room on the policy's burst nodes, the offerings of
+        its locations priced now; then the pure planner (activities.planning)."""
+        still = self.kube.waiting_uids({p.uid for p in req.pods})
+        waiting = [p for p in req.pods if p.uid in still]
+        used = self.kube.gpus_on_nodes({n.node_name for n in req.nodes})
+        rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
+                      free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
+        preferred = {pod: n.node_name for n in req.nodes for pod in n.pods}
+        offerings, unavailable = self._offerings(req.policy.locations) if waiting else ([], [])
+        p = req.policy
+        plan = plan_pods(batch=req.batch, policy=p.name, taint_key=p.tolerate, pods=waiting,
+                         rooms=[r for r in rooms if r.free > 0], offerings=offerings, locations=p.locations,
+                         max_gpu_hour=p.max_gpu_hour, max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes,
+                         preferred=preferred)
+        plan.gone = [pod.uid for pod in req.pods if pod.uid not in still]
         plan.refused = unavailable + plan.refused
+        plan.planned_at = self.clock()
         return plan
-
-    # -- the per-policy ledger (maxNodes across operations) ----------------------------------------------------
-    def _client(self) -> Client:
-        if self.temporal is None:
-            raise ApplicationError("activities were started without a Temporal client", non_retryable=True)
-        return self.temporal
-
-    @activity.defn(name="request_capacity")
-    async def request_capacity(self, req: LedgerReserve) -> None:
-        """Queue a reservation in the policy's ledger (starting the ledger on first use). The answer comes to
-        the requesting workflow as the signal ``capacity_granted``."""
-        await signal_ledger(self._client(), self.task_queue, req.cluster, req.policy, "request", req.request)
 
     # -- launch ------------------------------------------------------------------------------------------------
     @activity.defn(name="launch_instance", no_thread_cancel_exception=True)
@@ -237,19 +225,9 @@ class BurstActivities:
         except VerificationFailed as exc:
             raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
 
-    @activity.defn(name="pending_pods", no_thread_cancel_exception=True)
-    def pending_pods(self, group: WorkloadGroup) -> int:
-        """How many of the group's pods still wait for a node (0: nothing left to burst for)."""
-        return self.kube.pending_group_pods(group)
-
-    @activity.defn(name="group_placement", no_thread_cancel_exception=True)
-    def group_placement(self, req: PlacementRequest) -> GroupPlacement:
-        """Whether the group still needs a node: pods waiting, or pods that took another operation's node."""
-        return self.kube.group_placement(req.group, req.operation)
-
     @activity.defn(name="serve_until_done")
     async def serve_until_done(self, req: ServeCheckRequest) -> ServeCheckResult:
-        """Hold while the burst node serves; return once the group is gone or (returnHome) home has room.
+        """Hold while the burst node serves; return once the node is idle or (returnHome) home has room.
         One long heartbeating activity instead of a workflow timer loop keeps the history short. It is async and
         runs on the serve task queue (see SERVE_QUEUE_SUFFIX): a serving operation holds no thread and no slot
         of the activities that do the work, so hundreds can serve at once."""
@@ -350,8 +328,8 @@ class BurstActivities:
 
     def all(self) -> list[Callable[..., Any]]:
         return [
-            self.load_policy, self.plan_burst, self.request_capacity, self.launch_instance,
-            self.wait_for_node, self.verify_node, self.pending_pods, self.group_placement, self.cordon_node,
+            self.load_policy, self.plan_batch, self.launch_instance,
+            self.wait_for_node, self.verify_node, self.cordon_node,
             self.evict_pods, self.terminate_instance, self.remove_node, self.confirm_gone, self.cleanup_operation,
             self.record_audit, self.action_gate,
         ]

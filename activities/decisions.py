@@ -45,6 +45,9 @@ async def decide(temporal: Client, operation: str, decision: Approval | Rejectio
     desc = await handle.describe()
     if desc.status != WorkflowExecutionStatus.RUNNING:
         raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
+    if operation.startswith("op-") and decision.operation is None:
+        # Named by its batch (operation) ID: the approval is for that batch only, never a later proposal.
+        decision = decision.model_copy(update={"operation": operation})
     update = APPROVE_UPDATE if isinstance(decision, Approval) else REJECT_UPDATE
     try:
         return await handle.execute_update(update, decision, result_type=DecisionResult)

@@ -10,18 +10,18 @@ from typing import Any
 
 from kubernetes import client, watch
 
+from activities.planning import pod_matches
 from models.operation import (
     GPU_RESOURCE,
     LABEL_LOCATION,
     LABEL_OPERATION,
     EvictionResult,
-    GroupPlacement,
     NodeExpectation,
+    NodeRequirement,
     PendingPod,
     ServeCheckRequest,
     ServeCheckResult,
     VerifyResult,
-    WorkloadGroup,
 )
 from models.policy import API_GROUP, PLURAL, GpuPolicy, PolicyError, parse_policy
 
@@ -57,17 +57,12 @@ def tolerates(pod: client.V1Pod, taint_key: str) -> bool:
 
 
 def could_take(node: client.V1Node, pod: client.V1Pod, taint_key: str) -> bool:
-    """Whether a waiting pod is one this burst node is for: it tolerates the burst taint, its nodeSelector
-    matches the node and its GPU request fits the node. Pods with required node affinity are not judged (never
-    counted), so a pod that can never land here cannot keep a node from going home."""
+    """Whether a waiting pod is one this burst node is for: it tolerates the burst taint, its nodeSelector and
+    required node affinity match the node and its GPU request fits the node."""
     spec = pod.spec
     if spec.node_name or pod.metadata.deletion_timestamp is not None or not tolerates(pod, taint_key):
         return False
-    affinity = spec.affinity.node_affinity if spec.affinity else None
-    if affinity is not None and affinity.required_during_scheduling_ignored_during_execution is not None:
-        return False
-    labels = node.metadata.labels or {}
-    if any(labels.get(k) != v for k, v in (spec.node_selector or {}).items()):
+    if not pod_matches(pending_pod(pod), dict(node.metadata.labels or {})):
         return False
     gpus = gpus_requested(pod)
     allocatable = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0")) if node.status else 0
@@ -145,27 +140,22 @@ class KubeOps:
             return self._rs_owner[key]
         return str(ref.kind), str(ref.name)
 
-    def group_pods(self, group: WorkloadGroup) -> list[client.V1Pod]:
-        pods = self.core.list_namespaced_pod(group.namespace).items
-        if group.owner_kind == "Deployment":  # its pods' ReplicaSets are named <deployment>-<hash>
-            pods = [p for p in pods if any(r.name.startswith(f"{group.owner_name}-")
-                                           for r in p.metadata.owner_references or [])]
-        return [p for p in pods if self.owner_of(p) == (group.owner_kind, group.owner_name)
-                and not _pod_terminal(p) and p.metadata.deletion_timestamp is None]
+    def waiting_uids(self, uids: set[str]) -> set[str]:
+        """Which of these pods still wait for a node (Pending, not bound, not being deleted)."""
+        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=").items
+        return {str(p.metadata.uid) for p in pending
+                if str(p.metadata.uid) in uids and p.metadata.deletion_timestamp is None}
 
-    def pending_group_pods(self, group: WorkloadGroup) -> int:
-        return len([p for p in self.group_pods(group) if not p.spec.node_name])
-
-    def group_placement(self, group: WorkloadGroup, operation: str) -> GroupPlacement:
-        pods = self.group_pods(group)
-        placed_on = {p.spec.node_name for p in pods if p.spec.node_name}
-        others = 0
-        if placed_on:
-            burst_nodes = self.core.list_node(label_selector=LABEL_OPERATION).items
-            taken = {n.metadata.name for n in burst_nodes
-                     if (n.metadata.labels or {}).get(LABEL_OPERATION) != operation}
-            others = len([p for p in pods if p.spec.node_name in taken])
-        return GroupPlacement(pending=len([p for p in pods if not p.spec.node_name]), displaced=others)
+    def gpus_on_nodes(self, names: set[str]) -> dict[str, int]:
+        """GPUs requested by the pods bound to each of these nodes (one list, not one per node)."""
+        used = dict.fromkeys(names, 0)
+        if not names:
+            return used
+        for p in self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items:
+            name = str(p.spec.node_name)
+            if name in used and not _pod_terminal(p):
+                used[name] += gpus_requested(p)
+        return used
 
     def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
         """How many waiting pods (any namespace, any group) this burst node could take."""
@@ -225,10 +215,9 @@ class KubeOps:
                 self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={expect.node_name}").items)]
             if placed:
                 return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
-            if expect.group is not None and self.pending_group_pods(expect.group) == 0 and \
-                    self.waiting_for(node, expect.taint_key) == 0:
-                # Nothing waits that this node could take (the group's pods found room elsewhere): verified but
-                # idle; serving notices that and returns it home.
+            if self.waiting_for(node, expect.taint_key) == 0:
+                # Nothing waits that this node could take (its pods found room elsewhere or are gone): verified
+                # but idle; serving notices that and returns it home.
                 return VerifyResult(node_name=expect.node_name, pods_on_node=[])
             if time.monotonic() > deadline:
                 raise VerificationFailed(
@@ -237,25 +226,20 @@ class KubeOps:
 
     # -- serve ---------------------------------------------------------------------------------------------
     def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:
-        """Done when the burst node is idle and none of the group's pods still waits for a node, or (returnHome)
+        """Done when the burst node is idle (nothing runs on it and no waiting pod could take it), or (returnHome)
         when home nodes have room for everything on it. A burst node serves whatever opted-in pods the scheduler
-        puts there, also other groups' pods of the same policy: those count too, so they are never evicted
-        because "their" operation looks finished."""
+        puts there, whichever batch they were planned in."""
         on_node = self._evictable(self.core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={req.node_name}").items)
         on_node = [p for p in on_node if p.metadata.deletion_timestamp is None]
         if not on_node:
-            waiting = self.pending_group_pods(req.group)
-            if waiting == 0 and req.taint_key:
-                # Another group's pod may be waiting for exactly this node (its own went to someone else's).
-                node = self.core.read_node(req.node_name)
-                waiting = self.waiting_for(node, req.taint_key)
+            waiting = self.waiting_for(self.core.read_node(req.node_name), req.taint_key) if req.taint_key else 0
             if waiting == 0:
                 return ServeCheckResult(done=True, reason="workload gone from the burst node", pods_on_node=0)
             return ServeCheckResult(done=False, pods_on_node=0)
         if req.return_home:
             need = sum(gpus_requested(p) for p in on_node)
-            free = self.home_free_gpus(req.group.node_selector)
+            free = self.home_free_gpus(req.node_selector)
             if free >= need:
                 return ServeCheckResult(done=True, reason=f"home capacity is back ({free} GPU(s) free)",
                                         pods_on_node=len(on_node))
@@ -343,7 +327,31 @@ class KubeOps:
         return True
 
 
+def _affinity_terms(pod: client.V1Pod) -> list[list[NodeRequirement]]:
+    affinity = pod.spec.affinity.node_affinity if pod.spec.affinity else None
+    required = affinity.required_during_scheduling_ignored_during_execution if affinity else None
+    if required is None:
+        return []
+    return [[NodeRequirement(key=e.key, operator=e.operator, values=list(e.values or []))
+             for e in term.match_expressions or []] for term in required.node_selector_terms or []]
+
+
+def _tolerated(pod: client.V1Pod) -> list[str]:
+    keys = []
+    for t in pod.spec.tolerations or []:
+        if t.effect not in (None, "", "NoSchedule"):
+            continue
+        keys.append("*" if t.key in (None, "") and t.operator == "Exists" else str(t.key))
+    return sorted(set(keys))
+
+
 def pending_pod(pod: client.V1Pod) -> PendingPod:
+    """The facts of a waiting pod that planning needs."""
     meta = pod.metadata
-    return PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid or "",
-                      gpus=gpus_requested(pod), node_selector=dict(pod.spec.node_selector or {}))
+    since = None
+    for cond in (pod.status.conditions if pod.status else None) or []:
+        if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
+            since = cond.last_transition_time
+    return PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid or "", gpus=gpus_requested(pod),
+                      node_selector=dict(pod.spec.node_selector or {}), affinity_terms=_affinity_terms(pod),
+                      tolerations=_tolerated(pod), unschedulable_since=since)

@@ -31,6 +31,7 @@ class Model(BaseModel):
 
 class Phase(StrEnum):
     PLANNING = "Planning"
+    IDLE = "Idle"  # a policy's provisioning: no pod waits, no proposal open
     PROPOSED = "Proposed"  # Recommend mode: the plan is the result
     AWAITING_APPROVAL = "AwaitingApproval"
     WAITING_FOR_CAPACITY = "WaitingForCapacity"  # maxNodes reached by other operations of the policy
@@ -58,6 +59,15 @@ class Taint(Model):
     effect: str = BURST_TAINT_EFFECT
 
 
+class NodeRequirement(Model):
+    """One match expression of a pod's required node affinity (``In``, ``NotIn``, ``Exists``, ``DoesNotExist``,
+    ``Gt``, ``Lt``), judged against the labels a burst node would carry."""
+
+    key: str
+    operator: str
+    values: list[str] = Field(default_factory=list)
+
+
 class PendingPod(Model):
     namespace: str
     name: str
@@ -65,40 +75,29 @@ class PendingPod(Model):
     gpus: int = Field(ge=0, default=1)
     # nodeSelector entries the burst node must carry for this pod to land there (e.g. the GPU product).
     node_selector: dict[str, str] = Field(default_factory=dict)
-
-
-class WorkloadGroup(Model):
-    """Pending pods of one owner (a Deployment, Job, StatefulSet, or a bare pod)."""
-
-    namespace: str
-    owner_kind: str
-    owner_name: str
-    pods: list[PendingPod] = Field(default_factory=list)
+    # Required node affinity: the node must match one of these terms (each a list of requirements, all of which
+    # hold). Empty: no affinity.
+    affinity_terms: list[list[NodeRequirement]] = Field(default_factory=list)
+    # Keys of NoSchedule taints the pod tolerates; "*" tolerates every key.
+    tolerations: list[str] = Field(default_factory=list)
+    unschedulable_since: datetime | None = None
 
     @property
     def key(self) -> str:
-        return f"{self.namespace}/{self.owner_kind}/{self.owner_name}"
+        return f"{self.namespace}/{self.name}"
 
-    @property
-    def gpus(self) -> int:
-        return sum(p.gpus for p in self.pods)
-
-    @property
-    def max_pod_gpus(self) -> int:
-        return max((p.gpus for p in self.pods), default=0)
-
-    @property
-    def node_selector(self) -> dict[str, str]:
-        merged: dict[str, str] = {}
-        for p in self.pods:
-            merged.update(p.node_selector)
-        return merged
+    def tolerates(self, taint_key: str) -> bool:
+        return "*" in self.tolerations or taint_key in self.tolerations
 
 
-def burst_workflow_id(cluster: str, policy: str, group_key: str) -> str:
-    """Derived from cluster, policy and group only, so every watcher and every restart names the same workflow."""
-    digest = hashlib.sha256(group_key.encode()).hexdigest()[:12]
-    return f"burst/{cluster}/{policy}/{digest}"
+def provision_workflow_id(cluster: str, policy: str) -> str:
+    """The one provisioning workflow of a policy: every watcher replica and every restart names the same one."""
+    return f"provision/{cluster}/{policy}"
+
+
+def node_workflow_id(cluster: str, policy: str, batch: str, index: int) -> str:
+    """The workflow of the ``index``-th new node of a batch: derived, so a replayed or retried start names it."""
+    return f"burst/{cluster}/{policy}/{batch}-{index}"
 
 
 def operation_id(workflow_id: str, run_id: str) -> str:
@@ -111,16 +110,22 @@ class OperationSettings(Model):
     join_timeout_seconds: int = 900
     verify_timeout_seconds: int = 300
     serve_check_seconds: int = 30
-    capacity_wait_seconds: int = 3600
     drain_timeout_seconds: int = 3600
-
-
-class BurstInput(Model):
-    cluster: str
-    policy: str
-    group: WorkloadGroup
-    default_mode: Mode = "Recommend"
-    settings: OperationSettings = Field(default_factory=OperationSettings)
+    # Batching: a policy's waiting pods are planned together once no new one arrived for the idle window (0: at
+    # once; pods arriving meanwhile go into the next plan), and at the latest this long after the first arrived.
+    batch_idle_seconds: float = 0.0
+    batch_max_seconds: float = 10.0
+    # A proposal is read by a person: it gathers a rollout's pods for at least this long before it is made.
+    proposal_idle_seconds: float = 2.0
+    # Automatic, where the waiting pods could take every node maxNodes leaves: a rollout's stragglers are gathered
+    # this long first, or the nodes planned for the first of its pods would leave none for the rest.
+    limit_idle_seconds: float = 1.0
+    # Pods of a rejected, expired or recommended batch are planned again only after this long (if still waiting);
+    # pods whose node failed after a back-off from retry_seconds, doubling, up to this.
+    recheck_seconds: float = 600.0
+    retry_seconds: float = 30.0
+    # While pods wait that no plan could serve (maxNodes, no offering), they are planned again this often.
+    replan_seconds: float = 30.0
 
 
 class Offering(Model):
@@ -141,36 +146,89 @@ class Offering(Model):
     def usd_per_gpu_hour(self) -> float:
         return round(self.compute_usd_per_gpu_hour + self.transfer_usd_per_gpu_hour, 4)
 
-
-class PlanRequest(Model):
-    policy: str
-    locations: list[str]
-    max_gpu_hour: float
-    group: WorkloadGroup
-
-
-class Plan(Model):
-    plan_id: str
-    policy: str
-    gpus_needed: int
-    # Eligible offerings, cheapest first (per GPU-hour including transfer). Launch tries them in order.
-    candidates: list[Offering]
-    # Offerings seen but refused, with why (over maxGpuHour, wrong GPU, too small); shown with the proposal.
-    refused: list[str] = Field(default_factory=list)
+    @property
+    def transfer_usd_per_hour(self) -> float:
+        return self.transfer_usd_per_gpu_hour * self.gpus
 
     @property
-    def best(self) -> Offering | None:
-        return self.candidates[0] if self.candidates else None
+    def usd_per_hour(self) -> float:
+        """What the node costs per hour: the instance and the estimated transfer of all its GPUs."""
+        return round(self.instance_usd_per_hour + self.transfer_usd_per_hour, 6)
+
+    def describe(self) -> str:
+        return (f"{self.instance_type} ({self.gpus}x {self.gpu_product}) in {self.location} at "
+                f"${self.usd_per_hour:.2f}/h (compute ${self.instance_usd_per_hour:.2f} + est. transfer "
+                f"${self.transfer_usd_per_hour:.2f})")
+
+
+class NodeRecord(Model):
+    """A burst node of the policy that is launching, joining, verifying or serving (the provisioning state)."""
+
+    workflow_id: str
+    node_name: str
+    batch: str
+    offering: Offering
+    pods: list[str] = Field(default_factory=list)  # the pods (namespace/name) it was launched for
+
+
+class PlannedNode(Model):
+    offering: Offering
+    # Other offerings its pods fit, dearer first-choice last: tried in order when a location has no capacity.
+    alternatives: list[Offering] = Field(default_factory=list)
+    pods: list[str] = Field(default_factory=list)
+    gpus_used: int = 0
+
+
+class Unplaced(Model):
+    pod: str
+    why: str
+
+
+class BatchPlan(Model):
+    """One plan for a policy's waiting pods: onto nodes already there, then the cheapest new nodes."""
+
+    plan_id: str
+    batch: str
+    policy: str
+    new_nodes: list[PlannedNode] = Field(default_factory=list)
+    # pod -> the burst node (launching, joining or serving) with room that it is expected on.
+    on_existing: dict[str, str] = Field(default_factory=dict)
+    unplaced: list[Unplaced] = Field(default_factory=list)
+    # uids of the pods asked about that no longer wait (bound, deleted).
+    gone: list[str] = Field(default_factory=list)
+    # Offerings seen but refused, with why (outside the policy, over maxGpuHour, location unavailable).
+    refused: list[str] = Field(default_factory=list)
+    planned_at: datetime | None = None
+
+    @property
+    def total_usd_per_hour(self) -> float:
+        return round(sum(n.offering.usd_per_hour for n in self.new_nodes), 4)
 
     def summary(self) -> str:
-        best = self.best
-        if best is None:
-            return f"no eligible location for {self.gpus_needed} GPU(s)"
-        return (
-            f"{best.instance_type} ({best.gpus}x {best.gpu_product}) in {best.location} at "
-            f"${best.usd_per_gpu_hour:.2f}/GPU-h (compute ${best.compute_usd_per_gpu_hour:.2f} + est. transfer "
-            f"${best.transfer_usd_per_gpu_hour:.2f})"
-        )
+        if not self.new_nodes:
+            parts = [f"no new node: {len(self.on_existing)} pod(s) on nodes already there"]
+        else:
+            counts: dict[str, int] = {}
+            for n in self.new_nodes:
+                what = f"{n.offering.instance_type} in {n.offering.location}"
+                counts[what] = counts.get(what, 0) + 1
+            parts = [f"{len(self.new_nodes)} node(s) for {sum(len(n.pods) for n in self.new_nodes)} pod(s): "
+                     + ", ".join(f"{c}x {w}" for w, c in counts.items())
+                     + f", total ${self.total_usd_per_hour:.2f}/h"]
+            if self.on_existing:
+                parts.append(f"{len(self.on_existing)} pod(s) on nodes already there")
+        if self.unplaced:
+            parts.append(f"{len(self.unplaced)} pod(s) not placed ({self.unplaced[0].why})")
+        return "; ".join(parts)
+
+    def lines(self) -> list[str]:
+        """The plan in full, as the proposal shows it."""
+        out = [f"plan {self.plan_id} (batch {self.batch}): total ${self.total_usd_per_hour:.2f}/h"]
+        for i, n in enumerate(self.new_nodes):
+            out.append(f"- node {i}: {n.offering.describe()}; pods: {', '.join(n.pods)}")
+        out += [f"- {pod} on {node} (already there)" for pod, node in sorted(self.on_existing.items())]
+        out += [f"- not placed: {u.pod}: {u.why}" for u in self.unplaced]
+        return out
 
 
 class PolicySnapshot(Model):
@@ -194,11 +252,14 @@ class Approval(Model):
     # When set, the approval is for this plan only: a stale approval of an older plan is refused.
     plan_id: str | None = None
     reason: str = ""
+    # When set, the approval is for this batch only (the operation ID the proposal was reported under).
+    operation: str | None = None
 
 
 class Rejection(Model):
     approver: str = "temporal-ui"
     reason: str = ""
+    operation: str | None = None
 
 
 class DecisionResult(Model):
@@ -207,25 +268,92 @@ class DecisionResult(Model):
     message: str
 
 
-class ReservationRequest(Model):
-    operation: str
-    nodes: int = 1
-    max_nodes: int
-    # The workflow the ledger signals (`capacity_granted`) once the nodes are reserved for it.
-    reply_to: str = ""
+class PodsWaiting(Model):
+    """The watcher's signal to a policy's provisioning: these pods wait for a node (sent again on resync)."""
+
+    pods: list[PendingPod]
 
 
-class ReservationResult(Model):
-    granted: bool
-    in_use: int
-    max_nodes: int
-    holders: list[str] = Field(default_factory=list)
-    operation: str = ""
-    waiting: list[str] = Field(default_factory=list)
+class PodsGone(Model):
+    """The watcher's signal: these pods (uids) no longer wait (bound, deleted)."""
+
+    uids: list[str]
 
 
-class ReleaseRequest(Model):
-    operation: str
+class NodeFinished(Model):
+    """A node workflow's signal to its provisioning: the node is gone home, failed or was cancelled."""
+
+    workflow_id: str
+    phase: Phase
+    message: str = ""
+    launched: bool = False
+    pods: list[str] = Field(default_factory=list)
+
+
+class BatchRecord(Model):
+    """One batch as `ops show` lists it: its plan, what became of it, and the node workflows it started."""
+
+    batch: str
+    phase: Phase
+    plan: BatchPlan
+    message: str = ""
+    approver: str | None = None
+    nodes: list[str] = Field(default_factory=list)  # node workflow IDs
+
+
+class ProvisionInput(Model):
+    cluster: str
+    policy: str
+    default_mode: Mode = "Recommend"
+    settings: OperationSettings = Field(default_factory=OperationSettings)
+    # Carried over continue-as-new.
+    chain: str = ""
+    seq: int = 0
+    waiting: list[PendingPod] = Field(default_factory=list)
+    nodes: list[NodeRecord] = Field(default_factory=list)
+    # uid -> ISO time before which the pod is not planned again (declined, or its node failed).
+    not_before: dict[str, str] = Field(default_factory=dict)
+    failures: dict[str, int] = Field(default_factory=dict)
+    batches: list[BatchRecord] = Field(default_factory=list)
+    # History stays short: the workflow continues as new after this many events.
+    continue_after_events: int = 4000
+
+
+class BatchPlanRequest(Model):
+    policy: PolicySnapshot
+    batch: str
+    pods: list[PendingPod]
+    nodes: list[NodeRecord]
+    max_new_nodes: int
+
+
+class NodeInput(Model):
+    """One new burst node of a batch: launch -> join -> verify -> serve -> return home."""
+
+    cluster: str
+    policy: str
+    batch: str
+    provision_workflow_id: str
+    node: PlannedNode
+    default_mode: Mode = "Recommend"
+    settings: OperationSettings = Field(default_factory=OperationSettings)
+
+
+class ProvisionView(Model):
+    """What `ops show` and the provisioning workflow's query return."""
+
+    workflow_id: str
+    cluster: str
+    policy: str
+    mode: Mode | None = None
+    phase: Phase
+    message: str = ""
+    proposal: BatchRecord | None = None
+    waiting: list[str] = Field(default_factory=list)  # pods waiting, with why where known
+    nodes: list[NodeRecord] = Field(default_factory=list)
+    max_nodes: int = 0
+    batches: list[BatchRecord] = Field(default_factory=list)
+    history: list[str] = Field(default_factory=list)
 
 
 class LaunchRequest(Model):
@@ -268,7 +396,6 @@ class NodeExpectation(Model):
     labels: dict[str, str]
     pods: list[PendingPod]
     timeout_seconds: int
-    group: WorkloadGroup | None = None
 
 
 class VerifyResult(Model):
@@ -277,26 +404,13 @@ class VerifyResult(Model):
 
 
 class ServeCheckRequest(Model):
-    group: WorkloadGroup
     node_name: str
     return_home: bool
     check_seconds: float = 30
-    # An empty node is idle only when no pod tolerating this taint waits that it could take (not just the
-    # group's: burst nodes are shared). Empty in older histories: the group's pods alone.
+    # An empty node is idle only when no waiting pod tolerating this taint could take it (burst nodes are shared).
     taint_key: str = ""
-
-
-class PlacementRequest(Model):
-    group: WorkloadGroup
-    operation: str
-
-
-class GroupPlacement(Model):
-    """Where the group's pods are: still waiting, or placed on another operation's burst node (they took the
-    node that operation launched for its own pods, which now wait: this operation launches for them)."""
-
-    pending: int
-    displaced: int = 0
+    # What home nodes must carry to take the node's pods back (returnHome).
+    node_selector: dict[str, str] = Field(default_factory=dict)
 
 
 class ServeCheckResult(Model):
@@ -332,16 +446,15 @@ class DrainResult(Model):
 
 
 class OperationView(Model):
-    """What `ops show` and the workflow query return."""
+    """What `ops show` and a node workflow's query return."""
 
     operation: str
     workflow_id: str
     cluster: str
     policy: str
-    group: str
-    mode: Mode | None = None
+    batch: str = ""
     phase: Phase
-    plan: Plan | None = None
+    node: PlannedNode | None = None
     location: str | None = None
     instance: Instance | None = None
     node_name: str | None = None
@@ -354,7 +467,7 @@ class BurstResult(Model):
     operation: str
     phase: Phase
     message: str
-    plan: Plan | None = None
+    node: PlannedNode | None = None
     instance: Instance | None = None
     node_name: str | None = None
 
@@ -373,23 +486,6 @@ class AuditRecord(Model):
     node_name: str | None = None
     approver: str | None = None
     detail: str = ""
-
-
-class LedgerInput(Model):
-    cluster: str
-    policy: str
-    # Carried over continue-as-new.
-    reservations: dict[str, int] = Field(default_factory=dict)
-    waiting: list[ReservationRequest] = Field(default_factory=list)
-    max_nodes: int = 0
-    # Histories stay short: after this many requests and releases the ledger continues as new.
-    continue_after_signals: int = 1000
-
-
-class LedgerReserve(Model):
-    cluster: str
-    policy: str
-    request: ReservationRequest
 
 
 class CleanupRequest(Model):
@@ -414,10 +510,6 @@ class NodeRemoval(Model):
 class GoneCheck(Model):
     node_name: str
     instance: InstanceRef | None = None
-
-
-def ledger_workflow_id(cluster: str, policy: str) -> str:
-    return f"ledger/{cluster}/{policy}"
 
 
 class DrainStatus(Model):

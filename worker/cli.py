@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from models.hub import HubSyncStatus
-from models.operation import OperationView
+from models.operation import OperationView, ProvisionView
 from models.policy import PolicyError, parse_policy
 from models.scale import ScaleView
 
@@ -197,7 +197,9 @@ def _render_hub(status: HubSyncStatus) -> str:
     return "\n".join(lines)
 
 
-def _render_view(view: OperationView | ScaleView) -> str:
+def _render_view(view: OperationView | ProvisionView | ScaleView) -> str:
+    if isinstance(view, ProvisionView):
+        return _render_provision(view)
     if isinstance(view, ScaleView):
         lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
                  f"workload   {view.workload}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
@@ -211,19 +213,40 @@ def _render_view(view: OperationView | ScaleView) -> str:
             lines.append(f"woken by   {view.woken_by}")
         return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
     lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
-             f"group      {view.group}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
+             f"batch      {view.batch}", f"phase      {view.phase.value}"]
     if view.message:
         lines.append(f"message    {view.message}")
-    if view.plan:
-        lines.append(f"plan       {view.plan.plan_id}: {view.plan.summary()}")
-        lines += [f"  refused  {r}" for r in view.plan.refused]
+    if view.node:
+        lines.append(f"planned    {view.node.offering.describe()}")
+        lines.append(f"for pods   {', '.join(view.node.pods)}")
     if view.instance:
         lines.append(f"instance   {view.instance.instance_id} ({view.instance.instance_type}) in "
                      f"{view.instance.location}")
     if view.node_name:
         lines.append(f"node       {view.node_name}")
-    if view.approver:
-        lines.append(f"approver   {view.approver}")
+    lines.append("history")
+    lines += [f"  {h}" for h in view.history]
+    return "\n".join(lines)
+
+
+def _render_provision(view: ProvisionView) -> str:
+    lines = [f"workflow   {view.workflow_id}", f"policy     {view.policy}", f"mode       {view.mode}",
+             f"phase      {view.phase.value}" + (f": {view.message}" if view.message else ""),
+             f"nodes      {len(view.nodes)} of maxNodes {view.max_nodes}"]
+    lines += [f"  {n.workflow_id} {n.node_name} {n.offering.instance_type} in {n.offering.location} "
+              f"(batch {n.batch}): {', '.join(n.pods)}" for n in view.nodes]
+    if view.proposal:
+        lines.append(f"proposal   batch {view.proposal.batch}, awaiting approval")
+        lines += [f"  {line}" for line in view.proposal.plan.lines()]
+        lines += [f"  refused  {r}" for r in view.proposal.plan.refused]
+    if view.waiting:
+        lines.append(f"waiting    {len(view.waiting)} pod(s)")
+        lines += [f"  {w}" for w in view.waiting]
+    lines.append("batches")
+    for b in view.batches:
+        lines.append(f"  {b.batch} {b.phase.value}" + (f" by {b.approver}" if b.approver else "")
+                     + f": {b.plan.summary()}" + (f" ({b.message})" if b.message else ""))
+        lines += [f"    node {wf}" for wf in b.nodes]
     lines.append("history")
     lines += [f"  {h}" for h in view.history]
     return "\n".join(lines)

@@ -111,6 +111,9 @@ class Settings(BaseModel):
     scale_resync_seconds: float = 60.0
     scale_observe_seconds: int = 60
     scale_rescale_check_seconds: int = 30
+    # Batching of a policy's waiting pods (see OperationSettings): idle window and longest wait before a plan.
+    batch_idle_seconds: float = 0.0
+    batch_max_seconds: float = 10.0
 
     @field_validator("hub_poll_interval", mode="before")
     @classmethod
@@ -190,7 +193,9 @@ class Settings(BaseModel):
     def operation_settings(self) -> OperationSettings:
         return OperationSettings(approval_timeout_seconds=self.approval_timeout_seconds,
                                  join_timeout_seconds=self.join_timeout_seconds,
-                                 serve_check_seconds=self.serve_check_seconds)
+                                 serve_check_seconds=self.serve_check_seconds,
+                                 batch_idle_seconds=self.batch_idle_seconds,
+                                 batch_max_seconds=self.batch_max_seconds)
 
 
 ENV = {name: "KUBEON_" + name.upper() for name in Settings.model_fields}

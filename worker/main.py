@@ -23,14 +23,14 @@ from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.scale_watcher import ScaleWatcher
 from worker.watcher import PendingPodWatcher, running
-from workflows.burst import BurstWorkflow
+from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
-from workflows.ledger import PolicyLedgerWorkflow
+from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
 
 log = logging.getLogger("kubeon.worker")
-WORKFLOWS = [BurstWorkflow, DrainWorkflow, PolicyLedgerWorkflow, HubSyncWorkflow, ScaleWorkflow]
+WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 

@@ -14,7 +14,7 @@ from temporalio.service import RPCError
 from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.operation import Approval, DecisionResult, OperationView, Rejection
+from models.operation import Approval, DecisionResult, OperationView, ProvisionView, Rejection
 from models.policy import API_GROUP, PLURAL
 from models.scale import ScaleView, WakeRequest, WakeResult
 
@@ -32,18 +32,21 @@ class OperationRow:
     policy: str
     location: str
     started: str
+    batch: str = ""
 
     @classmethod
     def header(cls) -> list[str]:
-        return ["OPERATION", "KIND", "PHASE", "STATUS", "POLICY", "LOCATION", "STARTED", "WORKFLOW"]
+        return ["OPERATION", "KIND", "BATCH", "PHASE", "STATUS", "POLICY", "LOCATION", "STARTED", "WORKFLOW"]
 
     def cells(self) -> list[str]:
-        return [self.operation, self.kind, self.phase, self.status, self.policy, self.location, self.started,
-                self.workflow_id]
+        return [self.operation, self.kind, self.batch, self.phase, self.status, self.policy, self.location,
+                self.started, self.workflow_id]
 
 
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
-    query = f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain', 'Scale')"
+    """Provisioning workflows (one per policy; OPERATION is its open or latest batch), their batches' nodes
+    (BATCH), drains and scale operations."""
+    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain', 'Scale')"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []
@@ -54,6 +57,7 @@ async def list_operations(temporal: Client, *, cluster: str | None = None, limit
             workflow_id=wf.id, operation=attrs.get(sa.OPERATION) or "", kind=attrs.get(sa.OPERATION_KIND) or "",
             status=wf.status.name if wf.status else "", phase=attrs.get(sa.PHASE) or "",
             policy=attrs.get(sa.POLICY) or "", location=attrs.get(sa.LOCATION) or "", started=started,
+            batch=attrs.get(sa.BATCH) or "",
         ))
     return rows
 
@@ -69,10 +73,16 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView | ScaleView:
+async def show(temporal: Client, operation: str) -> OperationView | ProvisionView | ScaleView:
+    """A node (launch ... return home), a policy's provisioning (its open proposal, plan, batches, nodes) or a
+    ScaleToZero operation."""
     handle = await resolve(temporal, operation)
     if handle.id.startswith("scale/"):
-        view: ScaleView = await handle.query("state", result_type=ScaleView)
+        scale: ScaleView = await handle.query("state", result_type=ScaleView)
+        return scale
+    desc = await handle.describe()
+    if desc.workflow_type == "Provision":
+        view: ProvisionView = await handle.query("state", result_type=ProvisionView)
         return view
     result: OperationView = await handle.query("state", result_type=OperationView)
     return result
@@ -134,6 +144,11 @@ def render_fit(rows: list[dict[str, Any]]) -> str:
 async def cancel(temporal: Client, operation: str) -> str:
     handle = await resolve(temporal, operation)
     desc = await handle.describe()
+    if desc.workflow_type == "Provision":
+        # The provisioning holds maxNodes and the nodes of every batch: it is not cancelled; its nodes are, one
+        # by one, and a proposal is rejected.
+        raise DecisionRefused(f"{operation} is the policy's provisioning, not a node: reject its proposal "
+                              "(`ops reject`) or cancel a node (`ops list` shows them)")
     if desc.status != WorkflowExecutionStatus.RUNNING:
         raise DecisionRefused(f"operation {operation} is {desc.status.name if desc.status else '?'}, not running")
     await handle.cancel()

@@ -1,13 +1,14 @@
-"""The pending-pod watcher: a watch (not a poll) on Pending pods that starts burst operations.
+"""The pending-pod watcher: a watch (not a poll) on Pending pods that hands them to their policy's provisioning.
 
 A pod is a candidate when the scheduler has marked it Unschedulable (it fits no node), it requests GPUs, and it
-tolerates the taint a Burst policy names in ``workloads.tolerate``. Candidates are grouped by owner and each
-group starts, or joins, the one BurstWorkflow whose ID is derived from cluster, policy and group: a second
-replica's watcher or a restart finds the running workflow instead of starting another (USE_EXISTING).
+tolerates the taint a Burst policy names in ``workloads.tolerate`` (the first such policy by name). Candidates
+are sent, with the facts planning needs (GPUs, nodeSelector, required node affinity, tolerations), to the
+policy's one ProvisionWorkflow by signal-with-start (``pods_waiting``): every replica's watcher names the same
+workflow ID, so each pod is planned once. Pods that stop waiting (bound, deleted) are signalled as gone.
 
 The watcher keeps an informer-like cache of the Pending GPU pods it has seen (from the list and the watch) and
-every ``resync_seconds`` looks again at those still Unschedulable: a pod stays Pending without producing events,
-so without the resync a pod whose operation ended without giving it a node would wait for ``recheck_seconds``.
+every ``resync_seconds`` sends the policy's still Unschedulable pods again: the provisioning plans again those
+whose node failed or that no plan could serve yet; pods it already knows cost nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,39 +25,18 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from kubernetes import client, watch
-from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.common import (
-    SearchAttributePair,
-    TypedSearchAttributes,
-    WorkflowIDConflictPolicy,
-    WorkflowIDReusePolicy,
-)
+from temporalio.client import Client
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.kube import KubeOps, gpus_requested, pending_pod, tolerates
 from models import search_attributes as sa
-from models.operation import (
-    BurstInput,
-    BurstResult,
-    OperationSettings,
-    Phase,
-    WorkloadGroup,
-    burst_workflow_id,
-)
+from models.operation import OperationSettings, PodsGone, PodsWaiting, ProvisionInput, provision_workflow_id
 from models.policy import GpuPolicy, Mode
-from workflows.burst import BurstWorkflow
+from workflows.provision import ProvisionWorkflow
 
 log = logging.getLogger("kubeon.watcher")
 T = TypeVar("T")
-# policy, namespace, owner kind, owner name, and "" or the serving operation a further node is for
-GroupKey = tuple[str, str, str, str, str]
-# Temporal refuses a start whose summary is over `limit.userMetadataSummarySize` (400 bytes by default).
-SUMMARY_MAX = 200
-# A closed operation that ended this way was decided by a person (or the policy): its pods keep the
-# recheck_seconds back-off. (COMPLETED and FAILED results, and failed, terminated or timed-out runs, did not give
-# a still-Unschedulable pod a node: the pod gets a new operation.)
-DECIDED_PHASES = frozenset({Phase.PROPOSED, Phase.REJECTED, Phase.EXPIRED, Phase.CANCELLED})
-FAILED_STATUSES = frozenset({WorkflowExecutionStatus.FAILED, WorkflowExecutionStatus.TERMINATED,
-                             WorkflowExecutionStatus.TIMED_OUT})
 
 
 def unschedulable_since(pod: client.V1Pod) -> datetime | None:
@@ -75,24 +54,6 @@ def waits_for_node(pod: client.V1Pod) -> bool:
             and pod.metadata.deletion_timestamp is None and gpus_requested(pod) > 0)
 
 
-def _owner_ref(pod: client.V1Pod) -> tuple[str, str, str]:
-    """The pod's controller reference (pods of one ReplicaSet share one owner lookup), or the pod itself."""
-    refs = [r for r in pod.metadata.owner_references or [] if r.controller]
-    if refs:
-        return str(pod.metadata.namespace), str(refs[0].kind), str(refs[0].name)
-    return str(pod.metadata.namespace), "Pod", str(pod.metadata.name)
-
-
-@dataclass
-class _Ended:
-    """Runs of one workflow ID that ended without serving their pods, in a row: each further restart waits
-    longer (a policy that can never be served is not restarted every resync)."""
-
-    run_id: str
-    count: int
-    seen_at: float
-
-
 @dataclass
 class PendingPodWatcher:
     kube: KubeOps
@@ -101,31 +62,23 @@ class PendingPodWatcher:
     task_queue: str
     default_mode: Callable[[], Mode]
     settings: OperationSettings = field(default_factory=OperationSettings)
-    # A pod handled once is looked at again only after this long (if still unschedulable) while its operation
-    # runs or ended proposed, rejected or expired: such an operation is not restarted on every status update.
-    recheck_seconds: float = 600.0
-    # Every this long the cached pods still Unschedulable are looked at again: those whose operation ended
-    # without giving them a node get a new one, at once if it had served and returned home, after a back-off
-    # (resync_seconds, doubling) if it failed, was terminated or withdrew.
+    # Every this long the cached pods still Unschedulable are sent again.
     resync_seconds: float = 30.0
+    # A rollout's pods turn Unschedulable over a few hundred milliseconds (the ReplicaSet creates them in
+    # doubling batches): events are gathered until none came for debounce_seconds, at most debounce_max_seconds,
+    # so they reach the provisioning (which plans at once) as one batch. Timed here, in process: a durable timer
+    # in the workflow would fire with the server's coarser timer resolution.
     debounce_seconds: float = 0.2
-    # Owner lookups in flight (the watcher's own threads; the Kubernetes client's pool is shared with the
-    # activities) and workflow starts in flight.
-    lookup_concurrency: int = 16
+    debounce_max_seconds: float = 1.0
+    # Signals in flight (one per policy per batch of events).
     start_concurrency: int = 32
     resyncs: int = field(default=0, init=False)
     # Informer-like cache: uid -> the latest version of every Pending GPU pod not bound to a node.
     _pending: dict[str, client.V1Pod] = field(default_factory=dict, init=False)
-    # uid -> when it was handled (monotonic), and the workflow ID it was given (none: no policy matched).
-    _handled: dict[str, float] = field(default_factory=dict, init=False)
-    _workflow_of: dict[str, str] = field(default_factory=dict, init=False)
-    # Workflow IDs whose latest run closed in a decided phase: not described again until restarted.
-    _decided: dict[str, str] = field(default_factory=dict, init=False)
-    _ended: dict[str, _Ended] = field(default_factory=dict, init=False)
-    # Running workflow ID -> when it was first seen Serving while pods given to it still waited.
-    _serving_since: dict[str, float] = field(default_factory=dict, init=False)
-    # uid -> the serving operation a further node is started for (its node went to other pods).
-    _further_for: dict[str, str] = field(default_factory=dict, init=False)
+    # uid -> the policy whose provisioning it was sent to.
+    _sent: dict[str, str] = field(default_factory=dict, init=False)
+    # policy -> uids sent there that no longer wait, still to be signalled.
+    _gone: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set), init=False)
     _executor: ThreadPoolExecutor | None = field(default=None, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
 
@@ -151,10 +104,16 @@ class PendingPodWatcher:
                 except TimeoutError:
                     pass
                 if first is not None:
-                    await asyncio.sleep(self.debounce_seconds)  # gather the rest of a rollout's pods into one batch
                     events = [first]
-                    while not queue.empty():
-                        events.append(queue.get_nowait())
+                    until = loop.time() + self.debounce_max_seconds
+                    while (left := min(self.debounce_seconds, until - loop.time())) > 0:
+                        try:
+                            async with asyncio.timeout(left):
+                                events.append(await queue.get())
+                        except TimeoutError:
+                            break
+                        while not queue.empty():
+                            events.append(queue.get_nowait())
                     await self._guarded(self.handle(self.observe(events)))
                 if loop.time() >= next_resync:
                     await self._guarded(self.resync())
@@ -196,8 +155,9 @@ class PendingPodWatcher:
 
     def _forget_pod(self, uid: str) -> None:
         self._pending.pop(uid, None)
-        self._handled.pop(uid, None)
-        self._workflow_of.pop(uid, None)
+        policy = self._sent.pop(uid, None)
+        if policy is not None:
+            self._gone[policy].add(uid)
 
     @property
     def pending(self) -> dict[str, client.V1Pod]:
@@ -244,199 +204,81 @@ class PendingPodWatcher:
                 log.warning("pod watch interrupted (%s); re-listing", exc)
                 self._stop.wait(2)
 
-    # -- starting operations -----------------------------------------------------------------------------------
+    # -- handing pods to their policy's provisioning ---------------------------------------------------------
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Kubernetes calls on the watcher's own threads: the loop's default executor is small (cores + 4) and
+        """Kubernetes calls on the watcher's own thread: the loop's default executor is small (cores + 4) and
         shared with the serving activities."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.lookup_concurrency,
-                                                thread_name_prefix="pending-pod-lookup")
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pending-pod-lookup")
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def handle(self, pods: list[client.V1Pod]) -> list[str]:
-        """Start or join the operations for a batch of pods: owners are resolved and workflows started
-        concurrently (bounded). Returns the workflow IDs touched. The pods of a group that could not be started
-        are un-marked, so the next event or resync retries them; the other groups are not held up."""
-        now = time.monotonic()
-        fresh: dict[str, client.V1Pod] = {}
-        for pod in pods:
-            uid = str(pod.metadata.uid)
-            if unschedulable_since(pod) is None or gpus_requested(pod) == 0:
-                continue
-            if uid in self._handled and now - self._handled[uid] < self.recheck_seconds:
-                continue
-            fresh[uid] = pod
-        if not fresh:
-            return []
-        policies = await self._blocking(self.kube.list_policies)
-        chosen: dict[str, GpuPolicy] = {}
-        for uid, pod in fresh.items():
-            self._handled[uid] = now
-            self._workflow_of.pop(uid, None)
-            matching = self.candidate_policies(pod, policies)
-            if matching:  # the first matching policy by name: deterministic across replicas
-                chosen[uid] = sorted(matching, key=lambda p: p.name)[0]
+    async def handle(self, pods: list[client.V1Pod], *, again: bool = False) -> list[str]:
+        """Send the Unschedulable GPU pods among ``pods`` to their policies' provisioning (those not sent yet, or
+        all with ``again``), and the pods that stopped waiting as gone. Returns the workflow IDs signalled. Pods
+        whose signal failed are sent again on the next event or resync."""
+        fresh = [p for p in pods if unschedulable_since(p) is not None and gpus_requested(p) > 0
+                 and (again or str(p.metadata.uid) not in self._sent)]
+        by_policy: dict[str, list[client.V1Pod]] = defaultdict(list)
+        if fresh:
+            policies = await self._blocking(self.kube.list_policies)
+            for pod in fresh:
+                matching = self.candidate_policies(pod, policies)
+                if matching:  # the first matching policy by name: deterministic across replicas
+                    by_policy[sorted(matching, key=lambda p: p.name)[0].name].append(pod)
+        gone = {policy: sorted(uids) for policy, uids in self._gone.items() if uids}
+        self._gone.clear()
+        sends = asyncio.Semaphore(self.start_concurrency)
 
-        # One owner lookup per controller (a ReplicaSet's pods share it), a bounded number at a time.
-        refs: dict[tuple[str, str, str], client.V1Pod] = {}
-        for uid in chosen:
-            refs.setdefault(_owner_ref(fresh[uid]), fresh[uid])
-        lookups = asyncio.Semaphore(self.lookup_concurrency)
-
-        async def owner(pod: client.V1Pod) -> tuple[str, str]:
-            async with lookups:
-                return await self._blocking(self.kube.owner_of, pod)
-
-        resolved = await asyncio.gather(*(owner(p) for p in refs.values()), return_exceptions=True)
-        owners = dict(zip(refs, resolved, strict=True))
-        groups: dict[GroupKey, list[client.V1Pod]] = defaultdict(list)
-        for uid, policy in chosen.items():
-            pod = fresh[uid]
-            found = owners[_owner_ref(pod)]
-            if isinstance(found, BaseException):
-                log.warning("owner of pod %s/%s not found (%s); retried on the next resync",
-                            pod.metadata.namespace, pod.metadata.name, found)
-                self._handled.pop(uid, None)
-                continue
-            kind, name = found
-            further = self._further_for.pop(uid, "")
-            groups[(policy.name, str(pod.metadata.namespace), kind, name, further)].append(pod)
-
-        starts = asyncio.Semaphore(self.start_concurrency)
-
-        async def start_group(key: GroupKey, members: list[client.V1Pod]) -> str | None:
-            policy_name, namespace, kind, name, further = key
-            group = WorkloadGroup(namespace=namespace, owner_kind=kind, owner_name=name,
-                                  pods=[pending_pod(p) for p in members])
-            since = min((t for t in (unschedulable_since(p) for p in members) if t), default=None)
+        async def send(policy: str, members: list[client.V1Pod]) -> str | None:
             try:
-                async with starts:
-                    wf_id = await self.start(policy_name, group, since, further_for=further)
+                async with sends:
+                    wf_id = await self.send(policy, members)
             except Exception as exc:
-                log.warning("starting the operation for %s (policy %s) failed: %s; its %d pod(s) are retried",
-                            group.key, policy_name, exc or type(exc).__name__, len(members))
-                for p in members:
-                    self._handled.pop(str(p.metadata.uid), None)
+                log.warning("handing %d pod(s) to the provisioning of policy %s failed: %s; sent again later",
+                            len(members), policy, exc or type(exc).__name__)
                 return None
             for p in members:
-                if str(p.metadata.uid) in self._handled:  # not forgotten meanwhile (deleted, bound)
-                    self._workflow_of[str(p.metadata.uid)] = wf_id
-            self._decided.pop(wf_id, None)
+                if str(p.metadata.uid) in self._pending:  # not forgotten meanwhile (deleted, bound)
+                    self._sent[str(p.metadata.uid)] = policy
             return wf_id
 
-        started = await asyncio.gather(*(start_group(k, m) for k, m in groups.items()))
-        return [wf_id for wf_id in started if wf_id]
+        async def send_gone(policy: str, uids: list[str]) -> None:
+            handle = self.temporal.get_workflow_handle(provision_workflow_id(self.cluster, policy))
+            try:
+                async with sends:
+                    await handle.signal("pods_gone", PodsGone(uids=uids))
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:  # none running: nothing waits there
+                    log.warning("telling policy %s that %d pod(s) are gone failed: %s", policy, len(uids), exc)
 
-    async def start(self, policy: str, group: WorkloadGroup, since: datetime | None, *,
-                    further_for: str = "") -> str:
-        """Start (or join) the group's operation. ``further_for``: the group's operation ``further_for`` serves
-        but its pods still wait (their node went to other pods, or the group grew): one more node, under an ID
-        derived from that operation, so every watcher names the same one."""
-        wf_id = burst_workflow_id(self.cluster, policy, group.key + (f"+{further_for}" if further_for else ""))
-        summary = f"Burst {group.key}: {group.gpus} GPU(s) pending (policy {policy})"
-        if further_for:
-            summary = f"Burst {group.key}: {group.gpus} GPU(s) still pending while {further_for} serves"
-        if len(summary.encode()) > SUMMARY_MAX:
-            summary = f"Burst {group.owner_kind} {group.owner_name}"[:SUMMARY_MAX - 3] + "..."
+        await asyncio.gather(*(send_gone(p, u) for p, u in gone.items()))
+        sent = await asyncio.gather(*(send(p, m) for p, m in by_policy.items()))
+        return [wf_id for wf_id in sent if wf_id]
+
+    async def send(self, policy: str, pods: list[client.V1Pod]) -> str:
+        """Signal-with-start the policy's provisioning with these waiting pods."""
+        wf_id = provision_workflow_id(self.cluster, policy)
+        facts = [pending_pod(p) for p in pods]
         handle = await self.temporal.start_workflow(
-            BurstWorkflow.run,
-            BurstInput(cluster=self.cluster, policy=policy, group=group, default_mode=self.default_mode(),
-                       settings=self.settings),
-            id=wf_id, task_queue=self.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            ProvisionWorkflow.run,
+            ProvisionInput(cluster=self.cluster, policy=policy, default_mode=self.default_mode(),
+                           settings=self.settings),
+            id=wf_id, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal="pods_waiting", start_signal_args=[PodsWaiting(pods=facts)],
             search_attributes=TypedSearchAttributes([
                 SearchAttributePair(sa.CLUSTER, self.cluster), SearchAttributePair(sa.POLICY, policy),
-                SearchAttributePair(sa.OPERATION_KIND, "Burst"),
+                SearchAttributePair(sa.OPERATION_KIND, "Provision"),
             ]),
-            static_summary=summary,
+            static_summary=f"Provisioning for policy {policy}",
         )
-        log.info("burst operation %s for %s (%d pod(s), %d GPU(s), unschedulable since %s)", handle.id, group.key,
-                 len(group.pods), group.gpus, since.isoformat() if since else "?")
+        log.info("%d pod(s), %d GPU(s) waiting sent to %s", len(facts), sum(p.gpus for p in facts), handle.id)
         return handle.id
 
     # -- resync ------------------------------------------------------------------------------------------------
     async def resync(self) -> list[str]:
-        """Look again at the cached pods still Unschedulable. Pods whose operation ended without giving them a
-        node are forgotten and get a new run (see _restart_now for when); pods without an operation (no policy
-        matched, or the start failed) are looked at again. Returns the workflow IDs touched."""
+        """Send every cached pod still Unschedulable again (the provisioning keeps what it knows)."""
         self.resyncs += 1
-        now = time.monotonic()
-        waiting = [p for p in self._pending.values() if unschedulable_since(p) is not None]
-        by_workflow: dict[str, list[str]] = defaultdict(list)
-        for pod in waiting:
-            uid = str(pod.metadata.uid)
-            if uid not in self._handled or now - self._handled[uid] >= self.recheck_seconds:
-                continue  # handle() takes it as fresh
-            wf_id = self._workflow_of.get(uid)
-            if wf_id is None:
-                self._handled.pop(uid, None)  # policies may have changed since
-            elif wf_id not in self._decided:
-                by_workflow[wf_id].append(uid)
-        describes = asyncio.Semaphore(self.start_concurrency)
-
-        async def judged(wf_id: str) -> bool | str:
-            async with describes:
-                try:
-                    return await self._restart_now(wf_id, now)
-                except Exception as exc:
-                    log.warning("describing %s failed (%s); looked at again on the next resync", wf_id, exc)
-                    return False
-
-        verdicts = await asyncio.gather(*(judged(wf_id) for wf_id in by_workflow))
-        for (wf_id, uids), restart in zip(by_workflow.items(), verdicts, strict=True):
-            if restart is True:
-                log.info("operation %s ended without a node for %d still unschedulable pod(s): starting it again",
-                         wf_id, len(uids))
-                for uid in uids:
-                    self._handled.pop(uid, None)
-            elif restart:  # the operation's ID: it serves, but these pods of its group still wait
-                log.info("operation %s serves but %d pod(s) of its group still wait: starting one more node",
-                         restart, len(uids))
-                for uid in uids:
-                    self._handled.pop(uid, None)
-                    self._further_for[uid] = restart
-        referenced = set(self._workflow_of.values())
-        for table in (self._decided, self._ended, self._serving_since):
-            for wf_id in set(table) - referenced:
-                del table[wf_id]
-        return await self.handle(waiting)
-
-    async def _restart_now(self, wf_id: str, now: float) -> bool | str:
-        """Whether the pods given ``wf_id`` get a new run now: its latest run closed without serving them. Or,
-        while it runs, the operation ID when it has been Serving for a resync and the pods still wait: burst nodes
-        take any tolerating pod, so its node may serve others (or the group grew); they get one more node."""
-        desc = await self.temporal.get_workflow_handle(wf_id).describe()
-        if desc.status == WorkflowExecutionStatus.RUNNING:
-            attrs = desc.typed_search_attributes
-            if attrs.get(sa.PHASE) != Phase.SERVING.value:
-                self._serving_since.pop(wf_id, None)
-                return False
-            seen = self._serving_since.setdefault(wf_id, now)
-            return (attrs.get(sa.OPERATION) or False) if now - seen >= self.resync_seconds else False
-        if desc.status is None:
-            return False
-        if desc.status == WorkflowExecutionStatus.COMPLETED:
-            result = await self.temporal.get_workflow_handle(wf_id, run_id=desc.run_id,
-                                                             result_type=BurstResult).result()
-            if result.phase in DECIDED_PHASES:
-                self._decided[wf_id] = desc.run_id
-                return False
-            if result.phase == Phase.COMPLETED and result.instance is not None:  # served, then returned home
-                self._ended.pop(wf_id, None)
-                return True
-        elif desc.status not in FAILED_STATUSES:  # cancelled by an operator; continued as new
-            self._decided[wf_id] = desc.run_id
-            return False
-        # Failed, or withdrawn although the pod still waits: started again resync_seconds after it was seen
-        # closed, doubling for each further run that ends this way, up to recheck_seconds (a policy that cannot be
-        # served is not restarted every resync; what failed stays readable for a while).
-        ended = self._ended.get(wf_id)
-        if ended is None or ended.run_id != desc.run_id:
-            ended = self._ended[wf_id] = _Ended(run_id=desc.run_id, count=(ended.count + 1) if ended else 1,
-                                                seen_at=now)
-        wait = min(self.recheck_seconds, self.resync_seconds * 2 ** (ended.count - 1))
-        return now - ended.seen_at >= wait
+        return await self.handle(list(self._pending.values()), again=True)
 
     def stop(self) -> None:
         self._stop.set()

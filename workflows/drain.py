@@ -1,7 +1,7 @@
 """Return home: cordon, evict through the Eviction API honouring PodDisruptionBudgets, wait until the node is
 empty, terminate the instance, remove the Node (through the gateway), confirm both gone.
 
-Started as a child of BurstWorkflow, or alone (``kubeon-gpu ops drain``)."""
+Started as a child of BurstNodeWorkflow, or alone (``kubeon-gpu ops drain``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from kubernetes import client
 
-from models.operation import BurstResult, OperationView, Phase
+from models.operation import BurstResult, OperationView, Phase, ProvisionView, provision_workflow_id
 from models.policy import API_GROUP, PLURAL
 from tests.harness.crd import install_gpupolicy_crd
 from tests.harness.kube import Cluster, Kube, wait_for
@@ -169,6 +169,65 @@ async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
     return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
 
 
+def provisioning(temporal: Any, cluster: str, policy: str) -> Any:
+    """The handle of a policy's provisioning workflow (started by the watcher on the first waiting pod)."""
+    return temporal.get_workflow_handle(provision_workflow_id(cluster, policy))
+
+
+async def provision_state(temporal: Any, cluster: str, policy: str, check: Any = None,
+                          timeout: float = 90.0) -> ProvisionView:
+    """The provisioning's state once ``check(view)`` holds (or once it answers, without a check)."""
+    import asyncio
+    import contextlib
+    import time
+    from datetime import timedelta
+
+    handle = provisioning(temporal, cluster, policy)
+    deadline = time.monotonic() + timeout
+    last: ProvisionView | None = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # not started yet, or the worker is restarting
+            last = await handle.query("state", result_type=ProvisionView, rpc_timeout=timedelta(seconds=10))
+        if last is not None and (check is None or check(last)):
+            return last
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"provisioning of {policy} never got there; last: "
+                         f"{last.model_dump_json(indent=1)[:3000] if last else None}")
+
+
+def node_workflows(view: ProvisionView, pod_prefix: str = "") -> list[str]:
+    """Node workflow IDs of the batches, optionally only those planned for pods named ``pod_prefix``..."""
+    out = []
+    for batch in view.batches:
+        planned = {i: n.pods for i, n in enumerate(batch.plan.new_nodes)}
+        for wf_id in batch.nodes:
+            index = int(wf_id.rsplit("-", 1)[1])
+            if not pod_prefix or any(p.startswith(pod_prefix) for p in planned.get(index, [])):
+                out.append(wf_id)
+    return out
+
+
+async def node_for(temporal: Any, cluster: str, policy: str, pod_prefix: str, timeout: float = 90.0) -> Any:
+    """The handle of the (first) node workflow started for pods named ``pod_prefix``... (e.g. ``ns/deploy-``)."""
+    view = await provision_state(temporal, cluster, policy, lambda v: node_workflows(v, pod_prefix), timeout)
+    return temporal.get_workflow_handle(node_workflows(view, pod_prefix)[0])
+
+
+async def approve_batch(temporal: Any, cluster: str, policy: str, pod_prefix: str, approver: str = "alice"
+                        ) -> tuple[Any, Any]:
+    """Approve (Approve mode) the proposal covering pods named ``pod_prefix``...: (the batch record, the handle
+    of the node workflow started for those pods)."""
+    from models.operation import Approval
+    from worker import ops
+
+    view = await provision_state(temporal, cluster, policy, lambda v: v.proposal is not None and any(
+        p.startswith(pod_prefix) for n in v.proposal.plan.new_nodes for p in n.pods))
+    assert view.proposal is not None
+    await ops.approve(temporal, view.proposal.batch, Approval(approver=approver,
+                                                              plan_id=view.proposal.plan.plan_id))
+    return view.proposal, await node_for(temporal, cluster, policy, pod_prefix)
+
+
 def worker_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The worker's environment: this process's, the settings as KUBEON_* variables, ``extra`` (OTEL_*)."""
     return {**os.environ, **{ENV[k]: str(v) for k, v in settings.model_dump().items() if v is not None},
@@ -211,5 +270,6 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-__all__ = ["WORKER_ARGV", "BurstStack", "build_stack", "gateway_process", "gpu_deployment", "result", "unique",
-           "wait_for", "wait_phase", "worker_env", "worker_process"]
+__all__ = ["WORKER_ARGV", "BurstStack", "approve_batch", "build_stack", "gateway_process", "gpu_deployment",
+           "node_for", "node_workflows", "provision_state", "provisioning", "result", "unique", "wait_for",
+           "wait_phase", "worker_env", "worker_process"]

@@ -43,17 +43,24 @@ from models.operation import (
     LABEL_LOCATION,
     LABEL_OPERATION,
     LABEL_POLICY,
-    Approval,
     Instance,
     Phase,
     Taint,
-    burst_workflow_id,
 )
 from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
 from tests.charts.helm import BURST_VALUES
 from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helm import template as helm_template
-from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
+from tests.harness.burst import (
+    SIM_LOCATIONS,
+    BurstStack,
+    approve_batch,
+    build_stack,
+    gpu_deployment,
+    result,
+    unique,
+    wait_phase,
+)
 from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
 from tests.harness.joining import join_over_http, join_with_user_data, redeem_for
 from tests.harness.kube import Cluster, Kube, wait_for
@@ -67,7 +74,6 @@ from tests.harness.rbac import (
     grant,
     grant_namespaced,
 )
-from worker import ops
 from worker.config import ConfigError, load_settings
 from worker.gateway_server import GatewayServerConfig
 from worker.main import worker_services
@@ -939,11 +945,7 @@ async def test_burst_end_to_end_through_the_gateway_process(stack: BurstStack, g
     try:
         deploy = unique("infer")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                f"{namespace}/Deployment/{deploy}"))
-        view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
-        assert view.plan is not None and view.plan.best is not None
-        await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=view.plan.plan_id))
+        _, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
         view = await wait_phase(handle, Phase.SERVING)
         node = stack.cluster.admin.core.read_node(str(view.node_name))
         assert node.metadata.labels[LABEL_OPERATION] == view.operation

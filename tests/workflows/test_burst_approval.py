@@ -1,12 +1,15 @@
-"""Approval under the time-skipping server: an unapproved proposal expires (without waiting an hour), a
-rejection launches nothing, and the update validator refuses a decision in the wrong phase.
+"""A policy's provisioning under the time-skipping server: one proposal per batch, an unapproved proposal expires
+(without waiting an hour), a rejection launches nothing, the update validator refuses a stale plan or a decision
+in the wrong phase, an approval starts one node workflow per planned node, the hub's hold keeps an approved node
+from launching, and the state survives continue-as-new.
 
-The side effects here are test activities under the production activity names (the workflow is what is
-tested; the real activities are tested on the real parts elsewhere)."""
+The side effects here are test activities under the production activity names (the workflows are what is
+tested; the real activities are tested on the real parts elsewhere). Planning runs the real pure planner."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -15,39 +18,49 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.planning import plan_pods
 from models.hub import GateRequest, GateState
 from models.operation import (
     SERVE_QUEUE_SUFFIX,
     Approval,
     AuditRecord,
-    BurstInput,
+    BatchPlan,
+    BatchPlanRequest,
     BurstResult,
     CleanupRequest,
     CleanupResult,
-    GroupPlacement,
     LaunchRequest,
-    LedgerReserve,
     LoadPolicyRequest,
     Offering,
     OperationSettings,
+    OperationView,
     PendingPod,
     Phase,
-    PlacementRequest,
-    Plan,
-    PlanRequest,
+    PodsWaiting,
     PolicySnapshot,
+    ProvisionInput,
+    ProvisionView,
     Rejection,
-    ReservationResult,
-    WorkloadGroup,
 )
+from tests.harness.temporal import test_server_path
 from worker import ops
 from worker.main import workflow_runner
-from workflows.burst import BurstWorkflow
+from worker.runtime import register_search_attributes
+from workflows.burst import BurstNodeWorkflow
+from workflows.provision import ProvisionWorkflow
 
 pytestmark = pytest.mark.temporal
+TAINT = "gpu.kubeon.io/burst"
+OFFERINGS = [Offering(location="sim/eu-west", instance_type="sim.l4.1", gpus=1, gpu_product="NVIDIA-L4",
+                      instance_usd_per_hour=0.9, transfer_usd_per_gpu_hour=0.01),
+             Offering(location="sim/eu-west", instance_type="sim.l4.4", gpus=4, gpu_product="NVIDIA-L4",
+                      instance_usd_per_hour=3.0, transfer_usd_per_gpu_hour=0.01)]
 
 
 @dataclass
@@ -55,10 +68,13 @@ class Recorded:
     audit: list[AuditRecord] = field(default_factory=list)
     launches: list[LaunchRequest] = field(default_factory=list)
     cleanups: list[CleanupRequest] = field(default_factory=list)
+    plans: list[BatchPlanRequest] = field(default_factory=list)
     # The hub's hold (R2.3): set while "the hub rejects the token"; cleared to let held operations go on.
     hold: str = ""
     released: asyncio.Event = field(default_factory=asyncio.Event)
     gate_checks: list[str] = field(default_factory=list)
+    launch_hangs: bool = False
+    provisionings: list[str] = field(default_factory=list)
 
     def serve_activities(self) -> list[Callable[..., Any]]:
         @activity.defn(name="await_actions_allowed")
@@ -76,14 +92,16 @@ class Recorded:
 
         @activity.defn(name="load_policy")
         async def load_policy(req: LoadPolicyRequest) -> PolicySnapshot:
-            return PolicySnapshot(name=req.policy, mode="Approve", tolerate="gpu.kubeon.io/burst",
-                                  locations=["sim/eu-west"], max_nodes=2, max_gpu_hour=4.5, return_home=True)
+            return PolicySnapshot(name=req.policy, mode="Approve", tolerate=TAINT, locations=["sim/eu-west"],
+                                  max_nodes=2, max_gpu_hour=4.5, return_home=True)
 
-        @activity.defn(name="plan_burst")
-        async def plan_burst(req: PlanRequest) -> Plan:
-            offer = Offering(location="sim/eu-west", instance_type="sim.l4.1", gpus=1, gpu_product="NVIDIA-L4",
-                             instance_usd_per_hour=0.9, transfer_usd_per_gpu_hour=0.01)
-            return Plan(plan_id="plan-1", policy=req.policy, gpus_needed=1, candidates=[offer])
+        @activity.defn(name="plan_batch")
+        async def plan_batch(req: BatchPlanRequest) -> BatchPlan:
+            self.plans.append(req)
+            p = req.policy
+            return plan_pods(batch=req.batch, policy=p.name, taint_key=p.tolerate, pods=req.pods, rooms=[],
+                             offerings=OFFERINGS, locations=p.locations, max_gpu_hour=p.max_gpu_hour,
+                             max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes)
 
         @activity.defn(name="record_audit")
         async def record_audit(record: AuditRecord) -> bool:
@@ -93,111 +111,206 @@ class Recorded:
         @activity.defn(name="launch_instance")
         async def launch_instance(req: LaunchRequest) -> None:
             self.launches.append(req)
-            raise RuntimeError("must not launch")
-
-        @activity.defn(name="request_capacity")
-        async def request_capacity(req: LedgerReserve) -> None:
-            # Stands in for the ledger: grants at once, by the same signal.
-            await activity.client().get_workflow_handle(req.request.reply_to).signal(
-                "capacity_granted", ReservationResult(granted=True, in_use=1, max_nodes=2,
-                                                      operation=req.request.operation))
-
-        @activity.defn(name="group_placement")
-        async def group_placement(req: PlacementRequest) -> GroupPlacement:
-            return GroupPlacement(pending=len(req.group.pods))
+            while self.launch_hangs:  # a launch still under way: its node holds its place under maxNodes
+                activity.heartbeat("launching")
+                await asyncio.sleep(0.2)
+            raise ApplicationError("must not launch", type="ProviderRejected", non_retryable=True)
 
         @activity.defn(name="cleanup_operation")
         async def cleanup_operation(req: CleanupRequest) -> CleanupResult:
             self.cleanups.append(req)
             return CleanupResult()
 
-        return [load_policy, plan_burst, record_audit, launch_instance, request_capacity, group_placement,
-                cleanup_operation, action_gate]
+        return [load_policy, plan_batch, record_audit, launch_instance, cleanup_operation, action_gate]
+
+    def actions(self, operation: str) -> list[str]:
+        return [r.action for r in self.audit if r.operation == operation]
+
+
+Env = tuple[WorkflowEnvironment, str, Recorded]
+RECORDED: dict[str, Recorded] = {}  # task queue -> what its test started
 
 
 @pytest.fixture
-async def env(temporal_time_skipping: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str, Recorded]]:
+async def own_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
+    """A time-skipping server of this test alone: a provisioning is long-lived (timers, a node's launch under
+    way), and on the session's shared server what it leaves would hold up later tests' time skipping."""
+    server = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(test_server_path()),
+                                                           data_converter=pydantic_data_converter)
+    await register_search_attributes(server.client)
+    try:
+        yield server
+    finally:
+        await server.shutdown()
+
+
+@pytest.fixture
+async def env(own_time_skipping: WorkflowEnvironment) -> AsyncIterator[Env]:
+    temporal_time_skipping = own_time_skipping
     recorded = Recorded()
     queue = f"q-{uuid.uuid4().hex[:6]}"
+    RECORDED[queue] = recorded
+    client = temporal_time_skipping.client
     async with (
-        Worker(temporal_time_skipping.client, task_queue=queue, workflows=[BurstWorkflow],
+        Worker(client, task_queue=queue, workflows=[ProvisionWorkflow, BurstNodeWorkflow],
                activities=recorded.activities(), workflow_runner=workflow_runner()),
-        Worker(temporal_time_skipping.client, task_queue=queue + SERVE_QUEUE_SUFFIX,
-               activities=recorded.serve_activities()),
+        Worker(client, task_queue=queue + SERVE_QUEUE_SUFFIX, activities=recorded.serve_activities()),
     ):
-        yield temporal_time_skipping.client, queue, recorded
+        yield temporal_time_skipping, queue, recorded
+        # The time-skipping server is shared by the session: end what this test started (the provisioning is
+        # long-lived; its timers would keep later tests' time skipping busy).
+        recorded.launch_hangs = False
+        for wf_id in recorded.provisionings:
+            with contextlib.suppress(Exception):
+                view: ProvisionView = await client.get_workflow_handle(wf_id).query(ProvisionWorkflow.state)
+                for node in [n for b in view.batches for n in b.nodes]:
+                    with contextlib.suppress(Exception):
+                        await client.get_workflow_handle(node).terminate("test over")
+            with contextlib.suppress(Exception):
+                await client.get_workflow_handle(wf_id).terminate("test over")
 
 
-async def _start(client: Client, queue: str) -> WorkflowHandle[BurstWorkflow, BurstResult]:
-    group = WorkloadGroup(namespace="ml", owner_kind="Deployment", owner_name="infer",
-                          pods=[PendingPod(namespace="ml", name="infer-1", gpus=1)])
+def _pods(count: int, prefix: str = "infer") -> list[PendingPod]:
+    return [PendingPod(namespace="ml", name=f"{prefix}-{i}", uid=f"{prefix}-{i}", gpus=1,
+                       node_selector={"nvidia.com/gpu.product": "NVIDIA-L4"}, tolerations=[TAINT])
+            for i in range(count)]
+
+
+async def _send(client: Client, queue: str, wf_id: str, pods: list[PendingPod], **inp: Any
+                ) -> WorkflowHandle[Any, Any]:
+    """What every watcher replica does: signal-with-start the policy's provisioning."""
+    RECORDED[queue].provisionings.append(wf_id)
     return await client.start_workflow(
-        BurstWorkflow.run,
-        BurstInput(cluster="c", policy="p", group=group, settings=OperationSettings(approval_timeout_seconds=3600)),
-        id=f"burst/c/p/{uuid.uuid4().hex[:8]}", task_queue=queue)
+        ProvisionWorkflow.run,
+        ProvisionInput(cluster="c", policy="p", settings=OperationSettings(approval_timeout_seconds=3600), **inp),
+        id=wf_id, task_queue=queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        start_signal="pods_waiting", start_signal_args=[PodsWaiting(pods=pods)])
 
 
-async def _awaiting(handle: WorkflowHandle[BurstWorkflow, BurstResult]) -> None:
-    while (await handle.query(BurstWorkflow.state)).phase != Phase.AWAITING_APPROVAL:
+async def _until(handle: WorkflowHandle[Any, Any], check: Callable[[ProvisionView], bool]) -> ProvisionView:
+    for _ in range(600):
+        view: ProvisionView = await handle.query(ProvisionWorkflow.state)
+        if check(view):
+            return view
         await asyncio.sleep(0.05)
+    raise AssertionError(f"never reached: {view}")
 
 
-async def test_unapproved_proposal_expires(env: tuple[Client, str, Recorded]) -> None:
-    client, queue, recorded = env
-    handle = await _start(client, queue)
-    result = await handle.result()  # an hour of workflow time, skipped
-    assert result.phase == Phase.EXPIRED
+async def _proposal(client: Client, queue: str, pods: list[PendingPod]) -> tuple[WorkflowHandle[Any, Any],
+                                                                                 ProvisionView]:
+    handle = await _send(client, queue, f"provision/c/p-{uuid.uuid4().hex[:6]}", pods)
+    return handle, await _until(handle, lambda v: v.proposal is not None)
+
+
+async def test_unapproved_proposal_expires(env: Env) -> None:
+    server, queue, recorded = env
+    handle, view = await _proposal(server.client, queue, _pods(1))
+    assert view.phase == Phase.AWAITING_APPROVAL
+    await server.sleep(3610)  # an hour of workflow time, skipped
+    view = await _until(handle, lambda v: bool(v.batches))
+    assert view.batches[0].phase == Phase.EXPIRED and view.proposal is None
     assert recorded.launches == []
-    assert [r.action for r in recorded.audit] == ["proposed", "expired"]
+    assert recorded.actions(view.batches[0].batch) == ["proposed", "expired"]
+    assert "expired" in view.waiting[0]  # the pod still waits, and says why
 
 
-async def test_rejection_launches_nothing(env: tuple[Client, str, Recorded]) -> None:
-    client, queue, recorded = env
-    handle = await _start(client, queue)
-    await _awaiting(handle)
+async def test_one_proposal_covers_the_batch_and_pods_arriving_meanwhile_go_into_the_next(env: Env) -> None:
+    server, queue, recorded = env
+    recorded.launch_hangs = True
+    handle, view = await _proposal(server.client, queue, _pods(5))
+    assert view.proposal is not None
+    first = view.proposal
+    # Five one-GPU pods: one 4-GPU node and one 1-GPU node is the cheapest ($4.95/h against 5 x $0.91).
+    assert sorted(n.offering.instance_type for n in first.plan.new_nodes) == ["sim.l4.1", "sim.l4.4"]
+    assert sorted(p for n in first.plan.new_nodes for p in n.pods) == [f"ml/infer-{i}" for i in range(5)]
+    await _send(server.client, queue, handle.id, _pods(2, prefix="late"))
+    view = await _until(handle, lambda v: len(v.waiting) == 7)
+    assert view.proposal is not None and view.proposal.plan.plan_id == first.plan.plan_id  # unchanged
+    await handle.execute_update(ProvisionWorkflow.approve_update,
+                                Approval(approver="alice", plan_id=first.plan.plan_id))
+    # maxNodes 2 is held by the first batch's two nodes: the late pods are planned next, and wait, saying why.
+    view = await _until(handle, lambda v: v.phase == Phase.WAITING_FOR_CAPACITY)
+    assert any(w.startswith("ml/late-0: maxNodes 2 reached") for w in view.waiting), view.waiting
+    assert recorded.plans[0].max_new_nodes == 2 and recorded.plans[-1].max_new_nodes == 0
+    assert len(view.nodes) == 2 and view.proposal is None
+    assert recorded.actions(first.batch) == ["proposed", "approved"]
+
+
+async def test_rejection_launches_nothing_and_stale_or_late_decisions_are_refused(env: Env) -> None:
+    server, queue, recorded = env
+    handle, view = await _proposal(server.client, queue, _pods(1))
+    assert view.proposal is not None
+    batch = view.proposal.batch
     with pytest.raises(WorkflowUpdateFailedError) as stale:
-        await handle.execute_update(BurstWorkflow.approve_update, Approval(approver="dave", plan_id="plan-0"))
+        await handle.execute_update(ProvisionWorkflow.approve_update, Approval(approver="dave", plan_id="plan-0"))
     assert "plan plan-0 is stale" in str(stale.value.cause)
-    decided = await handle.execute_update(BurstWorkflow.reject_update, Rejection(approver="carol", reason="cost"))
-    assert "carol" in decided.message
-    result = await handle.result()
-    assert result.phase == Phase.REJECTED
+    with pytest.raises(ops.DecisionRefused, match="not awaiting approval"):
+        await ops.approve(server.client, handle.id, Approval(approver="dave", operation="op-other"))
+    decided = await ops.reject(server.client, handle.id, Rejection(approver="carol", reason="cost"))
+    assert "carol" in decided.message and decided.operation == batch
+    view = await _until(handle, lambda v: bool(v.batches))
+    assert view.batches[0].phase == Phase.REJECTED
     assert recorded.launches == []
-    # A decision after the fact is refused with a clear message.
-    with pytest.raises(ops.DecisionRefused, match="not running"):
-        await ops.approve(client, handle.id, Approval(approver="dave"))
+    assert recorded.actions(batch) == ["proposed", "rejected"]
+    with pytest.raises(ops.DecisionRefused, match="not awaiting approval"):
+        await ops.approve(server.client, handle.id, Approval(approver="dave"))
+    with pytest.raises(ops.DecisionRefused, match="the policy's provisioning, not a node"):
+        await ops.cancel(server.client, handle.id)  # it holds maxNodes and every batch's nodes
 
 
-async def test_signal_approval_from_the_ui_needs_no_payload(env: tuple[Client, str, Recorded]) -> None:
-    client, queue, recorded = env
-    handle = await _start(client, queue)
-    await _awaiting(handle)
+async def test_signal_approval_from_the_ui_starts_one_node_workflow_per_planned_node(env: Env) -> None:
+    server, queue, recorded = env
+    handle, view = await _proposal(server.client, queue, _pods(1))
     await handle.signal("approve")  # what `temporal workflow signal --name approve` sends
-    result = await handle.result()
-    # Approved, then the (test) launch refuses: the operation fails after compensation, with the approval kept.
+    view = await _until(handle, lambda v: bool(v.batches) and bool(v.batches[0].nodes))
+    (node_id,) = view.batches[0].nodes
+    node = server.client.get_workflow_handle(node_id, result_type=BurstResult)
+    result = await node.result()
+    # The (test) launch refuses: the node fails after compensation, and gives its place under maxNodes back.
     assert result.phase == Phase.FAILED
-    assert recorded.launches and recorded.launches[0].offering.location == "sim/eu-west"
-    assert "approved" in [r.action for r in recorded.audit]
-    # Compensation looked for anything the failed launch might have left, by operation tag.
+    assert recorded.launches and recorded.launches[0].offering.instance_type == "sim.l4.1"
     assert [c.operation for c in recorded.cleanups] == [recorded.launches[0].operation]
+    assert recorded.actions(result.operation)[-1] == "failed"
+    await _until(handle, lambda v: not v.nodes)
 
 
-async def test_hub_hold_keeps_an_approved_operation_from_launching_until_released(
-        env: tuple[Client, str, Recorded]) -> None:
-    client, queue, recorded = env
+async def test_hub_hold_keeps_an_approved_node_from_launching_until_released(env: Env) -> None:
+    server, queue, recorded = env
     recorded.hold = "hub rejected this cluster's token (revoked or unknown)"
-    handle = await _start(client, queue)
-    await _awaiting(handle)
-    await ops.approve(client, handle.id, Approval(approver="erin"))
-    while (view := await handle.query(BurstWorkflow.state)).phase != Phase.HELD:
+    handle, view = await _proposal(server.client, queue, _pods(1))
+    await ops.approve(server.client, handle.id, Approval(approver="erin"))
+    view = await _until(handle, lambda v: bool(v.batches) and bool(v.batches[0].nodes))
+    node = server.client.get_workflow_handle(view.batches[0].nodes[0], result_type=BurstResult)
+    for _ in range(200):
+        state: OperationView = await node.query(BurstNodeWorkflow.state)
+        if state.phase == Phase.HELD:
+            break
         await asyncio.sleep(0.05)
-    assert "revoked" in view.message
+    assert state.phase == Phase.HELD and "revoked" in state.message
     assert recorded.launches == [] and recorded.gate_checks == ["p"]
-    # A valid token again: the operation goes on where it was, to the (test) launch.
     recorded.hold = ""
     recorded.released.set()
-    result = await handle.result()
-    assert recorded.launches  # the test launch refuses (and is retried); compensation follows as usual
-    assert result.phase == Phase.FAILED
-    actions = [r.action for r in recorded.audit]
-    assert actions.index("approved") < actions.index("held") < actions.index("resumed")
+    result = await node.result()
+    assert recorded.launches and result.phase == Phase.FAILED  # the test launch refuses, as above
+    actions = recorded.actions(result.operation)
+    assert actions.index("held") < actions.index("resumed") < actions.index("failed")
+
+
+async def test_state_survives_continue_as_new(env: Env) -> None:
+    server, queue, recorded = env
+    handle = await _send(server.client, queue, f"provision/c/p-{uuid.uuid4().hex[:6]}", _pods(1),
+                         continue_after_events=40)
+    first = await _until(handle, lambda v: v.proposal is not None)
+    await handle.execute_update(ProvisionWorkflow.approve_update, Approval(approver="alice"))
+    for i in range(12):  # each signal adds events: the history passes 40 and the workflow continues as new
+        await handle.signal(ProvisionWorkflow.pods_waiting, PodsWaiting(pods=_pods(1, prefix=f"more{i}")))
+    for _ in range(200):
+        desc = await server.client.get_workflow_handle(handle.id).describe()
+        if desc.run_id != handle.result_run_id:
+            break
+        await asyncio.sleep(0.05)
+    assert desc.run_id != handle.result_run_id, "never continued as new"
+    view = await _until(handle, lambda v: len([w for w in v.waiting if "more" in w]) == 12)
+    assert first.proposal is not None
+    assert [b.batch for b in view.batches] == [first.proposal.batch]  # its batches and nodes carried over
+    assert len(view.nodes) + len(recorded.cleanups) >= 1

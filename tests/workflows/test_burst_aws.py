@@ -17,12 +17,21 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import KubeGateway, parse_user_data_ticket
 from activities.providers.sim import KWOK_ANNOTATIONS
-from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Approval, Phase, burst_workflow_id
+from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Phase
 from node.register import join_simulated
-from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result, unique, wait_for, wait_phase
+from tests.harness.burst import (
+    BurstStack,
+    approve_batch,
+    build_stack,
+    gpu_deployment,
+    provision_state,
+    result,
+    unique,
+    wait_for,
+    wait_phase,
+)
 from tests.harness.kube import Cluster, Kube
 from tests.harness.moto_server import MotoServer
-from worker import ops
 from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
@@ -125,16 +134,16 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
     deploy = unique("infer")
     # A GPU type home does not offer: the pod stays Unschedulable at home.
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product="NVIDIA-A10G"))
-    handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
-    view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
-    assert view.plan is not None and view.plan.best is not None
-    assert view.plan.best.instance_type == "g5.xlarge"  # the cheapest A10G instance offered in the region
-    assert view.plan.best.usd_per_gpu_hour == pytest.approx(1.006 + 0.02)
+    proposed = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
+    assert proposed.proposal is not None
+    (planned,) = proposed.proposal.plan.new_nodes
+    assert planned.offering.instance_type == "g5.xlarge"  # the cheapest A10G instance offered in the region
+    assert planned.offering.usd_per_gpu_hour == pytest.approx(1.006 + 0.02)
     ec2 = _ec2(moto_server)
     assert not ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_BURST}", "Values": [policy]}])["Reservations"]
 
     with BootedInstances(moto_server, gateway, policy, stack.workdir / f"aws-nodes-{policy}") as booted:
-        await ops.approve(temporal, view.operation, Approval(approver="bob"))
+        _, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-", "bob")
         view = await wait_phase(handle, Phase.SERVING, timeout=120)
         assert view.instance is not None
         raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]

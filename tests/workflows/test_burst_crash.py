@@ -16,11 +16,12 @@ import pytest
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
-from models.operation import TAG_OPERATION, OperationView, Phase, burst_workflow_id
+from models.operation import TAG_OPERATION, OperationView, Phase
 from tests.harness.burst import (
     BurstStack,
     build_stack,
     gpu_deployment,
+    node_for,
     result,
     unique,
     wait_for,
@@ -89,11 +90,16 @@ def sim_instances(settings: Settings, operation: str) -> list[dict[str, Any]]:
     return [rec for rec in state.values() if rec["tags"].get(TAG_OPERATION) == operation]
 
 
-async def _start_workload(stack: BurstStack, s: dict[str, Any], namespace: str) -> tuple[Any, str]:
+async def _start_workload(stack: BurstStack, s: dict[str, Any], namespace: str, *, find: bool = True
+                          ) -> tuple[Any, str]:
     deploy = unique("infer")
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=s["product"]))
-    wf_id = burst_workflow_id(s["settings"].cluster, s["policy"], f"{namespace}/Deployment/{deploy}")
-    return s["temporal"].get_workflow_handle(wf_id), deploy
+    return (await _node(s, namespace, deploy) if find else None), deploy
+
+
+async def _node(s: dict[str, Any], namespace: str, deploy: str) -> Any:
+    """The node workflow the pod's batch started (asked of the provisioning, so a worker must be running)."""
+    return await node_for(s["temporal"], s["settings"].cluster, s["policy"], f"{namespace}/{deploy}-", timeout=90)
 
 
 async def _finish(stack: BurstStack, s: dict[str, Any], handle: Any, namespace: str, deploy: str) -> OperationView:
@@ -128,11 +134,12 @@ async def test_killed_while_waiting_for_join(stack: BurstStack, scenario: dict[s
 async def test_killed_just_after_launch_returns(stack: BurstStack, scenario: dict[str, Any], namespace: str) -> None:
     s = scenario
     first = s["workers"].start()
-    handle, deploy = await _start_workload(stack, s, namespace)
+    _, deploy = await _start_workload(stack, s, namespace, find=False)
     # The simulated cloud kills the worker right after starting the instance: the launch never reported back.
     wait_for(lambda: first.poll() is not None, what="worker killed inside the launch", timeout=90)
     assert first.returncode == -signal.SIGKILL
     s["workers"].start()
+    handle = await _node(s, namespace, deploy)
     view = await _finish(stack, s, handle, namespace, deploy)
     _exactly_one_instance_none_left(s, stack, view)
 

@@ -14,8 +14,18 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
-from models.operation import LABEL_POLICY, DrainStatus, OperationView, Phase, burst_workflow_id
-from tests.harness.burst import BurstStack, build_stack, gpu_deployment, result, unique, wait_for, wait_phase
+from models.operation import LABEL_INSTANCE_TYPE, LABEL_POLICY, DrainStatus, Phase
+from tests.harness.burst import (
+    BurstStack,
+    build_stack,
+    gpu_deployment,
+    node_for,
+    provision_state,
+    result,
+    unique,
+    wait_for,
+    wait_phase,
+)
 from tests.harness.kube import Cluster
 from worker import ops
 from worker.main import worker_services
@@ -24,9 +34,12 @@ from worker.runtime import Runtime
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 
-def sim_location(name: str, product: str, *, capacity: int = 100, price: float = 0.9) -> dict[str, Any]:
-    return {"name": name, "sim": {"bootSeconds": 0.3, "capacity": capacity},
-            "offerings": [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": price}]}
+def sim_location(name: str, product: str, *, capacity: int = 100, price: float = 0.9,
+                 four: float | None = None) -> dict[str, Any]:
+    offerings = [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": price}]
+    if four is not None:
+        offerings.append({"instanceType": "sim.gpu.4", "gpus": 4, "gpuProduct": product, "usdPerHour": four})
+    return {"name": name, "sim": {"bootSeconds": 0.3, "capacity": capacity}, "offerings": offerings}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +64,8 @@ def policy(stack: BurstStack) -> Iterator[str]:
 async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, product: str
                  ) -> AsyncIterator[tuple[Client, str]]:
     queue = unique("q")
-    locations = [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5)]
+    locations = [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5),
+                 sim_location("sim/big", product, four=3.2)]
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=queue)
     async with worker_services(settings) as (temporal, _runtime, _):
@@ -102,43 +116,75 @@ async def test_max_nodes_holds_across_ten_concurrent_groups(stack: BurstStack, w
                                                             namespace: str, policy: str, product: str) -> None:
     temporal, cluster_name = worker
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"], max_nodes=4)
-    apps = stack.cluster.admin.apps
+    apps, core = stack.cluster.admin.apps, stack.cluster.admin.core
     names = [f"group-{i}" for i in range(10)]
-    with NodeCounter(stack.cluster.admin.core, policy) as counter:
+
+    deleted: set[str] = set()
+
+    def running() -> list[str]:
+        return sorted(p.metadata.labels["app"] for p in core.list_namespaced_pod(namespace).items
+                      if p.status.phase == "Running" and p.metadata.labels["app"] not in deleted)
+
+    def delete(group: list[str]) -> None:
+        for name in group:
+            apps.delete_namespaced_deployment(name, namespace)
+            deleted.add(name)
+
+    async def steady(count: int) -> list[str]:
+        while not (len(counter.current) == count and len(running()) == count):
+            await asyncio.sleep(0.5)
+        return running()
+
+    with NodeCounter(core, policy) as counter:
         for name in names:
             apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
-        handles = [temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                  f"{namespace}/Deployment/{n}")) for n in names]
-        core = stack.cluster.admin.core
-
-        def running_pods() -> int:
-            pods = core.list_namespaced_pod(namespace).items
-            return len([p for p in pods if p.status.phase == "Running"])
-
-        async def steady() -> None:
-            # Converges to four nodes each running one group's pod; six groups wait for capacity.
-            while not (len(counter.current) == 4 and running_pods() == 4):
-                await asyncio.sleep(0.5)
-
         try:
-            await asyncio.wait_for(steady(), 150)
+            served = await asyncio.wait_for(steady(4), 150)
         except TimeoutError:
-            phases = [(await h.query("state", result_type=OperationView)).history[-3:] for h in handles]
-            raise AssertionError(f"nodes {sorted(counter.current)}, running {running_pods()}, {phases}") from None
-        views = [await h.query("state", result_type=OperationView) for h in handles]
-        waiting = [v for v in views if v.phase == Phase.WAITING_FOR_CAPACITY]
-        assert len(waiting) == 6, [v.phase for v in views]
-        assert all("maxNodes 4: queued" in v.message for v in waiting)
+            view = await provision_state(temporal, cluster_name, policy)
+            raise AssertionError(f"nodes {sorted(counter.current)}, running {running()}, {view.history}") from None
+        # The rest wait visibly: the provisioning says how many and why.
+        view = await provision_state(temporal, cluster_name, policy, lambda v: len(
+            [w for w in v.waiting if "maxNodes 4 reached" in w]) == 6 and len(v.waiting) == 6)
+        assert view.phase == Phase.WAITING_FOR_CAPACITY and len(view.nodes) == 4
         assert counter.peak == 4
 
-        # As groups leave, waiting ones get their node; the limit still holds.
-        for name in names:
-            apps.delete_namespaced_deployment(name, namespace)
-        outcomes = await asyncio.gather(*(result(h, timeout=180) for h in handles))
+        # As served groups leave, their nodes go home and the waiting ones get theirs; the limit still holds.
+        delete(served)
+        second = await asyncio.wait_for(steady(4), 150)
+        delete(second)
+        last = await asyncio.wait_for(steady(2), 150)
+        delete(last)
+        await asyncio.wait_for(steady(0), 150)
     assert counter.peak == 4
-    assert all(o.phase == Phase.COMPLETED for o in outcomes), [o.message for o in outcomes]
-    # The groups that never got a node launched nothing once their pods were gone.
-    assert sum(1 for o in outcomes if o.instance is None) >= 1
+    assert sorted(served + second + last) == sorted(names)
+
+
+async def test_sixteen_one_gpu_pods_under_max_nodes_four_are_all_served_by_larger_nodes(
+        stack: BurstStack, worker: tuple[Client, str], namespace: str, policy: str, product: str) -> None:
+    temporal, cluster_name = worker
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/big"], max_nodes=4)
+    apps, core = stack.cluster.admin.apps, stack.cluster.admin.core
+    with NodeCounter(core, policy) as counter:
+        apps.create_namespaced_deployment(namespace, gpu_deployment("sixteen", replicas=16, gpu_product=product))
+
+        def all_running() -> bool:
+            pods = core.list_namespaced_pod(namespace).items
+            return len(pods) == 16 and all(p.status.phase == "Running" for p in pods)
+
+        try:
+            await asyncio.to_thread(wait_for, all_running, what="16 pods running", timeout=150)
+        except AssertionError:
+            view = await provision_state(temporal, cluster_name, policy)
+            raise AssertionError([b.plan.summary() for b in view.batches] + view.history) from None
+        types = sorted(n.metadata.labels[LABEL_INSTANCE_TYPE]
+                       for n in core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items)
+        assert types == ["sim.gpu.4"] * 4
+        apps.delete_namespaced_deployment("sixteen", namespace)
+        await asyncio.to_thread(wait_for, lambda: not counter.current, what="nodes home", timeout=150)
+    assert counter.peak <= 4
+    view = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
+    assert all(n.gpus_used <= 4 for b in view.batches for n in b.plan.new_nodes)
 
 
 async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: tuple[Client, str],
@@ -152,7 +198,7 @@ async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: t
         metadata=client.V1ObjectMeta(name="keep-one"),
         spec=client.V1PodDisruptionBudgetSpec(min_available=1,
                                               selector=client.V1LabelSelector(match_labels={"app": deploy}))))
-    handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
+    handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
     view = await wait_phase(handle, Phase.SERVING)
 
     # Home capacity comes back: a home node with this GPU type. The operation starts returning home.
@@ -197,7 +243,7 @@ async def test_cancel_drains_and_removes_what_it_made(stack: BurstStack, worker:
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"])
     deploy = unique("cancelled")
     admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
-    handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy, f"{namespace}/Deployment/{deploy}"))
+    handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
     view = await wait_phase(handle, Phase.SERVING)
     await ops.cancel(temporal, view.operation)
     with pytest.raises(WorkflowFailureError) as err:
@@ -218,7 +264,7 @@ async def one_operation(stack: BurstStack, temporal_dev_server: WorkflowEnvironm
                         product: str, locations: list[dict[str, Any]], **settings_overrides: Any
                         ) -> AsyncIterator[tuple[Any, Runtime]]:
     """A worker over ``locations``, an Automatic policy over them, and one pending Deployment: yields the
-    operation's handle and the worker's runtime; the Deployment is deleted at the end."""
+    handle of the node workflow planned for it and the worker's runtime; the Deployment is deleted at the end."""
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=queue, **settings_overrides)
@@ -228,8 +274,7 @@ async def one_operation(stack: BurstStack, temporal_dev_server: WorkflowEnvironm
         async with worker_services(settings) as (temporal, runtime, _):
             stack.cluster.admin.apps.create_namespaced_deployment(namespace,
                                                                   gpu_deployment(deploy, gpu_product=product))
-            yield temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}")), \
-                runtime
+            yield await node_for(temporal, queue, policy, f"{namespace}/{deploy}-"), runtime
     finally:
         with contextlib.suppress(client.ApiException):  # a test may have deleted it to end the operation
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
@@ -240,10 +285,12 @@ async def test_insufficient_capacity_falls_back_to_the_next_location(
     locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, price=1.5)]
     async with one_operation(stack, temporal_dev_server, namespace, policy, product, locations) as (handle, _):
         view = await wait_phase(handle, Phase.SERVING)
-        assert view.plan is not None and view.plan.best is not None
-        assert view.plan.best.location == "sim/eu-west"  # cheapest, but full
+        assert view.node is not None
+        assert view.node.offering.location == "sim/eu-west"  # cheapest, but full
+        assert [o.location for o in view.node.alternatives] == ["sim/us-west"]
         assert view.instance is not None and view.instance.location == "sim/us-west"
-        stack.cluster.admin.apps.delete_namespaced_deployment(view.group.split("/")[-1], namespace)
+        pod = view.node.pods[0].split("/")[1]
+        stack.cluster.admin.apps.delete_namespaced_deployment(pod.rsplit("-", 2)[0], namespace)
         assert (await result(handle)).phase == Phase.COMPLETED
 
 
@@ -257,7 +304,7 @@ async def test_no_capacity_anywhere_fails_leaving_nothing(
         assert "sim/eu-west" in done.message and "sim/us-west" in done.message
         for loc in ("sim/eu-west", "sim/us-west"):
             assert runtime.providers["sim"].list(loc, policy=policy) == []
-        failed = [r for r in runtime.audit.read() if r.action == "failed" and r.policy == policy]
+        failed = [r for r in runtime.audit.read() if r.action == "failed" and r.operation == done.operation]
         assert len(failed) == 1
 
 

@@ -32,7 +32,7 @@ from models.hub import (
     PolicySyncOutcome,
     hub_sync_workflow_id,
 )
-from models.operation import DrainStatus, Phase, burst_workflow_id
+from models.operation import Approval, DrainStatus, Phase
 from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import (
     BURST_TAINT_KEY,
@@ -40,12 +40,15 @@ from tests.harness.burst import (
     BurstStack,
     build_stack,
     gpu_deployment,
+    node_for,
+    provision_state,
     unique,
     wait_phase,
 )
 from tests.harness.kube import Cluster, until
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
+from worker import ops
 from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -149,12 +152,16 @@ class Optimizer:
         await until(lambda: self.gpupolicy(name), timeout=30, what=f"policy {name} synced")
         return name
 
-    def pending_workload(self, namespace: str, policy_name: str) -> tuple[str, WorkflowHandle[Any, Any]]:
-        """A GPU Deployment home cannot fit, and the handle of the burst operation it starts."""
+    def create_workload(self, namespace: str) -> str:
+        """A GPU Deployment home cannot fit."""
         deploy = unique("infer")
         self.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        return deploy, self.temporal.get_workflow_handle(
-            burst_workflow_id(self.cluster, policy_name, f"{namespace}/Deployment/{deploy}"))
+        return deploy
+
+    async def pending_workload(self, namespace: str, policy_name: str) -> tuple[str, WorkflowHandle[Any, Any]]:
+        """A GPU Deployment home cannot fit, and the handle of the node workflow its batch starts."""
+        deploy = self.create_workload(namespace)
+        return deploy, await node_for(self.temporal, self.cluster, policy_name, f"{namespace}/{deploy}-")
 
     def burst_nodes(self, policy_name: str) -> list[str]:
         nodes = self.stack.cluster.admin.core.list_node(label_selector=f"gpu.kubeon.io/policy={policy_name}")
@@ -273,42 +280,53 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
         optimizer: Optimizer, namespace: str) -> None:
     hub = optimizer.hub
     name = await optimizer.synced_policy("Approve")
-    handles = dict(optimizer.pending_workload(namespace, name) for _ in range(2))
-    approved, rejected = list(handles)
-    views = {d: await wait_phase(h, Phase.AWAITING_APPROVAL) for d, h in handles.items()}
-    assert views[approved].plan is not None
+    apps = optimizer.stack.cluster.admin.apps
     # An operation the cluster never proposed: refused, nothing is stored that could never be acted on.
     never = hub.decide("op-000000000000", "approve")
     assert never.status_code == 404 and never.json()["error"] == "operation_not_proposed", never.text
-    await hub.decide_when_proposed(views[approved].operation, "approve", plan_id=views[approved].plan.plan_id,
-                                   reason="needed")
-    await hub.decide_when_proposed(views[rejected].operation, "reject", reason="too dear")
 
-    serving = await wait_phase(handles[approved], Phase.SERVING)
-    assert serving.approver is not None and serving.approver.startswith("hub:")
-    done = await wait_phase(handles[rejected], Phase.REJECTED)
-    assert "too dear" in done.message
-    assert optimizer.burst_nodes(name) == [serving.node_name]  # one node: the approved operation's
+    def proposal(not_batch: str = "") -> Any:
+        return provision_state(optimizer.temporal, optimizer.cluster, name,
+                               lambda v: v.proposal is not None and v.proposal.batch != not_batch)
 
-    # Both workloads go (a burst node serves every tolerating pod, the rejected group's too).
-    for deploy in (approved, rejected):
-        optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handles[approved], Phase.COMPLETED, timeout=120)
+    rejected_deploy = optimizer.create_workload(namespace)
+    rejected = (await proposal()).proposal
+    assert rejected is not None
+    await hub.decide_when_proposed(rejected.batch, "reject", reason="too dear")
+    view = await provision_state(optimizer.temporal, optimizer.cluster, name,
+                                 lambda v: bool(v.batches) and v.batches[-1].batch == rejected.batch)
+    assert view.batches[-1].phase == Phase.REJECTED and "too dear" in view.batches[-1].message
+    apps.delete_namespaced_deployment(rejected_deploy, namespace)
+
+    approved_deploy = optimizer.create_workload(namespace)
+    approved = (await proposal(rejected.batch)).proposal
+    assert approved is not None
+    await hub.decide_when_proposed(approved.batch, "approve", plan_id=approved.plan.plan_id, reason="needed")
+    handle = await node_for(optimizer.temporal, optimizer.cluster, name, f"{namespace}/{approved_deploy}-")
+    serving = await wait_phase(handle, Phase.SERVING)
+    view = await provision_state(optimizer.temporal, optimizer.cluster, name)
+    assert view.batches[-1].approver is not None and view.batches[-1].approver.startswith("hub:")
+    assert optimizer.burst_nodes(name) == [serving.node_name]  # one node: the approved batch's
+
+    apps.delete_namespaced_deployment(approved_deploy, namespace)
+    await wait_phase(handle, Phase.COMPLETED, timeout=120)
     await until(lambda: not optimizer.burst_nodes(name), timeout=30, what="the burst node removed")
 
     def reported() -> dict[str, list[str]] | None:
         by_op: dict[str, list[str]] = {}
         for r in hub.reports():
             by_op.setdefault(r["operation"], []).append(r["action"])
-        done = by_op.get(views[approved].operation, [])
-        return by_op if "removed" in done and by_op.get(views[rejected].operation) else None
+        return by_op if "removed" in by_op.get(serving.operation, []) and by_op.get(rejected.batch) else None
 
     by_op = await until(reported, timeout=30, what="every action reported to the hub")
-    assert by_op[views[approved].operation] == ["proposed", "approved", "launched", "joined", "verified",
-                                                "drained", "removed"]
-    assert by_op[views[rejected].operation] == ["proposed", "rejected"]
+    assert by_op[approved.batch] == ["proposed", "approved"]  # the batch ...
+    assert by_op[serving.operation] == ["launched", "joined", "verified", "drained", "removed"]  # ... its node
+    assert by_op[rejected.batch] == ["proposed", "rejected"]
     launched = next(r for r in hub.reports() if r["action"] == "launched")
     assert launched["location"] == "sim/eu-west" and launched["instance"] and launched["node"]
+    # A decision for a batch no longer awaiting approval is refused, not applied to a later proposal.
+    with pytest.raises(ops.DecisionRefused):
+        await ops.approve(optimizer.temporal, approved.batch, Approval(approver="late"))
 
 
 async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
@@ -324,7 +342,8 @@ async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
     assert (await optimizer.sync_status()).state == "unauthorized"
 
     # A pending workload under an Automatic policy: the operation holds; nothing is launched in the cluster.
-    deploy, handle = optimizer.pending_workload(namespace, name)
+    deploy = optimizer.create_workload(namespace)
+    handle = await node_for(optimizer.temporal, optimizer.cluster, name, f"{namespace}/{deploy}-")
     held = await wait_phase(handle, Phase.HELD)
     assert "token" in held.message and held.instance is None
     status_before = await optimizer.sync_status()
@@ -351,7 +370,7 @@ async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_
                     and c, timeout=10, what="the policy marked unreachable")
     assert cond["reason"] == REASON_UNREACHABLE
     # The last policies stay enforced: a burst runs to Serving with the hub down.
-    deploy, handle = optimizer.pending_workload(namespace, name)
+    deploy, handle = await optimizer.pending_workload(namespace, name)
     serving = await wait_phase(handle, Phase.SERVING, timeout=60)
     status = await _polled_again(optimizer, (await optimizer.sync_status()).polls)
     assert status.state == "unreachable" and status.pending_reports == 3  # launched, joined, verified
@@ -430,7 +449,7 @@ async def test_revoked_token_holds_a_return_home_until_a_valid_token_is_mounted(
         optimizer: Optimizer, namespace: str) -> None:
     hub = optimizer.hub
     name = await optimizer.synced_policy("Automatic")
-    deploy, handle = optimizer.pending_workload(namespace, name)
+    deploy, handle = await optimizer.pending_workload(namespace, name)
     serving = await wait_phase(handle, Phase.SERVING, timeout=60)
 
     hub.revoke()

@@ -1,0 +1,427 @@
+"""ProvisionWorkflow: one long-lived workflow per policy (``provision/<cluster>/<policy>``) that turns waiting pods
+into batches and batches into nodes.
+
+Every watcher replica signals-with-start the same ID (``pods_waiting``), so pods are planned once however many
+replicas see them. When pods arrive and no plan is being made, the policy's waiting pods are planned at once
+(after the idle window, if one is set; pods arriving meanwhile go into the next plan): packed onto the policy's
+burst nodes with room, then onto the cheapest new nodes (``plan_batch``). One proposal per batch: Recommend
+records and reports it; Approve waits for one approval of the whole batch (bound to its plan ID); Automatic
+goes ahead at once. Each new node is its own ``BurstNode`` workflow, started with a derived ID; it tells this
+workflow when it is done (``node_finished``). ``maxNodes`` is held here: nodes launching, joining, verifying
+or serving count against it, and pods that find no node under it wait, shown with why, until one frees up.
+The workflow continues as new before its history grows large, carrying its state."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+from temporalio.workflow import ParentClosePolicy
+
+from models import search_attributes as sa
+from models.operation import (
+    Approval,
+    AuditRecord,
+    BatchPlan,
+    BatchPlanRequest,
+    BatchRecord,
+    DecisionResult,
+    LoadPolicyRequest,
+    NodeFinished,
+    NodeInput,
+    NodeRecord,
+    Phase,
+    PodsGone,
+    PodsWaiting,
+    PolicySnapshot,
+    ProvisionInput,
+    ProvisionView,
+    Rejection,
+    node_workflow_id,
+    operation_id,
+)
+from workflows.burst import BurstNodeWorkflow
+
+QUICK = timedelta(seconds=60)
+RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+KEEP_BATCHES = 20
+KEEP_HISTORY = 50
+
+
+@workflow.defn(name="Provision")
+class ProvisionWorkflow:
+    @workflow.init
+    def __init__(self, inp: ProvisionInput) -> None:
+        # State is read here, not in run(): signals can be handled before run() starts (signal-with-start and
+        # continue-as-new alike).
+        self.inp = inp
+        self.waiting = {p.uid: p for p in inp.waiting}
+        self.nodes = {n.workflow_id: n for n in inp.nodes}
+        self.not_before = dict(inp.not_before)
+        self.failures = dict(inp.failures)
+        self.batches = list(inp.batches)
+        self.seq = inp.seq
+        self.chain = inp.chain
+        self.dirty = bool(self.waiting)
+        self.first_arrival: datetime | None = None
+        self.last_arrival: datetime | None = None
+        self.proposal: BatchRecord | None = None
+        self.approval: Approval | None = None
+        self.rejection: Rejection | None = None
+        self.policy: PolicySnapshot | None = None
+        self.phase = Phase.IDLE
+        self.message = ""
+        self.unplaced: dict[str, str] = {}
+        self.history: list[str] = []
+
+    # -- signals from the watchers and the node workflows ----------------------------------------------------
+    @workflow.signal(name="pods_waiting")
+    def pods_waiting(self, msg: PodsWaiting) -> None:
+        arrived = False
+        for pod in msg.pods:
+            if not pod.uid or pod.gpus < 1:
+                continue
+            arrived = arrived or pod.uid not in self.waiting
+            self.waiting[pod.uid] = pod
+        if arrived:
+            now = workflow.now()
+            self.dirty = True
+            self.last_arrival = now
+            self.first_arrival = self.first_arrival or now
+
+    @workflow.signal(name="pods_gone")
+    def pods_gone(self, msg: PodsGone) -> None:
+        for uid in msg.uids:
+            self._forget(uid)
+        # Pods bound anywhere change the room on the policy's nodes: pods that no plan could place yet are
+        # looked at again (their reason may have changed, or a node they were planned onto was taken).
+        keys = {p.key for p in self.waiting.values()}
+        if any(k in self.unplaced for k in keys):
+            self.dirty = True
+
+    @workflow.signal(name="node_finished")
+    def node_finished(self, msg: NodeFinished) -> None:
+        record = self.nodes.pop(msg.workflow_id, None)
+        if record is None:
+            return
+        self._log(f"node {msg.workflow_id} {msg.phase.value}" + (f": {msg.message}" if msg.message else ""))
+        if msg.phase in (Phase.FAILED, Phase.CANCELLED):
+            # Its pods, if they still wait, are planned again after a back-off that doubles with each failure.
+            s = self.inp.settings
+            mine = set(record.pods)
+            for uid, pod in self.waiting.items():
+                if pod.key in mine:
+                    count = self.failures[uid] = self.failures.get(uid, 0) + 1
+                    wait = min(s.recheck_seconds, s.retry_seconds * 2 ** (count - 1))
+                    self.not_before[uid] = (workflow.now() + timedelta(seconds=wait)).isoformat()
+        self.dirty = bool(self.waiting)  # a node freed up under maxNodes
+
+    def _forget(self, uid: str) -> None:
+        self.waiting.pop(uid, None)
+        self.not_before.pop(uid, None)
+        self.failures.pop(uid, None)
+
+    # -- approval (CLI, Temporal UI, hub) -------------------------------------------------------------------
+    @workflow.signal(name="approve")
+    def approve_signal(self, approval: Approval | None = None) -> None:
+        """For the Temporal UI and `temporal workflow signal`: ignored unless a proposal awaits (this plan)."""
+        approval = approval or Approval()
+        if self._decision_problem(approval.plan_id, approval.operation) is None:
+            self.approval = approval
+
+    @workflow.signal(name="reject")
+    def reject_signal(self, rejection: Rejection | None = None) -> None:
+        rejection = rejection or Rejection()
+        if self._decision_problem(None, rejection.operation) is None:
+            self.rejection = rejection
+
+    @workflow.update(name="approve_plan")
+    def approve_update(self, approval: Approval) -> DecisionResult:
+        assert self.proposal is not None
+        self.approval = approval
+        return DecisionResult(operation=self.proposal.batch, phase=self.phase,
+                              message=f"approved by {approval.approver}: {self.proposal.plan.summary()}")
+
+    @approve_update.validator
+    def _validate_approve(self, approval: Approval) -> None:
+        problem = self._decision_problem(approval.plan_id, approval.operation)
+        if problem:
+            raise ValueError(problem)
+        if not approval.approver.strip():
+            raise ValueError("approver must name who approves")
+
+    @workflow.update(name="reject_plan")
+    def reject_update(self, rejection: Rejection) -> DecisionResult:
+        assert self.proposal is not None
+        self.rejection = rejection
+        return DecisionResult(operation=self.proposal.batch, phase=self.phase,
+                              message=f"rejected by {rejection.approver}")
+
+    @reject_update.validator
+    def _validate_reject(self, rejection: Rejection) -> None:
+        problem = self._decision_problem(None, rejection.operation)
+        if problem:
+            raise ValueError(problem)
+
+    def _decision_problem(self, plan_id: str | None, operation: str | None) -> str | None:
+        wf = workflow.info().workflow_id
+        if self.proposal is None or self.approval is not None or self.rejection is not None:
+            return f"{operation or wf} is {self.phase.value}, not awaiting approval"
+        if operation and operation != self.proposal.batch:
+            return f"batch {operation} is not awaiting approval (batch {self.proposal.batch} is)"
+        if plan_id and plan_id != self.proposal.plan.plan_id:
+            return (f"plan {plan_id} is stale: batch {self.proposal.batch} now proposes "
+                    f"{self.proposal.plan.plan_id} ({self.proposal.plan.summary()})")
+        return None
+
+    # -- visibility -----------------------------------------------------------------------------------------
+    @workflow.query(name="state")
+    def state(self) -> ProvisionView:
+        return ProvisionView(
+            workflow_id=workflow.info().workflow_id, cluster=self.inp.cluster, policy=self.inp.policy,
+            mode=self.policy.mode if self.policy else None, phase=self.phase, message=self.message,
+            proposal=self.proposal, waiting=self._waiting_lines(), nodes=list(self.nodes.values()),
+            max_nodes=self.policy.max_nodes if self.policy else 0, batches=list(self.batches),
+            history=list(self.history))
+
+    def _waiting_lines(self) -> list[str]:
+        return sorted(f"{p.key}" + (f": {self.unplaced[p.key]}" if p.key in self.unplaced else "")
+                      for p in self.waiting.values())
+
+    def _log(self, line: str) -> None:
+        self.history.append(f"{workflow.now().strftime('%H:%M:%S')} {line}")
+        del self.history[:-KEEP_HISTORY]
+
+    def _set_phase(self, phase: Phase, message: str = "") -> None:
+        if phase != self.phase:
+            workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
+            self._log(phase.value + (f": {message}" if message else ""))
+        self.phase, self.message = phase, message
+        self._details()
+
+    def _details(self) -> None:
+        p = self.policy
+        lines = [f"**Provisioning** of policy `{self.inp.policy}`, mode {p.mode if p else '?'}",
+                 f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
+                 f"**Nodes:** {len(self.nodes)} of maxNodes {p.max_nodes if p else '?'}; "
+                 f"**waiting pods:** {len(self.waiting)}"]
+        if self.proposal is not None:
+            lines += self.proposal.plan.lines()
+            lines.append(f"Approve: `kubeon-gpu ops approve {self.proposal.batch}` or signal `approve`")
+        lines += [f"- waits: {pod}: {why}" for pod, why in sorted(self.unplaced.items())[:5]]
+        workflow.set_current_details("\n".join(lines))
+
+    async def _audit(self, record: BatchRecord, action: str, detail: str = "", approver: str | None = None) -> None:
+        first = record.plan.new_nodes[0].offering.location if record.plan.new_nodes else None
+        await workflow.execute_activity(
+            "record_audit",
+            AuditRecord(key=f"{record.batch}/{action}", at=workflow.now(), cluster=self.inp.cluster,
+                        policy=self.inp.policy, operation=record.batch, action=action, location=first,
+                        approver=approver, detail=detail or record.plan.summary()),
+            start_to_close_timeout=QUICK, retry_policy=RETRY)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def _should_continue(self) -> bool:
+        info = workflow.info()
+        return (info.get_current_history_length() >= self.inp.continue_after_events
+                or info.is_continue_as_new_suggested())
+
+    def _due(self) -> list[str]:
+        now = workflow.now().isoformat()
+        return [uid for uid in self.waiting if self.not_before.get(uid, "") <= now]
+
+    def _timeout(self) -> timedelta | None:
+        if not self.waiting:
+            return None
+        wait = self.inp.settings.replan_seconds
+        now = workflow.now()
+        for uid in self.waiting:
+            if uid in self.not_before:
+                wait = min(wait, max(0.5, (datetime.fromisoformat(self.not_before[uid]) - now).total_seconds()))
+        return timedelta(seconds=wait)
+
+    @workflow.run
+    async def run(self, inp: ProvisionInput) -> None:
+        info = workflow.info()
+        if not self.chain:
+            self.chain = hashlib.sha256(info.run_id.encode()).hexdigest()[:6]
+        workflow.upsert_search_attributes([
+            sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+            sa.OPERATION_KIND.value_set("Provision"), sa.PHASE.value_set(self.phase.value)])
+        self._details()
+        while True:
+            if self._should_continue():
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(inp.model_copy(update={
+                    "chain": self.chain, "seq": self.seq, "waiting": list(self.waiting.values()),
+                    "nodes": list(self.nodes.values()), "not_before": self.not_before, "failures": self.failures,
+                    "batches": self.batches[-KEEP_BATCHES:]}))
+            try:
+                await workflow.wait_condition(lambda: self.dirty or self._should_continue(),
+                                              timeout=self._timeout())
+            except TimeoutError:
+                self.dirty = bool(self._due())
+            if not self.dirty:
+                continue
+            await self._round()
+
+    async def _gather(self, idle: float) -> None:
+        """Wait until no pod arrived for ``idle`` seconds, at the latest batch_max_seconds after the first."""
+        s = self.inp.settings
+        while idle > 0 and self.last_arrival is not None and self.first_arrival is not None:
+            now = workflow.now()
+            until = min(self.last_arrival + timedelta(seconds=idle),
+                        self.first_arrival + timedelta(seconds=s.batch_max_seconds))
+            if now >= until:
+                break
+            await workflow.sleep(until - now)
+
+    async def _round(self) -> None:
+        inp, s = self.inp, self.inp.settings
+        try:
+            self.policy = await workflow.execute_activity(
+                "load_policy", LoadPolicyRequest(policy=inp.policy, default_mode=inp.default_mode),
+                result_type=PolicySnapshot, start_to_close_timeout=QUICK, retry_policy=RETRY)
+        except ActivityError as exc:  # the policy is gone or invalid: nothing to plan for its pods
+            self.dirty = False
+            self.waiting.clear()
+            self._set_phase(Phase.IDLE, str(exc.cause or exc))
+            return
+        policy = self.policy
+        idle = s.batch_idle_seconds if policy.mode == "Automatic" else max(s.batch_idle_seconds,
+                                                                           s.proposal_idle_seconds)
+        if len(self.nodes) + len(self._due()) >= policy.max_nodes:
+            idle = max(idle, s.limit_idle_seconds)
+        await self._gather(idle)
+        self.dirty = False
+        self.first_arrival = self.last_arrival = None
+        due = self._due()
+        if not due:
+            return
+        batch = "op-" + hashlib.sha256(
+            f"{workflow.info().workflow_id}/{self.chain}/{self.seq + 1}".encode()).hexdigest()[:12]
+        self._set_phase(Phase.PLANNING, f"{len(due)} pod(s) waiting")
+        plan = await workflow.execute_activity(
+            "plan_batch",
+            BatchPlanRequest(policy=policy, batch=batch, pods=[self.waiting[u] for u in due],
+                             nodes=list(self.nodes.values()),
+                             max_new_nodes=max(0, policy.max_nodes - len(self.nodes))),
+            result_type=BatchPlan, start_to_close_timeout=timedelta(minutes=3), retry_policy=RETRY)
+        for uid in plan.gone:
+            self._forget(uid)
+        self.unplaced = {u.pod: u.why for u in plan.unplaced}
+        if not plan.new_nodes:
+            self._settle()
+            return
+        self.seq += 1
+        record = BatchRecord(batch=batch, phase=Phase.PLANNING, plan=plan)
+        workflow.upsert_search_attributes([sa.BATCH.value_set(batch), sa.OPERATION.value_set(batch),
+                                           sa.LOCATION.value_set(plan.new_nodes[0].offering.location)])
+        if policy.mode == "Recommend":
+            self._decided(record, Phase.PROPOSED, plan.summary())
+            await self._audit(record, "proposed")
+            self._settle()
+            return
+        if policy.mode == "Approve" and not await self._approved(record):
+            self._settle()
+            return
+        await self._start_nodes(record, policy)
+        self._settle()
+
+    def _decided(self, record: BatchRecord, phase: Phase, message: str) -> None:
+        """A batch that launches nothing: its pods are planned again only after recheck_seconds."""
+        record.phase, record.message = phase, message
+        until = (workflow.now() + timedelta(seconds=self.inp.settings.recheck_seconds)).isoformat()
+        planned = {pod for n in record.plan.new_nodes for pod in n.pods}
+        for uid, pod in self.waiting.items():
+            if pod.key in planned:
+                self.not_before[uid] = until
+                self.unplaced[pod.key] = f"batch {record.batch} {phase.value.lower()}: {message}"
+        self._keep(record)
+
+    def _keep(self, record: BatchRecord) -> None:
+        self.batches.append(record)
+        del self.batches[:-KEEP_BATCHES]
+
+    async def _approved(self, record: BatchRecord) -> bool:
+        s = self.inp.settings
+        self.proposal, self.approval, self.rejection = record, None, None
+        record.phase = Phase.AWAITING_APPROVAL
+        self._set_phase(Phase.AWAITING_APPROVAL, f"batch {record.batch}: {record.plan.summary()}")
+        await self._audit(record, "proposed")
+        planned = {pod for n in record.plan.new_nodes for pod in n.pods}
+
+        def wanted() -> bool:
+            return any(p.key in planned for p in self.waiting.values())
+
+        try:
+            await workflow.wait_condition(
+                lambda: self.approval is not None or self.rejection is not None or not wanted(),
+                timeout=timedelta(seconds=s.approval_timeout_seconds))
+        except TimeoutError:
+            self.proposal = None
+            self._decided(record, Phase.EXPIRED, f"no approval within {s.approval_timeout_seconds}s")
+            await self._audit(record, "expired")
+            return False
+        self.proposal = None
+        if self.approval is None and self.rejection is None:  # every pod it was for is gone (bound, deleted)
+            record.phase, record.message = Phase.COMPLETED, "withdrawn: none of its pods waits any more"
+            self._keep(record)
+            await self._audit(record, "withdrawn", record.message)
+            return False
+        if self.rejection is not None:
+            r = self.rejection
+            self._decided(record, Phase.REJECTED, f"rejected by {r.approver}: {r.reason}")
+            record.approver = r.approver
+            await self._audit(record, "rejected", r.reason or record.message, approver=r.approver)
+            return False
+        assert self.approval is not None
+        record.approver = self.approval.approver
+        await self._audit(record, "approved", f"plan {record.plan.plan_id}", approver=record.approver)
+        return True
+
+    async def _start_nodes(self, record: BatchRecord, policy: PolicySnapshot) -> None:
+        inp = self.inp
+        waiting = {p.key for p in self.waiting.values()}
+        room = max(0, policy.max_nodes - len(self.nodes))
+        starts: list[Awaitable[workflow.ChildWorkflowHandle[Any, Any]]] = []
+        for i, node in enumerate(record.plan.new_nodes):
+            if not waiting.intersection(node.pods):  # its pods went (bound elsewhere, deleted) while approving
+                continue
+            if len(starts) >= room:
+                break
+            wf_id = node_workflow_id(inp.cluster, inp.policy, record.batch, i)
+            self.nodes[wf_id] = NodeRecord(workflow_id=wf_id, node_name="", batch=record.batch,
+                                           offering=node.offering, pods=node.pods)
+            record.nodes.append(wf_id)
+            starts.append(workflow.start_child_workflow(
+                BurstNodeWorkflow.run,
+                NodeInput(cluster=inp.cluster, policy=inp.policy, batch=record.batch,
+                          provision_workflow_id=workflow.info().workflow_id, node=node,
+                          default_mode=inp.default_mode, settings=inp.settings),
+                id=wf_id, parent_close_policy=ParentClosePolicy.ABANDON,
+                static_summary=(f"Burst node: {node.offering.instance_type} in {node.offering.location} for "
+                                f"{len(node.pods)} pod(s) (batch {record.batch})")))
+        handles = await asyncio.gather(*starts)
+        for handle in handles:
+            # The node's name comes from its own run (operation ID): known once started.
+            rec = self.nodes.get(handle.id)
+            if rec is not None:
+                rec.node_name = f"burst-{operation_id(handle.id, handle.first_execution_run_id or '')}"
+        record.phase = Phase.LAUNCHING
+        record.message = f"{len(handles)} node(s) started"
+        self._keep(record)
+        self._log(f"batch {record.batch}: {record.message}")
+
+    def _settle(self) -> None:
+        waits = [why for why in self.unplaced.values() if "maxNodes" in why]
+        if waits:
+            self._set_phase(Phase.WAITING_FOR_CAPACITY, f"{len(waits)} pod(s) wait: {waits[0]}")
+        else:
+            self._set_phase(Phase.IDLE, f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting")
