@@ -41,15 +41,16 @@ HUB_POLLS = Counter("kubeon_hub_polls", "Hub polls by resulting state (connected
 HUB_LAST_SYNC = Gauge("kubeon_hub_last_sync_timestamp_seconds",
                       "When this replica last synced policies from the hub (Unix time; 0: never)")
 
-# -- state read at scrape time (worker/telemetry.py, OperationsCollector) ----------------------------------------
+# -- state read at scrape time (worker/telemetry.py, StateCollector) ----------------------------------------
 OPERATIONS = Gauge("kubeon_operations", "Open operations by kind and phase (Temporal visibility)",
                    ["kind", "phase"])
 BURST_NODES = Gauge("kubeon_burst_nodes", "Burst Nodes in the cluster by policy and location", ["policy", "location"])
 COMMITTED_USD_PER_HOUR = Gauge("kubeon_committed_usd_per_hour", "USD per hour committed by the burst Nodes of a "
                                "policy, compute and estimated data transfer apart", ["policy", "component"])
-LEDGER_RESERVED = Gauge("kubeon_ledger_reserved_nodes", "Nodes reserved in a policy's ledger", ["policy"])
-LEDGER_WAITING = Gauge("kubeon_ledger_waiting_operations", "Operations queued for a node in a policy's ledger",
-                       ["policy"])
+PROVISION_NODES = Gauge("kubeon_provision_nodes", "Burst nodes a policy's provisioning holds against maxNodes "
+                        "(launching, joining, verifying or serving)", ["policy"])
+PROVISION_WAITING = Gauge("kubeon_provision_waiting_pods", "Pods waiting in a policy's provisioning for a node",
+                          ["policy"])
 HUB_REPORTS_QUEUED = Gauge("kubeon_hub_reports_queued", "Action reports queued for the hub, not yet delivered")
 HUB_LAST_POLL = Gauge("kubeon_hub_last_poll_timestamp_seconds", "When the hub sync workflow last polled (Unix time)")
 SCRAPE_ERRORS = Counter("kubeon_scrape_errors", "Sources that could not be read for /metrics", ["source"])

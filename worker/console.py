@@ -94,8 +94,11 @@ def create_app(settings: ConsoleSettings) -> Starlette:
         wants_html = "text/html" in request.headers.get("accept", "")
         if wants_html:  # the page is rewritten: ask for it uncompressed
             headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
-        req = client.build_request(request.method, request.url.path, params=request.url.query,
-                                   headers=headers, content=request.stream())
+        # The raw path: workflow IDs hold `/`, sent by the UI as %2F, which a decoded path would turn into
+        # separators (a 404 upstream).
+        raw = request.scope.get("raw_path") or request.url.path.encode()
+        target = raw.decode("latin-1") + (f"?{request.url.query}" if request.url.query else "")
+        req = client.build_request(request.method, target, headers=headers, content=request.stream())
         try:
             resp = await client.send(req, stream=True)
         except httpx.TransportError as exc:

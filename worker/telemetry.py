@@ -44,7 +44,14 @@ from temporalio.service import RPCError
 from activities import product_metrics as pm
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.operation import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY, ReservationResult, operation_id
+from models.operation import (
+    LABEL_INSTANCE_TYPE,
+    LABEL_LOCATION,
+    LABEL_POLICY,
+    ProvisionView,
+    operation_id,
+    provision_workflow_id,
+)
 from worker.config import ConfigError
 
 if TYPE_CHECKING:
@@ -170,7 +177,7 @@ def _location_of_label(value: str) -> str:
 
 class StateCollector:
     """What is true now, read when scraped (at most every ``min_interval`` seconds) from the sources every
-    replica shares: burst Nodes, Temporal visibility, the ledger and hub sync workflows' queries."""
+    replica shares: burst Nodes, Temporal visibility, the provisioning and hub sync workflows' queries."""
 
     def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0
                  ) -> None:
@@ -206,7 +213,7 @@ class StateCollector:
     async def _read_all(self) -> None:
         policies: set[str] = set()
         for source, step in (("kubernetes", self._nodes), ("temporal", self._operations),
-                             ("ledger", self._ledgers), ("hub", self._hub)):
+                             ("provisioning", self._provisionings), ("hub", self._hub)):
             try:
                 await step(policies)
             except Exception as exc:  # one source down must not take the others' metrics with it
@@ -257,22 +264,21 @@ class StateCollector:
         for (kind, phase), n in counts.items():
             pm.OPERATIONS.labels(kind=kind, phase=phase).set(n)
 
-    async def _ledgers(self, policies: set[str]) -> None:
-        from models.operation import ledger_workflow_id
-
-        results: dict[str, ReservationResult] = {}
+    async def _provisionings(self, policies: set[str]) -> None:
+        """Each policy's provisioning (it holds maxNodes): the nodes it holds and the pods waiting for one."""
+        views: dict[str, ProvisionView] = {}
         for policy in sorted(policies):
-            handle = self.temporal.get_workflow_handle(ledger_workflow_id(self.cluster, policy))
+            handle = self.temporal.get_workflow_handle(provision_workflow_id(self.cluster, policy))
             try:
-                results[policy] = await handle.query("reservations", result_type=ReservationResult,
-                                                     rpc_timeout=dt.timedelta(seconds=3))
+                views[policy] = await handle.query("state", result_type=ProvisionView,
+                                                   rpc_timeout=dt.timedelta(seconds=3))
             except (RPCError, temporal_client.WorkflowQueryFailedError):
-                continue  # no ledger (yet) for this policy
-        pm.LEDGER_RESERVED.clear()
-        pm.LEDGER_WAITING.clear()
-        for policy, res in results.items():
-            pm.LEDGER_RESERVED.labels(policy=policy).set(res.in_use)
-            pm.LEDGER_WAITING.labels(policy=policy).set(len(res.waiting))
+                continue  # no provisioning (yet) for this policy
+        pm.PROVISION_NODES.clear()
+        pm.PROVISION_WAITING.clear()
+        for policy, view in views.items():
+            pm.PROVISION_NODES.labels(policy=policy).set(len(view.nodes))
+            pm.PROVISION_WAITING.labels(policy=policy).set(len(view.waiting))
 
     async def _hub(self, _: set[str]) -> None:
         if self.runtime.hub is None:
@@ -369,8 +375,8 @@ LOG_CONTEXT: contextvars.ContextVar[dict[str, str] | None] = contextvars.Context
 def operation_context(workflow_id: str | None, run_id: str | None, arg: Any = None) -> dict[str, str]:
     """Workflow ID, operation and policy of a workflow or its activity. The activity's argument says best (its
     ``operation`` and ``policy`` fields); else they are read from the workflow ID's documented shapes:
-    ``burst/<cluster>/<policy>/<group>`` (operation: derived from the run), ``ledger/<cluster>/<policy>``,
-    ``drain/<burst workflow ID>/<operation>``."""
+    ``burst/<cluster>/<policy>/<batch>-<n>`` (a node; operation: derived from the run),
+    ``provision/<cluster>/<policy>``, ``drain/<node workflow ID>/<operation>``."""
     ctx: dict[str, str] = {}
     if workflow_id:
         ctx["workflow_id"] = workflow_id
@@ -378,7 +384,7 @@ def operation_context(workflow_id: str | None, run_id: str | None, arg: Any = No
         if parts[0] == "drain" and len(parts) >= 6:
             ctx["operation"] = parts[-1]
             parts = parts[1:]
-        if parts[0] in ("burst", "ledger") and len(parts) >= 3:
+        if parts[0] in ("burst", "provision") and len(parts) >= 3:
             ctx["policy"] = parts[2]
         if parts[0] == "burst" and run_id and "operation" not in ctx and len(parts) == 4:
             ctx["operation"] = operation_id(workflow_id, run_id)
@@ -389,8 +395,18 @@ def operation_context(workflow_id: str | None, run_id: str | None, arg: Any = No
     return ctx
 
 
+# Workflow type -> the operation kind its audited actions count under: a batch's proposal and approval (the
+# provisioning) and its nodes' launch to return home are all of one burst.
+ACTION_KINDS = {"BurstNode": "Burst", "Provision": "Burst", "DrainWorkflow": "Drain", "ScaleWorkflow": "Scale"}
+
+
+def _kind(workflow_type: str | None) -> str:
+    name = workflow_type or ""
+    return ACTION_KINDS.get(name) or name.removesuffix("Workflow") or "?"
+
+
 def _observe(info: activity.Info, arg: Any, result: Any, ctx: Mapping[str, str]) -> None:
-    kind = (info.workflow_type or "").removesuffix("Workflow") or "?"
+    kind = _kind(info.workflow_type)
     policy = ctx.get("policy", "")
     elapsed = (dt.datetime.now(dt.UTC) - info.scheduled_time).total_seconds()
     name = info.activity_type
@@ -403,8 +419,9 @@ def _observe(info: activity.Info, arg: Any, result: Any, ctx: Mapping[str, str])
         pm.LAUNCH_SECONDS.labels(policy=policy, location=str(getattr(offering, "location", ""))).observe(elapsed)
     elif name == "wait_for_node":
         pm.JOIN_SECONDS.labels(policy=policy).observe(elapsed)
-    elif name == "plan_burst":
-        _remember_prices(getattr(result, "candidates", None))
+    elif name == "plan_batch":
+        _remember_prices([o for n in getattr(result, "new_nodes", None) or ()
+                          for o in (n.offering, *n.alternatives)])
     elif name == "hub_poll":
         state = str(getattr(result, "state", "?"))
         pm.HUB_POLLS.labels(state=state).inc()

@@ -47,6 +47,7 @@ from models.operation import (
     operation_id,
 )
 from models.policy import location_label_value
+from models.ui_text import Details, code, md
 from workflows.drain import DrainWorkflow
 from workflows.gate import action_gate, wait_until_allowed
 from workflows.observe import phase_span
@@ -99,19 +100,20 @@ class BurstNodeWorkflow:
     def _details(self) -> str:
         assert self.inp is not None
         n = self.inp.node
-        lines = [
-            f"**Burst node** `{self.operation}` of batch `{self.inp.batch}`, policy `{self.inp.policy}`",
-            f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
-            f"**Planned:** {n.offering.describe()}",
-            f"**For** {len(n.pods)} pod(s), {n.gpus_used} GPU(s): " + ", ".join(n.pods[:8])
-            + (" ..." if len(n.pods) > 8 else ""),
-        ]
-        for o in n.alternatives[:3]:
-            lines.append(f"- fallback: {o.describe()}")
+        d = Details()
+        d.para(f"**Burst node** {code(self.operation)} of batch {code(self.inp.batch)}, policy "
+               f"{code(self.inp.policy)}")
+        d.para(f"**Phase:** {md(self.phase.value)}" + (f" — {md(self.message)}" if self.message else ""))
+        d.para(f"**Planned:** {md(n.offering.describe())}")
+        d.para(f"**For** {len(n.pods)} pod(s), {n.gpus_used} GPU(s):")
+        d.bullets((code(p) for p in n.pods), limit=8, more="more pods")
+        if n.alternatives:
+            d.para("**Fallbacks** (a location without capacity):")
+            d.bullets((md(o.describe()) for o in n.alternatives), limit=3, more="more")
         if self.instance:
-            lines.append(f"**Instance** {self.instance.instance_id} ({self.instance.instance_type}) in "
-                         f"{self.instance.location}")
-        return "\n".join(lines)
+            d.para(f"**Instance** {code(self.instance.instance_id)} ({md(self.instance.instance_type)}) in "
+                   f"{md(self.instance.location)}")
+        return d.render()
 
     def _view(self) -> OperationView:
         inp = self.inp
@@ -137,7 +139,8 @@ class BurstNodeWorkflow:
             start_to_close_timeout=QUICK, retry_policy=RETRY,
         )
 
-    @workflow.query(name="state")
+    @workflow.query(name="state", description=(
+        "The node: phase, planned offering and pods, the instance, node name and history."))
     def state(self) -> OperationView:
         return self._view()
 
@@ -152,6 +155,7 @@ class BurstNodeWorkflow:
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
             sa.OPERATION_KIND.value_set("Burst"), sa.OPERATION.value_set(self.operation),
             sa.BATCH.value_set(inp.batch), sa.LOCATION.value_set(inp.node.offering.location),
+            sa.USD_PER_HOUR.value_set(round(inp.node.offering.usd_per_hour, 4)),
         ])
         try:
             try:
@@ -281,7 +285,8 @@ class BurstNodeWorkflow:
         while candidates:
             offering = candidates[0]
             self._set_phase(Phase.LAUNCHING, offering.describe())
-            workflow.upsert_search_attributes([sa.LOCATION.value_set(offering.location)])
+            workflow.upsert_search_attributes([sa.LOCATION.value_set(offering.location),
+                                               sa.USD_PER_HOUR.value_set(round(offering.usd_per_hour, 4))])
             self.launch_attempted = True
             try:
                 self.instance = await workflow.execute_activity(

@@ -25,6 +25,7 @@ from temporalio.exceptions import ActivityError
 from temporalio.workflow import ParentClosePolicy
 
 from models import search_attributes as sa
+from models.converter import Refused
 from models.operation import (
     Approval,
     AuditRecord,
@@ -46,7 +47,9 @@ from models.operation import (
     node_workflow_id,
     operation_id,
 )
+from models.ui_text import Details, code, md, md_usd
 from workflows.burst import BurstNodeWorkflow
+from workflows.observe import phase_span
 
 QUICK = timedelta(seconds=60)
 RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
@@ -81,7 +84,7 @@ class ProvisionWorkflow:
         self.history: list[str] = []
 
     # -- signals from the watchers and the node workflows ----------------------------------------------------
-    @workflow.signal(name="pods_waiting")
+    @workflow.signal(name="pods_waiting", description="Internal: pods waiting for a burst node (sent by the watcher).")
     def pods_waiting(self, msg: PodsWaiting) -> None:
         arrived = False
         for pod in msg.pods:
@@ -95,7 +98,7 @@ class ProvisionWorkflow:
             self.last_arrival = now
             self.first_arrival = self.first_arrival or now
 
-    @workflow.signal(name="pods_gone")
+    @workflow.signal(name="pods_gone", description="Internal: pods that no longer wait (sent by the watcher).")
     def pods_gone(self, msg: PodsGone) -> None:
         for uid in msg.uids:
             self._forget(uid)
@@ -105,7 +108,8 @@ class ProvisionWorkflow:
         if any(k in self.unplaced for k in keys):
             self.dirty = True
 
-    @workflow.signal(name="node_finished")
+    @workflow.signal(name="node_finished", description=(
+        "Internal: a burst node's workflow ended (sent by that workflow); frees its place under maxNodes."))
     def node_finished(self, msg: NodeFinished) -> None:
         record = self.nodes.pop(msg.workflow_id, None)
         if record is None:
@@ -128,20 +132,26 @@ class ProvisionWorkflow:
         self.failures.pop(uid, None)
 
     # -- approval (CLI, Temporal UI, hub) -------------------------------------------------------------------
-    @workflow.signal(name="approve")
+    @workflow.signal(name="approve", description=(
+        "Approve the batch awaiting approval (input may be empty): its nodes launch. Ignored when nothing awaits. "
+        "Optional input {\"approver\": \"you\", \"plan_id\": \"...\"} approves only that plan."))
     def approve_signal(self, approval: Approval | None = None) -> None:
         """For the Temporal UI and `temporal workflow signal`: ignored unless a proposal awaits (this plan)."""
         approval = approval or Approval()
         if self._decision_problem(approval.plan_id, approval.operation) is None:
             self.approval = approval
 
-    @workflow.signal(name="reject")
+    @workflow.signal(name="reject", description=(
+        "Reject the batch awaiting approval (input may be empty): nothing launches; its pods are proposed again "
+        "later if they still wait."))
     def reject_signal(self, rejection: Rejection | None = None) -> None:
         rejection = rejection or Rejection()
         if self._decision_problem(None, rejection.operation) is None:
             self.rejection = rejection
 
-    @workflow.update(name="approve_plan")
+    @workflow.update(name="approve_plan", description=(
+        "Approve the batch awaiting approval, refused with the reason if the plan is stale or nothing awaits. "
+        "Input {\"approver\": \"you\", \"plan_id\": \"...\"}. In the Temporal UI fill in an Update ID."))
     def approve_update(self, approval: Approval) -> DecisionResult:
         assert self.proposal is not None
         self.approval = approval
@@ -152,11 +162,13 @@ class ProvisionWorkflow:
     def _validate_approve(self, approval: Approval) -> None:
         problem = self._decision_problem(approval.plan_id, approval.operation)
         if problem:
-            raise ValueError(problem)
+            raise Refused(problem)
         if not approval.approver.strip():
-            raise ValueError("approver must name who approves")
+            raise Refused("approver must name who approves")
 
-    @workflow.update(name="reject_plan")
+    @workflow.update(name="reject_plan", description=(
+        "Reject the batch awaiting approval; refused with the reason if nothing awaits. Input {\"approver\": "
+        "\"you\", \"reason\": \"...\"}."))
     def reject_update(self, rejection: Rejection) -> DecisionResult:
         assert self.proposal is not None
         self.rejection = rejection
@@ -167,7 +179,7 @@ class ProvisionWorkflow:
     def _validate_reject(self, rejection: Rejection) -> None:
         problem = self._decision_problem(None, rejection.operation)
         if problem:
-            raise ValueError(problem)
+            raise Refused(problem)
 
     def _decision_problem(self, plan_id: str | None, operation: str | None) -> str | None:
         wf = workflow.info().workflow_id
@@ -181,7 +193,9 @@ class ProvisionWorkflow:
         return None
 
     # -- visibility -----------------------------------------------------------------------------------------
-    @workflow.query(name="state")
+    @workflow.query(name="state", description=(
+        "The policy's provisioning: phase, the proposal awaiting approval with its plan, waiting pods and why, "
+        "nodes held under maxNodes, recent batches."))
     def state(self) -> ProvisionView:
         return ProvisionView(
             workflow_id=workflow.info().workflow_id, cluster=self.inp.cluster, policy=self.inp.policy,
@@ -202,20 +216,33 @@ class ProvisionWorkflow:
         if phase != self.phase:
             workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
             self._log(phase.value + (f": {message}" if message else ""))
+            phase_span("Provision", phase.value)
         self.phase, self.message = phase, message
         self._details()
 
     def _details(self) -> None:
         p = self.policy
-        lines = [f"**Provisioning** of policy `{self.inp.policy}`, mode {p.mode if p else '?'}",
-                 f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
-                 f"**Nodes:** {len(self.nodes)} of maxNodes {p.max_nodes if p else '?'}; "
-                 f"**waiting pods:** {len(self.waiting)}"]
+        d = Details()
+        d.para(f"**Provisioning** of burst nodes for policy {code(self.inp.policy)} on cluster "
+               f"{code(self.inp.cluster)}, mode {md(p.mode if p else '?')}")
+        d.para(f"**Phase:** {md(self.phase.value)}" + (f" — {md(self.message)}" if self.message else ""))
+        d.para(f"**Nodes:** {len(self.nodes)} of maxNodes {p.max_nodes if p else '?'} · "
+               f"**waiting pods:** {len(self.waiting)}")
         if self.proposal is not None:
-            lines += self.proposal.plan.lines()
-            lines.append(f"Approve: `kubeon-gpu ops approve {self.proposal.batch}` or signal `approve`")
-        lines += [f"- waits: {pod}: {why}" for pod, why in sorted(self.unplaced.items())[:5]]
-        workflow.set_current_details("\n".join(lines))
+            plan_details(d, self.proposal.plan)
+            d.para(f"**Approving** launches these {len(self.proposal.plan.new_nodes)} node(s) at "
+                   f"{md_usd(self.proposal.plan.total_usd_per_hour, 'h')} in total: signal `approve` (empty "
+                   f"input), or `kubeon-gpu ops approve {self.proposal.batch}`, or approve in the hub. Signal "
+                   "`reject` launches nothing.")
+        if self.unplaced:
+            d.para("**Waiting, and why:**")
+            d.bullets((f"{code(pod)}: {md(why)}" for pod, why in sorted(self.unplaced.items())), limit=10,
+                      more="more pods")
+        if self.nodes:
+            d.para("**Nodes held:**")
+            d.bullets((f"{code(n.workflow_id)}: {md(n.offering.describe())} for {len(n.pods)} pod(s)"
+                       for n in self.nodes.values()), limit=10, more="more nodes")
+        workflow.set_current_details(d.render())
 
     async def _audit(self, record: BatchRecord, action: str, detail: str = "", approver: str | None = None) -> None:
         first = record.plan.new_nodes[0].offering.location if record.plan.new_nodes else None
@@ -280,7 +307,7 @@ class ProvisionWorkflow:
                         self.first_arrival + timedelta(seconds=s.batch_max_seconds))
             if now >= until:
                 break
-            await workflow.sleep(until - now)
+            await workflow.sleep(until - now, summary="gather pods arriving together into one plan")
 
     async def _round(self) -> None:
         inp, s = self.inp, self.inp.settings
@@ -322,7 +349,8 @@ class ProvisionWorkflow:
         self.seq += 1
         record = BatchRecord(batch=batch, phase=Phase.PLANNING, plan=plan)
         workflow.upsert_search_attributes([sa.BATCH.value_set(batch), sa.OPERATION.value_set(batch),
-                                           sa.LOCATION.value_set(plan.new_nodes[0].offering.location)])
+                                           sa.LOCATION.value_set(plan.new_nodes[0].offering.location),
+                                           sa.USD_PER_HOUR.value_set(round(plan.total_usd_per_hour, 4))])
         if policy.mode == "Recommend":
             self._decided(record, Phase.PROPOSED, plan.summary())
             await self._audit(record, "proposed")
@@ -363,7 +391,8 @@ class ProvisionWorkflow:
         try:
             await workflow.wait_condition(
                 lambda: self.approval is not None or self.rejection is not None or not wanted(),
-                timeout=timedelta(seconds=s.approval_timeout_seconds))
+                timeout=timedelta(seconds=s.approval_timeout_seconds),
+                timeout_summary=f"approval deadline of batch {record.batch}")
         except TimeoutError:
             self.proposal = None
             self._decided(record, Phase.EXPIRED, f"no approval within {s.approval_timeout_seconds}s")
@@ -425,3 +454,18 @@ class ProvisionWorkflow:
             self._set_phase(Phase.WAITING_FOR_CAPACITY, f"{len(waits)} pod(s) wait: {waits[0]}")
         else:
             self._set_phase(Phase.IDLE, f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting")
+
+
+def plan_details(d: Details, plan: BatchPlan) -> None:
+    """A plan as the Temporal UI shows it: the total, then each new node with its price breakdown and pods."""
+    d.para(f"**Plan** {code(plan.plan_id)} (batch {code(plan.batch)}): **total "
+           f"{md_usd(plan.total_usd_per_hour, 'h')}** for {len(plan.new_nodes)} new node(s)")
+    d.bullets((f"node {i}: {md(n.offering.describe())}; pods: {', '.join(code(p) for p in n.pods)}"
+               for i, n in enumerate(plan.new_nodes)), limit=20, more="more nodes")
+    if plan.on_existing:
+        d.para("**On nodes already there:**")
+        d.bullets((f"{code(pod)} on {code(node)}" for pod, node in sorted(plan.on_existing.items())), limit=10,
+                  more="more pods")
+    if plan.unplaced:
+        d.para("**Not placed:**")
+        d.bullets((f"{code(u.pod)}: {md(u.why)}" for u in plan.unplaced), limit=10, more="more pods")

@@ -46,8 +46,25 @@ async def screenshot(page: Page, out: Path, name: str) -> Path:
     return path
 
 
-async def current_details_text(page: Page) -> str:
-    """The rendered current details of the workflow page's User Metadata tab (drawn in an iframe)."""
-    await page.get_by_role("tab", name="User Metadata").click()
-    frame = page.frame_locator("iframe").first
-    return await frame.locator("body").inner_text(timeout=15_000)
+async def current_details_text(page: Page, marker: str = "Phase", timeout: float = 30.0) -> str:
+    """The rendered current details on the workflow page's User Metadata tab. The UI draws summary, details and
+    current details each in an iframe of its markdown renderer (``/render?content=...``): the one holding
+    ``marker``."""
+    import asyncio
+    import time
+
+    await page.get_by_text("User Metadata", exact=True).first.click()
+    deadline = time.monotonic() + timeout
+    while True:
+        for frame in page.frames:
+            if "/render" not in frame.url:
+                continue
+            try:
+                text = await frame.locator("body").inner_text(timeout=2_000)
+            except Exception:
+                continue
+            if marker in text:
+                return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no rendered details holding {marker!r} on {page.url}")
+        await asyncio.sleep(0.5)

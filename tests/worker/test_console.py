@@ -9,6 +9,7 @@ import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import uvicorn
@@ -104,6 +105,7 @@ async def test_the_console_opens_on_what_awaits_approval_with_policy_location_an
         await screenshot(page, out, "console-awaiting-approval")
         assert csp_errors == []
 
+
         # A choice the operator made in the UI stays theirs.
         mine = {"default": [{"label": "Status"}, {"label": "Workflow ID"}]}
         await page.evaluate(f"localStorage.setItem({json.dumps(COLUMNS_KEY)}, {json.dumps(json.dumps(mine))})")
@@ -114,3 +116,9 @@ async def test_the_console_opens_on_what_awaits_approval_with_policy_location_an
         stored = await page.evaluate(f"localStorage.getItem({json.dumps(COLUMNS_KEY)})")
         assert json.loads(stored)["default"] == mine["default"]
         assert re.search(r"/namespaces/default/workflows", page.url)
+
+        # A workflow ID holds `/`: its page (the UI sends it as %2F) must not turn into other path segments.
+        wf_page = quote("burst/c/inference-burst-eu/waiting", safe="")
+        await page.goto(f"{console}/namespaces/default/workflows/{wf_page}")
+        await page.get_by_text("User Metadata", exact=True).first.wait_for(timeout=30_000)
+        assert await page.get_by_text("Not Found").count() == 0

@@ -28,13 +28,21 @@ from models.operation import (
     LABEL_LOCATION,
     LABEL_OPERATION,
     LABEL_POLICY,
-    Approval,
     Instance,
     Phase,
     Taint,
-    burst_workflow_id,
 )
-from tests.harness.burst import SIM_LOCATIONS, BurstStack, build_stack, gpu_deployment, result, unique, wait_phase
+from tests.harness.burst import (
+    SIM_LOCATIONS,
+    BurstStack,
+    approve_batch,
+    build_stack,
+    gpu_deployment,
+    provision_state,
+    result,
+    unique,
+    wait_phase,
+)
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
     GATEWAY_PUBLIC_IP,
@@ -52,7 +60,6 @@ from tests.harness.rbac import (
     OPTIMIZER_SA,
 )
 from tunnel.uapi import Uapi
-from worker import ops
 from worker.main import worker_services
 from worker.runtime import Runtime
 
@@ -307,12 +314,16 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
     try:
         deploy = unique("infer")
         cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                f"{namespace}/Deployment/{deploy}"))
-        view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
-        assert view.plan is not None and view.plan.best is not None
-        await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=view.plan.plan_id))
+        # One proposal for the batch, one new node on the policy's location; approved by batch and plan.
+        proposed = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
+        assert proposed.phase == Phase.AWAITING_APPROVAL and proposed.proposal is not None
+        (planned,) = proposed.proposal.plan.new_nodes
+        assert planned.offering.location == "sim/eu-west"
+        assert len(planned.pods) == 1 and planned.pods[0].startswith(f"{namespace}/{deploy}-")
+        batch, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
+        assert batch.batch == proposed.proposal.batch
         view = await wait_phase(handle, Phase.SERVING, timeout=180)
+        assert view.batch == batch.batch and view.node is not None and view.node.offering == planned.offering
         (joined,) = booted.values()
         assert joined.name == view.node_name
         # The node registered itself: its own Lease, its own CSR approved by the gateway; taint and location.
@@ -343,5 +354,7 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
         assert all(cm.data["node"] != joined.name for cm in slots)
         states = json.loads((stack.workdir / f"state-{cluster_name}" / "sim-instances.json").read_text())
         assert [r["state"] for r in states.values()] == ["terminated"]
+        after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
+        assert after.batches[-1].approver == "alice" and after.batches[-1].nodes == [handle.id]
     finally:
         stack.delete_policy(policy)

@@ -82,7 +82,7 @@ def test_operation_context_from_workflow_ids() -> None:
     drain = f"drain/{wf}/op-aaaabbbbcccc"
     assert operation_context(drain, "run-2") == {"workflow_id": drain, "policy": "inference-eu",
                                                  "operation": "op-aaaabbbbcccc"}
-    assert operation_context("ledger/prod/p1", "r") == {"workflow_id": "ledger/prod/p1", "policy": "p1"}
+    assert operation_context("provision/prod/p1", "r") == {"workflow_id": "provision/prod/p1", "policy": "p1"}
 
     class Arg:
         operation, policy = "op-fromarg", "p-arg"

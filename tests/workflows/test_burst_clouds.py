@@ -16,12 +16,16 @@ from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import KubeGateway
-from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Approval, Phase, burst_workflow_id
+from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Phase
 from tests.harness import clouds
 from tests.harness.burst import (
     BurstStack,
+    approve_batch,
     build_stack,
     gpu_deployment,
+    node_for,
+    node_workflows,
+    provision_state,
     result,
     unique,
     wait_for,
@@ -32,7 +36,6 @@ from tests.harness.cloud_boot import Booter, gateway_join
 from tests.harness.cloud_fake import FakeServer
 from tests.harness.gcp_server import ZONES
 from tests.harness.kube import Cluster
-from worker import ops
 from worker.main import worker_services
 from worker.runtime import kube_api
 
@@ -168,16 +171,18 @@ async def test_documented_burst(stack: BurstStack, temporal_dev_server: Workflow
             temporal, cluster_name, gateway):
         stack.create_policy(policy, mode="Approve", locations=[home], max_nodes=4)
         deploy = _deploy(stack, namespace, cloud)
-        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                f"{namespace}/Deployment/{deploy}"))
-        view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
-        assert view.plan is not None and view.plan.best is not None
-        assert view.plan.best.instance_type == cloud.best_type and view.plan.best.location == home
+        proposed = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
+        assert proposed.proposal is not None and proposed.phase == Phase.AWAITING_APPROVAL
+        (planned,) = proposed.proposal.plan.new_nodes
+        assert planned.offering.instance_type == cloud.best_type and planned.offering.location == home
+        assert planned.pods and all(p.startswith(f"{namespace}/{deploy}-") for p in planned.pods)
         assert cloud.live(policy) == []
 
         with Booter(cloud.server, gateway_join(gateway)) as booted:
-            await ops.approve(temporal, view.operation, Approval(approver="bob"))
+            batch, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-", "bob")
+            assert batch.batch == proposed.proposal.batch
             view = await wait_phase(handle, Phase.SERVING, timeout=120)
+            assert view.batch == batch.batch
             assert view.instance is not None
             [inst] = cloud.live(policy)
             assert inst["id"] == view.instance.instance_id and inst["type"] == cloud.best_type
@@ -207,12 +212,15 @@ async def test_capacity_fails_over_to_the_next_location(stack: BurstStack, tempo
                                                           cloud.outside_region]) as (temporal, cluster_name, gateway):
         stack.create_policy(policy, mode="Automatic", locations=[cheap, home])
         deploy = _deploy(stack, namespace, cloud)
-        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                f"{namespace}/Deployment/{deploy}"))
-        with Booter(cloud.server, gateway_join(gateway)):
+        handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
+        with Booter(cloud.server, gateway_join(gateway)) as booted:
             view = await wait_phase(handle, Phase.SERVING, timeout=120)
-            assert view.plan is not None and view.plan.best is not None and view.plan.best.location == cheap
+            # Planned in the cheaper location; it had no capacity, so the node fell back to its alternatives.
+            assert view.node is not None and view.node.offering.location == cheap
+            assert home in [o.location for o in view.node.alternatives]
+            assert all(o.location in (cheap, home) for o in view.node.alternatives)
             assert view.instance is not None and view.instance.location == home
+            assert list(booted.joined.values()) == [view.node_name], booted.errors
             # Every zone of the cheaper region (for each of its candidate types), then the next location.
             regions = [cloud.region_of(c) for c in cloud.creates(policy)]
             assert regions[-1] == cloud.home_region and set(regions[:-1]) == {cloud.cheap_region}, regions
@@ -233,14 +241,25 @@ async def test_no_capacity_anywhere_fails_with_nothing_running(
         stack.create_policy(policy, mode="Automatic", locations=[f"{cloud.name}/{cloud.cheap_region}",
                                                                  f"{cloud.name}/{cloud.home_region}"])
         deploy = _deploy(stack, namespace, cloud)
-        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                f"{namespace}/Deployment/{deploy}"))
+        pods = f"{namespace}/{deploy}-"
+        handle = await node_for(temporal, cluster_name, policy, pods)
         done = await result(handle)
+        assert done.phase == Phase.FAILED
+        assert "no capacity in any eligible location" in done.message
+        assert cloud.cheap_region in done.message and cloud.home_region in done.message
+        assert done.node is not None
+        tried = {o.location for o in [done.node.offering, *done.node.alternatives]}
+        assert tried == {f"{cloud.name}/{cloud.cheap_region}", f"{cloud.name}/{cloud.home_region}"}
+        assert {cloud.region_of(c) for c in cloud.creates(policy)} == {cloud.cheap_region, cloud.home_region}, \
+            "each location was tried"
+        # The provisioning holds no node for it any more; the pod waits to be planned again after a back-off.
+        after = await provision_state(temporal, cluster_name, policy,
+                                      lambda v: handle.id not in {n.workflow_id for n in v.nodes})
+        assert after.nodes == [] and any(w.startswith(pods) for w in after.waiting)
+        assert node_workflows(after, pods) == [handle.id]
+        assert any(handle.id in h and "no capacity" in h for h in after.history), after.history
+        wait_for(lambda: cloud.live(policy) == [], what="nothing running")
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    assert done.phase == Phase.FAILED
-    assert "no capacity in any eligible location" in done.message
-    assert cloud.cheap_region in done.message and cloud.home_region in done.message
-    assert cloud.creates(policy), "each location was tried"
     wait_for(lambda: cloud.live(policy) == [], what="nothing running")
 
 
@@ -255,12 +274,18 @@ async def test_quota_fails_clearly_without_retrying(stack: BurstStack, temporal_
     async with worker(stack, temporal_dev_server, cloud, [cloud.home_region]) as (temporal, cluster_name, _):
         stack.create_policy(policy, mode="Automatic", locations=[f"{cloud.name}/{cloud.home_region}"])
         deploy = _deploy(stack, namespace, cloud)
-        handle = temporal.get_workflow_handle(burst_workflow_id(cluster_name, policy,
-                                                                f"{namespace}/Deployment/{deploy}"))
+        pods = f"{namespace}/{deploy}-"
+        handle = await node_for(temporal, cluster_name, policy, pods)
         done = await result(handle)
+        assert done.phase == Phase.FAILED
+        assert named in done.message and "quota" in done.message
+        assert len(cloud.creates(policy)) == 1, "a quota error is not retried (nor another offering tried)"
+        # The provisioning shows the node failed on the quota, and holds no node for it any more.
+        after = await provision_state(temporal, cluster_name, policy,
+                                      lambda v: handle.id not in {n.workflow_id for n in v.nodes})
+        assert after.nodes == [] and node_workflows(after, pods) == [handle.id]
+        assert any(handle.id in h and named in h for h in after.history), after.history
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    assert done.phase == Phase.FAILED
-    assert named in done.message and "quota" in done.message
     assert len(cloud.creates(policy)) == 1, "a quota error is not retried"
     assert cloud.live(policy) == []
 
@@ -279,21 +304,26 @@ async def test_killed_after_the_create_is_sent_is_one_instance(
     gateway = KubeGateway(kube_api(stack.gateway_kubeconfig), stack.ticket_key_file.read_bytes().strip())
     deploy = _deploy(stack, namespace, cloud)
     try:
-        handle = temporal_dev_server.client.get_workflow_handle(
-            burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
         wait_for(lambda: len(cloud.creates(policy)) == 1, what="the create sent", timeout=120)
         os.killpg(procs[0].pid, signal.SIGKILL)  # the cloud is still holding its answer
         procs[0].wait(timeout=10)
         cloud.server.fault(slow_create_seconds=0)
         procs.append(worker_process(settings, log))
-        with Booter(cloud.server, gateway_join(gateway)):
+        # The node workflow the batch started (asked of the provisioning: a worker is running again).
+        handle = await node_for(temporal_dev_server.client, queue, policy, f"{namespace}/{deploy}-", timeout=90)
+        with Booter(cloud.server, gateway_join(gateway)) as booted:
             view = await wait_phase(handle, Phase.SERVING, timeout=180)
             assert view.instance is not None
             assert [i["id"] for i in cloud.live(policy)] == [view.instance.instance_id]
+            assert cloud.operation_tag(cloud.live(policy)[0]) == view.operation
+            assert list(booted.joined.values()) == [view.node_name], booted.errors
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle, timeout=150)
         assert done.phase == Phase.COMPLETED, done.message
         assert len(set(cloud.creates(policy))) == 1, cloud.creates(policy)
+        # One node workflow for the one pod: the crash did not make the provisioning plan it again.
+        final = await provision_state(temporal_dev_server.client, queue, policy)
+        assert node_workflows(final, f"{namespace}/{deploy}-") == [handle.id]
         wait_for(lambda: cloud.live(policy) == [], what="no instance left")
     finally:
         for proc in procs:

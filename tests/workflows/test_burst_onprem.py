@@ -17,15 +17,17 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import JoinTicketRequest, KubeGateway
-from models.operation import LABEL_LOCATION, Approval, Phase, Taint, burst_workflow_id
+from models.operation import LABEL_LOCATION, Phase, ProvisionView, Taint
 from models.policy import API_GROUP, PLURAL
 from node.join import JoinRefusedByGateway
 from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
     BurstStack,
+    approve_batch,
     build_stack,
     gpu_deployment,
+    provision_state,
     unique,
     wait_phase,
 )
@@ -34,7 +36,6 @@ from tests.harness.kube import Cluster, until
 from tests.harness.onprem import AgentProcess, GatewayThread
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
-from worker import ops
 from worker.main import worker_services
 from worker.pool_join import JOIN_TOKEN_HEADER
 from worker.runtime import kube_api
@@ -99,18 +100,21 @@ class OnPrem:
         await until(synced, timeout=30, what=f"policy {name} synced from the hub")
         return name
 
-    async def proposed(self, namespace: str, policy: str) -> tuple[str, WorkflowHandle[Any, Any], Any]:
+    async def proposed(self, namespace: str, policy: str) -> tuple[str, ProvisionView]:
+        """A deployment of one L4 pod, and the provisioning's state once it proposes a batch for it."""
         assert self.temporal is not None
         deploy = unique("infer")
         self.stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        handle = self.temporal.get_workflow_handle(
-            burst_workflow_id(self.cluster, policy, f"{namespace}/Deployment/{deploy}"))
-        view = await wait_phase(handle, Phase.AWAITING_APPROVAL)
-        return deploy, handle, view
+        prefix = f"{namespace}/{deploy}-"
+        view = await provision_state(self.temporal, self.cluster, policy, lambda v: v.proposal is not None and any(
+            p.startswith(prefix) for n in v.proposal.plan.new_nodes for p in n.pods))
+        return deploy, view
 
-    async def approve(self, view: Any) -> None:
+    async def approve(self, namespace: str, policy: str, deploy: str) -> WorkflowHandle[Any, Any]:
+        """Approve the batch proposed for the deployment's pod: the handle of the node workflow it started."""
         assert self.temporal is not None
-        await ops.approve(self.temporal, view.operation, Approval(approver="alice", plan_id=view.plan.plan_id))
+        _, handle = await approve_batch(self.temporal, self.cluster, policy, f"{namespace}/{deploy}-")
+        return handle
 
     def nodes(self, policy: str) -> list[str]:
         items = self.stack.cluster.admin.core.list_node(label_selector=f"gpu.kubeon.io/policy={policy}").items
@@ -176,10 +180,12 @@ async def onprem(onprem_hub: OnPrem, stack: BurstStack, temporal_dev_server: Wor
 
 async def _serve_then_remove(env: OnPrem, namespace: str, server: str) -> tuple[Any, str]:
     policy = await env.policy()
-    deploy, handle, view = await env.proposed(namespace, policy)
-    assert view.plan.best.location == LOCATION  # the pool is cheapest: 0.35 USD/GPU-h, transfer 0
-    assert view.plan.best.transfer_usd_per_gpu_hour == 0
-    await env.approve(view)
+    deploy, proposed = await env.proposed(namespace, policy)
+    assert proposed.proposal is not None
+    (planned,) = proposed.proposal.plan.new_nodes
+    assert planned.offering.location == LOCATION  # the pool is cheapest: 0.35 USD/GPU-h, transfer 0
+    assert planned.offering.transfer_usd_per_gpu_hour == 0
+    handle = await env.approve(namespace, policy, deploy)
     view = await wait_phase(handle, Phase.SERVING, timeout=90)
     node = env.stack.cluster.admin.core.read_node(str(view.node_name))
     assert node.metadata.labels[LABEL_LOCATION] == "onprem.dc1"
@@ -218,8 +224,9 @@ async def test_agent_killed_while_joining_resumes_with_the_same_ticket(onprem: O
     agent = onprem.agent("gpu-a")
     await onprem.server_in("gpu-a", "idle")
     policy = await onprem.policy()
-    deploy, handle, view = await onprem.proposed(namespace, policy)
-    await onprem.approve(view)
+    deploy, _ = await onprem.proposed(namespace, policy)
+    handle = await onprem.approve(namespace, policy, deploy)
+    view = await wait_phase(handle, Phase.LAUNCHING, Phase.JOINING)  # the operation the claim carries
     await onprem.server_in("gpu-a", "joining")
     await until(lambda: agent.state().get("phase") == "joining" or None, timeout=10, what="agent joining")
     agent.kill()
@@ -259,8 +266,8 @@ async def test_hub_down_during_release_the_release_is_delivered_when_it_is_back(
 
 async def _serve_then_remove_hub_down(env: OnPrem, namespace: str, hub_down: Callable[[], Any]) -> tuple[Any, str]:
     policy = await env.policy()
-    deploy, handle, view = await env.proposed(namespace, policy)
-    await env.approve(view)
+    deploy, _ = await env.proposed(namespace, policy)
+    handle = await env.approve(namespace, policy, deploy)
     view = await wait_phase(handle, Phase.SERVING, timeout=90)
     await env.server_in("gpu-a", "serving")
     await hub_down()
@@ -281,9 +288,13 @@ async def test_server_offline_while_claimed_fails_over_to_the_next_location(onpr
     agent = onprem.agent("gpu-a")
     await onprem.server_in("gpu-a", "idle")
     policy = await onprem.policy()
-    deploy, handle, view = await onprem.proposed(namespace, policy)
+    deploy, proposed = await onprem.proposed(namespace, policy)
+    assert proposed.proposal is not None
+    (planned,) = proposed.proposal.plan.new_nodes
+    assert planned.offering.location == LOCATION
+    assert "sim/eu-west" in [o.location for o in planned.alternatives]  # the next location, tried on no capacity
     agent.signal(signal.SIGSTOP)  # silent from now on, still online in the hub for OFFLINE_AFTER seconds
-    await onprem.approve(view)
+    handle = await onprem.approve(namespace, policy, deploy)
     view = await wait_phase(handle, Phase.SERVING, timeout=90)
     assert view.instance is not None and view.instance.location == "sim/eu-west"
     assert view.history and any("onprem/dc1" in h for h in view.history), view.history

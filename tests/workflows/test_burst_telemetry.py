@@ -1,4 +1,5 @@
-"""Observability end to end: `kubeon-gpu worker` as its own process exports one trace per burst to a real OTLP/HTTP
+"""Observability end to end: `kubeon-gpu worker` as its own process exports one trace per provisioning run (its
+batches, their approvals and the nodes it starts, each node from launch to return home) to a real OTLP/HTTP
 endpoint (decoded with opentelemetry-proto), keeps it across a SIGKILL, serves the expected counts on /metrics,
 writes JSON logs with the operation, and leaks no secret into any of them. With OTEL_* unset it exports nothing."""
 
@@ -23,7 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import parse_user_data_ticket
 from models.hub import hub_sync_workflow_id
-from models.operation import TAG_OPERATION, Phase, burst_workflow_id
+from models.operation import TAG_OPERATION, Phase, provision_workflow_id
 from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import (
     BURST_TAINT_KEY,
@@ -31,6 +32,8 @@ from tests.harness.burst import (
     BurstStack,
     build_stack,
     gpu_deployment,
+    node_for,
+    provision_state,
     result,
     unique,
     wait_phase,
@@ -46,7 +49,9 @@ from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
+# The provisioning's phases (planning the batch, awaiting its approval), then the node's.
 PHASES = ("Planning", "AwaitingApproval", "Launching", "Joining", "Verifying", "Serving", "Draining", "Completed")
+PROVISION_PHASES = {"Phase:Planning", "Phase:AwaitingApproval"}
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +138,8 @@ def otel_env(otlp: OtlpReceiver, instance: str = "first") -> dict[str, str]:
 
 
 def operation_spans(spans: list[ReceivedSpan], workflow_id: str) -> list[ReceivedSpan]:
-    """Spans of the operation's workflow and its drain child, and of their activities (Temporal's interceptor
-    tags those with the run; a client's call on the workflow, e.g. the hub sync's approval, is the caller's)."""
+    """Spans of the node's workflow and its drain child, and of their activities (Temporal's interceptor tags
+    those with the run; a client's call on the workflow is the caller's)."""
     return [s for s in spans if "temporalRunID" in s.attributes and (
         s.attributes.get("temporalWorkflowID") == workflow_id
         or str(s.attributes.get("temporalWorkflowID", "")).startswith(f"drain/{workflow_id}/"))]
@@ -209,21 +214,30 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
                 what="policy synced from the hub")
             deploy = unique("infer")
             stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-            wf_id = burst_workflow_id(hub.cluster, policy, f"{namespace}/Deployment/{deploy}")
-            handle = temporal.get_workflow_handle(wf_id)
-            proposed = await wait_phase(handle, Phase.AWAITING_APPROVAL, timeout=120)
-            assert proposed.plan is not None
+            pods = f"{namespace}/{deploy}-"
+            view = await provision_state(temporal, hub.cluster, policy, lambda v: v.proposal is not None and any(
+                p.startswith(pods) for n in v.proposal.plan.new_nodes for p in n.pods), timeout=120)
+            assert view.proposal is not None
+            batch = view.proposal.batch
+
+            def reported() -> bool:  # the hub takes a decision only once the cluster's `proposed` report arrived
+                r = hub.admin.get(f"/v1/clusters/{hub.cluster}/reports", params={"limit": 500})
+                return any(x["operation"] == batch and x["action"] == "proposed" for x in r.json()["reports"])
+
+            await until(reported, timeout=30, what="the proposal reported to the hub")
             decided = hub.admin.post(f"/v1/clusters/{hub.cluster}/approvals", json={
-                "operation": proposed.operation, "decision": "approve", "plan_id": proposed.plan.plan_id})
+                "operation": batch, "decision": "approve", "plan_id": view.proposal.plan.plan_id})
             assert decided.status_code == 201, decided.text
+            handle = await node_for(temporal, hub.cluster, policy, pods, timeout=120)
+            wf_id = handle.id
             serving = await wait_phase(handle, Phase.SERVING, timeout=120)
 
-            # While it serves: its node, what it costs, its phase and its place in the ledger.
+            # While it serves: its node, what it costs, its phase and the node its provisioning holds.
             def serving_metrics() -> Samples | None:
                 m = worker.metrics()
                 ok = (m.value("kubeon_burst_nodes", policy=policy, location="sim/eu-west") == 1
                       and m.value("kubeon_operations", kind="Burst", phase="Serving") >= 1
-                      and m.value("kubeon_ledger_reserved_nodes", policy=policy) == 1)
+                      and m.value("kubeon_provision_nodes", policy=policy) == 1)
                 return m if ok else None
 
             during = await until(serving_metrics, timeout=60, what="metrics of the serving burst")
@@ -234,7 +248,8 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             done = await result(handle, timeout=150)
             assert done.phase == Phase.COMPLETED, done.message
 
-            # -- the trace: every phase, the cloud call a child of the launch activity -------------------------
+            # -- the trace: the provisioning that planned and approved the batch, then every phase of the node,
+            # the cloud call a child of the launch activity ----------------------------------------------------
             def finished_trace() -> list[ReceivedSpan] | None:
                 spans = one_trace(otlp, wf_id)
                 names = {s.name for s in spans}
@@ -243,16 +258,21 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             spans = await until(finished_trace, timeout=30, what="the whole trace exported")
             names = {s.name for s in spans}
             expected = {f"Phase:{p}" for p in PHASES} | {f"RunActivity:{a}" for a in (
-                "load_policy", "plan_burst", "request_capacity", "launch_instance", "wait_for_node", "verify_node",
+                "load_policy", "plan_batch", "record_audit", "launch_instance", "wait_for_node", "verify_node",
                 "serve_until_done", "cordon_node", "evict_pods", "terminate_instance", "remove_node")} | {
-                "RunWorkflow:BurstWorkflow", "HandleUpdate:approve_plan", "StartChildWorkflow:DrainWorkflow",
-                "RunWorkflow:DrainWorkflow", "cloud.launch", "cloud.terminate"}
-            assert expected <= names, sorted(expected - names)
-            # The policy's ledger outlives the operation: its spans are in traces of their own.
-            assert not [s for s in spans if str(s.attributes.get("temporalWorkflowID", "")).startswith("ledger/")]
-            assert [s for s in otlp.snapshot() if s.name == "RunWorkflow:PolicyLedger"]
+                "RunWorkflow:Provision", "HandleUpdate:approve_plan", "StartChildWorkflow:BurstNode",
+                "RunWorkflow:BurstNode", "StartChildWorkflow:DrainWorkflow", "RunWorkflow:DrainWorkflow",
+                "cloud.launch", "cloud.terminate"}
+            # The provisioning's phase markers (Planning, AwaitingApproval) are checked last, below.
+            assert expected - PROVISION_PHASES <= names, sorted(expected - PROVISION_PHASES - names)
+            # The node runs in the trace of the provisioning that started it: its run is the child of that start.
+            (run_node,) = [s for s in by_name(spans, "RunWorkflow:BurstNode")
+                           if s.attributes.get("temporalWorkflowID") == wf_id]
+            (start_node,) = [s for s in by_name(spans, "StartChildWorkflow:BurstNode")
+                             if s.span_id == run_node.parent_span_id]
+            assert start_node.attributes.get("temporalWorkflowID") == provision_workflow_id(hub.cluster, policy)
             (root,) = [s for s in spans if not s.parent_span_id]
-            assert root.name == "StartWorkflow:BurstWorkflow" and root.service == "kubeon-test-worker"
+            assert root.name == "SignalWithStartWorkflow:Provision" and root.service == "kubeon-test-worker"
             (launch,) = by_name(spans, "cloud.launch")
             (launch_activity,) = by_name(spans, "RunActivity:launch_instance")
             assert launch.parent_span_id == launch_activity.span_id
@@ -321,6 +341,9 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
                 for where, data in haystacks.items():
                     assert form not in data, f"the {what} is in the {where}"
 
+        # -- the trace shows the batch's planning and approval too (the provisioning marks its phases) ----------
+        assert names >= PROVISION_PHASES, sorted(PROVISION_PHASES - names)
+
 
 async def test_the_trace_survives_a_worker_killed_mid_join(
         stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, tmp_path: Path) -> None:
@@ -340,8 +363,8 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
             deploy = unique("infer")
             stack.cluster.admin.apps.create_namespaced_deployment(namespace,
                                                                   gpu_deployment(deploy, gpu_product=product))
-            wf_id = burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}")
-            handle = temporal.get_workflow_handle(wf_id)
+            handle = await node_for(temporal, queue, policy, f"{namespace}/{deploy}-", timeout=90)
+            wf_id = handle.id
             await wait_phase(handle, Phase.JOINING, timeout=90)
             await until(lambda: by_name(otlp.snapshot(), "StartActivity:wait_for_node"), timeout=10,
                         what="the join's scheduling exported")
@@ -371,7 +394,8 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
     (scheduled,) = by_name(spans, "StartActivity:wait_for_node")
     resumed = [s for s in by_name(spans, "RunActivity:wait_for_node") if s.resource["service.instance.id"] == "second"]
     assert resumed and all(s.parent_span_id == scheduled.span_id for s in resumed)
-    assert "RunWorkflow:BurstWorkflow" not in of("second")  # a replay adds no duplicate
+    assert "RunWorkflow:BurstNode" not in of("second")  # a replay adds no duplicate
+    assert "RunWorkflow:Provision" not in of("second")
 
 
 async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
@@ -387,15 +411,16 @@ async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
         worker.start()
         deploy = unique("infer")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        handle = temporal.get_workflow_handle(burst_workflow_id(queue, policy, f"{namespace}/Deployment/{deploy}"))
-        assert (await result(handle)).phase == Phase.PROPOSED
+        view = await provision_state(temporal, queue, policy, lambda v: any(
+            b.phase == Phase.PROPOSED for b in v.batches), timeout=120)
+        assert not view.nodes  # a proposal, nothing launched
 
         def counted() -> Samples | None:
             m = worker.metrics()
             return m if m.value("kubeon_operation_actions_total", policy=policy, action="proposed") == 1 else None
 
         m = await until(counted, timeout=30, what="the proposal counted")
-        assert "temporal_workflow_completed_total" in m.names
+        assert "temporal_activity_execution_latency_seconds_count" in m.names  # the SDK's own
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     finally:
         code = worker.stop()
@@ -403,5 +428,7 @@ async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
     assert code == 0
     log = worker.log.read_text()
     assert "worker started" in log
+    # (The prerequisites check names the NVIDIA DCGM exporter, a metrics source: no word about tracing.)
+    said = log.lower().replace("dcgm exporter", "dcgm")
     for word in ("otel", "opentelemetry", "otlp", "exporter", "traces", "tracing", "span"):
-        assert word not in log.lower(), f"{word!r} in the log of a worker without OTEL_*:\n{log}"
+        assert word not in said, f"{word!r} in the log of a worker without OTEL_*:\n{log}"

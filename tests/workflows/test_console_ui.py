@@ -1,0 +1,149 @@
+"""The Temporal UI as the operator's console, driven in headless Chromium like an operator would (issue 15):
+the real dev server's UI behind `kubeon-gpu console`, the real control plane, a sim burst awaiting approval.
+Screenshots are saved (KUBEON_ARTIFACTS_DIR, else the test's temporary directory)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import uvicorn
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from models import search_attributes as sa
+from models.converter import DATA_CONVERTER
+from models.operation import Phase, provision_workflow_id
+from tests.harness.browser import artifacts_dir, chromium, current_details_text, screenshot
+from tests.harness.burst import (
+    SIM_LOCATIONS,
+    BurstStack,
+    build_stack,
+    gpu_deployment,
+    node_for,
+    provision_state,
+    result,
+    unique,
+    wait_phase,
+)
+from tests.harness.controlplane import free_port
+from tests.harness.kube import Cluster
+from tests.harness.temporal import dev_server_path
+from worker.console import ConsoleSettings, create_app
+from worker.main import worker_services
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("console"))
+
+
+@pytest.fixture
+def policy(stack: BurstStack) -> Iterator[str]:
+    name = unique("console")
+    yield name
+    stack.delete_policy(name)
+
+
+@pytest.fixture
+async def ui() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
+    ui_port = free_port()
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER, ui=True, ui_port=ui_port,
+        search_attributes=list(sa.ALL), dev_server_log_level="error")
+    try:
+        yield env, f"http://127.0.0.1:{ui_port}"
+    finally:
+        await env.shutdown()
+
+
+@pytest.fixture
+async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(ConsoleSettings(upstream=ui[1])), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def worker(stack: BurstStack, ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[tuple[Client, str]]:
+    queue = unique("q")
+    settings = stack.settings(temporal_address=ui[0].client.service_client.config.target_host,
+                              task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue)
+    async with worker_services(settings) as (temporal, _runtime, _watcher):
+        yield temporal, settings.cluster
+
+
+async def test_an_operator_finds_reads_approves_and_follows_a_burst_home_in_the_ui(
+        stack: BurstStack, worker: tuple[Client, str], console: str, namespace: str, policy: str,
+        tmp_path: Path) -> None:
+    temporal, cluster_name = worker
+    out = artifacts_dir(tmp_path)
+    stack.create_policy(policy, mode="Approve", locations=["sim/eu-west"], max_nodes=2)
+    deploy = unique("infer")
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+    view = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
+    assert view.proposal is not None
+    plan = view.proposal.plan
+    (node,) = plan.new_nodes
+    wf_id = provision_workflow_id(cluster_name, policy)
+
+    async with chromium() as browser:
+        page = await browser.new_page(viewport={"width": 1600, "height": 1000})
+        # 1. The console opens on what awaits approval, with policy, location and $/h: nothing configured by hand.
+        await page.goto(console + "/")
+        row = page.locator("tr", has_text=wf_id)
+        await row.wait_for(timeout=60_000)
+        cells = await row.inner_text()
+        assert policy in cells and "sim/eu-west" in cells, cells
+        assert str(round(plan.total_usd_per_hour, 4)) in cells, (cells, plan.total_usd_per_hour)
+        await screenshot(page, out, "1-awaiting-approval")
+
+        # 2. The details show the prices literally (no math rendering of `$...$`) and the plan as a list.
+        await page.goto(f"{console}/namespaces/default/workflows/{quote(wf_id, safe='')}")
+        await page.wait_for_load_state("networkidle")
+        await screenshot(page, out, "2-workflow")
+        details = await current_details_text(page)
+        assert f"${plan.total_usd_per_hour:,.2f}/h" in details, details
+        assert f"${node.offering.usd_per_hour:.2f}/h (compute ${node.offering.instance_usd_per_hour:.2f}" in details
+        assert "\\(" not in details and "\\)" not in details and "**" not in details, details
+        assert "sim.l4.1" in details and deploy in details
+        await screenshot(page, out, "2-details")
+
+        # 3. Approve through the UI's "Send a Signal" dialog, input left empty.
+        await page.get_by_role("button", name="More Actions").click()
+        await page.get_by_role("menuitem", name="Send a Signal").click()
+        await page.get_by_text("Select a signal").click()
+        await page.get_by_role("option", name="approve", exact=True).click()
+        await page.get_by_role("button", name="Submit").click()
+        handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
+        serving = await wait_phase(handle, Phase.SERVING)
+        after = await provision_state(temporal, cluster_name, policy, lambda v: bool(v.batches))
+        assert after.batches[-1].approver is not None  # the UI's signal carries no input: the default approver
+        await screenshot(page, out, "3-approved")
+
+        # 4. The workload goes; filtering by the operation finds the node and its drain, both Completed.
+        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        done = await result(handle)
+        assert done.phase == Phase.COMPLETED, done.message
+        query = f'{sa.OPERATION.name}="{serving.operation}"'
+        await page.goto(f"{console}/namespaces/default/workflows?query={quote(query, safe='')}")
+        await page.locator("tr", has_text="drain/").wait_for(timeout=60_000)
+        rows = [await r.inner_text() for r in await page.locator("tbody tr").all()]
+        kinds = {("drain" if "drain/" in r else "node"): r for r in rows}
+        assert set(kinds) == {"drain", "node"}, rows
+        assert all("Completed" in r or "COMPLETED" in r for r in rows), rows
+        assert all("sim/eu-west" in r for r in rows), rows
+        await screenshot(page, out, "4-home")
