@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=ROOT / ".kubeon" / "dev")
     parser.add_argument("--temporal-port", type=int, default=7233)
     parser.add_argument("--ui-port", type=int, default=8233)
+    parser.add_argument("--console-port", type=int, default=8234,
+                        help="kubeon-gpu console: the UI opening on what awaits approval, with the Kubeon columns")
     parser.add_argument("--hub-port", type=int, default=8090)
     parser.add_argument("--policies", type=Path, default=ROOT / "examples" / "policies",
                         help="GpuPolicy files the hub is seeded with")
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     workdir: Path = args.dir.resolve()
-    ports = {"Temporal": args.temporal_port, "Temporal UI": args.ui_port}
+    ports = {"Temporal": args.temporal_port, "Temporal UI": args.ui_port, "console": args.console_port}
     if not args.no_hub:
         ports["hub"] = args.hub_port
     lock, why = prepare(workdir, ports)
@@ -239,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster(plane=plane, admin=admin)
         say(f"starting the Temporal dev server on 127.0.0.1:{args.temporal_port}")
         start_temporal(children, workdir, args.temporal_port, args.ui_port)
+        children.start("console", [sys.executable, "-m", "worker.cli", "console", "--upstream",
+                                   f"http://127.0.0.1:{args.ui_port}", "--listen", f"127.0.0.1:{args.console_port}"],
+                       log=workdir / "console.log")
 
         stack = build_stack(cluster, workdir / "stack")
         say("starting the local clouds: moto (aws/eu-central-1), gcp/europe-west4, azure/westeurope")
@@ -301,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 KubeOn GPU optimizer is running locally.
 
   kubeconfig   {rel}
+  console      http://127.0.0.1:{args.console_port}  (the Temporal UI, opening on what awaits approval)
   Temporal UI  http://127.0.0.1:{args.ui_port}
 {hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h){onprem_line}, aws/eu-central-1,
                gcp/europe-west4, azure/westeurope (list prices; emulators in

@@ -59,7 +59,7 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
     port, ui, hub_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.harness.dev", "--dir", str(tmp_path / "dev"), "--temporal-port", str(port),
-         "--ui-port", str(ui), "--hub-port", str(hub_port)],
+         "--ui-port", str(ui), "--hub-port", str(hub_port), "--console-port", str(free_port())],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         banner = _read_until(proc, "ready", timeout=240)
@@ -161,7 +161,7 @@ def assert_all_gone(children: list[Child], how: str, timeout: float = 30) -> Non
 def start_dev(state: Path, ports: tuple[int, int, int]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.harness.dev", "--dir", str(state), "--temporal-port", str(ports[0]),
-         "--ui-port", str(ports[1]), "--hub-port", str(ports[2])],
+         "--ui-port", str(ports[1]), "--hub-port", str(ports[2]), "--console-port", str(free_port())],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

@@ -5,6 +5,7 @@ Screenshots are saved (KUBEON_ARTIFACTS_DIR, else the test's temporary directory
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -113,7 +114,7 @@ async def test_an_operator_finds_reads_approves_and_follows_a_burst_home_in_the_
 
         # 2. The details show the prices literally (no math rendering of `$...$`) and the plan as a list.
         await page.goto(f"{console}/namespaces/default/workflows/{quote(wf_id, safe='')}")
-        await page.wait_for_load_state("networkidle")
+        await page.get_by_text("User Metadata", exact=True).first.wait_for(timeout=30_000)
         await screenshot(page, out, "2-workflow")
         details = await current_details_text(page)
         assert f"${plan.total_usd_per_hour:,.2f}/h" in details, details
@@ -125,8 +126,18 @@ async def test_an_operator_finds_reads_approves_and_follows_a_burst_home_in_the_
         # 3. Approve through the UI's "Send a Signal" dialog, input left empty.
         await page.get_by_role("button", name="More Actions").click()
         await page.get_by_role("menuitem", name="Send a Signal").click()
-        await page.get_by_text("Select a signal").click()
-        await page.get_by_role("option", name="approve", exact=True).click()
+        dialog = page.get_by_role("dialog")
+        await dialog.get_by_text("Signal name").first.wait_for(timeout=30_000)
+        await dialog.get_by_test_id("signal-select-button").click()
+        listed = await dialog.get_by_role("option", include_hidden=True).all()
+        texts = [" ".join((await o.text_content() or "").split()) for o in listed]
+        options = {t.split(" ", 1)[0]: t for t in texts if t}
+        assert "approve" in options, texts
+        # Every signal is described; the plumbing between the product's own workflows says it is internal.
+        assert "Approve the batch" in options["approve"] and "Reject the batch" in options["reject"], options
+        assert all("Internal" in options[s] for s in ("pods_waiting", "pods_gone", "node_finished")), options
+        await screenshot(page, out, "3-signal-dialog")
+        await dialog.get_by_role("option").filter(has_text=re.compile(r"^\s*approve\b")).click()
         await page.get_by_role("button", name="Submit").click()
         handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
         serving = await wait_phase(handle, Phase.SERVING)
