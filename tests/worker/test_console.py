@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -12,16 +11,13 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-import uvicorn
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes as sa
-from models.converter import DATA_CONVERTER
 from tests.harness.browser import artifacts_dir, chromium, screenshot
-from tests.harness.controlplane import free_port
-from tests.harness.temporal import dev_server_path
-from worker.console import COLUMNS_KEY, ConsoleSettings, column_script, create_app, inject, workflows_url
+from tests.harness.console import console_server, ui_dev_server
+from worker.console import COLUMNS_KEY, column_script, inject, workflows_url
 
 PAGE = ('<!doctype html><html><head><meta charset="utf-8" />'
         '<meta http-equiv="content-security-policy" content="script-src \'strict-dynamic\' \'sha256-abc=\'">'
@@ -47,29 +43,14 @@ def test_the_link_filters_on_awaiting_approval() -> None:
 
 @pytest.fixture
 async def ui() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
-    ui_port = free_port()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER, ui=True, ui_port=ui_port,
-        search_attributes=list(sa.ALL), dev_server_log_level="error")
-    try:
-        yield env, f"http://127.0.0.1:{ui_port}"
-    finally:
-        await env.shutdown()
+    async with ui_dev_server() as server:
+        yield server
 
 
 @pytest.fixture
 async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ConsoleSettings(upstream=ui[1])), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with console_server(ui[1]) as url:
+        yield url
 
 
 async def _operation(env: WorkflowEnvironment, wf_id: str, phase: str, usd: float) -> None:

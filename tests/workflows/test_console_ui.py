@@ -4,19 +4,16 @@ Screenshots are saved (KUBEON_ARTIFACTS_DIR, else the test's temporary directory
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-import uvicorn
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes as sa
-from models.converter import DATA_CONVERTER
 from models.operation import Phase, provision_workflow_id
 from tests.harness.browser import artifacts_dir, chromium, current_details_text, screenshot
 from tests.harness.burst import (
@@ -30,10 +27,8 @@ from tests.harness.burst import (
     unique,
     wait_phase,
 )
-from tests.harness.controlplane import free_port
+from tests.harness.console import console_server, ui_dev_server
 from tests.harness.kube import Cluster
-from tests.harness.temporal import dev_server_path
-from worker.console import ConsoleSettings, create_app
 from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -53,29 +48,14 @@ def policy(stack: BurstStack) -> Iterator[str]:
 
 @pytest.fixture
 async def ui() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
-    ui_port = free_port()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER, ui=True, ui_port=ui_port,
-        search_attributes=list(sa.ALL), dev_server_log_level="error")
-    try:
-        yield env, f"http://127.0.0.1:{ui_port}"
-    finally:
-        await env.shutdown()
+    async with ui_dev_server() as server:
+        yield server
 
 
 @pytest.fixture
 async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ConsoleSettings(upstream=ui[1])), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with console_server(ui[1]) as url:
+        yield url
 
 
 @pytest.fixture
