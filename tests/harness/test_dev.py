@@ -20,6 +20,7 @@ from kubernetes import client
 from temporalio.client import Client
 
 from models.converter import DATA_CONVERTER
+from models.operation import OperationView, ProvisionView
 from tests.harness.children import Child, recorded
 from tests.harness.controlplane import free_port
 from tests.harness.kube import Kube
@@ -88,31 +89,36 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
                 break
             assert time.monotonic() < deadline, f"no operation awaiting approval: {rows}"
             await asyncio.sleep(1)
-        view = await ops.show(temporal, waiting[0].operation)
-        assert view.policy == "inference-burst"
-        assert view.plan is not None and view.plan.best is not None
-        assert view.plan.best.location == "onprem/dc1"  # the pool's rate card is the cheapest
-        # Approved in the hub (the seeded admin key), the operation goes on to launch in the cluster. The hub takes
-        # the decision once the cluster's `proposed` report has arrived (within a poll, 5 s).
+        batch = waiting[0].operation  # the policy's provisioning row names its batch awaiting approval
+        prov = await ops.show(temporal, batch)
+        assert isinstance(prov, ProvisionView) and prov.policy == "inference-burst" and prov.proposal is not None
+        (planned,) = prov.proposal.plan.new_nodes
+        assert planned.offering.location == "onprem/dc1"  # the pool's rate card is the cheapest
+        # Approved in the hub (the seeded admin key), the batch goes on to launch its node. The hub takes the
+        # decision once the cluster's `proposed` report has arrived (within a poll, 5 s).
         key = (tmp_path / "dev" / "hub" / "dev.key").read_text().strip()
         async with httpx.AsyncClient(timeout=10) as http:
             while True:
                 approved = await http.post(f"http://127.0.0.1:{hub_port}/v1/clusters/dev/approvals",
                                            headers={"Authorization": f"Bearer {key}"},
-                                           json={"operation": view.operation, "decision": "approve"})
+                                           json={"operation": batch, "decision": "approve"})
                 if approved.status_code != 404 or time.monotonic() > deadline:
                     break
                 assert approved.json()["error"] == "operation_not_proposed", approved.text
                 await asyncio.sleep(1)
         assert approved.status_code == 201, approved.text
-        while (view := await ops.show(temporal, view.operation)).phase in ("AwaitingApproval", "WaitingForCapacity"):
-            assert time.monotonic() < deadline + 60, view.history
+        while not (prov := await ops.show(temporal, prov.workflow_id)).batches or not prov.batches[-1].nodes:
+            assert isinstance(prov, ProvisionView)
+            assert time.monotonic() < deadline + 60, prov.history
             await asyncio.sleep(1)
-        assert view.approver == "hub:user:dev", view.history
+        assert isinstance(prov, ProvisionView) and prov.batches[-1].approver == "hub:user:dev", prov.history
         # One of the pool's two local servers was claimed and joins through the gateway like a burst node.
-        while (view := await ops.show(temporal, view.operation)).phase != "Serving":
+        node_wf = prov.batches[-1].nodes[0]
+        while (view := await ops.show(temporal, node_wf)).phase != "Serving":
+            assert isinstance(view, OperationView)
             assert time.monotonic() < deadline + 120, view.history
             await asyncio.sleep(1)
+        assert isinstance(view, OperationView)
         assert view.instance is not None and view.instance.location == "onprem/dc1"
         assert view.instance.instance_id in ("gpu-1", "gpu-2")
         # It redeemed its ticket at the gateway process (with the pool's join token) and registered itself with
