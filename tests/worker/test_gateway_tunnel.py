@@ -210,14 +210,17 @@ def test_traffic_goes_through_the_tunnel_only(bed: NetBed, joined: Joined, serve
     dumps = [bed.spawn(["tcpdump", "-i", iface, "-U", "-w", str(path)], netns=joined.node.netns,
                        log=tmp_path / f"{iface}.tcpdump.log")
              for iface, path in ((joined.node.underlay, pcap), (joined.node.interface, inner))]
-    wait_for(lambda: pcap.exists() and inner.exists(), timeout=10, what="tcpdump started")
-    time.sleep(0.5)
+    wait_for(lambda: all("listening on" in (tmp_path / f"{i}.tcpdump.log").read_text(errors="replace")
+                         for i in (joined.node.underlay, joined.node.interface)
+                         if (tmp_path / f"{i}.tcpdump.log").exists()) and pcap.exists() and inner.exists(),
+             timeout=10, what="tcpdump capturing")
     # The node reaches an in-cluster Service through the tunnel...
     assert http_get(joined.node.netns, f"http://{SERVICE_IP}/marker.txt").strip() == MARKER
     # ...and the cluster side reaches the burst pod's address through the gateway.
     pod = f"{served.metadata.namespace}/{served.metadata.name}"
     assert http_get(bed.cl, f"http://{served.status.pod_ip}:8080/").strip() == f"kubeon-pod {pod}"
-    time.sleep(1)
+    # The positive control has the marker in clear: the capture has seen the traffic (packet-buffered, -U).
+    wait_for(lambda: MARKER.encode() in inner.read_bytes(), timeout=10, what="the marker in the tunnel capture")
     for proc in dumps:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=10)

@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from models.operation import Phase
 from tests.harness.burst import BurstStack, build_stack, gpu_deployment, provision_state, unique, wait_for
-from tests.harness.kube import Cluster
+from tests.harness.kube import Cluster, until
 from worker.main import worker_services
 from worker.runtime import Runtime
 from worker.watcher import PendingPodWatcher, running, unschedulable_since
@@ -125,7 +125,10 @@ async def test_two_replicas_make_one_provisioning_and_one_plan(
     async with running(first), running(second):
         view = await provision_state(temporal, runtime.settings.cluster, policy,
                                      lambda v: len(v.waiting) == 4 and bool(v.batches))
-        await asyncio.sleep(3)  # several resyncs of both replicas
+        # Several resyncs of both replicas (each sends the same pods again).
+        seen = (first.resyncs, second.resyncs)
+        await until(lambda: first.resyncs >= seen[0] + 2 and second.resyncs >= seen[1] + 2, timeout=30,
+                    what="two more resyncs of each watcher")
         view = await provision_state(temporal, runtime.settings.cluster, policy)
     assert len(view.waiting) == 4
     assert len(view.batches) == 1  # the pods were planned once, not once per replica or resync

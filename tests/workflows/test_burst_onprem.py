@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,8 +275,22 @@ async def _serve_then_remove_hub_down(env: OnPrem, namespace: str, hub_down: Cal
     env.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     # The drain runs; the release (terminate) cannot reach the hub and is retried.
     await wait_phase(handle, Phase.DRAINING, timeout=60)
-    await asyncio.sleep(4)
     assert env.temporal is not None
+
+    async def release_retried() -> bool:
+        # The drain child's terminate (the release) has failed at least once against the stopped hub.
+        drain = env.temporal.get_workflow_handle(f"drain/{handle.id}/{view.operation}")
+        try:
+            desc = await drain.describe()
+        except Exception:
+            return False
+        return any(a.activity_type.name == "terminate_instance" and a.attempt >= 2 for a in desc.raw_description
+                   .pending_activities)
+
+    deadline = time.monotonic() + 90
+    while not await release_retried():
+        assert time.monotonic() < deadline, "the release was not retried while the hub is down"
+        await asyncio.sleep(0.5)
     state = await handle.query("state", result_type=type(view))
     assert state.phase in (Phase.DRAINING,), state.phase  # not done: the server is not released yet
     env.hub.start()

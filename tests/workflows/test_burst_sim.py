@@ -138,7 +138,9 @@ async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[
     view = await provision_state(temporal, cluster_name, policy, lambda v: bool(v.batches))
     assert view.batches[0].phase == Phase.PROPOSED and view.batches[0].plan.new_nodes
     assert view.batches[0].nodes == [] and view.nodes == []
-    await asyncio.sleep(2)
+    # Its round over (back to Idle), the provisioning has launched nothing.
+    settled = await provision_state(temporal, cluster_name, policy, lambda v: v.phase == Phase.IDLE)
+    assert settled.nodes == [] and all(b.nodes == [] for b in settled.batches)
     assert not _burst_nodes(stack, policy)
     # Its pod would wait for the next test's policy otherwise (namespaces go asynchronously).
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace, propagation_policy="Foreground")
@@ -185,7 +187,8 @@ async def test_a_two_gpu_pod_never_lands_a_plan_that_cannot_fit_it(
                                  lambda v: any("asks for 2 GPU(s)" in w for w in v.waiting))
     assert view.batches == [] and view.nodes == []
     assert "the largest eligible offering has 1" in view.waiting[0]
-    await asyncio.sleep(2)
+    settled = await provision_state(temporal, cluster_name, policy, lambda v: v.phase == Phase.IDLE)
+    assert settled.batches == [] and settled.nodes == []
     assert not _burst_nodes(stack, policy)
     stack.cluster.admin.apps.delete_namespaced_deployment("two", namespace, propagation_policy="Foreground")
 
@@ -251,8 +254,9 @@ async def test_a_pod_taking_another_batchs_node_leaves_no_spare_node_and_no_pod_
         assert view.proposal is not None and len(view.proposal.plan.new_nodes) == 1
         await ops.approve(temporal, view.proposal.batch, Approval(approver="alice"))
         await until(lambda: len(_running(stack, namespace)) == 2, timeout=90, what="both pods running")
-        await asyncio.sleep(3)  # time for a spare node to appear, if one were planned
-        final = await provision_state(temporal, cluster_name, policy)
+        # Settled: nothing waits, nothing proposed, back to Idle: a spare node would have been planned by now.
+        final = await provision_state(temporal, cluster_name, policy, lambda v: (
+            v.phase == Phase.IDLE and not v.waiting and v.proposal is None))
         assert final.proposal is None and len(node_workflows(final)) == 2
         assert len(_burst_nodes(stack, policy)) == 2
         for d in ("infer-a", "infer-b"):
