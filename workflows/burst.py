@@ -49,6 +49,7 @@ from models.operation import (
 from models.policy import location_label_value
 from models.ui_text import Details, code, md
 from workflows.drain import DrainWorkflow
+from workflows.failures import error_type, message
 from workflows.gate import action_gate, wait_until_allowed
 from workflows.observe import phase_span
 
@@ -62,14 +63,6 @@ RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=time
 HEARTBEAT = timedelta(seconds=15)
 
 
-def _error_type(exc: BaseException) -> str | None:
-    cause = exc.cause if isinstance(exc, (ActivityError, ChildWorkflowError)) else exc
-    return cause.type if isinstance(cause, ApplicationError) else None
-
-
-def _message(exc: BaseException) -> str:
-    cause = exc.cause if isinstance(exc, (ActivityError, ChildWorkflowError)) and exc.cause else exc
-    return str(cause) or type(cause).__name__
 
 
 @workflow.defn(name="BurstNode")
@@ -174,7 +167,7 @@ class BurstNodeWorkflow:
             await self._finished()
             raise
         except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
-            reason = _message(exc)
+            reason = message(exc)
             self.history.append(f"failed: {reason}; compensating")
             await self._compensate(reason)
             self._set_phase(Phase.FAILED, reason)
@@ -300,12 +293,12 @@ class BurstNodeWorkflow:
                         initial_interval=timedelta(seconds=2), maximum_interval=timedelta(seconds=30),
                         maximum_attempts=8))
             except ActivityError as exc:
-                if _error_type(exc) == INSUFFICIENT_CAPACITY:
-                    tried.append(_message(exc))
+                if error_type(exc) == INSUFFICIENT_CAPACITY:
+                    tried.append(message(exc))
                     candidates.pop(0)
                     continue
-                if _error_type(exc) == HELD:  # revoked between the check and the launch: hold, then try again
-                    await self._hold(inp, _message(exc))
+                if error_type(exc) == HELD:  # revoked between the check and the launch: hold, then try again
+                    await self._hold(inp, message(exc))
                     continue
                 raise
             self.offering = offering
@@ -336,7 +329,7 @@ class BurstNodeWorkflow:
             try:
                 await self._return_home(reason)
             except (ActivityError, ChildWorkflowError) as exc:
-                self.history.append(f"drain during compensation failed: {_message(exc)}")
+                self.history.append(f"drain during compensation failed: {message(exc)}")
         if self.launch_attempted:
             locations = self.policy.locations if self.policy else [self._offering().location]
             cleaned = await workflow.execute_activity(

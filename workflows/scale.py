@@ -40,6 +40,7 @@ from models.scale import (
     WakeTime,
     WakeTimeRequest,
 )
+from workflows.failures import message
 from workflows.gate import action_gate, wait_until_allowed
 
 QUICK = timedelta(seconds=60)
@@ -48,10 +49,6 @@ HEARTBEAT = timedelta(seconds=15)
 DECIDABLE = (ScalePhase.AWAITING_APPROVAL,)
 WAKEABLE = (ScalePhase.SCALING_DOWN, ScalePhase.SCALED_TO_ZERO)
 
-
-def _message(exc: BaseException) -> str:
-    cause = exc.cause if isinstance(exc, ActivityError) and exc.cause else exc
-    return str(cause) or type(cause).__name__
 
 
 @workflow.defn(name="ScaleWorkflow")
@@ -221,7 +218,7 @@ class ScaleWorkflow:
             await self._audit("cancelled", self.message)
             raise
         except (ActivityError, ApplicationError) as exc:
-            reason = _message(exc)
+            reason = message(exc)
             note = await self._restore(reason)
             self._set_phase(ScalePhase.FAILED, reason + note)
             await self._audit("failed", self.message)
@@ -241,7 +238,7 @@ class ScaleWorkflow:
                 start_to_close_timeout=QUICK, retry_policy=RetryPolicy(maximum_attempts=5))
             await self._status(None)
         except ActivityError as exc:
-            return f"; could not scale {self._workload()} back to {self.replicas_before}: {_message(exc)}"
+            return f"; could not scale {self._workload()} back to {self.replicas_before}: {message(exc)}"
         return f"; {result.message}"
 
     def _scale_request(self, replicas: int, *, expect: int) -> ScaleRequest:
