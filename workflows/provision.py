@@ -74,6 +74,8 @@ class ProvisionWorkflow:
         self.dirty = bool(self.waiting)
         self.first_arrival: datetime | None = None
         self.last_arrival: datetime | None = None
+        self.planning = False  # a round is under way
+        self.arrived_while_planning = False
         self.proposal: BatchRecord | None = None
         self.approval: Approval | None = None
         self.rejection: Rejection | None = None
@@ -95,6 +97,7 @@ class ProvisionWorkflow:
         if arrived:
             now = workflow.now()
             self.dirty = True
+            self.arrived_while_planning = self.arrived_while_planning or self.planning
             self.last_arrival = now
             self.first_arrival = self.first_arrival or now
 
@@ -296,7 +299,11 @@ class ProvisionWorkflow:
                 self.dirty = bool(self._due())
             if not self.dirty:
                 continue
-            await self._round()
+            self.planning = True
+            try:
+                await self._round()
+            finally:
+                self.planning = False
 
     async def _gather(self, idle: float) -> None:
         """Wait until no pod arrived for ``idle`` seconds, at the latest batch_max_seconds after the first."""
@@ -325,6 +332,9 @@ class ProvisionWorkflow:
                                                                            s.proposal_idle_seconds)
         if len(self.nodes) + len(self._due()) >= policy.max_nodes:
             idle = max(idle, s.limit_idle_seconds)
+        if self.arrived_while_planning:  # a trickle: gather it rather than plan it a few pods at a time
+            idle = max(idle, s.batch_load_idle_seconds)
+        self.arrived_while_planning = False
         await self._gather(idle)
         self.dirty = False
         self.first_arrival = self.last_arrival = None
