@@ -512,7 +512,7 @@ async def main_async(args: argparse.Namespace) -> int:
                                   serve_check_seconds=args.serve_check_seconds,
                                   batch_idle_seconds=args.batch_idle_seconds,
                                   batch_load_idle_seconds=args.batch_load_idle_seconds,
-                                  batch_max_seconds=args.batch_max_seconds)
+                                  batch_load_max_seconds=args.batch_load_max_seconds)
         observer = ClusterObserver(Kube.from_kubeconfig(plane.admin_kubeconfig).api,
                                    pod_selector=f"{BENCH_LABEL}={run}",
                                    node_selector="gpu.kubeon.io/operation").start()
@@ -571,8 +571,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-load-idle-seconds", type=float,
                    default=Settings.model_fields["batch_load_idle_seconds"].default,
                    help="the worker's batch idle window under load (KUBEON_BATCH_LOAD_IDLE_SECONDS)")
-    p.add_argument("--batch-max-seconds", type=float, default=Settings.model_fields["batch_max_seconds"].default,
-                   help="the worker's longest batch window (KUBEON_BATCH_MAX_SECONDS)")
+    p.add_argument("--batch-load-max-seconds", type=float,
+                   default=Settings.model_fields["batch_load_max_seconds"].default,
+                   help="the worker's longest batch window under load (KUBEON_BATCH_LOAD_MAX_SECONDS)")
     p.add_argument("--telemetry", choices=("on", "off"), default="off",
                    help="on: traces to a local OTLP/HTTP receiver and /metrics scraped every 5 s")
     p.add_argument("--profile", type=Path, default=None,
