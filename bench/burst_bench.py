@@ -169,6 +169,15 @@ async def scrape_forever(port: int, durations: list[float], every: float = 5.0) 
             await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
 
 
+def node_cidr_mask(nodes: int, pod_cidr_prefix: int = 16) -> int:
+    """The gateway's per-node pod CIDR mask: 24 (256 nodes in the default /16), narrower when the load scenario
+    could need more nodes than that (one per pod at worst), as an operator would size it."""
+    mask = 24
+    while 2 ** (mask - pod_cidr_prefix) < nodes + 16 and mask < 28:
+        mask += 1
+    return mask
+
+
 def tail(path: Path, chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]
@@ -263,6 +272,7 @@ class ActionCount:
     events: int = 0
     runs: int = 0
     batches: set[str] = field(default_factory=set)
+    activities: dict[str, int] = field(default_factory=dict)  # activity type -> times scheduled
 
     @property
     def actions(self) -> int:
@@ -290,6 +300,9 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
             name = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
             if name == "WORKFLOW_TASK_COMPLETED":
                 out.workflow_tasks += 1
+            elif name == "ACTIVITY_TASK_SCHEDULED":
+                kind_name = event.activity_task_scheduled_event_attributes.activity_type.name
+                out.activities[kind_name] = out.activities.get(kind_name, 0) + 1
             kind = ACTION_EVENTS.get(name)
             if kind:
                 out.by_kind[kind] = out.by_kind.get(kind, 0) + 1
@@ -375,7 +388,9 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                 f"  Temporal actions               {actions.actions} ({actions.actions / n:.1f} per pod; "
                 + ", ".join(f"{k} {v}" for k, v in sorted(actions.by_kind.items(), key=lambda kv: -kv[1])) + ")",
                 f"  workflow runs / tasks / events {actions.runs} / {actions.workflow_tasks} / {actions.events} "
-                f"({actions.workflow_tasks / n:.1f} workflow tasks per pod)"]
+                f"({actions.workflow_tasks / n:.1f} workflow tasks per pod)",
+                "  activities scheduled           " + ", ".join(
+                    f"{k} {v}" for k, v in sorted(actions.activities.items(), key=lambda kv: -kv[1])[:10])]
 
 
 class Profiler:
@@ -512,7 +527,8 @@ async def main_async(args: argparse.Namespace) -> int:
                                   serve_check_seconds=args.serve_check_seconds,
                                   batch_idle_seconds=args.batch_idle_seconds,
                                   batch_load_idle_seconds=args.batch_load_idle_seconds,
-                                  batch_load_max_seconds=args.batch_load_max_seconds)
+                                  batch_load_max_seconds=args.batch_load_max_seconds,
+                                  gateway_node_cidr_mask=node_cidr_mask(args.ops))
         observer = ClusterObserver(Kube.from_kubeconfig(plane.admin_kubeconfig).api,
                                    pod_selector=f"{BENCH_LABEL}={run}",
                                    node_selector="gpu.kubeon.io/operation").start()
