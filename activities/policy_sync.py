@@ -52,6 +52,7 @@ from models.policy import (
     GpuPolicy,
     Mode,
     PolicyError,
+    ScaleToZeroPolicy,
     parse_policy,
 )
 
@@ -152,9 +153,11 @@ class PolicySyncer:
     gpupolicies/status)."""
 
     def __init__(self, api: client.ApiClient, *, default_mode: Mode, locations: Collection[str] | None = None,
-                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 metrics: bool = True, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.default_mode: Mode = default_mode
+        # Whether this installation has GPU metrics (prometheus.url): without them ScaleToZero only recommends.
+        self.metrics = metrics
         # The locations this installation configures (burst.locations); None: not checked.
         self.locations = None if locations is None else frozenset(locations)
         self.clock = clock
@@ -171,6 +174,13 @@ class PolicySyncer:
         configured = ", ".join(sorted(self.locations)) or "none"
         return (f"{'; '.join(unknown)} (burst.locations: {configured}); nothing is launched there until it is "
                 "configured or removed from the policy")
+
+    def enforced_mode(self, policy: AnyPolicy) -> Mode:
+        """The mode in force (status.effectiveMode): the policy's own, else the installation's defaultMode (R1.2);
+        Recommend for ScaleToZero without GPU metrics (R1.3), whatever the policy says."""
+        if isinstance(policy, ScaleToZeroPolicy) and not self.metrics:
+            return "Recommend"
+        return policy.spec.effective_mode(self.default_mode)
 
     # -- the sync ----------------------------------------------------------------------------------------------
     def sync(self, documents: list[dict[str, Any]], revision: int) -> PolicySyncOutcome:
@@ -207,7 +217,7 @@ class PolicySyncer:
                 outcome.updated.append(name)
             else:
                 outcome.unchanged.append(name)
-            mode = policy.spec.effective_mode(self.default_mode)
+            mode = self.enforced_mode(policy)
             not_ready = self.unknown_locations(policy)
             if not_ready is not None:
                 outcome.not_ready[name] = not_ready
@@ -243,7 +253,7 @@ class PolicySyncer:
         if current is None or not _is_hub(current):
             return
         try:
-            enforced: Mode = parse_policy(current).spec.effective_mode(self.default_mode)
+            enforced: Mode = self.enforced_mode(parse_policy(current))
         except PolicyError:
             enforced = self.default_mode
         self._write_status(current, partial(self._synced_status, mode=enforced, revision=revision, invalid=reason),

@@ -112,7 +112,7 @@ class Runtime:
         if self.hub is None:
             return None
         syncer = PolicySyncer(self.kube.api, default_mode=self.settings.default_mode,
-                              locations=[loc.name for loc in self.burst.locations])
+                              locations=[loc.name for loc in self.burst.locations], metrics=self.metrics is not None)
         return HubActivities(hub=self.hub, syncer=syncer, temporal=temporal)
 
     async def _signal_hub_sync(self, temporal: Client, signal: str, arg: object) -> str:

@@ -9,9 +9,11 @@ import json
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from activities.policy_sync import LAST_SYNC_REFRESH, PolicySyncer, hold_reason
@@ -441,3 +443,24 @@ def test_status_write_from_a_stale_read_rereads_instead_of_losing_an_update(clus
     assert now["reason"] == REASON_UNREACHABLE
     # Computed from the fresh read (False -> False): the transition time of the concurrent write is kept.
     assert now["lastTransitionTime"] == unauthorized["lastTransitionTime"]
+
+
+def scale_doc(mode: str) -> dict[str, Any]:
+    document = yaml.safe_load((Path(__file__).parents[1] / "models" / "valid_scale_policy.yaml").read_text())
+    document["metadata"]["name"] = f"hub-scale-{uuid.uuid4().hex[:8]}"
+    document["spec"]["mode"] = mode
+    return dict(document)
+
+
+@pytest.mark.parametrize("metrics, enforced", [(False, "Recommend"), (True, "Automatic")])
+def test_scale_to_zero_without_gpu_metrics_is_enforced_as_recommend(
+        optimizer_api: client.ApiClient, clock: Clock, cluster: Cluster, metrics: bool, enforced: str) -> None:
+    """R1.3: without prometheus.url a ScaleToZero policy only recommends, and its status says so."""
+    syncer = PolicySyncer(optimizer_api, default_mode="Recommend", clock=clock, metrics=metrics)
+    scale, burst = scale_doc("Automatic"), doc(mode="Automatic")
+    syncer.sync([scale, burst], revision=1)
+    assert live(cluster, scale["metadata"]["name"])["status"]["effectiveMode"] == enforced
+    assert live(cluster, burst["metadata"]["name"])["status"]["effectiveMode"] == "Automatic"  # not metrics-bound
+    rows = table_rows(optimizer_api)
+    assert rows[scale["metadata"]["name"]]["Enforced"] == enforced
+    assert rows[scale["metadata"]["name"]]["Mode"] == "Automatic"
