@@ -22,8 +22,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import random
 import shlex
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,10 @@ DEFAULT_STATE_DIR = Path("/var/lib/kubeon")
 DEFAULT_INTERFACE = "kubeon0"
 DEFAULT_KUBELET_COMMAND = "systemctl restart kubelet"
 TIMEOUT_SECONDS = 30.0
+# How long `node join` keeps trying a gateway that does not answer (restarting, busy with a burst of joins, the
+# VM's network not up yet) before it gives up; the optimizer's join timeout is 15 minutes.
+RETRY_SECONDS = 900.0
+RETRY_FIRST_WAIT, RETRY_MAX_WAIT = 1.0, 30.0
 
 # The join at the gateway: (request) -> answer. Over HTTPS by default; in-process for the simulated provider.
 Redeemer = Callable[[JoinRedeem], JoinAnswer]
@@ -188,10 +195,38 @@ def bring_up_tunnel(files: NodeFiles, tunnel: TunnelAnswer, private_key: str, in
     link.bring_up(interface, tunnel.address, mtu=tunnel.mtu, routes=[f"{tunnel.gateway_address}/32", *routes])
 
 
+def redeem_retrying(redeem: Redeemer, request: JoinRedeem, *, retry_seconds: float,
+                    sleep: Callable[[float], None] = time.sleep, say: Callable[[str], None] | None = None,
+                    ) -> JoinAnswer:
+    """``redeem``, tried again while the gateway is unavailable (no answer, 5xx) for up to ``retry_seconds``,
+    waiting 1 s, 2 s, 4 s ... at most 30 s between tries (with jitter: a burst of nodes does not retry in step).
+    Safe: the same keys redeem the same ticket again and get the same answer. A refusal is never retried."""
+    deadline = time.monotonic() + retry_seconds
+    wait, attempt = RETRY_FIRST_WAIT, 1
+    while True:
+        try:
+            return redeem(request)
+        except JoinUnavailable as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if attempt == 1:
+                    raise
+                raise JoinUnavailable(f"{exc} (gave up after {attempt} attempts in {retry_seconds:.0f}s)") from None
+            pause = min(left, wait * random.uniform(0.5, 1.0))
+            (say or _stderr)(f"kubeon-gpu node join: attempt {attempt}: {exc}; trying again in {pause:.1f}s")
+            sleep(pause)
+            wait, attempt = min(RETRY_MAX_WAIT, wait * 2), attempt + 1
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def join(doc: dict[str, Any], files: NodeFiles, *, redeem: Redeemer | None = None,
-         interface: str = DEFAULT_INTERFACE, tunnel: bool = True) -> JoinAnswer:
+         interface: str = DEFAULT_INTERFACE, tunnel: bool = True, retry_seconds: float = 0.0) -> JoinAnswer:
     """The join up to a usable kubeconfig (the kubelet is started by ``run``). ``tunnel=False``: the gateway's
-    answer must carry no tunnel (sim at scale: the API server over loopback, same credentials)."""
+    answer must carry no tunnel (sim at scale: the API server over loopback, same credentials). An unavailable
+    gateway is tried again for ``retry_seconds`` (0: not at all; callers with a retry loop of their own)."""
     node_name = str(doc["nodeName"])
     wg_key = wireguard_private_key(files)
     key = kubelet_key(files)
@@ -204,7 +239,7 @@ def join(doc: dict[str, Any], files: NodeFiles, *, redeem: Redeemer | None = Non
     if answer is None:
         request = JoinRedeem(ticket=str(doc["ticket"]), wireguard_public_key=keys.public_key(wg_key),
                              csr=kubelet_csr(key, node_name))
-        answer = (redeem or redeem_over_https(doc))(request)
+        answer = redeem_retrying(redeem or redeem_over_https(doc), request, retry_seconds=retry_seconds)
         if answer.node_name != node_name:
             raise JoinError(f"the gateway answered for node {answer.node_name}, this node is {node_name}")
         files.answer.write_text(answer.model_dump_json(by_alias=True))
@@ -254,13 +289,13 @@ def start_kubelet(files: NodeFiles, command: str) -> subprocess.Popen[bytes] | N
 
 
 def main_join(config: Path, state_dir: Path, *, interface: str, kubelet_command: str, provider_id: str,
-              capacity: dict[str, str], tunnel: bool) -> int:
+              capacity: dict[str, str], tunnel: bool, retry_seconds: float = RETRY_SECONDS) -> int:
     from models.join import parse_user_data
 
     text = config.read_text()
     doc = parse_user_data(text) if "# --- kubeon join document ---" in text else json.loads(text)
     files = NodeFiles(state_dir)
-    answer = join(doc, files, interface=interface, tunnel=tunnel)
+    answer = join(doc, files, interface=interface, tunnel=tunnel, retry_seconds=retry_seconds)
     write_registration(files, answer, provider_id=provider_id, capacity=capacity)
     start_kubelet(files, kubelet_command)
     print(f"joined as {answer.node_name}: pod CIDR {answer.pod_cidr}, API server {answer.api_server}"

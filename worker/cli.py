@@ -121,7 +121,7 @@ def _node_join(args: argparse.Namespace) -> int:
     try:
         return main_join(Path(args.config), Path(args.state_dir), interface=args.interface,
                          kubelet_command=args.kubelet_command, provider_id=args.provider_id, capacity=capacity,
-                         tunnel=not args.no_tunnel)
+                         tunnel=not args.no_tunnel, retry_seconds=args.retry_seconds)
     except (JoinError, OSError, ValueError) as exc:
         print(f"kubeon-gpu node join: {exc}", file=sys.stderr)
         return 1
@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     joining.add_argument("--provider-id", default="", help="the Node's spec.providerID")
     joining.add_argument("--capacity", default="", help="capacity the kubelet reports, k=v,... (stand-ins)")
     joining.add_argument("--no-tunnel", action="store_true", help="simulated nodes only: no WireGuard")
+    joining.add_argument("--retry-seconds", type=float, default=900.0,
+                         help="how long to keep trying a gateway that does not answer (0: once)")
     joining.set_defaults(func=_node_join)
     doctor = sub.add_parser("doctor", help="check the prerequisites: KubeOn agent, GPU Operator, Karpenter, DCGM")
     doctor.add_argument("--kubeconfig", help="default KUBEON_KUBECONFIG, else in-cluster credentials")

@@ -1,11 +1,12 @@
 """`kubeon-gpu node join`'s steps without a tunnel (the sim path), against the real in-process gateway: its keys
 stay on the node and are reused by a rerun, its CSR has the gateway's expected shape, its kubeconfig holds only
-its own credentials."""
+its own credentials, and a gateway that does not answer yet is tried again (a refusal is not)."""
 
 from __future__ import annotations
 
 import secrets
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -13,20 +14,23 @@ import pytest
 import yaml
 from kubernetes import client
 
-from activities.gateway import JoinTicketRequest, KubeGateway
+from activities.gateway import JoinTicketRequest, KubeGateway, TicketError
 from activities.gateway_join import check_csr
 from models.join import JoinAnswer, JoinRedeem
 from models.operation import LABEL_OPERATION, Taint
 from node.join import (
     JoinError,
+    JoinUnavailable,
     NodeFiles,
     join,
     kubelet_csr,
     kubelet_key,
+    redeem_over_https,
     wireguard_private_key,
     write_registration,
 )
 from node.register import node_api
+from tests.harness.controlplane import free_port
 from tests.harness.kube import Cluster
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
 from tunnel import keys
@@ -34,11 +38,15 @@ from tunnel import keys
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def gateway(cluster: Cluster) -> KubeGateway:
+def gateway_api(cluster: Cluster) -> client.ApiClient:
     api = grant(cluster, GATEWAY_SA, GATEWAY_RULES).api
     grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    return KubeGateway(api, secrets.token_bytes(32))
+    return api
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster) -> KubeGateway:
+    return KubeGateway(gateway_api(cluster), secrets.token_bytes(32))
 
 
 def document(gateway: KubeGateway) -> dict[str, object]:
@@ -90,3 +98,37 @@ def test_a_rerun_reuses_keys_and_answer_without_redeeming_again(cluster: Cluster
     with pytest.raises(client.ApiException) as err:  # its credentials are a node's: no listing of all nodes
         client.CoreV1Api(node_api(files.kubeconfig)).list_node()
     assert err.value.status == 403
+
+
+def test_an_unavailable_gateway_is_tried_again_and_a_refusal_is_not(cluster: Cluster, gateway: KubeGateway,
+                                                                   tmp_path: Path) -> None:
+    """The VM's user data runs `node join` once: a gateway that does not answer yet (restarting, busy) must not
+    strand a paid instance. Nothing listens on ``closed``: the first tries fail as they would on a real VM."""
+    closed = redeem_over_https({"gateway": f"http://127.0.0.1:{free_port()}"}, timeout=2)
+    tries: list[float] = []
+
+    def redeem(request: JoinRedeem) -> JoinAnswer:
+        tries.append(time.monotonic())
+        return closed(request) if len(tries) <= 2 else gateway.join(request)
+
+    doc = document(gateway)
+    answer = join(doc, NodeFiles(tmp_path / "n"), redeem=redeem, tunnel=False, retry_seconds=60)
+    assert answer.node_name == doc["nodeName"] and len(tries) == 3
+    assert 0.5 <= tries[1] - tries[0] < 1.5 and 1.0 <= tries[2] - tries[1] < 2.5  # 1 s, then 2 s, with jitter
+
+    # Without retries (or past the deadline) the error names the gateway; a refusal is final at once.
+    with pytest.raises(JoinUnavailable, match=r"127\.0\.0\.1"):
+        join(document(gateway), NodeFiles(tmp_path / "m"), redeem=closed, tunnel=False, retry_seconds=0)
+    with pytest.raises(JoinUnavailable, match=r"gave up after \d+ attempts in 2s"):
+        join(document(gateway), NodeFiles(tmp_path / "o"), redeem=closed, tunnel=False, retry_seconds=2)
+    forged = dict(document(gateway), ticket=document(KubeGateway(gateway_api(cluster), secrets.token_bytes(32)))[
+        "ticket"])
+    refusals: list[str] = []
+
+    def refusing(request: JoinRedeem) -> JoinAnswer:
+        refusals.append(request.ticket)
+        return gateway.join(request)
+
+    with pytest.raises(TicketError, match="signature is invalid"):
+        join(forged, NodeFiles(tmp_path / "p"), redeem=refusing, tunnel=False, retry_seconds=60)
+    assert len(refusals) == 1
