@@ -36,6 +36,17 @@ def test_documented_burst_policy_is_valid() -> None:
     assert p.spec.return_home is True
 
 
+def test_example_policies_parse_and_each_example_workload_opts_into_one_burst_policy() -> None:
+    files = sorted((ROOT / "examples/policies").glob("*.yaml"))
+    policies = [parse_policy(yaml.safe_load(f.read_text())) for f in files]
+    bursts = {p.spec.workloads.tolerate: p.name for p in policies if isinstance(p, policy.GpuPolicy)}
+    assert len(bursts) == len([p for p in policies if isinstance(p, policy.GpuPolicy)])  # one taint key each
+    for workload in sorted(ROOT.joinpath("examples").glob("*burst-workload.yaml")):
+        spec = yaml.safe_load(workload.read_text())["spec"]["template"]["spec"]
+        tolerated = [bursts[t["key"]] for t in spec.get("tolerations", []) if t["key"] in bursts]
+        assert len(tolerated) == 1, f"{workload.name} opts into {tolerated}"
+
+
 def test_mode_defaults_from_configuration() -> None:
     doc = copy.deepcopy(VALID)
     del doc["spec"]["mode"]
