@@ -1,9 +1,10 @@
 """Observability of the worker (and the gateway): traces, metrics, logs.
 
-- **Traces**: Temporal's ``TracingInterceptor`` on the client (so on every worker built from it): one operation is
-  one trace, from the watcher's start through every activity, retry, child workflow and worker restart (the
-  context travels in Temporal headers, kept in the history). Cloud, hub and gateway calls add spans of their own
-  (``activities/tracing.py``). Exported over OTLP/HTTP, configured by the standard ``OTEL_*`` variables
+- **Traces**: Temporal's ``TracingInterceptor`` on the client (so on every worker built from it), subclassed so
+  that one operation is one trace (``workflows/observe.py``): each batch of a provisioning, each burst node (linked
+  to its batch) from launch to return home, through every activity, retry, child workflow and worker restart
+  (the context travels in Temporal headers, kept in the history). Cloud, hub and gateway calls add spans of their
+  own (``activities/tracing.py``). Exported over OTLP/HTTP, configured by the standard ``OTEL_*`` variables
   (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``...); with
   neither an OTLP endpoint nor ``OTEL_TRACES_EXPORTER`` set, no exporter starts and nothing is said about it.
 - **Metrics**: ``/metrics`` on the health port serves the product's metrics (``activities/product_metrics.py``;
@@ -31,7 +32,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Response
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from prometheus_client import REGISTRY, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio import activity
@@ -53,6 +56,7 @@ from models.operation import (
     provision_workflow_id,
 )
 from worker.config import ConfigError
+from workflows.observe import ROOT_SPAN_EXTERN, OperationTracingInbound, RootSpan
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -108,7 +112,7 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -
         exporter = OTLPSpanExporter()  # endpoint, headers, timeout, compression: the OTEL_EXPORTER_OTLP_* variables
     else:
         exporter = ConsoleSpanExporter(out=sys.stderr)
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, id_generator=OperationIds())
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     where = next((environ[v] for v in reversed(OTLP_ENDPOINT_VARS) if environ.get(v)), "the default endpoint")
@@ -117,9 +121,61 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -
     return provider
 
 
+# The IDs the next span must have (an operation's root span, derived by its workflow), else None.
+_ROOT_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("kubeon_root_ids", default=None)
+
+
+class OperationIds(IdGenerator):
+    """Random IDs, except for an operation's root span: those its workflow derived from its ID and run, so that a
+    replay on another worker continues the same trace (``workflows/observe.py``)."""
+
+    def __init__(self) -> None:
+        self._random = RandomIdGenerator()
+
+    def generate_trace_id(self) -> int:
+        ids = _ROOT_IDS.get()
+        return ids[0] if ids else self._random.generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        ids = _ROOT_IDS.get()
+        return ids[1] if ids else self._random.generate_span_id()
+
+
+class OperationTracingInterceptor(TracingInterceptor):
+    """Temporal's interceptor, with one trace per operation in workflows (``OperationTracingInbound``) and the
+    extern function that creates an operation's root span outside the sandbox."""
+
+    def workflow_interceptor_class(self, input: temporal_worker.WorkflowInterceptorClassInput
+                                   ) -> type[OperationTracingInbound]:
+        super().workflow_interceptor_class(input)
+        input.unsafe_extern_functions[ROOT_SPAN_EXTERN] = self._root_span
+        return OperationTracingInbound
+
+    def _root_span(self, root: RootSpan) -> bool:
+        """Create the root span with the workflow's IDs (unless replaying); False when this process does not trace
+        with an ``OperationIds`` generator (then the operation gets no trace context of its own)."""
+        if not isinstance(getattr(trace.get_tracer_provider(), "id_generator", None), OperationIds):
+            return False
+        if not root.create:
+            return True
+        links: list[trace.Link] = []
+        if root.link:
+            origin = trace.get_current_span(self.text_map_propagator.extract(root.link)).get_span_context()
+            if origin.is_valid:
+                links.append(trace.Link(origin))
+        token = _ROOT_IDS.set((root.trace_id, root.span_id))
+        try:
+            span = self.tracer.start_span(root.name, otel_context.Context(), attributes=dict(root.attributes),
+                                          links=links, start_time=root.time_ns)
+        finally:
+            _ROOT_IDS.reset(token)
+        span.end(end_time=root.time_ns)
+        return True
+
+
 def client_interceptors() -> list[temporal_client.Interceptor]:
     """For ``Client.connect``: they apply to the client's calls and to every worker built on that client."""
-    return [TracingInterceptor(), ObservingInterceptor()]
+    return [OperationTracingInterceptor(), ObservingInterceptor()]
 
 
 # ----- the Temporal SDK's metrics --------------------------------------------------------------------------------
