@@ -8,7 +8,7 @@
   (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``...); with
   neither an OTLP endpoint nor ``OTEL_TRACES_EXPORTER`` set, no exporter starts and nothing is said about it.
 - **Metrics**: ``/metrics`` on the health port serves the product's metrics (``activities/product_metrics.py``;
-  counted by ``ObservingInterceptor`` around activities, or read at scrape time by ``StateCollector``) followed
+  counted by ``ObservingInterceptor`` around activities, or read in the background by ``StateCollector``) followed
   by the Temporal SDK's own (its runtime's Prometheus endpoint, bound to loopback only, proxied).
 - **Logs**: ``KUBEON_LOG_FORMAT=json`` writes one JSON object a line with the workflow ID, operation, policy and
   trace ID where there is one; the default is readable text.
@@ -232,20 +232,27 @@ def _location_of_label(value: str) -> str:
 
 
 class StateCollector:
-    """What is true now, read when scraped (at most every ``min_interval`` seconds) from the sources every
-    replica shares: burst Nodes, Temporal visibility, the provisioning and hub sync workflows' queries."""
+    """What is true now, read from the sources every replica shares: burst Nodes, Temporal visibility, the
+    provisioning and hub sync workflows' queries. A scrape never waits for them: it serves the values last read
+    and, when the last read began ``min_interval`` seconds ago and is over, starts the next in the background
+    (one at a time; each source cut off after ``source_timeout`` seconds, one source down or slow not taking the
+    others with it). ``kubeon_metrics_snapshot_age_seconds`` says how old each source's values are."""
 
-    def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0
-                 ) -> None:
+    SOURCES = ("kubernetes", "temporal", "provisioning", "hub")
+
+    def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0,
+                 source_timeout: float = 10.0) -> None:
         self.temporal = temporal
         self.runtime = runtime
         self.cluster = runtime.settings.cluster
         self.min_interval = min_interval
+        self.source_timeout = source_timeout
         self._last = -1e9
         self._task: asyncio.Task[None] | None = None
+        self._read_at: dict[str, float] = {}  # source -> when its values were last read (monotonic)
         self._price_checked: dict[str, float] = {}
         # Its own thread: the default executor is busy with the serving activities' checks under load, and a
-        # scrape queued behind them would time out.
+        # read queued behind them would go stale.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics")
 
     async def _blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -257,21 +264,27 @@ class StateCollector:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def refresh(self, wait: float = 2.0) -> None:
-        """Start reading the sources when the last read is older than ``min_interval``, and wait for it at most
-        ``wait`` seconds: a scrape answers in time with the last values when a source is slow under load."""
+    def refresh(self) -> asyncio.Task[None] | None:
+        """For a scrape: start the next read in the background if one is due, and set the snapshot ages. Returns
+        the read under way (a caller that wants fresh values, e.g. a test, may await it)."""
         if (self._task is None or self._task.done()) and time.monotonic() - self._last >= self.min_interval:
             self._last = time.monotonic()
             self._task = asyncio.create_task(self._read_all())
-        if self._task is not None and not self._task.done():
-            await asyncio.wait({self._task}, timeout=wait)
+        now = time.monotonic()
+        for source, at in self._read_at.items():
+            pm.SNAPSHOT_AGE.labels(source=source).set(round(now - at, 3))
+        return self._task if self._task is not None and not self._task.done() else None
 
     async def _read_all(self) -> None:
         policies: set[str] = set()
-        for source, step in (("kubernetes", self._nodes), ("temporal", self._operations),
-                             ("provisioning", self._provisionings), ("hub", self._hub)):
+        steps = (self._nodes, self._operations, self._provisionings, self._hub)
+        for source, step in zip(self.SOURCES, steps, strict=True):
+            if source == "hub" and self.runtime.hub is None:
+                continue
             try:
-                await step(policies)
+                # Each step sets its gauges only once all it reads is in: cut off, it leaves the last values.
+                await asyncio.wait_for(step(policies), timeout=self.source_timeout)
+                self._read_at[source] = time.monotonic()
             except Exception as exc:  # one source down must not take the others' metrics with it
                 pm.SCRAPE_ERRORS.labels(source=source).inc()
                 log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
@@ -337,8 +350,6 @@ class StateCollector:
             pm.PROVISION_WAITING.labels(policy=policy).set(len(view.waiting))
 
     async def _hub(self, _: set[str]) -> None:
-        if self.runtime.hub is None:
-            return
         handle = self.temporal.get_workflow_handle(hub_sync_workflow_id(self.cluster))
         status = await handle.query("status", result_type=HubSyncStatus, rpc_timeout=dt.timedelta(seconds=3))
         pm.HUB_REPORTS_QUEUED.set(status.pending_reports)
@@ -361,7 +372,7 @@ def attach(collector: StateCollector | None) -> None:
 async def metrics_body() -> bytes:
     """The whole ``/metrics`` answer: the product's metrics (and the process's), then the Temporal SDK's."""
     if _collector is not None:
-        await _collector.refresh()
+        _collector.refresh()  # in the background: this scrape serves the values last read
     ours = generate_latest(REGISTRY)
     return ours + (b"" if ours.endswith(b"\n") else b"\n") + await sdk_metrics()
 
