@@ -3,10 +3,12 @@ nodes (cordon); evict through the Eviction API only. Nothing here creates or del
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kubernetes import client, watch
 
@@ -78,6 +80,47 @@ def _pod_terminal(pod: client.V1Pod) -> bool:
     return bool(pod.status and pod.status.phase in ("Succeeded", "Failed"))
 
 
+T = TypeVar("T")
+
+# How stale the home capacity a serving node's return-home check reads may be: every serving node checks every
+# serve_check_seconds, and one list of the cluster's nodes and pods per second serves them all.
+HOME_VIEW_SECONDS = 1.0
+
+
+class RecentRead(Generic[T]):
+    """The result of ``read`` for up to ``ttl`` seconds, read by one thread at a time (the others wait for it)."""
+
+    def __init__(self, read: Callable[[], T], ttl: float) -> None:
+        self._read, self.ttl = read, ttl
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._at = -1e18
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None or time.monotonic() - self._at > self.ttl:
+                self._value, self._at = self._read(), time.monotonic()
+            return self._value
+
+
+def _raw_items(response: Any) -> list[dict[str, Any]]:
+    """The items of a list call made with ``_preload_content=False``: plain JSON, without building the client's
+    model objects (which cost more CPU than the request for a cluster's nodes or pods)."""
+    items: list[dict[str, Any]] = json.loads(response.data)["items"]
+    return items
+
+
+def _gpus_of(pod: dict[str, Any]) -> int:
+    total = 0
+    for c in pod.get("spec", {}).get("containers") or []:
+        res = c.get("resources") or {}
+        for source in (res.get("limits") or {}, res.get("requests") or {}):
+            if GPU_RESOURCE in source:
+                total += int(source[GPU_RESOURCE])
+                break
+    return total
+
+
 class KubeOps:
     def __init__(self, api: client.ApiClient) -> None:
         self.api = api
@@ -86,6 +129,10 @@ class KubeOps:
         self.custom = client.CustomObjectsApi(api)
         # A ReplicaSet's controller never changes: (namespace, name) -> (kind, name) of its owner.
         self._rs_owner: dict[tuple[str, str], tuple[str, str]] = {}
+        self._home_nodes = RecentRead(lambda: _raw_items(self.core.list_node(_preload_content=False)),
+                                      HOME_VIEW_SECONDS)
+        self._active_pods = RecentRead(lambda: _raw_items(self.core.list_pod_for_all_namespaces(
+            field_selector="status.phase!=Succeeded", _preload_content=False)), HOME_VIEW_SECONDS)
 
     # -- policies ----------------------------------------------------------------------------------------
     def read_policy(self, name: str) -> GpuPolicy:
@@ -246,25 +293,28 @@ class KubeOps:
         return ServeCheckResult(done=False, pods_on_node=len(on_node))
 
     def home_free_gpus(self, node_selector: dict[str, str]) -> int:
-        """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector."""
+        """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector, from a view
+        of the cluster at most HOME_VIEW_SECONDS old."""
         free = 0
-        pods: list[client.V1Pod] | None = None
-        for node in self.core.list_node().items:
-            labels = node.metadata.labels or {}
-            if LABEL_LOCATION in labels or node.spec.unschedulable or not is_ready(node):
+        used: dict[str, int] | None = None
+        for node in self._home_nodes.get():
+            meta, spec, status = node.get("metadata", {}), node.get("spec", {}), node.get("status", {})
+            labels = meta.get("labels") or {}
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+            if LABEL_LOCATION in labels or spec.get("unschedulable") or not ready:
                 continue
             if any(labels.get(k) != v for k, v in node_selector.items()):
                 continue
-            alloc = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
+            alloc = int((status.get("allocatable") or {}).get(GPU_RESOURCE, "0"))
             if alloc == 0:
                 continue
-            if pods is None:
-                pods = self.core.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded").items
-            used = 0
-            for p in pods:
-                if p.spec.node_name == node.metadata.name and not _pod_terminal(p):
-                    used += gpus_requested(p)
-            free += max(0, alloc - used)
+            if used is None:
+                used = {}
+                for p in self._active_pods.get():
+                    where = p.get("spec", {}).get("nodeName")
+                    if where and p.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+                        used[where] = used.get(where, 0) + _gpus_of(p)
+            free += max(0, alloc - used.get(meta.get("name", ""), 0))
         return free
 
     # -- drain ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -34,17 +35,27 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from bench.observe import ClusterObserver, ProcessSampler, Stopwatch, children, cpu_seconds, percentile
+from bench.observe import (
+    ClusterObserver,
+    ProcessSampler,
+    Stopwatch,
+    children,
+    cpu_seconds,
+    percentile,
+    utc_now,
+)
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
 from models.locations import transfer_usd_per_gpu_hour
 from models.operation import Offering, ProvisionView, provision_workflow_id
 from tests.harness.burst import build_stack, gpu_deployment, worker_process
-from tests.harness.controlplane import ControlPlane
+from tests.harness.controlplane import ControlPlane, free_port
 from tests.harness.kube import Cluster, Kube
+from tests.harness.otlp import OtlpReceiver
 from tests.harness.temporal import dev_server_path
 from worker.config import Settings
 
@@ -127,6 +138,14 @@ class Bench:
                      "locations": POLICY_LOCATIONS, "limits": {"maxNodes": 1000, "maxGpuHour": 100},
                      "returnHome": True}})
 
+    async def nodes_closed(self, deadline_s: float) -> None:
+        """Until no node or drain workflow of the bench's cluster runs (bounded)."""
+        query = (f"{sa.CLUSTER.name} = '{self.settings.cluster}' AND ExecutionStatus = 'Running' AND "
+                 f"{sa.OPERATION_KIND.name} IN ('Burst', 'Drain')")
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline and (await self.temporal.count_workflows(query)).count:
+            await asyncio.sleep(0.5)
+
     async def until(self, check: Any, deadline_s: float, what: str) -> bool:
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
@@ -137,6 +156,26 @@ class Bench:
             await asyncio.sleep(0.05)
         self.say(f"gave up waiting for {what} after {deadline_s:.0f}s")
         return False
+
+
+async def scrape_forever(port: int, durations: list[float], every: float = 5.0) -> None:
+    """GET the worker's /metrics every ``every`` seconds (as a Prometheus would), recording how long each took."""
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        while True:
+            t = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(f"http://127.0.0.1:{port}/metrics")).status_code == 200:
+                    durations.append(time.monotonic() - t)
+            await asyncio.sleep(max(0.0, every - (time.monotonic() - t)))
+
+
+def node_cidr_mask(nodes: int, pod_cidr_prefix: int = 16) -> int:
+    """The gateway's per-node pod CIDR mask: 24 (256 nodes in the default /16), narrower when the load scenario
+    could need more nodes than that (one per pod at worst), as an operator would size it."""
+    mask = 24
+    while 2 ** (mask - pod_cidr_prefix) < nodes + 16 and mask < 28:
+        mask += 1
+    return mask
 
 
 def tail(path: Path, chars: int = 3000) -> str:
@@ -206,6 +245,70 @@ async def idle_scenario(b: Bench, samples: int, policy: str) -> None:
                 f"  Unschedulable -> pod bound   {fmt(bound)}"]
 
 
+def label_location(value: str) -> str:
+    provider, _, rest = value.partition(".")  # the location label holds "sim.eu-west" for sim/eu-west
+    return f"{provider}/{rest}" if rest else value
+
+
+# History events that are Temporal actions (what Temporal Cloud bills, queries aside): starts (each run, so
+# continue-as-new too), activities (each attempt), signals, timers, child starts, accepted updates, search
+# attribute upserts and markers.
+ACTION_EVENTS = {
+    "WORKFLOW_EXECUTION_STARTED": "workflow runs",
+    "ACTIVITY_TASK_STARTED": "activity attempts",
+    "WORKFLOW_EXECUTION_SIGNALED": "signals",
+    "TIMER_STARTED": "timers",
+    "START_CHILD_WORKFLOW_EXECUTION_INITIATED": "child starts",
+    "WORKFLOW_EXECUTION_UPDATE_ACCEPTED": "updates",
+    "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES": "search attribute upserts",
+    "MARKER_RECORDED": "markers",
+}
+
+
+@dataclass
+class ActionCount:
+    by_kind: dict[str, int] = field(default_factory=dict)
+    workflow_tasks: int = 0
+    events: int = 0
+    runs: int = 0
+    batches: set[str] = field(default_factory=set)
+    activities: dict[str, int] = field(default_factory=dict)  # activity type -> times scheduled
+
+    @property
+    def actions(self) -> int:
+        return sum(self.by_kind.values())
+
+
+async def count_actions(b: Bench, since: datetime) -> ActionCount:
+    """Temporal actions of every workflow of the bench's cluster since ``since``, read from their histories."""
+    from temporalio.api.enums.v1 import EventType
+
+    out = ActionCount()
+    query = f"{sa.CLUSTER.name} = '{b.settings.cluster}'"
+    async for wf in b.temporal.list_workflows(query, limit=100_000):
+        if (wf.close_time or datetime.max.replace(tzinfo=since.tzinfo)) < since:
+            continue
+        out.runs += 1
+        batch = wf.typed_search_attributes.get(sa.BATCH)
+        if batch and wf.typed_search_attributes.get(sa.OPERATION_KIND) == "Burst":
+            out.batches.add(str(batch))
+        history = await b.temporal.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+        for event in history.events:
+            if event.event_time.ToDatetime(tzinfo=since.tzinfo) < since:
+                continue
+            out.events += 1
+            name = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
+            if name == "WORKFLOW_TASK_COMPLETED":
+                out.workflow_tasks += 1
+            elif name == "ACTIVITY_TASK_SCHEDULED":
+                kind_name = event.activity_task_scheduled_event_attributes.activity_type.name
+                out.activities[kind_name] = out.activities.get(kind_name, 0) + 1
+            kind = ACTION_EVENTS.get(name)
+            if kind:
+                out.by_kind[kind] = out.by_kind.get(kind, 0) + 1
+    return out
+
+
 async def load_scenario(b: Bench, n: int, policy: str) -> None:
     if n <= 0:
         return
@@ -213,7 +316,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     names = [f"load-{i}" for i in range(n)]
     before = set(b.observer.nodes_snapshot())
     cpu0 = cpu_seconds(b.worker.pid) or 0.0
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), utc_now()
+    profiler = Profiler.start(b.worker.pid, b.args.profile) if b.args.profile else None
     loop = asyncio.get_running_loop()
     await asyncio.gather(*(loop.run_in_executor(b.pool, b.create, ns, name) for name in names))
     b.say(f"{n} Deployments created in {time.monotonic() - t0:.1f}s")
@@ -235,34 +339,118 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     ok = await b.until(done, b.args.deadline, f"all {n} bound")
     wall = time.monotonic() - t0
     cpu = (cpu_seconds(b.worker.pid) or 0.0) - cpu0
+    profile = profiler.stop() if profiler else None
     view = await b.state(policy)
     pods = [p for p in b.observer.pods_snapshot() if p.namespace == ns]
     nodes = {k: v for k, v in b.observer.nodes_snapshot().items() if k not in before}
-    mine = [batch for batch in view.batches if any(p.startswith(f"{ns}/") for nd in batch.plan.new_nodes
-                                                   for p in nd.pods)]
-    launched = [nd for batch in mine for nd in batch.plan.new_nodes]
-    usd = round(sum(nd.offering.usd_per_hour for nd in launched), 4)
+    # What was launched, priced from the node watch (the provisioning's query keeps only its last batches).
+    prices = {(o.location, o.instance_type): o.usd_per_hour for o in offered(b.settings)}
+    kinds: dict[str, int] = {}
+    usd = 0.0
+    for nd in nodes.values():
+        kinds[nd.instance_type] = kinds.get(nd.instance_type, 0) + 1
+        usd += prices.get((label_location(nd.location), nd.instance_type), float("nan"))
+    kinds_text = ", ".join(f"{c}x {k}" for k, c in sorted(kinds.items()))
+    used = {p.node_name for p in pods if p.node_name}
+    spare = [k for k in nodes if k not in used]
     opt_nodes, opt_usd = optimum(offered(b.settings), n)
     at = planned_at(view)
     to_plan = [(at[f"{ns}/{p.name}"] - (p.unschedulable_seen or p.unschedulable_cond)).total_seconds()
                for p in pods if f"{ns}/{p.name}" in at and (p.unschedulable_seen or p.unschedulable_cond)]
-    kinds: dict[str, int] = {}
-    for nd in launched:
-        kinds[nd.offering.instance_type] = kinds.get(nd.offering.instance_type, 0) + 1
+    unsched = sorted((p.unschedulable_seen - started).total_seconds() for p in pods if p.unschedulable_seen)
+    created = sorted((p.created_seen - started).total_seconds() for p in pods if p.created_seen)
+    never = len([p for p in pods if p.unschedulable_seen is None])
     b.lines += [f"{n} one-GPU Deployments at once",
                 f"  all bound                      {'yes' if ok else 'NO'} after {wall:.1f}s (from the first create)",
-                f"  nodes launched                 {len(nodes)} ({', '.join(f'{c}x {k}' for k, c in kinds.items())});"
-                f" planned {len(launched)}; optimum {opt_nodes}",
-                f"  $/h launched                   {usd:.2f} (optimum {opt_usd:.2f})",
-                f"  batches                        {len(mine)}",
-                f"  Unschedulable -> plan          {fmt(to_plan)}",
+                f"  pods created (controller-manager) {created[0] if created else math.nan:.1f}s .. "
+                f"{created[-1] if created else math.nan:.1f}s after the first create",
+                f"  pods Unschedulable (scheduler) {unsched[0] if unsched else math.nan:.1f}s .. "
+                f"{unsched[-1] if unsched else math.nan:.1f}s ({len(unsched)} pods; {never} bound before ever "
+                "Unschedulable)",
+                f"  nodes launched                 {len(nodes)} ({kinds_text}); {len(spare)} spare (no pod ever "
+                f"bound); optimum {opt_nodes}",
+                f"  $/h launched                   {usd:.2f} (optimum {opt_usd:.2f}, "
+                f"+{100 * (usd / opt_usd - 1):.1f} %)",
+                f"  Unschedulable -> plan          {fmt(to_plan)} (pods of the provisioning's last {len(view.batches)}"
+                " batches)",
                 f"  worker CPU seconds             {cpu:.1f}"]
+    if profile:
+        b.lines += profile
     t1 = time.monotonic()
     await asyncio.gather(*(loop.run_in_executor(b.pool, b.cluster.admin.apps.delete_namespaced_deployment, name, ns)
                            for name in names))
     await b.until(lambda: all(v.deleted_seen for k, v in b.observer.nodes_snapshot().items() if k not in before),
                   b.args.deadline, "every node home")
     b.lines.append(f"  all nodes home after deletion  {time.monotonic() - t1:.1f}s")
+    await b.nodes_closed(30)  # their last events (node_finished) belong to the count
+    actions = await count_actions(b, started)
+    b.lines += [f"  batches                        {len(actions.batches)}",
+                f"  Temporal actions               {actions.actions} ({actions.actions / n:.1f} per pod; "
+                + ", ".join(f"{k} {v}" for k, v in sorted(actions.by_kind.items(), key=lambda kv: -kv[1])) + ")",
+                f"  workflow runs / tasks / events {actions.runs} / {actions.workflow_tasks} / {actions.events} "
+                f"({actions.workflow_tasks / n:.1f} workflow tasks per pod)",
+                "  activities scheduled           " + ", ".join(
+                    f"{k} {v}" for k, v in sorted(actions.activities.items(), key=lambda kv: -kv[1])[:10])]
+
+
+class Profiler:
+    """py-spy sampling the worker (the ``bench`` extra installs it): the functions the worker spent its samples
+    in, ours and the libraries', printed as the share of non-idle samples."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], out: Path) -> None:
+        self.proc, self.out = proc, out
+
+    @classmethod
+    def start(cls, pid: int, out: Path) -> Profiler:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).exists():
+            raise SystemExit("--profile needs py-spy: pip install -e '.[bench]'")
+        proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "50",
+                                 "--nonblocking", "--output", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        return cls(proc, out)
+
+    def stop(self, top: int = 12) -> list[str]:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        return summarize_profile(self.out, top)
+
+
+def summarize_profile(path: Path, top: int) -> list[str]:
+    """From py-spy's collapsed stacks (``frame;frame;... count``): the top frames by own samples, and our own
+    functions (activities/, workflows/, worker/, models/) by samples spent in them and below."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return [f"  profile: py-spy wrote no {path}"]
+    for line in lines:
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = stack.split(";")[1:]  # the first is the thread
+        if frames:
+            own[frames[-1]] = own.get(frames[-1], 0) + count
+        for frame in set(frames):
+            if any(f"({pkg}/" in frame or f"/{pkg}/" in frame for pkg in ("activities", "workflows", "worker",
+                                                                          "models")):
+                inclusive[frame] = inclusive.get(frame, 0) + count
+    if not total:
+        return ["  profile: no samples"]
+
+    def rows(counts: dict[str, int]) -> list[str]:
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return [f"    {100 * c / total:5.1f} %  {f[:110]}" for f, c in ranked]
+
+    return [f"  profile: {total} samples of the worker's busy threads (py-spy, 50/s), {path}",
+            "  by own samples:", *rows(own), "  our functions, with what they call:", *rows(inclusive)]
 
 
 # -- set-up and tear-down --------------------------------------------------------------------------------------------
@@ -337,19 +525,32 @@ async def main_async(args: argparse.Namespace) -> int:
         settings = burst.settings(temporal_address=env.client.service_client.config.target_host, task_queue=queue,
                                   locations=sim_locations(args.capacity, args.boot_seconds), cluster_name=queue,
                                   serve_check_seconds=args.serve_check_seconds,
-                                  batch_idle_seconds=args.batch_idle_seconds)
+                                  batch_idle_seconds=args.batch_idle_seconds,
+                                  batch_load_idle_seconds=args.batch_load_idle_seconds,
+                                  batch_load_max_seconds=args.batch_load_max_seconds,
+                                  gateway_node_cidr_mask=node_cidr_mask(args.ops))
         observer = ClusterObserver(Kube.from_kubeconfig(plane.admin_kubeconfig).api,
                                    pod_selector=f"{BENCH_LABEL}={run}",
                                    node_selector="gpu.kubeon.io/operation").start()
         stack.callback(observer.stop)
         worker_log = workdir / "worker.log"
-        proc = worker_process(settings, worker_log)
+        telemetry_env: dict[str, str] = {}
+        if args.telemetry == "on":
+            # Traces to a real OTLP/HTTP receiver, and /metrics scraped every 5 s as Prometheus would.
+            receiver = stack.enter_context(OtlpReceiver())
+            telemetry_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": "kubeon-bench"}
+            settings = settings.model_copy(update={"health_port": free_port()})
+        proc = worker_process(settings, worker_log, telemetry_env)
         stack.callback(stop_worker, proc)
         await wait_worker_started(proc, worker_log)
         sampler = ProcessSampler(proc.pid).start()
         stack.callback(sampler.stop)
         b = Bench(args=args, clock=clock, run=run, cluster=cluster, temporal=env.client, settings=settings,
                   worker=proc, sampler=sampler, observer=observer, pool=pool, lines=lines)
+        scrapes: list[float] = []
+        if args.telemetry == "on":
+            scraper = asyncio.create_task(scrape_forever(settings.health_port, scrapes))
+            stack.callback(scraper.cancel)
         try:
             policy = f"bench-{run}"  # one policy: the watcher gives a pod to the first matching one by name
             b.create_policy(policy)
@@ -358,7 +559,11 @@ async def main_async(args: argparse.Namespace) -> int:
         finally:
             sampler.sample()
             lines += [f"worker peak RSS {sampler.mib(sampler.peak_rss_kib):.0f} MiB "
-                      f"(VmHWM {sampler.mib(sampler.last_hwm_kib):.0f} MiB)"]
+                      f"(VmHWM {sampler.mib(sampler.last_hwm_kib):.0f} MiB), CPU seconds in all "
+                      f"{cpu_seconds(proc.pid) or math.nan:.1f}; telemetry {args.telemetry}"]
+            if args.telemetry == "on":
+                lines += [f"spans received {len(receiver.snapshot())} in {receiver.requests} OTLP requests; "
+                          f"/metrics scraped {len(scrapes)} times, {fmt(scrapes)}"]
             print("=" * 100)
             print(f"KubeOn burst benchmark (by batch), sim boot {args.boot_seconds}s, {os.cpu_count()} CPU(s)")
             print("\n".join(lines))
@@ -379,6 +584,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--boot-seconds", type=float, default=0.0, help="simulated boot delay of an instance")
     p.add_argument("--batch-idle-seconds", type=float, default=Settings.model_fields["batch_idle_seconds"].default,
                    help="the worker's batch idle window (KUBEON_BATCH_IDLE_SECONDS)")
+    p.add_argument("--batch-load-idle-seconds", type=float,
+                   default=Settings.model_fields["batch_load_idle_seconds"].default,
+                   help="the worker's batch idle window under load (KUBEON_BATCH_LOAD_IDLE_SECONDS)")
+    p.add_argument("--batch-load-max-seconds", type=float,
+                   default=Settings.model_fields["batch_load_max_seconds"].default,
+                   help="the worker's longest batch window under load (KUBEON_BATCH_LOAD_MAX_SECONDS)")
+    p.add_argument("--telemetry", choices=("on", "off"), default="off",
+                   help="on: traces to a local OTLP/HTTP receiver and /metrics scraped every 5 s")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="profile the worker with py-spy during the load scenario (collapsed stacks to this file)")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds any one wait may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, audit.jsonl)")
     return p.parse_args(argv)

@@ -30,6 +30,7 @@ class PodSeen:
     namespace: str
     name: str
     app: str
+    created_seen: datetime | None = None
     unschedulable_seen: datetime | None = None
     unschedulable_cond: datetime | None = None
     scheduled_seen: datetime | None = None
@@ -43,6 +44,8 @@ class NodeSeen:
     operation: str
     created: datetime | None
     first_seen: datetime
+    location: str = ""  # as the label holds it: "sim.eu-west" (a label value cannot hold "/")
+    instance_type: str = ""
     ready_seen: datetime | None = None
     ready_cond: datetime | None = None
     deleted_seen: datetime | None = None
@@ -135,7 +138,8 @@ class ClusterObserver:
             rec = self.pods.get(uid)
             if rec is None:
                 rec = self.pods[uid] = PodSeen(namespace=str(pod.metadata.namespace), name=str(pod.metadata.name),
-                                               app=str((pod.metadata.labels or {}).get("app", "")))
+                                               app=str((pod.metadata.labels or {}).get("app", "")),
+                                               created_seen=seen)
             if kind == "DELETED" or pod.metadata.deletion_timestamp is not None:
                 rec.deleted = True
                 return
@@ -152,9 +156,12 @@ class ClusterObserver:
         with self._lock:
             rec = self.nodes.get(name)
             if rec is None:
+                labels = node.metadata.labels or {}
                 rec = self.nodes[name] = NodeSeen(
-                    name=name, operation=str((node.metadata.labels or {}).get("gpu.kubeon.io/operation", "")),
-                    created=node.metadata.creation_timestamp, first_seen=seen)
+                    name=name, operation=str(labels.get("gpu.kubeon.io/operation", "")),
+                    created=node.metadata.creation_timestamp, first_seen=seen,
+                    location=str(labels.get("gpu.kubeon.io/location", "")),
+                    instance_type=str(labels.get("node.kubernetes.io/instance-type", "")))
             if kind == "DELETED":
                 rec.deleted_seen = rec.deleted_seen or seen
                 return

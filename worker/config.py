@@ -113,6 +113,8 @@ class Settings(BaseModel):
     scale_rescale_check_seconds: int = 30
     # Batching of a policy's waiting pods (see OperationSettings): idle window and longest wait before a plan.
     batch_idle_seconds: float = 0.0
+    batch_load_idle_seconds: float = 1.0
+    batch_load_max_seconds: float = 4.0
     batch_max_seconds: float = 10.0
 
     @field_validator("hub_poll_interval", mode="before")
@@ -195,6 +197,8 @@ class Settings(BaseModel):
                                  join_timeout_seconds=self.join_timeout_seconds,
                                  serve_check_seconds=self.serve_check_seconds,
                                  batch_idle_seconds=self.batch_idle_seconds,
+                                 batch_load_idle_seconds=self.batch_load_idle_seconds,
+                                 batch_load_max_seconds=self.batch_load_max_seconds,
                                  batch_max_seconds=self.batch_max_seconds)
 
 

@@ -9,10 +9,12 @@ holds ``maxNodes`` and plans the pods the node was for again if they still wait.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError
 
 from models import search_attributes as sa
@@ -79,16 +81,24 @@ class BurstNodeWorkflow:
         self.launch_attempted = False
         self.serving = False
         self.history: list[str] = []
+        self.attributes: dict[str, Any] = {}  # search attribute name -> the value last upserted
 
     # -- visibility -----------------------------------------------------------------------------------------
-    def _set_phase(self, phase: Phase, message: str = "") -> None:
+    def _set_phase(self, phase: Phase, message: str = "", also: Sequence[SearchAttributeUpdate[Any]] = ()) -> None:
         self.phase = phase
         self.message = message
         stamp = workflow.now().strftime("%H:%M:%S")
         self.history.append(f"{stamp} {phase.value}" + (f": {message}" if message else ""))
-        workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
+        self._upsert([sa.PHASE.value_set(phase.value), *also])
         workflow.set_current_details(self._details())
         phase_span("Burst", phase.value)
+
+    def _upsert(self, updates: Sequence[SearchAttributeUpdate[Any]]) -> None:
+        """One upsert (a Temporal action and a visibility write) for what changed, none when nothing did."""
+        changed = [u for u in updates if self.attributes.get(u.key.name) != u.value]
+        if changed:
+            workflow.upsert_search_attributes(changed)
+            self.attributes.update({u.key.name: u.value for u in changed})
 
     def _details(self) -> str:
         assert self.inp is not None
@@ -144,11 +154,12 @@ class BurstNodeWorkflow:
         info = workflow.info()
         self.operation = operation_id(info.workflow_id, info.run_id)
         self.node_name = f"burst-{self.operation}"
-        workflow.upsert_search_attributes([
+        self._upsert([
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
             sa.OPERATION_KIND.value_set("Burst"), sa.OPERATION.value_set(self.operation),
             sa.BATCH.value_set(inp.batch), sa.LOCATION.value_set(inp.node.offering.location),
             sa.USD_PER_HOUR.value_set(round(inp.node.offering.usd_per_hour, 4)),
+            sa.PHASE.value_set(Phase.LAUNCHING.value),
         ])
         try:
             try:
@@ -277,9 +288,8 @@ class BurstNodeWorkflow:
         candidates = [inp.node.offering, *inp.node.alternatives]
         while candidates:
             offering = candidates[0]
-            self._set_phase(Phase.LAUNCHING, offering.describe())
-            workflow.upsert_search_attributes([sa.LOCATION.value_set(offering.location),
-                                               sa.USD_PER_HOUR.value_set(round(offering.usd_per_hour, 4))])
+            self._set_phase(Phase.LAUNCHING, offering.describe(), also=[
+                sa.LOCATION.value_set(offering.location), sa.USD_PER_HOUR.value_set(round(offering.usd_per_hour, 4))])
             self.launch_attempted = True
             try:
                 self.instance = await workflow.execute_activity(

@@ -3,7 +3,8 @@ into batches and batches into nodes.
 
 Every watcher replica signals-with-start the same ID (``pods_waiting``), so pods are planned once however many
 replicas see them. When pods arrive and no plan is being made, the policy's waiting pods are planned at once
-(after the idle window, if one is set; pods arriving meanwhile go into the next plan): packed onto the policy's
+(after the idle window, if one is set; pods arriving meanwhile go into the next plan, which then gathers the
+trickle for a few seconds, batch_load_*_seconds): packed onto the policy's
 burst nodes with room, then onto the cheapest new nodes (``plan_batch``). One proposal per batch: Recommend
 records and reports it; Approve waits for one approval of the whole batch (bound to its plan ID); Automatic
 goes ahead at once. Each new node is its own ``BurstNode`` workflow, started with a derived ID; it tells this
@@ -74,6 +75,8 @@ class ProvisionWorkflow:
         self.dirty = bool(self.waiting)
         self.first_arrival: datetime | None = None
         self.last_arrival: datetime | None = None
+        self.planning = False  # a round is under way
+        self.arrived_while_planning = False
         self.proposal: BatchRecord | None = None
         self.approval: Approval | None = None
         self.rejection: Rejection | None = None
@@ -96,6 +99,7 @@ class ProvisionWorkflow:
         if arrived:
             now = workflow.now()
             self.dirty = True
+            self.arrived_while_planning = self.arrived_while_planning or self.planning
             self.last_arrival = now
             self.first_arrival = self.first_arrival or now
 
@@ -297,22 +301,25 @@ class ProvisionWorkflow:
                 self.dirty = bool(self._due())
             if not self.dirty:
                 continue
+            self.planning = True
             self.rounds += 1
-            with batch_trace(self._next_batch(), inp.policy, f"{info.workflow_id}/{info.run_id}/{self.rounds}"):
-                await self._round()
+            try:
+                with batch_trace(self._next_batch(), inp.policy, f"{info.workflow_id}/{info.run_id}/{self.rounds}"):
+                    await self._round()
+            finally:
+                self.planning = False
 
     def _next_batch(self) -> str:
         """The ID of the batch the next plan with new nodes makes."""
         return "op-" + hashlib.sha256(
             f"{workflow.info().workflow_id}/{self.chain}/{self.seq + 1}".encode()).hexdigest()[:12]
 
-    async def _gather(self, idle: float) -> None:
-        """Wait until no pod arrived for ``idle`` seconds, at the latest batch_max_seconds after the first."""
-        s = self.inp.settings
+    async def _gather(self, idle: float, longest: float) -> None:
+        """Wait until no pod arrived for ``idle`` seconds, at the latest ``longest`` seconds after the first."""
         while idle > 0 and self.last_arrival is not None and self.first_arrival is not None:
             now = workflow.now()
             until = min(self.last_arrival + timedelta(seconds=idle),
-                        self.first_arrival + timedelta(seconds=s.batch_max_seconds))
+                        self.first_arrival + timedelta(seconds=longest))
             if now >= until:
                 break
             await workflow.sleep(until - now, summary="gather pods arriving together into one plan")
@@ -333,7 +340,13 @@ class ProvisionWorkflow:
                                                                            s.proposal_idle_seconds)
         if len(self.nodes) + len(self._due()) >= policy.max_nodes:
             idle = max(idle, s.limit_idle_seconds)
-        await self._gather(idle)
+        longest = s.batch_max_seconds
+        if self.arrived_while_planning and idle < s.batch_load_idle_seconds:
+            # A trickle of pods (a large rollout, the scheduler marking pods Unschedulable a few a second):
+            # gathered for a few seconds rather than planned a few pods at a time onto small nodes.
+            idle, longest = s.batch_load_idle_seconds, s.batch_load_max_seconds
+        self.arrived_while_planning = False
+        await self._gather(idle, longest)
         self.dirty = False
         self.first_arrival = self.last_arrival = None
         due = self._due()

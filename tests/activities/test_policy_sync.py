@@ -165,6 +165,7 @@ def test_creates_policies_from_hub_documents(cluster: Cluster, syncer: PolicySyn
     assert managers == {(FIELD_MANAGER, "Apply", ""), (FIELD_MANAGER, "Apply", "status")}
     rows = table_rows(optimizer_api)
     assert rows[names[0]]["Enforced"] == "Approve" and rows[names[0]]["Mode"] == "Approve"
+    assert rows[names[0]]["Ready"] == "True"
     assert rows[names[1]]["Enforced"] == "Recommend" and rows[names[1]]["Mode"] is None
 
 
@@ -314,6 +315,7 @@ def test_policy_naming_an_unconfigured_location_is_applied_but_not_ready_naming_
     assert "spec.locations[2]: location 'gcp/europe-west4'" in ready["message"]
     assert "spec.locations[0]" not in ready["message"]
     assert "burst.locations: aws/eu-central-1, sim/eu-west" in ready["message"]
+    assert table_rows(optimizer_api)[name]["Ready"] == "False"  # `kubectl get gpupolicies` shows it
 
     # The location removed on the hub: Ready again.
     policy["spec"]["locations"] = ["aws/eu-central-1"]
