@@ -242,7 +242,10 @@ class StateCollector:
 
     def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0,
                  source_timeout: float = 10.0) -> None:
-        self.temporal = temporal
+        # The same connection without the client's interceptors: a scrape's reads are no operation, and traced
+        # they would make a trace (a query span and its handler's) per policy and scrape.
+        self.temporal = temporal_client.Client(temporal.service_client, namespace=temporal.namespace,
+                                               data_converter=temporal.data_converter)
         self.runtime = runtime
         self.cluster = runtime.settings.cluster
         self.min_interval = min_interval

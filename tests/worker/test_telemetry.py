@@ -241,7 +241,7 @@ async def test_a_scrape_serves_the_last_values_at_once_while_temporal_stalls(
     async with StallingProxy(direct.service_client.config.target_host) as proxy:
         # The collector reads Temporal through the proxy: stalled, its calls hang as on an overloaded server.
         temporal = await Client.connect(proxy.address, data_converter=DATA_CONVERTER)
-        collector = telemetry.StateCollector(temporal, runtime, min_interval=0.2, source_timeout=2.0)
+        collector = telemetry.StateCollector(temporal, runtime, min_interval=0.2, source_timeout=3.0)
         telemetry.attach(collector)
         try:
             burst_node()
@@ -256,20 +256,23 @@ async def test_a_scrape_serves_the_last_values_at_once_while_temporal_stalls(
             await open_operation()
             stalled = await scrapes_until(
                 lambda m: m.value("kubeon_burst_nodes", policy=policy) == 2
-                and (m.value("kubeon_metrics_snapshot_age_seconds", source="temporal") or 0) > 4
+                and (m.value("kubeon_metrics_snapshot_age_seconds", source="temporal") or 0) > 5
                 and (m.value("kubeon_scrape_errors_total", source="temporal") or 0) > errors,
                 timeout=30, what="the nodes read again while Temporal stalls, its values ageing")
-            # Every scrape answered at once, with Temporal's last values (not cleared, not waited for), while
-            # the Kubernetes read went on.
-            assert max(m.seconds for m in stalled) < 0.5, [round(m.seconds, 2) for m in stalled]
+            # Every scrape answered at once (well within the 3 s a read of Temporal is given), with Temporal's
+            # last values (not cleared, not waited for), while the Kubernetes read went on.
+            assert max(m.seconds for m in stalled) < 1.0, [round(m.seconds, 2) for m in stalled]
             assert all(m.value("kubeon_operations", kind="Burst", phase="Serving") == 1 for m in stalled)
             last = stalled[-1]
-            assert (last.value("kubeon_metrics_snapshot_age_seconds", source="kubernetes") or 99) < 4.5
+            ages = {source: last.value("kubeon_metrics_snapshot_age_seconds", source=source)
+                    for source in ("kubernetes", "temporal")}
+            assert ages["kubernetes"] is not None and ages["temporal"] is not None
+            assert ages["kubernetes"] < ages["temporal"] - 2, ages
             assert last.value("kubeon_metrics_snapshot_age_seconds", source="hub") is None  # no hub configured
 
             proxy.flow()
             await scrapes_until(lambda m: m.value("kubeon_operations", kind="Burst", phase="Serving") == 2
-                                and (m.value("kubeon_metrics_snapshot_age_seconds", source="temporal") or 99) < 4,
+                                and (m.value("kubeon_metrics_snapshot_age_seconds", source="temporal") or 99) < 5,
                                 timeout=60, what="Temporal read again once it answers")
         finally:
             telemetry.attach(None)
