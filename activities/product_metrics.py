@@ -41,7 +41,7 @@ HUB_POLLS = Counter("kubeon_hub_polls", "Hub polls by resulting state (connected
 HUB_LAST_SYNC = Gauge("kubeon_hub_last_sync_timestamp_seconds",
                       "When this replica last synced policies from the hub (Unix time; 0: never)")
 
-# -- state read at scrape time (worker/telemetry.py, StateCollector) ----------------------------------------
+# -- state read in the background for /metrics (worker/telemetry.py, StateCollector) ------------------------
 OPERATIONS = Gauge("kubeon_operations", "Open operations by kind and phase (Temporal visibility)",
                    ["kind", "phase"])
 BURST_NODES = Gauge("kubeon_burst_nodes", "Burst Nodes in the cluster by policy and location", ["policy", "location"])
@@ -54,6 +54,8 @@ PROVISION_WAITING = Gauge("kubeon_provision_waiting_pods", "Pods waiting in a po
 HUB_REPORTS_QUEUED = Gauge("kubeon_hub_reports_queued", "Action reports queued for the hub, not yet delivered")
 HUB_LAST_POLL = Gauge("kubeon_hub_last_poll_timestamp_seconds", "When the hub sync workflow last polled (Unix time)")
 SCRAPE_ERRORS = Counter("kubeon_scrape_errors", "Sources that could not be read for /metrics", ["source"])
+SNAPSHOT_AGE = Gauge("kubeon_metrics_snapshot_age_seconds", "How old the values read from a source for /metrics "
+                     "are (read in the background: a scrape never waits for a source)", ["source"])
 HUB_CONNECTED = Gauge("kubeon_hub_connected", "1 while the hub sync's last poll connected, else 0")
 
 # -- the gateway (worker/gateway_server.py) --------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Observability of the worker (and the gateway): traces, metrics, logs.
 
-- **Traces**: Temporal's ``TracingInterceptor`` on the client (so on every worker built from it): one operation is
-  one trace, from the watcher's start through every activity, retry, child workflow and worker restart (the
-  context travels in Temporal headers, kept in the history). Cloud, hub and gateway calls add spans of their own
-  (``activities/tracing.py``). Exported over OTLP/HTTP, configured by the standard ``OTEL_*`` variables
+- **Traces**: Temporal's ``TracingInterceptor`` on the client (so on every worker built from it), subclassed so
+  that one operation is one trace (``workflows/observe.py``): each batch of a provisioning, each burst node (linked
+  to its batch) from launch to return home, through every activity, retry, child workflow and worker restart
+  (the context travels in Temporal headers, kept in the history). Cloud, hub and gateway calls add spans of their
+  own (``activities/tracing.py``). Exported over OTLP/HTTP, configured by the standard ``OTEL_*`` variables
   (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``...); with
   neither an OTLP endpoint nor ``OTEL_TRACES_EXPORTER`` set, no exporter starts and nothing is said about it.
 - **Metrics**: ``/metrics`` on the health port serves the product's metrics (``activities/product_metrics.py``;
-  counted by ``ObservingInterceptor`` around activities, or read at scrape time by ``StateCollector``) followed
+  counted by ``ObservingInterceptor`` around activities, or read in the background by ``StateCollector``) followed
   by the Temporal SDK's own (its runtime's Prometheus endpoint, bound to loopback only, proxied).
 - **Logs**: ``KUBEON_LOG_FORMAT=json`` writes one JSON object a line with the workflow ID, operation, policy and
   trace ID where there is one; the default is readable text.
@@ -31,7 +32,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Response
+from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from prometheus_client import REGISTRY, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio import activity
@@ -53,6 +56,7 @@ from models.operation import (
     provision_workflow_id,
 )
 from worker.config import ConfigError
+from workflows.observe import ROOT_SPAN_EXTERN, OperationTracingInbound, RootSpan
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -108,7 +112,7 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -
         exporter = OTLPSpanExporter()  # endpoint, headers, timeout, compression: the OTEL_EXPORTER_OTLP_* variables
     else:
         exporter = ConsoleSpanExporter(out=sys.stderr)
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, id_generator=OperationIds())
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     where = next((environ[v] for v in reversed(OTLP_ENDPOINT_VARS) if environ.get(v)), "the default endpoint")
@@ -117,9 +121,61 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -
     return provider
 
 
+# The IDs the next span must have (an operation's root span, derived by its workflow), else None.
+_ROOT_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("kubeon_root_ids", default=None)
+
+
+class OperationIds(IdGenerator):
+    """Random IDs, except for an operation's root span: those its workflow derived from its ID and run, so that a
+    replay on another worker continues the same trace (``workflows/observe.py``)."""
+
+    def __init__(self) -> None:
+        self._random = RandomIdGenerator()
+
+    def generate_trace_id(self) -> int:
+        ids = _ROOT_IDS.get()
+        return ids[0] if ids else self._random.generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        ids = _ROOT_IDS.get()
+        return ids[1] if ids else self._random.generate_span_id()
+
+
+class OperationTracingInterceptor(TracingInterceptor):
+    """Temporal's interceptor, with one trace per operation in workflows (``OperationTracingInbound``) and the
+    extern function that creates an operation's root span outside the sandbox."""
+
+    def workflow_interceptor_class(self, input: temporal_worker.WorkflowInterceptorClassInput
+                                   ) -> type[OperationTracingInbound]:
+        super().workflow_interceptor_class(input)
+        input.unsafe_extern_functions[ROOT_SPAN_EXTERN] = self._root_span
+        return OperationTracingInbound
+
+    def _root_span(self, root: RootSpan) -> bool:
+        """Create the root span with the workflow's IDs (unless replaying); False when this process does not trace
+        with an ``OperationIds`` generator (then the operation gets no trace context of its own)."""
+        if not isinstance(getattr(trace.get_tracer_provider(), "id_generator", None), OperationIds):
+            return False
+        if not root.create:
+            return True
+        links: list[trace.Link] = []
+        if root.link:
+            origin = trace.get_current_span(self.text_map_propagator.extract(root.link)).get_span_context()
+            if origin.is_valid:
+                links.append(trace.Link(origin))
+        token = _ROOT_IDS.set((root.trace_id, root.span_id))
+        try:
+            span = self.tracer.start_span(root.name, otel_context.Context(), attributes=dict(root.attributes),
+                                          links=links, start_time=root.time_ns)
+        finally:
+            _ROOT_IDS.reset(token)
+        span.end(end_time=root.time_ns)
+        return True
+
+
 def client_interceptors() -> list[temporal_client.Interceptor]:
     """For ``Client.connect``: they apply to the client's calls and to every worker built on that client."""
-    return [TracingInterceptor(), ObservingInterceptor()]
+    return [OperationTracingInterceptor(), ObservingInterceptor()]
 
 
 # ----- the Temporal SDK's metrics --------------------------------------------------------------------------------
@@ -176,20 +232,30 @@ def _location_of_label(value: str) -> str:
 
 
 class StateCollector:
-    """What is true now, read when scraped (at most every ``min_interval`` seconds) from the sources every
-    replica shares: burst Nodes, Temporal visibility, the provisioning and hub sync workflows' queries."""
+    """What is true now, read from the sources every replica shares: burst Nodes, Temporal visibility, the
+    provisioning and hub sync workflows' queries. A scrape never waits for them: it serves the values last read
+    and, when the last read began ``min_interval`` seconds ago and is over, starts the next in the background
+    (one at a time; each source cut off after ``source_timeout`` seconds, one source down or slow not taking the
+    others with it). ``kubeon_metrics_snapshot_age_seconds`` says how old each source's values are."""
 
-    def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0
-                 ) -> None:
-        self.temporal = temporal
+    SOURCES = ("kubernetes", "temporal", "provisioning", "hub")
+
+    def __init__(self, temporal: temporal_client.Client, runtime: WorkerRuntime, *, min_interval: float = 2.0,
+                 source_timeout: float = 10.0) -> None:
+        # The same connection without the client's interceptors: a scrape's reads are no operation, and traced
+        # they would make a trace (a query span and its handler's) per policy and scrape.
+        self.temporal = temporal_client.Client(temporal.service_client, namespace=temporal.namespace,
+                                               data_converter=temporal.data_converter)
         self.runtime = runtime
         self.cluster = runtime.settings.cluster
         self.min_interval = min_interval
+        self.source_timeout = source_timeout
         self._last = -1e9
         self._task: asyncio.Task[None] | None = None
+        self._read_at: dict[str, float] = {}  # source -> when its values were last read (monotonic)
         self._price_checked: dict[str, float] = {}
         # Its own thread: the default executor is busy with the serving activities' checks under load, and a
-        # scrape queued behind them would time out.
+        # read queued behind them would go stale.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics")
 
     async def _blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -201,21 +267,27 @@ class StateCollector:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def refresh(self, wait: float = 2.0) -> None:
-        """Start reading the sources when the last read is older than ``min_interval``, and wait for it at most
-        ``wait`` seconds: a scrape answers in time with the last values when a source is slow under load."""
+    def refresh(self) -> asyncio.Task[None] | None:
+        """For a scrape: start the next read in the background if one is due, and set the snapshot ages. Returns
+        the read under way (a caller that wants fresh values, e.g. a test, may await it)."""
         if (self._task is None or self._task.done()) and time.monotonic() - self._last >= self.min_interval:
             self._last = time.monotonic()
             self._task = asyncio.create_task(self._read_all())
-        if self._task is not None and not self._task.done():
-            await asyncio.wait({self._task}, timeout=wait)
+        now = time.monotonic()
+        for source, at in self._read_at.items():
+            pm.SNAPSHOT_AGE.labels(source=source).set(round(now - at, 3))
+        return self._task if self._task is not None and not self._task.done() else None
 
     async def _read_all(self) -> None:
         policies: set[str] = set()
-        for source, step in (("kubernetes", self._nodes), ("temporal", self._operations),
-                             ("provisioning", self._provisionings), ("hub", self._hub)):
+        steps = (self._nodes, self._operations, self._provisionings, self._hub)
+        for source, step in zip(self.SOURCES, steps, strict=True):
+            if source == "hub" and self.runtime.hub is None:
+                continue
             try:
-                await step(policies)
+                # Each step sets its gauges only once all it reads is in: cut off, it leaves the last values.
+                await asyncio.wait_for(step(policies), timeout=self.source_timeout)
+                self._read_at[source] = time.monotonic()
             except Exception as exc:  # one source down must not take the others' metrics with it
                 pm.SCRAPE_ERRORS.labels(source=source).inc()
                 log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
@@ -281,8 +353,6 @@ class StateCollector:
             pm.PROVISION_WAITING.labels(policy=policy).set(len(view.waiting))
 
     async def _hub(self, _: set[str]) -> None:
-        if self.runtime.hub is None:
-            return
         handle = self.temporal.get_workflow_handle(hub_sync_workflow_id(self.cluster))
         status = await handle.query("status", result_type=HubSyncStatus, rpc_timeout=dt.timedelta(seconds=3))
         pm.HUB_REPORTS_QUEUED.set(status.pending_reports)
@@ -305,7 +375,7 @@ def attach(collector: StateCollector | None) -> None:
 async def metrics_body() -> bytes:
     """The whole ``/metrics`` answer: the product's metrics (and the process's), then the Temporal SDK's."""
     if _collector is not None:
-        await _collector.refresh()
+        _collector.refresh()  # in the background: this scrape serves the values last read
     ours = generate_latest(REGISTRY)
     return ours + (b"" if ours.endswith(b"\n") else b"\n") + await sdk_metrics()
 

@@ -50,7 +50,7 @@ from models.operation import (
 )
 from models.ui_text import Details, code, md, md_usd
 from workflows.burst import BurstNodeWorkflow
-from workflows.observe import phase_span
+from workflows.observe import batch_trace, phase_span
 
 QUICK = timedelta(seconds=60)
 RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
@@ -85,6 +85,7 @@ class ProvisionWorkflow:
         self.message = ""
         self.unplaced: dict[str, str] = {}
         self.history: list[str] = []
+        self.rounds = 0  # of this run: each round that plans is a trace of its own
 
     # -- signals from the watchers and the node workflows ----------------------------------------------------
     @workflow.signal(name="pods_waiting", description="Internal: pods waiting for a burst node (sent by the watcher).")
@@ -301,10 +302,17 @@ class ProvisionWorkflow:
             if not self.dirty:
                 continue
             self.planning = True
+            self.rounds += 1
             try:
-                await self._round()
+                with batch_trace(self._next_batch(), inp.policy, f"{info.workflow_id}/{info.run_id}/{self.rounds}"):
+                    await self._round()
             finally:
                 self.planning = False
+
+    def _next_batch(self) -> str:
+        """The ID of the batch the next plan with new nodes makes."""
+        return "op-" + hashlib.sha256(
+            f"{workflow.info().workflow_id}/{self.chain}/{self.seq + 1}".encode()).hexdigest()[:12]
 
     async def _gather(self, idle: float, longest: float) -> None:
         """Wait until no pod arrived for ``idle`` seconds, at the latest ``longest`` seconds after the first."""
@@ -344,8 +352,7 @@ class ProvisionWorkflow:
         due = self._due()
         if not due:
             return
-        batch = "op-" + hashlib.sha256(
-            f"{workflow.info().workflow_id}/{self.chain}/{self.seq + 1}".encode()).hexdigest()[:12]
+        batch = self._next_batch()
         self._set_phase(Phase.PLANNING, f"{len(due)} pod(s) waiting")
         plan = await workflow.execute_activity(
             "plan_batch",

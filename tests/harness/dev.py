@@ -255,15 +255,19 @@ def main(argv: list[str] | None = None) -> int:
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
         tokens_dir = workdir / "gateway-pool-tokens"
-        gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", free_port(), popen=children.popen,
+        gateway_port, worker_health_port = free_port(), free_port()
+        gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", gateway_port, popen=children.popen,
                                                     extra_env={"KUBEON_POOL_TOKENS_DIR": str(tokens_dir)})
         say(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
         from tests.harness.dev_metrics import DevMetrics
 
-        metrics = DevMetrics(cluster, workdir / "metrics", popen=children.popen).start(port=args.prometheus_port)
+        metrics = DevMetrics(cluster, workdir / "metrics", popen=children.popen).start(
+            port=args.prometheus_port, products={"kubeon-worker": f"127.0.0.1:{worker_health_port}",
+                                                 "kubeon-gateway": f"127.0.0.1:{gateway_port}"})
         stopping_metrics.append(metrics.stop)
-        say(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture")
+        say(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture, the worker's /metrics "
+            f"(127.0.0.1:{worker_health_port}) and the gateway's (127.0.0.1:{gateway_port})")
         hub_settings: dict[str, object] = {"prometheus_url": metrics.url}
         hub_lines = ""
         locations = DEV_LOCATIONS
@@ -287,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{hub_url}/v1/clusters/dev/reports\n")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
                                   locations=locations + devclouds.locations, cluster_name="dev",
-                                  serve_check_seconds=5, approval_timeout_seconds=86400, **hub_settings,
+                                  serve_check_seconds=5, approval_timeout_seconds=86400,
+                                  health_port=worker_health_port, **hub_settings,
                                   **gateway_settings, **devclouds.settings())
         worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
@@ -308,6 +313,7 @@ KubeOn GPU optimizer is running locally.
   kubeconfig   {rel}
   console      http://127.0.0.1:{args.console_port}  (the Temporal UI, opening on what awaits approval)
   Temporal UI  http://127.0.0.1:{args.ui_port}
+  Prometheus   {metrics.url}  (scrapes the DCGM fixture, worker :{worker_health_port}, gateway :{gateway_port})
 {hub_lines}  locations    sim/eu-west ($0.95/GPU-h), sim/us-east ($1.35/GPU-h){onprem_line}, aws/eu-central-1,
                gcp/europe-west4, azure/westeurope (list prices; emulators in
                {os.path.relpath(devclouds.endpoints_file, Path.cwd())}):

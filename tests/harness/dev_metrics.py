@@ -1,5 +1,6 @@
 """`make dev`'s GPU metrics: a GPU node pool for ScaleToZero (namespace ``ml-inference`` with the chart's scale
-Role, a kwok node with 4 simulated A100s), the DCGM exporter fixture and a real Prometheus scraping it.
+Role, a kwok node with 4 simulated A100s), the DCGM exporter fixture and a real Prometheus scraping it (and the
+product's own ``/metrics``: ``products`` names their jobs and targets, e.g. the worker's and the gateway's).
 
 A syncer gives each running pod on that node a simulated GPU. Its activity comes from its Deployment's annotation
 ``dev.kubeon.io/gpu-activity`` (0-1, default 0.6: busy); ``dev.kubeon.io/idle-history: 40m`` backfills that much
@@ -43,7 +44,7 @@ class DevMetrics:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     popen: Callable[..., Any] = field(default=subprocess.Popen, repr=False)  # `make dev`'s registry's
 
-    def start(self, port: int = 0) -> DevMetrics:
+    def start(self, port: int = 0, products: dict[str, str] | None = None) -> DevMetrics:
         admin = self.cluster.admin
         admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
         api = client.ApiClient()
@@ -59,8 +60,9 @@ class DevMetrics:
         self.exporter.start()
         self.exporter.add_node(NODE, gpus=4)
         self.prometheus = Prometheus(self.workdir / "prometheus", targets=[self.exporter.address], port=port,
-                                     scrape_interval="5s", popen=self.popen).start()
-        self.prometheus.wait_scraped()
+                                     scrape_interval="5s", popen=self.popen,
+                                     jobs={job: [target] for job, target in (products or {}).items()}).start()
+        self.prometheus.wait_scraped(jobs=(SCRAPE_JOB,))  # the product's processes may start after it
         threading.Thread(target=self._sync_forever, name="dev-gpu-metrics", daemon=True).start()
         return self
 
@@ -114,7 +116,7 @@ class DevMetrics:
                 [(now - ago, held) for ago in range(history_s, 10, -30)],
                 extra={"job": SCRAPE_JOB, "instance": self.exporter.address}))
             self.prometheus.start()
-            self.prometheus.wait_scraped()
+            self.prometheus.wait_scraped(jobs=(SCRAPE_JOB,))
             self._backfilled.update(backfill)
             print(f"[kubeon dev] backfilled {history_s // 60}m of GPU history for {', '.join(backfill)}", flush=True)
 

@@ -25,6 +25,14 @@ class ReceivedSpan:
     attributes: dict[str, Any] = field(default_factory=dict)
     resource: dict[str, Any] = field(default_factory=dict)
     status_code: int = 0
+    links: list[ReceivedLink] = field(default_factory=list)
+
+
+@dataclass
+class ReceivedLink:
+    trace_id: str
+    span_id: str
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 def _value(v: Any) -> Any:
@@ -76,7 +84,10 @@ class OtlpReceiver:
                         name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
                         parent_span_id=s.parent_span_id.hex(), service=str(resource.get("service.name", "")),
                         attributes={a.key: _value(a.value) for a in s.attributes}, resource=resource,
-                        status_code=s.status.code))
+                        status_code=s.status.code,
+                        links=[ReceivedLink(trace_id=link.trace_id.hex(), span_id=link.span_id.hex(),
+                                            attributes={a.key: _value(a.value) for a in link.attributes})
+                               for link in s.links]))
         with self._lock:
             self.requests += 1
             self.bodies.append(body)

@@ -1,6 +1,7 @@
 """A real Prometheus on loopback (Debian's ``prometheus`` package: ``/usr/bin/prometheus`` and ``promtool``, which
-`make system-deps` installs when missing), scraping the DCGM exporter fixture, with history backfilled by
-``promtool tsdb create-blocks-from openmetrics`` before it starts."""
+`make system-deps` installs when missing), scraping the DCGM exporter fixture (and any further jobs, e.g. the
+worker's and the gateway's ``/metrics``), with history backfilled by ``promtool tsdb create-blocks-from
+openmetrics`` before it starts."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class Prometheus:
     # honor_labels false, the exporter's pod/namespace labels become exported_pod/exported_namespace.
     target_labels: dict[str, str] = field(default_factory=dict)
     honor_labels: bool = True
+    # More scrape jobs: job name -> targets (host:port, path /metrics), labels as the targets give them.
+    jobs: dict[str, list[str]] = field(default_factory=dict)
     port: int = 0
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     # How the process is started: `make dev` passes its registry's (children die with it, leftovers are reaped).
@@ -73,7 +76,7 @@ class Prometheus:
             "scrape_configs": [{
                 "job_name": SCRAPE_JOB, "honor_labels": self.honor_labels,
                 "static_configs": [{"targets": self.targets, "labels": self.target_labels}],
-            }],
+            }, *({"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in self.jobs.items())],
         }
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         log = open(self.workdir / "prometheus.log", "wb")  # noqa: SIM115 - lives as long as the process
@@ -92,16 +95,17 @@ class Prometheus:
             time.sleep(0.2)
         raise RuntimeError(f"prometheus did not get ready on {self.url} within {timeout}s: {self.log_tail()}")
 
-    def wait_scraped(self, timeout: float = 30.0) -> None:
-        """Until every target has been scraped successfully once."""
+    def wait_scraped(self, timeout: float = 30.0, jobs: tuple[str, ...] | None = None) -> None:
+        """Until every target (of ``jobs``: default all) has been scraped successfully once."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=5) as answer:
-                active = json.load(answer)["data"]["activeTargets"]
+                active = [t for t in json.load(answer)["data"]["activeTargets"]
+                          if jobs is None or t["labels"].get("job") in jobs]
             if active and all(t["health"] == "up" for t in active):
                 return
             time.sleep(0.3)
-        raise RuntimeError(f"prometheus did not scrape {self.targets} within {timeout}s")
+        raise RuntimeError(f"prometheus did not scrape {jobs or 'its targets'} within {timeout}s")
 
     def log_tail(self, chars: int = 3000) -> str:
         with contextlib.suppress(OSError):

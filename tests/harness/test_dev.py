@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,11 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
         csrs = client.CertificatesV1Api(admin.api).list_certificate_signing_request().items
         assert any(c.status.certificate and str(view.node_name) in (c.status.conditions[0].message or "")
                    for c in csrs)
+        # make dev's Prometheus scrapes the worker's and the gateway's /metrics: both up, with the product's series
+        # of what just happened (the approval counted by the worker, the join admitted by the gateway).
+        found = re.search(r"Prometheus +(http://127\.0\.0\.1:\d+)", banner)
+        assert found, banner
+        await product_series_in_prometheus(found.group(1), deadline + 180)
     finally:
         children = recorded_children(tmp_path / "dev")
         # Ctrl-C twice (an impatient user): the second kills what has not exited yet.
@@ -145,6 +151,23 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
     # Ctrl-C leaves nothing running: no process of the dev environment survives.
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "dev")], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
+
+
+async def product_series_in_prometheus(url: str, deadline: float) -> None:
+    wanted = {'up{job="kubeon-worker"}': 1.0, 'up{job="kubeon-gateway"}': 1.0,
+              'sum(kubeon_operation_actions_total{job="kubeon-worker",action="approved"})': 1.0,
+              'sum(kubeon_gateway_joins_total{job="kubeon-gateway",outcome="admitted"})': 1.0}
+    got: dict[str, float | None] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        while True:
+            for query in wanted:
+                answer = (await http.get("/api/v1/query", params={"query": query})).json()
+                assert answer["status"] == "success", answer
+                got[query] = float(answer["data"]["result"][0]["value"][1]) if answer["data"]["result"] else None
+            if all(got[q] is not None and got[q] >= v for q, v in wanted.items()):
+                return
+            assert time.monotonic() < deadline, f"Prometheus at {url} has {got}"
+            await asyncio.sleep(1)
 
 
 def recorded_children(state: Path) -> list[Child]:

@@ -3,12 +3,15 @@ Temporal SDK's metrics on /metrics, and the cloud-call spans of any provider."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +22,22 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.providers.base import InsufficientCapacityError
 from activities.providers.fake import FakeProvider
 from activities.tracing import traced
-from models.operation import LaunchRequest, Offering, operation_id
+from models import search_attributes as sa
+from models.converter import DATA_CONVERTER
+from models.operation import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY, LaunchRequest, Offering, operation_id
+from tests.harness.burst import SIM_LOCATIONS, build_stack, unique
+from tests.harness.kube import Cluster
+from tests.harness.stall_proxy import StallingProxy
 from worker import telemetry
 from worker.config import ConfigError
+from worker.runtime import build_runtime
 from worker.telemetry import LOG_CONTEXT, JsonFormatter, operation_context, traces_exporter
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -171,3 +181,104 @@ async def test_metrics_endpoint_serves_ours_and_the_sdks(temporal_dev_server: Wo
     assert "process_resident_memory_bytes" in samples  # the process's
     assert any(name.startswith("temporal_") for name in samples), sorted(samples)[:20]  # the SDK's
     assert "temporal_worker_start_total" in samples
+
+
+class Scrape:
+    """One in-process scrape of /metrics (what the health port serves), timed."""
+
+    def __init__(self, seconds: float, body: str) -> None:
+        self.seconds = seconds
+        self.samples = [s for f in text_string_to_metric_families(body) for s in f.samples]
+
+    def value(self, name: str, **labels: str) -> float | None:
+        found = [s.value for s in self.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return sum(found) if found else None
+
+
+async def scrape() -> Scrape:
+    started = time.monotonic()
+    body = (await telemetry.metrics_body()).decode()
+    return Scrape(time.monotonic() - started, body)
+
+
+async def scrapes_until(check: Callable[[Scrape], bool], *, timeout: float, what: str) -> list[Scrape]:
+    """Scrape every 0.2 s until ``check`` holds; every scrape made on the way."""
+    done: list[Scrape] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        done.append(await scrape())
+        if check(done[-1]):
+            return done
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.cluster
+@pytest.mark.temporal
+async def test_a_scrape_serves_the_last_values_at_once_while_temporal_stalls(
+        cluster: Cluster, temporal_dev_server: WorkflowEnvironment, tmp_path: Path) -> None:
+    direct = temporal_dev_server.client
+    stack = build_stack(cluster, tmp_path / "stack")
+    name, policy = unique("slow"), unique("slow")
+    settings = stack.settings(temporal_address=direct.service_client.config.target_host, task_queue=name,
+                              locations=SIM_LOCATIONS, cluster_name=name)
+    runtime = build_runtime(settings)
+    nodes: list[str] = []
+    runs: list[str] = []
+
+    def burst_node() -> None:
+        nodes.append(unique("burst-slow"))
+        cluster.create_kwok_node(nodes[-1], labels={LABEL_POLICY: policy, LABEL_LOCATION: "sim.eu-west",
+                                                    LABEL_INSTANCE_TYPE: "sim.l4.1"})
+
+    async def open_operation() -> None:  # a running workflow as visibility lists it (no worker takes it)
+        runs.append(unique(f"burst/{name}/{policy}/op"))
+        await direct.start_workflow("BurstNode", id=runs[-1], task_queue=name, search_attributes=TypedSearchAttributes(
+            [SearchAttributePair(sa.CLUSTER, name), SearchAttributePair(sa.OPERATION_KIND, "Burst"),
+             SearchAttributePair(sa.PHASE, "Serving")]))
+
+    async with StallingProxy(direct.service_client.config.target_host) as proxy:
+        # The collector reads Temporal through the proxy: stalled, its calls hang as on an overloaded server.
+        temporal = await Client.connect(proxy.address, data_converter=DATA_CONVERTER)
+        collector = telemetry.StateCollector(temporal, runtime, min_interval=0.2, source_timeout=3.0)
+        telemetry.attach(collector)
+        try:
+            burst_node()
+            await open_operation()
+            await scrapes_until(lambda m: m.value("kubeon_burst_nodes", policy=policy) == 1
+                                and m.value("kubeon_operations", kind="Burst", phase="Serving") == 1,
+                                timeout=30, what="both sources read")
+            errors = (await scrape()).value("kubeon_scrape_errors_total", source="temporal") or 0.0
+
+            proxy.stall()
+            burst_node()
+            await open_operation()
+            stalled = await scrapes_until(
+                lambda m: m.value("kubeon_burst_nodes", policy=policy) == 2
+                and (m.value("kubeon_metrics_snapshot_age_seconds", source="temporal") or 0) > 5
+                and (m.value("kubeon_scrape_errors_total", source="temporal") or 0) > errors,
+                timeout=30, what="the nodes read again while Temporal stalls, its values ageing")
+            # Every scrape answered at once (well within the 3 s a read of Temporal is given), with Temporal's
+            # last values (not cleared, not waited for), while the Kubernetes read went on.
+            assert max(m.seconds for m in stalled) < 1.0, [round(m.seconds, 2) for m in stalled]
+            assert all(m.value("kubeon_operations", kind="Burst", phase="Serving") == 1 for m in stalled)
+            last = stalled[-1]
+            ages = {source: last.value("kubeon_metrics_snapshot_age_seconds", source=source)
+                    for source in ("kubernetes", "temporal")}
+            assert ages["kubernetes"] is not None and ages["temporal"] is not None
+            assert ages["kubernetes"] < ages["temporal"] - 2, ages
+            assert last.value("kubeon_metrics_snapshot_age_seconds", source="hub") is None  # no hub configured
+
+            proxy.flow()
+            await scrapes_until(lambda m: m.value("kubeon_operations", kind="Burst", phase="Serving") == 2
+                                and (m.value("kubeon_metrics_snapshot_age_seconds", source="temporal") or 99) < 5,
+                                timeout=60, what="Temporal read again once it answers")
+        finally:
+            telemetry.attach(None)
+            runtime.close()
+            for wf in runs:
+                with contextlib.suppress(Exception):
+                    await direct.get_workflow_handle(wf).terminate("test over")
+            for node in nodes:
+                cluster.admin.core.delete_node(node)

@@ -1,7 +1,8 @@
-"""Observability end to end: `kubeon-gpu worker` as its own process exports one trace per provisioning run (its
-batches, their approvals and the nodes it starts, each node from launch to return home) to a real OTLP/HTTP
-endpoint (decoded with opentelemetry-proto), keeps it across a SIGKILL, serves the expected counts on /metrics,
-writes JSON logs with the operation, and leaks no secret into any of them. With OTEL_* unset it exports nothing."""
+"""Observability end to end: `kubeon-gpu worker` as its own process exports one trace per operation to a real
+OTLP/HTTP endpoint (decoded with opentelemetry-proto): each batch of a provisioning (plan, approval, the nodes'
+starts) and each burst node (launch to return home, linked to its batch), kept across a SIGKILL; it serves the
+expected counts on /metrics, writes JSON logs with the operation, and leaks no secret into any of them. With OTEL_*
+unset it exports nothing."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
-# The provisioning's phases (planning the batch, awaiting its approval), then the node's.
-PHASES = ("Planning", "AwaitingApproval", "Launching", "Joining", "Verifying", "Serving", "Draining", "Completed")
-PROVISION_PHASES = {"Phase:Planning", "Phase:AwaitingApproval"}
+# The node's phases; the batch's (planning, awaiting its approval) are in the batch's trace.
+PHASES = ("Launching", "Joining", "Verifying", "Serving", "Draining", "Completed")
+BATCH_PHASES = {"Phase:Planning", "Phase:AwaitingApproval"}
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,37 @@ def one_trace(otlp: OtlpReceiver, workflow_id: str) -> list[ReceivedSpan]:
     return [s for s in spans if s.trace_id in traces]
 
 
+def root(spans: list[ReceivedSpan]) -> ReceivedSpan:
+    roots = [s for s in spans if not s.parent_span_id]
+    assert len(roots) == 1, sorted(s.name for s in roots)
+    return roots[0]
+
+
+def check_node_trace(otlp: OtlpReceiver, node: list[ReceivedSpan], *, workflow_id: str, operation: str,
+                     policy: str) -> list[ReceivedSpan]:
+    """The node's trace is its own: rooted at its BurstNode span (which names it), without the batch's planning,
+    and linked to the span of a separate batch trace that started it. Returns that batch trace."""
+    node_root = root(node)
+    assert node_root.name == "BurstNode", node_root.name
+    assert {k: node_root.attributes.get(k) for k in ("kubeon.operation", "kubeon.policy")} == {
+        "kubeon.operation": operation, "kubeon.policy": policy}
+    names = {s.name for s in node}
+    assert not names & ({"RunActivity:plan_batch", "RunWorkflow:Provision"} | BATCH_PHASES), sorted(names)
+    (link,) = node_root.links
+    assert link.trace_id != node_root.trace_id
+    batch = [s for s in otlp.snapshot() if s.trace_id == link.trace_id]
+    batch_root = root(batch)
+    assert batch_root.name == "Batch"
+    assert {k: batch_root.attributes.get(k) for k in ("kubeon.batch", "kubeon.operation", "kubeon.policy")} == {
+        "kubeon.batch": node_root.attributes["kubeon.batch"], "kubeon.operation": node_root.attributes["kubeon.batch"],
+        "kubeon.policy": policy}
+    (started,) = [s for s in batch if s.span_id == link.span_id]
+    assert started.name == "StartChildWorkflow:BurstNode"
+    assert {"RunActivity:load_policy", "RunActivity:plan_batch", "Phase:Planning"} <= {s.name for s in batch}
+    assert not any(s.attributes.get("temporalWorkflowID") == workflow_id for s in batch)
+    return batch
+
+
 def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
     return [s for s in spans if s.name == name]
 
@@ -248,8 +280,8 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             done = await result(handle, timeout=150)
             assert done.phase == Phase.COMPLETED, done.message
 
-            # -- the trace: the provisioning that planned and approved the batch, then every phase of the node,
-            # the cloud call a child of the launch activity ----------------------------------------------------
+            # -- the node's trace: every phase of the node, the cloud call a child of the launch activity; linked to
+            # its batch's trace, which holds the planning and the approval -----------------------------------------
             def finished_trace() -> list[ReceivedSpan] | None:
                 spans = one_trace(otlp, wf_id)
                 names = {s.name for s in spans}
@@ -258,21 +290,24 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             spans = await until(finished_trace, timeout=30, what="the whole trace exported")
             names = {s.name for s in spans}
             expected = {f"Phase:{p}" for p in PHASES} | {f"RunActivity:{a}" for a in (
-                "load_policy", "plan_batch", "record_audit", "launch_instance", "wait_for_node", "verify_node",
+                "load_policy", "record_audit", "launch_instance", "wait_for_node", "verify_node",
                 "serve_until_done", "cordon_node", "evict_pods", "terminate_instance", "remove_node")} | {
-                "RunWorkflow:Provision", "HandleUpdate:approve_plan", "StartChildWorkflow:BurstNode",
-                "RunWorkflow:BurstNode", "StartChildWorkflow:DrainWorkflow", "RunWorkflow:DrainWorkflow",
+                "BurstNode", "RunWorkflow:BurstNode", "StartChildWorkflow:DrainWorkflow", "RunWorkflow:DrainWorkflow",
                 "cloud.launch", "cloud.terminate"}
-            # The provisioning's phase markers (Planning, AwaitingApproval) are checked last, below.
-            assert expected - PROVISION_PHASES <= names, sorted(expected - PROVISION_PHASES - names)
-            # The node runs in the trace of the provisioning that started it: its run is the child of that start.
+            assert expected <= names, sorted(expected - names)
             (run_node,) = [s for s in by_name(spans, "RunWorkflow:BurstNode")
                            if s.attributes.get("temporalWorkflowID") == wf_id]
-            (start_node,) = [s for s in by_name(spans, "StartChildWorkflow:BurstNode")
-                             if s.span_id == run_node.parent_span_id]
-            assert start_node.attributes.get("temporalWorkflowID") == provision_workflow_id(hub.cluster, policy)
-            (root,) = [s for s in spans if not s.parent_span_id]
-            assert root.name == "SignalWithStartWorkflow:Provision" and root.service == "kubeon-test-worker"
+            assert run_node.parent_span_id == root(spans).span_id
+            assert root(spans).attributes["kubeon.batch"] == batch
+            batch_spans = check_node_trace(otlp, spans, workflow_id=wf_id, operation=serving.operation,
+                                           policy=policy)
+            batch_names = {s.name for s in batch_spans}
+            assert BATCH_PHASES | {"RunActivity:record_audit", "HandleUpdate:approve_plan"} <= batch_names, sorted(
+                batch_names)
+            # Only the provisioning's own workflow and activity spans (the proposal's report to the hub, a client
+            # call of record_audit, is in it too).
+            assert {s.attributes["temporalWorkflowID"] for s in batch_spans if "temporalRunID" in s.attributes} == {
+                provision_workflow_id(hub.cluster, policy)}
             (launch,) = by_name(spans, "cloud.launch")
             (launch_activity,) = by_name(spans, "RunActivity:launch_instance")
             assert launch.parent_span_id == launch_activity.span_id
@@ -282,6 +317,8 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
                 "kubeon.outcome": "ok"}
             (terminate,) = by_name(spans, "cloud.terminate")
             assert terminate.parent_span_id == by_name(spans, "RunActivity:terminate_instance")[0].span_id
+            # /metrics was scraped all along: its reads of Temporal make no trace.
+            assert not [s.name for s in otlp.snapshot() if s.name.startswith(("QueryWorkflow:", "HandleQuery:"))]
             hub_calls = [s for s in otlp.snapshot() if s.name.startswith("hub ")]
             assert {"hub GET /v1/cluster/policies", "hub POST /v1/cluster/reports"} <= {s.name for s in hub_calls}
 
@@ -323,7 +360,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
 
         # -- JSON logs with the operation and its trace -----------------------------------------------------------
         lines = [json.loads(line) for line in worker.log.read_text().splitlines() if line.strip()]
-        trace_id = spans[0].trace_id
+        trace_id = root(spans).trace_id
         launched = [d for d in lines if d.get("operation") == serving.operation and d["message"].endswith("launched")]
         assert launched and launched[0]["policy"] == policy and launched[0]["trace_id"] == trace_id
         assert launched[0]["workflow_id"] == wf_id
@@ -340,9 +377,6 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             for form in {secret.encode(), base64.b64encode(secret.encode())}:
                 for where, data in haystacks.items():
                     assert form not in data, f"the {what} is in the {where}"
-
-        # -- the trace shows the batch's planning and approval too (the provisioning marks its phases) ----------
-        assert names >= PROVISION_PHASES, sorted(PROVISION_PHASES - names)
 
 
 async def test_the_trace_survives_a_worker_killed_mid_join(
@@ -365,7 +399,7 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
                                                                   gpu_deployment(deploy, gpu_product=product))
             handle = await node_for(temporal, queue, policy, f"{namespace}/{deploy}-", timeout=90)
             wf_id = handle.id
-            await wait_phase(handle, Phase.JOINING, timeout=90)
+            operation = (await wait_phase(handle, Phase.JOINING, timeout=90)).operation
             await until(lambda: by_name(otlp.snapshot(), "StartActivity:wait_for_node"), timeout=10,
                         what="the join's scheduling exported")
             worker.kill()  # mid-join: the instance is still booting
@@ -394,8 +428,10 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
     (scheduled,) = by_name(spans, "StartActivity:wait_for_node")
     resumed = [s for s in by_name(spans, "RunActivity:wait_for_node") if s.resource["service.instance.id"] == "second"]
     assert resumed and all(s.parent_span_id == scheduled.span_id for s in resumed)
-    assert "RunWorkflow:BurstNode" not in of("second")  # a replay adds no duplicate
-    assert "RunWorkflow:Provision" not in of("second")
+    # A replay adds no duplicate, and re-derives the same trace: one root, made before the kill.
+    assert not {"BurstNode", "RunWorkflow:BurstNode"} & of("second")
+    assert root(spans).name == "BurstNode" and root(spans).resource["service.instance.id"] == "first"
+    check_node_trace(otlp, spans, workflow_id=wf_id, operation=operation, policy=policy)
 
 
 async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
