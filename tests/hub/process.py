@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -77,3 +79,37 @@ class HubProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         return proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in self.log
+
+
+@dataclass
+class SeededHub:
+    """A hub process on SQLite with one cluster, its token in ``token_file``, and an admin client."""
+
+    process: HubProcess
+    admin: httpx.Client
+    cluster: str
+    token_file: Path
+
+
+H = TypeVar("H", bound=SeededHub)
+
+
+@contextlib.contextmanager
+def seeded_hub(workdir: Path, cluster: str, kind: type[H]) -> Iterator[H]:
+    """``kind`` (SeededHub or a subclass with helpers of its own) over a fresh hub; stopped afterwards."""
+    from tests.hub.conftest import BOOTSTRAP_KEY
+
+    key_file = workdir / "bootstrap.key"
+    key_file.write_text(BOOTSTRAP_KEY + "\n")
+    process = HubProcess(["--database-url", f"sqlite:///{workdir / 'hub.db'}", "--bootstrap-admin-key-file",
+                          str(key_file)], logdir=workdir).start()
+    admin = httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {BOOTSTRAP_KEY}"}, timeout=10)
+    try:
+        created = admin.post("/v1/clusters", json={"name": cluster})
+        assert created.status_code == 201, created.text
+        token_file = workdir / "token"
+        token_file.write_text(created.json()["token"]["token"])
+        yield kind(process=process, admin=admin, cluster=cluster, token_file=token_file)
+    finally:
+        admin.close()
+        process.stop()

@@ -44,8 +44,7 @@ from tests.harness.controlplane import free_port
 from tests.harness.dashboard import dashboard_metric_names
 from tests.harness.kube import Cluster, until, wait_for
 from tests.harness.otlp import OtlpReceiver, ReceivedSpan
-from tests.hub.conftest import BOOTSTRAP_KEY
-from tests.hub.process import HubProcess
+from tests.hub.process import SeededHub, seeded_hub
 from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -195,35 +194,14 @@ def sim_records(settings: Settings, operation: str) -> list[dict[str, Any]]:
     return [rec for rec in state.values() if rec["tags"].get(TAG_OPERATION) == operation]
 
 
-@dataclass
-class Hub:
-    process: HubProcess
-    admin: httpx.Client
-    cluster: str
-    token_file: Path
-
-
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[Hub]:
-    key_file = tmp_path / "bootstrap.key"
-    key_file.write_text(BOOTSTRAP_KEY + "\n")
-    process = HubProcess(["--database-url", f"sqlite:///{tmp_path / 'hub.db'}", "--bootstrap-admin-key-file",
-                          str(key_file)], logdir=tmp_path).start()
-    admin = httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {BOOTSTRAP_KEY}"}, timeout=10)
-    name = unique("c")
-    created = admin.post("/v1/clusters", json={"name": name})
-    assert created.status_code == 201, created.text
-    token_file = tmp_path / "token"
-    token_file.write_text(created.json()["token"]["token"])
-    try:
-        yield Hub(process=process, admin=admin, cluster=name, token_file=token_file)
-    finally:
-        admin.close()
-        process.stop()
+def hub(tmp_path: Path) -> Iterator[SeededHub]:
+    with seeded_hub(tmp_path, unique("c"), SeededHub) as seeded:
+        yield seeded
 
 
 async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
-        stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEnvironment, namespace: str,
+        stack: BurstStack, hub: SeededHub, temporal_dev_server: WorkflowEnvironment, namespace: str,
         tmp_path: Path) -> None:
     temporal = temporal_dev_server.client
     policy = unique("obs")

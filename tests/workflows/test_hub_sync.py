@@ -46,8 +46,7 @@ from tests.harness.burst import (
     wait_phase,
 )
 from tests.harness.kube import Cluster, until
-from tests.hub.conftest import BOOTSTRAP_KEY
-from tests.hub.process import HubProcess
+from tests.hub.process import SeededHub, seeded_hub
 from worker import ops
 from worker.main import worker_services
 
@@ -63,11 +62,8 @@ def policy(name: str, *, mode: str, max_nodes: int = 2, locations: list[str] | N
 
 
 @dataclass
-class Hub:
-    process: HubProcess
-    admin: httpx.Client
-    cluster: str
-    token_file: Path
+class Hub(SeededHub):
+    """The seeded hub, with what these tests do through its admin API."""
 
     def put(self, doc: dict[str, Any]) -> None:
         r = self.admin.put(f"/v1/clusters/{self.cluster}/policies/{doc['metadata']['name']}", json=doc)
@@ -175,21 +171,8 @@ def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstSt
 
 @pytest.fixture
 def hub(tmp_path: Path) -> Iterator[Hub]:
-    key_file = tmp_path / "bootstrap.key"
-    key_file.write_text(BOOTSTRAP_KEY + "\n")
-    process = HubProcess(["--database-url", f"sqlite:///{tmp_path / 'hub.db'}", "--bootstrap-admin-key-file",
-                          str(key_file)], logdir=tmp_path).start()
-    admin = httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {BOOTSTRAP_KEY}"}, timeout=10)
-    name = unique("c")
-    created = admin.post("/v1/clusters", json={"name": name})
-    assert created.status_code == 201, created.text
-    token_file = tmp_path / "token"
-    token_file.write_text(created.json()["token"]["token"])
-    try:
-        yield Hub(process=process, admin=admin, cluster=name, token_file=token_file)
-    finally:
-        admin.close()
-        process.stop()
+    with seeded_hub(tmp_path, unique("c"), Hub) as seeded:
+        yield seeded
 
 
 @pytest.fixture
