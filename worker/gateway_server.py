@@ -442,8 +442,8 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
             raise _service_error(exc, gateway) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise GatewayHTTPError(503, "kubernetes_api_unreachable",
-                                   f"cannot read the gateway's Service: the Kubernetes API is unreachable "
-                                   f"({type(exc).__name__})") from None
+                                   f"cannot issue the ticket (the gateway's Service, the address slots): the "
+                                   f"Kubernetes API is unreachable ({type(exc).__name__})") from None
         log.info("issued a join ticket for node %s (operation %s, location %s) to %s; the node joins at %s as %s",
                  body.node_name, body.operation, body.location, caller, grant.endpoint or "the worker's URL",
                  grant.server_name or "its host")
