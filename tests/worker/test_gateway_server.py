@@ -517,7 +517,7 @@ def delete_slots(cluster: Cluster) -> None:
     for cm in cluster.admin.core.list_namespaced_config_map(
             OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items:
         with contextlib.suppress(client.ApiException):
-            cluster.admin.core.delete_namespaced_config_map(cm.metadata.name, OPTIMIZER_NAMESPACE)
+            cluster.admin.core.delete_namespaced_config_map(str(cm.metadata.name), OPTIMIZER_NAMESPACE)
 
 
 def test_tickets_reserve_address_slots_and_capacity_says_how_many_are_free(setup: Setup, nodes: list[str]) -> None:

@@ -14,6 +14,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
+from activities.providers.sim import SimProvider
 from models.operation import LABEL_INSTANCE_TYPE, LABEL_POLICY, DrainStatus, Phase
 from tests.harness.burst import (
     BurstStack,
@@ -195,7 +196,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
     that could never join is launched; as the first nodes go home, the waiting pods get theirs."""
     core, apps = stack.cluster.admin.core, stack.cluster.admin.apps
     for cm in core.list_namespaced_config_map("kubeon-gpu", label_selector="gpu.kubeon.io/gateway-record=slot").items:
-        core.delete_namespaced_config_map(cm.metadata.name, "kubeon-gpu")  # other modules' slots: this one has 2
+        core.delete_namespaced_config_map(str(cm.metadata.name), "kubeon-gpu")  # other modules' slots: this one has 2
     other = f"{product}-b"
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
@@ -210,7 +211,9 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
                       if p.status.phase == "Running" and p.metadata.labels["app"] in names)
 
     def launched() -> set[str]:  # operations the sim provider was asked to launch (retries counted once)
-        return {op for method, op in runtime.providers["sim"].calls if method == "launch"}
+        sim = runtime.providers["sim"]
+        assert isinstance(sim, SimProvider)
+        return {op for method, op in sim.calls if method == "launch"}
 
     async def steady(names: list[str]) -> None:
         while not (len(counter.current) == len(names) and running(names) == sorted(names)):
