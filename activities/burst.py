@@ -20,8 +20,9 @@ from activities.gateway import (
     UserDataTooLarge,
     render_user_data,
 )
+from activities.gateway_join import AddressesExhausted
 from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
-from activities.planning import Room, node_labels, plan_pods
+from activities.planning import AddressSlots, Room, node_labels, plan_pods
 from activities.policy_sync import hold_reason
 from activities.providers.base import (
     InstanceNotFoundError,
@@ -66,6 +67,8 @@ POLICY_GONE = "PolicyGone"
 NOT_OWNED = "NotOwned"
 PROVIDER_REJECTED = "ProviderRejected"
 HELD = "Held"
+# The gateway has no free address slot for the node: no ticket, so nothing launched.
+ADDRESSES_EXHAUSTED = "AddressesExhausted"
 
 # Where audit records go for the hub (the worker signals the hub sync workflow); None without a hub.
 ReportSink = Callable[[ActionReport], Awaitable[None]]
@@ -159,15 +162,24 @@ class BurstActivities:
                       free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
         preferred = {pod: n.node_name for n in req.nodes for pod in n.pods}
         offerings, unavailable = self._offerings(req.policy.locations) if waiting else ([], [])
+        slots = self._free_slots(req) if waiting else None
         p = req.policy
         plan = plan_pods(batch=req.batch, policy=p.name, taint_key=p.tolerate, pods=waiting,
                          rooms=[r for r in rooms if r.free > 0], offerings=offerings, locations=p.locations,
                          max_gpu_hour=p.max_gpu_hour, max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes,
-                         preferred=preferred)
+                         preferred=preferred, address_slots=slots)
         plan.gone = [pod.uid for pod in req.pods if pod.uid not in still]
         plan.refused = unavailable + plan.refused
         plan.planned_at = self.clock()
         return plan
+
+    def _free_slots(self, req: BatchPlanRequest) -> AddressSlots:
+        """The gateway's address slots free for new nodes: every provider's node joins with a ticket, which
+        reserves one. The provisioning's nodes still launching (no ticket yet) will take theirs."""
+        room = self.gateway.capacity()
+        holding = set(room.nodes)
+        pending = sum(1 for n in req.nodes if n.node_name not in holding)
+        return AddressSlots(total=room.total, held=room.held, free=max(0, room.free - pending))
 
     # -- launch ------------------------------------------------------------------------------------------------
     @activity.defn(name="launch_instance", no_thread_cancel_exception=True)
@@ -176,10 +188,13 @@ class BurstActivities:
         gate = self._gate(req.policy)  # checked again here, as the allow-list is: nothing launches while held
         if gate.held:
             raise ApplicationError(gate.reason, type=HELD, non_retryable=True)
-        grant = self.gateway.issue_ticket(JoinTicketRequest(
-            operation=req.operation, policy=req.policy, location=req.offering.location, node_name=req.node_name,
-            labels=req.labels, taints=req.taints, gpus=req.offering.gpus,
-        ))
+        try:  # the ticket reserves the node's address slot: none free, no instance (it could never join)
+            grant = self.gateway.issue_ticket(JoinTicketRequest(
+                operation=req.operation, policy=req.policy, location=req.offering.location,
+                node_name=req.node_name, labels=req.labels, taints=req.taints, gpus=req.offering.gpus,
+            ))
+        except AddressesExhausted as exc:
+            raise ApplicationError(str(exc), type=ADDRESSES_EXHAUSTED, non_retryable=True) from None
         try:
             # Where the node joins: the endpoint the gateway names (its public URL or LoadBalancer address) and
             # the name to verify its certificate as; a gateway naming none: the configured URL.

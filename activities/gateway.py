@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from activities.gateway_join import (
     MANAGED_BY,
+    AddressesExhausted,
     AddressPlan,
     GatewayTunnel,
     JoinRefused,
@@ -63,6 +64,10 @@ JOIN_REFUSED_ANNOTATION = "gpu.kubeon.io/join-refused"
 # Nodes register with this taint too; the gateway lifts it once it has checked the registered Node against its
 # ticket (labels, taints, capacity), so no pod lands before. A node cannot lift a taint itself (NodeRestriction).
 JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSchedule")
+
+
+class _SlotChanged(Exception):
+    """A reservation changed between read and update: read again."""
 
 
 class TicketError(Exception):
@@ -108,10 +113,30 @@ class TicketGrant(BaseModel):
     server_name: str = ""
 
 
+class GatewayCapacity(BaseModel):
+    """The gateway's address slots: how many there are, and the nodes holding one (joined, or reserved by a
+    ticket not redeemed yet). Every burst node needs one, so the free ones cap how many new nodes may launch."""
+
+    total: int
+    nodes: list[str] = Field(default_factory=list)
+
+    @property
+    def held(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.held)
+
+
 class GatewayClient(Protocol):
     """What the optimizer's activities may ask of the gateway."""
 
-    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant: ...
+    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
+        """A ticket with its address slot reserved; ``AddressesExhausted`` when no slot is free."""
+        ...
+
+    def capacity(self) -> GatewayCapacity: ...
 
     def remove_node(self, node_name: str, *, operation: str) -> bool: ...
 
@@ -233,18 +258,60 @@ class KubeGateway:
 
     # -- tickets ---------------------------------------------------------------------------------------------
     def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
-        """A ticket and where to use it (the address first: no ticket while nodes could not reach us)."""
+        """A ticket and where to use it (the address first: no ticket while nodes could not reach us), with the
+        node's address slot reserved until the ticket expires: ``AddressesExhausted`` when none is free, before
+        any instance is launched for a node that could never join."""
         endpoint, server_name = self.endpoint()
-        return TicketGrant(ticket=self.sign_ticket(request), endpoint=endpoint, server_name=server_name)
+        ticket = self._new_ticket(request)
+        self._reserve(ticket)
+        return TicketGrant(ticket=self._encode(ticket), endpoint=endpoint, server_name=server_name)
 
     def sign_ticket(self, request: JoinTicketRequest) -> str:
-        ticket = JoinTicket(
+        """A signed ticket without a reservation (its join allocates a slot if one is free)."""
+        return self._encode(self._new_ticket(request))
+
+    def _new_ticket(self, request: JoinTicketRequest) -> JoinTicket:
+        return JoinTicket(
             operation=request.operation, policy=request.policy, location=request.location,
             node_name=request.node_name, labels=request.labels, taints=request.taints,
             expires_at=self._clock() + request.ttl_seconds, gpus=request.gpus,
         )
+
+    def _encode(self, ticket: JoinTicket) -> str:
         body = _b64(ticket.model_dump_json().encode())
         return f"{body}.{_b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())}"
+
+    def _reserve(self, ticket: JoinTicket) -> None:
+        """Hold an address slot for the ticket's node. A retried launch (a new ticket for the same node and
+        operation) keeps the one slot: an unredeemed reservation is pointed at the newer ticket (the node may
+        still redeem the older one: ``join`` finds the reservation by node and operation), a redeemed one is
+        already the node's."""
+        for _ in range(5):  # bounded: each round lost a race against a join or a release of that slot
+            try:
+                self._reserve_once(ticket)
+                return
+            except _SlotChanged:
+                continue
+            except client.ApiException as exc:  # retryable: a 5xx answer, an exception the caller retries
+                raise JoinRefused("kubernetes_api_error", f"reserving an address slot for {ticket.node_name}: "
+                                  f"Kubernetes API error {exc.status}: {exc.reason}", status=502) from None
+        raise JoinRefused("slot_conflict", f"the address slot of {ticket.node_name} kept changing while the "
+                          "ticket was issued; retry", status=503)
+
+    def _reserve_once(self, ticket: JoinTicket) -> None:
+        slots = self._records.slots()
+        mine = [s for s in slots if s.node == ticket.node_name and s.operation == ticket.operation]
+        if not mine:
+            self._allocate(ticket, "", slots)
+            return
+        held = mine[0]  # a redeemed slot is already the node's: nothing to reserve
+        if held.reserved and not self._records.update_reservation(held, nonce=ticket.nonce,
+                                                                  expires_at=ticket.expires_at):
+            raise _SlotChanged
+
+    def capacity(self) -> GatewayCapacity:
+        """The address slots and the nodes holding them (reservations included)."""
+        return GatewayCapacity(total=self._plan.slots, nodes=sorted(s.node for s in self._records.slots()))
 
     def verify(self, token: str) -> JoinTicket:
         body, _, sig = token.partition(".")
@@ -280,7 +347,8 @@ class KubeGateway:
             if other.wireguard_key == wg_key and other.nonce != ticket.nonce:
                 raise JoinRefused("wireguard_key_in_use", f"wireguardPublicKey is already the key of node "
                                   f"{other.node}; every node needs its own key", status=409)
-            if other.node == ticket.node_name and other.nonce != ticket.nonce:
+            if other.node == ticket.node_name and other.nonce != ticket.nonce and not (
+                    other.reserved and other.operation == ticket.operation):  # a retried launch's reservation
                 raise TicketError(f"node {ticket.node_name} already joined with another ticket", code="node_exists")
         seen = self._records.create_ticket(ticket.nonce, {
             "node": ticket.node_name, "operation": ticket.operation, "expiresAt": repr(ticket.expires_at),
@@ -292,7 +360,14 @@ class KubeGateway:
             if seen.get("csrKey") != fingerprint or seen.get("wireguardPublicKey") != wg_key:
                 raise TicketError(f"join ticket for {ticket.node_name} was already redeemed with other keys; "
                                   "tickets are single use", code="ticket_replayed")
-        slot = next((s for s in slots if s.nonce == ticket.nonce), None) or self._allocate(ticket, wg_key, slots)
+        # The slot its ticket reserved (found by nonce, or by node and operation: a retried launch pointed it at a
+        # newer ticket), completed with the node's key; a ticket issued without one gets a free slot now.
+        slot = next((s for s in slots if s.nonce == ticket.nonce), None) or next(
+            (s for s in slots if s.reserved and s.node == ticket.node_name and s.operation == ticket.operation), None)
+        if slot is None:
+            slot = self._allocate(ticket, wg_key, slots)
+        elif slot.reserved:
+            slot = self._claim(slot, ticket, wg_key)
         if self._tunnel is not None:
             try:
                 self._tunnel.uapi.set_peer(wg_key, [f"{slot.tunnel_ip}/32", slot.pod_cidr])
@@ -317,10 +392,20 @@ class KubeGateway:
                         pod_cidr=pod_cidr, nonce=ticket.nonce, operation=ticket.operation,
                         labels=dict(ticket.labels), taints=list(ticket.taints), gpus=ticket.gpus,
                         expires_at=ticket.expires_at)
-            if self._records.create_slot(slot):  # 409: a concurrent join took it; the next one
+            if self._records.create_slot(slot):  # 409: a concurrent ticket or join took it; the next one
                 return slot
-        raise JoinRefused("addresses_exhausted", f"no free address slot: all {self._plan.slots} of tunnel "
-                          f"{self._plan.tunnel_cidr} / pod CIDR {self._plan.pod_cidr} are held", status=503)
+        raise AddressesExhausted(self._plan.exhausted())
+
+    def _claim(self, slot: Slot, ticket: JoinTicket, wg_key: str) -> Slot:
+        claimed = self._records.claim(slot, wireguard_key=wg_key, nonce=ticket.nonce, expires_at=ticket.expires_at)
+        if claimed is not None:
+            return claimed
+        # Changed since read: a concurrent retry of this same join (same key) claimed it, or it was released.
+        again = next((s for s in self._records.slots() if s.nonce == ticket.nonce), None)
+        if again is not None and again.wireguard_key == wg_key:
+            return again
+        raise JoinRefused("slot_conflict", f"the address slot reserved for {ticket.node_name} changed while it "
+                          "joined; retry", status=503)
 
     def _sign(self, csr: x509.CertificateSigningRequest, redeem: JoinRedeem, ticket: JoinTicket) -> str:
         """Create the CSR object for the kubelet-client signer, approve it (only this one, which was just
@@ -399,6 +484,10 @@ class KubeGateway:
         now = self._clock()
         live = []
         for slot in slots:
+            if slot.reserved:  # a ticket not redeemed: no peer, no node; released once the ticket expired
+                if slot.expires_at < now and self._records.delete_unchanged(slot):
+                    report["released"].append(slot.node)
+                continue
             node = nodes.get(slot.node)
             if node is None:
                 if (slot.registered_uid or slot.expires_at < now) and self._node_gone(slot.node):
@@ -471,7 +560,7 @@ class KubeGateway:
             "metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}}, "spec": {"unschedulable": True}})
 
     def _release(self, slot: Slot) -> None:
-        if self._tunnel is not None:
+        if self._tunnel is not None and slot.wireguard_key:
             with contextlib.suppress(UapiError):
                 self._tunnel.uapi.remove_peer(slot.wireguard_key)
         self._records.release_ticket(slot.nonce)
@@ -499,8 +588,9 @@ class KubeGateway:
             self._thread.join(timeout=10)
 
     def remove_node(self, node_name: str, *, operation: str) -> bool:
-        """Delete a burst Node of ``operation``, remove its WireGuard peer and free its addresses. False if it
-        is already gone; refuses any other node."""
+        """Delete a burst Node of ``operation``, remove its WireGuard peer and free its addresses (also a slot
+        reserved by a ticket never redeemed: the compensation of a failed launch). False if it is already gone;
+        refuses any other node."""
         try:
             node = self._core.read_node(node_name)
         except client.ApiException as exc:

@@ -6,9 +6,10 @@ ServiceAccount token, read from its file on every call because projected tokens 
 the join is ``node.join``.
 
 Errors: a 409 on removal (the Node belongs to another operation) raises ``TicketError`` with the gateway's
-reason, as the in-process ``KubeGateway`` does; 5xx answers, timeouts and
-connection failures raise ``GatewayUnavailable`` (retryable); any other refusal raises ``GatewayRefused``.
-Tickets and tokens never appear in a message.
+reason, as the in-process ``KubeGateway`` does; a 503 ``addresses_exhausted`` on a ticket raises
+``AddressesExhausted`` (no free address slot: not worth retrying soon), as ``KubeGateway`` does; other 5xx
+answers, timeouts and connection failures raise ``GatewayUnavailable`` (retryable); any other refusal raises
+``GatewayRefused``. Tickets and tokens never appear in a message.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from urllib.parse import quote
 
 import httpx
 
-from activities.gateway import JoinTicketRequest, TicketError, TicketGrant
+from activities.gateway import GatewayCapacity, JoinTicketRequest, TicketError, TicketGrant
+from activities.gateway_join import ADDRESSES_EXHAUSTED, AddressesExhausted
 from activities.tracing import http_call
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -56,6 +58,14 @@ def error_message(response: httpx.Response) -> str:
     return str(doc)[:300]
 
 
+def _error_code(response: httpx.Response) -> str:
+    try:
+        doc = response.json()
+    except ValueError:
+        return ""
+    return str(doc.get("error", "")) if isinstance(doc, dict) else ""
+
+
 def _verify(ca_file: Path | str | None, ca_bundle: str | None = None) -> ssl.SSLContext | bool:
     """The system's trust store, or only the CA that signed the gateway's certificate: a file, or PEM text (a
     burst node's user data). Host names are checked against the certificate either way."""
@@ -88,6 +98,8 @@ def _send_untraced(client: httpx.Client, what: str, url: str, request: httpx.Req
         raise GatewayUnavailable(f"burst gateway {url}: {what} timed out ({type(exc).__name__})") from None
     except httpx.TransportError as exc:
         raise GatewayUnavailable(f"burst gateway {url}: {what} failed: cannot connect: {exc}") from None
+    if response.status_code == 503 and _error_code(response) == ADDRESSES_EXHAUSTED:
+        raise AddressesExhausted(error_message(response))
     if response.status_code >= 500:
         raise GatewayUnavailable(f"burst gateway {url}: {what} failed with HTTP {response.status_code}: "
                                  f"{error_message(response)}")
@@ -163,6 +175,17 @@ class HttpGatewayClient:
             raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer's endpoint "
                                      f"{str(endpoint)[:100]!r} is not an https URL")
         return TicketGrant(ticket=ticket, endpoint=endpoint, server_name=server_name)
+
+    def capacity(self) -> GatewayCapacity:
+        what = "its address slots"
+        response = self._request("GET", "/v1/capacity", what)
+        if response.status_code != 200:
+            raise self._refused(response, what)
+        try:
+            return GatewayCapacity.model_validate(response.json())
+        except ValueError:
+            raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer is not "
+                                     "{total, nodes}") from None
 
     def remove_node(self, node_name: str, *, operation: str) -> bool:
         what = f"removing node {node_name} ({operation})"

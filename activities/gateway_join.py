@@ -9,8 +9,10 @@ state held only in memory:
   finds it), kept until the ticket has expired, ``state=released`` once its node is gone. A ticket is single use
   for its whole lifetime.
 - ``kubeon-slot-<i>``: address slot ``i`` (tunnel IP, pod CIDR) held by one node, with its WireGuard key and what
-  its ticket says it must carry (labels, taints, GPUs). Created atomically (409: taken, next slot), deleted when
-  the node is removed. A restarted gateway rebuilds its WireGuard peers from these.
+  its ticket says it must carry (labels, taints, GPUs). Reserved when the ticket is issued (no WireGuard key yet:
+  nothing launches without a slot), completed with the key at redemption. Created atomically (409: taken, next
+  slot), deleted when the node is removed or its ticket expired unredeemed. A restarted gateway rebuilds its
+  WireGuard peers from these.
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ class JoinRefused(Exception):
         super().__init__(message)
         self.code = code
         self.status = status
+
+
+ADDRESSES_EXHAUSTED: Final = "addresses_exhausted"
+
+
+class AddressesExhausted(JoinRefused):
+    """Every address slot is held: no ticket (and so no instance) until a node goes or a reservation expires."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ADDRESSES_EXHAUSTED, message, status=503)
 
 
 # ----- the kubelet client CSR ---------------------------------------------------------------------------------
@@ -151,6 +163,13 @@ class AddressPlan:
         pods = 2 ** (self.node_mask - ipaddress.ip_network(self.pod_cidr).prefixlen)
         return min(tunnel, pods)
 
+    def exhausted(self) -> str:
+        """Why no slot is free, naming the slot count, the CIDRs and the settings that size them."""
+        return (f"no free address slot: all {self.slots} address slots of the gateway are held (tunnel "
+                f"{self.tunnel_cidr}, pod CIDR {self.pod_cidr} in /{self.node_mask}s; sized by "
+                "KUBEON_GATEWAY_TUNNEL_CIDR, KUBEON_GATEWAY_POD_CIDR and KUBEON_GATEWAY_NODE_CIDR_MASK): a new "
+                "burst node waits until one goes home or an unredeemed ticket's reservation expires")
+
     def slot(self, index: int) -> tuple[str, str]:
         """``(tunnel IP, pod CIDR)`` of slot ``index``."""
         if not 0 <= index < self.slots:
@@ -179,10 +198,16 @@ class Slot:
     gpus: int
     expires_at: float
     registered_uid: str = ""
+    resource_version: str = ""  # of the ConfigMap read; not part of its data
 
     @property
     def name(self) -> str:
         return f"{SLOT_PREFIX}{self.index}"
+
+    @property
+    def reserved(self) -> bool:
+        """Reserved for a ticket not redeemed yet: no WireGuard key, no peer."""
+        return not self.wireguard_key
 
     def data(self) -> dict[str, str]:
         return {
@@ -202,7 +227,7 @@ class Slot:
             nonce=d["ticket"], operation=d.get("operation", ""), labels=json.loads(d.get("labels", "{}")),
             taints=[Taint.model_validate(t) for t in json.loads(d.get("taints", "[]"))],
             gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
-            registered_uid=d.get("registeredUID", ""),
+            registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
         )
 
 
@@ -261,6 +286,43 @@ class RecordStore:
                 return False
             raise
 
+    def claim(self, slot: Slot, *, wireguard_key: str, nonce: str, expires_at: float) -> Slot | None:
+        """Complete a reservation at redemption (its ticket, the node's WireGuard key), only if it is unchanged
+        since read; ``None`` if it changed (another redemption claimed it, or it was released)."""
+        try:
+            cm = self.core.patch_namespaced_config_map(slot.name, self.namespace, {
+                "metadata": {"resourceVersion": slot.resource_version},
+                "data": {"wireguardPublicKey": wireguard_key, "ticket": nonce, "expiresAt": repr(expires_at)}})
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return None
+            raise
+        return Slot.from_configmap(cm)
+
+    def update_reservation(self, slot: Slot, *, nonce: str, expires_at: float) -> bool:
+        """Point an unredeemed reservation at a newer ticket of the same node (a retried launch); False if it
+        changed since read."""
+        try:
+            self.core.patch_namespaced_config_map(slot.name, self.namespace, {
+                "metadata": {"resourceVersion": slot.resource_version},
+                "data": {"ticket": nonce, "expiresAt": repr(expires_at)}})
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    def delete_unchanged(self, slot: Slot) -> bool:
+        """Delete a slot only if it is as read (a reservation being claimed meanwhile stays); False if not."""
+        try:
+            self.core.delete_namespaced_config_map(slot.name, self.namespace, body=client.V1DeleteOptions(
+                preconditions=client.V1Preconditions(resource_version=slot.resource_version)))
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
     def mark_registered(self, slot: Slot, uid: str) -> None:
         self.core.patch_namespaced_config_map(slot.name, self.namespace, {"data": {"registeredUID": uid}})
         slot.registered_uid = uid
@@ -310,7 +372,8 @@ class GatewayTunnel:
         device = uapi.get()
         if not device.has_private_key or device.listen_port != self.listen_port:
             self.configure()
-        want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots}
+        # Reservations (tickets not redeemed yet) have no key and no peer.
+        want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots if s.wireguard_key}
         added, removed = [], []
         for key, ips in want.items():
             peer = device.peers.get(key)

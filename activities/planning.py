@@ -1,6 +1,7 @@
 """Planning a batch: a policy's waiting pods packed onto the burst nodes already there (launching, joining or
 serving, with room), then onto the cheapest set of new nodes by total USD per hour (transfer included), within
-``maxGpuHour`` per GPU-hour and ``maxNodes`` at once. Where ``maxNodes`` binds, as many pods as possible are
+``maxGpuHour`` per GPU-hour and ``maxNodes`` at once, and no more new nodes than the gateway has free address
+slots (every burst node needs one). Where ``maxNodes`` (or the gateway) binds, as many pods as possible are
 served first, then at the least cost. Pods that fit nowhere are named with why.
 
 Pure (no I/O): the ``plan_batch`` activity and the property tests run the same code. Up to ``EXACT_PODS`` pods
@@ -32,6 +33,20 @@ from models.policy import location_label_value
 EXACT_PODS = 8
 EXACT_ROOMS = 6
 INF = float("inf")
+
+
+@dataclass(frozen=True)
+class AddressSlots:
+    """The gateway's address slots: ``free`` is what new nodes may still take."""
+
+    total: int
+    held: int
+    free: int
+
+    def why(self) -> str:
+        return (f"the gateway's address slots are taken ({self.held} of {self.total} held, {self.free} free for new "
+                "nodes; KUBEON_GATEWAY_POD_CIDR / KUBEON_GATEWAY_NODE_CIDR_MASK size them): waits for a burst node "
+                "to free one")
 
 
 def node_labels(offering: Offering, policy: str) -> dict[str, str]:
@@ -109,10 +124,11 @@ def eligible_offerings(offerings: Iterable[Offering], locations: list[str], max_
 
 def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod], rooms: list[Room],
               offerings: list[Offering], locations: list[str], max_gpu_hour: float, max_new_nodes: int,
-              max_nodes: int | None = None, preferred: dict[str, str] | None = None) -> BatchPlan:
+              max_nodes: int | None = None, preferred: dict[str, str] | None = None,
+              address_slots: AddressSlots | None = None) -> BatchPlan:
     """The plan for ``pods``. ``rooms``: nodes already there with free GPUs; ``max_new_nodes``: what maxNodes
     leaves; ``preferred``: pod -> node it was planned onto before (kept when it still fits, so plans are
-    stable)."""
+    stable); ``address_slots``: the gateway's, whose free ones cap the new nodes too."""
     eligible, refused = eligible_offerings(offerings, locations, max_gpu_hour)
     labels = [node_labels(o, policy) for o in eligible]
     order = sorted(pods, key=lambda p: (-p.gpus, p.key))
@@ -137,6 +153,10 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
         room_ok.append(ok_rooms)
     state = _Pods(pods=placeable, offer_mask=offer_mask, room_ok=room_ok)
     budget = max(0, max_new_nodes)
+    limit = f"maxNodes {max_nodes}" if max_nodes is not None else "maxNodes"
+    why_waits = f"{limit} reached: waits for a burst node to free up"
+    if address_slots is not None and address_slots.free < budget:
+        budget, why_waits = address_slots.free, address_slots.why()
     if len(placeable) <= EXACT_PODS and len(rooms) <= EXACT_ROOMS:
         _exact(state, rooms, eligible, budget)
     else:
@@ -153,10 +173,9 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
             offering=chosen, alternatives=[o for o in fits if o is not chosen],
             pods=sorted(p.key for p in member_pods), gpus_used=sum(p.gpus for p in member_pods)))
     new_nodes.sort(key=lambda n: (n.offering.location, n.offering.instance_type, n.pods))
-    limit = f"maxNodes {max_nodes}" if max_nodes is not None else "maxNodes"
     for pod in placeable:
         if pod.key not in placed:
-            unplaced.append(Unplaced(pod=pod.key, why=f"{limit} reached: waits for a burst node to free up"))
+            unplaced.append(Unplaced(pod=pod.key, why=why_waits, waits_for_capacity=True))
     plan = BatchPlan(plan_id="", batch=batch, policy=policy, new_nodes=new_nodes, on_existing=state.on_existing,
                      unplaced=sorted(unplaced, key=lambda u: u.pod), refused=refused)
     digest = hashlib.sha256("|".join(

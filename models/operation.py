@@ -34,7 +34,7 @@ class Phase(StrEnum):
     IDLE = "Idle"  # a policy's provisioning: no pod waits, no proposal open
     PROPOSED = "Proposed"  # Recommend mode: the plan is the result
     AWAITING_APPROVAL = "AwaitingApproval"
-    WAITING_FOR_CAPACITY = "WaitingForCapacity"  # maxNodes reached by other operations of the policy
+    WAITING_FOR_CAPACITY = "WaitingForCapacity"  # maxNodes reached, or the gateway's address slots all held
     HELD = "Held"  # the hub rejected this cluster's token (R2.3): no action until a valid one is mounted
     LAUNCHING = "Launching"
     JOINING = "Joining"
@@ -187,6 +187,8 @@ class PlannedNode(Model):
 class Unplaced(Model):
     pod: str
     why: str
+    # It fits an offering but waits for a burst node to free up (maxNodes, the gateway's address slots).
+    waits_for_capacity: bool = False
 
 
 class BatchPlan(Model):

@@ -7,7 +7,10 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   joins: ``endpoint`` (``KUBEON_GATEWAY_PUBLIC_URL``, else ``https://<LoadBalancer address>:<port>`` of the
   Service ``KUBEON_GATEWAY_SERVICE``, read with the gateway's namespaced Role) and ``serverName`` (the URL's host,
   else ``<service>.<namespace>.svc``, which the chart's certificate carries). 503 ``address_pending`` until the
-  LoadBalancer has an address.
+  LoadBalancer has an address. The ticket reserves the node's address slot (tunnel IP, pod CIDR) until it
+  expires or the node is removed; 503 ``addresses_exhausted`` when none is free (no instance should launch).
+- ``GET /v1/capacity`` (the optimizer): the address slots, ``total`` and ``held`` (reservations included), and
+  the ``nodes`` holding them; the optimizer plans no more new nodes than are free.
 - ``DELETE /v1/nodes/{name}?operation=op-...`` (the optimizer): remove a burst Node of that operation; 409 for a
   Node of another operation.
 - ``POST /v1/join`` (a booting burst node; the ticket is its only credential): redeem the ticket with the node's
@@ -21,7 +24,7 @@ masquerades tunnel traffic to the service CIDR (nftables), and proxies ``<gatewa
 server. Peers and address slots live in ConfigMaps in its namespace and are restored from there on start.
 
 The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``), checked with the
-TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets or removals.
+TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets, capacity or removals.
 ``/healthz`` and ``/readyz`` are served on ``KUBEON_HEALTH_PORT`` (the chart probes port 8080), or on the main
 listener when both ports are the same. Every error is JSON: ``{"error": "<code>", "message": "<reason>"}``.
 Tokens and tickets are never logged.
@@ -428,6 +431,9 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         check_ticket_request(body)
         try:
             grant = gateway.issue_ticket(body)
+        except JoinRefused as exc:  # no free address slot (addresses_exhausted): no ticket, so no instance
+            log.warning("refused a join ticket for node %s (operation %s): %s", body.node_name, body.operation, exc)
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
         except GatewayAddressPending as exc:
             raise GatewayHTTPError(503, "address_pending", str(exc), {"Retry-After": "10"}) from None
         except GatewayAddressUnknown as exc:
@@ -436,12 +442,20 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
             raise _service_error(exc, gateway) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise GatewayHTTPError(503, "kubernetes_api_unreachable",
-                                   f"cannot read the gateway's Service: the Kubernetes API is unreachable "
-                                   f"({type(exc).__name__})") from None
+                                   f"cannot issue the ticket (the gateway's Service, the address slots): the "
+                                   f"Kubernetes API is unreachable ({type(exc).__name__})") from None
         log.info("issued a join ticket for node %s (operation %s, location %s) to %s; the node joins at %s as %s",
                  body.node_name, body.operation, body.location, caller, grant.endpoint or "the worker's URL",
                  grant.server_name or "its host")
         return {"ticket": grant.ticket, "endpoint": grant.endpoint, "serverName": grant.server_name}
+
+    @app.get("/v1/capacity")
+    def capacity(caller: Caller) -> dict[str, object]:
+        try:
+            room = gateway.capacity()
+        except client.ApiException as exc:
+            raise _kube_error(exc, "reading the address slots") from None
+        return {"total": room.total, "held": room.held, "nodes": room.nodes}
 
     @app.delete("/v1/nodes/{name}")
     def remove_node(name: str, caller: Caller,

@@ -84,6 +84,7 @@ class ProvisionWorkflow:
         self.phase = Phase.IDLE
         self.message = ""
         self.unplaced: dict[str, str] = {}
+        self.capacity_waits: list[str] = []  # why pods wait for a node to free up (maxNodes, address slots)
         self.history: list[str] = []
         self.rounds = 0  # of this run: each round that plans is a trace of its own
 
@@ -363,6 +364,7 @@ class ProvisionWorkflow:
         for uid in plan.gone:
             self._forget(uid)
         self.unplaced = {u.pod: u.why for u in plan.unplaced}
+        self.capacity_waits = [u.why for u in plan.unplaced if u.waits_for_capacity]
         if not plan.new_nodes:
             self._settle()
             return
@@ -469,7 +471,7 @@ class ProvisionWorkflow:
         self._log(f"batch {record.batch}: {record.message}")
 
     def _settle(self) -> None:
-        waits = [why for why in self.unplaced.values() if "maxNodes" in why]
+        waits = self.capacity_waits
         if waits:
             self._set_phase(Phase.WAITING_FOR_CAPACITY, f"{len(waits)} pod(s) wait: {waits[0]}")
         else:

@@ -425,11 +425,13 @@ def launch_user_data(config: BurstConfig, gateway: KubeGateway | None = None) ->
               LABEL_GPU_PRODUCT: "NVIDIA-H100-80GB-HBM3", LABEL_INSTANCE_TYPE: "p5.48xlarge"}
     taints = [Taint(key=BURST_TAINT)]
     gw = gateway or KubeGateway(client.ApiClient(), secrets.token_bytes(32))
-    grant = gw.issue_ticket(JoinTicketRequest(
+    # The grant issue_ticket answers, without its address slot reservation (no API server here).
+    endpoint, server_name = gw.endpoint()
+    ticket = gw.sign_ticket(JoinTicketRequest(
         operation=op, policy=labels[LABEL_POLICY], location="aws/eu-central-1", node_name=node, labels=labels,
         taints=taints))
-    return render_user_data(gateway_url=grant.endpoint or config.gateway_url,
-                            server_name=grant.server_name if grant.endpoint else "", ticket=grant.ticket,
+    return render_user_data(gateway_url=endpoint or config.gateway_url,
+                            server_name=server_name if endpoint else "", ticket=ticket,
                             node_name=node, labels=labels, taints=taints, ca_bundle=config.gateway_ca_bundle)
 
 

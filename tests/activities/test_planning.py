@@ -11,7 +11,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from activities.planning import Room, eligible_offerings, node_labels, plan_pods, pod_matches
+from activities.planning import AddressSlots, Room, eligible_offerings, node_labels, plan_pods, pod_matches
 from models.locations import LocationConfig, TransferEstimate, transfer_usd_per_gpu_hour
 from models.operation import LABEL_GPU_PRODUCT, BatchPlan, NodeRequirement, Offering, PendingPod
 
@@ -83,6 +83,25 @@ def test_where_max_nodes_binds_larger_nodes_serve_more_pods() -> None:
     tight = _plan(_pods(10), [_offer("sim/eu", "l4.1", 0.95)], max_new_nodes=4)
     assert len(tight.new_nodes) == 4 and len(tight.unplaced) == 6
     assert all("maxNodes 4 reached" in u.why for u in tight.unplaced)
+
+
+def test_the_gateways_free_address_slots_cap_new_nodes_and_name_why_pods_wait() -> None:
+    slots = AddressSlots(total=4, held=2, free=2)
+    plan = plan_pods(batch="op-b", policy="p", taint_key=TAINT, pods=_pods(10), rooms=[],
+                     offerings=[_offer("sim/eu", "l4.1", 0.95)], locations=["sim/eu"], max_gpu_hour=10.0,
+                     max_new_nodes=4, max_nodes=4, address_slots=slots)
+    assert len(plan.new_nodes) == 2 and len(plan.unplaced) == 8
+    assert all("address slots are taken (2 of 4 held, 2 free" in u.why and "KUBEON_GATEWAY_POD_CIDR" in u.why
+               for u in plan.unplaced)
+    assert all(u.waits_for_capacity for u in plan.unplaced)
+    # maxNodes binds first: its reason, still a wait for capacity; a pod no offering fits is no such wait.
+    roomy = plan_pods(batch="op-b", policy="p", taint_key=TAINT, pods=_pods(6) + _pods(1, gpus=2, prefix="q"),
+                      rooms=[], offerings=[_offer("sim/eu", "l4.1", 0.95)], locations=["sim/eu"],
+                      max_gpu_hour=10.0, max_new_nodes=4, max_nodes=4, address_slots=AddressSlots(256, 0, 256))
+    assert len(roomy.new_nodes) == 4
+    waits = sorted(roomy.unplaced, key=lambda u: u.pod)
+    assert [(u.pod.startswith("ml/p-"), u.waits_for_capacity) for u in waits] == [(True, True)] * 2 + [(False, False)]
+    assert all("maxNodes 4 reached" in u.why for u in waits[:2])
 
 
 def test_nodes_already_there_with_room_come_first() -> None:

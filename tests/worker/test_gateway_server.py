@@ -37,6 +37,7 @@ from activities.gateway_http import (
     HttpGatewayClient,
     TransportFactory,
 )
+from activities.gateway_join import AddressesExhausted
 from activities.kube import KubeOps
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
 from models.operation import (
@@ -510,6 +511,50 @@ def test_only_the_optimizer_may_ask_for_tickets_and_removals(gateway: GatewayPro
         assert http.issue_ticket(req)
     assert node_absent(setup.cluster, req.node_name)
     assert "refused POST /v1/tickets from system:serviceaccount" in gateway.log
+
+
+def delete_slots(cluster: Cluster) -> None:
+    for cm in cluster.admin.core.list_namespaced_config_map(
+            OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items:
+        with contextlib.suppress(client.ApiException):
+            cluster.admin.core.delete_namespaced_config_map(str(cm.metadata.name), OPTIMIZER_NAMESPACE)
+
+
+def test_tickets_reserve_address_slots_and_capacity_says_how_many_are_free(setup: Setup, nodes: list[str]) -> None:
+    """A gateway with 4 slots (pod CIDR /28 in /30s): 4 tickets hold them all, GET /v1/capacity says so, the
+    fifth ticket is refused (503 addresses_exhausted, AddressesExhausted in the client), a removal frees one."""
+    delete_slots(setup.cluster)  # other tests' reservations in the same namespace: this gateway starts empty
+    small = GatewayProcess(setup.workdir, {
+        "KUBEON_GATEWAY_KUBECONFIG": str(setup.gateway_kubeconfig),
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(setup.ticket_key_file),
+        "KUBEON_GATEWAY_POD_CIDR": "10.245.0.0/28", "KUBEON_GATEWAY_NODE_CIDR_MASK": "30",
+    }, name="gateway-4-slots").start()
+    try:
+        with HttpGatewayClient(small.url, setup.optimizer_token_file) as http:
+            assert (http.capacity().total, http.capacity().held) == (4, 0)
+            reqs = [ticket_request(nodes) for _ in range(4)]
+            for req in reqs:
+                http.issue_ticket(req)
+            room = http.capacity()
+            assert (room.total, room.held, room.free) == (4, 4, 0)
+            assert room.nodes == sorted(r.node_name for r in reqs)
+            extra = ticket_request(nodes)
+            with pytest.raises(AddressesExhausted, match="all 4 address slots") as refused:
+                http.issue_ticket(extra)
+            assert "10.245.0.0/28" in str(refused.value) and "KUBEON_GATEWAY_NODE_CIDR_MASK" in str(refused.value)
+            raw = httpx.post(f"{small.url}/v1/tickets", json=extra.model_dump(mode="json"), timeout=10,
+                             headers={"Authorization": f"Bearer {setup.optimizer_token_file.read_text()}"})
+            assert raw.status_code == 503 and raw.json()["error"] == "addresses_exhausted"
+            assert http.remove_node(reqs[0].node_name, operation=reqs[0].operation) is False  # never joined
+            assert http.capacity().held == 3
+            assert http.issue_ticket(extra).ticket
+            assert http.capacity().free == 0
+        # Capacity is the optimizer's to ask, as tickets are.
+        assert httpx.get(f"{small.url}/v1/capacity", timeout=10).status_code == 401
+    finally:
+        small.stop()
+        delete_slots(setup.cluster)
+    assert "Traceback" not in small.log
 
 
 # ----- failures the client must name ---------------------------------------------------------------------------

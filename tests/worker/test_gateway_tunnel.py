@@ -233,6 +233,35 @@ def test_traffic_goes_through_the_tunnel_only(bed: NetBed, joined: Joined, serve
     assert MARKER.encode() in inner.read_bytes()  # positive control: in clear inside the tunnel only
 
 
+def test_a_reserved_slot_has_no_peer_and_the_resync_skips_it(
+        cluster: Cluster, gateway: Gateway, joined: Joined, tmp_path: Path) -> None:
+    """A ticket not redeemed yet holds its address slot without a WireGuard key: a restarted gateway's full
+    resync (and every reconcile after it) leaves it out of the peers and still restores the joined node's."""
+    token = tmp_path / "token"
+    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    op, name = f"op-{uuid.uuid4().hex[:10]}", f"burst-{uuid.uuid4().hex[:8]}"
+    with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
+        http.issue_ticket(JoinTicketRequest(
+            operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,
+            labels={LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "tunnel.test"},
+            taints=[Taint(key=BURST_TAINT)], gpus=1))
+        slots = cluster.admin.core.list_namespaced_config_map(
+            OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+        (reserved,) = [cm for cm in slots if cm.data["node"] == name]
+        assert reserved.data["wireguardPublicKey"] == ""
+        assert gateway.stop() in (0, -signal.SIGTERM), gateway.log
+        gateway.start()  # resyncs every peer from the slots before it is ready
+        assert set(Uapi(gateway.bed.gateway_interface).get().peers) == {joined.public_key}
+        assert "cannot restore the tunnel's peers" not in gateway.log
+        assert "gateway reconcile failed" not in gateway.log
+        assert http.remove_node(name, operation=op) is False  # never joined: the reservation goes
+    slots = cluster.admin.core.list_namespaced_config_map(
+        OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+    assert all(cm.data["node"] != name for cm in slots)
+
+
 def test_a_restarted_gateway_restores_the_peer_and_the_node_stays_ready(
         cluster: Cluster, gateway: Gateway, joined: Joined, served: client.V1Pod) -> None:
     assert gateway.stop() in (0, -signal.SIGTERM), gateway.log

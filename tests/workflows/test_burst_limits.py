@@ -14,6 +14,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
+from activities.providers.sim import SimProvider
 from models.operation import LABEL_INSTANCE_TYPE, LABEL_POLICY, DrainStatus, Phase
 from tests.harness.burst import (
     BurstStack,
@@ -185,6 +186,64 @@ async def test_sixteen_one_gpu_pods_under_max_nodes_four_are_all_served_by_large
     assert counter.peak <= 4
     view = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
     assert all(n.gpus_used <= 4 for b in view.batches for n in b.plan.new_nodes)
+
+
+async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibly(
+        stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str
+        ) -> None:
+    """A gateway with 2 address slots (pod CIDR /29 in /30s) under maxNodes 4: 2 nodes serve 2 pods; 2 more pods
+    (of another GPU type, so they fit no node already there) wait, named for the address slots, and no instance
+    that could never join is launched; as the first nodes go home, the waiting pods get theirs."""
+    core, apps = stack.cluster.admin.core, stack.cluster.admin.apps
+    for cm in core.list_namespaced_config_map("kubeon-gpu", label_selector="gpu.kubeon.io/gateway-record=slot").items:
+        core.delete_namespaced_config_map(str(cm.metadata.name), "kubeon-gpu")  # other modules' slots: this one has 2
+    other = f"{product}-b"
+    queue = unique("q")
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, cluster_name=queue,
+                              locations=[sim_location("sim/eu-west", product), sim_location("sim/us-west", other)],
+                              gateway_pod_cidr="10.245.0.0/29", gateway_node_cidr_mask=30)
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"], max_nodes=4)
+    first, then = ["slot-a0", "slot-a1"], ["slot-b0", "slot-b1"]
+
+    def running(names: list[str]) -> list[str]:
+        return sorted(p.metadata.labels["app"] for p in core.list_namespaced_pod(namespace).items
+                      if p.status.phase == "Running" and p.metadata.labels["app"] in names)
+
+    def launched() -> set[str]:  # operations the sim provider was asked to launch (retries counted once)
+        sim = runtime.providers["sim"]
+        assert isinstance(sim, SimProvider)
+        return {op for method, op in sim.calls if method == "launch"}
+
+    async def steady(names: list[str]) -> None:
+        while not (len(counter.current) == len(names) and running(names) == sorted(names)):
+            await asyncio.sleep(0.5)
+
+    async with worker_services(settings) as (temporal, runtime, _):
+        with NodeCounter(core, policy) as counter:
+            for name in first:
+                apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
+            await asyncio.wait_for(steady(first), 150)
+            for name in then:
+                apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=other))
+            try:
+                view = await provision_state(temporal, queue, policy, lambda v: len(
+                    [w for w in v.waiting if "address slots" in w]) == 2 and len(v.waiting) == 2)
+            except AssertionError:
+                raise AssertionError(f"nodes {sorted(counter.current)}, launched {launched()}") from None
+            assert view.phase == Phase.WAITING_FOR_CAPACITY and "address slots" in view.message
+            assert "2 of 2 held" in view.waiting[0]
+            assert len(view.nodes) == 2 and counter.peak == 2
+            assert len(launched()) == 2  # nothing else launched: no instance that could never join
+            # The first pods leave: their nodes go home and free their slots; the waiting pods get theirs.
+            for name in first:
+                apps.delete_namespaced_deployment(name, namespace)
+            await asyncio.wait_for(steady(then), 150)
+            for name in then:
+                apps.delete_namespaced_deployment(name, namespace)
+            await asyncio.wait_for(steady([]), 150)
+        assert counter.peak == 2
+        assert len(launched()) == 4
 
 
 async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: tuple[Client, str],

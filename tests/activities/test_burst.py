@@ -1,0 +1,200 @@
+"""launch_instance and the gateway's address slots on the real control plane (the gateway with its own
+ServiceAccount, a pod CIDR /28 in /30s: 4 slots): a ticket reserves its node's slot before anything launches, the
+fifth launch fails with AddressesExhausted and launches nothing, the compensation's removal and the reconciler (an
+expired, unredeemed ticket) free a reservation, a retried launch holds one slot, and a node joins on the slot its
+ticket reserved."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.audit import AuditLog
+from activities.burst import ADDRESSES_EXHAUSTED, BurstActivities
+from activities.gateway import KubeGateway, parse_user_data_ticket
+from activities.gateway_join import AddressPlan, JoinRefused
+from activities.kube import KubeOps
+from activities.providers.fake import FakeProvider
+from models.locations import BurstConfig
+from models.operation import LABEL_OPERATION, LABEL_POLICY, LaunchRequest, NodeRemoval, Offering, Taint
+from node.join import NodeFiles
+from tests.charts.helm import NAMESPACE
+from tests.harness.joining import redeem_for
+from tests.harness.kube import Cluster
+from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
+
+pytestmark = pytest.mark.cluster
+
+# 4 slots: a /28 of pod addresses in /30s (the tunnel /29 would hold 5).
+SMALL = AddressPlan(tunnel_cidr="10.250.0.0/29", pod_cidr="10.245.0.0/28", node_mask=30,
+                    service_cidr="10.96.0.0/16")
+OFFERING = Offering(location="fake/eu", instance_type="fake.l4.1", gpus=1, gpu_product="NVIDIA-L4",
+                    instance_usd_per_hour=0.9, transfer_usd_per_gpu_hour=0.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def gateway_api(cluster: Cluster) -> client.ApiClient:
+    kube = grant(cluster, GATEWAY_SA, GATEWAY_RULES)
+    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
+    return kube.api
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def gateway(gateway_api: client.ApiClient, clock: Clock) -> Iterator[KubeGateway]:
+    gw = KubeGateway(gateway_api, secrets.token_bytes(32), namespace=NAMESPACE, plan=SMALL, clock=clock)
+    for slot in gw.records.slots():  # other tests' slots in the same namespace: this plan starts empty
+        gw.records.delete(slot.name)
+    yield gw
+    for slot in gw.records.slots():
+        gw.records.delete(slot.name)
+
+
+class Launcher:
+    """launch_instance as the worker runs it (an activity), with a provider that records every launch."""
+
+    def __init__(self, cluster: Cluster, gateway: KubeGateway, tmp_path: Path) -> None:
+        self.provider = FakeProvider(name="fake")
+        self.gateway = gateway
+        self.acts = BurstActivities(kube=KubeOps(cluster.admin.api), providers={"fake": self.provider},
+                                    gateway=gateway, config=BurstConfig(), audit=AuditLog(tmp_path / "audit.jsonl"))
+        self.env = ActivityEnvironment()
+
+    def request(self, operation: str | None = None) -> LaunchRequest:
+        op = operation or f"burst-op-{uuid.uuid4().hex[:8]}"
+        return LaunchRequest(operation=op, cluster="test", policy="slots", allowed_locations=["fake/eu"],
+                             offering=OFFERING, node_name=f"burst-{op}",
+                             labels={LABEL_OPERATION: op, LABEL_POLICY: "slots"},
+                             taints=[Taint(key="gpu.kubeon.io/burst")])
+
+    def launch(self, req: LaunchRequest) -> str:
+        return str(self.env.run(self.acts.launch_instance, req).instance_id)
+
+    def launches(self) -> int:
+        return sum(1 for method, _ in self.provider.calls if method == "launch")
+
+    def ticket(self, instance_id: str) -> str:
+        return str(parse_user_data_ticket(self.provider.user_data[instance_id])["ticket"])
+
+
+@pytest.fixture
+def launcher(cluster: Cluster, gateway: KubeGateway, tmp_path: Path) -> Launcher:
+    return Launcher(cluster, gateway, tmp_path)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Callable[[], NodeFiles]:
+    count = iter(range(100))
+    return lambda: NodeFiles(tmp_path / f"node-{next(count)}")
+
+
+def fill(launcher: Launcher) -> list[LaunchRequest]:
+    reqs = [launcher.request() for _ in range(SMALL.slots)]
+    for req in reqs:
+        launcher.launch(req)
+    return reqs
+
+
+def test_the_fifth_launch_fails_with_addresses_exhausted_and_launches_nothing(launcher: Launcher) -> None:
+    assert SMALL.slots == 4
+    reqs = fill(launcher)
+    room = launcher.gateway.capacity()
+    assert (room.total, room.held, room.free) == (4, 4, 0)
+    assert room.nodes == sorted(r.node_name for r in reqs)
+    assert all(s.reserved for s in launcher.gateway.records.slots())  # no node has redeemed its ticket yet
+    with pytest.raises(ApplicationError) as err:
+        launcher.launch(launcher.request())
+    assert err.value.type == ADDRESSES_EXHAUSTED and err.value.non_retryable
+    for part in ("all 4 address slots", "10.245.0.0/28", "/30", "KUBEON_GATEWAY_POD_CIDR",
+                 "KUBEON_GATEWAY_NODE_CIDR_MASK"):
+        assert part in err.value.message
+    assert launcher.launches() == 4 and len(launcher.provider.instances) == 4
+
+
+def test_removing_a_node_that_never_joined_frees_its_reservation(launcher: Launcher) -> None:
+    reqs = fill(launcher)
+    gone = reqs[1]
+    freed = next(s.pod_cidr for s in launcher.gateway.records.slots() if s.node == gone.node_name)
+    # The compensation of a failed launch: remove_node (cleanup_operation does the same).
+    assert launcher.env.run(launcher.acts.remove_node, NodeRemoval(node_name=gone.node_name,
+                                                                   operation=gone.operation)) is False
+    assert launcher.gateway.capacity().held == 3
+    later = launcher.request()
+    launcher.launch(later)
+    assert next(s.pod_cidr for s in launcher.gateway.records.slots() if s.node == later.node_name) == freed
+    assert launcher.launches() == 5
+
+
+def test_an_expired_unredeemed_reservation_is_released_by_the_reconciler(launcher: Launcher, clock: Clock) -> None:
+    reqs = fill(launcher)
+    assert launcher.gateway.reconcile()["released"] == []
+    assert launcher.gateway.capacity().held == 4
+    clock.now += 15 * 60 + 1  # the tickets (900 s) expired, never redeemed
+    assert sorted(launcher.gateway.reconcile()["released"]) == sorted(r.node_name for r in reqs)
+    assert launcher.gateway.capacity().held == 0
+    launcher.launch(launcher.request())  # room again
+    assert launcher.launches() == 5
+
+
+def test_a_retried_launch_holds_one_slot_and_its_node_joins_on_it(launcher: Launcher,
+                                                                  files: Callable[[], NodeFiles]) -> None:
+    req = launcher.request()
+    first = launcher.launch(req)
+    # The activity retried (the worker died after the launch): a new ticket, the same instance, one slot.
+    assert launcher.launch(req) == first
+    slots = launcher.gateway.records.slots()
+    assert [s.node for s in slots] == [req.node_name] and slots[0].reserved
+    reserved = slots[0]
+    # The instance boots with the first attempt's user data: its ticket redeems the same reservation.
+    node_files = files()
+    answer = launcher.gateway.join(redeem_for(node_files, launcher.ticket(first), req.node_name))
+    assert answer.pod_cidr == reserved.pod_cidr
+    (joined,) = launcher.gateway.records.slots()
+    assert joined.index == reserved.index and joined.wireguard_key and not joined.reserved
+    # The same node retrying gets the same answer; the capacity still counts one slot.
+    assert launcher.gateway.join(redeem_for(node_files, launcher.ticket(first), req.node_name)).pod_cidr == \
+        reserved.pod_cidr
+    assert launcher.gateway.capacity().held == 1
+    # A further retry of the launch after the join: still one slot, and the new ticket cannot join again.
+    launcher.launch(req)
+    assert len(launcher.gateway.records.slots()) == 1
+
+
+def test_a_node_joins_on_the_slot_its_ticket_reserved_and_its_key_is_checked(
+        launcher: Launcher, files: Callable[[], NodeFiles]) -> None:
+    a, b = launcher.request(), launcher.request()
+    ia, ib = launcher.launch(a), launcher.launch(b)
+    by_node = {s.node: s for s in launcher.gateway.records.slots()}
+    node_a = files()
+    answer = launcher.gateway.join(redeem_for(node_a, launcher.ticket(ia), a.node_name))
+    assert answer.pod_cidr == by_node[a.node_name].pod_cidr
+    claimed = {s.node: s for s in launcher.gateway.records.slots()}
+    assert claimed[a.node_name].wireguard_key and claimed[b.node_name].reserved
+    # B's ticket with A's WireGuard key: refused, B's reservation untouched.
+    stolen = redeem_for(files(), launcher.ticket(ib), b.node_name).model_copy(
+        update={"wireguard_public_key": claimed[a.node_name].wireguard_key})
+    with pytest.raises(JoinRefused, match="already the key of node") as err:
+        launcher.gateway.join(stolen)
+    assert err.value.code == "wireguard_key_in_use"
+    assert {s.node: s for s in launcher.gateway.records.slots()}[b.node_name].reserved
+    assert launcher.gateway.join(redeem_for(files(), launcher.ticket(ib), b.node_name)).pod_cidr == \
+        by_node[b.node_name].pod_cidr
