@@ -305,8 +305,7 @@ class KubeGateway:
             self._allocate(ticket, "", slots)
             return
         held = mine[0]  # a redeemed slot is already the node's: nothing to reserve
-        if held.reserved and not self._records.update_reservation(held, nonce=ticket.nonce,
-                                                                  expires_at=ticket.expires_at):
+        if held.reserved and not self._records.update_reservation(held, ticket):
             raise _SlotChanged
 
     def capacity(self) -> GatewayCapacity:
@@ -397,7 +396,7 @@ class KubeGateway:
         raise AddressesExhausted(self._plan.exhausted())
 
     def _claim(self, slot: Slot, ticket: JoinTicket, wg_key: str) -> Slot:
-        claimed = self._records.claim(slot, wireguard_key=wg_key, nonce=ticket.nonce, expires_at=ticket.expires_at)
+        claimed = self._records.claim(slot, ticket, wireguard_key=wg_key)
         if claimed is not None:
             return claimed
         # Changed since read: a concurrent retry of this same join (same key) claimed it, or it was released.

@@ -21,7 +21,7 @@ import hashlib
 import ipaddress
 import json
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -231,6 +231,22 @@ class Slot:
         )
 
 
+class Ticketed(Protocol):
+    """What a slot records of the ticket it is for (``JoinTicket`` of activities.gateway)."""
+
+    nonce: str
+    expires_at: float
+    labels: dict[str, str]
+    taints: list[Taint]
+    gpus: int
+
+
+def _ticket_data(ticket: Ticketed) -> dict[str, str]:
+    return {"ticket": ticket.nonce, "expiresAt": repr(ticket.expires_at),
+            "labels": json.dumps(dict(ticket.labels), sort_keys=True),
+            "taints": json.dumps([t.model_dump() for t in ticket.taints]), "gpus": str(ticket.gpus)}
+
+
 @dataclass
 class RecordStore:
     """The gateway's records as ConfigMaps in ``namespace``."""
@@ -286,26 +302,26 @@ class RecordStore:
                 return False
             raise
 
-    def claim(self, slot: Slot, *, wireguard_key: str, nonce: str, expires_at: float) -> Slot | None:
-        """Complete a reservation at redemption (its ticket, the node's WireGuard key), only if it is unchanged
-        since read; ``None`` if it changed (another redemption claimed it, or it was released)."""
+    def claim(self, slot: Slot, ticket: Ticketed, *, wireguard_key: str) -> Slot | None:
+        """Complete a reservation at redemption (the node's WireGuard key; the redeemed ticket, whose labels,
+        taints and GPUs are those of the instance that exists), only if it is unchanged since read; ``None`` if it
+        changed (another redemption claimed it, or it was released)."""
         try:
             cm = self.core.patch_namespaced_config_map(slot.name, self.namespace, {
                 "metadata": {"resourceVersion": slot.resource_version},
-                "data": {"wireguardPublicKey": wireguard_key, "ticket": nonce, "expiresAt": repr(expires_at)}})
+                "data": {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket)}})
         except client.ApiException as exc:
             if exc.status in (404, 409):
                 return None
             raise
         return Slot.from_configmap(cm)
 
-    def update_reservation(self, slot: Slot, *, nonce: str, expires_at: float) -> bool:
-        """Point an unredeemed reservation at a newer ticket of the same node (a retried launch); False if it
-        changed since read."""
+    def update_reservation(self, slot: Slot, ticket: Ticketed) -> bool:
+        """Point an unredeemed reservation at a newer ticket of the same node (a retried launch, perhaps failed
+        over to another location: its labels change with it); False if it changed since read."""
         try:
             self.core.patch_namespaced_config_map(slot.name, self.namespace, {
-                "metadata": {"resourceVersion": slot.resource_version},
-                "data": {"ticket": nonce, "expiresAt": repr(expires_at)}})
+                "metadata": {"resourceVersion": slot.resource_version}, "data": _ticket_data(ticket)})
         except client.ApiException as exc:
             if exc.status in (404, 409):
                 return False

@@ -18,12 +18,20 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.audit import AuditLog
 from activities.burst import ADDRESSES_EXHAUSTED, BurstActivities
-from activities.gateway import KubeGateway, parse_user_data_ticket
+from activities.gateway import JoinTicketRequest, KubeGateway, parse_user_data_ticket
 from activities.gateway_join import AddressPlan, JoinRefused
 from activities.kube import KubeOps
 from activities.providers.fake import FakeProvider
 from models.locations import BurstConfig
-from models.operation import LABEL_OPERATION, LABEL_POLICY, LaunchRequest, NodeRemoval, Offering, Taint
+from models.operation import (
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    LaunchRequest,
+    NodeRemoval,
+    Offering,
+    Taint,
+)
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
 from tests.harness.joining import redeem_for
@@ -177,6 +185,24 @@ def test_a_retried_launch_holds_one_slot_and_its_node_joins_on_it(launcher: Laun
     # A further retry of the launch after the join: still one slot, and the new ticket cannot join again.
     launcher.launch(req)
     assert len(launcher.gateway.records.slots()) == 1
+
+
+def test_a_launch_failed_over_to_another_location_joins_with_that_locations_labels(
+        launcher: Launcher, files: Callable[[], NodeFiles]) -> None:
+    """The first location had no capacity (no instance), the retry launched elsewhere with a new ticket: the one
+    reservation now carries the new ticket's labels, and the node that joins is labelled where it runs."""
+    req = launcher.request()
+    first, second = (JoinTicketRequest(operation=req.operation, policy=req.policy, location=loc,
+                                       node_name=req.node_name, labels={**req.labels, LABEL_LOCATION: label},
+                                       taints=req.taints, gpus=gpus)
+                     for loc, label, gpus in (("fake/eu", "fake.eu", 1), ("fake/us", "fake.us", 4)))
+    launcher.gateway.issue_ticket(first)
+    grant = launcher.gateway.issue_ticket(second)
+    (slot,) = launcher.gateway.records.slots()
+    assert slot.reserved and slot.labels[LABEL_LOCATION] == "fake.us" and slot.gpus == 4
+    launcher.gateway.join(redeem_for(files(), grant.ticket, req.node_name))
+    (joined,) = launcher.gateway.records.slots()
+    assert joined.labels[LABEL_LOCATION] == "fake.us" and joined.gpus == 4 and not joined.reserved
 
 
 def test_a_node_joins_on_the_slot_its_ticket_reserved_and_its_key_is_checked(
