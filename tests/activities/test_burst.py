@@ -34,9 +34,8 @@ from models.operation import (
 )
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
-from tests.harness.joining import redeem_for
+from tests.harness.joining import FixedClock, gateway_credentials, redeem_for
 from tests.harness.kube import Cluster
-from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
 
 pytestmark = pytest.mark.cluster
 
@@ -47,28 +46,18 @@ OFFERING = Offering(location="fake/eu", instance_type="fake.l4.1", gpus=1, gpu_p
                     instance_usd_per_hour=0.9, transfer_usd_per_gpu_hour=0.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
 def gateway_api(cluster: Cluster) -> client.ApiClient:
-    kube = grant(cluster, GATEWAY_SA, GATEWAY_RULES)
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    return kube.api
+    return gateway_credentials(cluster)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FixedClock:
+    return FixedClock()
 
 
 @pytest.fixture
-def gateway(gateway_api: client.ApiClient, clock: Clock) -> Iterator[KubeGateway]:
+def gateway(gateway_api: client.ApiClient, clock: FixedClock) -> Iterator[KubeGateway]:
     gw = KubeGateway(gateway_api, secrets.token_bytes(32), namespace=NAMESPACE, plan=SMALL, clock=clock)
     for slot in gw.records.slots():  # other tests' slots in the same namespace: this plan starts empty
         gw.records.delete(slot.name)
@@ -152,7 +141,7 @@ def test_removing_a_node_that_never_joined_frees_its_reservation(launcher: Launc
     assert launcher.launches() == 5
 
 
-def test_an_expired_unredeemed_reservation_is_released_by_the_reconciler(launcher: Launcher, clock: Clock) -> None:
+def test_an_expired_unredeemed_reservation_is_released_by_the_reconciler(launcher: Launcher, clock: FixedClock) -> None:
     reqs = fill(launcher)
     assert launcher.gateway.reconcile()["released"] == []
     assert launcher.gateway.capacity().held == 4

@@ -54,7 +54,15 @@ from models.operation import (
 )
 from node.join import NodeFiles
 from tests.charts.helm import BURST_VALUES, NAMESPACE, template
-from tests.harness.joining import csr, node_client, redeem_for, register_self, weak_rsa_csr
+from tests.harness.joining import (
+    FixedClock,
+    csr,
+    gateway_credentials,
+    node_client,
+    redeem_for,
+    register_self,
+    weak_rsa_csr,
+)
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
 from worker.config import load_settings
@@ -65,20 +73,9 @@ BURST_TAINT = "gpu.kubeon.io/burst"
 CAPACITY = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
 
 
-class Clock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(scope="module")
 def gateway_api(cluster: Cluster) -> client.ApiClient:
-    """The gateway's credentials: its ServiceAccount with the gateway's rules only, never admin."""
-    kube = grant(cluster, GATEWAY_SA, GATEWAY_RULES)
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    return kube.api
+    return gateway_credentials(cluster)
 
 
 @pytest.fixture
@@ -196,7 +193,7 @@ def test_forged_tickets_are_refused_and_admit_nothing(cluster: Cluster, gateway_
 
 def test_expired_ticket_is_refused(cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str],
                                    files: Callable[[], NodeFiles]) -> None:
-    clock = Clock()
+    clock = FixedClock()
     gw = gateway(gateway_api, clock=clock)
     req = ticket_request(nodes, ttl=60)
     ticket = gw.sign_ticket(req)

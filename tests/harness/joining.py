@@ -101,3 +101,22 @@ def ticket_node(ticket: str) -> str:
 
 __all__ = ["csr", "join_over_http", "join_with_user_data", "node_client", "redeem_for", "register_self",
            "weak_rsa_csr"]
+
+
+class FixedClock:
+    """The gateway's clock, moved by the test (ticket expiry, reservation release)."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gateway_credentials(cluster: Any) -> client.ApiClient:
+    """The gateway's credentials: its ServiceAccount with the gateway's rules only, never admin."""
+    from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
+
+    api: client.ApiClient = grant(cluster, GATEWAY_SA, GATEWAY_RULES).api
+    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
+    return api

@@ -31,22 +31,16 @@ from node.join import (
 )
 from node.register import node_api
 from tests.harness.controlplane import free_port
+from tests.harness.joining import gateway_credentials
 from tests.harness.kube import Cluster
-from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
 from tunnel import keys
 
 pytestmark = pytest.mark.cluster
 
 
-def gateway_api(cluster: Cluster) -> client.ApiClient:
-    api = grant(cluster, GATEWAY_SA, GATEWAY_RULES).api
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    return api
-
-
 @pytest.fixture(scope="module")
 def gateway(cluster: Cluster) -> KubeGateway:
-    return KubeGateway(gateway_api(cluster), secrets.token_bytes(32))
+    return KubeGateway(gateway_credentials(cluster), secrets.token_bytes(32))
 
 
 def document(gateway: KubeGateway) -> dict[str, object]:
@@ -121,8 +115,8 @@ def test_an_unavailable_gateway_is_tried_again_and_a_refusal_is_not(cluster: Clu
         join(document(gateway), NodeFiles(tmp_path / "m"), redeem=closed, tunnel=False, retry_seconds=0)
     with pytest.raises(JoinUnavailable, match=r"gave up after \d+ attempts in 2s"):
         join(document(gateway), NodeFiles(tmp_path / "o"), redeem=closed, tunnel=False, retry_seconds=2)
-    forged = dict(document(gateway), ticket=document(KubeGateway(gateway_api(cluster), secrets.token_bytes(32)))[
-        "ticket"])
+    other_key = KubeGateway(gateway_credentials(cluster), secrets.token_bytes(32))
+    forged = dict(document(gateway), ticket=document(other_key)["ticket"])
     refusals: list[str] = []
 
     def refusing(request: JoinRedeem) -> JoinAnswer:
