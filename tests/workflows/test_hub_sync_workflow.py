@@ -28,6 +28,7 @@ from models.hub import (
     HubSyncInput,
     HubSyncStatus,
 )
+from tests.harness.temporal import skip_time
 from worker.main import workflow_runner
 from workflows.hub_sync import HubSyncWorkflow
 
@@ -104,7 +105,7 @@ async def test_reports_wait_while_the_hub_is_down_and_go_once_in_order(env: Env)
 
     # Down, new reports wait for the next interval (no hammering); an interval later the hub is back.
     hub.state = "connected"
-    await server.sleep(timedelta(seconds=150))
+    await skip_time(server, timedelta(seconds=150))
     await status_when(handle, lambda s: s.pending_reports == 0 and s.state == "connected")
     assert hub.delivered == ["a", "b", "c"]
     await handle.signal(HubSyncWorkflow.report, report("a"))  # delivered already: not queued again
@@ -122,12 +123,12 @@ async def test_etag_cursor_and_reports_carry_over_continue_as_new(env: Env) -> N
     first_run = (await handle.describe()).run_id
     hub.state = "unreachable"
     await handle.signal(HubSyncWorkflow.report, report("kept"))
-    await server.sleep(timedelta(seconds=150))  # the second poll: the run then continues as new
+    await skip_time(server, timedelta(seconds=150))  # the second poll: the run then continues as new
     status = await status_when(handle, lambda s: s.polls >= 1)
     assert (await handle.describe()).run_id != first_run
     assert status.pending_reports == 1 and status.etag == '"e1"' and status.approvals_cursor == 1
     hub.state = "connected"
-    await server.sleep(timedelta(seconds=150))
+    await skip_time(server, timedelta(seconds=150))
     await status_when(handle, lambda s: s.pending_reports == 0)
     assert "kept" in hub.delivered
     later = [r for r in hub.requests if r.reports]
@@ -142,9 +143,9 @@ async def test_a_restarted_worker_sets_a_new_poll_interval(env: Env) -> None:
     await handle.signal(HubSyncWorkflow.configure, HubSyncConfig(poll_interval_seconds=300))
     # The new settings wake the sync: one poll at once, then every 300 s.
     polls = (await status_when(handle, lambda s: s.poll_interval_seconds == 300 and s.polls == 2)).polls
-    await server.sleep(timedelta(seconds=200))  # more than the old interval, less than the new one
+    await skip_time(server, timedelta(seconds=200))  # more than the old interval, less than the new one
     assert (await handle.query(HubSyncWorkflow.status)).polls == polls
-    await server.sleep(timedelta(seconds=200))
+    await skip_time(server, timedelta(seconds=200))
     await status_when(handle, lambda s: s.polls == polls + 1)
     assert len(hub.requests) == polls + 1
     await handle.terminate("test over")
@@ -154,7 +155,7 @@ async def test_a_five_second_poll_for_ten_minutes_keeps_each_run_short(env: Env)
     server, queue, hub = env
     handle = await start(server.client, queue)
     await handle.signal(HubSyncWorkflow.configure, HubSyncConfig(poll_interval_seconds=5))
-    await server.sleep(timedelta(minutes=10))
+    await skip_time(server, timedelta(minutes=10))
     status = await status_when(handle, lambda s: s.total_polls >= 100)
     limit = HubSyncInput(cluster="c").history_events_before_continue
     run_id: str | None = handle.first_execution_run_id
@@ -184,7 +185,7 @@ async def test_the_last_error_and_last_success_are_kept_and_the_phase_is_camel_c
     assert status.last_success_at is None and status.last_error == "Unreachable: hub down"
     assert (await handle.describe()).typed_search_attributes.get(sa.PHASE) == "Unreachable"
     hub.state = "connected"
-    await server.sleep(timedelta(seconds=150))
+    await skip_time(server, timedelta(seconds=150))
     status = await status_when(handle, lambda s: s.state == "connected")
     assert status.last_success_at is not None and status.last_error == "Unreachable: hub down"
     assert status.last_error_at is not None and status.last_error_at < status.last_success_at
