@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import secrets
 import stat
-import time
 import uuid
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from node.join import (
     kubelet_csr,
     kubelet_key,
     redeem_over_https,
+    redeem_retrying,
     wireguard_private_key,
     write_registration,
 )
@@ -99,16 +99,29 @@ def test_an_unavailable_gateway_is_tried_again_and_a_refusal_is_not(cluster: Clu
     """The VM's user data runs `node join` once: a gateway that does not answer yet (restarting, busy) must not
     strand a paid instance. Nothing listens on ``closed``: the first tries fail as they would on a real VM."""
     closed = redeem_over_https({"gateway": f"http://127.0.0.1:{free_port()}"}, timeout=2)
-    tries: list[float] = []
+    tries: list[JoinRedeem] = []
 
     def redeem(request: JoinRedeem) -> JoinAnswer:
-        tries.append(time.monotonic())
+        tries.append(request)
         return closed(request) if len(tries) <= 2 else gateway.join(request)
 
     doc = document(gateway)
     answer = join(doc, NodeFiles(tmp_path / "n"), redeem=redeem, tunnel=False, retry_seconds=60)
-    assert answer.node_name == doc["nodeName"] and len(tries) == 3
-    assert 0.5 <= tries[1] - tries[0] < 1.5 and 1.0 <= tries[2] - tries[1] < 2.5  # 1 s, then 2 s, with jitter
+    assert answer.node_name == doc["nodeName"] and len(tries) == 3 and tries[0] == tries[2]  # the same keys
+
+    # The waits between tries: 1 s, 2 s, 4 s ... each jittered down to no less than half, never over 30 s.
+    pauses: list[float] = []
+    down = iter(range(7))
+
+    def down_seven_times(request: JoinRedeem) -> JoinAnswer:
+        if next(down, None) is not None:
+            raise JoinUnavailable("the gateway is down")
+        return answer
+
+    assert redeem_retrying(down_seven_times, tries[0], retry_seconds=3600, sleep=pauses.append,
+                           say=lambda _: None) == answer
+    assert len(pauses) == 7
+    assert all(cap / 2 <= p <= cap for p, cap in zip(pauses, [1, 2, 4, 8, 16, 30, 30], strict=True)), pauses
 
     # Without retries (or past the deadline) the error names the gateway; a refusal is final at once.
     with pytest.raises(JoinUnavailable, match=r"127\.0\.0\.1"):
