@@ -184,6 +184,22 @@ class AddressPlan:
 # ----- records --------------------------------------------------------------------------------------------------
 
 
+class Ticketed(Protocol):
+    """What a slot records of the ticket it is for (``JoinTicket`` of activities.gateway, or a ``Slot``)."""
+
+    nonce: str
+    expires_at: float
+    labels: dict[str, str]
+    taints: list[Taint]
+    gpus: int
+
+
+def _ticket_data(ticket: Ticketed) -> dict[str, str]:
+    return {"ticket": ticket.nonce, "expiresAt": repr(ticket.expires_at),
+            "labels": json.dumps(dict(ticket.labels), sort_keys=True),
+            "taints": json.dumps([t.model_dump() for t in ticket.taints]), "gpus": str(ticket.gpus)}
+
+
 @dataclass
 class Slot:
     index: int
@@ -212,10 +228,8 @@ class Slot:
     def data(self) -> dict[str, str]:
         return {
             "node": self.node, "wireguardPublicKey": self.wireguard_key, "tunnelIP": self.tunnel_ip,
-            "podCIDR": self.pod_cidr, "ticket": self.nonce, "operation": self.operation,
-            "labels": json.dumps(self.labels, sort_keys=True),
-            "taints": json.dumps([t.model_dump() for t in self.taints]), "gpus": str(self.gpus),
-            "expiresAt": repr(self.expires_at), "registeredUID": self.registered_uid,
+            "podCIDR": self.pod_cidr, "operation": self.operation, "registeredUID": self.registered_uid,
+            **_ticket_data(self),
         }
 
     @classmethod
@@ -229,22 +243,6 @@ class Slot:
             gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
             registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
         )
-
-
-class Ticketed(Protocol):
-    """What a slot records of the ticket it is for (``JoinTicket`` of activities.gateway)."""
-
-    nonce: str
-    expires_at: float
-    labels: dict[str, str]
-    taints: list[Taint]
-    gpus: int
-
-
-def _ticket_data(ticket: Ticketed) -> dict[str, str]:
-    return {"ticket": ticket.nonce, "expiresAt": repr(ticket.expires_at),
-            "labels": json.dumps(dict(ticket.labels), sort_keys=True),
-            "taints": json.dumps([t.model_dump() for t in ticket.taints]), "gpus": str(ticket.gpus)}
 
 
 @dataclass

@@ -52,6 +52,7 @@ from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
 from models.locations import transfer_usd_per_gpu_hour
 from models.operation import Offering, ProvisionView, provision_workflow_id
+from models.policy import location_of_label_value
 from tests.harness.burst import build_stack, gpu_deployment, worker_process
 from tests.harness.controlplane import ControlPlane, free_port
 from tests.harness.kube import Cluster, Kube
@@ -245,11 +246,6 @@ async def idle_scenario(b: Bench, samples: int, policy: str) -> None:
                 f"  Unschedulable -> pod bound   {fmt(bound)}"]
 
 
-def label_location(value: str) -> str:
-    provider, _, rest = value.partition(".")  # the location label holds "sim.eu-west" for sim/eu-west
-    return f"{provider}/{rest}" if rest else value
-
-
 # History events that are Temporal actions (what Temporal Cloud bills, queries aside): starts (each run, so
 # continue-as-new too), activities (each attempt), signals, timers, child starts, accepted updates, search
 # attribute upserts and markers.
@@ -349,7 +345,7 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     usd = 0.0
     for nd in nodes.values():
         kinds[nd.instance_type] = kinds.get(nd.instance_type, 0) + 1
-        usd += prices.get((label_location(nd.location), nd.instance_type), float("nan"))
+        usd += prices.get((location_of_label_value(nd.location), nd.instance_type), float("nan"))
     kinds_text = ", ".join(f"{c}x {k}" for k, c in sorted(kinds.items()))
     used = {p.node_name for p in pods if p.node_name}
     spare = [k for k in nodes if k not in used]

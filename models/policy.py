@@ -461,3 +461,10 @@ def parse_policy(document: Any) -> AnyPolicy:
 
 def location_label_value(location: str) -> str:
     return location.replace("/", ".")
+
+
+def location_of_label_value(value: str) -> str:
+    """The location a node's location label names: ``aws.eu-central-1`` -> ``aws/eu-central-1`` (a label value
+    cannot hold "/"; the provider's name holds no ".")."""
+    provider, _, rest = value.partition(".")
+    return f"{provider}/{rest}" if rest else value

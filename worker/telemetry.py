@@ -55,6 +55,7 @@ from models.operation import (
     operation_id,
     provision_workflow_id,
 )
+from models.policy import location_of_label_value
 from worker.config import ConfigError
 from workflows.observe import ROOT_SPAN_EXTERN, OperationTracingInbound, RootSpan
 
@@ -226,11 +227,6 @@ def _remember_prices(offerings: Any) -> None:
                                                  float(o.transfer_usd_per_gpu_hour) * int(o.gpus))
 
 
-def _location_of_label(value: str) -> str:
-    provider, _, rest = value.partition(".")  # aws.eu-central-1 -> aws/eu-central-1 (a label cannot hold "/")
-    return f"{provider}/{rest}" if rest else value
-
-
 class StateCollector:
     """What is true now, read from the sources every replica shares: burst Nodes, Temporal visibility, the
     provisioning and hub sync workflows' queries. A scrape never waits for them: it serves the values last read
@@ -298,7 +294,7 @@ class StateCollector:
         cost: dict[str, list[float]] = {}
         for node in nodes.items:
             labels = (node.metadata.labels if node.metadata else None) or {}
-            policy, location = labels[LABEL_POLICY], _location_of_label(labels.get(LABEL_LOCATION, ""))
+            policy, location = labels[LABEL_POLICY], location_of_label_value(labels.get(LABEL_LOCATION, ""))
             policies.add(policy)
             counts[(policy, location)] = counts.get((policy, location), 0) + 1
             price = await self._price(location, labels.get(LABEL_INSTANCE_TYPE, ""))

@@ -17,6 +17,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 from models import search_attributes as sa
+from models.converter import Refused
 from models.operation import Approval, AuditRecord, DecisionResult, Phase, Rejection, operation_id
 from models.scale import (
     DemandRequest,
@@ -146,9 +147,9 @@ class ScaleWorkflow:
     def _validate_approve(self, approval: Approval) -> None:
         problem = self._decision_problem(approval.plan_id)
         if problem:
-            raise ValueError(problem)
+            raise Refused(problem)
         if not approval.approver.strip():
-            raise ValueError("approver must name who approves")
+            raise Refused("approver must name who approves")
 
     @workflow.update(name="reject_plan")
     def reject_update(self, rejection: Rejection) -> DecisionResult:
@@ -160,7 +161,7 @@ class ScaleWorkflow:
     def _validate_reject(self, rejection: Rejection) -> None:
         problem = self._decision_problem(None)
         if problem:
-            raise ValueError(problem)
+            raise Refused(problem)
 
     @workflow.update(name="wake")
     def wake_update(self, request: WakeRequest) -> WakeResult:
@@ -172,7 +173,7 @@ class ScaleWorkflow:
     def _validate_wake(self, request: WakeRequest) -> None:
         problem = self._wake_problem()
         if problem:
-            raise ValueError(problem)
+            raise Refused(problem)
 
     def _workload(self) -> str:
         return self.inp.workload.key if self.inp else "?"
