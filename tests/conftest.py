@@ -21,7 +21,7 @@ from models.converter import DATA_CONVERTER
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.moto_server import MotoServer
-from tests.harness.temporal import dev_server_path, test_server_path
+from tests.harness.temporal import dev_server_path, time_skipping_server_path
 from worker.runtime import register_search_attributes
 
 
@@ -60,7 +60,7 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 @pytest.fixture(scope="session")
 async def temporal_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
-        test_server_existing_path=str(test_server_path()),
+        test_server_existing_path=str(time_skipping_server_path()),
         data_converter=DATA_CONVERTER,
     )
     await register_search_attributes(env.client)

@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals)")
         onprem_line = "" if not agents else (
             f", onprem/{ONPREM_POOL} (${ONPREM_USD_PER_GPU_HOUR}/GPU-h, servers {', '.join(ONPREM_SERVERS)})")
+        # Started before "ready" is printed: a signal sent by whoever reads "ready" is a stop, not an interruption.
+        started.set()
         print(f"""
 KubeOn GPU optimizer is running locally.
 
@@ -331,7 +333,6 @@ ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"
 
 Ctrl-C stops everything.
 ready""", flush=True)
-        started.set()
         while not stopping.wait(0.5):  # Ctrl-C, or the worker or hub dying, ends the run
             if worker.poll() is not None:
                 say(f"worker exited {worker.returncode}; see {workdir / 'worker.log'}")

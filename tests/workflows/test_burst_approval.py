@@ -50,7 +50,7 @@ from models.operation import (
     ProvisionView,
     Rejection,
 )
-from tests.harness.temporal import skip_time, test_server_path
+from tests.harness.temporal import skip_time, time_skipping_server_path
 from worker import ops
 from worker.main import workflow_runner
 from worker.runtime import register_search_attributes
@@ -143,7 +143,7 @@ RECORDED: dict[str, Recorded] = {}  # task queue -> what its test started
 async def own_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
     """A time-skipping server of this test alone: a provisioning is long-lived (timers, a node's launch under
     way), and on the session's shared server what it leaves would hold up later tests' time skipping."""
-    server = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(test_server_path()),
+    server = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=str(time_skipping_server_path()),
                                                            data_converter=pydantic_data_converter)
     await register_search_attributes(server.client)
     try:
