@@ -351,8 +351,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     spare = [k for k in nodes if k not in used]
     opt_nodes, opt_usd = optimum(offered(b.settings), n)
     at = planned_at(view)
-    to_plan = [(at[f"{ns}/{p.name}"] - (p.unschedulable_seen or p.unschedulable_cond)).total_seconds()
-               for p in pods if f"{ns}/{p.name}" in at and (p.unschedulable_seen or p.unschedulable_cond)]
+    to_plan = [(at[f"{ns}/{p.name}"] - since).total_seconds() for p in pods
+               if f"{ns}/{p.name}" in at and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
     unsched = sorted((p.unschedulable_seen - started).total_seconds() for p in pods if p.unschedulable_seen)
     created = sorted((p.created_seen - started).total_seconds() for p in pods if p.created_seen)
     never = len([p for p in pods if p.unschedulable_seen is None])

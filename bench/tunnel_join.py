@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         gateway = start_tunnel_gateway(cluster, bed, workdir, service_cidr="10.96.0.0/16",
                                        pod_cidr="10.245.0.0/16", tunnel_cidr="10.250.0.0/16")
         token = workdir / "optimizer.token"
-        token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+        granted = cluster.admin.core.create_namespaced_service_account_token(
             OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)))
+        assert granted.status is not None, "the token request came back without a status"
+        token.write_text(str(granted.status.token))
         user_data = []
         with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
             for _ in range(args.nodes):
@@ -87,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                     node = core.read_node(name)
                 except client.ApiException:
                     node = None
-                if node is not None and any(c.type == "Ready" and c.status == "True"
-                                            for c in node.status.conditions or []) and \
+                if node is not None and node.status is not None and node.spec is not None and any(
+                        c.type == "Ready" and c.status == "True" for c in node.status.conditions or []) and \
                         JOINING_TAINT.key not in {t.key for t in node.spec.taints or []}:
                     return time.monotonic() - t0
                 time.sleep(0.1)

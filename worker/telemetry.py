@@ -159,11 +159,8 @@ class OperationTracingInterceptor(TracingInterceptor):
             return False
         if not root.create:
             return True
-        links: list[trace.Link] = []
-        if root.link:
-            origin = trace.get_current_span(self.text_map_propagator.extract(root.link)).get_span_context()
-            if origin.is_valid:
-                links.append(trace.Link(origin))
+        origins = [trace.get_current_span(self.text_map_propagator.extract(c)).get_span_context() for c in root.links]
+        links = [trace.Link(origin) for origin in origins if origin.is_valid]
         token = _ROOT_IDS.set((root.trace_id, root.span_id))
         try:
             span = self.tracer.start_span(root.name, otel_context.Context(), attributes=dict(root.attributes),

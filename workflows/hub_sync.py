@@ -28,6 +28,7 @@ from models.hub import (
     HubSyncStatus,
 )
 from models.ui_text import Details, code, md
+from workflows.observe import hub_poll_trace
 
 # A report batch per poll; the rest go in the next polls (an immediate one when the hub keeps up).
 REPORT_BATCH = 100
@@ -163,7 +164,8 @@ class HubSyncWorkflow:
                                            sa.PHASE.value_set(self.phase)])
         for _ in range(inp.polls_before_continue):
             self.wake = False
-            await self._poll()
+            with hub_poll_trace(inp.cluster, f"{workflow.info().workflow_id}/{workflow.info().run_id}/{self.polls}"):
+                await self._poll()
             self.polls += 1
             self.total_polls += 1
             self.last_poll_at = workflow.now()

@@ -8,8 +8,12 @@ interceptor):
 - each **batch** is its own trace: a round of the provisioning that plans (load the policy, plan, propose, wait
   for the approval, start the nodes) opens it with ``batch_trace``; signals and updates that arrive meanwhile (the
   approval) are in it; between rounds the provisioning traces nothing;
+  The batch's root links to the watcher's ``pods_waiting`` signals that arrived since the previous round (the
+  pods it plans for), at most ``MAX_ARRIVAL_LINKS``;
 - each **burst node** is its own trace, rooted at a ``BurstNode`` span that links to the span of its batch that
-  started it; launch, join, verify, serve and the drain child are in it, across retries and worker restarts.
+  started it; launch, join, verify, serve and the drain child are in it, across retries and worker restarts;
+- each **hub poll** is its own trace (``HubPoll``): the hub sync lives as long as the worker, so one trace for it
+  would grow for ever; between polls it traces nothing.
 
 An operation's root span is zero-length (the library's workflow spans are all zero-length: a span cannot stay open
 across a replay) and has IDs derived from the workflow ID and run (and the round), so a replay on another worker
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +33,7 @@ from temporalio import workflow
 from temporalio.contrib.opentelemetry import TracingWorkflowInboundInterceptor
 from temporalio.contrib.opentelemetry._context import attached_context
 from temporalio.contrib.opentelemetry.workflow import completed_span
-from temporalio.worker import ExecuteWorkflowInput, WorkflowInboundInterceptor
+from temporalio.worker import ExecuteWorkflowInput, HandleSignalInput, WorkflowInboundInterceptor
 
 from models.operation import operation_id
 
@@ -38,8 +42,12 @@ ROOT_SPAN_EXTERN = "__kubeon_operation_root_span"
 # Workflow types whose runs are operations of their own, and the one that opens a trace per round (batch).
 NODE_WORKFLOW = "BurstNode"
 PROVISION_WORKFLOW = "Provision"
+HUB_SYNC_WORKFLOW = "HubSync"
 BATCH_SPAN = "Batch"
 NODE_SPAN = "BurstNode"
+HUB_POLL_SPAN = "HubPoll"
+ARRIVAL_SIGNAL = "pods_waiting"
+MAX_ARRIVAL_LINKS = 16  # a batch of a large rollout gathers hundreds of signals: its first few say enough
 
 Carrier = dict[str, str | list[str]]  # a text-map carrier, as the library keeps one
 
@@ -53,7 +61,7 @@ class RootSpan:
     span_id: int
     time_ns: int
     attributes: Mapping[str, str] = field(default_factory=dict)
-    link: Carrier | None = None  # the span it came from (a node: its batch's start of it)
+    links: tuple[Carrier, ...] = ()  # the spans it came from (a node: its batch's start; a batch: the arrivals)
     create: bool = True  # False while replaying: only say whether the context would be valid
 
 
@@ -68,15 +76,24 @@ class OperationTracingInbound(TracingWorkflowInboundInterceptor):
 
     def __init__(self, next: WorkflowInboundInterceptor) -> None:
         super().__init__(next)
-        self._operation: Carrier | None = None  # the running operation's trace context (a node, a round)
+        self._operation: Carrier | None = None  # the running operation's trace context (a node, a round, a poll)
+        # The provisioning's pods_waiting signals (their senders' contexts) since its last round: the next batch's
+        # links. Kept on replay too (signals replay in order), so the state is the same on every worker.
+        self._arrivals: list[Carrier] = []
 
     def _load_workflow_context_carrier(self) -> Carrier | None:
         kind = workflow.info().workflow_type
-        if kind == PROVISION_WORKFLOW:
-            return self._operation  # the open round's batch, else nothing: not the watcher's first signal
+        if kind in (PROVISION_WORKFLOW, HUB_SYNC_WORKFLOW):
+            return self._operation  # the open round's batch or poll, else nothing: not the run's first caller
         if kind == NODE_WORKFLOW and self._operation is not None:
             return self._operation
         return super()._load_workflow_context_carrier()
+
+    async def handle_signal(self, input: HandleSignalInput) -> None:
+        if (input.signal == ARRIVAL_SIGNAL and workflow.info().workflow_type == PROVISION_WORKFLOW
+                and len(self._arrivals) < MAX_ARRIVAL_LINKS and (header := input.headers.get(self.header_key))):
+            self._arrivals.append(self.payload_converter.from_payloads([header])[0])
+        await super().handle_signal(input)
 
     async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
         info = workflow.info()
@@ -87,10 +104,10 @@ class OperationTracingInbound(TracingWorkflowInboundInterceptor):
                 NODE_SPAN, f"{info.workflow_id}/{info.run_id}",
                 {"kubeon.operation_kind": "Burst", "kubeon.operation": operation,
                  "kubeon.batch": str(getattr(arg, "batch", "")), "kubeon.policy": str(getattr(arg, "policy", ""))},
-                link=super()._load_workflow_context_carrier())
+                links=tuple(c for c in [super()._load_workflow_context_carrier()] if c))
         return await super().execute_workflow(input)
 
-    def _open_root(self, name: str, key: str, attributes: Mapping[str, str], link: Carrier | None = None
+    def _open_root(self, name: str, key: str, attributes: Mapping[str, str], links: tuple[Carrier, ...] = ()
                    ) -> Carrier | None:
         """The trace context of a new operation (None when the worker does not trace); its root span is created
         unless replaying."""
@@ -99,7 +116,7 @@ class OperationTracingInbound(TracingWorkflowInboundInterceptor):
         if create is None:  # a worker without the operation tracing
             return None
         valid = create(RootSpan(name=name, trace_id=trace_id, span_id=span_id, time_ns=workflow.time_ns(),
-                                attributes=dict(attributes), link=link,
+                                attributes=dict(attributes), links=links,
                                 create=not workflow.unsafe.is_replaying()))
         carrier: Carrier = {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
         return carrier if valid else None
@@ -107,7 +124,10 @@ class OperationTracingInbound(TracingWorkflowInboundInterceptor):
     @contextmanager
     def operation_trace(self, name: str, key: str, attributes: Mapping[str, str]) -> Iterator[None]:
         """Run the block (and the signal and update handlers meanwhile) in a new operation's trace."""
-        carrier = self._open_root(name, key, attributes)
+        links: tuple[Carrier, ...] = ()
+        if name == BATCH_SPAN:
+            links, self._arrivals = tuple(self._arrivals), []
+        carrier = self._open_root(name, key, attributes, links)
         if carrier is None:
             yield
             return
@@ -122,17 +142,26 @@ class OperationTracingInbound(TracingWorkflowInboundInterceptor):
 
 
 @contextmanager
-def batch_trace(batch: str, policy: str, key: str) -> Iterator[None]:
-    """A provisioning round as its own trace (``key``: unique for the round, the same on replay)."""
+def _operation_trace(name: str, key: str, attributes: Mapping[str, str]) -> Iterator[None]:
     interceptor = TracingWorkflowInboundInterceptor._from_context()
     # Duck-typed: the sandbox imports this module anew, the worker's interceptor is of the module outside.
     open_trace = getattr(interceptor, "operation_trace", None)
     if open_trace is None:
         yield
         return
-    with open_trace(BATCH_SPAN, key, {"kubeon.operation_kind": "Provision", "kubeon.operation": batch,
-                                      "kubeon.batch": batch, "kubeon.policy": policy}):
+    with open_trace(name, key, attributes):
         yield
+
+
+def batch_trace(batch: str, policy: str, key: str) -> AbstractContextManager[None]:
+    """A provisioning round as its own trace (``key``: unique for the round, the same on replay)."""
+    return _operation_trace(BATCH_SPAN, key, {"kubeon.operation_kind": "Provision", "kubeon.operation": batch,
+                                              "kubeon.batch": batch, "kubeon.policy": policy})
+
+
+def hub_poll_trace(cluster: str, key: str) -> AbstractContextManager[None]:
+    """One poll of the hub sync as its own trace (``key``: unique for the poll, the same on replay)."""
+    return _operation_trace(HUB_POLL_SPAN, key, {"kubeon.operation_kind": "HubSync", "kubeon.cluster": cluster})
 
 
 def phase_span(kind: str, phase: str) -> None:

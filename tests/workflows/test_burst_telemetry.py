@@ -180,6 +180,11 @@ def check_node_trace(otlp: OtlpReceiver, node: list[ReceivedSpan], *, workflow_i
         "kubeon.policy": policy}
     (started,) = [s for s in batch if s.span_id == link.span_id]
     assert started.name == "StartChildWorkflow:BurstNode"
+    # The batch links to the watcher's signals that brought its pods, each sent in a trace of its own.
+    sent = {(s.trace_id, s.span_id): s for s in otlp.snapshot()}
+    arrivals = [sent.get((a.trace_id, a.span_id)) for a in batch_root.links]
+    assert arrivals and all(a is not None and a.name == "SignalWithStartWorkflow:Provision" and not a.parent_span_id
+                            and a.trace_id != batch_root.trace_id for a in arrivals), arrivals
     assert {"RunActivity:load_policy", "RunActivity:plan_batch", "Phase:Planning"} <= {s.name for s in batch}
     assert not any(s.attributes.get("temporalWorkflowID") == workflow_id for s in batch)
     return batch
@@ -299,6 +304,12 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             assert not [s.name for s in otlp.snapshot() if s.name.startswith(("QueryWorkflow:", "HandleQuery:"))]
             hub_calls = [s for s in otlp.snapshot() if s.name.startswith("hub ")]
             assert {"hub GET /v1/cluster/policies", "hub POST /v1/cluster/reports"} <= {s.name for s in hub_calls}
+            # Each hub poll is a trace of its own, rooted at its HubPoll span: not one trace as long as the worker.
+            polls = {s.trace_id for s in hub_calls if s.name == "hub GET /v1/cluster/policies"}
+            assert len(polls) >= 3, polls
+            for trace_id in polls:
+                poll_root = root([s for s in otlp.snapshot() if s.trace_id == trace_id])
+                assert poll_root.name == "HubPoll" and poll_root.attributes["kubeon.cluster"] == hub.cluster
 
             # -- the metrics after the return home --------------------------------------------------------------
             def settled() -> Samples | None:
