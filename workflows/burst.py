@@ -50,6 +50,7 @@ from models.operation import (
 )
 from models.policy import location_label_value
 from models.ui_text import Details, code, md
+from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
 from workflows.failures import error_type, message
 from workflows.gate import action_gate, wait_until_allowed
@@ -130,17 +131,13 @@ class BurstNodeWorkflow:
 
     async def _audit(self, action: str, detail: str = "") -> None:
         assert self.inp is not None
-        await workflow.execute_activity(
-            "record_audit",
-            AuditRecord(
-                key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster,
-                policy=self.inp.policy, operation=self.operation, action=action,
-                location=self.instance.location if self.instance else self.inp.node.offering.location,
-                instance_id=self.instance.instance_id if self.instance else None,
-                node_name=self.node_name if self.instance else None, detail=detail,
-            ),
-            start_to_close_timeout=QUICK, retry_policy=RETRY,
-        )
+        await record_audit(AuditRecord(
+            key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster,
+            policy=self.inp.policy, operation=self.operation, action=action,
+            location=self.instance.location if self.instance else self.inp.node.offering.location,
+            instance_id=self.instance.instance_id if self.instance else None,
+            node_name=self.node_name if self.instance else None, detail=detail,
+        ))
 
     @workflow.query(name="state", description=(
         "The node: phase, planned offering and pods, the instance, node name and history."))

@@ -49,6 +49,7 @@ from models.operation import (
     operation_id,
 )
 from models.ui_text import Details, code, md, md_usd
+from workflows.audit import record_audit
 from workflows.burst import BurstNodeWorkflow
 from workflows.observe import batch_trace, phase_span
 
@@ -252,12 +253,10 @@ class ProvisionWorkflow:
 
     async def _audit(self, record: BatchRecord, action: str, detail: str = "", approver: str | None = None) -> None:
         first = record.plan.new_nodes[0].offering.location if record.plan.new_nodes else None
-        await workflow.execute_activity(
-            "record_audit",
-            AuditRecord(key=f"{record.batch}/{action}", at=workflow.now(), cluster=self.inp.cluster,
-                        policy=self.inp.policy, operation=record.batch, action=action, location=first,
-                        approver=approver, detail=detail or record.plan.summary()),
-            start_to_close_timeout=QUICK, retry_policy=RETRY)
+        await record_audit(AuditRecord(
+            key=f"{record.batch}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
+            operation=record.batch, action=action, location=first, approver=approver,
+            detail=detail or record.plan.summary()))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def _should_continue(self) -> bool:

@@ -41,6 +41,7 @@ from models.scale import (
     WakeTime,
     WakeTimeRequest,
 )
+from workflows.audit import record_audit
 from workflows.failures import message
 from workflows.gate import action_gate, wait_until_allowed
 
@@ -102,13 +103,10 @@ class ScaleWorkflow:
 
     async def _audit(self, action: str, detail: str = "") -> None:
         assert self.inp is not None
-        await workflow.execute_activity(
-            "record_audit",
-            AuditRecord(key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster,
-                        policy=self.inp.policy, operation=self.operation, action=action,
-                        approver=self.approval.approver if self.approval else None,
-                        detail=f"{self.inp.workload.key}: {detail}" if detail else self.inp.workload.key),
-            start_to_close_timeout=QUICK, retry_policy=RETRY)
+        await record_audit(AuditRecord(
+            key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
+            operation=self.operation, action=action, approver=self.approval.approver if self.approval else None,
+            detail=f"{self.inp.workload.key}: {detail}" if detail else self.inp.workload.key))
 
     async def _status(self, entry: dict[str, str | int | None] | None) -> None:
         assert self.inp is not None

@@ -1,0 +1,26 @@
+"""An operation's audit record (R4.7), written by the ``record_audit`` activity as a *local* activity.
+
+Why local: a record is a keyed append to the worker's audit log and a signal to the hub sync, done in well under
+a second; as a regular activity each record was three history events, a round-trip through the task queue (slow
+when a large rollout fills it) and an action of its own. A local activity is one marker event, runs at once in the
+worker that runs the workflow, and the records of one workflow task are one action. The record's key keeps a
+re-run (a worker killed before the task completed) from writing it twice."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+from models.operation import AuditRecord
+
+# Short, so that a stuck write retries soon (in a new workflow task after the local retry threshold), not after a
+# minute; retried without end: an operation's record is never dropped.
+LOCAL_TIMEOUT = timedelta(seconds=10)
+RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+
+
+async def record_audit(record: AuditRecord) -> None:
+    await workflow.execute_local_activity("record_audit", record, start_to_close_timeout=LOCAL_TIMEOUT,
+                                          retry_policy=RETRY, summary=f"audit: {record.action}")
