@@ -246,18 +246,18 @@ async def idle_scenario(b: Bench, samples: int, policy: str) -> None:
                 f"  Unschedulable -> pod bound   {fmt(bound)}"]
 
 
-# History events that are Temporal actions (what Temporal Cloud bills, queries aside): starts (each run, so
-# continue-as-new too), activities (each attempt), signals, timers, child starts, accepted updates, search
-# attribute upserts and markers.
+# History events that are Temporal actions, as Temporal Cloud bills them (docs.temporal.io/cloud/actions; queries
+# aside): starts (each run, so continue-as-new too), activities (each attempt), signals, timers, child starts (two
+# actions each: the intent and the start), accepted updates, search attribute upserts, and local activities (their
+# markers: all of one workflow task are one action, counted below per task).
 ACTION_EVENTS = {
-    "WORKFLOW_EXECUTION_STARTED": "workflow runs",
-    "ACTIVITY_TASK_STARTED": "activity attempts",
-    "WORKFLOW_EXECUTION_SIGNALED": "signals",
-    "TIMER_STARTED": "timers",
-    "START_CHILD_WORKFLOW_EXECUTION_INITIATED": "child starts",
-    "WORKFLOW_EXECUTION_UPDATE_ACCEPTED": "updates",
-    "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES": "search attribute upserts",
-    "MARKER_RECORDED": "markers",
+    "WORKFLOW_EXECUTION_STARTED": ("workflow runs", 1),
+    "ACTIVITY_TASK_STARTED": ("activity attempts", 1),
+    "WORKFLOW_EXECUTION_SIGNALED": ("signals", 1),
+    "TIMER_STARTED": ("timers", 1),
+    "START_CHILD_WORKFLOW_EXECUTION_INITIATED": ("child starts", 2),
+    "WORKFLOW_EXECUTION_UPDATE_ACCEPTED": ("updates", 1),
+    "UPSERT_WORKFLOW_SEARCH_ATTRIBUTES": ("search attribute upserts", 1),
 }
 
 
@@ -269,6 +269,7 @@ class ActionCount:
     runs: int = 0
     batches: set[str] = field(default_factory=set)
     activities: dict[str, int] = field(default_factory=dict)  # activity type -> times scheduled
+    local_activities: int = 0
 
     @property
     def actions(self) -> int:
@@ -289,6 +290,7 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
         if batch and wf.typed_search_attributes.get(sa.OPERATION_KIND) == "Burst":
             out.batches.add(str(batch))
         history = await b.temporal.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+        tasks_with_markers: set[int] = set()
         for event in history.events:
             if event.event_time.ToDatetime(tzinfo=since.tzinfo) < since:
                 continue
@@ -299,9 +301,15 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
             elif name == "ACTIVITY_TASK_SCHEDULED":
                 kind_name = event.activity_task_scheduled_event_attributes.activity_type.name
                 out.activities[kind_name] = out.activities.get(kind_name, 0) + 1
-            kind = ACTION_EVENTS.get(name)
-            if kind:
-                out.by_kind[kind] = out.by_kind.get(kind, 0) + 1
+            elif name == "MARKER_RECORDED":
+                out.local_activities += 1
+                task = event.marker_recorded_event_attributes.workflow_task_completed_event_id
+                if task not in tasks_with_markers:
+                    tasks_with_markers.add(task)
+                    out.by_kind["local activity tasks"] = out.by_kind.get("local activity tasks", 0) + 1
+            if name in ACTION_EVENTS:
+                kind, actions = ACTION_EVENTS[name]
+                out.by_kind[kind] = out.by_kind.get(kind, 0) + actions
     return out
 
 
@@ -386,7 +394,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                 f"  workflow runs / tasks / events {actions.runs} / {actions.workflow_tasks} / {actions.events} "
                 f"({actions.workflow_tasks / n:.1f} workflow tasks per pod)",
                 "  activities scheduled           " + ", ".join(
-                    f"{k} {v}" for k, v in sorted(actions.activities.items(), key=lambda kv: -kv[1])[:10])]
+                    f"{k} {v}" for k, v in sorted(actions.activities.items(), key=lambda kv: -kv[1])[:10]),
+                f"  local activities               {actions.local_activities} (audit records, hub-hold checks)"]
 
 
 class Profiler:
