@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -350,5 +351,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(args.func(args))
 
 
+def entry() -> None:
+    """The ``kubeon-gpu`` command: ``main``, then, once the Temporal SDK is loaded, out without the interpreter's
+    teardown. The SDK's Rust threads can call into Python while it finalizes and abort the process ("Fatal Python
+    error: PyGILState_Release: thread state ... must be current when releasing", temporalio/sdk-python#300): about
+    one `ops list` in 20 exited 134 after printing its answer, which a script takes for a failure. Everything the
+    command wrote is flushed first; the worker has flushed its spans by then."""
+    code = main()
+    if "temporalio.bridge.temporal_sdk_bridge" in sys.modules:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,8 +1,13 @@
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from temporalio.testing import WorkflowEnvironment
 
 from worker.cli import main
 
@@ -34,3 +39,25 @@ def test_validate_reports_unreadable_yaml(tmp_path: Path, capsys: pytest.Capture
     doc.write_text("spec: [unclosed\n")
     assert main(["policy", "validate", str(doc)]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.temporal
+def test_the_command_prints_its_whole_answer_and_exits_with_its_code(temporal_dev_server: WorkflowEnvironment) -> None:
+    """The installed ``kubeon-gpu`` (worker.cli:entry) leaves without the interpreter's teardown once the Temporal SDK
+    ran (that teardown aborted one run in 20): what it printed to a pipe is all there, and its exit code is the
+    command's. Several runs, since the abort it prevents came at random."""
+    command = Path(sys.executable).parent / "kubeon-gpu"
+    # Buffered, as a user's shell gives it a pipe (PYTHONUNBUFFERED would hide an unflushed answer).
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+           "KUBEON_TEMPORAL_ADDRESS": temporal_dev_server.client.service_client.config.target_host}
+    for _ in range(5):
+        listed = subprocess.run([str(command), "ops", "list", "--json", "--cluster", "no-such-cluster"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout) == []
+        missing = subprocess.run([str(command), "ops", "show", "op-000000000000"], env=env, capture_output=True,
+                                 text=True, timeout=60)
+        assert missing.returncode == 1, missing.stderr
+        assert missing.stderr.startswith("kubeon-gpu ops show: ") and "op-000000000000" in missing.stderr, (
+            missing.stderr)
+        assert "Fatal Python error" not in listed.stderr + missing.stderr
