@@ -103,19 +103,19 @@ class _Pods:
 
 
 def eligible_offerings(offerings: Iterable[Offering], locations: list[str], max_gpu_hour: float
-                       ) -> tuple[list[Offering], list[str]]:
+                       ) -> tuple[list[Offering], list[tuple[Offering, str]]]:
     """Offerings inside the policy's locations and under maxGpuHour, cheapest node first; the rest with why."""
     allowed = set(locations)
     eligible: list[Offering] = []
-    refused: list[str] = []
+    refused: list[tuple[Offering, str]] = []
     for o in offerings:
         what = f"{o.instance_type} in {o.location}"
         if o.location not in allowed:
-            refused.append(f"{what}: location not in policy")
+            refused.append((o, f"{what}: location not in policy"))
         elif o.gpus < 1:
-            refused.append(f"{what}: no GPU")
+            refused.append((o, f"{what}: no GPU"))
         elif o.usd_per_gpu_hour > max_gpu_hour:
-            refused.append(f"{what}: ${o.usd_per_gpu_hour:.2f}/GPU-h over maxGpuHour ${max_gpu_hour:.2f}")
+            refused.append((o, f"{what}: ${o.usd_per_gpu_hour:.2f}/GPU-h over maxGpuHour ${max_gpu_hour:.2f}"))
         else:
             eligible.append(o)
     eligible.sort(key=lambda o: (o.usd_per_hour, o.gpus, o.location, o.instance_type))
@@ -177,7 +177,8 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
         if pod.key not in placed:
             unplaced.append(Unplaced(pod=pod.key, why=why_waits, waits_for_capacity=True))
     plan = BatchPlan(plan_id="", batch=batch, policy=policy, new_nodes=new_nodes, on_existing=state.on_existing,
-                     unplaced=sorted(unplaced, key=lambda u: u.pod), refused=refused)
+                     unplaced=sorted(unplaced, key=lambda u: u.pod),
+                     refused=_refusals_that_matter(refused, [p for p in pods if p.tolerates(taint_key)], policy))
     digest = hashlib.sha256("|".join(
         [batch]
         + [f"{n.offering.location}:{n.offering.instance_type}:{n.offering.usd_per_hour}:{','.join(n.pods)}"
@@ -186,6 +187,17 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
         + [u.pod for u in plan.unplaced]).encode()).hexdigest()[:10]
     plan.plan_id = f"plan-{digest}"
     return plan
+
+
+def _refusals_that_matter(refused: list[tuple[Offering, str]], pods: list[PendingPod], policy: str) -> list[str]:
+    """The refused offerings that could have served a waiting pod (its GPU product, instance type, GPU count),
+    with why; the others only counted: an A100 over maxGpuHour says nothing about an L4 pod's plan."""
+    shown = [why for o, why in refused
+             if any(o.gpus >= p.gpus and pod_matches(p, node_labels(o, policy)) for p in pods)]
+    others = len(refused) - len(shown)
+    if others:
+        shown.append(f"{others} other refused offering(s) fit none of the waiting pods")
+    return shown
 
 
 def _why_not(pod: PendingPod, eligible: list[Offering], labels: list[dict[str, str]]) -> str:

@@ -77,6 +77,22 @@ def test_outside_locations_and_over_max_gpu_hour_with_transfer_are_refused() -> 
     assert any("sim/eu" in r and "over maxGpuHour" in r for r in plan.refused)
 
 
+def test_refusals_name_only_offerings_a_waiting_pod_could_have_used() -> None:
+    plan = _plan(_pods(1), [
+        _offer("sim/eu", "l4.1", 0.95),
+        _offer("sim/eu", "l4.4-dear", 40.0, gpus=4),  # an L4 node over maxGpuHour: it could have served the pod
+        _offer("sim/eu", "a100.1", 30.0, product="NVIDIA-A100"),  # over maxGpuHour, and no L4 anyway
+        _offer("sim/ap", "a100.8", 9.0, gpus=8, product="NVIDIA-A100"),  # outside the policy, and no L4
+    ], max_gpu_hour=5.0)
+    assert _types(plan) == ["l4.1"]
+    assert plan.refused == ["l4.4-dear in sim/eu: $10.02/GPU-h over maxGpuHour $5.00",
+                            "2 other refused offering(s) fit none of the waiting pods"]
+    # A two-GPU pod cannot use a one-GPU node: its refusal says nothing about the pod's plan either.
+    two = _plan(_pods(1, gpus=2), [_offer("sim/eu", "l4.1", 9.0), _offer("sim/eu", "l4.2", 1.0, gpus=2)],
+                max_gpu_hour=5.0)
+    assert two.refused == ["1 other refused offering(s) fit none of the waiting pods"]
+
+
 def test_where_max_nodes_binds_larger_nodes_serve_more_pods() -> None:
     plan = _plan(_pods(16), CATALOGUE, max_new_nodes=4)
     assert _types(plan) == ["l4.4"] * 4 and not plan.unplaced
