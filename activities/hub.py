@@ -49,6 +49,9 @@ class HubActivities:
     _policies: PolicySet | None = None
     _state: HubState = "starting"
     _reported_invalid: set[str] = field(default_factory=set)
+    # What the last "policies synced" line at INFO said: a poll that changes nothing logs at DEBUG (every
+    # pollInterval, forever, it was most of the worker's log).
+    _last_sync_logged: str | None = None
 
     def _transition(self, state: HubState, message: str) -> None:
         """Log once per change of state, with why: a hub down for an hour is one warning, not sixty."""
@@ -86,8 +89,10 @@ class HubActivities:
         self._policies = policy_set
         activity.heartbeat("syncing policies")
         outcome = await asyncio.to_thread(self.syncer.sync, policy_set.documents, policy_set.revision)
-        log.info("policies synced: %s (hub revision %d%s)", outcome.summary(), policy_set.revision,
-                 "" if pulled else ", not modified on the hub")
+        said = f"{outcome.summary()} (hub revision {policy_set.revision})"
+        log.log(logging.INFO if said != self._last_sync_logged else logging.DEBUG, "policies synced: %s%s", said,
+                "" if pulled else ", not modified on the hub")
+        self._last_sync_logged = said
         self._transition("connected", "")
         result = HubPollResult(state="connected", etag=policy_set.etag, approvals_cursor=req.approvals_cursor,
                                sync=outcome)

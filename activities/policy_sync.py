@@ -234,7 +234,7 @@ class PolicySyncer:
                 if exc.status != 404:
                     raise
             outcome.pruned.append(name)
-        log.info("policy sync at hub revision %s: %s", revision, outcome.summary())
+        log.debug("policy sync at hub revision %s: %s", revision, outcome.summary())  # the hub sync logs the outcome
         return outcome
 
     @staticmethod

@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
@@ -159,15 +159,17 @@ class Children:
         tmp.write_text(json.dumps(doc, indent=1))
         os.replace(tmp, self.file)
 
-    def stop_all(self, grace: float = GRACE_SECONDS) -> list[str]:
-        """End every child (reverse start order), bounded; returns the names that needed SIGKILL."""
+    def stop_all(self, grace: float = GRACE_SECONDS, *, keep: Collection[int] = ()) -> list[str]:
+        """End every child (reverse start order) but those whose pid is in ``keep`` (stopped by their owner in the
+        order they need, e.g. the control plane's), bounded; returns the names that needed SIGKILL."""
+        procs = [(c, p) for c, p in self._procs if c.pid not in keep]
 
         def reap() -> None:
-            for _, proc in self._procs:
+            for _, proc in procs:
                 proc.poll()
 
-        killed = end(self.children, grace=grace, hurry=lambda: self.hurry, reap=reap)
-        for _, proc in self._procs:
+        killed = end([c for c, _ in procs], grace=grace, hurry=lambda: self.hurry, reap=reap)
+        for _, proc in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1)
         return killed

@@ -347,17 +347,28 @@ class ControlPlane:
     def log_tail(self, name: str, chars: int = 3000) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")[-chars:]
 
-    def stop(self) -> None:
-        # Reverse start order; SIGTERM the whole group, then SIGKILL whatever remains.
-        for proc in reversed(list(self._procs.values())):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self._procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+    def stop(self, hurry: Callable[[], bool] = lambda: False) -> list[str]:
+        """SIGTERM each process's group, SIGKILL what remains after 10 s (or once ``hurry()``): the apiserver and its
+        clients first, etcd once they are gone (an apiserver whose etcd went first retries etcd in its shutdown
+        until it is killed). Returns the names that needed SIGKILL."""
+        killed: list[str] = []
+        clients = [(name, proc) for name, proc in reversed(self._procs.items()) if name != "etcd"]
+        for wave in (clients, [(name, proc) for name, proc in self._procs.items() if name == "etcd"]):
+            for _, proc in wave:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                    os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while any(proc.poll() is None for _, proc in wave) and time.monotonic() < deadline and not hurry():
+                time.sleep(0.05)
+            for name, proc in wave:
+                if proc.poll() is None:
+                    killed.append(name)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         self._procs.clear()
+        return killed
+
+    @property
+    def pids(self) -> set[int]:
+        return {proc.pid for proc in self._procs.values()}

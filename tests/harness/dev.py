@@ -297,8 +297,14 @@ def main(argv: list[str] | None = None) -> int:
         worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
         say(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
-            names = wait_for(lambda: [p["metadata"]["name"] for p in admin.custom.list_cluster_custom_object(
-                API_GROUP, "v1", PLURAL)["items"]], what="policies synced from the hub", timeout=120)
+            seeded = len(list(args.policies.glob("*.yaml")))
+
+            def all_synced() -> list[str] | None:  # all: the sync applies them one by one
+                found = [p["metadata"]["name"] for p in admin.custom.list_cluster_custom_object(
+                    API_GROUP, "v1", PLURAL)["items"]]
+                return found if len(found) >= seeded else None
+
+            names = wait_for(all_synced, what=f"the {seeded} policies synced from the hub", timeout=120)
             say(f"policies synced from the hub: {', '.join(names)}")
         rel = os.path.relpath(kubeconfig, Path.cwd())
         approve_in_hub = "" if args.no_hub else (
@@ -356,10 +362,13 @@ ready""", flush=True)
             devclouds.stop()
         for stop_metrics in stopping_metrics:
             stop_metrics()
-        killed = children.stop_all()
+        # The control plane's clients first; then the control plane, etcd last (ControlPlane.stop).
+        killed = children.stop_all(keep=plane.pids)
         if killed:
             say(f"killed after {GRACE_SECONDS:.0f}s without exiting: {', '.join(killed)}")
-        plane.stop()
+        killed = plane.stop(hurry=lambda: children.hurry)
+        if killed and not children.hurry:
+            say(f"killed after 10s without exiting: {', '.join(killed)}")
         lock.release()
 
 

@@ -196,7 +196,7 @@ async def optimizer(stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEn
 
 async def test_policies_sync_edits_are_undone_deletions_pruned_and_a_rotated_token_is_used(
         optimizer: Optimizer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kubeon.hub")
+    caplog.set_level(logging.DEBUG, logger="kubeon.hub")
     hub, first, second = optimizer.hub, unique("p"), unique("p")
     hub.put(policy(first, mode="Recommend", max_nodes=3))
     hub.put(policy(second, mode="Approve"))
@@ -213,8 +213,15 @@ async def test_policies_sync_edits_are_undone_deletions_pruned_and_a_rotated_tok
     assert status["effectiveMode"] == "Recommend"  # the Enforced column
     assert status["observedGeneration"] == obj["metadata"]["generation"] and status["lastSyncTime"]
     assert optimizer.condition(first, CONDITION_HUB_CONNECTED)["status"] == "True"
-    await until(lambda: any("policies synced" in r.getMessage() for r in caplog.records), timeout=10,
-             what="the worker to log 'policies synced' (R1.5)")
+    await until(lambda: any("policies synced" in r.getMessage() and r.levelno == logging.INFO
+                            for r in caplog.records), timeout=10, what="the worker to log 'policies synced' (R1.5)")
+    # Polls that change nothing log at DEBUG: at INFO one line per new outcome, not one per poll.
+    def synced_lines(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if "policies synced" in r.getMessage() and r.levelno == level]
+
+    await until(lambda: len(synced_lines(logging.DEBUG)) >= 3, timeout=30, what="three polls that change nothing")
+    said = [line.removesuffix(", not modified on the hub") for line in synced_lines(logging.INFO)]
+    assert len(said) == len(set(said)), said
 
     # A direct edit (kubectl edit) is overwritten on the next sync (R2.6).
     optimizer.stack.cluster.admin.custom.patch_cluster_custom_object(
