@@ -7,9 +7,9 @@ interceptor):
 
 - each **batch** is its own trace: a round of the provisioning that plans (load the policy, plan, propose, wait
   for the approval, start the nodes) opens it with ``batch_trace``; signals and updates that arrive meanwhile (the
-  approval) are in it; between rounds the provisioning traces nothing;
-  The batch's root links to the watcher's ``pods_waiting`` signals that arrived since the previous round (the
-  pods it plans for), at most ``MAX_ARRIVAL_LINKS``;
+  approval) are in it; between rounds the provisioning traces nothing. Its root links to the watcher's
+  ``pods_waiting`` signals that arrived since the previous round (the pods it plans for), at most
+  ``MAX_ARRIVAL_LINKS``;
 - each **burst node** is its own trace, rooted at a ``BurstNode`` span that links to the span of its batch that
   started it; launch, join, verify, serve and the drain child are in it, across retries and worker restarts;
 - each **hub poll** is its own trace (``HubPoll``): the hub sync lives as long as the worker, so one trace for it
