@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     children = Children(workdir, ports=ports)
     stopping = threading.Event()
     started = threading.Event()
+    signalled: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         # Ctrl-C, SIGTERM, the terminal closing (SIGHUP): stop. While starting, at once; a second one while
@@ -214,9 +215,18 @@ def main(argv: list[str] | None = None) -> int:
             children.hurry = True
             say(f"{signal.Signals(signum).name} again: killing what is left")
             return
+        signalled.append(signal.Signals(signum).name)
         stopping.set()
         if not started.is_set():
             raise Interrupted(signal.Signals(signum).name)
+
+    def starting(step: str | None = None) -> None:
+        """Go on with the start (saying ``step``), unless a signal came meanwhile: the handler's exception can be
+        lost (raised inside a weakref callback or a finalizer, where Python ignores it), the flag cannot."""
+        if stopping.is_set() and not started.is_set():
+            raise Interrupted(signalled[0] if signalled else "signal")
+        if step:
+            say(step)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, on_signal)
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     agents: list[AgentProcess] = []
     stopping_metrics: list[Callable[[], None]] = []
     try:
-        say("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
+        starting("starting the control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok)")
         try:
             plane.start()
         except ControlPlaneError as exc:
@@ -239,14 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         from tests.harness.kube import Cluster
 
         cluster = Cluster(plane=plane, admin=admin)
-        say(f"starting the Temporal dev server on 127.0.0.1:{args.temporal_port}")
+        starting(f"starting the Temporal dev server on 127.0.0.1:{args.temporal_port}")
         start_temporal(children, workdir, args.temporal_port, args.ui_port)
         children.start("console", [sys.executable, "-m", "worker.cli", "console", "--upstream",
                                    f"http://127.0.0.1:{args.ui_port}", "--listen", f"127.0.0.1:{args.console_port}"],
                        log=workdir / "console.log")
 
         stack = build_stack(cluster, workdir / "stack")
-        say("starting the local clouds: moto (aws/eu-central-1), gcp/europe-west4, azure/westeurope")
+        starting("starting the local clouds: moto (aws/eu-central-1), gcp/europe-west4, azure/westeurope")
         devclouds = DevClouds(workdir / "clouds", endpoints_file=workdir / "endpoints.json",
                               popen=children.popen).start()
         os.environ.update(devclouds.worker_env())  # the worker inherits them
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway_port, worker_health_port = free_port(), free_port()
         gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", gateway_port, popen=children.popen,
                                                     extra_env={"KUBEON_POOL_TOKENS_DIR": str(tokens_dir)})
-        say(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
+        starting(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
         from tests.harness.dev_metrics import DevMetrics
 
@@ -266,17 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             port=args.prometheus_port, products={"kubeon-worker": f"127.0.0.1:{worker_health_port}",
                                                  "kubeon-gateway": f"127.0.0.1:{gateway_port}"})
         stopping_metrics.append(metrics.stop)
-        say(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture, the worker's /metrics "
-            f"(127.0.0.1:{worker_health_port}) and the gateway's (127.0.0.1:{gateway_port})")
+        starting(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture, the worker's /metrics "
+                 f"(127.0.0.1:{worker_health_port}) and the gateway's (127.0.0.1:{gateway_port})")
         hub_settings: dict[str, object] = {"prometheus_url": metrics.url}
         hub_lines = ""
         locations = DEV_LOCATIONS
         if args.no_hub:
             names = load_policies(admin, args.policies)
-            say(f"policies created in the cluster: {', '.join(names)}")
+            starting(f"policies created in the cluster: {', '.join(names)}")
         else:
             hub_url = f"http://127.0.0.1:{args.hub_port}"
-            say(f"starting the hub on {hub_url}")
+            starting(f"starting the hub on {hub_url}")
             hub = start_hub(children, workdir, args.hub_port, args.policies)
             hub_settings.update({"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                                  "hub_poll_interval": 5})
@@ -284,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             agents = start_onprem_pool(children, workdir, hub_url, admin_key, tokens_dir)
             locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}",
                                           "credentials": {"existingSecret": "kubeon-burst-dc1"}}]
-            say(f"pool onprem/{ONPREM_POOL} with servers {', '.join(ONPREM_SERVERS)} (agents: {workdir / 'onprem'})")
+            starting(f"pool onprem/{ONPREM_POOL} with servers {', '.join(ONPREM_SERVERS)} "
+                     f"(agents: {workdir / 'onprem'})")
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
@@ -295,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                                   health_port=worker_health_port, **hub_settings,
                                   **gateway_settings, **devclouds.settings())
         worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
-        say(f"worker started (log: {workdir / 'worker.log'})")
+        starting(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
             seeded = len(list(args.policies.glob("*.yaml")))
 
@@ -305,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 return found if len(found) >= seeded else None
 
             names = wait_for(all_synced, what=f"the {seeded} policies synced from the hub", timeout=120)
-            say(f"policies synced from the hub: {', '.join(names)}")
+            starting(f"policies synced from the hub: {', '.join(names)}")
         rel = os.path.relpath(kubeconfig, Path.cwd())
         approve_in_hub = "" if args.no_hub else (
             "\n  (or approve in the hub: curl -H \"Authorization: Bearer $(cat "
@@ -314,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         onprem_line = "" if not agents else (
             f", onprem/{ONPREM_POOL} (${ONPREM_USD_PER_GPU_HOUR}/GPU-h, servers {', '.join(ONPREM_SERVERS)})")
         # Started before "ready" is printed: a signal sent by whoever reads "ready" is a stop, not an interruption.
+        starting()
         started.set()
         print(f"""
 KubeOn GPU optimizer is running locally.
