@@ -304,27 +304,23 @@ class RecordStore:
         """Complete a reservation at redemption (the node's WireGuard key; the redeemed ticket, whose labels,
         taints and GPUs are those of the instance that exists), only if it is unchanged since read; ``None`` if it
         changed (another redemption claimed it, or it was released)."""
-        try:
-            cm = self.core.patch_namespaced_config_map(slot.name, self.namespace, {
-                "metadata": {"resourceVersion": slot.resource_version},
-                "data": {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket)}})
-        except client.ApiException as exc:
-            if exc.status in (404, 409):
-                return None
-            raise
-        return Slot.from_configmap(cm)
+        cm = self._patch_unchanged(slot, {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket)})
+        return Slot.from_configmap(cm) if cm is not None else None
 
     def update_reservation(self, slot: Slot, ticket: Ticketed) -> bool:
         """Point an unredeemed reservation at a newer ticket of the same node (a retried launch, perhaps failed
         over to another location: its labels change with it); False if it changed since read."""
+        return self._patch_unchanged(slot, _ticket_data(ticket)) is not None
+
+    def _patch_unchanged(self, slot: Slot, data: dict[str, str]) -> client.V1ConfigMap | None:
+        """Patch the slot's data only if it is as read (its resourceVersion); None if it changed or is gone."""
         try:
-            self.core.patch_namespaced_config_map(slot.name, self.namespace, {
-                "metadata": {"resourceVersion": slot.resource_version}, "data": _ticket_data(ticket)})
+            return self.core.patch_namespaced_config_map(slot.name, self.namespace, {
+                "metadata": {"resourceVersion": slot.resource_version}, "data": data})
         except client.ApiException as exc:
             if exc.status in (404, 409):
-                return False
+                return None
             raise
-        return True
 
     def delete_unchanged(self, slot: Slot) -> bool:
         """Delete a slot only if it is as read (a reservation being claimed meanwhile stays); False if not."""
@@ -387,7 +383,7 @@ class GatewayTunnel:
         if not device.has_private_key or device.listen_port != self.listen_port:
             self.configure()
         # Reservations (tickets not redeemed yet) have no key and no peer.
-        want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots if s.wireguard_key}
+        want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots if not s.reserved}
         added, removed = [], []
         for key, ips in want.items():
             peer = device.peers.get(key)

@@ -192,8 +192,11 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
 def _refusals_that_matter(refused: list[tuple[Offering, str]], pods: list[PendingPod], policy: str) -> list[str]:
     """The refused offerings that could have served a waiting pod (its GPU product, instance type, GPU count),
     with why; the others only counted: an A100 over maxGpuHour says nothing about an L4 pod's plan."""
-    shown = [why for o, why in refused
-             if any(o.gpus >= p.gpus and pod_matches(p, node_labels(o, policy)) for p in pods)]
+    def could_serve(o: Offering) -> bool:
+        labels = node_labels(o, policy)
+        return any(o.gpus >= p.gpus and pod_matches(p, labels) for p in pods)
+
+    shown = [why for o, why in refused if could_serve(o)]
     others = len(refused) - len(shown)
     if others:
         shown.append(f"{others} other refused offering(s) fit none of the waiting pods")

@@ -11,14 +11,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 
 from models.operation import AuditRecord
+from workflows.failures import RETRY
 
 # Short, so that a stuck write retries soon (in a new workflow task after the local retry threshold), not after a
 # minute; retried without end: an operation's record is never dropped.
 LOCAL_TIMEOUT = timedelta(seconds=10)
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 
 
 async def record_audit(record: AuditRecord) -> None:

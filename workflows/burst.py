@@ -52,7 +52,7 @@ from models.policy import location_label_value
 from models.ui_text import Details, code, md
 from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
-from workflows.failures import error_type, message
+from workflows.failures import QUICK, RETRY, error_type, message
 from workflows.gate import action_gate, wait_until_allowed
 from workflows.observe import phase_span
 
@@ -60,8 +60,6 @@ from workflows.observe import phase_span
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
 HELD = "Held"
 
-QUICK = timedelta(seconds=60)
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 # Short enough that an activity on a killed worker is retried on another within seconds.
 HEARTBEAT = timedelta(seconds=15)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 from models import search_attributes as sa
@@ -23,10 +22,8 @@ from models.operation import (
     Phase,
 )
 from models.ui_text import Details, code, md
+from workflows.failures import QUICK, RETRY
 from workflows.gate import action_gate, wait_until_allowed
-
-SHORT = timedelta(seconds=60)
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 
 
 class NotGoneYet(Exception):
@@ -96,7 +93,7 @@ class DrainWorkflow:
         self._set(inp, "cordoning")
         node = NodeRef(node_name=inp.node_name)
         present = await workflow.execute_activity(
-            "cordon_node", node, result_type=bool, start_to_close_timeout=SHORT, retry_policy=RETRY,
+            "cordon_node", node, result_type=bool, start_to_close_timeout=QUICK, retry_policy=RETRY,
             summary=f"cordon {inp.node_name}")
         self.cordoned = present
         if present:
@@ -104,19 +101,19 @@ class DrainWorkflow:
         if inp.instance is not None:
             self._set(inp, f"terminating {inp.instance.instance_id}")
             await workflow.execute_activity(
-                "terminate_instance", inp.instance, start_to_close_timeout=SHORT, retry_policy=RETRY,
+                "terminate_instance", inp.instance, start_to_close_timeout=QUICK, retry_policy=RETRY,
                 summary=f"terminate {inp.instance.instance_id} in {inp.instance.location}")
             self.terminated = inp.instance.instance_id
         self._set(inp, "removing node")
         removed = await workflow.execute_activity(
             "remove_node", NodeRemoval(node_name=inp.node_name, operation=inp.operation), result_type=bool,
-            start_to_close_timeout=SHORT, retry_policy=RETRY, summary=f"remove Node {inp.node_name}")
+            start_to_close_timeout=QUICK, retry_policy=RETRY, summary=f"remove Node {inp.node_name}")
         self.node_removed = True
         self._set(inp, "confirming node and instance gone")
         deadline = workflow.now() + timedelta(minutes=10)
         while not await workflow.execute_activity(
             "confirm_gone", GoneCheck(node_name=inp.node_name, instance=inp.instance), result_type=bool,
-            start_to_close_timeout=SHORT, retry_policy=RETRY,
+            start_to_close_timeout=QUICK, retry_policy=RETRY,
         ):
             if workflow.now() > deadline:
                 raise ApplicationError(
@@ -134,7 +131,7 @@ class DrainWorkflow:
         while True:
             await self._hold_while_disconnected(inp)
             res: EvictionResult = await workflow.execute_activity(
-                "evict_pods", node, result_type=EvictionResult, start_to_close_timeout=SHORT, retry_policy=RETRY,
+                "evict_pods", node, result_type=EvictionResult, start_to_close_timeout=QUICK, retry_policy=RETRY,
                 summary=f"evict the pods of {inp.node_name} (Eviction API, PDBs honoured)")
             # Pods still listed and not blocked had their eviction accepted (they may still be terminating).
             self.evicted += [p for p in res.remaining if p not in res.blocked and p not in self.evicted]

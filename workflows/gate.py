@@ -8,12 +8,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 
 from models.hub import GateRequest, GateState
 from models.operation import SERVE_QUEUE_SUFFIX
-
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+from workflows.failures import RETRY
 
 
 async def action_gate(policy: str) -> GateState:

@@ -100,11 +100,12 @@ class OperationTracingInbound(TracingWorkflowInboundInterceptor):
         if info.workflow_type == NODE_WORKFLOW:
             arg = input.args[0] if input.args else None
             operation = operation_id(info.workflow_id, info.run_id)
+            started_by = super()._load_workflow_context_carrier()  # the batch's start of this node
             self._operation = self._open_root(
                 NODE_SPAN, f"{info.workflow_id}/{info.run_id}",
                 {"kubeon.operation_kind": "Burst", "kubeon.operation": operation,
                  "kubeon.batch": str(getattr(arg, "batch", "")), "kubeon.policy": str(getattr(arg, "policy", ""))},
-                links=tuple(c for c in [super()._load_workflow_context_carrier()] if c))
+                links=(started_by,) if started_by else ())
         return await super().execute_workflow(input)
 
     def _open_root(self, name: str, key: str, attributes: Mapping[str, str], links: tuple[Carrier, ...] = ()

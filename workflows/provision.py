@@ -21,7 +21,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 from temporalio.workflow import ParentClosePolicy
 
@@ -51,10 +50,9 @@ from models.operation import (
 from models.ui_text import Details, code, md, md_usd
 from workflows.audit import record_audit
 from workflows.burst import BurstNodeWorkflow
+from workflows.failures import QUICK, RETRY
 from workflows.observe import batch_trace, phase_span
 
-QUICK = timedelta(seconds=60)
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 KEEP_BATCHES = 20
 KEEP_HISTORY = 50
 
@@ -470,9 +468,9 @@ class ProvisionWorkflow:
         self._log(f"batch {record.batch}: {record.message}")
 
     def _settle(self) -> None:
-        waits = self.capacity_waits
-        if waits:
-            self._set_phase(Phase.WAITING_FOR_CAPACITY, f"{len(waits)} pod(s) wait: {waits[0]}")
+        if self.capacity_waits:
+            self._set_phase(Phase.WAITING_FOR_CAPACITY,
+                            f"{len(self.capacity_waits)} pod(s) wait: {self.capacity_waits[0]}")
         else:
             self._set_phase(Phase.IDLE, f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting")
 

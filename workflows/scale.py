@@ -42,11 +42,9 @@ from models.scale import (
     WakeTimeRequest,
 )
 from workflows.audit import record_audit
-from workflows.failures import message
+from workflows.failures import QUICK, RETRY, message
 from workflows.gate import action_gate, wait_until_allowed
 
-QUICK = timedelta(seconds=60)
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 HEARTBEAT = timedelta(seconds=15)
 DECIDABLE = (ScalePhase.AWAITING_APPROVAL,)
 WAKEABLE = (ScalePhase.SCALING_DOWN, ScalePhase.SCALED_TO_ZERO)
