@@ -10,7 +10,7 @@ import os
 import threading
 from pathlib import Path
 
-from models.operation import AuditRecord
+from models.audit import AuditRecord
 
 
 class AuditLog:

@@ -33,30 +33,23 @@ from activities.providers.base import (
     ProviderError,
 )
 from activities.tracing import traced
+from models.audit import AuditRecord
+from models.drain import EvictionResult, GoneCheck, NodeRef, NodeRemoval
 from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
 from models.locations import BurstConfig
-from models.operation import (
-    AuditRecord,
-    BatchPlan,
-    BatchPlanRequest,
+from models.node import (
     CleanupRequest,
     CleanupResult,
-    EvictionResult,
-    GoneCheck,
     Instance,
     InstanceRef,
     LaunchRequest,
-    LoadPolicyRequest,
     NodeExpectation,
-    NodeRef,
-    NodeRemoval,
     NodeWaitRequest,
-    Offering,
-    PolicySnapshot,
     ServeCheckRequest,
     ServeCheckResult,
     VerifyResult,
 )
+from models.provisioning import BatchPlan, BatchPlanRequest, LoadPolicyRequest, Offering, PolicySnapshot
 
 # Error types the workflows branch on (ApplicationError.type).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"

@@ -10,7 +10,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, W
 from temporalio.service import RPCError, RPCStatusCode
 
 from models import search_attributes as sa
-from models.operation import Approval, DecisionResult, Rejection
+from models.decisions import Approval, DecisionResult, Rejection
 
 APPROVE_UPDATE = "approve_plan"
 REJECT_UPDATE = "reject_plan"

@@ -48,7 +48,7 @@ from models.join import (
     JoinRedeem,
     parse_user_data,
 )
-from models.operation import GPU_RESOURCE, LABEL_OPERATION, Taint
+from models.labels import GPU_RESOURCE, LABEL_OPERATION, Taint
 from tunnel.keys import check_key
 from tunnel.uapi import UapiError
 

@@ -36,7 +36,7 @@ from models.join import (
     NODES_GROUP,
     TunnelAnswer,
 )
-from models.operation import Taint
+from models.labels import Taint
 from tunnel.uapi import Uapi
 
 MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}

@@ -23,6 +23,7 @@ from activities.hub_client import (
     PolicySet,
 )
 from activities.policy_sync import PolicySyncer
+from models.decisions import Approval, Rejection
 from models.hub import (
     REASON_UNAUTHORIZED,
     REASON_UNREACHABLE,
@@ -33,7 +34,6 @@ from models.hub import (
     HubState,
     report_detail,
 )
-from models.operation import Approval, Rejection
 from models.policy import RESOURCE_NAME_PATTERN
 
 log = logging.getLogger("kubeon.hub")

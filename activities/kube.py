@@ -13,19 +13,11 @@ from typing import Any, Generic, TypeVar
 from kubernetes import client, watch
 
 from activities.planning import pod_matches
-from models.operation import (
-    GPU_RESOURCE,
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    EvictionResult,
-    NodeExpectation,
-    NodeRequirement,
-    PendingPod,
-    ServeCheckRequest,
-    ServeCheckResult,
-    VerifyResult,
-)
+from models.drain import EvictionResult
+from models.labels import GPU_RESOURCE, LABEL_LOCATION, LABEL_OPERATION
+from models.node import NodeExpectation, ServeCheckRequest, ServeCheckResult, VerifyResult
 from models.policy import API_GROUP, PLURAL, GpuPolicy, PolicyError, parse_policy
+from models.provisioning import NodeRequirement, PendingPod
 
 Heartbeat = Callable[..., None]
 PDB_PATTERN = re.compile(r"disruption budget ([a-z0-9]([-a-z0-9.]*[a-z0-9])?)")

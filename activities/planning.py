@@ -16,19 +16,9 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from models.operation import (
-    LABEL_GPU_PRODUCT,
-    LABEL_INSTANCE_TYPE,
-    LABEL_LOCATION,
-    LABEL_POLICY,
-    BatchPlan,
-    NodeRequirement,
-    Offering,
-    PendingPod,
-    PlannedNode,
-    Unplaced,
-)
+from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
 from models.policy import location_label_value
+from models.provisioning import BatchPlan, NodeRequirement, Offering, PendingPod, PlannedNode, Unplaced
 
 EXACT_PODS = 8
 EXACT_ROOMS = 6

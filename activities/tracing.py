@@ -28,7 +28,8 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
-from models.operation import Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 TRACER_NAME = "kubeon.optimizer"
 P = ParamSpec("P")

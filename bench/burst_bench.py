@@ -50,9 +50,10 @@ from bench.observe import (
 )
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
+from models.ids import provision_workflow_id
 from models.locations import transfer_usd_per_gpu_hour
-from models.operation import Offering, ProvisionView, provision_workflow_id
 from models.policy import location_of_label_value
+from models.provisioning import Offering, ProvisionView
 from tests.harness.burst import build_stack, gpu_deployment, worker_process
 from tests.harness.controlplane import ControlPlane, free_port
 from tests.harness.kube import Cluster, Kube

@@ -25,8 +25,9 @@ from typing import Any
 
 from activities.gateway import JoinTicketRequest, KubeGateway, render_user_data
 from activities.kube import KubeOps
+from models.labels import Taint
 from models.locations import BurstConfig
-from models.operation import LaunchRequest, Taint
+from models.node import LaunchRequest
 from tests.harness import clouds
 from tests.harness.burst import build_stack
 from tests.harness.cloud_boot import Booter, gateway_join

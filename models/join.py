@@ -11,7 +11,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from models.operation import Taint
+from models.labels import Taint
 
 USER_DATA_BEGIN: Final = "# --- kubeon join document ---\n"
 USER_DATA_END: Final = "\n# --- end kubeon join document ---"

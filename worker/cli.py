@@ -15,8 +15,9 @@ from pathlib import Path
 import yaml
 
 from models.hub import HubSyncStatus
-from models.operation import OperationView, ProvisionView
+from models.node import OperationView
 from models.policy import PolicyError, parse_policy
+from models.provisioning import ProvisionView
 from models.scale import ScaleView
 
 
@@ -129,7 +130,7 @@ def _node_join(args: argparse.Namespace) -> int:
 
 
 def _ops(args: argparse.Namespace) -> int:
-    from models.operation import Approval, Rejection
+    from models.decisions import Approval, Rejection
     from worker import ops
     from worker.config import load_settings
     from worker.runtime import connect_temporal

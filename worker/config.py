@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from models.locations import BurstConfig
-from models.operation import OperationSettings
 from models.policy import Mode
+from models.provisioning import OperationSettings
 from models.scale import ScaleSettings
 
 

@@ -65,7 +65,7 @@ from activities.gateway import (
 )
 from activities.gateway_join import AddressPlan, GatewayTunnel, JoinRefused
 from models.join import JoinRedeem
-from models.operation import LABEL_OPERATION
+from models.labels import LABEL_OPERATION
 from tunnel import keys, link
 from tunnel.proxy import TcpProxy
 from worker import telemetry

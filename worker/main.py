@@ -17,7 +17,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
 from activities.scale import ScaleActivities
-from models.operation import SERVE_QUEUE_SUFFIX
+from models.ids import SERVE_QUEUE_SUFFIX
 from worker import scale_watcher, telemetry
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes

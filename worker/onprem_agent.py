@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from activities.gateway import TicketError
 from activities.hub_client import HubClient, HubError, HubRefused, HubUnauthorized
-from models.operation import GPU_RESOURCE
+from models.labels import GPU_RESOURCE
 from node.join import JoinRefusedByGateway, JoinUnavailable
 from worker.pool_join import JOIN_TOKEN_HEADER
 

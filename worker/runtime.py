@@ -27,7 +27,7 @@ from models import search_attributes
 from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
 from models.locations import BurstConfig
-from models.operation import Instance
+from models.node import Instance
 from worker import telemetry
 from worker.config import ConfigError, Settings
 from worker.doctor import Prerequisite, run_checks

@@ -47,15 +47,10 @@ from temporalio.service import RPCError
 from activities import product_metrics as pm
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.operation import (
-    LABEL_INSTANCE_TYPE,
-    LABEL_LOCATION,
-    LABEL_POLICY,
-    ProvisionView,
-    operation_id,
-    provision_workflow_id,
-)
+from models.ids import operation_id, provision_workflow_id
+from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
 from models.policy import location_of_label_value
+from models.provisioning import ProvisionView
 from worker.config import ConfigError
 from workflows.observe import ROOT_SPAN_EXTERN, OperationTracingInbound, RootSpan
 

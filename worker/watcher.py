@@ -31,8 +31,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.kube import KubeOps, gpus_requested, pending_pod, tolerates
 from models import search_attributes as sa
-from models.operation import OperationSettings, PodsGone, PodsWaiting, ProvisionInput, provision_workflow_id
+from models.ids import provision_workflow_id
 from models.policy import GpuPolicy, Mode
+from models.provisioning import OperationSettings, PodsGone, PodsWaiting, ProvisionInput
 from workflows.provision import ProvisionWorkflow
 
 log = logging.getLogger("kubeon.watcher")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from models.operation import Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 
 class ProviderError(Exception):

@@ -21,8 +21,10 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
-from models.operation import TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 from .base import (
     InstanceNotFoundError,

@@ -22,16 +22,11 @@ from activities.gateway import JoinTicketRequest, KubeGateway, parse_user_data_t
 from activities.gateway_join import AddressPlan, JoinRefused
 from activities.kube import KubeOps
 from activities.providers.fake import FakeProvider
+from models.drain import NodeRemoval
+from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.locations import BurstConfig
-from models.operation import (
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    LaunchRequest,
-    NodeRemoval,
-    Offering,
-    Taint,
-)
+from models.node import LaunchRequest
+from models.provisioning import Offering
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
 from tests.harness.joining import FixedClock, gateway_credentials, redeem_for

@@ -43,15 +43,8 @@ from activities.gateway import (
 )
 from activities.gateway_join import AddressPlan, JoinRefused
 from activities.providers.sim import KWOK_ANNOTATIONS
+from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.locations import BurstConfig
-from models.operation import (
-    LABEL_GPU_PRODUCT,
-    LABEL_INSTANCE_TYPE,
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    Taint,
-)
 from node.join import NodeFiles
 from tests.charts.helm import BURST_VALUES, NAMESPACE, template
 from tests.harness.joining import (

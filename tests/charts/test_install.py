@@ -369,7 +369,7 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
     import secrets
 
     from activities.gateway import JoinTicketRequest, KubeGateway
-    from models.operation import Taint
+    from models.labels import Taint
     from node.join import NodeFiles
     from tests.harness.joining import node_client, redeem_for, register_self
 

@@ -16,8 +16,10 @@ from typing import Any
 
 from kubernetes import client
 
-from models.operation import BurstResult, OperationView, Phase, ProvisionView, provision_workflow_id
+from models.ids import provision_workflow_id
+from models.node import BurstResult, OperationView
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import ProvisionView
 from tests.harness.crd import install_gpupolicy_crd
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_SA, install_chart_identities
@@ -127,7 +129,7 @@ def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: 
     )
 
 
-async def wait_phase(handle: Any, *phases: Phase, timeout: float = 90.0) -> OperationView:
+async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0) -> OperationView:
     import asyncio
     import time
     from datetime import timedelta
@@ -142,7 +144,7 @@ async def wait_phase(handle: Any, *phases: Phase, timeout: float = 90.0) -> Oper
         if last is not None and last.phase in phases:
             return last
         await asyncio.sleep(0.2)
-    raise AssertionError(f"operation never reached {[p.value for p in phases]}; last: "
+    raise AssertionError(f"operation never reached {[str(p) for p in phases]}; last: "
                          f"{last.phase.value if last else None} {last.history if last else ''}")
 
 
@@ -217,7 +219,7 @@ async def approve_batch(temporal: Any, cluster: str, policy: str, pod_prefix: st
                         ) -> tuple[Any, Any]:
     """Approve (Approve mode) the proposal covering pods named ``pod_prefix``...: (the batch record, the handle
     of the node workflow started for those pods)."""
-    from models.operation import Approval
+    from models.decisions import Approval
     from worker import ops
 
     view = await provision_state(temporal, cluster, policy, lambda v: v.proposal is not None and any(

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.join import parse_user_data
-from models.operation import LABEL_OPERATION
+from models.labels import LABEL_OPERATION
 from tests.harness.kube import Cluster, wait_for
 from tunnel import keys
 from tunnel.proxy import TcpProxy

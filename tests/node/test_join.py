@@ -16,7 +16,7 @@ from kubernetes import client
 from activities.gateway import JoinTicketRequest, KubeGateway, TicketError
 from activities.gateway_join import check_csr
 from models.join import JoinAnswer, JoinRedeem
-from models.operation import LABEL_OPERATION, Taint
+from models.labels import LABEL_OPERATION, Taint
 from node.join import (
     JoinError,
     JoinUnavailable,

@@ -40,14 +40,8 @@ from activities.gateway_http import (
 from activities.gateway_join import AddressesExhausted
 from activities.kube import KubeOps
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
-from models.operation import (
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    Instance,
-    Phase,
-    Taint,
-)
+from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.node import Instance, NodePhase
 from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
 from tests.charts.helm import BURST_VALUES
 from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
@@ -991,7 +985,7 @@ async def test_burst_end_to_end_through_the_gateway_process(stack: BurstStack, g
         deploy = unique("infer")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         _, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
-        view = await wait_phase(handle, Phase.SERVING)
+        view = await wait_phase(handle, NodePhase.SERVING)
         node = stack.cluster.admin.core.read_node(str(view.node_name))
         assert node.metadata.labels[LABEL_OPERATION] == view.operation
         assert node.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
@@ -1002,7 +996,7 @@ async def test_burst_end_to_end_through_the_gateway_process(stack: BurstStack, g
 
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         wait_for(lambda: node_absent(stack.cluster, str(view.node_name)), what="burst node removed")
         assert f"node {view.node_name} of operation {view.operation}: removed (asked by {OPTIMIZER_USER})" \
             in gateway.log

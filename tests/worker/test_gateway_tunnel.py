@@ -24,14 +24,9 @@ from activities.gateway import JOINING_TAINT, JoinTicketRequest, render_user_dat
 from activities.gateway_http import HttpGatewayClient
 from activities.kube import KubeOps
 from activities.providers.sim import SimProvider
-from models.operation import (
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    Instance,
-    Phase,
-    Taint,
-)
+from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.node import Instance, NodePhase
+from models.provisioning import BatchPhase
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
@@ -358,13 +353,13 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
         cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         # One proposal for the batch, one new node on the policy's location; approved by batch and plan.
         proposed = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
-        assert proposed.phase == Phase.AWAITING_APPROVAL and proposed.proposal is not None
+        assert proposed.phase == BatchPhase.AWAITING_APPROVAL and proposed.proposal is not None
         (planned,) = proposed.proposal.plan.new_nodes
         assert planned.offering.location == "sim/eu-west"
         assert len(planned.pods) == 1 and planned.pods[0].startswith(f"{namespace}/{deploy}-")
         batch, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
         assert batch.batch == proposed.proposal.batch
-        view = await wait_phase(handle, Phase.SERVING, timeout=180)
+        view = await wait_phase(handle, NodePhase.SERVING, timeout=180)
         assert view.batch == batch.batch and view.node is not None and view.node.offering == planned.offering
         (joined,) = booted.values()
         assert joined.name == view.node_name
@@ -387,7 +382,7 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
         # The workload goes: drained, terminated, the Node, its peer and its addresses gone.
         cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle, timeout=180)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         wait_for(lambda: not cluster.admin.core.list_node(field_selector=f"metadata.name={joined.name}").items,
                  what="the burst Node removed")
         assert joined.public_key not in Uapi(bed.gateway_interface).get().peers

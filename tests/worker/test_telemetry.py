@@ -31,7 +31,10 @@ from activities.providers.fake import FakeProvider
 from activities.tracing import traced
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
-from models.operation import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY, LaunchRequest, Offering, operation_id
+from models.ids import operation_id
+from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
+from models.node import LaunchRequest
+from models.provisioning import Offering
 from tests.harness.burst import SIM_LOCATIONS, build_stack, unique
 from tests.harness.kube import Cluster
 from tests.harness.stall_proxy import StallingProxy

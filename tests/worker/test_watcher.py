@@ -15,7 +15,7 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from models.operation import Phase
+from models.provisioning import BatchPhase
 from tests.harness.burst import BurstStack, build_stack, gpu_deployment, provision_state, unique, wait_for
 from tests.harness.kube import Cluster, until
 from worker.main import worker_services
@@ -108,7 +108,7 @@ async def test_pods_go_to_their_policys_provisioning_and_a_failed_send_is_retrie
     assert sorted({n.rsplit("-", 2)[0] for n in watcher.sent_pods}) == ["group-0", "group-1", "group-2"]
     # The facts planning needs came along: the product selector decided the (recommended) node.
     batch = view.batches[0]
-    assert batch.phase == Phase.PROPOSED
+    assert batch.phase == BatchPhase.PROPOSED
     assert {n.offering.gpu_product for n in batch.plan.new_nodes} == {product}
     # maxNodes 4 (one-GPU nodes): four pods planned, two named as waiting for capacity.
     assert sum(len(n.pods) for b in view.batches for n in b.plan.new_nodes) == 4

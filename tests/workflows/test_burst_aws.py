@@ -17,7 +17,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import KubeGateway, parse_user_data_ticket
 from activities.providers.sim import KWOK_ANNOTATIONS
-from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Phase
+from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
+from models.node import NodePhase
 from node.register import join_simulated
 from tests.harness.burst import (
     BurstStack,
@@ -144,7 +145,7 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
 
     with BootedInstances(moto_server, gateway, policy, stack.workdir / f"aws-nodes-{policy}") as booted:
         _, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-", "bob")
-        view = await wait_phase(handle, Phase.SERVING, timeout=120)
+        view = await wait_phase(handle, NodePhase.SERVING, timeout=120)
         assert view.instance is not None
         raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
         tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
@@ -161,7 +162,7 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
 
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle)
-    assert done.phase == Phase.COMPLETED, done.message
+    assert done.phase == NodePhase.COMPLETED, done.message
     state = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
     assert state["State"]["Name"] in ("shutting-down", "terminated")
     wait_for(lambda: not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items,

@@ -25,8 +25,11 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.gateway import parse_user_data_ticket
 from models.hub import hub_sync_workflow_id
-from models.operation import TAG_OPERATION, Phase, provision_workflow_id
+from models.ids import provision_workflow_id
+from models.labels import TAG_OPERATION
+from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import BatchPhase
 from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
@@ -245,7 +248,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             assert decided.status_code == 201, decided.text
             handle = await node_for(temporal, hub.cluster, policy, pods, timeout=120)
             wf_id = handle.id
-            serving = await wait_phase(handle, Phase.SERVING, timeout=120)
+            serving = await wait_phase(handle, NodePhase.SERVING, timeout=120)
 
             # While it serves: its node, what it costs, its phase and the node its provisioning holds.
             def serving_metrics() -> Samples | None:
@@ -261,7 +264,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
 
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle, timeout=150)
-            assert done.phase == Phase.COMPLETED, done.message
+            assert done.phase == NodePhase.COMPLETED, done.message
 
             # -- the node's trace: every phase of the node, the cloud call a child of the launch activity; linked to
             # its batch's trace, which holds the planning and the approval -----------------------------------------
@@ -388,15 +391,15 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
                                                                   gpu_deployment(deploy, gpu_product=product))
             handle = await node_for(temporal, queue, policy, f"{namespace}/{deploy}-", timeout=90)
             wf_id = handle.id
-            operation = (await wait_phase(handle, Phase.JOINING, timeout=90)).operation
+            operation = (await wait_phase(handle, NodePhase.JOINING, timeout=90)).operation
             await until(lambda: by_name(otlp.snapshot(), "StartActivity:wait_for_node"), timeout=10,
                         what="the join's scheduling exported")
             worker.kill()  # mid-join: the instance is still booting
             worker.start(OTEL_RESOURCE_ATTRIBUTES="service.instance.id=second")
-            await wait_phase(handle, Phase.SERVING, timeout=150)
+            await wait_phase(handle, NodePhase.SERVING, timeout=150)
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle, timeout=150)
-            assert done.phase == Phase.COMPLETED, done.message
+            assert done.phase == NodePhase.COMPLETED, done.message
 
             def completed_trace() -> list[ReceivedSpan] | None:
                 trace = one_trace(otlp, wf_id)
@@ -437,7 +440,7 @@ async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
         deploy = unique("infer")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         view = await provision_state(temporal, queue, policy, lambda v: any(
-            b.phase == Phase.PROPOSED for b in v.batches), timeout=120)
+            b.phase == BatchPhase.PROPOSED for b in v.batches), timeout=120)
         assert not view.nodes  # a proposal, nothing launched
 
         def counted() -> Samples | None:

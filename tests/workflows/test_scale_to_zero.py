@@ -18,7 +18,7 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.scale import ScaleForbidden, ScaleOps
-from models.operation import Approval
+from models.decisions import Approval
 from models.policy import API_GROUP, PLURAL
 from models.scale import NO_PROMETHEUS, ScalePhase, ScaleRequest, WakeRequest, WorkloadRef, scale_workflow_id
 from tests.harness.burst import worker_process

@@ -1,62 +1,35 @@
-"""Inputs, outputs and state of burst and drain operations. One model per workflow/activity argument, so fields
-can be added without breaking histories (new fields need defaults)."""
+"""A policy's provisioning: its waiting pods, batches, plans and the nodes it holds (``ProvisionWorkflow``)."""
 
 from __future__ import annotations
 
-import hashlib
 from datetime import datetime
 from enum import StrEnum
-from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from models.base import Model
 from models.policy import Mode
 
-BURST_TAINT_EFFECT: Final = "NoSchedule"
-LABEL_LOCATION: Final = "gpu.kubeon.io/location"
-LABEL_POLICY: Final = "gpu.kubeon.io/policy"
-LABEL_OPERATION: Final = "gpu.kubeon.io/operation"
-LABEL_GPU_PRODUCT: Final = "nvidia.com/gpu.product"
-LABEL_INSTANCE_TYPE: Final = "node.kubernetes.io/instance-type"
-# Long-held activities (serving) poll their own task queue: <task queue> + this suffix.
-SERVE_QUEUE_SUFFIX: Final = "-serve"
-TAG_BURST: Final = "kubeon.io/burst"
-TAG_OPERATION: Final = "kubeon.io/operation"
-GPU_RESOURCE: Final = "nvidia.com/gpu"
 
+class ProvisionPhase(StrEnum):
+    """A policy's provisioning (``ProvisionWorkflow``): what it is doing now, across its batches."""
 
-class Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=False)
-
-
-class Phase(StrEnum):
+    IDLE = "Idle"  # no pod waits, or every waiting pod is planned
     PLANNING = "Planning"
-    IDLE = "Idle"  # a policy's provisioning: no pod waits, no proposal open
-    PROPOSED = "Proposed"  # Recommend mode: the plan is the result
     AWAITING_APPROVAL = "AwaitingApproval"
     WAITING_FOR_CAPACITY = "WaitingForCapacity"  # maxNodes reached, or the gateway's address slots all held
-    HELD = "Held"  # the hub rejected this cluster's token (R2.3): no action until a valid one is mounted
-    LAUNCHING = "Launching"
-    JOINING = "Joining"
-    VERIFYING = "Verifying"
-    SERVING = "Serving"
-    DRAINING = "Draining"
-    COMPLETED = "Completed"
+
+
+class BatchPhase(StrEnum):
+    """One batch of a provisioning: planned, then proposed, decided and launched."""
+
+    PLANNING = "Planning"
+    PROPOSED = "Proposed"  # Recommend mode: the plan is the result
+    AWAITING_APPROVAL = "AwaitingApproval"
+    LAUNCHING = "Launching"  # its nodes started (each a BurstNode workflow)
+    COMPLETED = "Completed"  # its nodes ended, or it was withdrawn
     REJECTED = "Rejected"
     EXPIRED = "Expired"
-    FAILED = "Failed"
-    CANCELLED = "Cancelled"
-
-
-TERMINAL_PHASES: Final = frozenset(
-    {Phase.PROPOSED, Phase.COMPLETED, Phase.REJECTED, Phase.EXPIRED, Phase.FAILED, Phase.CANCELLED}
-)
-
-
-class Taint(Model):
-    key: str
-    value: str = "true"
-    effect: str = BURST_TAINT_EFFECT
 
 
 class NodeRequirement(Model):
@@ -66,7 +39,6 @@ class NodeRequirement(Model):
     key: str
     operator: str
     values: list[str] = Field(default_factory=list)
-
 
 class PendingPod(Model):
     namespace: str
@@ -88,22 +60,6 @@ class PendingPod(Model):
 
     def tolerates(self, taint_key: str) -> bool:
         return "*" in self.tolerations or taint_key in self.tolerations
-
-
-def provision_workflow_id(cluster: str, policy: str) -> str:
-    """The one provisioning workflow of a policy: every watcher replica and every restart names the same one."""
-    return f"provision/{cluster}/{policy}"
-
-
-def node_workflow_id(cluster: str, policy: str, batch: str, index: int) -> str:
-    """The workflow of the ``index``-th new node of a batch: derived, so a replayed or retried start names it."""
-    return f"burst/{cluster}/{policy}/{batch}-{index}"
-
-
-def operation_id(workflow_id: str, run_id: str) -> str:
-    """Short, label-safe name of one run of an operation: tags, labels, tickets and audit records carry it."""
-    return "op-" + hashlib.sha256(f"{workflow_id}/{run_id}".encode()).hexdigest()[:12]
-
 
 class OperationSettings(Model):
     approval_timeout_seconds: int = 3600
@@ -131,7 +87,6 @@ class OperationSettings(Model):
     retry_seconds: float = 30.0
     # While pods wait that no plan could serve (maxNodes, no offering), they are planned again this often.
     replan_seconds: float = 30.0
-
 
 class Offering(Model):
     """One instance type in one location, priced per GPU-hour with data transfer back home included (R4.9)."""
@@ -165,7 +120,6 @@ class Offering(Model):
                 f"${self.usd_per_hour:.2f}/h (compute ${self.instance_usd_per_hour:.2f} + est. transfer "
                 f"${self.transfer_usd_per_hour:.2f})")
 
-
 class NodeRecord(Model):
     """A burst node of the policy that is launching, joining, verifying or serving (the provisioning state)."""
 
@@ -175,7 +129,6 @@ class NodeRecord(Model):
     offering: Offering
     pods: list[str] = Field(default_factory=list)  # the pods (namespace/name) it was launched for
 
-
 class PlannedNode(Model):
     offering: Offering
     # Other offerings its pods fit, dearer first-choice last: tried in order when a location has no capacity.
@@ -183,13 +136,11 @@ class PlannedNode(Model):
     pods: list[str] = Field(default_factory=list)
     gpus_used: int = 0
 
-
 class Unplaced(Model):
     pod: str
     why: str
     # It fits an offering but waits for a burst node to free up (maxNodes, the gateway's address slots).
     waits_for_capacity: bool = False
-
 
 class BatchPlan(Model):
     """One plan for a policy's waiting pods: onto nodes already there, then the cheapest new nodes."""
@@ -237,7 +188,6 @@ class BatchPlan(Model):
         out += [f"- not placed: {u.pod}: {u.why}" for u in self.unplaced]
         return out
 
-
 class PolicySnapshot(Model):
     name: str
     generation: int = 0
@@ -248,65 +198,29 @@ class PolicySnapshot(Model):
     max_gpu_hour: float
     return_home: bool
 
-
 class LoadPolicyRequest(Model):
     policy: str
     default_mode: Mode
-
-
-class Approval(Model):
-    approver: str = "temporal-ui"
-    # When set, the approval is for this plan only: a stale approval of an older plan is refused.
-    plan_id: str | None = None
-    reason: str = ""
-    # When set, the approval is for this batch only (the operation ID the proposal was reported under).
-    operation: str | None = None
-
-
-class Rejection(Model):
-    approver: str = "temporal-ui"
-    reason: str = ""
-    operation: str | None = None
-
-
-class DecisionResult(Model):
-    operation: str
-    phase: Phase
-    message: str
-
 
 class PodsWaiting(Model):
     """The watcher's signal to a policy's provisioning: these pods wait for a node (sent again on resync)."""
 
     pods: list[PendingPod]
 
-
 class PodsGone(Model):
     """The watcher's signal: these pods (uids) no longer wait (bound, deleted)."""
 
     uids: list[str]
 
-
-class NodeFinished(Model):
-    """A node workflow's signal to its provisioning: the node is gone home, failed or was cancelled."""
-
-    workflow_id: str
-    phase: Phase
-    message: str = ""
-    launched: bool = False
-    pods: list[str] = Field(default_factory=list)
-
-
 class BatchRecord(Model):
     """One batch as `ops show` lists it: its plan, what became of it, and the node workflows it started."""
 
     batch: str
-    phase: Phase
+    phase: BatchPhase
     plan: BatchPlan
     message: str = ""
     approver: str | None = None
     nodes: list[str] = Field(default_factory=list)  # node workflow IDs
-
 
 class ProvisionInput(Model):
     cluster: str
@@ -325,26 +239,12 @@ class ProvisionInput(Model):
     # History stays short: the workflow continues as new after this many events.
     continue_after_events: int = 4000
 
-
 class BatchPlanRequest(Model):
     policy: PolicySnapshot
     batch: str
     pods: list[PendingPod]
     nodes: list[NodeRecord]
     max_new_nodes: int
-
-
-class NodeInput(Model):
-    """One new burst node of a batch: launch -> join -> verify -> serve -> return home."""
-
-    cluster: str
-    policy: str
-    batch: str
-    provision_workflow_id: str
-    node: PlannedNode
-    default_mode: Mode = "Recommend"
-    settings: OperationSettings = Field(default_factory=OperationSettings)
-
 
 class ProvisionView(Model):
     """What `ops show` and the provisioning workflow's query return."""
@@ -353,7 +253,7 @@ class ProvisionView(Model):
     cluster: str
     policy: str
     mode: Mode | None = None
-    phase: Phase
+    phase: ProvisionPhase
     message: str = ""
     proposal: BatchRecord | None = None
     waiting: list[str] = Field(default_factory=list)  # pods waiting, with why where known
@@ -361,169 +261,3 @@ class ProvisionView(Model):
     max_nodes: int = 0
     batches: list[BatchRecord] = Field(default_factory=list)
     history: list[str] = Field(default_factory=list)
-
-
-class LaunchRequest(Model):
-    operation: str
-    cluster: str
-    policy: str
-    allowed_locations: list[str]
-    offering: Offering
-    node_name: str
-    labels: dict[str, str]
-    taints: list[Taint]
-
-
-class Instance(Model):
-    provider: str
-    location: str
-    instance_id: str
-    instance_type: str = ""
-    state: str = ""
-    tags: dict[str, str] = Field(default_factory=dict)
-    node_name: str = ""
-    launched_at: datetime | None = None
-
-
-class InstanceRef(Model):
-    location: str
-    instance_id: str
-    policy: str
-
-
-class NodeWaitRequest(Model):
-    operation: str
-    node_name: str
-    timeout_seconds: int
-
-
-class NodeExpectation(Model):
-    node_name: str
-    taint_key: str
-    labels: dict[str, str]
-    pods: list[PendingPod]
-    timeout_seconds: int
-
-
-class VerifyResult(Model):
-    node_name: str
-    pods_on_node: list[str]
-
-
-class ServeCheckRequest(Model):
-    node_name: str
-    return_home: bool
-    check_seconds: float = 30
-    # An empty node is idle only when no waiting pod tolerating this taint could take it (burst nodes are shared).
-    taint_key: str = ""
-    # What home nodes must carry to take the node's pods back (returnHome).
-    node_selector: dict[str, str] = Field(default_factory=dict)
-
-
-class ServeCheckResult(Model):
-    done: bool
-    reason: str = ""
-    pods_on_node: int = 0
-
-
-class DrainInput(Model):
-    cluster: str
-    policy: str
-    operation: str
-    node_name: str
-    instance: InstanceRef | None = None
-    reason: str = ""
-    settings: OperationSettings = Field(default_factory=OperationSettings)
-
-
-class EvictionResult(Model):
-    remaining: list[str]
-    blocked: dict[str, str] = Field(default_factory=dict)  # pod -> "blocked by PDB <name>"
-
-
-class NodeRef(Model):
-    node_name: str
-
-
-class DrainResult(Model):
-    node_name: str
-    evicted: int
-    instance_terminated: bool
-    node_removed: bool
-
-
-class OperationView(Model):
-    """What `ops show` and a node workflow's query return."""
-
-    operation: str
-    workflow_id: str
-    cluster: str
-    policy: str
-    batch: str = ""
-    phase: Phase
-    node: PlannedNode | None = None
-    location: str | None = None
-    instance: Instance | None = None
-    node_name: str | None = None
-    approver: str | None = None
-    message: str = ""
-    history: list[str] = Field(default_factory=list)
-
-
-class BurstResult(Model):
-    operation: str
-    phase: Phase
-    message: str
-    node: PlannedNode | None = None
-    instance: Instance | None = None
-    node_name: str | None = None
-
-
-class AuditRecord(Model):
-    """Append-only record of what happened to a burst node (R4.7)."""
-
-    key: str  # idempotency: a retried activity writes the same record once
-    at: datetime
-    cluster: str
-    policy: str
-    operation: str
-    action: str  # proposed, approved, launched, joined, verified, drained, removed, failed, ...
-    location: str | None = None
-    instance_id: str | None = None
-    node_name: str | None = None
-    approver: str | None = None
-    detail: str = ""
-
-
-class CleanupRequest(Model):
-    """Compensation: everything an operation may have made, found by its tag, not by what the workflow saw."""
-
-    operation: str
-    policy: str
-    locations: list[str]
-    node_name: str
-
-
-class CleanupResult(Model):
-    terminated: list[str] = Field(default_factory=list)
-    node_removed: bool = False
-
-
-class NodeRemoval(Model):
-    node_name: str
-    operation: str
-
-
-class GoneCheck(Model):
-    node_name: str
-    instance: InstanceRef | None = None
-
-
-class DrainStatus(Model):
-    status: str
-    blocked: dict[str, str] = Field(default_factory=dict)
-    cordoned: bool = False
-    evicted: list[str] = Field(default_factory=list)  # namespace/name, in eviction order
-    pdb_waits: dict[str, int] = Field(default_factory=dict)  # pod -> eviction rounds a PDB refused it
-    terminated: str | None = None  # the instance ID, once terminated
-    node_removed: bool = False
