@@ -13,17 +13,9 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities.audit import AuditLog
-from activities.gateway import (
-    JOIN_REFUSED_ANNOTATION,
-    GatewayClient,
-    JoinTicketRequest,
-    UserDataTooLarge,
-    render_user_data,
-)
-from activities.gateway_join import AddressesExhausted
-from activities.kube import KubeOps, NodeJoinTimeout, VerificationFailed
-from activities.planning import AddressSlots, Room, node_labels, plan_pods
-from activities.policy_sync import hold_reason
+from activities.clients.gateway import GatewayClient
+from activities.clients.kube import KubeOps, NodeJoinTimeout, VerificationFailed
+from activities.clients.policies import hold_reason
 from activities.providers.base import (
     InstanceNotFoundError,
     InsufficientCapacityError,
@@ -32,10 +24,13 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
-from activities.tracing import traced
+from activities.telemetry.tracing import traced
 from models.audit import AuditRecord
 from models.drain import EvictionResult, GoneCheck, NodeRef, NodeRemoval
+from models.errors import AddressesExhausted
 from models.hub import REPORT_ACTIONS, ActionReport, GateRequest, GateState, report_detail
+from models.join import JoinTicketRequest, UserDataTooLarge, render_user_data
+from models.labels import JOIN_REFUSED_ANNOTATION
 from models.locations import BurstConfig
 from models.node import (
     CleanupRequest,
@@ -50,6 +45,7 @@ from models.node import (
     VerifyResult,
 )
 from models.provisioning import BatchPlan, BatchPlanRequest, LoadPolicyRequest, Offering, PolicySnapshot
+from planning.burst import AddressSlots, Room, node_labels, plan_pods
 
 # Error types the workflows branch on (ApplicationError.type).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
@@ -147,7 +143,7 @@ class BurstActivities:
     @activity.defn(name="plan_batch", no_thread_cancel_exception=True)
     def plan_batch(self, req: BatchPlanRequest) -> BatchPlan:
         """Plan the batch: which of its pods still wait, the room on the policy's burst nodes, the offerings of
-        its locations priced now; then the pure planner (activities.planning)."""
+        its locations priced now; then the pure planner (planning.burst)."""
         still = self.kube.waiting_uids({p.uid for p in req.pods})
         waiting = [p for p in req.pods if p.uid in still]
         used = self.kube.gpus_on_nodes({n.node_name for n in req.nodes})

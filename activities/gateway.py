@@ -5,8 +5,7 @@ client certificate, its tunnel peer and addresses) and removing its Node belong 
 its own ServiceAccount and alone holds the ticket signing key. The gateway creates no Node: the node registers
 itself with its own certificate (``system:node:<name>``, confined by the Node authorizer and NodeRestriction);
 the gateway then applies what its ticket names. Activities talk to it through ``GatewayClient``;
-``KubeGateway`` is the gateway's side, constructed with the gateway's credentials, never the optimizer's.
-"""
+``KubeGateway`` is the gateway's side, constructed with the gateway's credentials, never the optimizer's."""
 
 from __future__ import annotations
 
@@ -14,15 +13,13 @@ import base64
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import urlsplit
+from typing import Any
 
 from cryptography import x509
 from kubernetes import client
@@ -31,65 +28,39 @@ from pydantic import BaseModel, Field
 
 from activities.gateway_join import (
     MANAGED_BY,
-    AddressesExhausted,
     AddressPlan,
     GatewayTunnel,
-    JoinRefused,
     RecordStore,
     Slot,
     check_csr,
     key_fingerprint,
 )
+from models.errors import AddressesExhausted, JoinRefused, TicketError
 from models.join import (
     KUBELET_CLIENT_SIGNER,
-    USER_DATA_BEGIN,
-    USER_DATA_END,
+    GatewayCapacity,
     JoinAnswer,
     JoinRedeem,
-    parse_user_data,
+    JoinTicketRequest,
+    TicketGrant,
+    url_host,
 )
-from models.labels import GPU_RESOURCE, LABEL_OPERATION, Taint
+from models.labels import GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOINING_TAINT, LABEL_OPERATION, Taint
 from tunnel.keys import check_key
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")
 
-DEFAULT_TICKET_TTL_SECONDS = 900
 # A node's kubelet client certificate lasts this long (the kubelet renews it with its own credentials).
 DEFAULT_CERT_SECONDS = 24 * 3600
+
 # Ticket records outlive their ticket by this much (clock skew between gateway replicas).
 TICKET_RECORD_GRACE_SECONDS = 300
-API_SERVER_NAME = "kubernetes.default.svc"
-JOIN_REFUSED_ANNOTATION = "gpu.kubeon.io/join-refused"
-# Nodes register with this taint too; the gateway lifts it once it has checked the registered Node against its
-# ticket (labels, taints, capacity), so no pod lands before. A node cannot lift a taint itself (NodeRestriction).
-JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSchedule")
 
+API_SERVER_NAME = "kubernetes.default.svc"
 
 class _SlotChanged(Exception):
     """A reservation changed between read and update: read again."""
-
-
-class TicketError(Exception):
-    """A join ticket is forged, expired, replayed or bound to another node; the message says which, ``code``
-    names it for the HTTP answer."""
-
-    def __init__(self, message: str, *, code: str = "ticket_refused") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class JoinTicketRequest(BaseModel):
-    operation: str
-    policy: str
-    location: str
-    node_name: str
-    labels: dict[str, str]
-    taints: list[Taint]
-    ttl_seconds: int = DEFAULT_TICKET_TTL_SECONDS
-    # GPUs of the offering launched: a node reporting more fails its join (cordoned). 0: not checked.
-    gpus: int = 0
-
 
 class JoinTicket(BaseModel):
     operation: str
@@ -102,65 +73,17 @@ class JoinTicket(BaseModel):
     gpus: int = 0
     nonce: str = Field(default_factory=lambda: secrets.token_hex(8))
 
-
-class TicketGrant(BaseModel):
-    """The gateway's answer to a ticket request: the ticket, and where the node joins (``endpoint``, an https URL,
-    and ``server_name``, the name its certificate is verified against). Both empty: the worker's configured
-    URL (an in-process gateway without a public address)."""
-
-    ticket: str
-    endpoint: str = ""
-    server_name: str = ""
-
-
-class GatewayCapacity(BaseModel):
-    """The gateway's address slots: how many there are, and the nodes holding one (joined, or reserved by a
-    ticket not redeemed yet). Every burst node needs one, so the free ones cap how many new nodes may launch."""
-
-    total: int
-    nodes: list[str] = Field(default_factory=list)
-
-    @property
-    def held(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def free(self) -> int:
-        return max(0, self.total - self.held)
-
-
-class GatewayClient(Protocol):
-    """What the optimizer's activities may ask of the gateway."""
-
-    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
-        """A ticket with its address slot reserved; ``AddressesExhausted`` when no slot is free."""
-        ...
-
-    def capacity(self) -> GatewayCapacity: ...
-
-    def remove_node(self, node_name: str, *, operation: str) -> bool: ...
-
-
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
-
 class GatewayAddressPending(Exception):
     """The gateway has no address burst nodes can reach yet (its LoadBalancer is being provisioned): retry."""
 
-
 class GatewayAddressUnknown(Exception):
     """The gateway cannot tell burst nodes where it is: no public URL and its Service is no LoadBalancer."""
-
-
-def url_host(url: str) -> str:
-    """The host of an URL, lower case, without port or IPv6 brackets."""
-    return (urlsplit(url).hostname or "").lower()
-
 
 @dataclass(frozen=True)
 class ServiceRef:
@@ -173,7 +96,6 @@ class ServiceRef:
     def dns_name(self) -> str:
         """The name the chart's certificate carries and burst nodes verify it against (tls-server-name)."""
         return f"{self.name}.{self.namespace}.svc"
-
 
 def endpoint_from_service(service: client.V1Service, ref: ServiceRef) -> tuple[str, str]:
     """``(https://<lb-host>:<port>, <name>.<ns>.svc)`` from a LoadBalancer Service's status and its port."""
@@ -196,7 +118,6 @@ def endpoint_from_service(service: client.V1Service, ref: ServiceRef) -> tuple[s
     if ":" in host:  # IPv6
         host = f"[{host}]"
     return f"https://{host}:{port.port}", ref.dns_name
-
 
 class KubeGateway:
     """The gateway's own logic, with the gateway's Kubernetes credentials and signing key.
@@ -611,44 +532,3 @@ class KubeGateway:
                 self._release(slot)
         return node is not None
 
-
-parse_user_data_ticket = parse_user_data
-# The smallest provider limit on user data: EC2's 16 KB before base64 (GCE and Azure allow more).
-USER_DATA_MAX_BYTES = 16 * 1024
-
-
-class UserDataTooLarge(ValueError):
-    """The rendered user data is over ``USER_DATA_MAX_BYTES``: the cloud would refuse the launch."""
-
-
-def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
-                     taints: list[Taint], ca_bundle: str = "", server_name: str = "") -> str:
-    """User data for a burst node: where the gateway is (``gateway``, the endpoint it connects to), the name its
-    certificate is verified against (``serverName``; default: the endpoint's host), the CA certificate(s) to
-    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it
-    must register as. At most ``USER_DATA_MAX_BYTES``."""
-    doc: dict[str, Any] = {
-        "gateway": gateway_url,
-        "serverName": server_name or url_host(gateway_url),
-        "ticket": ticket,
-        "nodeName": node_name,
-        "labels": labels,
-        "taints": [t.model_dump() for t in taints],
-    }
-    if ca_bundle.strip():
-        doc["caBundle"] = ca_bundle.strip() + "\n"
-    user_data = (
-        "#!/bin/bash\n"
-        "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"
-        "set -euo pipefail\n"
-        "mkdir -p /etc/kubeon\n"
-        "cat > /etc/kubeon/join.json <<'KUBEON_JOIN'\n"
-        f"{USER_DATA_BEGIN}{json.dumps(doc, indent=1, sort_keys=True)}{USER_DATA_END}\n"
-        "KUBEON_JOIN\n"
-        "exec kubeon-gpu node join --config /etc/kubeon/join.json\n"
-    )
-    size = len(user_data.encode())
-    if size > USER_DATA_MAX_BYTES:
-        raise UserDataTooLarge(f"user data for {node_name} is {size} bytes, over the {USER_DATA_MAX_BYTES}-byte "
-                               f"limit of EC2 (CA bundle {len(doc.get('caBundle', ''))} bytes, {len(labels)} labels)")
-    return user_data

@@ -12,8 +12,7 @@ state held only in memory:
   its ticket says it must carry (labels, taints, GPUs). Reserved when the ticket is issued (no WireGuard key yet:
   nothing launches without a slot), completed with the key at redemption. Created atomically (409: taken, next
   slot), deleted when the node is removed or its ticket expired unredeemed. A restarted gateway rebuilds its
-  WireGuard peers from these.
-"""
+  WireGuard peers from these."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 from kubernetes import client
 
+from models.errors import JoinRefused
 from models.join import (
     KUBELET_CLIENT_OPTIONAL_USAGES,
     KUBELET_CLIENT_USAGES,
@@ -40,32 +40,12 @@ from models.labels import Taint
 from tunnel.uapi import Uapi
 
 MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}
+
 RECORD_LABEL: Final = "gpu.kubeon.io/gateway-record"
+
 TICKET_PREFIX: Final = "kubeon-ticket-"
+
 SLOT_PREFIX: Final = "kubeon-slot-"
-
-
-class JoinRefused(Exception):
-    """A join request is refused; ``code`` and ``status`` for the HTTP answer, the message names the cause."""
-
-    def __init__(self, code: str, message: str, *, status: int = 400) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = status
-
-
-ADDRESSES_EXHAUSTED: Final = "addresses_exhausted"
-
-
-class AddressesExhausted(JoinRefused):
-    """Every address slot is held: no ticket (and so no instance) until a node goes or a reservation expires."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(ADDRESSES_EXHAUSTED, message, status=503)
-
-
-# ----- the kubelet client CSR ---------------------------------------------------------------------------------
-
 
 def check_csr(pem: str, node_name: str, usages: list[str]) -> x509.CertificateSigningRequest:
     """The CSR, if it has exactly a kubelet client certificate's shape for ``node_name``: subject
@@ -112,15 +92,10 @@ def check_csr(pem: str, node_name: str, usages: list[str]) -> x509.CertificateSi
                                          f"{sorted(required)} (and optionally {optional})")
     return csr
 
-
 def key_fingerprint(csr: x509.CertificateSigningRequest) -> str:
     """sha256 of the CSR's public key (SubjectPublicKeyInfo): the same key, whatever the CSR's bytes."""
     der = csr.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return hashlib.sha256(der).hexdigest()
-
-
-# ----- addresses ------------------------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class AddressPlan:
@@ -180,10 +155,6 @@ class AddressPlan:
         sub = ipaddress.ip_network(f"{pods.network_address + index * size}/{self.node_mask}")
         return str(tunnel), str(sub)
 
-
-# ----- records --------------------------------------------------------------------------------------------------
-
-
 class Ticketed(Protocol):
     """What a slot records of the ticket it is for (``JoinTicket`` of activities.gateway, or a ``Slot``)."""
 
@@ -193,12 +164,10 @@ class Ticketed(Protocol):
     taints: list[Taint]
     gpus: int
 
-
 def _ticket_data(ticket: Ticketed) -> dict[str, str]:
     return {"ticket": ticket.nonce, "expiresAt": repr(ticket.expires_at),
             "labels": json.dumps(dict(ticket.labels), sort_keys=True),
             "taints": json.dumps([t.model_dump() for t in ticket.taints]), "gpus": str(ticket.gpus)}
-
 
 @dataclass
 class Slot:
@@ -243,7 +212,6 @@ class Slot:
             gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
             registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
         )
-
 
 @dataclass
 class RecordStore:
@@ -336,10 +304,6 @@ class RecordStore:
     def mark_registered(self, slot: Slot, uid: str) -> None:
         self.core.patch_namespaced_config_map(slot.name, self.namespace, {"data": {"registeredUID": uid}})
         slot.registered_uid = uid
-
-
-# ----- the gateway's WireGuard interface ----------------------------------------------------------------------
-
 
 @dataclass
 class GatewayTunnel:

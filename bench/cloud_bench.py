@@ -23,8 +23,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from activities.gateway import JoinTicketRequest, KubeGateway, render_user_data
-from activities.kube import KubeOps
+from activities.clients.kube import KubeOps
+from activities.gateway import KubeGateway
+from models.join import JoinTicketRequest, render_user_data
 from models.labels import Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest

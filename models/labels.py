@@ -28,3 +28,11 @@ class Taint(Model):
     key: str
     value: str = "true"
     effect: str = BURST_TAINT_EFFECT
+
+
+
+JOIN_REFUSED_ANNOTATION = "gpu.kubeon.io/join-refused"
+
+# Nodes register with this taint too; the gateway lifts it once it has checked the registered Node against its
+# ticket (labels, taints, capacity), so no pod lands before. A node cannot lift a taint itself (NodeRestriction).
+JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSchedule")

@@ -71,7 +71,7 @@ def _worker(_: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     """R1.6: print what the optimizer finds and misses, what a missing one disables and how to fix it."""
-    from activities.metrics import PrometheusClient
+    from activities.clients.prometheus import PrometheusClient
     from worker.config import load_settings
     from worker.doctor import as_json, render, run_checks
     from worker.runtime import kube_api

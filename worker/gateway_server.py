@@ -55,16 +55,10 @@ from kubernetes import client, config
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from activities.gateway import (
-    GatewayAddressPending,
-    GatewayAddressUnknown,
-    JoinTicketRequest,
-    KubeGateway,
-    ServiceRef,
-    TicketError,
-)
-from activities.gateway_join import AddressPlan, GatewayTunnel, JoinRefused
-from models.join import JoinRedeem
+from activities.gateway import GatewayAddressPending, GatewayAddressUnknown, KubeGateway, ServiceRef
+from activities.gateway_join import AddressPlan, GatewayTunnel
+from models.errors import JoinRefused, TicketError
+from models.join import JoinRedeem, JoinTicketRequest
 from models.labels import LABEL_OPERATION
 from tunnel import keys, link
 from tunnel.proxy import TcpProxy

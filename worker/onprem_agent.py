@@ -29,8 +29,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from activities.gateway import TicketError
-from activities.hub_client import HubClient, HubError, HubRefused, HubUnauthorized
+from activities.clients.hub import HubClient, HubError, HubRefused, HubUnauthorized
+from models.errors import TicketError
 from models.labels import GPU_RESOURCE
 from node.join import JoinRefusedByGateway, JoinUnavailable
 from worker.pool_join import JOIN_TOKEN_HEADER

@@ -11,7 +11,7 @@ from kubernetes import client
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
+from activities.clients.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
 from models.decisions import Approval, DecisionResult, Rejection
 from models.hub import HubSyncStatus, hub_sync_workflow_id

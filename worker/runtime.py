@@ -14,13 +14,14 @@ from temporalio.service import RPCError, TLSConfig
 
 from activities.audit import AuditLog
 from activities.burst import BurstActivities, ReportSink
-from activities.gateway import GatewayClient, KubeGateway
+from activities.clients.gateway import GatewayClient
+from activities.clients.hub import HubClient
+from activities.clients.kube import KubeOps
+from activities.clients.policies import PolicySyncer
+from activities.clients.prometheus import PrometheusClient
+from activities.gateway import KubeGateway
 from activities.gateway_join import AddressPlan
 from activities.hub import HubActivities
-from activities.hub_client import HubClient
-from activities.kube import KubeOps
-from activities.metrics import PrometheusClient
-from activities.policy_sync import PolicySyncer
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
 from models import search_attributes
@@ -149,7 +150,7 @@ def build_gateway(settings: Settings) -> GatewayClient:
     with the worker's ServiceAccount token. With KUBEON_GATEWAY_KUBECONFIG (dev, tests): in-process, still with
     the gateway's own credentials and key, never the optimizer's."""
     if settings.gateway_kubeconfig is None:
-        from activities.gateway_http import HttpGatewayClient
+        from activities.clients.gateway import HttpGatewayClient
 
         return HttpGatewayClient(settings.gateway_url, settings.gateway_token_file,
                                  ca_file=str(settings.gateway_ca_file) if settings.gateway_ca_file else None)

@@ -44,7 +44,7 @@ from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import RPCError
 
-from activities import product_metrics as pm
+from activities.telemetry import metrics as pm
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
 from models.ids import operation_id, provision_workflow_id

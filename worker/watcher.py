@@ -29,7 +29,7 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.kube import KubeOps, gpus_requested, pending_pod, tolerates
+from activities.clients.kube import KubeOps, gpus_requested, pending_pod, tolerates
 from models import search_attributes as sa
 from models.ids import provision_workflow_id
 from models.policy import GpuPolicy, Mode

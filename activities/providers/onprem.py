@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from activities.hub_client import HubClient, HubError, HubRefused, HubUnauthorized
+from activities.clients.hub import HubClient, HubError, HubRefused, HubUnauthorized
 from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
 from models.node import Instance, LaunchRequest

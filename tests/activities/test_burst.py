@@ -18,11 +18,13 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.audit import AuditLog
 from activities.burst import ADDRESSES_EXHAUSTED, BurstActivities
-from activities.gateway import JoinTicketRequest, KubeGateway, parse_user_data_ticket
-from activities.gateway_join import AddressPlan, JoinRefused
-from activities.kube import KubeOps
+from activities.clients.kube import KubeOps
+from activities.gateway import KubeGateway
+from activities.gateway_join import AddressPlan
 from activities.providers.fake import FakeProvider
 from models.drain import NodeRemoval
+from models.errors import JoinRefused
+from models.join import JoinTicketRequest, parse_user_data
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest
@@ -85,7 +87,7 @@ class Launcher:
         return sum(1 for method, _ in self.provider.calls if method == "launch")
 
     def ticket(self, instance_id: str) -> str:
-        return str(parse_user_data_ticket(self.provider.user_data[instance_id])["ticket"])
+        return str(parse_user_data(self.provider.user_data[instance_id])["ticket"])
 
 
 @pytest.fixture

@@ -25,25 +25,28 @@ from cryptography.x509.oid import NameOID
 from kubernetes import client
 
 from activities.gateway import (
-    JOIN_REFUSED_ANNOTATION,
-    JOINING_TAINT,
-    USER_DATA_MAX_BYTES,
     GatewayAddressPending,
     GatewayAddressUnknown,
-    JoinTicketRequest,
     KubeGateway,
     ServiceRef,
-    TicketError,
-    UserDataTooLarge,
     _b64,
     _unb64,
     endpoint_from_service,
-    parse_user_data_ticket,
-    render_user_data,
 )
-from activities.gateway_join import AddressPlan, JoinRefused
+from activities.gateway_join import AddressPlan
 from activities.providers.sim import KWOK_ANNOTATIONS
-from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.errors import JoinRefused, TicketError
+from models.join import USER_DATA_MAX_BYTES, JoinTicketRequest, UserDataTooLarge, parse_user_data, render_user_data
+from models.labels import (
+    JOIN_REFUSED_ANNOTATION,
+    JOINING_TAINT,
+    LABEL_GPU_PRODUCT,
+    LABEL_INSTANCE_TYPE,
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    Taint,
+)
 from models.locations import BurstConfig
 from node.join import NodeFiles
 from tests.charts.helm import BURST_VALUES, NAMESPACE, template
@@ -426,13 +429,13 @@ def launch_user_data(config: BurstConfig, gateway: KubeGateway | None = None) ->
 
 
 def test_user_data_names_the_gateways_public_url() -> None:
-    doc = parse_user_data_ticket(launch_user_data(worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL + "/")))
+    doc = parse_user_data(launch_user_data(worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL + "/")))
     assert doc["gateway"] == PUBLIC_URL
     assert doc["serverName"] == "burst-gw.example.com"
 
 
 def test_user_data_falls_back_to_the_gateway_url_without_a_public_one() -> None:
-    doc = parse_user_data_ticket(launch_user_data(worker_burst_config()))
+    doc = parse_user_data(launch_user_data(worker_burst_config()))
     assert doc["gateway"] == SERVICE_URL
     assert doc["serverName"] == f"kubeon-gpu-optimizer-gateway.{NAMESPACE}.svc"
     assert "caBundle" not in doc, "no CA file: the node uses its system trust store"
@@ -444,7 +447,7 @@ def test_user_data_names_where_the_gateway_says_nodes_join() -> None:
     config = worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL="https://stale.example.com:8443")
     public = KubeGateway(client.ApiClient(), secrets.token_bytes(32), public_url=PUBLIC_URL + "/")
     assert public.endpoint() == (PUBLIC_URL, "burst-gw.example.com")
-    doc = parse_user_data_ticket(launch_user_data(config, public))
+    doc = parse_user_data(launch_user_data(config, public))
     assert (doc["gateway"], doc["serverName"]) == (PUBLIC_URL, "burst-gw.example.com")
     ip = KubeGateway(client.ApiClient(), secrets.token_bytes(32), public_url="https://[2001:db8::10]:8443")
     assert ip.endpoint() == ("https://[2001:db8::10]:8443", "2001:db8::10")
@@ -482,7 +485,7 @@ def test_endpoint_from_the_services_load_balancer() -> None:
 
 def test_user_data_carries_the_gateways_ca(chart_ca: Path) -> None:
     config = worker_burst_config(KUBEON_GATEWAY_PUBLIC_URL=PUBLIC_URL, KUBEON_GATEWAY_CA_FILE=str(chart_ca))
-    doc = parse_user_data_ticket(launch_user_data(config))
+    doc = parse_user_data(launch_user_data(config))
     assert doc["caBundle"] == chart_ca.read_text().strip() + "\n"
     assert doc["caBundle"].startswith("-----BEGIN CERTIFICATE-----")
     assert "PRIVATE KEY" not in doc["caBundle"]

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.gateway import render_user_data
 from activities.providers.base import InsufficientCapacityError, LocationNotAllowedError, ProviderError
 from activities.providers.onprem import OnPremProvider, PoolClient
+from models.join import render_user_data
 from models.labels import Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest

@@ -29,17 +29,18 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.audit import AuditLog
-from activities.gateway import JoinTicketRequest, KubeGateway, TicketError, parse_user_data_ticket, render_user_data
-from activities.gateway_http import (
+from activities.clients.gateway import (
     IN_CLUSTER_TOKEN_FILE,
     GatewayRefused,
     GatewayUnavailable,
     HttpGatewayClient,
     TransportFactory,
 )
-from activities.gateway_join import AddressesExhausted
-from activities.kube import KubeOps
+from activities.clients.kube import KubeOps
+from activities.gateway import KubeGateway
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
+from models.errors import AddressesExhausted, TicketError
+from models.join import JoinTicketRequest, parse_user_data, render_user_data
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.node import Instance, NodePhase
 from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
@@ -900,7 +901,7 @@ def test_a_node_joins_at_the_load_balancer_address_verifying_the_service_name(
     ca_bundle = load_balanced.ca_file.read_text()
     user_data = render_user_data(gateway_url=grant.endpoint, server_name=grant.server_name, ticket=grant.ticket,
                                  node_name=req.node_name, labels=req.labels, taints=req.taints, ca_bundle=ca_bundle)
-    doc = parse_user_data_ticket(user_data)
+    doc = parse_user_data(user_data)
     assert (doc["gateway"], doc["serverName"]) == (grant.endpoint, SERVICE_HOST)
 
     # A wrong server name is refused: the certificate is checked against serverName, not skipped.

@@ -20,11 +20,11 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.audit import AuditLog
-from activities.gateway import JOINING_TAINT, JoinTicketRequest, render_user_data
-from activities.gateway_http import HttpGatewayClient
-from activities.kube import KubeOps
+from activities.clients.gateway import HttpGatewayClient
+from activities.clients.kube import KubeOps
 from activities.providers.sim import SimProvider
-from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.join import JoinTicketRequest, render_user_data
+from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.node import Instance, NodePhase
 from models.provisioning import BatchPhase
 from tests.harness.burst import (

@@ -28,7 +28,7 @@ from temporalio.worker import Worker
 
 from activities.providers.base import InsufficientCapacityError
 from activities.providers.fake import FakeProvider
-from activities.tracing import traced
+from activities.telemetry.tracing import traced
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
 from models.ids import operation_id

@@ -26,7 +26,6 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.planning import plan_pods
 from models.audit import AuditRecord
 from models.decisions import Approval, Rejection
 from models.hub import GateRequest, GateState
@@ -46,6 +45,7 @@ from models.provisioning import (
     ProvisionPhase,
     ProvisionView,
 )
+from planning.burst import plan_pods
 from tests.harness.temporal import skip_time, time_skipping_server_path
 from worker import ops
 from worker.main import workflow_runner

@@ -15,8 +15,9 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import KubeGateway, parse_user_data_ticket
+from activities.gateway import KubeGateway
 from activities.providers.sim import KWOK_ANNOTATIONS
+from models.join import parse_user_data
 from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from node.register import join_simulated
@@ -98,7 +99,7 @@ class BootedInstances:
                     continue
                 attr = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
                 user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
-                doc = parse_user_data_ticket(user_data)
+                doc = parse_user_data(user_data)
                 # The node's own join (keys, CSR, ticket) and registration with its own certificate.
                 node = join_simulated(doc, self.state_dir / iid, self.gateway.join,
                                       provider_id=f"aws:///{REGION}/{iid}", annotations=KWOK_ANNOTATIONS,

@@ -17,7 +17,8 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import JoinTicketRequest, KubeGateway
+from activities.gateway import KubeGateway
+from models.join import JoinTicketRequest
 from models.labels import LABEL_LOCATION, Taint
 from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL

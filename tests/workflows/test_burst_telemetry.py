@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import parse_user_data_ticket
 from models.hub import hub_sync_workflow_id
 from models.ids import provision_workflow_id
+from models.join import parse_user_data
 from models.labels import TAG_OPERATION
 from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
@@ -360,7 +360,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
         # -- no secret anywhere: logs, spans as exported, metrics ------------------------------------------------
         (record,) = sim_records(settings, serving.operation)
         user_data: str = record["user_data"]
-        ticket: str = parse_user_data_ticket(user_data)["ticket"]
+        ticket: str = parse_user_data(user_data)["ticket"]
         secrets = {"hub token": hub.token_file.read_text().strip(), "join ticket": ticket, "user data": user_data}
         haystacks = {"logs": worker.log.read_bytes(), "spans": b"\n".join(otlp.bodies),
                      "decoded spans": repr(otlp.snapshot()).encode(), "metrics": after.text.encode()}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from activities.metrics import PodMemory
 from models.policy import HOURS_PER_MONTH, FitRule, GpuOffering
+from planning.idle import PodMemory
 
 
 @dataclass(frozen=True)

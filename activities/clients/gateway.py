@@ -1,4 +1,5 @@
-"""The optimizer's side of the burst gateway over HTTPS, and a booting burst node's join request.
+"""The optimizer's client of the burst gateway: what its activities may ask of it (``GatewayClient``), and the
+HTTPS client of the gateway process.
 
 ``HttpGatewayClient`` implements ``GatewayClient`` for the worker in a real cluster, where the gateway is its own
 Deployment (``kubeon-gpu gateway``, see ``worker.gateway_server``). It authenticates with the optimizer's
@@ -17,17 +18,29 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 import httpx
 
-from activities.gateway import GatewayCapacity, JoinTicketRequest, TicketError, TicketGrant
-from activities.gateway_join import ADDRESSES_EXHAUSTED, AddressesExhausted
-from activities.tracing import http_call
+from activities.telemetry.tracing import http_call
+from models.errors import ADDRESSES_EXHAUSTED, AddressesExhausted, TicketError
+from models.join import GatewayCapacity, JoinTicketRequest, TicketGrant
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
+
+
+class GatewayClient(Protocol):
+    """What the optimizer's activities may ask of the gateway."""
+
+    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
+        """A ticket with its address slot reserved; ``AddressesExhausted`` when no slot is free."""
+        ...
+
+    def capacity(self) -> GatewayCapacity: ...
+
+    def remove_node(self, node_name: str, *, operation: str) -> bool: ...
 
 
 class GatewayError(Exception):

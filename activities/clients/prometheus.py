@@ -11,8 +11,7 @@ Activity is ``DCGM_FI_PROF_GR_ENGINE_ACTIVE`` (ratio 0-1, profiling metrics), pe
 
 Nothing here ever answers "idle" by default: an unreachable Prometheus, an error answer or no DCGM series at
 all raise a named ``MetricsError``; a pod without data, or with data over too little of the window, has a
-``coverage`` below 1 that the caller must judge (``judge_idle``).
-"""
+``coverage`` below 1 that the caller must judge (``judge_idle``)."""
 
 from __future__ import annotations
 
@@ -24,26 +23,29 @@ from typing import Any, Final
 
 import httpx
 
+from planning.idle import PodActivity, PodMemory
+
 GR_ENGINE_ACTIVE: Final = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+
 GPU_UTIL: Final = "DCGM_FI_DEV_GPU_UTIL"
+
 FB_USED: Final = "DCGM_FI_DEV_FB_USED"
+
 FB_FREE: Final = "DCGM_FI_DEV_FB_FREE"
+
 DCGM_METRICS: Final = (GR_ENGINE_ACTIVE, GPU_UTIL, FB_USED, FB_FREE)
+
 # Coverage is counted in at most this many steps over the window (a 7-day window is not 10,080 steps per pod).
 MAX_COVERAGE_STEPS: Final = 120
-
 
 class MetricsError(Exception):
     """GPU metrics could not be read: never treated as idle."""
 
-
 class PrometheusUnavailable(MetricsError):
     """Prometheus did not answer, or answered with an error."""
 
-
 class NoGpuMetrics(MetricsError):
     """Prometheus answers but holds no DCGM exporter series."""
-
 
 @dataclass(frozen=True)
 class LabelForm:
@@ -57,35 +59,12 @@ class LabelForm:
     def exported(self) -> bool:
         return self.pod.startswith("exported_")
 
-
-@dataclass(frozen=True)
-class PodActivity:
-    namespace: str
-    pod: str
-    peak: float  # highest activity (0-1) of any of its GPUs in the window
-    coverage: float  # share of the window's steps with a sample (0-1)
-
-
-@dataclass(frozen=True)
-class PodMemory:
-    namespace: str
-    pod: str
-    peak_used_mib: float
-    total_mib: float  # used + free of the GPU at that peak's series (its reported memory)
-    p95_activity: float | None
-    coverage: float
-
-
-# --- PromQL (pure; tests/activities/test_metrics_rules.py runs the same expressions in `promtool test rules`) --
-
 def selector(form: LabelForm, namespaces: Iterable[str]) -> str:
     names = sorted(set(namespaces))
     return f'{form.namespace}=~"{"|".join(names)}",{form.pod}!=""'
 
-
 def _by(form: LabelForm) -> str:
     return f"by ({form.namespace}, {form.pod})"
-
 
 def activity_over(fn: str, window: str, sel: str, arg: str = "") -> str:
     """``fn`` over the window of each GPU's activity: the profiling ratio where it exists, else utilisation/100.
@@ -94,14 +73,11 @@ def activity_over(fn: str, window: str, sel: str, arg: str = "") -> str:
     return (f"({fn}({prefix}{GR_ENGINE_ACTIVE}{{{sel}}}[{window}]) "
             f"or ({fn}({prefix}{GPU_UTIL}{{{sel}}}[{window}]) / 100))")
 
-
 def peak_activity_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     return f"max {_by(form)} {activity_over('max_over_time', f'{window_s}s', selector(form, namespaces))}"
 
-
 def coverage_step(window_s: int) -> int:
     return max(60, math.ceil(window_s / MAX_COVERAGE_STEPS))
-
 
 def coverage_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     """How many steps of the window have a sample of the pod (any of its GPUs, any DCGM activity metric)."""
@@ -110,29 +86,21 @@ def coverage_query(form: LabelForm, namespaces: Iterable[str], window_s: int) ->
     return (f"count_over_time((max {_by(form)} ({GR_ENGINE_ACTIVE}{{{sel}}} or {GPU_UTIL}{{{sel}}}))"
             f"[{window_s}s:{step}s])")
 
-
 def p95_activity_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     return (f"max {_by(form)} "
             f"{activity_over('quantile_over_time', f'{window_s}s', selector(form, namespaces), arg='0.95')}")
 
-
 def peak_memory_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     return f"max {_by(form)} (max_over_time({FB_USED}{{{selector(form, namespaces)}}}[{window_s}s]))"
-
 
 def memory_total_query(form: LabelForm, namespaces: Iterable[str]) -> str:
     sel = selector(form, namespaces)
     return f"max {_by(form)} ({FB_USED}{{{sel}}} + {FB_FREE}{{{sel}}})"
 
-
 EXPORTED_POD_SET: Final = ', exported_pod!=""'
-
 
 def _any_dcgm(extra: str = "") -> str:
     return f'{{__name__=~"{"|".join(DCGM_METRICS)}"{extra}}}'
-
-
-# --- the client ------------------------------------------------------------------------------------------------
 
 class PrometheusClient:
     """A small, synchronous client of the Prometheus HTTP API (``/api/v1/query``)."""
@@ -233,32 +201,3 @@ class PrometheusClient:
         coverage = {k: min(1.0, v / steps) for k, v in by_pod(coverage_query(form, namespaces, window_s)).items()}
         return {k: PodMemory(namespace=k[0], pod=k[1], peak_used_mib=v, total_mib=total.get(k, 0.0),
                              p95_activity=p95.get(k), coverage=coverage.get(k, 0.0)) for k, v in peak.items()}
-
-
-@dataclass(frozen=True)
-class IdleVerdict:
-    idle: bool
-    reason: str
-    peak: float | None = None
-
-
-def judge_idle(pods: list[tuple[str, str]], activity: dict[tuple[str, str], PodActivity], *, threshold: float,
-               idle_for_s: int, min_coverage: float) -> IdleVerdict:
-    """Idle only when every pod has DCGM data over enough of the window and every GPU stayed at or below the
-    threshold. A workload without running pods is not judged here (nothing to measure)."""
-    if not pods:
-        return IdleVerdict(False, "no running pods to measure")
-    peak = 0.0
-    for key in pods:
-        got = activity.get(key)
-        if got is None:
-            return IdleVerdict(False, f"no DCGM data for pod {key[1]} in the last {idle_for_s // 60}m")
-        if got.coverage < min_coverage:
-            return IdleVerdict(False, f"too little history for pod {key[1]}: data over {got.coverage:.0%} of the "
-                                      f"last {idle_for_s // 60}m (needs {min_coverage:.0%})")
-        if got.peak > threshold:
-            return IdleVerdict(False, f"busy: pod {key[1]} peaked at {got.peak:.0%} GPU activity in the last "
-                                      f"{idle_for_s // 60}m (idle threshold {threshold:.0%})", got.peak)
-        peak = max(peak, got.peak)
-    return IdleVerdict(True, f"idle: {len(pods)} pod(s) at most {peak:.0%} GPU activity for {idle_for_s // 60}m",
-                       peak)

@@ -19,7 +19,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from activities import product_metrics as pm
 from activities.providers.base import (
     InstanceNotFoundError,
     InsufficientCapacityError,
@@ -28,6 +27,7 @@ from activities.providers.base import (
     Provider,
     ProviderError,
 )
+from activities.telemetry import metrics as pm
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 

@@ -12,12 +12,12 @@ from typing import Any, Generic, TypeVar
 
 from kubernetes import client, watch
 
-from activities.planning import pod_matches
 from models.drain import EvictionResult
 from models.labels import GPU_RESOURCE, LABEL_LOCATION, LABEL_OPERATION
 from models.node import NodeExpectation, ServeCheckRequest, ServeCheckResult, VerifyResult
 from models.policy import API_GROUP, PLURAL, GpuPolicy, PolicyError, parse_policy
 from models.provisioning import NodeRequirement, PendingPod
+from planning.burst import pod_matches
 
 Heartbeat = Callable[..., None]
 PDB_PATTERN = re.compile(r"disruption budget ([a-z0-9]([-a-z0-9.]*[a-z0-9])?)")

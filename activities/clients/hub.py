@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from activities.gateway_http import error_message
-from activities.tracing import http_call
+from activities.clients.gateway import error_message
+from activities.telemetry.tracing import http_call
 from models.hub import ActionReport
 
 
