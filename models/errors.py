@@ -31,3 +31,16 @@ class AddressesExhausted(JoinRefused):
 
     def __init__(self, message: str) -> None:
         super().__init__(ADDRESSES_EXHAUSTED, message, status=503)
+
+
+# Error types of the burst and drain activities (``ApplicationError.type``): the workflows branch on them.
+INSUFFICIENT_CAPACITY: Final = "InsufficientCapacity"
+LOCATION_NOT_ALLOWED: Final = "LocationNotAllowed"
+JOIN_TIMEOUT: Final = "JoinTimeout"
+VERIFICATION_FAILED: Final = "VerificationFailed"
+POLICY_GONE: Final = "PolicyGone"
+NOT_OWNED: Final = "NotOwned"
+PROVIDER_REJECTED: Final = "ProviderRejected"
+HELD: Final = "Held"
+# The gateway has no free address slot for the node: no ticket, so nothing launched.
+ADDRESSES_EXHAUSTED_TYPE: Final = "AddressesExhausted"

@@ -85,7 +85,7 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
     # Serving operations wait in one async activity each; their own queue and slot limit keep them from starving
     # the activities that launch, join and drain.
     serve_worker = Worker(temporal, task_queue=settings.task_queue + SERVE_QUEUE_SUFFIX,
-                          activities=[runtime_activities.serve_until_done, runtime_activities.await_actions_allowed],
+                          activities=runtime_activities.held_long(),
                           max_concurrent_activities=10000,
                           graceful_shutdown_timeout=GRACEFUL_SHUTDOWN)
     telemetry.attach(telemetry.StateCollector(temporal, runtime))

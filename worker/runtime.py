@@ -12,13 +12,14 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.service import RPCError, TLSConfig
 
-from activities.audit import AuditLog
-from activities.burst import BurstActivities, ReportSink
+from activities.burst import BurstActivities
+from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
 from activities.clients.hub import HubClient
 from activities.clients.kube import KubeOps
 from activities.clients.policies import PolicySyncer
 from activities.clients.prometheus import PrometheusClient
+from activities.context import ReportSink
 from activities.gateway import KubeGateway
 from activities.gateway_join import AddressPlan
 from activities.hub import HubActivities

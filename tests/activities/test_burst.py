@@ -16,14 +16,14 @@ from kubernetes import client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.audit import AuditLog
-from activities.burst import ADDRESSES_EXHAUSTED, BurstActivities
+from activities.burst import BurstActivities
+from activities.clients.audit_log import AuditLog
 from activities.clients.kube import KubeOps
 from activities.gateway import KubeGateway
 from activities.gateway_join import AddressPlan
 from activities.providers.fake import FakeProvider
 from models.drain import NodeRemoval
-from models.errors import JoinRefused
+from models.errors import ADDRESSES_EXHAUSTED_TYPE, JoinRefused
 from models.join import JoinTicketRequest, parse_user_data
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.locations import BurstConfig
@@ -81,7 +81,7 @@ class Launcher:
                              taints=[Taint(key="gpu.kubeon.io/burst")])
 
     def launch(self, req: LaunchRequest) -> str:
-        return str(self.env.run(self.acts.launch_instance, req).instance_id)
+        return str(self.env.run(self.acts.launch.launch_instance, req).instance_id)
 
     def launches(self) -> int:
         return sum(1 for method, _ in self.provider.calls if method == "launch")
@@ -117,7 +117,7 @@ def test_the_fifth_launch_fails_with_addresses_exhausted_and_launches_nothing(la
     assert all(s.reserved for s in launcher.gateway.records.slots())  # no node has redeemed its ticket yet
     with pytest.raises(ApplicationError) as err:
         launcher.launch(launcher.request())
-    assert err.value.type == ADDRESSES_EXHAUSTED and err.value.non_retryable
+    assert err.value.type == ADDRESSES_EXHAUSTED_TYPE and err.value.non_retryable
     for part in ("all 4 address slots", "10.245.0.0/28", "/30", "KUBEON_GATEWAY_POD_CIDR",
                  "KUBEON_GATEWAY_NODE_CIDR_MASK"):
         assert part in err.value.message
@@ -129,7 +129,7 @@ def test_removing_a_node_that_never_joined_frees_its_reservation(launcher: Launc
     gone = reqs[1]
     freed = next(s.pod_cidr for s in launcher.gateway.records.slots() if s.node == gone.node_name)
     # The compensation of a failed launch: remove_node (cleanup_operation does the same).
-    assert launcher.env.run(launcher.acts.remove_node, NodeRemoval(node_name=gone.node_name,
+    assert launcher.env.run(launcher.acts.drain.remove_node, NodeRemoval(node_name=gone.node_name,
                                                                    operation=gone.operation)) is False
     assert launcher.gateway.capacity().held == 3
     later = launcher.request()

@@ -28,7 +28,7 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.audit import AuditLog
+from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import (
     IN_CLUSTER_TOKEN_FILE,
     GatewayRefused,

@@ -19,7 +19,7 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.audit import AuditLog
+from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import HttpGatewayClient
 from activities.clients.kube import KubeOps
 from activities.providers.sim import SimProvider
