@@ -13,10 +13,12 @@ class Approval(Model):
     # When set, the approval is for this batch only (the operation ID the proposal was reported under).
     operation: str | None = None
 
+
 class Rejection(Model):
     approver: str = "temporal-ui"
     reason: str = ""
     operation: str | None = None
+
 
 class DecisionResult(Model):
     operation: str

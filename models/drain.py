@@ -27,12 +27,15 @@ class DrainInput(Model):
     reason: str = ""
     settings: OperationSettings = Field(default_factory=OperationSettings)
 
+
 class EvictionResult(Model):
     remaining: list[str]
     blocked: dict[str, str] = Field(default_factory=dict)  # pod -> "blocked by PDB <name>"
 
+
 class NodeRef(Model):
     node_name: str
+
 
 class DrainResult(Model):
     node_name: str
@@ -40,13 +43,16 @@ class DrainResult(Model):
     instance_terminated: bool
     node_removed: bool
 
+
 class NodeRemoval(Model):
     node_name: str
     operation: str
 
+
 class GoneCheck(Model):
     node_name: str
     instance: InstanceRef | None = None
+
 
 class DrainStatus(Model):
     status: str

@@ -15,7 +15,6 @@ class TicketError(Exception):
         self.code = code
 
 
-
 class JoinRefused(Exception):
     """A join request is refused; ``code`` and ``status`` for the HTTP answer, the message names the cause."""
 
@@ -25,6 +24,7 @@ class JoinRefused(Exception):
         self.status = status
 
 ADDRESSES_EXHAUSTED: Final = "addresses_exhausted"
+
 
 class AddressesExhausted(JoinRefused):
     """Every address slot is held: no ticket (and so no instance) until a node goes or a reservation expires."""

@@ -76,6 +76,7 @@ def parse_user_data(user_data: str) -> dict[str, Any]:
 
 DEFAULT_TICKET_TTL_SECONDS = 900
 
+
 class JoinTicketRequest(BaseModel):
     operation: str
     policy: str
@@ -87,6 +88,7 @@ class JoinTicketRequest(BaseModel):
     # GPUs of the offering launched: a node reporting more fails its join (cordoned). 0: not checked.
     gpus: int = 0
 
+
 class TicketGrant(BaseModel):
     """The gateway's answer to a ticket request: the ticket, and where the node joins (``endpoint``, an https URL,
     and ``server_name``, the name its certificate is verified against). Both empty: the worker's configured
@@ -95,6 +97,7 @@ class TicketGrant(BaseModel):
     ticket: str
     endpoint: str = ""
     server_name: str = ""
+
 
 class GatewayCapacity(BaseModel):
     """The gateway's address slots: how many there are, and the nodes holding one (joined, or reserved by a
@@ -111,6 +114,7 @@ class GatewayCapacity(BaseModel):
     def free(self) -> int:
         return max(0, self.total - self.held)
 
+
 def url_host(url: str) -> str:
     """The host of an URL, lower case, without port or IPv6 brackets."""
     return (urlsplit(url).hostname or "").lower()
@@ -118,8 +122,10 @@ def url_host(url: str) -> str:
 # The smallest provider limit on user data: EC2's 16 KB before base64 (GCE and Azure allow more).
 USER_DATA_MAX_BYTES = 16 * 1024
 
+
 class UserDataTooLarge(ValueError):
     """The rendered user data is over ``USER_DATA_MAX_BYTES``: the cloud would refuse the launch."""
+
 
 def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
                      taints: list[Taint], ca_bundle: str = "", server_name: str = "") -> str:

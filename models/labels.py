@@ -24,6 +24,7 @@ TAG_OPERATION: Final = "kubeon.io/operation"
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 
+
 class Taint(Model):
     key: str
     value: str = "true"

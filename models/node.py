@@ -28,6 +28,7 @@ class NodePhase(StrEnum):
     FAILED = "Failed"
     CANCELLED = "Cancelled"
 
+
 class NodeInput(Model):
     """One new burst node of a batch: launch -> join -> verify -> serve -> return home."""
 
@@ -39,6 +40,7 @@ class NodeInput(Model):
     default_mode: Mode = "Recommend"
     settings: OperationSettings = Field(default_factory=OperationSettings)
 
+
 class LaunchRequest(Model):
     operation: str
     cluster: str
@@ -48,6 +50,7 @@ class LaunchRequest(Model):
     node_name: str
     labels: dict[str, str]
     taints: list[Taint]
+
 
 class Instance(Model):
     provider: str
@@ -59,15 +62,18 @@ class Instance(Model):
     node_name: str = ""
     launched_at: datetime | None = None
 
+
 class InstanceRef(Model):
     location: str
     instance_id: str
     policy: str
 
+
 class NodeWaitRequest(Model):
     operation: str
     node_name: str
     timeout_seconds: int
+
 
 class NodeExpectation(Model):
     node_name: str
@@ -76,9 +82,11 @@ class NodeExpectation(Model):
     pods: list[PendingPod]
     timeout_seconds: int
 
+
 class VerifyResult(Model):
     node_name: str
     pods_on_node: list[str]
+
 
 class ServeCheckRequest(Model):
     node_name: str
@@ -89,10 +97,12 @@ class ServeCheckRequest(Model):
     # What home nodes must carry to take the node's pods back (returnHome).
     node_selector: dict[str, str] = Field(default_factory=dict)
 
+
 class ServeCheckResult(Model):
     done: bool
     reason: str = ""
     pods_on_node: int = 0
+
 
 class OperationView(Model):
     """What `ops show` and a node workflow's query return."""
@@ -111,6 +121,7 @@ class OperationView(Model):
     message: str = ""
     history: list[str] = Field(default_factory=list)
 
+
 class BurstResult(Model):
     operation: str
     phase: NodePhase
@@ -119,6 +130,7 @@ class BurstResult(Model):
     instance: Instance | None = None
     node_name: str | None = None
 
+
 class CleanupRequest(Model):
     """Compensation: everything an operation may have made, found by its tag, not by what the workflow saw."""
 
@@ -126,6 +138,7 @@ class CleanupRequest(Model):
     policy: str
     locations: list[str]
     node_name: str
+
 
 class CleanupResult(Model):
     terminated: list[str] = Field(default_factory=list)

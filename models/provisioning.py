@@ -40,6 +40,7 @@ class NodeRequirement(Model):
     operator: str
     values: list[str] = Field(default_factory=list)
 
+
 class PendingPod(Model):
     namespace: str
     name: str
@@ -60,6 +61,7 @@ class PendingPod(Model):
 
     def tolerates(self, taint_key: str) -> bool:
         return "*" in self.tolerations or taint_key in self.tolerations
+
 
 class OperationSettings(Model):
     approval_timeout_seconds: int = 3600
@@ -87,6 +89,7 @@ class OperationSettings(Model):
     retry_seconds: float = 30.0
     # While pods wait that no plan could serve (maxNodes, no offering), they are planned again this often.
     replan_seconds: float = 30.0
+
 
 class Offering(Model):
     """One instance type in one location, priced per GPU-hour with data transfer back home included (R4.9)."""
@@ -120,6 +123,7 @@ class Offering(Model):
                 f"${self.usd_per_hour:.2f}/h (compute ${self.instance_usd_per_hour:.2f} + est. transfer "
                 f"${self.transfer_usd_per_hour:.2f})")
 
+
 class NodeRecord(Model):
     """A burst node of the policy that is launching, joining, verifying or serving (the provisioning state)."""
 
@@ -129,6 +133,7 @@ class NodeRecord(Model):
     offering: Offering
     pods: list[str] = Field(default_factory=list)  # the pods (namespace/name) it was launched for
 
+
 class PlannedNode(Model):
     offering: Offering
     # Other offerings its pods fit, dearer first-choice last: tried in order when a location has no capacity.
@@ -136,11 +141,13 @@ class PlannedNode(Model):
     pods: list[str] = Field(default_factory=list)
     gpus_used: int = 0
 
+
 class Unplaced(Model):
     pod: str
     why: str
     # It fits an offering but waits for a burst node to free up (maxNodes, the gateway's address slots).
     waits_for_capacity: bool = False
+
 
 class BatchPlan(Model):
     """One plan for a policy's waiting pods: onto nodes already there, then the cheapest new nodes."""
@@ -188,6 +195,7 @@ class BatchPlan(Model):
         out += [f"- not placed: {u.pod}: {u.why}" for u in self.unplaced]
         return out
 
+
 class PolicySnapshot(Model):
     name: str
     generation: int = 0
@@ -198,19 +206,23 @@ class PolicySnapshot(Model):
     max_gpu_hour: float
     return_home: bool
 
+
 class LoadPolicyRequest(Model):
     policy: str
     default_mode: Mode
+
 
 class PodsWaiting(Model):
     """The watcher's signal to a policy's provisioning: these pods wait for a node (sent again on resync)."""
 
     pods: list[PendingPod]
 
+
 class PodsGone(Model):
     """The watcher's signal: these pods (uids) no longer wait (bound, deleted)."""
 
     uids: list[str]
+
 
 class BatchRecord(Model):
     """One batch as `ops show` lists it: its plan, what became of it, and the node workflows it started."""
@@ -221,6 +233,7 @@ class BatchRecord(Model):
     message: str = ""
     approver: str | None = None
     nodes: list[str] = Field(default_factory=list)  # node workflow IDs
+
 
 class ProvisionInput(Model):
     cluster: str
@@ -239,12 +252,14 @@ class ProvisionInput(Model):
     # History stays short: the workflow continues as new after this many events.
     continue_after_events: int = 4000
 
+
 class BatchPlanRequest(Model):
     policy: PolicySnapshot
     batch: str
     pods: list[PendingPod]
     nodes: list[NodeRecord]
     max_new_nodes: int
+
 
 class ProvisionView(Model):
     """What `ops show` and the provisioning workflow's query return."""

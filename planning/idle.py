@@ -13,6 +13,7 @@ class PodActivity:
     peak: float  # highest activity (0-1) of any of its GPUs in the window
     coverage: float  # share of the window's steps with a sample (0-1)
 
+
 @dataclass(frozen=True)
 class PodMemory:
     namespace: str
@@ -22,11 +23,13 @@ class PodMemory:
     p95_activity: float | None
     coverage: float
 
+
 @dataclass(frozen=True)
 class IdleVerdict:
     idle: bool
     reason: str
     peak: float | None = None
+
 
 def judge_idle(pods: list[tuple[str, str]], activity: dict[tuple[str, str], PodActivity], *, threshold: float,
                idle_for_s: int, min_coverage: float) -> IdleVerdict:

@@ -38,14 +38,18 @@ DCGM_METRICS: Final = (GR_ENGINE_ACTIVE, GPU_UTIL, FB_USED, FB_FREE)
 # Coverage is counted in at most this many steps over the window (a 7-day window is not 10,080 steps per pod).
 MAX_COVERAGE_STEPS: Final = 120
 
+
 class MetricsError(Exception):
     """GPU metrics could not be read: never treated as idle."""
+
 
 class PrometheusUnavailable(MetricsError):
     """Prometheus did not answer, or answered with an error."""
 
+
 class NoGpuMetrics(MetricsError):
     """Prometheus answers but holds no DCGM exporter series."""
+
 
 @dataclass(frozen=True)
 class LabelForm:
@@ -59,12 +63,15 @@ class LabelForm:
     def exported(self) -> bool:
         return self.pod.startswith("exported_")
 
+
 def selector(form: LabelForm, namespaces: Iterable[str]) -> str:
     names = sorted(set(namespaces))
     return f'{form.namespace}=~"{"|".join(names)}",{form.pod}!=""'
 
+
 def _by(form: LabelForm) -> str:
     return f"by ({form.namespace}, {form.pod})"
+
 
 def activity_over(fn: str, window: str, sel: str, arg: str = "") -> str:
     """``fn`` over the window of each GPU's activity: the profiling ratio where it exists, else utilisation/100.
@@ -73,11 +80,14 @@ def activity_over(fn: str, window: str, sel: str, arg: str = "") -> str:
     return (f"({fn}({prefix}{GR_ENGINE_ACTIVE}{{{sel}}}[{window}]) "
             f"or ({fn}({prefix}{GPU_UTIL}{{{sel}}}[{window}]) / 100))")
 
+
 def peak_activity_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     return f"max {_by(form)} {activity_over('max_over_time', f'{window_s}s', selector(form, namespaces))}"
 
+
 def coverage_step(window_s: int) -> int:
     return max(60, math.ceil(window_s / MAX_COVERAGE_STEPS))
+
 
 def coverage_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     """How many steps of the window have a sample of the pod (any of its GPUs, any DCGM activity metric)."""
@@ -86,12 +96,15 @@ def coverage_query(form: LabelForm, namespaces: Iterable[str], window_s: int) ->
     return (f"count_over_time((max {_by(form)} ({GR_ENGINE_ACTIVE}{{{sel}}} or {GPU_UTIL}{{{sel}}}))"
             f"[{window_s}s:{step}s])")
 
+
 def p95_activity_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     return (f"max {_by(form)} "
             f"{activity_over('quantile_over_time', f'{window_s}s', selector(form, namespaces), arg='0.95')}")
 
+
 def peak_memory_query(form: LabelForm, namespaces: Iterable[str], window_s: int) -> str:
     return f"max {_by(form)} (max_over_time({FB_USED}{{{selector(form, namespaces)}}}[{window_s}s]))"
+
 
 def memory_total_query(form: LabelForm, namespaces: Iterable[str]) -> str:
     sel = selector(form, namespaces)
@@ -99,8 +112,10 @@ def memory_total_query(form: LabelForm, namespaces: Iterable[str]) -> str:
 
 EXPORTED_POD_SET: Final = ', exported_pod!=""'
 
+
 def _any_dcgm(extra: str = "") -> str:
     return f'{{__name__=~"{"|".join(DCGM_METRICS)}"{extra}}}'
+
 
 class PrometheusClient:
     """A small, synchronous client of the Prometheus HTTP API (``/api/v1/query``)."""
