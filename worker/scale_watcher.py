@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -220,14 +220,3 @@ class ScaleWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-@contextlib.asynccontextmanager
-async def running(watcher: ScaleWatcher) -> AsyncIterator[ScaleWatcher]:
-    task = asyncio.create_task(watcher.run(), name="scale-watcher")
-    try:
-        yield watcher
-    finally:
-        watcher.stop()
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(task, timeout=watcher.resync_seconds + 30)

@@ -18,9 +18,10 @@ from temporalio.testing import WorkflowEnvironment
 from models.provisioning import BatchPhase
 from tests.harness.burst import BurstStack, build_stack, gpu_deployment, provision_state, unique, wait_for
 from tests.harness.kube import Cluster, until
+from worker.background import running
 from worker.main import worker_services
 from worker.runtime import Runtime
-from worker.watcher import PendingPodWatcher, running, unschedulable_since
+from worker.watcher import PendingPodWatcher, unschedulable_since
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
