@@ -4,6 +4,8 @@ Every control plane of the test bed installs it from the chart's file, as a clus
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import yaml
 from kubernetes import client, config
@@ -29,9 +31,9 @@ def register(api: client.CoreV1Api, name: str, *, taints: list[client.V1Taint] |
                                          spec=client.V1NodeSpec(taints=taints)))
 
 
-def refused(call: object) -> client.ApiException:
+def refused(call: Callable[[], object]) -> client.ApiException:
     with pytest.raises(client.ApiException) as err:
-        call()  # type: ignore[operator]
+        call()
     assert err.value.status == 403, err.value.body
     return err.value
 
