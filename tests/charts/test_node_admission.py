@@ -74,11 +74,13 @@ def test_a_burst_node_cannot_rewrite_the_labels_that_carry_trust(cluster: Cluste
     api = as_node(cluster, name)
     register(api, name, taints=[JOINING], labels=TRUST)
     try:
-        patches: list[dict[str, str | None]] = [{"gpu.kubeon.io/location": "onprem-dc1"},  # claim another location (data residency)
-                      {"gpu.kubeon.io/operation": "op-ffffffffffff"},  # make removal refuse it
-                      {"gpu.kubeon.io/location": None},  # be counted as home capacity
-                      {"gpu.kubeon.io/team": "ml"},  # a label a team's selector trusts
-                      {"node.kubernetes.io/instance-type": "p5.48xlarge"}]
+        patches: list[dict[str, str | None]] = [
+            {"gpu.kubeon.io/location": "onprem-dc1"},  # claim another location (data residency)
+            {"gpu.kubeon.io/operation": "op-ffffffffffff"},  # make removal refuse it
+            {"gpu.kubeon.io/location": None},  # be counted as home capacity
+            {"gpu.kubeon.io/team": "ml"},  # a label a team's selector trusts
+            {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        ]
         for patch in patches:
             refused(lambda: api.patch_node(name, {"metadata": {"labels": patch}}))  # noqa: B023 - called at once
         api.patch_node(name, {"metadata": {"labels": {"example.com/rack": "r12"}}})  # anything else stays its own
