@@ -697,3 +697,26 @@ def test_location_schema_matches_the_worker_model() -> None:
     assert set(location["properties"]) == set(aliases.values())
     credentials = {field.alias or name for name, field in Credentials.model_fields.items()}
     assert set(location["properties"]["credentials"]["properties"]) == credentials
+
+
+def test_embedded_temporal_is_reachable_only_by_the_worker() -> None:
+    """The embedded Temporal has no authentication (issue 21, finding 8): its NetworkPolicy admits the worker's
+    pods to gRPC and nobody else; the UI and console only from the peers the operator names."""
+    policy = template().get("NetworkPolicy", "kubeon-gpu-optimizer-temporal", NAMESPACE)
+    temporal = template().get("Deployment", "kubeon-gpu-optimizer-temporal", NAMESPACE)
+    worker = template().get("Deployment", "kubeon-gpu-optimizer", NAMESPACE)
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= temporal["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [grpc] = policy["spec"]["ingress"]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": 7233}]
+    [peer] = grpc["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= worker["spec"]["template"]["metadata"]["labels"].items()
+    assert not peer["podSelector"]["matchLabels"].items() <= temporal["spec"]["template"]["metadata"]["labels"].items()
+    ops = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
+    opened = template("--set-json", f"temporal.embedded.networkPolicy.uiFrom=[{json.dumps(ops)}]").get(
+        "NetworkPolicy", "kubeon-gpu-optimizer-temporal", NAMESPACE)
+    assert opened["spec"]["ingress"][1] == {"from": [ops], "ports": [{"protocol": "TCP", "port": 8233},
+                                                                    {"protocol": "TCP", "port": 8234}]}
+    external = template("--set", "temporal.mode=external", "--set", "temporal.external.address=t:7233")
+    assert not external.all("NetworkPolicy")
