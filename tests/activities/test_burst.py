@@ -19,9 +19,9 @@ from temporalio.testing import ActivityEnvironment
 from activities.audit import AuditLog
 from activities.burst import ADDRESSES_EXHAUSTED, BurstActivities
 from activities.clients.kube import KubeOps
-from activities.gateway import KubeGateway
-from activities.gateway_join import AddressPlan
 from activities.providers.fake import FakeProvider
+from gateway.service import KubeGateway
+from gateway.slots import AddressPlan
 from models.drain import NodeRemoval
 from models.errors import JoinRefused
 from models.join import JoinTicketRequest, parse_user_data

@@ -24,17 +24,16 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 from kubernetes import client
 
-from activities.gateway import (
+from activities.providers.sim import KWOK_ANNOTATIONS
+from gateway.service import (
     GatewayAddressPending,
     GatewayAddressUnknown,
     KubeGateway,
     ServiceRef,
-    _b64,
-    _unb64,
     endpoint_from_service,
 )
-from activities.gateway_join import AddressPlan
-from activities.providers.sim import KWOK_ANNOTATIONS
+from gateway.slots import AddressPlan
+from gateway.tickets import _b64, _unb64
 from models.errors import JoinRefused, TicketError
 from models.join import USER_DATA_MAX_BYTES, JoinTicketRequest, UserDataTooLarge, parse_user_data, render_user_data
 from models.labels import (
