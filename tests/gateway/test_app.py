@@ -42,13 +42,14 @@ from gateway.service import KubeGateway
 from gateway.settings import ConfigError, GatewayServerConfig
 from gateway.settings import load_settings as load_gateway_settings
 from models.errors import AddressesExhausted, TicketError
-from models.join import JoinTicketRequest, parse_user_data, render_user_data
-from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.join import parse_user_data, render_user_data
+from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
 from models.node import Instance, NodePhase
 from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
 from tests.charts.helm import BURST_VALUES
 from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helm import template as helm_template
+from tests.gateway.helpers import BURST_TAINT, CAPACITY, node_absent, ticket_request
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
@@ -84,8 +85,6 @@ OPTIMIZER_USER = f"system:serviceaccount:{OPTIMIZER_NAMESPACE}:{OPTIMIZER_SA}"
 # What the gateway needs beyond node rules: verifying the optimizer's token.
 TOKENREVIEW_RULE = {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
 GATEWAY_AUDIENCE = "kubeon-gpu-gateway"
-BURST_TAINT = "gpu.kubeon.io/burst"
-CAPACITY = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
 
 
 def gateway_rules() -> list[dict[str, list[str]]]:
@@ -220,34 +219,6 @@ def optimizer(gateway: GatewayProcess, setup: Setup) -> Iterator[HttpGatewayClie
     http = HttpGatewayClient(gateway.url, setup.optimizer_token_file)
     yield http
     http.close()
-
-
-@pytest.fixture
-def nodes(cluster: Cluster) -> Iterator[list[str]]:
-    """Nodes a test may create, deleted afterwards: no tainted GPU node is left for other tests."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        try:
-            cluster.admin.core.delete_node(name)
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-
-
-def ticket_request(nodes: list[str], *, operation: str | None = None) -> JoinTicketRequest:
-    op = operation or f"op-{uuid.uuid4().hex[:10]}"
-    name = f"burst-{uuid.uuid4().hex[:8]}"
-    nodes.append(name)
-    return JoinTicketRequest(
-        operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,
-        labels={LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "sim.eu-west"},
-        taints=[Taint(key=BURST_TAINT)],
-    )
-
-
-def node_absent(cluster: Cluster, name: str) -> bool:
-    return not cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
 
 
 def join_raw(gateway: GatewayProcess, ticket: str, node: str = "burst-x", **extra: Any) -> httpx.Response:

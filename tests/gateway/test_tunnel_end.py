@@ -49,11 +49,7 @@ from tests.harness.netbed import (
     sh,
     start_tunnel_gateway,
 )
-from tests.harness.rbac import (
-    GATEWAY_SA,
-    OPTIMIZER_NAMESPACE,
-    OPTIMIZER_SA,
-)
+from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 from tunnel.uapi import Uapi
 from worker.main import worker_services
 from worker.runtime import Runtime
