@@ -28,6 +28,7 @@ COPY activities ./activities
 COPY worker ./worker
 COPY hub ./hub
 COPY node ./node
+COPY gateway ./gateway
 COPY tunnel ./tunnel
 # Bytecode is compiled here: the running container cannot write it.
 RUN pip install --no-deps . \

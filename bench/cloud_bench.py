@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from activities.clients.kube import KubeOps
-from activities.gateway import KubeGateway
+from gateway.service import KubeGateway
 from models.join import JoinTicketRequest, render_user_data
 from models.labels import Taint
 from models.locations import BurstConfig

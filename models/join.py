@@ -23,6 +23,8 @@ KUBELET_CLIENT_USAGES: Final = ("digital signature", "client auth")
 KUBELET_CLIENT_OPTIONAL_USAGES: Final = ("key encipherment",)
 NODES_GROUP: Final = "system:nodes"
 NODE_USER_PREFIX: Final = "system:node:"
+# An on-prem server presents its pool's join token in this header besides its ticket (R4.5; the gateway checks it).
+JOIN_TOKEN_HEADER: Final = "X-Kubeon-Join-Token"
 
 
 class _Wire(BaseModel):

@@ -95,7 +95,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _gateway(_: argparse.Namespace) -> int:
-    from worker.gateway_server import main as gateway_main
+    from gateway.main import main as gateway_main
 
     gateway_main()
     return 0
@@ -345,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(hub_serve(argv[1:], prog="kubeon-gpu hub") or 0)
     if argv[:1] == ["onprem-agent"]:  # so does the agent
-        from worker.onprem_agent import main as agent_main
+        from node.onprem_agent import main as agent_main
 
         return agent_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -2,13 +2,14 @@
 HTTPS client of the gateway process.
 
 ``HttpGatewayClient`` implements ``GatewayClient`` for the worker in a real cluster, where the gateway is its own
-Deployment (``kubeon-gpu gateway``, see ``worker.gateway_server``). It authenticates with the optimizer's
+Deployment (``kubeon-gpu gateway``, see ``gateway.app``). It authenticates with the optimizer's
 ServiceAccount token, read from its file on every call because projected tokens rotate. A burst node's side of
 the join is ``node.join``.
 
 Errors: a 409 on removal (the Node belongs to another operation) raises ``TicketError`` with the gateway's
-reason, as the in-process ``KubeGateway`` does; a 503 ``addresses_exhausted`` on a ticket raises
-``AddressesExhausted`` (no free address slot: not worth retrying soon), as ``KubeGateway`` does; other 5xx
+reason, as ``gateway.service.KubeGateway`` does (tests hand the worker one in their process); a 503
+``addresses_exhausted`` on a ticket raises ``AddressesExhausted`` (no free address slot: not worth retrying
+soon), as ``KubeGateway`` does; other 5xx
 answers, timeouts and connection failures raise ``GatewayUnavailable`` (retryable); any other refusal raises
 ``GatewayRefused``. Tickets and tokens never appear in a message.
 """

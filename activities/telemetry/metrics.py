@@ -1,9 +1,10 @@
-"""The optimizer's own Prometheus metrics (``/metrics`` on the worker's and the gateway's health port).
+"""The optimizer's own Prometheus metrics (``/metrics`` on the worker's health port; the gateway's are
+``gateway.metrics``).
 
 Names and labels follow Prometheus conventions: ``kubeon_`` prefix, base units (seconds, USD per hour), ``_total``
 for counters. Labels carry bounded values only (policy, location, provider, call, phase, outcome), never an ID of
 an instance, a node, a ticket or a token. Counted where the fact happens (activities, the worker's activity
-interceptor, the gateway's HTTP layer) or read at scrape time from the source of truth (Kubernetes Nodes,
+interceptor) or read at scrape time from the source of truth (Kubernetes Nodes,
 Temporal visibility and queries): see ``worker/telemetry.py``. The Temporal SDK's own metrics (``temporal_*``)
 are served on the same endpoint.
 """
@@ -57,9 +58,3 @@ SCRAPE_ERRORS = Counter("kubeon_scrape_errors", "Sources that could not be read 
 SNAPSHOT_AGE = Gauge("kubeon_metrics_snapshot_age_seconds", "How old the values read from a source for /metrics "
                      "are (read in the background: a scrape never waits for a source)", ["source"])
 HUB_CONNECTED = Gauge("kubeon_hub_connected", "1 while the hub sync's last poll connected, else 0")
-
-# -- the gateway (worker/gateway_server.py) --------------------------------------------------------------------
-GATEWAY_REQUESTS = Counter("kubeon_gateway_requests", "Requests to the burst gateway by route and status code",
-                           ["route", "code"])
-GATEWAY_JOINS = Counter("kubeon_gateway_joins", "Join attempts of burst nodes by outcome (admitted, refused, "
-                        "invalid, error)", ["outcome"])

@@ -19,9 +19,9 @@ from temporalio.testing import ActivityEnvironment
 from activities.burst import BurstActivities
 from activities.clients.audit_log import AuditLog
 from activities.clients.kube import KubeOps
-from activities.gateway import KubeGateway
-from activities.gateway_join import AddressPlan
 from activities.providers.fake import FakeProvider
+from gateway.service import KubeGateway
+from gateway.slots import AddressPlan
 from models.drain import NodeRemoval
 from models.errors import ADDRESSES_EXHAUSTED_TYPE, JoinRefused
 from models.join import JoinTicketRequest, parse_user_data

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.settings import load_settings as load_gateway_settings
 from models.locations import BurstConfig, Credentials, LocationConfig
 from tests.charts.helm import (
     BAD_VALUES,
@@ -382,7 +383,7 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     key = next(v for v in spec["volumes"] if v["name"] == "ticket-key")["secret"]
     assert key["secretName"] == f"{GATEWAY}-ticket-key" and key["items"] == [{"key": "key", "path": "ticket-key"}]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    # the on-prem pool's join token (existingSecret), where worker.pool_join reads it: <dir>/onprem.dc1/token
+    # the on-prem pool's join token (existingSecret), where gateway.pool_tokens reads it: <dir>/onprem.dc1/token
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     dc1 = mounts["/var/run/kubeon/burst/onprem.dc1"]
     assert dc1["readOnly"] is True
@@ -674,7 +675,7 @@ def test_worker_settings_load_from_the_rendered_environment(default: Rendered, b
     assert str(settings.temporal_api_key_file) == "/var/run/kubeon/temporal/api-key"
     assert settings.gateway_public_url == PUBLIC_URL and settings.gateway_node_url() == PUBLIC_URL
     assert str(settings.gateway_ca_file) == "/etc/kubeon/gateway-ca/ca.crt"
-    gateway = load_settings(env(container(burst.get("Deployment", GATEWAY), "gateway")))
+    gateway = load_gateway_settings(env(container(burst.get("Deployment", GATEWAY), "gateway")))
     assert str(gateway.gateway_ticket_key_file) == "/var/run/kubeon/gateway/ticket-key"
     assert str(gateway.gateway_tls_cert_file) == "/var/run/kubeon/gateway-tls/tls.crt"
     assert str(gateway.gateway_tls_key_file) == "/var/run/kubeon/gateway-tls/tls.key"

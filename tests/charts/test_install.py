@@ -368,7 +368,7 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
     signer, signed; records kept), the registered node labelled and its joining taint lifted, and its removal."""
     import secrets
 
-    from activities.gateway import KubeGateway
+    from gateway.service import KubeGateway
     from models.join import JoinTicketRequest
     from models.labels import Taint
     from node.join import NodeFiles

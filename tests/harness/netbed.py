@@ -175,7 +175,7 @@ class Gateway:
         return (self.workdir / "gateway.log").read_text(errors="replace")
 
     def start(self) -> Gateway:
-        self.proc = self.bed.spawn([sys.executable, "-m", "worker.gateway_server"], netns=self.bed.gw,
+        self.proc = self.bed.spawn([sys.executable, "-m", "gateway.main"], netns=self.bed.gw,
                                    log=self.workdir / "gateway.log", env=self.env)
         marker = self.log.count("restored from the API")
         wait_for(lambda: self.log.count("restored from the API") > marker or self._dead(), timeout=60,

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from activities.gateway import KubeGateway
-from activities.gateway_join import check_csr
+from gateway.admission import check_csr
+from gateway.service import KubeGateway
 from models.errors import TicketError
 from models.join import JoinAnswer, JoinRedeem, JoinTicketRequest
 from models.labels import LABEL_OPERATION, Taint

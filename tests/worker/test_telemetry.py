@@ -40,7 +40,6 @@ from tests.harness.kube import Cluster
 from tests.harness.stall_proxy import StallingProxy
 from worker import telemetry
 from worker.config import ConfigError
-from worker.runtime import build_runtime
 from worker.telemetry import LOG_CONTEXT, JsonFormatter, operation_context, traces_exporter
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -226,7 +225,7 @@ async def test_a_scrape_serves_the_last_values_at_once_while_temporal_stalls(
     name, policy = unique("slow"), unique("slow")
     settings = stack.settings(temporal_address=direct.service_client.config.target_host, task_queue=name,
                               locations=SIM_LOCATIONS, cluster_name=name)
-    runtime = build_runtime(settings)
+    runtime = stack.runtime(settings)
     nodes: list[str] = []
     runs: list[str] = []
 

@@ -57,7 +57,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, pr
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=locations(product), cluster_name=queue)
-    async with worker_services(settings, watch=False) as (temporal, runtime, _):
+    async with worker_services(settings, stack.runtime(settings), watch=False) as (temporal, runtime, _):
         yield temporal, runtime
 
 

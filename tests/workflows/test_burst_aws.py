@@ -15,8 +15,8 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import KubeGateway
 from activities.providers.sim import KWOK_ANNOTATIONS
+from gateway.service import KubeGateway
 from models.join import parse_user_data
 from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
@@ -124,7 +124,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, mo
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=[aws_location], cluster_name=queue,
                               aws_endpoint_url=moto_server.endpoint)
-    async with worker_services(settings) as (temporal, runtime, _):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _):
         assert isinstance(runtime.gateway, KubeGateway)
         yield temporal, settings.cluster, runtime.gateway
 

@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import KubeGateway
+from gateway.service import KubeGateway
 from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from models.provisioning import BatchPhase
@@ -155,7 +155,7 @@ async def worker(stack: BurstStack, temporal: WorkflowEnvironment, cloud: Cloud,
     locations = [cloud.location(r) for r in regions]
     settings = stack.settings(temporal_address=temporal.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=queue, **cloud.settings())
-    async with worker_services(settings) as (client_, runtime, _):
+    async with worker_services(settings, stack.runtime(settings)) as (client_, runtime, _):
         assert isinstance(runtime.gateway, KubeGateway)
         yield client_, settings.cluster, runtime.gateway
 
@@ -302,7 +302,7 @@ async def test_killed_after_the_create_is_sent_is_one_instance(
     stack.create_policy(policy, mode="Automatic", locations=[f"{cloud.name}/{cloud.home_region}"])
     cloud.server.fault(slow_create_seconds=8)
     log = stack.workdir / f"{queue}.log"
-    procs = [worker_process(settings, log)]
+    procs = [worker_process(settings, log, stack=stack)]
     gateway = KubeGateway(kube_api(stack.gateway_kubeconfig), stack.ticket_key_file.read_bytes().strip())
     deploy = _deploy(stack, namespace, cloud)
     try:
@@ -310,7 +310,7 @@ async def test_killed_after_the_create_is_sent_is_one_instance(
         os.killpg(procs[0].pid, signal.SIGKILL)  # the cloud is still holding its answer
         procs[0].wait(timeout=10)
         cloud.server.fault(slow_create_seconds=0)
-        procs.append(worker_process(settings, log))
+        procs.append(worker_process(settings, log, stack=stack))
         # The node workflow the batch started (asked of the provisioning: a worker is running again).
         handle = await node_for(temporal_dev_server.client, queue, policy, f"{namespace}/{deploy}-", timeout=90)
         with Booter(cloud.server, gateway_join(gateway)) as booted:

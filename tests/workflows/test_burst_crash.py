@@ -43,12 +43,12 @@ def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstSt
 class Workers:
     """Starts and kills `kubeon-gpu worker` processes; none outlives the test."""
 
-    def __init__(self, settings: Settings, log: Path) -> None:
-        self.settings, self.log = settings, log
+    def __init__(self, settings: Settings, log: Path, stack: BurstStack) -> None:
+        self.settings, self.log, self.stack = settings, log, stack
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> subprocess.Popen[bytes]:
-        proc = worker_process(self.settings, self.log)
+        proc = worker_process(self.settings, self.log, stack=self.stack)
         self.procs.append(proc)
         return proc
 
@@ -77,7 +77,7 @@ def scenario(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, reques
                               task_queue=queue, locations=[location], cluster_name=queue)
     policy = unique("crash")
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], return_home=True)
-    workers = Workers(settings, stack.workdir / f"{queue}.log")
+    workers = Workers(settings, stack.workdir / f"{queue}.log", stack)
     try:
         yield {"settings": settings, "policy": policy, "product": product, "workers": workers,
                "temporal": temporal_dev_server.client}

@@ -15,6 +15,7 @@ from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.providers.sim import SimProvider
+from gateway.slots import AddressPlan
 from models.drain import DrainStatus
 from models.labels import LABEL_INSTANCE_TYPE, LABEL_POLICY
 from models.node import NodePhase
@@ -72,7 +73,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, pr
                  sim_location("sim/big", product, four=3.2)]
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=queue)
-    async with worker_services(settings) as (temporal, _runtime, _):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _):
         yield temporal, settings.cluster
 
 
@@ -204,8 +205,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, cluster_name=queue,
-                              locations=[sim_location("sim/eu-west", product), sim_location("sim/us-west", other)],
-                              gateway_pod_cidr="10.245.0.0/29", gateway_node_cidr_mask=30)
+                              locations=[sim_location("sim/eu-west", product), sim_location("sim/us-west", other)])
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"], max_nodes=4)
     first, then = ["slot-a0", "slot-a1"], ["slot-b0", "slot-b1"]
 
@@ -222,7 +222,8 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
         while not (len(counter.current) == len(names) and running(names) == sorted(names)):
             await asyncio.sleep(0.5)
 
-    async with worker_services(settings) as (temporal, runtime, _):
+    plan = AddressPlan(pod_cidr="10.245.0.0/29", node_mask=30)
+    async with worker_services(settings, stack.runtime(settings, plan)) as (temporal, runtime, _):
         with NodeCounter(core, policy) as counter:
             for name in first:
                 apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
@@ -333,7 +334,7 @@ async def one_operation(stack: BurstStack, temporal_dev_server: WorkflowEnvironm
     stack.create_policy(policy, mode="Automatic", locations=[loc["name"] for loc in locations])
     deploy = unique("infer")
     try:
-        async with worker_services(settings) as (temporal, runtime, _):
+        async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _):
             stack.cluster.admin.apps.create_namespaced_deployment(namespace,
                                                                   gpu_deployment(deploy, gpu_product=product))
             yield await node_for(temporal, queue, policy, f"{namespace}/{deploy}-"), runtime

@@ -17,8 +17,8 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import KubeGateway
-from models.join import JoinTicketRequest
+from gateway.service import KubeGateway
+from models.join import JOIN_TOKEN_HEADER, JoinTicketRequest
 from models.labels import LABEL_LOCATION, Taint
 from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
@@ -41,7 +41,6 @@ from tests.harness.onprem import AgentProcess, GatewayThread
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
 from worker.main import worker_services
-from worker.pool_join import JOIN_TOKEN_HEADER
 from worker.runtime import kube_api
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -170,7 +169,7 @@ async def onprem(onprem_hub: OnPrem, stack: BurstStack, temporal_dev_server: Wor
         temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
         locations=LOCATIONS, cluster_name=env.cluster, hub_url=env.hub.url,
         hub_token_file=env.workdir / "cluster.token", hub_poll_interval=1.0, gateway_url=env.gateway.url)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
         env.temporal = temporal
         try:
             yield env

@@ -67,7 +67,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) ->
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=LOCATIONS, cluster_name=queue)
-    async with worker_services(settings) as (temporal, runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _watcher):
         yield temporal, settings.cluster
         assert runtime.audit.read() is not None
 

@@ -87,10 +87,11 @@ class Worker:
     settings: Settings
     log: Path
     env: dict[str, str]
+    stack: BurstStack
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, **more_env: str) -> None:
-        self.proc = worker_process(self.settings, self.log, {**self.env, **more_env})
+        self.proc = worker_process(self.settings, self.log, {**self.env, **more_env}, stack=self.stack)
         wait_for(self.healthy, what="worker /healthz", timeout=60)
 
     def healthy(self) -> bool:
@@ -218,7 +219,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             temporal_address=temporal.service_client.config.target_host, task_queue=unique("q"),
             locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
             hub_token_file=hub.token_file, hub_poll_interval=1.0, health_port=free_port())
-        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp))
+        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp), stack)
         worker.start()
         try:
             created = hub.admin.put(f"/v1/clusters/{hub.cluster}/policies/{policy}", json={
@@ -383,7 +384,7 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
     with OtlpReceiver() as otlp:
         settings = stack.settings(temporal_address=temporal.service_client.config.target_host, task_queue=queue,
                                   locations=[location], cluster_name=queue, health_port=free_port())
-        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp, "first"))
+        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp, "first"), stack)
         try:
             worker.start()
             deploy = unique("infer")
@@ -434,7 +435,7 @@ async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
     stack.create_policy(policy, mode=None, locations=["sim/eu-west"])  # Recommend: a proposal, nothing launched
     settings = stack.settings(temporal_address=temporal.service_client.config.target_host, task_queue=queue,
                               locations=SIM_LOCATIONS, cluster_name=queue, health_port=free_port())
-    worker = Worker(settings, tmp_path / "worker.log", {})
+    worker = Worker(settings, tmp_path / "worker.log", {}, stack)
     try:
         worker.start()
         deploy = unique("infer")

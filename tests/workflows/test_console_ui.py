@@ -64,7 +64,7 @@ async def worker(stack: BurstStack, ui: tuple[WorkflowEnvironment, str]) -> Asyn
     queue = unique("q")
     settings = stack.settings(temporal_address=ui[0].client.service_client.config.target_host,
                               task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
         yield temporal, settings.cluster
 
 

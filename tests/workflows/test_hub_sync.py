@@ -185,7 +185,7 @@ async def optimizer(stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEn
         temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
         locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
         hub_token_file=hub.token_file, hub_poll_interval=POLL)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
         opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack)
         try:
             yield opt

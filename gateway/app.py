@@ -1,4 +1,5 @@
-"""`kubeon-gpu gateway`: the burst gateway as a network service (R4.2, R5.x).
+"""The burst gateway's HTTP API and its authentication of the optimizer (R4.2, R5.x); `kubeon-gpu gateway` runs it
+(``gateway.main``).
 
 It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimizer-gateway``: node rules and
 ``tokenreviews create``) and alone holds the ticket signing key. Endpoints on ``KUBEON_GATEWAY_LISTEN``:
@@ -35,141 +36,35 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
-import signal
-import ssl
-import sys
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final
 
 import urllib3
-import uvicorn
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kubernetes import client, config
+from kubernetes import client
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from activities.gateway import GatewayAddressPending, GatewayAddressUnknown, KubeGateway, ServiceRef
-from activities.gateway_join import AddressPlan, GatewayTunnel
+from gateway import metrics
+from gateway.pool_tokens import DEFAULT_TOKENS_DIR, JoinTokenRefused, check_join_token
+from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
+from gateway.settings import MAX_BODY_BYTES
 from models.errors import JoinRefused, TicketError
-from models.join import JoinRedeem, JoinTicketRequest
+from models.join import JOIN_TOKEN_HEADER, JoinRedeem, JoinTicketRequest
 from models.labels import LABEL_OPERATION
-from tunnel import keys, link
-from tunnel.proxy import TcpProxy
-from worker import telemetry
-from worker.config import ConfigError, Settings, load_settings
-from worker.pool_join import DEFAULT_TOKENS_DIR, JOIN_TOKEN_HEADER, JoinTokenRefused, check_join_token
-from worker.runtime import kube_api
 
 log = logging.getLogger("kubeon.gateway")
 
-DEFAULT_LISTEN: Final = "0.0.0.0:8443"
-DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
-MAX_BODY_BYTES: Final = 64 * 1024
 MAX_TICKET_TTL_SECONDS: Final = 24 * 3600
 # Labels no ticket may set: the gateway sets the hostname and OS; node roles are the cluster admin's.
 RESERVED_LABELS: Final = frozenset({"kubernetes.io/hostname", "kubernetes.io/os"})
 RESERVED_LABEL_PREFIXES: Final = ("node-role.kubernetes.io/", "node-restriction.kubernetes.io/")
 NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-
-
-# ----- configuration -------------------------------------------------------------------------------------------
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[IPv6]:PORT``."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"KUBEON_GATEWAY_LISTEN {value!r}: expected HOST:PORT, e.g. {DEFAULT_LISTEN}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-@dataclass(frozen=True)
-class GatewayServerConfig:
-    host: str
-    port: int
-    health_port: int
-    ticket_key_file: Path
-    kubeconfig: Path | None = None  # None: in-cluster ServiceAccount credentials (the gateway's own)
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    allowed_clients: frozenset[str] = frozenset({DEFAULT_ALLOWED_CLIENTS})
-    # Empty: the API server's own audiences (the default ServiceAccount token). Set to make the optimizer send a
-    # projected token only the gateway accepts, so the gateway never holds a token usable against the API server.
-    token_audiences: tuple[str, ...] = ()
-    max_body_bytes: int = MAX_BODY_BYTES
-    # Where burst nodes join: public_url, else the LoadBalancer address of service; neither: the worker's URL.
-    public_url: str = ""
-    service: ServiceRef | None = None
-    namespace: str = "kubeon-gpu"
-    plan: AddressPlan = field(default_factory=AddressPlan)
-    tunnel_interface: str = ""
-    wireguard_key_file: Path | None = None
-    udp_port: int = 51820
-    tunnel_endpoint: str = ""
-    mtu: int = 1380
-    api_upstream: str = ""
-
-    @property
-    def tls(self) -> bool:
-        return self.tls_cert_file is not None
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> GatewayServerConfig:
-        host, port = parse_listen(settings.gateway_listen)
-        if settings.gateway_ticket_key_file is None:
-            raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is required: the file holding the join ticket key")
-        cert, key = settings.gateway_tls_cert_file, settings.gateway_tls_key_file
-        if bool(cert) != bool(key):
-            raise ConfigError("KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE go together")
-        clients = frozenset(c.strip() for c in settings.gateway_allowed_clients.split(",") if c.strip())
-        if not clients:
-            raise ConfigError("KUBEON_GATEWAY_ALLOWED_CLIENTS is empty: name the optimizer's ServiceAccount user, "
-                              f"e.g. {DEFAULT_ALLOWED_CLIENTS}")
-        audiences = settings.gateway_token_audiences
-        # The gateway's own credentials: KUBEON_GATEWAY_KUBECONFIG, else KUBEON_KUBECONFIG, else in-cluster.
-        kubeconfig = settings.gateway_kubeconfig or settings.kubeconfig
-        service = (ServiceRef(settings.gateway_service, settings.gateway_service_namespace)
-                   if settings.gateway_service else None)
-        try:
-            plan = AddressPlan(tunnel_cidr=settings.gateway_tunnel_cidr, pod_cidr=settings.gateway_pod_cidr,
-                               node_mask=settings.gateway_node_cidr_mask, service_cidr=settings.gateway_service_cidr)
-        except ValueError as exc:
-            raise ConfigError(f"KUBEON_GATEWAY_TUNNEL_CIDR / KUBEON_GATEWAY_POD_CIDR / KUBEON_GATEWAY_SERVICE_CIDR: "
-                              f"{exc}") from None
-        if settings.gateway_tunnel_interface:
-            link.check_ifname(settings.gateway_tunnel_interface)
-            if settings.gateway_wireguard_key_file is None:
-                raise ConfigError("KUBEON_GATEWAY_WIREGUARD_KEY_FILE is required with KUBEON_GATEWAY_TUNNEL_INTERFACE:"
-                                  " the gateway's WireGuard private key (it must survive restarts)")
-        return cls(
-            host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
-            kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
-            token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
-            public_url=settings.gateway_public_url, service=service,
-            namespace=settings.gateway_service_namespace, plan=plan,
-            tunnel_interface=settings.gateway_tunnel_interface, wireguard_key_file=settings.gateway_wireguard_key_file,
-            udp_port=settings.gateway_udp_port, tunnel_endpoint=settings.gateway_tunnel_endpoint,
-            mtu=settings.gateway_tunnel_mtu, api_upstream=settings.gateway_api_upstream,
-        )
-
-
-def check_tls_files(cfg: GatewayServerConfig) -> None:
-    """The certificate and key load and belong together (the chart mounts them from the gateway's TLS Secret)."""
-    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
-        return
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"KUBEON_GATEWAY_TLS_CERT_FILE {cfg.tls_cert_file} / KUBEON_GATEWAY_TLS_KEY_FILE "
-                          f"{cfg.tls_key_file}: cannot load the certificate and key: "
-                          f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 # ----- optimizer authentication --------------------------------------------------------------------------------
@@ -342,7 +237,7 @@ def add_health_routes(app: FastAPI, state: HealthState) -> None:
         return JSONResponse({"status": "ready" if ok else "not ready", "identity": state.identity},
                             status_code=200 if ok else 503)
 
-    telemetry.add_metrics_route(app)
+    metrics.add_metrics_route(app)
 
 
 def _bare_app() -> FastAPI:
@@ -415,7 +310,7 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     app.state.reviewer = reviewer
     app.state.allowed_clients = allowed_clients
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(telemetry.GatewayRequestCounter)
+    app.add_middleware(metrics.GatewayRequestCounter)
     if health is not None:
         add_health_routes(app, health)
 
@@ -504,174 +399,4 @@ def create_health_app(state: HealthState) -> FastAPI:
     return app
 
 
-# ----- the tunnel ----------------------------------------------------------------------------------------------
-
-
-def build_tunnel(cfg: GatewayServerConfig) -> GatewayTunnel | None:
-    if not cfg.tunnel_interface:
-        return None
-    assert cfg.wireguard_key_file is not None
-    try:
-        private = keys.check_key(cfg.wireguard_key_file.read_text().strip(), str(cfg.wireguard_key_file))
-    except ValueError as exc:
-        raise ConfigError(f"KUBEON_GATEWAY_WIREGUARD_KEY_FILE: {exc}") from None
-    return GatewayTunnel(interface=cfg.tunnel_interface, private_key=private, endpoint=cfg.tunnel_endpoint,
-                         listen_port=cfg.udp_port, plan=cfg.plan, mtu=cfg.mtu)
-
-
-@dataclass
-class TunnelLinks:
-    """What the gateway process runs for its tunnel: wireguard-go and the API server proxy."""
-
-    wireguard: object
-    proxy: TcpProxy
-
-    def stop(self) -> None:
-        self.proxy.stop()
-        if hasattr(self.wireguard, "poll"):
-            link.stop_wireguard_go(self.wireguard)  # type: ignore[arg-type]
-
-
-def api_upstream(cfg: GatewayServerConfig, api: client.ApiClient) -> tuple[str, int]:
-    from urllib.parse import urlsplit
-
-    target = cfg.api_upstream or urlsplit(str(api.configuration.host)).netloc
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"KUBEON_GATEWAY_API_UPSTREAM {target!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def start_tunnel(cfg: GatewayServerConfig, gateway: KubeGateway, api: client.ApiClient) -> TunnelLinks:
-    """wireguard-go on the interface (kept if it already runs), its key and port, the gateway's tunnel address
-    and routes for the burst pod CIDR, nftables (MSS clamp, service CIDR masquerade), the peers from the API, and
-    the API server proxy on <gateway tunnel IP>:443."""
-    tunnel = gateway.tunnel
-    assert tunnel is not None
-    wireguard: object = None
-    if not tunnel.uapi.path.exists():
-        wireguard = link.start_wireguard_go(tunnel.interface)
-    tunnel.configure()
-    prefix = cfg.plan.tunnel_cidr.split("/")[1]
-    link.bring_up(tunnel.interface, f"{cfg.plan.gateway_ip}/{prefix}", mtu=cfg.mtu, routes=[cfg.plan.pod_cidr])
-    link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr, tunnel_cidr=cfg.plan.tunnel_cidr,
-                             pod_cidr=cfg.plan.pod_cidr)
-    try:
-        gateway.reconcile()  # the peers back from the API before the first node's packets
-    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
-        log.warning("cannot restore the tunnel's peers yet (%s); the reconciler retries every second",
-                    type(exc).__name__)
-    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
-    log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
-             tunnel.interface, cfg.plan.gateway_ip, cfg.udp_port, len(tunnel.uapi.get().peers), *proxy.address,
-             *proxy.upstream)
-    return TunnelLinks(wireguard=wireguard, proxy=proxy)
-
-
-# ----- serving -------------------------------------------------------------------------------------------------
-
-
-def serve(settings: Settings) -> int:
-    """Run the gateway until SIGTERM/SIGINT. Returns the exit code (2: configuration error)."""
-    try:
-        cfg = GatewayServerConfig.from_settings(settings)
-        key = cfg.ticket_key_file.read_bytes().strip()
-        if len(key) < 16:
-            raise ConfigError(f"{cfg.ticket_key_file}: the join ticket key must be at least 16 bytes")
-        check_tls_files(cfg)
-        try:
-            api = kube_api(cfg.kubeconfig)
-        except config.ConfigException as exc:
-            raise ConfigError(f"no Kubernetes credentials: KUBEON_GATEWAY_KUBECONFIG is not set and this is not a "
-                              f"pod with a ServiceAccount ({exc})") from None
-        tunnel = build_tunnel(cfg)
-        gateway = KubeGateway(api, key, public_url=cfg.public_url, service=cfg.service, namespace=cfg.namespace,
-                              plan=cfg.plan, tunnel=tunnel)
-    except (ConfigError, OSError, ValueError) as exc:
-        print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
-        return 2
-    try:
-        links = start_tunnel(cfg, gateway, api) if tunnel is not None else None
-    except (link.LinkError, OSError) as exc:
-        print(f"kubeon-gpu gateway: the tunnel cannot start: {exc}", file=sys.stderr)
-        return 1
-    gateway.start_reconciler()
-    reviewer = TokenReviewer(api, cfg.token_audiences)
-    state = HealthState()
-    try:
-        state.identity = reviewer.whoami()
-    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:  # not fatal: the API server
-        # may come up after the gateway
-        log.warning("cannot tell the gateway's own identity (SelfSubjectReview): %s", type(exc).__name__)
-    same_port = cfg.health_port in (0, cfg.port)
-    app = create_app(gateway, reviewer, cfg.allowed_clients, max_body_bytes=cfg.max_body_bytes,
-                     health=state if same_port else None, pool_tokens_dir=settings.pool_tokens_dir)
-    if not cfg.tls and cfg.host not in ("127.0.0.1", "::1", "localhost"):
-        log.warning("serving plain HTTP on %s: set KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE",
-                    cfg.host)
-    health_server: uvicorn.Server | None = None
-    if not same_port:
-        # Configured before the main server: uvicorn's logging set-up is process-wide, and the main server's
-        # (access log on, level info) must be the one that stays.
-        health_server = uvicorn.Server(uvicorn.Config(
-            create_health_app(state), host=cfg.host, port=cfg.health_port, log_level="warning",
-            access_log=False, server_header=False))
-    main_server = uvicorn.Server(uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level="info", server_header=False, proxy_headers=False,
-        ssl_certfile=str(cfg.tls_cert_file) if cfg.tls_cert_file else None,
-        ssl_keyfile=str(cfg.tls_key_file) if cfg.tls_key_file else None,
-        limit_concurrency=128, timeout_keep_alive=5, timeout_graceful_shutdown=10,
-    ))
-    state.ready = lambda: bool(main_server.started) and not main_server.should_exit
-    logging.getLogger("uvicorn.access").addFilter(_QuietProbes())
-    if health_server is not None:
-        # Its own thread and loop: uvicorn only handles signals in the main thread, where the main server runs.
-        threading.Thread(target=health_server.run, name="health", daemon=True).start()
-    scheme = "https" if cfg.tls else "http"
-    if cfg.public_url:
-        where = f"burst nodes join at {cfg.public_url}"
-    elif cfg.service is not None:
-        where = (f"burst nodes join at the LoadBalancer address of Service {cfg.service.namespace}/"
-                 f"{cfg.service.name}, verified as {cfg.service.dns_name}")
-    else:
-        where = "burst nodes join at the worker's configured URL"
-    log.info("burst gateway on %s://%s:%d (health on port %d), acting as %s; optimizer clients: %s%s; %s", scheme,
-             cfg.host, cfg.port, cfg.port if same_port else cfg.health_port, state.identity,
-             ", ".join(sorted(cfg.allowed_clients)),
-             f"; token audiences: {', '.join(cfg.token_audiences)}" if cfg.token_audiences else "", where)
-    # uvicorn re-raises the signal it stopped on once it has shut down; with the default SIGTERM handler that
-    # would end the process before the tunnel (wireguard-go, the proxy) is stopped below.
-    signal.signal(signal.SIGTERM, lambda *_: setattr(main_server, "should_exit", True))
-    try:
-        main_server.run()
-    finally:
-        if health_server is not None:
-            health_server.should_exit = True
-        gateway.stop()
-        if links is not None:
-            links.stop()
-    return 0
-
-
-def main() -> None:
-    try:
-        telemetry.configure_logging()
-    except ConfigError as exc:
-        print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
-        sys.exit(2)
-    environ = dict(os.environ)
-    if not environ.get("KUBEON_CLUSTER"):
-        environ["KUBEON_CLUSTER"] = "unset"  # the gateway does not use it; the chart sets it anyway
-    try:
-        settings = load_settings(environ)
-    except ConfigError as exc:
-        print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(serve(settings))
-
-
-if __name__ == "__main__":
-    main()
-
-
-__all__ = ["GatewayServerConfig", "TokenReviewer", "create_app", "main", "serve"]
+__all__ = ["GatewayHTTPError", "HealthState", "TokenReviewer", "create_app", "create_health_app"]

@@ -49,11 +49,7 @@ from tests.harness.netbed import (
     sh,
     start_tunnel_gateway,
 )
-from tests.harness.rbac import (
-    GATEWAY_SA,
-    OPTIMIZER_NAMESPACE,
-    OPTIMIZER_SA,
-)
+from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 from tunnel.uapi import Uapi
 from worker.main import worker_services
 from worker.runtime import Runtime
@@ -323,7 +319,7 @@ async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, tempor
             spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue,
-                              gateway_kubeconfig=None, gateway_ticket_key_file=None, gateway_url=gateway.url,
+                              gateway_url=gateway.url,
                               gateway_ca_file=gateway.ca_file)
     http = HttpGatewayClient(settings.gateway_url, token, ca_file=gateway.ca_file)
     booted: dict[str, Joined] = {}

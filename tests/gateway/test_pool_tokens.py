@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.pool_join import JoinTokenRefused, check_join_token, token_file
+from gateway.pool_tokens import JoinTokenRefused, check_join_token, token_file
 
 TOKEN = "kgp_0123456789abcdef_" + "a" * 43
 

@@ -1,4 +1,4 @@
-"""The burst gateway as a real process (``python -m worker.gateway_server``) on loopback, against the real control
+"""The burst gateway as a real process (``python -m gateway.main``) on loopback, against the real control
 plane: the gateway with its own ServiceAccount, the optimizer with its own token (TokenRequest), burst nodes
 joining over HTTP with the ticket as their only credential; and over HTTPS with the certificate the Helm chart
 generates, reached by the names it is issued for."""
@@ -37,16 +37,19 @@ from activities.clients.gateway import (
     TransportFactory,
 )
 from activities.clients.kube import KubeOps
-from activities.gateway import KubeGateway
 from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
+from gateway.service import KubeGateway
+from gateway.settings import ConfigError, GatewayServerConfig
+from gateway.settings import load_settings as load_gateway_settings
 from models.errors import AddressesExhausted, TicketError
-from models.join import JoinTicketRequest, parse_user_data, render_user_data
-from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.join import parse_user_data, render_user_data
+from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
 from models.node import Instance, NodePhase
 from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
 from tests.charts.helm import BURST_VALUES
 from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helm import template as helm_template
+from tests.gateway.helpers import BURST_TAINT, CAPACITY, node_absent, ticket_request
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
@@ -70,8 +73,7 @@ from tests.harness.rbac import (
     grant,
     grant_namespaced,
 )
-from worker.config import ConfigError, load_settings
-from worker.gateway_server import GatewayServerConfig
+from worker.config import load_settings
 from worker.main import worker_services
 from worker.runtime import Runtime, build_gateway
 
@@ -83,8 +85,6 @@ OPTIMIZER_USER = f"system:serviceaccount:{OPTIMIZER_NAMESPACE}:{OPTIMIZER_SA}"
 # What the gateway needs beyond node rules: verifying the optimizer's token.
 TOKENREVIEW_RULE = {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
 GATEWAY_AUDIENCE = "kubeon-gpu-gateway"
-BURST_TAINT = "gpu.kubeon.io/burst"
-CAPACITY = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
 
 
 def gateway_rules() -> list[dict[str, list[str]]]:
@@ -108,7 +108,7 @@ def can(cluster: Cluster, user: str, verb: str, resource: str, group: str = "") 
 
 @dataclass
 class GatewayProcess:
-    """``python -m worker.gateway_server`` on free loopback ports; stopped with SIGTERM, nothing left behind."""
+    """``python -m gateway.main`` on free loopback ports; stopped with SIGTERM, nothing left behind."""
 
     workdir: Path
     env: dict[str, str]
@@ -129,7 +129,7 @@ class GatewayProcess:
         env.update({"PYTHONUNBUFFERED": "1", "KUBEON_CLUSTER": "test", "KUBEON_GATEWAY_LISTEN": f"127.0.0.1:{port}",
                     "KUBEON_HEALTH_PORT": str(health), **self.env})
         with open(self.workdir / f"{self.name}.log", "wb") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "worker.gateway_server"], env=env, cwd=ROOT,
+            self._proc = subprocess.Popen([sys.executable, "-m", "gateway.main"], env=env, cwd=ROOT,
                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True)
 
@@ -219,34 +219,6 @@ def optimizer(gateway: GatewayProcess, setup: Setup) -> Iterator[HttpGatewayClie
     http = HttpGatewayClient(gateway.url, setup.optimizer_token_file)
     yield http
     http.close()
-
-
-@pytest.fixture
-def nodes(cluster: Cluster) -> Iterator[list[str]]:
-    """Nodes a test may create, deleted afterwards: no tainted GPU node is left for other tests."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        try:
-            cluster.admin.core.delete_node(name)
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-
-
-def ticket_request(nodes: list[str], *, operation: str | None = None) -> JoinTicketRequest:
-    op = operation or f"op-{uuid.uuid4().hex[:10]}"
-    name = f"burst-{uuid.uuid4().hex[:8]}"
-    nodes.append(name)
-    return JoinTicketRequest(
-        operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,
-        labels={LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "sim.eu-west"},
-        taints=[Taint(key=BURST_TAINT)],
-    )
-
-
-def node_absent(cluster: Cluster, name: str) -> bool:
-    return not cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
 
 
 def join_raw(gateway: GatewayProcess, ticket: str, node: str = "burst-x", **extra: Any) -> httpx.Response:
@@ -960,7 +932,7 @@ async def http_worker(stack: BurstStack, gateway: GatewayProcess, setup: Setup,
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue,
-                              gateway_kubeconfig=None, gateway_ticket_key_file=None, gateway_url=gateway.url)
+                              gateway_url=gateway.url)
     http = HttpGatewayClient(settings.gateway_url, setup.optimizer_token_file)
 
     def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
@@ -1021,14 +993,14 @@ def test_configuration_from_the_environment(tmp_path: Path) -> None:
     key = tmp_path / "key"
     key.write_text("k" * 32)
     base = {"KUBEON_CLUSTER": "c", "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key)}
-    cfg = GatewayServerConfig.from_settings(load_settings(base))
+    cfg = GatewayServerConfig.from_settings(load_gateway_settings(base))
     assert (cfg.host, cfg.port, cfg.health_port) == ("0.0.0.0", 8443, 8080)  # what the chart probes
     assert cfg.allowed_clients == {OPTIMIZER_USER}
     assert cfg.kubeconfig is None and not cfg.tls and cfg.token_audiences == ()
 
     env = {**base, "KUBEON_GATEWAY_LISTEN": "[::1]:9443", "KUBEON_GATEWAY_ALLOWED_CLIENTS": " a , b ,",
            "KUBEON_GATEWAY_TOKEN_AUDIENCES": "kubeon-gpu-gateway"}
-    cfg = GatewayServerConfig.from_settings(load_settings(env))
+    cfg = GatewayServerConfig.from_settings(load_gateway_settings(env))
     assert (cfg.host, cfg.port, cfg.allowed_clients, cfg.token_audiences) == ("::1", 9443, {"a", "b"},
                                                                                ("kubeon-gpu-gateway",))
     for extra, message in (({"KUBEON_GATEWAY_LISTEN": "8443"}, "KUBEON_GATEWAY_LISTEN"),
@@ -1036,10 +1008,10 @@ def test_configuration_from_the_environment(tmp_path: Path) -> None:
                            ({"KUBEON_GATEWAY_ALLOWED_CLIENTS": " , "}, "KUBEON_GATEWAY_ALLOWED_CLIENTS is empty")):
         env = {**base, **extra}
         with pytest.raises(ConfigError, match=message):
-            GatewayServerConfig.from_settings(load_settings(env))
+            GatewayServerConfig.from_settings(load_gateway_settings(env))
     env = {"KUBEON_CLUSTER": "c"}
     with pytest.raises(ConfigError, match="KUBEON_GATEWAY_TICKET_KEY_FILE is required"):
-        GatewayServerConfig.from_settings(load_settings(env))
+        GatewayServerConfig.from_settings(load_gateway_settings(env))
 
     # The worker's client: KUBEON_GATEWAY_URL and the in-cluster token unless told otherwise.
     env = {"KUBEON_CLUSTER": "c", "KUBEON_GATEWAY_URL": "https://gw.example:8443/"}
@@ -1060,7 +1032,7 @@ def test_a_misconfigured_gateway_exits_2_naming_the_problem(tmp_path: Path) -> N
                            ({"KUBEON_GATEWAY_TICKET_KEY_FILE": str(tmp_path / "missing")}, "No such file"),
                            ({"KUBEON_GATEWAY_TICKET_KEY_FILE": str(short)}, "at least 16 bytes"),
                            ({"KUBEON_GATEWAY_TICKET_KEY_FILE": str(long)}, "no Kubernetes credentials")):
-        proc = subprocess.run([sys.executable, "-m", "worker.gateway_server"], env={**env, **extra}, cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "gateway.main"], env={**env, **extra}, cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr
@@ -1071,7 +1043,7 @@ def test_a_gateway_whose_certificate_does_not_load_exits_2(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
     key = tmp_path / "ticket.key"
     key.write_text("k" * 64)
-    proc = subprocess.run([sys.executable, "-m", "worker.gateway_server"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "gateway.main"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, env={**env, "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key),
                                            "KUBEON_GATEWAY_TLS_CERT_FILE": str(tmp_path / "tls.crt"),
                                            "KUBEON_GATEWAY_TLS_KEY_FILE": str(tmp_path / "tls.key")})

@@ -29,11 +29,10 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from activities.clients.hub import HubClient, HubError, HubRefused, HubUnauthorized
 from models.errors import TicketError
+from models.join import JOIN_TOKEN_HEADER
 from models.labels import GPU_RESOURCE
 from node.join import JoinRefusedByGateway, JoinUnavailable
-from worker.pool_join import JOIN_TOKEN_HEADER
 
 log = logging.getLogger("kubeon.onprem-agent")
 
@@ -68,10 +67,63 @@ class AgentConfig:
     heartbeat_seconds: float | None = None  # None: what the hub says
 
 
-class AgentHub(HubClient):
+class HubError(Exception):
+    """The hub could not be used; ``str()`` says why."""
+
+
+class HubUnauthorized(HubError):
+    """401, or no join token to send: nothing happens until a valid token arrives."""
+
+
+class HubRefused(HubError):
+    """Another 4xx: this heartbeat will never succeed as it is."""
+
+
+class AgentHub:
+    """The agent's client of the hub: its heartbeat, authenticated with the pool's join token, read from its file
+    at every call (a rotated token is used at once). No answer or a 5xx raises ``HubError``: try again later."""
+
+    def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.token_file = token_file
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=ca_file or True,
+                                  headers={"User-Agent": "kubeon-gpu-onprem-agent"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _token(self) -> str:
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise HubUnauthorized(f"no join token: cannot read {self.token_file} ({exc.strerror})") from None
+        if not token:
+            raise HubUnauthorized(f"no join token: {self.token_file} is empty")
+        return token
+
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        answer: dict[str, Any] = self._request("POST", "/v1/pool-agent/heartbeat", json=body).json()
+        try:
+            response = self._http.post("/v1/pool-agent/heartbeat", json=body,
+                                       headers={"Authorization": f"Bearer {self._token()}"})
+        except httpx.TransportError as exc:
+            raise HubError(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
+        if response.status_code == 401:
+            raise HubUnauthorized(f"hub rejected the join token (401): {_message(response)}")
+        if response.status_code >= 500:
+            raise HubError(f"hub {self.url} answered {response.status_code}: {_message(response)}")
+        if response.status_code >= 400:
+            raise HubRefused(f"hub refused ({response.status_code}): {_message(response)}")
+        answer: dict[str, Any] = response.json()
         return answer
+
+
+def _message(response: httpx.Response) -> str:
+    """The hub's error message (``{"error": ..., "message": ...}``), or the start of the body."""
+    try:
+        doc = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    return str(doc["message"]) if isinstance(doc, dict) and isinstance(doc.get("message"), str) else str(doc)[:300]
 
 
 class _WithJoinToken(httpx.BaseTransport):

@@ -1,6 +1,5 @@
-"""The gateway's side of a burst node's join, beyond the ticket: the kubelet client CSR's checks, the address
-plan (tunnel IP and pod CIDR per node), the durable records the gateway keeps in the API, and its WireGuard
-interface.
+"""Address slots: the address plan (tunnel IP and pod CIDR per node), the durable records the gateway keeps in
+the API, and holding a slot for a ticket (reserved when it is issued, claimed when it is redeemed).
 
 Records (ConfigMaps in the gateway's namespace, labelled ``app.kubernetes.io/managed-by=kubeon-gateway``), never
 state held only in memory:
@@ -16,28 +15,15 @@ state held only in memory:
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
-from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from dataclasses import dataclass
+from typing import Final, Protocol
 
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
 from kubernetes import client
 
-from models.errors import JoinRefused
-from models.join import (
-    KUBELET_CLIENT_OPTIONAL_USAGES,
-    KUBELET_CLIENT_USAGES,
-    NODE_USER_PREFIX,
-    NODES_GROUP,
-    TunnelAnswer,
-)
+from models.errors import AddressesExhausted, JoinRefused
 from models.labels import Taint
-from tunnel.uapi import Uapi
 
 MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}
 
@@ -46,56 +32,6 @@ RECORD_LABEL: Final = "gpu.kubeon.io/gateway-record"
 TICKET_PREFIX: Final = "kubeon-ticket-"
 
 SLOT_PREFIX: Final = "kubeon-slot-"
-
-def check_csr(pem: str, node_name: str, usages: list[str]) -> x509.CertificateSigningRequest:
-    """The CSR, if it has exactly a kubelet client certificate's shape for ``node_name``: subject
-    ``O=system:nodes, CN=system:node:<node>`` and nothing else, no extensions (no SANs), a valid self-signature,
-    an RSA (>= 2048 bits) or EC P-256/P-384 key; ``usages`` digital signature + client auth (+ key
-    encipherment)."""
-    try:
-        csr = x509.load_pem_x509_csr(pem.encode())
-    except ValueError:
-        raise JoinRefused("csr_invalid", "csr: not a PEM CERTIFICATE REQUEST") from None
-    if not csr.is_signature_valid:
-        raise JoinRefused("csr_invalid", "csr: its signature does not verify with its own public key")
-    want_cn = f"{NODE_USER_PREFIX}{node_name}"
-    attrs = [(a.oid, a.value) for a in csr.subject]
-    cns = [v for o, v in attrs if o == NameOID.COMMON_NAME]
-    orgs = [v for o, v in attrs if o == NameOID.ORGANIZATION_NAME]
-    others = [o._name for o, _ in attrs if o not in (NameOID.COMMON_NAME, NameOID.ORGANIZATION_NAME)]
-    if cns != [want_cn]:
-        raise JoinRefused("csr_invalid", f"csr: subject CN is {cns}, the ticket's node must use exactly "
-                                         f"CN={want_cn}")
-    if orgs != [NODES_GROUP]:
-        raise JoinRefused("csr_invalid", f"csr: subject O is {orgs}, must be exactly O={NODES_GROUP}")
-    if others:
-        raise JoinRefused("csr_invalid", f"csr: subject has other attributes ({', '.join(others)}); only CN and O")
-    for ext in csr.extensions:
-        if isinstance(ext.value, x509.SubjectAlternativeName):
-            raise JoinRefused("csr_invalid", "csr: has subject alternative names; a kubelet client certificate "
-                                             "has none")
-        raise JoinRefused("csr_invalid", f"csr: has the extension {ext.oid._name}; a kubelet client CSR has none")
-    key = csr.public_key()
-    if isinstance(key, rsa.RSAPublicKey):
-        if key.key_size < 2048:
-            raise JoinRefused("csr_invalid", f"csr: RSA key of {key.key_size} bits, at least 2048")
-    elif isinstance(key, ec.EllipticCurvePublicKey):
-        if key.curve.name not in ("secp256r1", "secp384r1"):
-            raise JoinRefused("csr_invalid", f"csr: EC curve {key.curve.name}, use P-256 or P-384")
-    else:
-        raise JoinRefused("csr_invalid", f"csr: {type(key).__name__} keys are not signed; use EC P-256 or RSA")
-    got = set(usages)
-    required, allowed = set(KUBELET_CLIENT_USAGES), set(KUBELET_CLIENT_USAGES) | set(KUBELET_CLIENT_OPTIONAL_USAGES)
-    if not required <= got or not got <= allowed or len(usages) != len(got):
-        optional = ", ".join(KUBELET_CLIENT_OPTIONAL_USAGES)
-        raise JoinRefused("csr_invalid", f"usages {sorted(usages)}: a kubelet client certificate has exactly "
-                                         f"{sorted(required)} (and optionally {optional})")
-    return csr
-
-def key_fingerprint(csr: x509.CertificateSigningRequest) -> str:
-    """sha256 of the CSR's public key (SubjectPublicKeyInfo): the same key, whatever the CSR's bytes."""
-    der = csr.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return hashlib.sha256(der).hexdigest()
 
 @dataclass(frozen=True)
 class AddressPlan:
@@ -156,7 +92,7 @@ class AddressPlan:
         return str(tunnel), str(sub)
 
 class Ticketed(Protocol):
-    """What a slot records of the ticket it is for (``JoinTicket`` of activities.gateway, or a ``Slot``)."""
+    """What a slot records of the ticket it is for (``JoinTicket`` of gateway.tickets, or a ``Slot``)."""
 
     nonce: str
     expires_at: float
@@ -305,57 +241,68 @@ class RecordStore:
         self.core.patch_namespaced_config_map(slot.name, self.namespace, {"data": {"registeredUID": uid}})
         slot.registered_uid = uid
 
+
+class _SlotChanged(Exception):
+    """A reservation changed between read and update: read again."""
+
+
 @dataclass
-class GatewayTunnel:
-    """The gateway's WireGuard interface (driven through UAPI; ``wireguard-go`` and the link are set up by the
-    gateway process or the test bed) and what nodes are told about it."""
+class SlotBook:
+    """Which slot a ticket's node holds: reserved at issue, allocated at a join without one, claimed at
+    redemption. Every change is a conditional write to the records: concurrent tickets and joins (several
+    gateway replicas) never share a slot."""
 
-    interface: str
-    private_key: str
-    endpoint: str  # host:port nodes send UDP to; empty: the host nodes join at, and listen_port
-    listen_port: int
-    plan: AddressPlan = field(default_factory=AddressPlan)
-    mtu: int = 1380
-    persistent_keepalive: int = 25
-    api_proxy_port: int = 443
+    records: RecordStore
+    plan: AddressPlan
 
-    @property
-    def uapi(self) -> Uapi:
-        return Uapi(self.interface)
+    def reserve(self, ticket: Ticketed, node: str, operation: str) -> None:
+        """Hold an address slot for the ticket's node. A retried launch (a new ticket for the same node and
+        operation) keeps the one slot: an unredeemed reservation is pointed at the newer ticket (the node may
+        still redeem the older one: the join finds the reservation by node and operation), a redeemed one is
+        already the node's."""
+        for _ in range(5):  # bounded: each round lost a race against a join or a release of that slot
+            try:
+                self._reserve_once(ticket, node, operation)
+                return
+            except _SlotChanged:
+                continue
+            except client.ApiException as exc:  # retryable: a 5xx answer, an exception the caller retries
+                raise JoinRefused("kubernetes_api_error", f"reserving an address slot for {node}: "
+                                  f"Kubernetes API error {exc.status}: {exc.reason}", status=502) from None
+        raise JoinRefused("slot_conflict", f"the address slot of {node} kept changing while the "
+                          "ticket was issued; retry", status=503)
 
-    @property
-    def public_key(self) -> str:
-        from tunnel.keys import public_key
+    def _reserve_once(self, ticket: Ticketed, node: str, operation: str) -> None:
+        slots = self.records.slots()
+        mine = [s for s in slots if s.node == node and s.operation == operation]
+        if not mine:
+            self.allocate(ticket, node, operation, "", slots)
+            return
+        held = mine[0]  # a redeemed slot is already the node's: nothing to reserve
+        if held.reserved and not self.records.update_reservation(held, ticket):
+            raise _SlotChanged
 
-        return public_key(self.private_key)
+    def allocate(self, ticket: Ticketed, node: str, operation: str, wg_key: str, slots: list[Slot]) -> Slot:
+        taken = {s.index for s in slots}
+        for index in range(self.plan.slots):
+            if index in taken:
+                continue
+            tunnel_ip, pod_cidr = self.plan.slot(index)
+            slot = Slot(index=index, node=node, wireguard_key=wg_key, tunnel_ip=tunnel_ip,
+                        pod_cidr=pod_cidr, nonce=ticket.nonce, operation=operation,
+                        labels=dict(ticket.labels), taints=list(ticket.taints), gpus=ticket.gpus,
+                        expires_at=ticket.expires_at)
+            if self.records.create_slot(slot):  # 409: a concurrent ticket or join took it; the next one
+                return slot
+        raise AddressesExhausted(self.plan.exhausted())
 
-    def configure(self) -> None:
-        self.uapi.configure(self.private_key, self.listen_port)
-
-    def answer(self, slot: Slot, endpoint: str) -> TunnelAnswer:
-        gw = self.plan.gateway_ip
-        return TunnelAnswer(
-            gateway_public_key=self.public_key, endpoint=endpoint, address=f"{slot.tunnel_ip}/32",
-            gateway_address=gw, allowed_ips=[f"{gw}/32", self.plan.service_cidr, self.plan.pod_cidr],
-            mtu=self.mtu, persistent_keepalive=self.persistent_keepalive)
-
-    def sync(self, slots: list[Slot]) -> dict[str, Any]:
-        """Make the interface's peers exactly ``slots`` (missing added, differing fixed, stale removed), touching
-        only what differs: a set interrupts nothing that is already right."""
-        uapi = self.uapi
-        device = uapi.get()
-        if not device.has_private_key or device.listen_port != self.listen_port:
-            self.configure()
-        # Reservations (tickets not redeemed yet) have no key and no peer.
-        want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots if not s.reserved}
-        added, removed = [], []
-        for key, ips in want.items():
-            peer = device.peers.get(key)
-            if peer is None or sorted(peer.allowed_ips) != ips:
-                uapi.set_peer(key, ips)
-                added.append(key)
-        for key in device.peers:
-            if key not in want:
-                uapi.remove_peer(key)
-                removed.append(key)
-        return {"added": added, "removed": removed}
+    def claim(self, slot: Slot, ticket: Ticketed, node: str, wg_key: str) -> Slot:
+        claimed = self.records.claim(slot, ticket, wireguard_key=wg_key)
+        if claimed is not None:
+            return claimed
+        # Changed since read: a concurrent retry of this same join (same key) claimed it, or it was released.
+        again = next((s for s in self.records.slots() if s.nonce == ticket.nonce), None)
+        if again is not None and again.wireguard_key == wg_key:
+            return again
+        raise JoinRefused("slot_conflict", f"the address slot reserved for {node} changed while it "
+                          "joined; retry", status=503)

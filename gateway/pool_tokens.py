@@ -12,7 +12,8 @@ import hmac
 from pathlib import Path
 from typing import Final
 
-JOIN_TOKEN_HEADER: Final = "X-Kubeon-Join-Token"
+from models.join import JOIN_TOKEN_HEADER
+
 DEFAULT_TOKENS_DIR: Final = Path("/var/run/kubeon/burst")
 
 
