@@ -70,8 +70,8 @@ class Settings(BaseModel):
     gateway_token_audiences: str = ""
     gateway_token_file: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
     gateway_ca_file: Path | None = None
-    # The gateway: on-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
-    pool_tokens_dir: Path = Path("/var/run/kubeon/burst")
+    # The gateway: the hub's public claim keys (PEM), which sign what lets an on-prem server join (worker.pool_join).
+    hub_claim_keys_file: Path = Path("/var/run/kubeon/hub-claim-keys/keys.pem")
     # The gateway's WireGuard tunnel (R4.3). No interface: no tunnel (sim nodes reach the API server directly,
     # with the same certificates). The UDP port is the gateway Service's `wireguard` port.
     gateway_tunnel_interface: str = ""

@@ -64,7 +64,7 @@ from tunnel import keys, link
 from tunnel.proxy import TcpProxy
 from worker import telemetry
 from worker.config import ConfigError, Settings, load_settings
-from worker.pool_join import DEFAULT_TOKENS_DIR, JOIN_TOKEN_HEADER, JoinTokenRefused, check_join_token
+from worker.pool_join import DEFAULT_CLAIM_KEYS_FILE, POOL_CLAIM_HEADER, JoinTokenRefused, check_pool_claim
 from worker.runtime import kube_api
 
 log = logging.getLogger("kubeon.gateway")
@@ -410,7 +410,7 @@ Caller = Annotated[str, Depends(optimizer)]
 
 def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
                max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None,
-               pool_tokens_dir: Path = DEFAULT_TOKENS_DIR) -> FastAPI:
+               hub_claim_keys: Path | None = DEFAULT_CLAIM_KEYS_FILE) -> FastAPI:
     app = _bare_app()
     app.state.reviewer = reviewer
     app.state.allowed_clients = allowed_clients
@@ -467,9 +467,9 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     @app.post("/v1/join")
     def join(body: JoinRedeem, request: Request) -> dict[str, object]:
         try:
-            # On-prem servers also present their pool's join token (R4.5); cloud nodes have the ticket alone.
-            check_join_token(gateway.verify(body.ticket).location, request.headers.get(JOIN_TOKEN_HEADER),
-                             pool_tokens_dir)
+            # On-prem servers also present the claim the hub signed for them (R4.5); cloud nodes: the ticket alone.
+            check_pool_claim(gateway.verify(body.ticket), body.ticket, request.headers.get(POOL_CLAIM_HEADER),
+                             hub_claim_keys)
             answer = gateway.join(body)
         except JoinTokenRefused as exc:
             log.warning("refused a join: %s", exc)
@@ -605,7 +605,7 @@ def serve(settings: Settings) -> int:
         log.warning("cannot tell the gateway's own identity (SelfSubjectReview): %s", type(exc).__name__)
     same_port = cfg.health_port in (0, cfg.port)
     app = create_app(gateway, reviewer, cfg.allowed_clients, max_body_bytes=cfg.max_body_bytes,
-                     health=state if same_port else None, pool_tokens_dir=settings.pool_tokens_dir)
+                     health=state if same_port else None, hub_claim_keys=settings.hub_claim_keys_file)
     if not cfg.tls and cfg.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("serving plain HTTP on %s: set KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE",
                     cfg.host)
