@@ -95,6 +95,8 @@ class ClaimCreate(_In):
     gpus: Gpus
     node_name: NodeName
     user_data: UserData = Field(description="the node's user data (gateway ticket), handed to the server's agent")
+    exclude: Annotated[list[Name], Field(max_length=100)] = Field(
+        default_factory=list, description="servers not to claim (this launch's withdrawn or declining ones)")
 
 
 class ClaimRelease(_In):

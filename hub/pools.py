@@ -664,6 +664,7 @@ def claim(actor: ClusterDep, session: SessionDep, now: NowDep, response: Respons
             PoolServer.pool_id == found.id, PoolServer.state == "idle", PoolServer.retired_at.is_(None),
             PoolServer.gpu_product == body.gpu_product, PoolServer.gpus >= body.gpus,
             PoolServer.last_heartbeat_at >= _online_since(found, now), enrolled,
+            PoolServer.name.not_in(body.exclude),
         ).order_by(PoolServer.gpus, PoolServer.name)))
     for candidate in candidates:
         # Compare-and-set: of two clusters racing for the last server, exactly one update matches.
