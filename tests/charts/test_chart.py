@@ -386,7 +386,8 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     keys = mounts["/var/run/kubeon/hub-claim-keys"]
     assert keys["readOnly"] is True and "/var/run/kubeon/burst/onprem.dc1" not in mounts
     volume = next(v for v in spec["volumes"] if v["name"] == keys["name"])["configMap"]
-    assert volume["name"] == f"{GATEWAY}-hub-claim-keys" and volume["items"] == [{"key": "keys.pem", "path": "keys.pem"}]
+    assert volume["name"] == f"{GATEWAY}-hub-claim-keys"
+    assert volume["items"] == [{"key": "keys.pem", "path": "keys.pem"}]
     from worker.config import Settings
 
     assert str(Settings.model_fields["hub_claim_keys_file"].default) == "/var/run/kubeon/hub-claim-keys/keys.pem"
