@@ -103,7 +103,8 @@ class ClaimRelease(_In):
     operation: OperationId
     policy: PolicyName
     withdraw: StrictBool = Field(
-        default=False, description="the agent never picked the claim up: the server is idle at once")
+        default=False, description="the agent has not taken the claim up: the server is idle at once (a no-op once "
+        "it has)")
 
 
 # ----- responses -----

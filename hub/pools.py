@@ -424,8 +424,8 @@ def register_server(actor: OperatorDep, session: SessionDep, now: NowDep, respon
                     server: ServerName, body: Annotated[ServerRegister, Depends(json_body(ServerRegister))]
                     ) -> ServerOut:
     found = get_pool(session, pool)
-    row, created = _register(session, now, actor.label, actor.key_id, found, server, body.gpu_product, body.gpus,
-                             body.labels, override=body.usd_per_gpu_hour, set_override=True)
+    row, created = register_inventory(session, now, actor.label, actor.key_id, found, server, body.gpu_product,
+                                      body.gpus, body.labels, override=body.usd_per_gpu_hour, set_override=True)
     session.commit()
     response.status_code = 201 if created else 200
     return server_out(session, row, now)
@@ -465,9 +465,10 @@ def revoke_server_credential(actor: OperatorDep, session: SessionDep, now: NowDe
     return server_out(session, row, now)
 
 
-def _register(session: Session, now: datetime, actor: str, key_id: str | None, pool: Pool, name: str,
-              gpu_product: str, gpus: int, labels: dict[str, str], *, override: float | None = None,
-              set_override: bool = False) -> tuple[PoolServer, bool]:
+def register_inventory(session: Session, now: datetime, actor: str, key_id: str | None, pool: Pool, name: str,
+                       gpu_product: str, gpus: int, labels: dict[str, str], *, override: float | None = None,
+                       set_override: bool = False) -> tuple[PoolServer, bool]:
+    """The operator's inventory entry of a server (created, or changed): what its agent may enrol as."""
     row = session.scalar(select(PoolServer).where(PoolServer.name == name))
     if row is not None and row.pool_id != pool.id:
         raise Conflict(f"server {name!r} is registered in pool {row.pool.name!r}, not {pool.name!r}: retire it "
@@ -758,7 +759,9 @@ def get_claimed(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolN
 
 @pools_cluster.post("/{pool}/servers/{server}/release", summary="Release a claimed server (idempotent)",
                     description="The server's agent leaves the cluster and reports idle. Releasing a server this "
-                    "cluster does not hold (already released) is a no-op; one held for another policy is 409.",
+                    "cluster does not hold (already released) is a no-op; one held for another policy is 409. "
+                    "`withdraw` frees a claim the agent has not taken up yet at once, and is a no-op (released "
+                    "false, its state) once the agent has: it has the ticket then.",
                     openapi_extra=body_doc(ClaimRelease))
 def release(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolName, server: ServerName,
             body: Annotated[ClaimRelease, Depends(json_body(ClaimRelease))]) -> ReleaseResult:
@@ -786,8 +789,10 @@ def release(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolName,
         _audit(session, now, actor, "pool.claim_withdrawn", target=target, cluster=cluster.name,
                detail={**detail, "online": is_online(row, now)})
         released = True
-    elif row.state == "idle":
-        pass  # withdrawn, or declined by the agent, meanwhile
+    elif row.state == "idle" or body.withdraw:
+        # Withdrawn or declined meanwhile; or (withdraw) taken up by the agent after all: it has the ticket, so the
+        # claim stands (not withdrawn, not released) and the answer says it is joining.
+        pass
     elif row.state != "releasing":
         row.state = "releasing"
         row.release_requested_at = now

@@ -38,8 +38,7 @@ from hub.db import ApiKey, Cluster, ClusterToken, Database, Principal
 from hub.errors import HubError
 from hub.pool_db import Pool, PoolServer
 from hub.pool_schemas import GpuProduct, Gpus, PoolCreate, RateCard
-from hub.pools import _register as register_pool_server
-from hub.pools import add_pool
+from hub.pools import add_pool, register_inventory
 from hub.schemas import Line, Name
 from hub.settings import ROTATION_GRACE, Clock, system_clock
 from hub.tokens import IssuedToken, TokenKind
@@ -236,7 +235,7 @@ def _seed_servers(session: Session, now: datetime, pool: Pool, spec: SeedPool) -
     done = []
     for server in spec.servers:
         if session.scalar(select(PoolServer.id).where(PoolServer.name == server.name)) is None:
-            register_pool_server(session, now, SEED_ACTOR.label, None, pool, server.name, server.gpu_product,
+            register_inventory(session, now, SEED_ACTOR.label, None, pool, server.name, server.gpu_product,
                                  server.gpus, dict(server.labels))
             done.append(f"pool {pool.name}: server {server.name} registered ({server.gpus} x {server.gpu_product})")
     return done

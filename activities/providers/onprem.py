@@ -148,8 +148,12 @@ class OnPremProvider:
             if claim["state"] == "offline" or time.monotonic() > deadline:
                 log.warning("%s: server %s did not pick up the claim of operation %s (%s): withdrawing it",
                             location, server, claim["operation"], claim["state"])
-                self._call(location, "POST", f"/servers/{server}/release",
-                           json={"operation": claim["operation"], "policy": claim["policy"], "withdraw": True})
+                result = self._call(location, "POST", f"/servers/{server}/release",
+                                    json={"operation": claim["operation"], "policy": claim["policy"],
+                                          "withdraw": True})
+                if not result["released"] and result["state"] in ("joining", "serving"):
+                    # taken up at the last moment: the server has the ticket, so it is this launch's
+                    return self._instance(location, self._call(location, "GET", f"/servers/{server}"))
                 return None
             self._beat(f"waiting for server {server} of {location} to pick up the claim")
             time.sleep(self._poll)

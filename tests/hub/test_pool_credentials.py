@@ -4,6 +4,7 @@ maxNodes servers, and a claim's ticket reaches only the server that took the cla
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -218,11 +219,34 @@ async def test_l7_a_claims_ticket_reaches_only_the_server_that_took_it_up(hub: H
     assert late.json()["claim"] is None and "THE-ONE-TICKET" not in late.text
     taken = await heartbeat(hub, cred_b, beat("gpu-b", phase="joining", operation="op-1"))
     assert "THE-ONE-TICKET" in taken.json()["claim"]["user_data"]
-    # taken up, the claim can no longer be withdrawn (only released: the agent leaves and reports idle)
+    # taken up, the claim can no longer be withdrawn: the server has the ticket, so it stays this launch's
     rel = await hub.client.post("/v1/cluster/pools/dc1/servers/gpu-b/release",
                                 json={"operation": "op-1", "policy": "inference-burst-eu", "withdraw": True},
                                 headers=auth)
-    assert rel.json()["state"] == "releasing"
+    assert rel.json() == {"server": "gpu-b", "released": False, "state": "joining"}
+
+
+async def test_l7_a_withdrawal_racing_the_take_up_either_withdraws_or_leaves_the_claim_standing(hub: Hub) -> None:
+    join = await create_pool(hub)
+    cred = await enrol(hub, join, "gpu-a")
+    await heartbeat(hub, cred, beat("gpu-a"))
+    auth = await cluster_with_policy(hub, "prod-eu")
+    for i in range(6):
+        op = f"op-{i}"
+        assert (await hub.client.post("/v1/cluster/pools/dc1/claims", json=claim_body(op), headers=auth)
+                ).status_code == 201
+        withdraw, taken = await asyncio.gather(
+            hub.client.post("/v1/cluster/pools/dc1/servers/gpu-a/release",
+                            json={"operation": op, "policy": "inference-burst-eu", "withdraw": True}, headers=auth),
+            heartbeat(hub, cred, beat("gpu-a", phase="joining", operation=op)))
+        got_ticket = f"ticket-of-{op}" in taken.text
+        assert withdraw.json()["released"] is not got_ticket, (withdraw.text, taken.text)
+        server = next(s for s in (await hub.client.get("/v1/pools/dc1", headers=hub.admin)).json()["servers"])
+        assert server["stored_state"] == ("joining" if got_ticket else "idle"), server
+        if got_ticket:  # release it for the next round
+            await hub.client.post("/v1/cluster/pools/dc1/servers/gpu-a/release",
+                                  json={"operation": op, "policy": "inference-burst-eu"}, headers=auth)
+            await heartbeat(hub, cred, beat("gpu-a", phase="idle", operation=op))
 
 
 async def test_an_agent_may_decline_a_claim_it_is_not_configured_for(hub: Hub) -> None:
