@@ -14,7 +14,7 @@ from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.pool_tokens import DEFAULT_TOKENS_DIR
+from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
 from gateway.slots import AddressPlan
 from tunnel import link
 
@@ -48,7 +48,7 @@ class GatewaySettings(BaseModel):
     gateway_allowed_clients: str = DEFAULT_ALLOWED_CLIENTS
     gateway_token_audiences: str = ""
     # On-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
-    pool_tokens_dir: Path = DEFAULT_TOKENS_DIR
+    hub_claim_keys_file: Path = DEFAULT_CLAIM_KEYS_FILE
     # The WireGuard tunnel (R4.3). No interface: no tunnel (sim nodes reach the API server directly, with the
     # same certificates). The UDP port is the gateway Service's `wireguard` port.
     gateway_tunnel_interface: str = ""

@@ -149,3 +149,8 @@ Checks the schema cannot express; each failure names the value.
 {{- fail (printf "burst.gateway.publicUrl is required with burst.gateway.service.type=%s: only a LoadBalancer Service has an address the gateway can find itself; set the https URL burst nodes reach it at from their own cloud, e.g. https://<node address>:<nodePort> for NodePort" $gw.service.type) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* "true" when burst.locations has an on-prem pool (onprem/<pool>): the gateway then checks the hub's claims. */}}
+{{- define "kubeon.onpremLocations" -}}
+{{- range .Values.burst.locations }}{{ if hasPrefix "onprem/" .name }}true{{ end }}{{ end -}}
+{{- end -}}
