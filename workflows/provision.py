@@ -50,7 +50,8 @@ from workflows.observe import batch_trace
 from workflows.operation import Approvable, Proposal
 
 KEEP_BATCHES = 20
-SETTLED = (ProvisionPhase.IDLE, ProvisionPhase.WAITING_FOR_CAPACITY)  # between rounds: the message is the state's
+# A provisioning waiting for capacity whose waiting pods all went settles at once (runs before it did not).
+SETTLE_WHEN_WAITERS_GO = "kubeon-settle-when-capacity-waiters-go"
 
 
 @workflow.defn(name="Provision")
@@ -109,6 +110,9 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         keys = {p.key for p in self.waiting.values()}
         if any(k in self.unplaced for k in keys):
             self.dirty = True
+        if (self.phase == ProvisionPhase.WAITING_FOR_CAPACITY and not self._capacity_waits()
+                and workflow.patched(SETTLE_WHEN_WAITERS_GO)):
+            self._settle()  # no pod waits for a node to free up any more
         self._show()
 
     @workflow.signal(name="node_finished", description=(
@@ -166,10 +170,14 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             counts = f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting"
             return f"{counts}; {self.message}" if self.message else counts
         if self.phase == ProvisionPhase.WAITING_FOR_CAPACITY:
-            waiting = {p.key for p in self.waiting.values()}
-            whys = [why for pod, why in self.capacity_waits.items() if pod in waiting]
+            whys = self._capacity_waits()
             return f"{len(whys)} pod(s) wait" + (f": {whys[0]}" if whys else "")
         return self.message
+
+    def _capacity_waits(self) -> list[str]:
+        """Why the pods that still wait for a node to free up wait (maxNodes, address slots)."""
+        waiting = {p.key for p in self.waiting.values()}
+        return [why for pod, why in self.capacity_waits.items() if pod in waiting]
 
     def _details(self) -> str:
         p = self.policy
@@ -416,7 +424,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
 
     def _settle(self) -> None:
         """The round is over: Idle, or waiting for capacity; the message says the state's (see _message)."""
-        self._set_phase(ProvisionPhase.WAITING_FOR_CAPACITY if self.capacity_waits else ProvisionPhase.IDLE)
+        self._set_phase(ProvisionPhase.WAITING_FOR_CAPACITY if self._capacity_waits() else ProvisionPhase.IDLE)
 
 
 def plan_details(d: Details, plan: BatchPlan) -> None:

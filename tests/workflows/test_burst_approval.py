@@ -376,3 +376,24 @@ async def test_a_batch_whose_nodes_all_ended_says_what_became_of_them(env: Env) 
     assert batch.phase == BatchPhase.FAILED, batch
     assert batch.message == "its 1 node(s) ended: 1 Failed"
     assert any(f"batch {batch.batch} Failed: its 1 node(s) ended: 1 Failed" in line for line in view.history)
+
+
+async def test_waiting_for_capacity_ends_when_the_pods_waiting_for_it_go(env: Env) -> None:
+    """maxNodes held, a late pod waits for a node to free up; when it goes (bound elsewhere, deleted) nothing
+    waits for capacity any more: the provisioning is Idle, not WaitingForCapacity until some later round."""
+    server, queue, recorded = env
+    recorded.launch_hangs = True
+    handle, view = await _proposal(server.client, queue, _pods(5))
+    await ops.approve(server.client, handle.id, Approval(approver="alice"))
+    await _until(handle, lambda v: len(v.nodes) == 2)
+    await _send(server.client, queue, handle.id, _pods(1, prefix="late"))
+    view = await _until(handle, lambda v: v.phase == ProvisionPhase.WAITING_FOR_CAPACITY)
+    # (This test's planner knows no node's room: the first five wait on too, until bound.)
+    assert view.message.startswith("6 pod(s) wait: maxNodes 2 reached"), view.message
+    gone = [f"infer-{i}" for i in range(5)]
+    await handle.signal(ProvisionWorkflow.pods_gone, provisioning.PodsGone(uids=gone))
+    view = await _until(handle, lambda v: len(v.waiting) == 1)
+    assert view.phase == ProvisionPhase.WAITING_FOR_CAPACITY and view.message.startswith("1 pod(s) wait: maxNodes")
+    await handle.signal(ProvisionWorkflow.pods_gone, provisioning.PodsGone(uids=["late-0"]))
+    view = await _until(handle, lambda v: v.phase == ProvisionPhase.IDLE)
+    assert view.message == "2 node(s), 0 pod(s) waiting"
