@@ -4,7 +4,8 @@ Two bases, each a plain class the workflow class inherits from (the Python SDK c
 ``@workflow.update`` and ``@workflow.query`` handlers of base classes; ``@workflow.run`` stays on the workflow):
 
 - :class:`Operation`: the phase, its message and the history lines, and what the operation shows of them: the
-  ``KubeonPhase`` search attribute (upserted only when the phase changes), the Temporal UI's current details
+  ``KubeonPhase`` search attribute (upserted only when the phase changes; a run's first upsert, continue-as-new
+  included, is written whole as it always was), the Temporal UI's current details
   (set only when what they show changed), a ``Phase:<phase>`` span per change. What the message says may be
   derived from the workflow's state when shown (:meth:`Operation._message`), so it never goes stale.
 - :class:`Approvable`: an operation with a proposal a person approves or rejects: signals ``approve`` and
