@@ -137,8 +137,9 @@ class Approvable(Operation[P]):
         return workflow.info().workflow_id
 
     @workflow.signal(name="approve", description=(
-        "Approve the proposal awaiting approval (input may be empty): the operation goes ahead. Ignored when "
-        "nothing awaits. Optional input {\"approver\": \"you\", \"plan_id\": \"...\"} approves only that plan."))
+        "Approve the batch or operation awaiting approval (input may be empty): what it proposes goes ahead (its "
+        "details show it). Ignored when nothing awaits. Optional input {\"approver\": \"you\", \"plan_id\": "
+        "\"...\"} approves only that plan."))
     def approve_signal(self, approval: Approval | None = None) -> None:
         approval = approval or Approval()
         if self._decision_problem(approval.plan_id, approval.operation) is None:
@@ -146,8 +147,8 @@ class Approvable(Operation[P]):
             self._show()
 
     @workflow.signal(name="reject", description=(
-        "Reject the proposal awaiting approval (input may be empty): nothing is done; what it was for is proposed "
-        "again later if still wanted."))
+        "Reject the batch or operation awaiting approval (input may be empty): nothing is done; what it was for "
+        "is proposed again later if still wanted."))
     def reject_signal(self, rejection: Rejection | None = None) -> None:
         rejection = rejection or Rejection()
         if self._decision_problem(None, rejection.operation) is None:
@@ -155,8 +156,8 @@ class Approvable(Operation[P]):
             self._show()
 
     @workflow.update(name="approve_plan", description=(
-        "Approve the proposal awaiting approval, refused with the reason if the plan is stale, another batch or "
-        "operation awaits, or nothing does. Input {\"approver\": \"you\", \"plan_id\": \"...\"}. In the Temporal "
+        "Approve the batch or operation awaiting approval, refused with the reason if the plan is stale, another "
+        "one awaits, or nothing does. Input {\"approver\": \"you\", \"plan_id\": \"...\"}. In the Temporal "
         "UI fill in an Update ID."))
     def approve_update(self, approval: Approval) -> DecisionResult:
         self.approval = approval
@@ -168,8 +169,8 @@ class Approvable(Operation[P]):
                 or (None if approval.approver.strip() else "approver must name who approves"))
 
     @workflow.update(name="reject_plan", description=(
-        "Reject the proposal awaiting approval; refused with the reason if nothing awaits. Input {\"approver\": "
-        "\"you\", \"reason\": \"...\"}."))
+        "Reject the batch or operation awaiting approval; refused with the reason if nothing awaits. Input "
+        "{\"approver\": \"you\", \"reason\": \"...\"}."))
     def reject_update(self, rejection: Rejection) -> DecisionResult:
         self.rejection = rejection
         return self._answer(f"rejected by {rejection.approver}")
