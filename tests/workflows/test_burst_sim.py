@@ -31,6 +31,7 @@ from tests.harness.burst import (
 )
 from tests.harness.kube import Cluster, until
 from worker import ops
+from worker.cli import _render_view as render_view
 from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -128,8 +129,15 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
     assert done.phase == NodePhase.COMPLETED, done.message
     wait_for(lambda: not stack.cluster.admin.core.list_node(
         field_selector=f"metadata.name={serving.node_name}").items, what="burst node gone")
-    after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
+    after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes and not v.waiting)
     assert after.batches[-1].approver == "alice"
+    # What `ops show` says once the burst is over: the batch ended with its node, the phase's message says the
+    # nodes and pods there are now (both once stayed as they were when the node started).
+    assert (after.batches[-1].phase, after.batches[-1].message) == (BatchPhase.COMPLETED,
+                                                                    "its 1 node(s) ended: 1 Completed")
+    shown_text = render_view(await ops.show(temporal, after.workflow_id))
+    assert "phase      Idle: 0 node(s), 0 pod(s) waiting" in shown_text, shown_text
+    assert "nodes      0 of maxNodes 2" in shown_text and "Completed" in shown_text, shown_text
 
 
 async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[Client, str],
