@@ -84,6 +84,12 @@ def authenticate(request: Request, session: Session, now: datetime, settings: Hu
             f"malformed Authorization header: expected 'Bearer <token>', got scheme {scheme[:20]!r}",
             code="malformed_authorization",
         )
+    return authenticate_credential(value, session, now, settings)
+
+
+def authenticate_credential(value: str, session: Session, now: datetime, settings: HubSettings) -> Actor:
+    """Who ``value`` (an API key, the bootstrap admin key or a cluster token) is; raises ``Unauthorized``. The
+    API reads it from the Authorization header, the web UI's sign-in from its form."""
     bootstrap = settings.bootstrap_admin_key
     if bootstrap is not None and hmac.compare_digest(_digest(value), _digest(bootstrap)):
         return BOOTSTRAP_ACTOR
