@@ -128,7 +128,7 @@ def install_commands(cluster: str, token: str, hub_url: str) -> dict[str, str]:
             "  --set defaultMode=Recommend")
     update = (f"kubectl -n {NAMESPACE} create secret generic {SECRET_NAME} \\\n"
               f"  --from-literal=token='{token}' --dry-run=client -o yaml | kubectl apply -f -")
-    return {"secret": secret, "helm": helm, "update": update}
+    return {"secret": secret, "helm": helm, "update_secret": update}
 
 
 @router.post("/clusters")

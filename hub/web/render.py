@@ -21,7 +21,7 @@ SECURITY_HEADERS: Final = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # "no-referrer" would make browsers send "Origin: null"
     "X-Frame-Options": "DENY",
     # Pages show tokens once: never from a cache.
     "Cache-Control": "no-store",

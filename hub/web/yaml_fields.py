@@ -56,8 +56,13 @@ class FieldError:
 
 
 def syntax_error(text: str) -> FieldError | None:
-    """The YAML syntax error of ``text`` with its line, or None when it parses."""
+    """The YAML syntax error of ``text`` with its line, or None when it parses. Aliases are refused: a policy
+    needs none, and a few nested ones expand into billions of nodes once validated ("billion laughs")."""
     try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                line = event.start_mark.line + 1 if event.start_mark else None
+                return FieldError(field="(yaml)", message="aliases (*name) are not allowed in a policy", line=line)
         yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
