@@ -3,6 +3,7 @@ page gets."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -44,6 +45,8 @@ environment = Environment(
 )
 environment.filters["when"] = _when
 environment.filters["money"] = _money
+# Plain text, escaped like any other value (Jinja's tojson writes \u003c for "<": unreadable in a page).
+environment.filters["as_json"] = lambda value: json.dumps(value, ensure_ascii=False, sort_keys=True)
 
 NAV: Final = [
     ("clusters", "Clusters", "/ui/clusters", "viewer"),

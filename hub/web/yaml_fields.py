@@ -18,8 +18,13 @@ def field_lines(text: str) -> dict[str, int]:
     except yaml.YAMLError:
         return {}
     out: dict[str, int] = {}
+    seen: set[int] = set()
 
     def walk(node: Node, path: str) -> None:
+        # An alias is the node it names, again: walked once, or a few nested aliases take forever.
+        if id(node) in seen:
+            return
+        seen.add(id(node))
         if isinstance(node, MappingNode):
             for key, value in node.value:
                 name = key.value if isinstance(key, ScalarNode) else "?"
