@@ -4,7 +4,12 @@ escaped, never put raw into a page (checked in the HTML and, for stored values, 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import ssl
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -12,10 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trustme
 import yaml
 
-from tests.hub.conftest import UiHub, start_ui_hub
-from tests.hub.helpers import policy_document
+from tests.harness.controlplane import free_port
+from tests.hub.conftest import BOOTSTRAP_KEY, UiHub, start_ui_hub
+from tests.hub.helpers import policy_document, wait_until
+from tests.hub.process import ROOT
 from tests.hub.ui import Dialogs, create_cluster, optimizer, proposal, sign_in, user_key
 
 pytestmark = pytest.mark.timeout(180)
@@ -270,3 +278,45 @@ async def test_stored_hostile_values_run_no_script_in_the_browser(ui_hub: UiHub,
             assert SCRIPT in await page.locator(where).input_value(), path
     assert dialogs.seen == []
     await context.close()
+
+
+def test_over_https_the_session_cookie_is_secure(tmp_path: Path) -> None:
+    """The hub serving TLS itself (``--tls-cert-file``): its cookies carry ``Secure``, so a browser never sends
+    them over plain HTTP."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_file, key_file, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    ca.cert_pem.write_to_path(str(ca_file))
+    (tmp_path / "bootstrap.key").write_text(BOOTSTRAP_KEY)
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    with open(tmp_path / "hub.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
+             f"sqlite:///{tmp_path / 'hub.db'}", "--bootstrap-admin-key-file", str(tmp_path / "bootstrap.key"),
+             "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        trust = ssl.create_default_context(cafile=str(ca_file))
+        with httpx.Client(base_url=url, verify=trust, headers={"Origin": url}, timeout=10) as web:
+            wait_until(lambda: web.get("/healthz").status_code == 200 or None, timeout=30,
+                       what="the TLS hub to answer")
+            form = web.get("/ui/sign-in")
+            assert "; secure" in form.headers["set-cookie"].lower(), form.headers["set-cookie"]
+            signed_in = web.post("/ui/sign-in", data={"csrf_token": CSRF_RE.findall(form.text)[0],
+                                                      "api_key": BOOTSTRAP_KEY})
+            assert signed_in.status_code == 303, signed_in.text
+            session_cookie = next(v for k, v in signed_in.headers.multi_items()
+                                  if k == "set-cookie" and v.startswith("kubeon_hub_session="))
+            flags = {part.strip().lower() for part in session_cookie.split(";")[1:]}
+            assert {"secure", "httponly", "samesite=strict", "path=/ui"} <= flags, session_cookie
+            assert any(f.startswith("max-age=") for f in flags), session_cookie
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
