@@ -5,6 +5,7 @@ each write checked from the optimizer's side with its own hub client, and a scre
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ import yaml
 from playwright.async_api import Error as PlaywrightError
 
 from activities.hub_client import HubUnauthorized
+from models.hub import ActionReport
 from tests.hub.conftest import UiHub
 from tests.hub.helpers import policy_document
 from tests.hub.ui import (
@@ -174,6 +176,23 @@ async def test_policy_editor_shows_errors_at_their_field_saves_nothing_then_save
         await page.get_by_role("button", name="Save policy").click()
         await page.wait_for_url(re.compile(r".*\?saved=burst-eu$"))
 
+        # Someone changes the policy through the API while the editor is open: Save shows their version first.
+        await page.get_by_role("link", name="burst-eu", exact=True).click()
+        await page.locator("#document").fill(yaml.safe_dump(policy_document("burst-eu", max_nodes=4)))
+        await page.get_by_role("button", name="Review changes").click()
+        changed = ui_hub.admin.put("/v1/clusters/web-policies/policies/burst-eu",
+                                   json=policy_document("burst-eu", max_nodes=7))
+        assert changed.status_code == 200, changed.text
+        await page.get_by_role("button", name="Save policy").click()
+        assert "changed since you opened the editor" in await page.locator("#editor-message").inner_text()
+        assert "-    maxNodes: 7" in await page.locator("pre.diff").inner_text()
+        pulled = client.policies()
+        assert pulled is not None and pulled.documents[0]["spec"]["limits"]["maxNodes"] == 7
+        await page.get_by_role("button", name="Save policy").click()
+        await page.wait_for_url(re.compile(r".*\?saved=burst-eu$"))
+        pulled = client.policies()
+        assert pulled is not None and pulled.documents[0]["spec"]["limits"]["maxNodes"] == 4
+
         # All to Recommend, confirmed first.
         await page.get_by_role("link", name="All to Recommend").click()
         assert "burst-eu" in await page.locator("main p").first.inner_text()
@@ -183,7 +202,7 @@ async def test_policy_editor_shows_errors_at_their_field_saves_nothing_then_save
         assert await page.locator("tr[data-policy='burst-eu'] td.mode").inner_text() == "Recommend"
         pulled = client.policies()
         assert pulled is not None and [(d["spec"]["mode"], d["spec"]["limits"]["maxNodes"])
-                                       for d in pulled.documents] == [("Recommend", 1)]
+                                       for d in pulled.documents] == [("Recommend", 4)]
 
         await page.get_by_role("link", name="Delete burst-eu").click()
         await page.get_by_role("button", name="Delete burst-eu").click()
@@ -242,9 +261,28 @@ async def test_a_proposal_is_approved_by_its_plan_and_a_tab_with_the_old_plan_is
         assert await problem.evaluate("e => e === document.activeElement")
         await shoot(tab_b, ui_hub, "approval-stale")
 
+        # A ScaleToZero proposal: the workload and its idle evidence; rejected.
+        scale = ActionReport(
+            idempotency_key="op-scale-1/proposed", operation="op-scale-1", policy="idle-inference",
+            action="proposed", occurred_at=ui_hub.now(), detail=json.dumps({
+                "plan_id": "op-scale-1-r3", "workload": "ml/Deployment/infer", "replicas": 3,
+                "idle_evidence": "GPU utilisation 0% for 30 min (DCGM)"}))
+        assert client.report(scale)
+        await tab_a.reload()
+        section = tab_a.locator("section.proposal[data-operation='op-scale-1']")
+        facts = await section.locator("dl.facts").inner_text()
+        assert "ml/Deployment/infer" in facts and "3 → 0" in facts and "0% for 30 min" in facts
+        await section.get_by_label("Reason (optional)").fill("serving a demo")
+        await section.get_by_role("button", name="Reject").click()
+        await tab_a.wait_for_url(re.compile(r".*/ui/approvals$"))
+        assert await tab_a.locator("tr[data-operation='op-scale-1'] td.decision-reject").count() == 1
+        assert await tab_a.locator("section.proposal").count() == 0
+        await shoot(tab_a, ui_hub, "approvals-decided")
+
         page = client.approvals(0)
         assert [(a.operation, a.decision, a.plan_id, a.decided_by, a.reason) for a in page.approvals] == [
-            ("op-batch-1", "approve", "plan-bbb222", "user:paula", "capacity for the launch")]
+            ("op-batch-1", "approve", "plan-bbb222", "user:paula", "capacity for the launch"),
+            ("op-scale-1", "reject", "op-scale-1-r3", "user:paula", "serving a demo")]
 
         # The activity timeline: filtered by operation, with the link to the cluster's Temporal UI.
         assert client.report(proposal("op-other", "plan-ccc333", ui_hub.now(), policy="other-policy"))
