@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
@@ -11,7 +12,7 @@ from sqlalchemy import select
 
 from hub import ops, routes
 from hub.audit import Role
-from hub.auth import NowDep, SessionDep
+from hub.auth import HubState, NowDep, SessionDep
 from hub.db import Cluster
 from hub.errors import HubError
 from hub.http import validate_body
@@ -64,7 +65,7 @@ async def sign_in(request: Request, state: StateDep, session: SessionDep, now: N
     target = _safe_next(form.get("next"))
     response = redirect(target)
     try:
-        if not expected or not presented or expected != presented:
+        if not expected or not presented or not hmac.compare_digest(expected.encode(), presented.encode()):
             raise HubError("the sign-in form expired: load it again", code="csrf_failed")
         sessions.sign_in(session, now, state.settings, form.get("api_key").strip(), response, request)
     except HubError as exc:
@@ -111,8 +112,9 @@ def add_cluster_page(request: Request, who: SignedInDep) -> Response:
                 values={"name": "", "description": ""}, errors={}, message=None)
 
 
-def _hub_url(request: Request) -> str:
-    return str(request.base_url).rstrip("/")
+def _hub_url(request: Request, state: HubState) -> str:
+    """What the optimizer's ``hub.url`` should be: ``--public-url``, else the address this page was loaded from."""
+    return (state.settings.public_url or str(request.base_url)).rstrip("/")
 
 
 def install_commands(cluster: str, token: str, hub_url: str) -> dict[str, str]:
@@ -132,7 +134,8 @@ def install_commands(cluster: str, token: str, hub_url: str) -> dict[str, str]:
 
 
 @router.post("/clusters")
-def add_cluster(request: Request, who: SignedInDep, session: SessionDep, now: NowDep, form: FormDep) -> Response:
+def add_cluster(request: Request, who: SignedInDep, state: StateDep, session: SessionDep, now: NowDep,
+                form: FormDep) -> Response:
     sessions.require(who, Role.ADMIN, "Add cluster")
     values = {"name": form.get("name").strip(), "description": form.get("description").strip()}
     try:
@@ -146,7 +149,7 @@ def add_cluster(request: Request, who: SignedInDep, session: SessionDep, now: No
     return page(request, "token_issued.html", title=f"Cluster {created.cluster.name} added", signed_in=who,
                 section="clusters", cluster=created.cluster.name, token=created.token.token,
                 token_id=created.token.token_id, rotated=False, expires_at=None,
-                commands=install_commands(created.cluster.name, created.token.token, _hub_url(request)),
+                commands=install_commands(created.cluster.name, created.token.token, _hub_url(request, state)),
                 status_code=201)
 
 
@@ -181,7 +184,7 @@ def rotate(request: Request, who: SignedInDep, state: StateDep, session: Session
     return page(request, "token_issued.html", title=f"New token for {issued.cluster}", signed_in=who,
                 section="clusters", cluster=issued.cluster, token=issued.token, token_id=issued.token_id,
                 rotated=True, expires_at=issued.previous_tokens_expire_at,
-                commands=install_commands(issued.cluster, issued.token, _hub_url(request)), status_code=201)
+                commands=install_commands(issued.cluster, issued.token, _hub_url(request, state)), status_code=201)
 
 
 @router.get("/clusters/{cluster}/revoke")

@@ -282,7 +282,7 @@ async def test_stored_hostile_values_run_no_script_in_the_browser(ui_hub: UiHub,
 
 def test_over_https_the_session_cookie_is_secure(tmp_path: Path) -> None:
     """The hub serving TLS itself (``--tls-cert-file``): its cookies carry ``Secure``, so a browser never sends
-    them over plain HTTP."""
+    them over plain HTTP. With ``--public-url`` the install commands name that address."""
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     cert_file, key_file, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
@@ -296,7 +296,8 @@ def test_over_https_the_session_cookie_is_secure(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-m", "hub.server", "--listen", f"127.0.0.1:{port}", "--database-url",
              f"sqlite:///{tmp_path / 'hub.db'}", "--bootstrap-admin-key-file", str(tmp_path / "bootstrap.key"),
-             "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file)],
+             "--tls-cert-file", str(cert_file), "--tls-key-file", str(key_file),
+             "--public-url", "https://hub.example.test"],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     try:
         trust = ssl.create_default_context(cafile=str(ca_file))
@@ -313,6 +314,11 @@ def test_over_https_the_session_cookie_is_secure(tmp_path: Path) -> None:
             flags = {part.strip().lower() for part in session_cookie.split(";")[1:]}
             assert {"secure", "httponly", "samesite=strict", "path=/ui"} <= flags, session_cookie
             assert any(f.startswith("max-age=") for f in flags), session_cookie
+            # --public-url: the address optimizers use, in the install commands (not the one the browser used).
+            csrf = CSRF_RE.findall(web.get("/ui/clusters").text)[0]
+            added = web.post("/ui/clusters", data={"csrf_token": csrf, "name": "behind-proxy"})
+            assert added.status_code == 201, added.text
+            assert "--set hub.url=https://hub.example.test" in added.text and url not in added.text
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
