@@ -17,7 +17,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from hub import ops, tokens
+from hub import ops, optimizer_clients, tokens
 from hub.audit import BOOTSTRAP_ACTOR, Actor, ActorKind, Role
 from hub.db import Database
 from hub.errors import Forbidden, Unauthorized
@@ -136,13 +136,16 @@ def require_cluster(
     now: NowDep,
     _: Annotated[HTTPAuthorizationCredentials | None, Security(cluster_token_scheme)],
 ) -> Actor:
-    """Dependency: a valid cluster token. Records the cluster's last-seen time (committed with the request)."""
+    """Dependency: a valid cluster token. Records the cluster's last-seen time and its optimizer's User-Agent
+    (committed with the request)."""
     actor = authenticate(request, session, now, state.settings)
     if actor.kind is not ActorKind.CLUSTER:
         raise Forbidden(
             f"{request.method} {request.url.path} is for clusters: authenticate with the cluster's token (kgc_...), "
             f"not the API key of {actor.label}", code="cluster_token_required",
         )
+    assert actor.cluster_id is not None
+    optimizer_clients.note(session, actor.cluster_id, request.headers.get("user-agent"), now)
     return actor
 
 

@@ -10,12 +10,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from sqlalchemy import select
 
-from hub import ops, routes
+from hub import ops, optimizer_clients, routes
 from hub.audit import Role
 from hub.auth import HubState, NowDep, SessionDep
 from hub.db import Cluster
 from hub.errors import HubError
 from hub.http import validate_body
+from hub.optimizer_clients import OptimizerClient
 from hub.routes import ClusterName
 from hub.schemas import ClusterCreate
 from hub.web import sessions
@@ -91,15 +92,17 @@ def sign_out(request: Request, who: SignedInDep, session: SessionDep, _: FormDep
 # ----- clusters -----
 
 
-def cluster_row(cluster: Cluster, now: Any) -> dict[str, Any]:
+def cluster_row(cluster: Cluster, now: Any, client: OptimizerClient | None) -> dict[str, Any]:
     out = routes._cluster_out(cluster, now)  # the API's own view: the same status rule
     valid = [t for t in out.tokens if t.state in ops.VALID_TOKEN_STATES]
-    return {"out": out, "token_state": ", ".join(f"{t.id[:8]}… {t.state}" for t in valid) or "none valid"}
+    return {"out": out, "token_state": ", ".join(f"{t.id[:8]}… {t.state}" for t in valid) or "none valid",
+            "version": client.version if client else None, "user_agent": client.user_agent if client else None}
 
 
 @router.get("/clusters")
 def clusters(request: Request, who: SignedInDep, session: SessionDep, now: NowDep) -> Response:
-    rows = [cluster_row(c, now) for c in session.scalars(select(Cluster).order_by(Cluster.name))]
+    clients = optimizer_clients.for_clusters(session)
+    rows = [cluster_row(c, now, clients.get(c.id)) for c in session.scalars(select(Cluster).order_by(Cluster.name))]
     session.commit()
     return page(request, "clusters.html", title="GPU > Optimizer: clusters", signed_in=who, section="clusters",
                 clusters=rows)
@@ -157,7 +160,7 @@ def add_cluster(request: Request, who: SignedInDep, state: StateDep, session: Se
 def cluster_page(request: Request, who: SignedInDep, session: SessionDep, now: NowDep, cluster: ClusterName
                  ) -> Response:
     found = ops.get_cluster(session, cluster)
-    row = cluster_row(found, now)
+    row = cluster_row(found, now, optimizer_clients.for_clusters(session).get(found.id))
     policies = policy_rows(ops.list_policies(session, found))
     session.commit()
     return page(request, "cluster.html", title=f"Cluster {found.name}", signed_in=who, section="clusters",

@@ -9,6 +9,7 @@ import json
 import re
 from datetime import timedelta
 
+import httpx
 import pytest
 import yaml
 from playwright.async_api import Error as PlaywrightError
@@ -70,10 +71,18 @@ async def test_add_cluster_shows_the_token_once_and_the_optimizer_pulls_with_it(
     await page.goto(f"{ui_hub.url}/ui/clusters/web-prod")
     assert token not in await page.content()
     assert await page.locator("#cluster-status").inner_text() == "connected"
+    # Today's optimizer names no version in its User-Agent; one that does is shown.
+    assert "version not reported" in await page.locator("#optimizer-version").inner_text()
+    async with httpx.AsyncClient(base_url=ui_hub.url, headers={
+            "Authorization": f"Bearer {token}", "User-Agent": "kubeon-gpu-optimizer/1.4.2"}) as newer:
+        assert (await newer.get("/v1/cluster")).status_code == 200
+    await page.reload()
+    assert (await page.locator("#optimizer-version").inner_text()).startswith("1.4.2")
     await shoot(page, ui_hub, "cluster")
     await page.goto(f"{ui_hub.url}/ui/clusters")
     row = page.locator("tr[data-cluster='web-prod']")
     assert "connected" in await row.inner_text()
+    assert await row.locator("td.version").inner_text() == "1.4.2"
     await shoot(page, ui_hub, "clusters")
     assert dialogs.seen == []
     await context.close()
