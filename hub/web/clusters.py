@@ -6,7 +6,7 @@ import hmac
 from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from sqlalchemy import select
 
@@ -21,7 +21,7 @@ from hub.routes import ClusterName
 from hub.schemas import ClusterCreate
 from hub.web import sessions
 from hub.web.common import FormDep, MaybeSignedInDep, SignedInDep, StateDep, redirect
-from hub.web.forms import read_form
+from hub.web.forms import Form, read_form
 from hub.web.policies import policy_rows
 from hub.web.render import page
 
@@ -32,10 +32,10 @@ NAMESPACE: Final = "kubeon-gpu"
 
 def _safe_next(target: str | None) -> str:
     """Only a path of this UI: never an open redirect to another site."""
-    if not target or not target.startswith("/ui/") or target.startswith("//") or "\\" in target:
+    parts = urlsplit(target or "")
+    if not target or not target.startswith("/ui/") or "\\" in target or parts.scheme or parts.netloc:
         return "/ui/clusters"
-    parts = urlsplit(target)
-    return parts.path + (f"?{parts.query}" if parts.query else "") if not parts.netloc else "/ui/clusters"
+    return parts.path + (f"?{parts.query}" if parts.query else "")
 
 
 @router.get("")
@@ -58,8 +58,9 @@ def sign_in_page(request: Request, who: MaybeSignedInDep,
 
 
 @router.post("/sign-in")
-async def sign_in(request: Request, state: StateDep, session: SessionDep, now: NowDep) -> Response:
-    form = await read_form(request)
+def sign_in(request: Request, state: StateDep, session: SessionDep, now: NowDep,
+            form: Annotated[Form, Depends(read_form)]) -> Response:
+    """Sync, like every handler here (run in the thread pool): a database wait never blocks the event loop."""
     sessions.check_origin(request)
     expected = request.cookies.get(sessions.SIGN_IN_CSRF_COOKIE) or ""
     presented = form.get("csrf_token")

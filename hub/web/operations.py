@@ -8,6 +8,7 @@ from typing import Annotated, Any, Final
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from hub import ops, routes
 from hub.audit import Role
@@ -27,7 +28,7 @@ TIMELINE_PAGE: Final = 200
 Filter = Annotated[str | None, Query(max_length=253, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
-def pending(session: Any) -> list[dict[str, Any]]:
+def pending(session: Session) -> list[dict[str, Any]]:
     """Operations reported as proposed, neither decided in the hub nor ended: the newest proposal of each."""
     latest: dict[tuple[int, str], ActionReport] = {}
     for report in session.scalars(select(ActionReport).where(ActionReport.action == "proposed")
@@ -35,9 +36,14 @@ def pending(session: Any) -> list[dict[str, Any]]:
         latest.setdefault((report.cluster_id, report.operation), report)
     if not latest:
         return []
-    decided = {(a.cluster_id, a.operation) for a in session.scalars(select(Approval))}
-    ended = {(r.cluster_id, r.operation) for r in session.scalars(
-        select(ActionReport).where(ActionReport.action.in_(sorted(ops.ENDED_ACTIONS | {"approved"}))))}
+    operations = sorted({operation for _, operation in latest})
+    decided = {(cluster_id, operation) for cluster_id, operation in session.execute(
+        select(Approval.cluster_id, Approval.operation).where(Approval.operation.in_(operations)))}
+    # Approved in the cluster itself (its Temporal UI, the CLI) counts as decided too.
+    ended = {(cluster_id, operation) for cluster_id, operation in session.execute(
+        select(ActionReport.cluster_id, ActionReport.operation).where(
+            ActionReport.operation.in_(operations),
+            ActionReport.action.in_(sorted(ops.ENDED_ACTIONS | {"approved"}))))}
     names = {c.id: c.name for c in session.scalars(select(Cluster))}
     out = []
     for key, report in sorted(latest.items(), key=lambda kv: kv[1].id, reverse=True):
@@ -48,7 +54,7 @@ def pending(session: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _decisions(session: Any) -> list[dict[str, Any]]:
+def _decisions(session: Session) -> list[dict[str, Any]]:
     names = {c.id: c.name for c in session.scalars(select(Cluster))}
     return [{"cluster": names.get(a.cluster_id, "?"), "approval": a}
             for a in session.scalars(select(Approval).order_by(Approval.id.desc()).limit(50))]
@@ -69,11 +75,9 @@ def decide(request: Request, who: SignedInDep, session: SessionDep, now: NowDep,
     refused) and the same audit record."""
     sessions.require(who, Role.OPERATOR, "approving or rejecting an operation")
     cluster = form.get("cluster")
-    decision = "approve" if form.get("decision") == "approve" else "reject" if form.get("decision") == "reject" \
-        else form.get("decision")
     try:
         body = validate_body(ApprovalCreate, {
-            "operation": form.get("operation"), "decision": decision, "plan_id": form.optional("plan_id"),
+            "operation": form.get("operation"), "decision": form.get("decision"), "plan_id": form.optional("plan_id"),
             "reason": form.get("reason").strip()})
         cluster = valid_name(cluster, "cluster")
         routes.decide(who.actor, session, now, Response(), cluster, body)
