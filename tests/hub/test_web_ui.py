@@ -411,6 +411,11 @@ async def test_sign_in_refuses_a_wrong_key_and_sign_out_ends_the_session(ui_hub:
     await page.get_by_label("API key").fill(key)
     await page.get_by_role("button", name="Sign in").click()
     await page.wait_for_url(re.compile(r".*/ui/clusters$"))
+    # Keyboard: the first Tab reaches the skip link, which moves the focus past the navigation to the content.
+    await page.keyboard.press("Tab")
+    assert await page.evaluate("() => document.activeElement.className") == "skip"
+    await page.keyboard.press("Enter")
+    assert await page.evaluate("() => document.activeElement.id") == "main"
     cookie = next(c for c in await context.cookies() if c["name"] == "kubeon_hub_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
     assert cookie["expires"] > 0  # not a browser-session cookie: it expires with the hub's session
