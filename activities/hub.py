@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 from temporalio import activity
 from temporalio.client import Client
 
-from activities.decisions import DecisionRefused, OperationNotFound, decide
-from activities.hub_client import (
+from activities.clients.decisions import DecisionRefused, OperationNotFound, decide
+from activities.clients.hub import (
     HubClient,
     HubRefused,
     HubUnauthorized,
     HubUnreachable,
     PolicySet,
 )
-from activities.policy_sync import PolicySyncer
+from activities.clients.policies import PolicySyncer
+from models.decisions import Approval, Rejection
 from models.hub import (
     REASON_UNAUTHORIZED,
     REASON_UNREACHABLE,
@@ -33,7 +34,6 @@ from models.hub import (
     HubState,
     report_detail,
 )
-from models.operation import Approval, Rejection
 from models.policy import RESOURCE_NAME_PATTERN
 
 log = logging.getLogger("kubeon.hub")

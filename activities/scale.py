@@ -16,7 +16,7 @@ from kubernetes import client
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.metrics import MetricsError, PrometheusClient, judge_idle
+from activities.clients.prometheus import MetricsError, PrometheusClient
 from models.policy import (
     API_GROUP,
     PLURAL,
@@ -46,6 +46,7 @@ from models.scale import (
     WakeTimeRequest,
     WorkloadRef,
 )
+from planning.idle import judge_idle
 
 # Must match workflows.scale (workflows may not import activities).
 SCALE_FORBIDDEN = "ScaleForbidden"

@@ -50,9 +50,10 @@ from bench.observe import (
 )
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
+from models.ids import provision_workflow_id
 from models.locations import transfer_usd_per_gpu_hour
-from models.operation import Offering, ProvisionView, provision_workflow_id
 from models.policy import location_of_label_value
+from models.provisioning import Offering, ProvisionView
 from tests.harness.burst import build_stack, gpu_deployment, worker_process
 from tests.harness.controlplane import ControlPlane, free_port
 from tests.harness.kube import Cluster, Kube
@@ -532,8 +533,7 @@ async def main_async(args: argparse.Namespace) -> int:
                                   serve_check_seconds=args.serve_check_seconds,
                                   batch_idle_seconds=args.batch_idle_seconds,
                                   batch_load_idle_seconds=args.batch_load_idle_seconds,
-                                  batch_load_max_seconds=args.batch_load_max_seconds,
-                                  gateway_node_cidr_mask=node_cidr_mask(args.ops))
+                                  batch_load_max_seconds=args.batch_load_max_seconds)
         observer = ClusterObserver(Kube.from_kubeconfig(plane.admin_kubeconfig).api,
                                    pod_selector=f"{BENCH_LABEL}={run}",
                                    node_selector="gpu.kubeon.io/operation").start()
@@ -545,7 +545,8 @@ async def main_async(args: argparse.Namespace) -> int:
             receiver = stack.enter_context(OtlpReceiver())
             telemetry_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": "kubeon-bench"}
             settings = settings.model_copy(update={"health_port": free_port()})
-        proc = worker_process(settings, worker_log, telemetry_env)
+        proc = worker_process(settings, worker_log, {**telemetry_env,
+                              "KUBEON_GATEWAY_NODE_CIDR_MASK": str(node_cidr_mask(args.ops))}, stack=burst)
         stack.callback(stop_worker, proc)
         await wait_worker_started(proc, worker_log)
         sampler = ProcessSampler(proc.pid).start()

@@ -23,10 +23,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from activities.gateway import JoinTicketRequest, KubeGateway, render_user_data
-from activities.kube import KubeOps
+from activities.clients.kube import KubeOps
+from gateway.service import KubeGateway
+from models.join import JoinTicketRequest, render_user_data
+from models.labels import Taint
 from models.locations import BurstConfig
-from models.operation import LaunchRequest, Taint
+from models.node import LaunchRequest
 from tests.harness import clouds
 from tests.harness.burst import build_stack
 from tests.harness.cloud_boot import Booter, gateway_join

@@ -131,7 +131,7 @@ async def run(args: argparse.Namespace) -> None:
             locations=[{"name": "onprem/dc1", "credentials": {"existingSecret": "kubeon-burst-dc1"}}],
             cluster_name="bench", hub_url=hub.url, hub_token_file=workdir / "cluster.token",
             hub_poll_interval=1.0, gateway_url=gateway.url)
-        async with worker_services(settings):
+        async with worker_services(settings, burst.runtime(settings)):
             await asyncio.to_thread(wait_for, lambda: cluster.admin.custom.get_cluster_custom_object(
                 API_GROUP, "v1", PLURAL, POLICY), what="policy synced", timeout=60)
             cluster.admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="bench")))

@@ -12,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from activities.metrics import PrometheusClient, judge_idle
+from activities.clients.prometheus import PrometheusClient
+from planning.idle import judge_idle
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 

@@ -50,7 +50,7 @@ async def run(rounds: int, replicas: int, workdir: Path) -> tuple[list[float], l
         settings = stack.settings(temporal_address=env.client.service_client.config.target_host,
                                   task_queue="bench", scale_resync_seconds=1)
         optimizer, baseline = [], []
-        async with worker_services(settings) as (temporal, _runtime, _watcher):
+        async with worker_services(settings, stack.burst.runtime(settings)) as (temporal, _runtime, _watcher):
             for i in range(rounds):
                 name, policy = f"wake-{i}", f"bench-{i}"
                 stack.deploy(ns, name, replicas=replicas)

@@ -24,9 +24,9 @@ from urllib.parse import urlsplit
 
 from kubernetes import client
 
-from activities.gateway import JOINING_TAINT, JoinTicketRequest, render_user_data
-from activities.gateway_http import HttpGatewayClient
-from models.operation import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from activities.clients.gateway import HttpGatewayClient
+from models.join import JoinTicketRequest, render_user_data
+from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.netbed import BedNode, NetBed, boot_node, start_tunnel_gateway

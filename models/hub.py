@@ -13,7 +13,7 @@ from typing import Final, Literal
 
 from pydantic import Field
 
-from models.operation import Model
+from models.base import Model
 
 # Server-side apply field manager of everything the sync writes (spec and status).
 FIELD_MANAGER: Final = "kubeon-gpu-optimizer"

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from models.operation import Taint
+from models.labels import Taint
 
 USER_DATA_BEGIN: Final = "# --- kubeon join document ---\n"
 USER_DATA_END: Final = "\n# --- end kubeon join document ---"
@@ -22,6 +23,8 @@ KUBELET_CLIENT_USAGES: Final = ("digital signature", "client auth")
 KUBELET_CLIENT_OPTIONAL_USAGES: Final = ("key encipherment",)
 NODES_GROUP: Final = "system:nodes"
 NODE_USER_PREFIX: Final = "system:node:"
+# An on-prem server presents its pool's join token in this header besides its ticket (R4.5; the gateway checks it).
+JOIN_TOKEN_HEADER: Final = "X-Kubeon-Join-Token"
 
 
 class _Wire(BaseModel):
@@ -70,3 +73,90 @@ def parse_user_data(user_data: str) -> dict[str, Any]:
         raise ValueError("user data holds no kubeon join document") from None
     doc: dict[str, Any] = json.loads(user_data[start:end])
     return doc
+
+
+
+DEFAULT_TICKET_TTL_SECONDS = 900
+
+
+class JoinTicketRequest(BaseModel):
+    operation: str
+    policy: str
+    location: str
+    node_name: str
+    labels: dict[str, str]
+    taints: list[Taint]
+    ttl_seconds: int = DEFAULT_TICKET_TTL_SECONDS
+    # GPUs of the offering launched: a node reporting more fails its join (cordoned). 0: not checked.
+    gpus: int = 0
+
+
+class TicketGrant(BaseModel):
+    """The gateway's answer to a ticket request: the ticket, and where the node joins (``endpoint``, an https URL,
+    and ``server_name``, the name its certificate is verified against). Both empty: the worker's configured
+    URL (an in-process gateway without a public address)."""
+
+    ticket: str
+    endpoint: str = ""
+    server_name: str = ""
+
+
+class GatewayCapacity(BaseModel):
+    """The gateway's address slots: how many there are, and the nodes holding one (joined, or reserved by a
+    ticket not redeemed yet). Every burst node needs one, so the free ones cap how many new nodes may launch."""
+
+    total: int
+    nodes: list[str] = Field(default_factory=list)
+
+    @property
+    def held(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.total - self.held)
+
+
+def url_host(url: str) -> str:
+    """The host of an URL, lower case, without port or IPv6 brackets."""
+    return (urlsplit(url).hostname or "").lower()
+
+# The smallest provider limit on user data: EC2's 16 KB before base64 (GCE and Azure allow more).
+USER_DATA_MAX_BYTES = 16 * 1024
+
+
+class UserDataTooLarge(ValueError):
+    """The rendered user data is over ``USER_DATA_MAX_BYTES``: the cloud would refuse the launch."""
+
+
+def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
+                     taints: list[Taint], ca_bundle: str = "", server_name: str = "") -> str:
+    """User data for a burst node: where the gateway is (``gateway``, the endpoint it connects to), the name its
+    certificate is verified against (``serverName``; default: the endpoint's host), the CA certificate(s) to
+    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it
+    must register as. At most ``USER_DATA_MAX_BYTES``."""
+    doc: dict[str, Any] = {
+        "gateway": gateway_url,
+        "serverName": server_name or url_host(gateway_url),
+        "ticket": ticket,
+        "nodeName": node_name,
+        "labels": labels,
+        "taints": [t.model_dump() for t in taints],
+    }
+    if ca_bundle.strip():
+        doc["caBundle"] = ca_bundle.strip() + "\n"
+    user_data = (
+        "#!/bin/bash\n"
+        "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"
+        "set -euo pipefail\n"
+        "mkdir -p /etc/kubeon\n"
+        "cat > /etc/kubeon/join.json <<'KUBEON_JOIN'\n"
+        f"{USER_DATA_BEGIN}{json.dumps(doc, indent=1, sort_keys=True)}{USER_DATA_END}\n"
+        "KUBEON_JOIN\n"
+        "exec kubeon-gpu node join --config /etc/kubeon/join.json\n"
+    )
+    size = len(user_data.encode())
+    if size > USER_DATA_MAX_BYTES:
+        raise UserDataTooLarge(f"user data for {node_name} is {size} bytes, over the {USER_DATA_MAX_BYTES}-byte "
+                               f"limit of EC2 (CA bundle {len(doc.get('caBundle', ''))} bytes, {len(labels)} labels)")
+    return user_data

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import zoneinfo
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Generic, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -370,12 +370,17 @@ class ObjectMeta(BaseModel):
     annotations: dict[str, str] | None = None
 
 
-class GpuPolicy(BaseModel):
+SpecT = TypeVar("SpecT", bound=BaseModel)
+
+
+class _PolicyEnvelope(BaseModel, Generic[SpecT]):
+    """The Kubernetes envelope every kind of GpuPolicy shares; ``spec`` is what the kind says."""
+
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     api_version: Literal["gpu.kubeon.io/v1"] = Field(alias="apiVersion")
     kind: Literal["GpuPolicy"]
     metadata: ObjectMeta
-    spec: GpuPolicySpec
+    spec: SpecT
     status: dict[str, Any] | None = None
 
     @property
@@ -383,30 +388,16 @@ class GpuPolicy(BaseModel):
         return self.metadata.name
 
 
-class ScaleToZeroPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    api_version: Literal["gpu.kubeon.io/v1"] = Field(alias="apiVersion")
-    kind: Literal["GpuPolicy"]
-    metadata: ObjectMeta
-    spec: ScaleToZeroSpec
-    status: dict[str, Any] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.metadata.name
+class GpuPolicy(_PolicyEnvelope[GpuPolicySpec]):
+    """A Burst policy."""
 
 
-class GpuTypeFitPolicy(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    api_version: Literal["gpu.kubeon.io/v1"] = Field(alias="apiVersion")
-    kind: Literal["GpuPolicy"]
-    metadata: ObjectMeta
-    spec: GpuTypeFitSpec
-    status: dict[str, Any] | None = None
+class ScaleToZeroPolicy(_PolicyEnvelope[ScaleToZeroSpec]):
+    pass
 
-    @property
-    def name(self) -> str:
-        return self.metadata.name
+
+class GpuTypeFitPolicy(_PolicyEnvelope[GpuTypeFitSpec]):
+    pass
 
 
 AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy

@@ -10,7 +10,7 @@ from typing import Final, Literal
 
 from pydantic import Field
 
-from models.operation import Model
+from models.base import Model
 from models.policy import Mode, ScheduleWake
 
 WorkloadKind = Literal["Deployment", "StatefulSet"]

@@ -15,8 +15,9 @@ from pathlib import Path
 import yaml
 
 from models.hub import HubSyncStatus
-from models.operation import OperationView, ProvisionView
+from models.node import OperationView
 from models.policy import PolicyError, parse_policy
+from models.provisioning import ProvisionView
 from models.scale import ScaleView
 
 
@@ -70,7 +71,7 @@ def _worker(_: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     """R1.6: print what the optimizer finds and misses, what a missing one disables and how to fix it."""
-    from activities.metrics import PrometheusClient
+    from activities.clients.prometheus import PrometheusClient
     from worker.config import load_settings
     from worker.doctor import as_json, render, run_checks
     from worker.runtime import kube_api
@@ -94,7 +95,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _gateway(_: argparse.Namespace) -> int:
-    from worker.gateway_server import main as gateway_main
+    from gateway.main import main as gateway_main
 
     gateway_main()
     return 0
@@ -129,7 +130,7 @@ def _node_join(args: argparse.Namespace) -> int:
 
 
 def _ops(args: argparse.Namespace) -> int:
-    from models.operation import Approval, Rejection
+    from models.decisions import Approval, Rejection
     from worker import ops
     from worker.config import load_settings
     from worker.runtime import connect_temporal
@@ -344,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(hub_serve(argv[1:], prog="kubeon-gpu hub") or 0)
     if argv[:1] == ["onprem-agent"]:  # so does the agent
-        from worker.onprem_agent import main as agent_main
+        from node.onprem_agent import main as agent_main
 
         return agent_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from models.locations import BurstConfig
-from models.operation import OperationSettings
 from models.policy import Mode
+from models.provisioning import OperationSettings
 from models.scale import ScaleSettings
 
 
@@ -53,39 +53,11 @@ class Settings(BaseModel):
     gateway_url: str = "https://kubeon-gpu-optimizer-gateway.kubeon-gpu.svc:8443"
     # Where burst nodes in other clouds reach the gateway (the chart's burst.gateway.publicUrl). The gateway
     # process names it in every ticket answer; the worker falls back to it (else gateway_url) only for a gateway
-    # that names no endpoint (in-process, dev and tests). Empty in the gateway: its Service's LoadBalancer address.
+    # that names no endpoint (dev and tests). The gateway's own settings: gateway/settings.py.
     gateway_public_url: str = ""
-    # The gateway's own Service and namespace (the gateway process): with no public URL, burst nodes connect to
-    # its LoadBalancer address and verify the certificate as <service>.<namespace>.svc.
-    gateway_service: str = ""
-    gateway_service_namespace: str = "kubeon-gpu"
-    # In-process gateway (dev and tests): its own kubeconfig and ticket key, never the optimizer's.
-    gateway_kubeconfig: Path | None = None
-    gateway_ticket_key_file: Path | None = None
-    # The gateway process (`kubeon-gpu gateway`) and the worker's HTTP client of it.
-    gateway_listen: str = "0.0.0.0:8443"
-    gateway_tls_cert_file: Path | None = None
-    gateway_tls_key_file: Path | None = None
-    gateway_allowed_clients: str = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
-    gateway_token_audiences: str = ""
+    # The worker's HTTP client of the gateway: its ServiceAccount token and the CA of the gateway's certificate.
     gateway_token_file: Path = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
     gateway_ca_file: Path | None = None
-    # The gateway: on-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
-    pool_tokens_dir: Path = Path("/var/run/kubeon/burst")
-    # The gateway's WireGuard tunnel (R4.3). No interface: no tunnel (sim nodes reach the API server directly,
-    # with the same certificates). The UDP port is the gateway Service's `wireguard` port.
-    gateway_tunnel_interface: str = ""
-    gateway_wireguard_key_file: Path | None = None
-    gateway_udp_port: int = Field(default=51820, gt=0, lt=65536)
-    # host:port nodes send UDP to; empty: the host nodes join at (public URL or LoadBalancer) and the UDP port.
-    gateway_tunnel_endpoint: str = ""
-    gateway_tunnel_cidr: str = "10.250.0.0/16"
-    gateway_pod_cidr: str = "10.245.0.0/16"
-    gateway_node_cidr_mask: int = Field(default=24, ge=8, le=30)
-    gateway_service_cidr: str = "10.96.0.0/12"
-    gateway_tunnel_mtu: int = Field(default=1380, ge=1280, le=1420)
-    # host:port of the API server the tunnel's proxy forwards to; empty: the gateway's own API server.
-    gateway_api_upstream: str = ""
     # The hub (R2.x): empty URL means no hub, policies are applied to the cluster directly.
     hub_url: str = ""
     hub_token_file: Path = Path("/var/run/kubeon/hub/token")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from kubernetes import client
 
-from activities.metrics import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
+from activities.clients.prometheus import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
 
 log = logging.getLogger("kubeon.prerequisites")
 Status = Literal["found", "missing", "unknown"]

@@ -17,12 +17,13 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
 from activities.scale import ScaleActivities
-from models.operation import SERVE_QUEUE_SUFFIX
-from worker import scale_watcher, telemetry
+from models.ids import SERVE_QUEUE_SUFFIX
+from worker import telemetry
+from worker.background import running
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.scale_watcher import ScaleWatcher
-from worker.watcher import PendingPodWatcher, running
+from worker.watcher import PendingPodWatcher
 from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
@@ -85,7 +86,7 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
     # Serving operations wait in one async activity each; their own queue and slot limit keep them from starving
     # the activities that launch, join and drain.
     serve_worker = Worker(temporal, task_queue=settings.task_queue + SERVE_QUEUE_SUFFIX,
-                          activities=[runtime_activities.serve_until_done, runtime_activities.await_actions_allowed],
+                          activities=runtime_activities.held_long(),
                           max_concurrent_activities=10000,
                           graceful_shutdown_timeout=GRACEFUL_SHUTDOWN)
     telemetry.attach(telemetry.StateCollector(temporal, runtime))
@@ -99,7 +100,8 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
                                       task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                       settings=settings.scale_settings(), resync_seconds=settings.scale_resync_seconds,
                                       prerequisites=runtime.prerequisites)
-                async with running(watcher), scale_watcher.running(scaler):
+                async with (running(watcher, name="pending-pod-watcher", cancel=True, grace_seconds=5),
+                            running(scaler, name="scale-watcher", cancel=False, grace_seconds=30)):
                     yield temporal, runtime, watcher
             else:
                 yield temporal, runtime, watcher

@@ -11,11 +11,13 @@ from kubernetes import client
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from activities.decisions import DecisionRefused, OperationNotFound, decide, resolve
+from activities.clients.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
+from models.decisions import Approval, DecisionResult, Rejection
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.operation import Approval, DecisionResult, OperationView, ProvisionView, Rejection
+from models.node import OperationView
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import ProvisionView
 from models.scale import ScaleView, WakeRequest, WakeResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",

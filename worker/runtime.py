@@ -1,4 +1,4 @@
-"""Wiring: clients, providers, gateway and activities from Settings."""
+"""Wiring: clients, providers, the gateway client and activities from Settings."""
 
 from __future__ import annotations
 
@@ -12,22 +12,23 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.service import RPCError, TLSConfig
 
-from activities.audit import AuditLog
-from activities.burst import BurstActivities, ReportSink
-from activities.gateway import GatewayClient, KubeGateway
-from activities.gateway_join import AddressPlan
+from activities.burst import BurstActivities
+from activities.clients.audit_log import AuditLog
+from activities.clients.gateway import GatewayClient
+from activities.clients.hub import HubClient
+from activities.clients.kube import KubeOps
+from activities.clients.policies import PolicySyncer
+from activities.clients.prometheus import PrometheusClient
+from activities.context import ReportSink
 from activities.hub import HubActivities
-from activities.hub_client import HubClient
-from activities.kube import KubeOps
-from activities.metrics import PrometheusClient
-from activities.policy_sync import PolicySyncer
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
 from models import search_attributes
 from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
 from models.locations import BurstConfig
-from models.operation import Instance
+from models.node import Instance
+from node.join import Redeemer
 from worker import telemetry
 from worker.config import ConfigError, Settings
 from worker.doctor import Prerequisite, run_checks
@@ -145,26 +146,19 @@ class Runtime:
 
 
 def build_gateway(settings: Settings) -> GatewayClient:
-    """The gateway seam. In a cluster: the gateway Deployment over HTTPS at KUBEON_GATEWAY_URL, authenticated
-    with the worker's ServiceAccount token. With KUBEON_GATEWAY_KUBECONFIG (dev, tests): in-process, still with
-    the gateway's own credentials and key, never the optimizer's."""
-    if settings.gateway_kubeconfig is None:
-        from activities.gateway_http import HttpGatewayClient
+    """The gateway seam: the gateway Deployment over HTTPS at KUBEON_GATEWAY_URL, authenticated with the worker's
+    ServiceAccount token. (Tests and the bench may hand ``build_runtime`` a gateway of their own instead.)"""
+    from activities.clients.gateway import HttpGatewayClient
 
-        return HttpGatewayClient(settings.gateway_url, settings.gateway_token_file,
-                                 ca_file=str(settings.gateway_ca_file) if settings.gateway_ca_file else None)
-    if settings.gateway_ticket_key_file is None:
-        raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is needed with KUBEON_GATEWAY_KUBECONFIG")
-    key = settings.gateway_ticket_key_file.read_bytes().strip()
-    plan = AddressPlan(tunnel_cidr=settings.gateway_tunnel_cidr, pod_cidr=settings.gateway_pod_cidr,
-                       node_mask=settings.gateway_node_cidr_mask, service_cidr=settings.gateway_service_cidr)
-    gateway = KubeGateway(kube_api(settings.gateway_kubeconfig), key, namespace=settings.gateway_service_namespace,
-                          plan=plan)
-    gateway.start_reconciler()
-    return gateway
+    return HttpGatewayClient(settings.gateway_url, settings.gateway_token_file,
+                             ca_file=str(settings.gateway_ca_file) if settings.gateway_ca_file else None)
 
 
-def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -> Runtime:
+def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None,
+                  redeem: Redeemer | None = None) -> Runtime:
+    """``gateway``: the gateway to use (default: ``build_gateway``); ``redeem``: how simulated instances redeem
+    their ticket (default: over HTTPS at the gateway their user data names; a test with a gateway in its own
+    process passes its ``join``)."""
     burst = settings.burst_config()
     kube = KubeOps(kube_api(settings.kubeconfig, pool_size=settings.max_concurrent_activities + 8))
     gw = gateway or build_gateway(settings)
@@ -196,12 +190,11 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None) -
         def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
             # The simulated instance joins through the same protocol as a real node: its own keys and CSR, the
             # ticket of its user data redeemed at the gateway (over HTTPS at the URL its user data names, verified
-            # with the CA bundle it carries; or in-process), then it registers its own Node with its own
+            # with the CA bundle it carries; or ``redeem``), then it registers its own Node with its own
             # certificate. No tunnel: it reaches the API server over loopback; kwok plays its kubelet.
             doc = parse_user_data(user_data)
-            redeem = (gw.join if isinstance(gw, KubeGateway)
-                      else redeem_over_https(doc, ca_file=settings.gateway_ca_file))
-            join_simulated(doc, settings.state_dir / "sim-nodes" / instance.instance_id, redeem,
+            join_simulated(doc, settings.state_dir / "sim-nodes" / instance.instance_id,
+                           redeem or redeem_over_https(doc, ca_file=settings.gateway_ca_file),
                            provider_id=f"sim://{instance.location}/{instance.instance_id}", capacity=capacity,
                            annotations=KWOK_ANNOTATIONS)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -19,12 +19,13 @@ from kubernetes.client import ApiException
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
-from activities.fit import FitRecommendation, recommend
-from activities.kube import gpus_requested
-from activities.metrics import MetricsError, PodActivity, PodMemory, judge_idle
+from activities.clients.kube import gpus_requested
+from activities.clients.prometheus import MetricsError
 from activities.scale import ScaleOps, scale_role_missing
 from models.policy import GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
 from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
+from planning.fit import FitRecommendation, recommend
+from planning.idle import PodActivity, PodMemory, judge_idle
 from worker.doctor import Prerequisite, PrerequisiteLog
 
 log = logging.getLogger("kubeon.scale")
@@ -219,14 +220,3 @@ class ScaleWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-@contextlib.asynccontextmanager
-async def running(watcher: ScaleWatcher) -> AsyncIterator[ScaleWatcher]:
-    task = asyncio.create_task(watcher.run(), name="scale-watcher")
-    try:
-        yield watcher
-    finally:
-        watcher.stop()
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(task, timeout=watcher.resync_seconds + 30)

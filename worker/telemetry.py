@@ -1,4 +1,4 @@
-"""Observability of the worker (and the gateway): traces, metrics, logs.
+"""Observability of the worker: traces, metrics, logs (the gateway's metrics: ``gateway.metrics``).
 
 - **Traces**: Temporal's ``TracingInterceptor`` on the client (so on every worker built from it), subclassed so
   that one operation is one trace (``workflows/observe.py``): each batch of a provisioning, each burst node (linked
@@ -31,12 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-from fastapi import FastAPI, Response
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from prometheus_client import REGISTRY, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temporalio import activity
 from temporalio import client as temporal_client
 from temporalio import worker as temporal_worker
@@ -44,18 +42,13 @@ from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import RPCError
 
-from activities import product_metrics as pm
+from activities.telemetry import metrics as pm
 from models import search_attributes as sa
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.operation import (
-    LABEL_INSTANCE_TYPE,
-    LABEL_LOCATION,
-    LABEL_POLICY,
-    ProvisionView,
-    operation_id,
-    provision_workflow_id,
-)
+from models.ids import operation_id, provision_workflow_id
+from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
 from models.policy import location_of_label_value
+from models.provisioning import ProvisionView
 from worker.config import ConfigError
 from workflows.observe import ROOT_SPAN_EXTERN, OperationTracingInbound, RootSpan
 
@@ -373,61 +366,6 @@ async def metrics_body() -> bytes:
     return ours + (b"" if ours.endswith(b"\n") else b"\n") + await sdk_metrics()
 
 
-# ----- the gateway -----------------------------------------------------------------------------------------------
-
-GATEWAY_ROUTES = ("/v1/join", "/v1/tickets", "/healthz", "/readyz", "/metrics")
-
-
-def _gateway_route(path: str) -> str:
-    if path.startswith("/v1/nodes/"):
-        return "/v1/nodes/{name}"
-    return path if path in GATEWAY_ROUTES else "other"
-
-
-def _join_outcome(status: int) -> str:
-    if status < 300:
-        return "admitted"
-    if status in (401, 403, 409):
-        return "refused"
-    return "invalid" if status < 500 else "error"
-
-
-class GatewayRequestCounter:
-    """ASGI middleware of the gateway: requests by route template and status, joins by outcome. It sees only the
-    status code, never a body (the join ticket) or a header."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = _gateway_route(str(scope.get("path", "")))
-            pm.GATEWAY_REQUESTS.labels(route=route, code=str(status)).inc()
-            if route == "/v1/join" and scope.get("method") == "POST":
-                pm.GATEWAY_JOINS.labels(outcome=_join_outcome(status)).inc()
-
-
-def add_metrics_route(app: FastAPI) -> None:
-    """``GET /metrics`` (Prometheus text format) on a FastAPI app: the gateway's health port."""
-
-    @app.get("/metrics", include_in_schema=False)
-    def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=METRICS_CONTENT_TYPE)
-
-
 # ----- facts counted around activities ---------------------------------------------------------------------------
 
 # What JSON log lines of the running activity carry (workflow ID, operation, policy).
@@ -572,11 +510,9 @@ def configure_logging(environ: Mapping[str, str] | None = None, *, level: int = 
 
 
 __all__ = [
-    "GatewayRequestCounter",
     "JsonFormatter",
     "ObservingInterceptor",
     "StateCollector",
-    "add_metrics_route",
     "attach",
     "client_interceptors",
     "configure_logging",

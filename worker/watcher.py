@@ -14,11 +14,10 @@ whose node failed or that no plan could serve yet; pods it already knows cost no
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,10 +28,11 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.kube import KubeOps, gpus_requested, pending_pod, tolerates
+from activities.clients.kube import KubeOps, gpus_requested, pending_pod, tolerates
 from models import search_attributes as sa
-from models.operation import OperationSettings, PodsGone, PodsWaiting, ProvisionInput, provision_workflow_id
+from models.ids import provision_workflow_id
 from models.policy import GpuPolicy, Mode
+from models.provisioning import OperationSettings, PodsGone, PodsWaiting, ProvisionInput
 from workflows.provision import ProvisionWorkflow
 
 log = logging.getLogger("kubeon.watcher")
@@ -285,16 +285,3 @@ class PendingPodWatcher:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-
-
-@contextlib.asynccontextmanager
-async def running(watcher: PendingPodWatcher) -> AsyncIterator[PendingPodWatcher]:
-    task = asyncio.create_task(watcher.run(), name="pending-pod-watcher")
-    try:
-        yield watcher
-    finally:
-        watcher.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            # Bounded: the loop also ends on the stop flag, at the latest one resync period from now.
-            await asyncio.wait([task], timeout=watcher.resync_seconds + 5)

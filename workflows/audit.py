@@ -12,7 +12,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 
-from models.operation import AuditRecord
+from models.audit import AuditRecord
 from workflows.failures import RETRY
 
 # Short, so that a stuck write retries soon (in a new workflow task after the local retry threshold), not after a

@@ -18,37 +18,29 @@ from temporalio.common import RetryPolicy, SearchAttributeUpdate
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError
 
 from models import search_attributes as sa
-from models.operation import (
-    LABEL_GPU_PRODUCT,
-    LABEL_INSTANCE_TYPE,
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    SERVE_QUEUE_SUFFIX,
-    AuditRecord,
+from models.audit import AuditRecord
+from models.drain import DrainInput
+from models.ids import SERVE_QUEUE_SUFFIX, operation_id
+from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.node import (
     BurstResult,
     CleanupRequest,
     CleanupResult,
-    DrainInput,
     Instance,
     InstanceRef,
     LaunchRequest,
-    LoadPolicyRequest,
     NodeExpectation,
     NodeFinished,
     NodeInput,
+    NodePhase,
     NodeWaitRequest,
-    Offering,
     OperationView,
-    Phase,
-    PolicySnapshot,
     ServeCheckRequest,
     ServeCheckResult,
-    Taint,
     VerifyResult,
-    operation_id,
 )
 from models.policy import location_label_value
+from models.provisioning import LoadPolicyRequest, Offering, PolicySnapshot
 from models.ui_text import Details, code, md
 from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
@@ -72,7 +64,7 @@ class BurstNodeWorkflow:
         self.inp: NodeInput | None = None
         self.operation = ""
         self.node_name = ""
-        self.phase = Phase.LAUNCHING
+        self.phase = NodePhase.LAUNCHING
         self.message = ""
         self.policy: PolicySnapshot | None = None
         self.instance: Instance | None = None
@@ -83,7 +75,7 @@ class BurstNodeWorkflow:
         self.attributes: dict[str, Any] = {}  # search attribute name -> the value last upserted
 
     # -- visibility -----------------------------------------------------------------------------------------
-    def _set_phase(self, phase: Phase, message: str = "", also: Sequence[SearchAttributeUpdate[Any]] = ()) -> None:
+    def _set_phase(self, phase: NodePhase, message: str = "", also: Sequence[SearchAttributeUpdate[Any]] = ()) -> None:
         self.phase = phase
         self.message = message
         stamp = workflow.now().strftime("%H:%M:%S")
@@ -154,7 +146,7 @@ class BurstNodeWorkflow:
             sa.OPERATION_KIND.value_set("Burst"), sa.OPERATION.value_set(self.operation),
             sa.BATCH.value_set(inp.batch), sa.LOCATION.value_set(inp.node.offering.location),
             sa.USD_PER_HOUR.value_set(round(inp.node.offering.usd_per_hour, 4)),
-            sa.PHASE.value_set(Phase.LAUNCHING.value),
+            sa.PHASE.value_set(NodePhase.LAUNCHING.value),
         ])
         try:
             try:
@@ -168,7 +160,7 @@ class BurstNodeWorkflow:
             # Cancelled from the UI or CLI: drain and remove what this operation made, then end cancelled.
             self.history.append("cancel requested: returning what was made")
             await self._compensate("cancelled")
-            self._set_phase(Phase.CANCELLED, "cancelled; what it made was drained and removed")
+            self._set_phase(NodePhase.CANCELLED, "cancelled; what it made was drained and removed")
             await self._audit("cancelled")
             await self._finished()
             raise
@@ -176,7 +168,7 @@ class BurstNodeWorkflow:
             reason = message(exc)
             self.history.append(f"failed: {reason}; compensating")
             await self._compensate(reason)
-            self._set_phase(Phase.FAILED, reason)
+            self._set_phase(NodePhase.FAILED, reason)
             await self._audit("failed", reason)
             result = self._result()
         await self._finished()
@@ -205,14 +197,14 @@ class BurstNodeWorkflow:
 
     async def _run(self, inp: NodeInput) -> BurstResult:
         s = inp.settings
-        self._set_phase(Phase.LAUNCHING, inp.node.offering.describe())
+        self._set_phase(NodePhase.LAUNCHING, inp.node.offering.describe())
         if not await self._go_ahead(inp):
-            self._set_phase(Phase.PROPOSED, "policy switched to Recommend before launch; nothing launched")
+            self._set_phase(NodePhase.PROPOSED, "policy switched to Recommend before launch; nothing launched")
             return self._result()
         await self._launch(inp)
         assert self.instance is not None and self.policy is not None
 
-        self._set_phase(Phase.JOINING, f"waiting for node {self.node_name}")
+        self._set_phase(NodePhase.JOINING, f"waiting for node {self.node_name}")
         await workflow.execute_activity(
             "wait_for_node", NodeWaitRequest(operation=self.operation, node_name=self.node_name,
                                              timeout_seconds=s.join_timeout_seconds),
@@ -220,7 +212,7 @@ class BurstNodeWorkflow:
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
         await self._audit("joined")
 
-        self._set_phase(Phase.VERIFYING, "taint, labels, pods placed")
+        self._set_phase(NodePhase.VERIFYING, "taint, labels, pods placed")
         verified = await workflow.execute_activity(
             "verify_node",
             NodeExpectation(node_name=self.node_name, taint_key=self.policy.tolerate, labels=self._labels(),
@@ -230,7 +222,7 @@ class BurstNodeWorkflow:
         await self._audit("verified", ", ".join(verified.pods_on_node))
 
         self.serving = True
-        self._set_phase(Phase.SERVING, f"{len(verified.pods_on_node)} pod(s) on {self.node_name}")
+        self._set_phase(NodePhase.SERVING, f"{len(verified.pods_on_node)} pod(s) on {self.node_name}")
         served = await workflow.execute_activity(
             "serve_until_done",
             ServeCheckRequest(node_name=self.node_name, return_home=self.policy.return_home,
@@ -241,7 +233,7 @@ class BurstNodeWorkflow:
             heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
 
         await self._return_home(served.reason)
-        self._set_phase(Phase.COMPLETED, f"returned home: {served.reason}")
+        self._set_phase(NodePhase.COMPLETED, f"returned home: {served.reason}")
         return self._result()
 
     def _offering(self) -> Offering:
@@ -270,7 +262,7 @@ class BurstNodeWorkflow:
 
     async def _hold(self, inp: NodeInput, reason: str) -> None:
         before = (self.phase, self.message)
-        self._set_phase(Phase.HELD, reason)
+        self._set_phase(NodePhase.HELD, reason)
         await self._audit("held", reason)
         await wait_until_allowed(inp.policy)
         await self._audit("resumed")
@@ -283,7 +275,7 @@ class BurstNodeWorkflow:
         candidates = [inp.node.offering, *inp.node.alternatives]
         while candidates:
             offering = candidates[0]
-            self._set_phase(Phase.LAUNCHING, offering.describe(), also=[
+            self._set_phase(NodePhase.LAUNCHING, offering.describe(), also=[
                 sa.LOCATION.value_set(offering.location), sa.USD_PER_HOUR.value_set(round(offering.usd_per_hour, 4))])
             self.launch_attempted = True
             try:
@@ -313,7 +305,7 @@ class BurstNodeWorkflow:
 
     async def _return_home(self, reason: str) -> None:
         assert self.inp is not None and self.instance is not None
-        self._set_phase(Phase.DRAINING, reason)
+        self._set_phase(NodePhase.DRAINING, reason)
         await workflow.execute_child_workflow(
             DrainWorkflow.run,
             DrainInput(cluster=self.inp.cluster, policy=self.inp.policy, operation=self.operation,

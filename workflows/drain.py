@@ -11,15 +11,15 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 from models import search_attributes as sa
-from models.operation import (
+from models.drain import (
     DrainInput,
+    DrainPhase,
     DrainResult,
     DrainStatus,
     EvictionResult,
     GoneCheck,
     NodeRef,
     NodeRemoval,
-    Phase,
 )
 from models.ui_text import Details, code, md
 from workflows.failures import QUICK, RETRY
@@ -85,7 +85,7 @@ class DrainWorkflow:
     async def run(self, inp: DrainInput) -> DrainResult:
         workflow.upsert_search_attributes([
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-            sa.OPERATION_KIND.value_set("Drain"), sa.PHASE.value_set(Phase.DRAINING.value),
+            sa.OPERATION_KIND.value_set("Drain"), sa.PHASE.value_set(DrainPhase.DRAINING.value),
             sa.OPERATION.value_set(inp.operation),
             *([sa.LOCATION.value_set(inp.instance.location)] if inp.instance else []),
         ])
@@ -119,7 +119,7 @@ class DrainWorkflow:
                 raise ApplicationError(
                     f"node {inp.node_name} or its instance still present 10 minutes after removal")
             await workflow.sleep(timedelta(seconds=2), summary="until the Node and the instance are gone")
-        workflow.upsert_search_attributes([sa.PHASE.value_set(Phase.COMPLETED.value)])
+        workflow.upsert_search_attributes([sa.PHASE.value_set(DrainPhase.COMPLETED.value)])
         self._set(inp, "done: node drained, instance terminated, Node removed" if inp.instance
                   else "done: node drained and removed")
         return DrainResult(node_name=inp.node_name, evicted=len(self.evicted),

@@ -10,7 +10,7 @@ from datetime import timedelta
 from temporalio import workflow
 
 from models.hub import GateRequest, GateState
-from models.operation import SERVE_QUEUE_SUFFIX
+from models.ids import SERVE_QUEUE_SUFFIX
 from workflows.failures import RETRY
 
 

@@ -35,7 +35,7 @@ from temporalio.contrib.opentelemetry._context import attached_context
 from temporalio.contrib.opentelemetry.workflow import completed_span
 from temporalio.worker import ExecuteWorkflowInput, HandleSignalInput, WorkflowInboundInterceptor
 
-from models.operation import operation_id
+from models.ids import operation_id
 
 # The extern function the worker gives the workflow sandbox to create an operation's root span.
 ROOT_SPAN_EXTERN = "__kubeon_operation_root_span"

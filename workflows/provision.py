@@ -25,27 +25,24 @@ from temporalio.exceptions import ActivityError
 from temporalio.workflow import ParentClosePolicy
 
 from models import search_attributes as sa
+from models.audit import AuditRecord
 from models.converter import Refused
-from models.operation import (
-    Approval,
-    AuditRecord,
+from models.decisions import Approval, DecisionResult, Rejection
+from models.ids import node_workflow_id, operation_id
+from models.node import NodeFinished, NodeInput, NodePhase
+from models.provisioning import (
+    BatchPhase,
     BatchPlan,
     BatchPlanRequest,
     BatchRecord,
-    DecisionResult,
     LoadPolicyRequest,
-    NodeFinished,
-    NodeInput,
     NodeRecord,
-    Phase,
     PodsGone,
     PodsWaiting,
     PolicySnapshot,
     ProvisionInput,
+    ProvisionPhase,
     ProvisionView,
-    Rejection,
-    node_workflow_id,
-    operation_id,
 )
 from models.ui_text import Details, code, md, md_usd
 from workflows.audit import record_audit
@@ -80,7 +77,7 @@ class ProvisionWorkflow:
         self.approval: Approval | None = None
         self.rejection: Rejection | None = None
         self.policy: PolicySnapshot | None = None
-        self.phase = Phase.IDLE
+        self.phase = ProvisionPhase.IDLE
         self.message = ""
         self.unplaced: dict[str, str] = {}
         self.capacity_waits: list[str] = []  # why pods wait for a node to free up (maxNodes, address slots)
@@ -120,7 +117,7 @@ class ProvisionWorkflow:
         if record is None:
             return
         self._log(f"node {msg.workflow_id} {msg.phase.value}" + (f": {msg.message}" if msg.message else ""))
-        if msg.phase in (Phase.FAILED, Phase.CANCELLED):
+        if msg.phase in (NodePhase.FAILED, NodePhase.CANCELLED):
             # Its pods, if they still wait, are planned again after a back-off that doubles with each failure.
             s = self.inp.settings
             mine = set(record.pods)
@@ -217,7 +214,7 @@ class ProvisionWorkflow:
         self.history.append(f"{workflow.now().strftime('%H:%M:%S')} {line}")
         del self.history[:-KEEP_HISTORY]
 
-    def _set_phase(self, phase: Phase, message: str = "") -> None:
+    def _set_phase(self, phase: ProvisionPhase, message: str = "") -> None:
         if phase != self.phase:
             workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
             self._log(phase.value + (f": {message}" if message else ""))
@@ -331,7 +328,7 @@ class ProvisionWorkflow:
         except ActivityError as exc:  # the policy is gone or invalid: nothing to plan for its pods
             self.dirty = False
             self.waiting.clear()
-            self._set_phase(Phase.IDLE, str(exc.cause or exc))
+            self._set_phase(ProvisionPhase.IDLE, str(exc.cause or exc))
             return
         policy = self.policy
         idle = s.batch_idle_seconds if policy.mode == "Automatic" else max(s.batch_idle_seconds,
@@ -351,7 +348,7 @@ class ProvisionWorkflow:
         if not due:
             return
         batch = self._next_batch()
-        self._set_phase(Phase.PLANNING, f"{len(due)} pod(s) waiting")
+        self._set_phase(ProvisionPhase.PLANNING, f"{len(due)} pod(s) waiting")
         plan = await workflow.execute_activity(
             "plan_batch",
             BatchPlanRequest(policy=policy, batch=batch, pods=[self.waiting[u] for u in due],
@@ -366,12 +363,12 @@ class ProvisionWorkflow:
             self._settle()
             return
         self.seq += 1
-        record = BatchRecord(batch=batch, phase=Phase.PLANNING, plan=plan)
+        record = BatchRecord(batch=batch, phase=BatchPhase.PLANNING, plan=plan)
         workflow.upsert_search_attributes([sa.BATCH.value_set(batch), sa.OPERATION.value_set(batch),
                                            sa.LOCATION.value_set(plan.new_nodes[0].offering.location),
                                            sa.USD_PER_HOUR.value_set(round(plan.total_usd_per_hour, 4))])
         if policy.mode == "Recommend":
-            self._decided(record, Phase.PROPOSED, plan.summary())
+            self._decided(record, BatchPhase.PROPOSED, plan.summary())
             await self._audit(record, "proposed")
             self._settle()
             return
@@ -381,7 +378,7 @@ class ProvisionWorkflow:
         await self._start_nodes(record, policy)
         self._settle()
 
-    def _decided(self, record: BatchRecord, phase: Phase, message: str) -> None:
+    def _decided(self, record: BatchRecord, phase: BatchPhase, message: str) -> None:
         """A batch that launches nothing: its pods are planned again only after recheck_seconds."""
         record.phase, record.message = phase, message
         until = (workflow.now() + timedelta(seconds=self.inp.settings.recheck_seconds)).isoformat()
@@ -399,8 +396,8 @@ class ProvisionWorkflow:
     async def _approved(self, record: BatchRecord) -> bool:
         s = self.inp.settings
         self.proposal, self.approval, self.rejection = record, None, None
-        record.phase = Phase.AWAITING_APPROVAL
-        self._set_phase(Phase.AWAITING_APPROVAL, f"batch {record.batch}: {record.plan.summary()}")
+        record.phase = BatchPhase.AWAITING_APPROVAL
+        self._set_phase(ProvisionPhase.AWAITING_APPROVAL, f"batch {record.batch}: {record.plan.summary()}")
         await self._audit(record, "proposed")
         planned = {pod for n in record.plan.new_nodes for pod in n.pods}
 
@@ -414,18 +411,18 @@ class ProvisionWorkflow:
                 timeout_summary=f"approval deadline of batch {record.batch}")
         except TimeoutError:
             self.proposal = None
-            self._decided(record, Phase.EXPIRED, f"no approval within {s.approval_timeout_seconds}s")
+            self._decided(record, BatchPhase.EXPIRED, f"no approval within {s.approval_timeout_seconds}s")
             await self._audit(record, "expired")
             return False
         self.proposal = None
         if self.approval is None and self.rejection is None:  # every pod it was for is gone (bound, deleted)
-            record.phase, record.message = Phase.COMPLETED, "withdrawn: none of its pods waits any more"
+            record.phase, record.message = BatchPhase.COMPLETED, "withdrawn: none of its pods waits any more"
             self._keep(record)
             await self._audit(record, "withdrawn", record.message)
             return False
         if self.rejection is not None:
             r = self.rejection
-            self._decided(record, Phase.REJECTED, f"rejected by {r.approver}: {r.reason}")
+            self._decided(record, BatchPhase.REJECTED, f"rejected by {r.approver}: {r.reason}")
             record.approver = r.approver
             await self._audit(record, "rejected", r.reason or record.message, approver=r.approver)
             return False
@@ -462,17 +459,17 @@ class ProvisionWorkflow:
             rec = self.nodes.get(handle.id)
             if rec is not None:
                 rec.node_name = f"burst-{operation_id(handle.id, handle.first_execution_run_id or '')}"
-        record.phase = Phase.LAUNCHING
+        record.phase = BatchPhase.LAUNCHING
         record.message = f"{len(handles)} node(s) started"
         self._keep(record)
         self._log(f"batch {record.batch}: {record.message}")
 
     def _settle(self) -> None:
         if self.capacity_waits:
-            self._set_phase(Phase.WAITING_FOR_CAPACITY,
+            self._set_phase(ProvisionPhase.WAITING_FOR_CAPACITY,
                             f"{len(self.capacity_waits)} pod(s) wait: {self.capacity_waits[0]}")
         else:
-            self._set_phase(Phase.IDLE, f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting")
+            self._set_phase(ProvisionPhase.IDLE, f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting")
 
 
 def plan_details(d: Details, plan: BatchPlan) -> None:

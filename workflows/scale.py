@@ -17,8 +17,10 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 from models import search_attributes as sa
+from models.audit import AuditRecord
 from models.converter import Refused
-from models.operation import Approval, AuditRecord, DecisionResult, Phase, Rejection, operation_id
+from models.decisions import Approval, DecisionResult, Rejection
+from models.ids import operation_id
 from models.scale import (
     DemandRequest,
     DemandValue,
@@ -136,7 +138,7 @@ class ScaleWorkflow:
     @workflow.update(name="approve_plan")
     def approve_update(self, approval: Approval) -> DecisionResult:
         self.approval = approval
-        return DecisionResult(operation=self.operation, phase=Phase.AWAITING_APPROVAL,
+        return DecisionResult(operation=self.operation, phase=ScalePhase.AWAITING_APPROVAL,
                               message=f"approved by {approval.approver}: scaling {self._workload()} to 0")
 
     @approve_update.validator
@@ -150,7 +152,7 @@ class ScaleWorkflow:
     @workflow.update(name="reject_plan")
     def reject_update(self, rejection: Rejection) -> DecisionResult:
         self.rejection = rejection
-        return DecisionResult(operation=self.operation, phase=Phase.AWAITING_APPROVAL,
+        return DecisionResult(operation=self.operation, phase=ScalePhase.AWAITING_APPROVAL,
                               message=f"rejected by {rejection.approver}")
 
     @reject_update.validator

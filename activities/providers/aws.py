@@ -12,17 +12,24 @@ import threading
 import time
 from typing import Any
 
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
-from models.operation import TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
+from .adaptors import LazyImport
 from .base import (
+    CloudProvider,
     InstanceNotFoundError,
     InsufficientCapacityError,
-    NotOwnedError,
     ProviderError,
     check_allowed,
 )
 from .catalog import AWS_GPU_INSTANCES
+
+# Only clusters with AWS locations load the SDK (activities/providers/adaptors.py).
+boto3 = LazyImport("boto3")
+
 
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 CAPACITY_ERRORS = {
@@ -32,7 +39,7 @@ CAPACITY_ERRORS = {
 SESSION_NAME = "kubeon-gpu-optimizer"
 
 
-class AwsProvider:
+class AwsProvider(CloudProvider):
     name = "aws"
 
     def __init__(self, config: BurstConfig, *, endpoint_url: str | None = None) -> None:
@@ -47,8 +54,6 @@ class AwsProvider:
             cached = self._clients.get(location)
             if cached and cached[1] > time.time() + 300:
                 return cached[0]
-        import boto3  # lazily: only clusters with AWS locations load the SDK
-
         loc = self._config.location(location)
         expires = time.time() + 86400
         kwargs: dict[str, Any] = {"region_name": loc.region, "endpoint_url": self._endpoint_url}
@@ -187,18 +192,10 @@ class AwsProvider:
             filters.append({"Name": f"tag:{TAG_OPERATION}", "Values": [operation]})
         return [self._to_instance(location, raw) for raw in self._describe(location, filters)]
 
-    def terminate(self, location: str, instance_id: str, *, policy: str) -> None:
+    def delete_instance(self, location: str, instance: Instance) -> None:
         try:
-            instance = self.get(location, instance_id)
-        except InstanceNotFoundError:
-            return
-        if instance.tags.get(TAG_BURST) != policy:
-            raise NotOwnedError(f"{location}: instance {instance_id} does not carry {TAG_BURST}={policy}")
-        if instance.state in ("shutting-down", "terminated"):
-            return
-        try:
-            self._ec2(location).terminate_instances(InstanceIds=[instance_id])
+            self._ec2(location).terminate_instances(InstanceIds=[instance.instance_id])
         except Exception as exc:
             if self._error_code(exc).startswith("InvalidInstanceID"):
                 return
-            raise ProviderError(f"{location}: TerminateInstances {instance_id} failed: {exc}") from exc
+            raise ProviderError(f"{location}: TerminateInstances {instance.instance_id} failed: {exc}") from exc

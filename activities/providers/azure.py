@@ -21,18 +21,27 @@ import threading
 import time
 from typing import Any
 
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
-from models.operation import TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
+from .adaptors import LazyImport
 from .base import (
+    CloudProvider,
     InstanceNotFoundError,
     InsufficientCapacityError,
-    NotOwnedError,
     ProviderError,
     check_allowed,
     report_progress,
 )
 from .catalog import AZURE_GPU_INSTANCES
+
+# Only clusters with Azure locations load the SDK (activities/providers/adaptors.py).
+azure_identity = LazyImport("azure.identity")
+azure_compute = LazyImport("azure.mgmt.compute")
+azure_exceptions = LazyImport("azure.core.exceptions")
+
 
 CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
                   "OverconstrainedZonalAllocationRequest"}
@@ -45,7 +54,7 @@ GONE = ("shutting-down", "failed")
 OPERATION_DEADLINE = 240.0
 
 
-class AzureProvider:
+class AzureProvider(CloudProvider):
     name = "azure"
 
     def __init__(self, config: BurstConfig, *, endpoint_url: str | None = None, ca_file: str | None = None,
@@ -63,17 +72,14 @@ class AzureProvider:
         with self._lock:
             client = self._clients.get(location)
             if client is None:
-                from azure.identity import ManagedIdentityCredential  # lazily: only clusters with Azure locations
-                from azure.mgmt.compute import ComputeManagementClient
-
                 loc = self._config.location(location)
                 kwargs: dict[str, Any] = {"polling_interval": self._polling_interval, "retry_total": 3}
                 if self._endpoint:
                     kwargs["base_url"] = self._endpoint
                 if self._ca_file:
                     kwargs["connection_verify"] = self._ca_file
-                credential = ManagedIdentityCredential(client_id=loc.credentials.azure_client_id)
-                client = ComputeManagementClient(credential, str(loc.azure.subscription), **kwargs)
+                credential = azure_identity.ManagedIdentityCredential(client_id=loc.credentials.azure_client_id)
+                client = azure_compute.ComputeManagementClient(credential, str(loc.azure.subscription), **kwargs)
                 self._clients[location] = client
             return client
 
@@ -203,12 +209,10 @@ class AzureProvider:
         return out
 
     def get(self, location: str, instance_id: str) -> Instance:
-        from azure.core.exceptions import ResourceNotFoundError
-
         loc = self._config.location(location)
         try:
             vm = self._compute(location).virtual_machines.get(self._rg(loc), instance_id, expand="instanceView")
-        except ResourceNotFoundError:
+        except azure_exceptions.ResourceNotFoundError:
             raise InstanceNotFoundError(f"{location}: instance {instance_id} not found") from None
         except Exception as exc:
             raise self._error(location, "virtualMachines.get", exc) from exc
@@ -301,25 +305,15 @@ class AzureProvider:
             if code != "ResourceNotFound":
                 report_progress(f"could not delete failed VM {name}: {exc}")
 
-    def terminate(self, location: str, instance_id: str, *, policy: str) -> None:
-        from azure.core.exceptions import ResourceNotFoundError
-
-        try:
-            instance = self.get(location, instance_id)
-        except InstanceNotFoundError:
-            return
-        if instance.tags.get(TAG_BURST) != policy:
-            raise NotOwnedError(f"{location}: instance {instance_id} does not carry {TAG_BURST}={policy}")
-        if instance.state == "shutting-down":
-            return
+    def delete_instance(self, location: str, instance: Instance) -> None:
         loc = self._config.location(location)
         try:
-            # The delete is not waited for here (confirm_gone checks later): Deleting, then 404.
-            self._compute(location).virtual_machines.begin_delete(self._rg(loc), instance_id, polling=False)
-        except ResourceNotFoundError:
+            # Deleting, then 404.
+            self._compute(location).virtual_machines.begin_delete(self._rg(loc), instance.instance_id, polling=False)
+        except azure_exceptions.ResourceNotFoundError:
             return
         except Exception as exc:
-            raise self._error(location, f"deleting VM {instance_id}", exc) from exc
+            raise self._error(location, f"deleting VM {instance.instance_id}", exc) from exc
 
 
 @functools.cache

@@ -7,9 +7,11 @@ a no-op.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Final, Protocol
 
-from models.operation import Instance, LaunchRequest, Offering
+from models.labels import TAG_BURST
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 
 class ProviderError(Exception):
@@ -49,6 +51,41 @@ class Provider(Protocol):
     def list(self, location: str, *, policy: str | None = None, operation: str | None = None) -> list[Instance]: ...
 
     def terminate(self, location: str, instance_id: str, *, policy: str) -> None: ...
+
+
+# An instance in one of these states is on its way out: terminating it again is a no-op.
+GONE_STATES: Final = frozenset({"shutting-down", "terminated"})
+
+
+class CloudProvider:
+    """What the cloud providers (aws, gcp, azure) do alike. ``terminate`` touches only an instance carrying the
+    policy's burst tag and is idempotent; each cloud supplies ``get`` and the delete call itself."""
+
+    name: str
+
+    def get(self, location: str, instance_id: str) -> Instance:
+        raise NotImplementedError
+
+    def owner_tag(self, policy: str) -> str:
+        """The tag (or label) that marks an instance as this policy's, as the cloud spells it."""
+        return f"{TAG_BURST}={policy}"
+
+    def terminate(self, location: str, instance_id: str, *, policy: str) -> None:
+        """Terminate the policy's instance: gone already, or on its way out, is a no-op; an instance without the
+        policy's burst tag is refused (``NotOwnedError``). The delete is not waited for: confirm_gone checks."""
+        try:
+            instance = self.get(location, instance_id)
+        except InstanceNotFoundError:
+            return
+        if instance.tags.get(TAG_BURST) != policy:
+            raise NotOwnedError(f"{location}: instance {instance_id} does not carry {self.owner_tag(policy)}")
+        if instance.state in GONE_STATES:
+            return
+        self.delete_instance(location, instance)
+
+    def delete_instance(self, location: str, instance: Instance) -> None:
+        """Ask the cloud to delete the instance; one already gone is not an error."""
+        raise NotImplementedError
 
 
 def check_allowed(request: LaunchRequest) -> None:

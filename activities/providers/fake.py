@@ -7,7 +7,9 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-from models.operation import TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.labels import TAG_BURST, TAG_OPERATION
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 from .base import InstanceNotFoundError, NotOwnedError, check_allowed
 

@@ -21,18 +21,29 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
-from models.operation import TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
+from .adaptors import LazyImport
 from .base import (
+    CloudProvider,
     InstanceNotFoundError,
     InsufficientCapacityError,
-    NotOwnedError,
     ProviderError,
     check_allowed,
     report_progress,
 )
 from .catalog import GCP_GPU_INSTANCES
+
+# Only clusters with GCP locations load the SDK (activities/providers/adaptors.py).
+compute_v1 = LazyImport("google.cloud.compute_v1")
+api_exceptions = LazyImport("google.api_core.exceptions")
+google_auth = LazyImport("google.auth")
+google_credentials = LazyImport("google.auth.credentials")
+impersonated_credentials = LazyImport("google.auth.impersonated_credentials")
+
 
 LABEL_BURST = "kubeon-burst"
 LABEL_OPERATION = "kubeon-operation"
@@ -63,7 +74,7 @@ def _call_error(exc: Exception) -> tuple[int, str, str]:
     return status, reason, str(getattr(exc, "message", exc))
 
 
-class GcpProvider:
+class GcpProvider(CloudProvider):
     name = "gcp"
 
     def __init__(self, config: BurstConfig, *, endpoint_url: str | None = None,
@@ -79,14 +90,10 @@ class GcpProvider:
     # -- clients -----------------------------------------------------------------------------------------
     def _credentials(self, loc: LocationConfig) -> Any:
         if self._endpoint:
-            from google.auth.credentials import AnonymousCredentials
-
-            return AnonymousCredentials()
-        import google.auth
-        from google.auth import impersonated_credentials
+            return google_credentials.AnonymousCredentials()
 
         try:
-            source, _ = google.auth.default()
+            source, _ = google_auth.default()
         except Exception as exc:
             raise ProviderError(f"{loc.name}: no Google credentials for the worker (workload identity): {exc}",
                                 retryable=False) from exc
@@ -98,8 +105,6 @@ class GcpProvider:
         with self._lock:
             clients = self._clients.get(location)
             if clients is None:
-                from google.cloud import compute_v1  # lazily: only clusters with GCP locations load the SDK
-
                 loc = self._config.location(location)
                 creds = self._credentials(loc)
                 options = {"api_endpoint": self._endpoint} if self._endpoint else None
@@ -129,8 +134,6 @@ class GcpProvider:
         pattern = "|".join(t for t in types if re.fullmatch(r"[a-z0-9-]+", t))
         out: dict[str, list[str]] = {t: [] for t in types}
         try:
-            from google.cloud import compute_v1
-
             pager = self._client(location, "machine_types").aggregated_list(
                 request=compute_v1.AggregatedListMachineTypesRequest(project=self._project(loc),
                                                                      filter=f"name eq '{pattern}'"))
@@ -206,8 +209,6 @@ class GcpProvider:
     def _aggregated(self, location: str, filter_: str) -> list[Any]:
         loc = self._config.location(location)
         try:
-            from google.cloud import compute_v1
-
             out = []
             for scope, scoped in self._client(location, "instances").aggregated_list(
                     request=compute_v1.AggregatedListInstancesRequest(project=self._project(loc), filter=filter_)):
@@ -230,11 +231,9 @@ class GcpProvider:
     def get(self, location: str, instance_id: str) -> Instance:
         loc = self._config.location(location)
         zone, _, name = instance_id.partition("/")
-        from google.api_core import exceptions
-
         try:
             raw = self._client(location, "instances").get(project=self._project(loc), zone=zone, instance=name)
-        except exceptions.NotFound:
+        except api_exceptions.NotFound:
             raise InstanceNotFoundError(f"{location}: instance {instance_id} not found") from None
         except Exception as exc:
             raise self._error(location, "instances.get", exc) from exc
@@ -315,14 +314,11 @@ class GcpProvider:
             return time.time()
 
     def _insert(self, location: str, project: str, zone: str, body: Any, request_id: str, name: str) -> Any:
-        from google.api_core import exceptions
-        from google.cloud import compute_v1
-
         try:
             return self._client(location, "instances").insert_unary(
                 request=compute_v1.InsertInstanceRequest(project=project, zone=zone, instance_resource=body,
                                                          request_id=request_id), timeout=60)
-        except exceptions.Conflict:
+        except api_exceptions.Conflict:
             return None
         except Exception as exc:
             status, reason, message = _call_error(exc)
@@ -332,8 +328,6 @@ class GcpProvider:
 
     def _instance_body(self, request: LaunchRequest, loc: LocationConfig, project: str, zone: str,
                        user_data: str) -> Any:
-        from google.cloud import compute_v1
-
         settings = loc.gcp
         image = settings.image or f"projects/{project}/global/images/family/kubeon-burst-node"
         nic = compute_v1.NetworkInterface(
@@ -358,29 +352,18 @@ class GcpProvider:
                                                                scopes=["https://www.googleapis.com/auth/cloud-platform"])]
         return body
 
-    def terminate(self, location: str, instance_id: str, *, policy: str) -> None:
-        try:
-            instance = self.get(location, instance_id)
-        except InstanceNotFoundError:
-            return
-        if instance.tags.get(TAG_BURST) != policy:
-            raise NotOwnedError(
-                f"{location}: instance {instance_id} does not carry {LABEL_BURST}={label_value(policy)}")
-        if instance.state == "shutting-down":
-            return
+    def owner_tag(self, policy: str) -> str:
+        return f"{LABEL_BURST}={label_value(policy)}"
+
+    def delete_instance(self, location: str, instance: Instance) -> None:
         loc = self._config.location(location)
-        zone, _, name = instance_id.partition("/")
-        from google.api_core import exceptions
-
+        zone, _, name = instance.instance_id.partition("/")
+        request_id = uuid.uuid5(uuid.NAMESPACE_URL, f"kubeon:delete/{instance.instance_id}/{instance.launched_at}")
         try:
-            # Not waited for: confirm_gone checks later; a deleting instance is STOPPING, then 404.
-            from google.cloud import compute_v1
-
+            # A deleting instance is STOPPING, then 404.
             self._client(location, "instances").delete_unary(request=compute_v1.DeleteInstanceRequest(
-                project=self._project(loc), zone=zone, instance=name,
-                request_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"kubeon:delete/{instance_id}/{instance.launched_at}"))),
-                timeout=60)
-        except exceptions.NotFound:
+                project=self._project(loc), zone=zone, instance=name, request_id=str(request_id)), timeout=60)
+        except api_exceptions.NotFound:
             return
         except Exception as exc:
-            raise self._error(location, f"instances.delete of {instance_id}", exc) from exc
+            raise self._error(location, f"instances.delete of {instance.instance_id}", exc) from exc

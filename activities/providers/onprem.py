@@ -20,9 +20,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from activities.hub_client import HubClient, HubError, HubRefused, HubUnauthorized
+from activities.clients.hub import HubClient, HubError, HubRefused, HubUnauthorized
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
-from models.operation import TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 from .base import (
     InstanceNotFoundError,

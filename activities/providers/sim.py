@@ -20,8 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from models.labels import GPU_RESOURCE, TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig, transfer_usd_per_gpu_hour
-from models.operation import GPU_RESOURCE, TAG_BURST, TAG_OPERATION, Instance, LaunchRequest, Offering
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
 
 from .base import InstanceNotFoundError, InsufficientCapacityError, NotOwnedError, ProviderError, check_allowed
 

@@ -16,22 +16,19 @@ from kubernetes import client
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.audit import AuditLog
-from activities.burst import ADDRESSES_EXHAUSTED, BurstActivities
-from activities.gateway import JoinTicketRequest, KubeGateway, parse_user_data_ticket
-from activities.gateway_join import AddressPlan, JoinRefused
-from activities.kube import KubeOps
+from activities.burst import BurstActivities
+from activities.clients.audit_log import AuditLog
+from activities.clients.kube import KubeOps
 from activities.providers.fake import FakeProvider
+from gateway.service import KubeGateway
+from gateway.slots import AddressPlan
+from models.drain import NodeRemoval
+from models.errors import ADDRESSES_EXHAUSTED_TYPE, JoinRefused
+from models.join import JoinTicketRequest, parse_user_data
+from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.locations import BurstConfig
-from models.operation import (
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    LaunchRequest,
-    NodeRemoval,
-    Offering,
-    Taint,
-)
+from models.node import LaunchRequest
+from models.provisioning import Offering
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
 from tests.harness.joining import FixedClock, gateway_credentials, redeem_for
@@ -84,13 +81,13 @@ class Launcher:
                              taints=[Taint(key="gpu.kubeon.io/burst")])
 
     def launch(self, req: LaunchRequest) -> str:
-        return str(self.env.run(self.acts.launch_instance, req).instance_id)
+        return str(self.env.run(self.acts.launch.launch_instance, req).instance_id)
 
     def launches(self) -> int:
         return sum(1 for method, _ in self.provider.calls if method == "launch")
 
     def ticket(self, instance_id: str) -> str:
-        return str(parse_user_data_ticket(self.provider.user_data[instance_id])["ticket"])
+        return str(parse_user_data(self.provider.user_data[instance_id])["ticket"])
 
 
 @pytest.fixture
@@ -120,7 +117,7 @@ def test_the_fifth_launch_fails_with_addresses_exhausted_and_launches_nothing(la
     assert all(s.reserved for s in launcher.gateway.records.slots())  # no node has redeemed its ticket yet
     with pytest.raises(ApplicationError) as err:
         launcher.launch(launcher.request())
-    assert err.value.type == ADDRESSES_EXHAUSTED and err.value.non_retryable
+    assert err.value.type == ADDRESSES_EXHAUSTED_TYPE and err.value.non_retryable
     for part in ("all 4 address slots", "10.245.0.0/28", "/30", "KUBEON_GATEWAY_POD_CIDR",
                  "KUBEON_GATEWAY_NODE_CIDR_MASK"):
         assert part in err.value.message
@@ -132,7 +129,7 @@ def test_removing_a_node_that_never_joined_frees_its_reservation(launcher: Launc
     gone = reqs[1]
     freed = next(s.pod_cidr for s in launcher.gateway.records.slots() if s.node == gone.node_name)
     # The compensation of a failed launch: remove_node (cleanup_operation does the same).
-    assert launcher.env.run(launcher.acts.remove_node, NodeRemoval(node_name=gone.node_name,
+    assert launcher.env.run(launcher.acts.drain.remove_node, NodeRemoval(node_name=gone.node_name,
                                                                    operation=gone.operation)) is False
     assert launcher.gateway.capacity().held == 3
     later = launcher.request()

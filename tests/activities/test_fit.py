@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from activities.fit import recommend
-from activities.metrics import PodMemory
 from models.policy import FitRule, GpuOffering
+from planning.fit import recommend
+from planning.idle import PodMemory
 
 A100 = GpuOffering(name="a100-80gb", memory_mib=81920, usd_per_hour=4.10)
 RULE = FitRule(current=A100, candidates=[

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kubernetes import client
 
-from activities.kube import HOME_VIEW_SECONDS, KubeOps
+from activities.clients.kube import HOME_VIEW_SECONDS, KubeOps
 from tests.harness.burst import unique
 from tests.harness.kube import Cluster, wait_for
 

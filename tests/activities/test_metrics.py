@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from activities.metrics import (
+from activities.clients.prometheus import (
     GR_ENGINE_ACTIVE,
     LabelForm,
     NoGpuMetrics,
-    PodActivity,
     PrometheusClient,
     PrometheusUnavailable,
-    judge_idle,
 )
+from planning.idle import PodActivity, judge_idle
 from tests.harness.controlplane import free_port
 from tests.harness.dcgm_exporter import DcgmExporter, Gpu, openmetrics_history
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus

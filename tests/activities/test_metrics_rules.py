@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from activities import metrics
-from activities.metrics import LabelForm
+from activities.clients import prometheus as metrics
+from activities.clients.prometheus import LabelForm
 from tests.harness.prometheus import binary
 
 pytestmark = pytest.mark.prometheus

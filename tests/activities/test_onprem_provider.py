@@ -14,11 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.gateway import render_user_data
 from activities.providers.base import InsufficientCapacityError, LocationNotAllowedError, ProviderError
 from activities.providers.onprem import OnPremProvider, PoolClient
+from models.join import render_user_data
+from models.labels import Taint
 from models.locations import BurstConfig
-from models.operation import LaunchRequest, Offering, Taint
+from models.node import LaunchRequest
+from models.provisioning import Offering
 from tests.harness.controlplane import free_port
 from tests.harness.onprem import AgentProcess
 from tests.hub.conftest import BOOTSTRAP_KEY

@@ -11,9 +11,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from activities.planning import AddressSlots, Room, eligible_offerings, node_labels, plan_pods, pod_matches
+from models.labels import LABEL_GPU_PRODUCT
 from models.locations import LocationConfig, TransferEstimate, transfer_usd_per_gpu_hour
-from models.operation import LABEL_GPU_PRODUCT, BatchPlan, NodeRequirement, Offering, PendingPod
+from models.provisioning import BatchPlan, NodeRequirement, Offering, PendingPod
+from planning.burst import AddressSlots, Room, eligible_offerings, node_labels, plan_pods, pod_matches
 
 TAINT = "gpu.kubeon.io/burst"
 L4 = {LABEL_GPU_PRODUCT: "NVIDIA-L4"}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from activities.policy_sync import LAST_SYNC_REFRESH, PolicySyncer, hold_reason
+from activities.clients.policies import LAST_SYNC_REFRESH, PolicySyncer, hold_reason
 from models.hub import (
     ANNOTATION_HUB_REVISION,
     CONDITION_HUB_CONNECTED,

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.settings import load_settings as load_gateway_settings
 from models.locations import BurstConfig, Credentials, LocationConfig
 from tests.charts.helm import (
     BAD_VALUES,
@@ -382,7 +383,7 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     key = next(v for v in spec["volumes"] if v["name"] == "ticket-key")["secret"]
     assert key["secretName"] == f"{GATEWAY}-ticket-key" and key["items"] == [{"key": "key", "path": "ticket-key"}]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    # the on-prem pool's join token (existingSecret), where worker.pool_join reads it: <dir>/onprem.dc1/token
+    # the on-prem pool's join token (existingSecret), where gateway.pool_tokens reads it: <dir>/onprem.dc1/token
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
     dc1 = mounts["/var/run/kubeon/burst/onprem.dc1"]
     assert dc1["readOnly"] is True
@@ -674,7 +675,7 @@ def test_worker_settings_load_from_the_rendered_environment(default: Rendered, b
     assert str(settings.temporal_api_key_file) == "/var/run/kubeon/temporal/api-key"
     assert settings.gateway_public_url == PUBLIC_URL and settings.gateway_node_url() == PUBLIC_URL
     assert str(settings.gateway_ca_file) == "/etc/kubeon/gateway-ca/ca.crt"
-    gateway = load_settings(env(container(burst.get("Deployment", GATEWAY), "gateway")))
+    gateway = load_gateway_settings(env(container(burst.get("Deployment", GATEWAY), "gateway")))
     assert str(gateway.gateway_ticket_key_file) == "/var/run/kubeon/gateway/ticket-key"
     assert str(gateway.gateway_tls_cert_file) == "/var/run/kubeon/gateway-tls/tls.crt"
     assert str(gateway.gateway_tls_key_file) == "/var/run/kubeon/gateway-tls/tls.key"
@@ -697,3 +698,26 @@ def test_location_schema_matches_the_worker_model() -> None:
     assert set(location["properties"]) == set(aliases.values())
     credentials = {field.alias or name for name, field in Credentials.model_fields.items()}
     assert set(location["properties"]["credentials"]["properties"]) == credentials
+
+
+def test_embedded_temporal_is_reachable_only_by_the_worker() -> None:
+    """The embedded Temporal has no authentication (issue 21, finding 8): its NetworkPolicy admits the worker's
+    pods to gRPC and nobody else; the UI and console only from the peers the operator names."""
+    policy = template().get("NetworkPolicy", "kubeon-gpu-optimizer-temporal", NAMESPACE)
+    temporal = template().get("Deployment", "kubeon-gpu-optimizer-temporal", NAMESPACE)
+    worker = template().get("Deployment", "kubeon-gpu-optimizer", NAMESPACE)
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected.items() <= temporal["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [grpc] = policy["spec"]["ingress"]
+    assert grpc["ports"] == [{"protocol": "TCP", "port": 7233}]
+    [peer] = grpc["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= worker["spec"]["template"]["metadata"]["labels"].items()
+    assert not peer["podSelector"]["matchLabels"].items() <= temporal["spec"]["template"]["metadata"]["labels"].items()
+    ops = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
+    opened = template("--set-json", f"temporal.embedded.networkPolicy.uiFrom=[{json.dumps(ops)}]").get(
+        "NetworkPolicy", "kubeon-gpu-optimizer-temporal", NAMESPACE)
+    assert opened["spec"]["ingress"][1] == {"from": [ops], "ports": [{"protocol": "TCP", "port": 8233},
+                                                                    {"protocol": "TCP", "port": 8234}]}
+    external = template("--set", "temporal.mode=external", "--set", "temporal.external.address=t:7233")
+    assert not external.all("NetworkPolicy")

@@ -4,7 +4,7 @@ and burst nodes join where the gateway says: burst.gateway.publicUrl (which the 
 it, the gateway's LoadBalancer address, verified as the Service name the certificate carries.
 
 Offline (`helm template`); that the generated certificate really works against `kubeon-gpu gateway` is in
-tests/worker/test_gateway_server.py, that it survives an upgrade in test_install.py."""
+tests/gateway/test_app.py, that it survives an upgrade in test_install.py."""
 
 from __future__ import annotations
 

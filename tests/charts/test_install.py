@@ -368,8 +368,9 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
     signer, signed; records kept), the registered node labelled and its joining taint lifted, and its removal."""
     import secrets
 
-    from activities.gateway import JoinTicketRequest, KubeGateway
-    from models.operation import Taint
+    from gateway.service import KubeGateway
+    from models.join import JoinTicketRequest
+    from models.labels import Taint
     from node.join import NodeFiles
     from tests.harness.joining import node_client, redeem_for, register_self
 

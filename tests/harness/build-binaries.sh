@@ -19,6 +19,13 @@ bin="${KUBEON_BIN_DIR:-$cache/bin}"
 work="$cache/build"
 mkdir -p "$bin" "$work"
 
+# One build at a time per cache: two at once (two make runs, several worktrees) share the build directory and
+# the temporary output names, and one's `mv` finds the other's file gone.
+if command -v flock >/dev/null; then
+  exec 9>"$cache/build.lock"
+  flock 9
+fi
+
 command -v go >/dev/null || { echo "build-binaries: Go is not installed; the control plane is built from the Go module proxy" >&2; exit 1; }
 export CGO_ENABLED=0 GOFLAGS=-mod=mod
 

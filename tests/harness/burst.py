@@ -1,5 +1,7 @@
 """A burst stack for end-to-end tests: CRD, the optimizer's and the gateway's own ServiceAccounts, sim/aws
-locations, and settings for a worker (in-process or as a `kubeon-gpu worker` subprocess)."""
+locations, and settings for a worker (in-process or as a `kubeon-gpu worker` subprocess), with the gateway in
+the worker's process (``BurstStack.runtime``, ``worker_process(..., stack=)``: its own credentials and key, never
+the optimizer's) or as its own process (``gateway_process``)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,23 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
 
-from models.operation import BurstResult, OperationView, Phase, ProvisionView, provision_workflow_id
+from models.ids import provision_workflow_id
+from models.node import BurstResult, OperationView
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import ProvisionView
 from tests.harness.crd import install_gpupolicy_crd
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_SA, install_chart_identities
 from worker.config import ENV, Settings
+
+if TYPE_CHECKING:
+    from gateway.service import KubeGateway
+    from gateway.slots import AddressPlan
+    from worker.runtime import Runtime
 
 BURST_TAINT_KEY = "gpu.kubeon.io/burst"
 
@@ -54,13 +63,32 @@ class BurstStack:
         loc_file.write_text(json.dumps(locations))
         values: dict[str, Any] = {
             "cluster": cluster_name, "temporal_address": temporal_address, "task_queue": task_queue,
-            "kubeconfig": self.optimizer_kubeconfig, "gateway_kubeconfig": self.gateway_kubeconfig,
-            "gateway_ticket_key_file": self.ticket_key_file, "burst_enabled": True,
+            "kubeconfig": self.optimizer_kubeconfig, "burst_enabled": True,
             "burst_locations_file": loc_file, "state_dir": state, "home_location": "aws/us-east-1",
             "serve_check_seconds": 1, "health_port": 0,
         }
         values.update(overrides)
         return Settings.model_validate(values)
+
+    def gateway(self, plan: AddressPlan | None = None) -> KubeGateway:
+        """The gateway in this process, with its own ServiceAccount and the ticket key (never the optimizer's), its
+        reconciler running (stopped with the runtime that holds it); ``plan``: its address plan (default: the
+        gateway's default)."""
+        from tests.harness.inproc_worker import inproc_gateway
+
+        return inproc_gateway(self.gateway_kubeconfig, self.ticket_key_file, plan)
+
+    def runtime(self, settings: Settings, plan: AddressPlan | None = None) -> Runtime:
+        """The worker's runtime with the gateway in this process: sim instances redeem their ticket with it."""
+        from worker.runtime import build_runtime
+
+        gateway = self.gateway(plan)
+        return build_runtime(settings, gateway=gateway, redeem=gateway.join)
+
+    def gateway_env(self) -> dict[str, str]:
+        """What ``tests.harness.inproc_worker`` builds the worker's in-process gateway from."""
+        return {"KUBEON_GATEWAY_KUBECONFIG": str(self.gateway_kubeconfig),
+                "KUBEON_GATEWAY_TICKET_KEY_FILE": str(self.ticket_key_file)}
 
     def create_policy(self, name: str, *, mode: str | None, locations: list[str], max_nodes: int = 4,
                       max_gpu_hour: float = 4.5, return_home: bool = True) -> None:
@@ -127,7 +155,7 @@ def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: 
     )
 
 
-async def wait_phase(handle: Any, *phases: Phase, timeout: float = 90.0) -> OperationView:
+async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0) -> OperationView:
     import asyncio
     import time
     from datetime import timedelta
@@ -142,7 +170,7 @@ async def wait_phase(handle: Any, *phases: Phase, timeout: float = 90.0) -> Oper
         if last is not None and last.phase in phases:
             return last
         await asyncio.sleep(0.2)
-    raise AssertionError(f"operation never reached {[p.value for p in phases]}; last: "
+    raise AssertionError(f"operation never reached {[str(p) for p in phases]}; last: "
                          f"{last.phase.value if last else None} {last.history if last else ''}")
 
 
@@ -217,7 +245,7 @@ async def approve_batch(temporal: Any, cluster: str, policy: str, pod_prefix: st
                         ) -> tuple[Any, Any]:
     """Approve (Approve mode) the proposal covering pods named ``pod_prefix``...: (the batch record, the handle
     of the node workflow started for those pods)."""
-    from models.operation import Approval
+    from models.decisions import Approval
     from worker import ops
 
     view = await provision_state(temporal, cluster, policy, lambda v: v.proposal is not None and any(
@@ -235,12 +263,16 @@ def worker_env(settings: Settings, extra: dict[str, str] | None = None) -> dict[
 
 
 WORKER_ARGV = [sys.executable, "-m", "worker.cli", "worker"]
+INPROC_WORKER_ARGV = [sys.executable, "-m", "tests.harness.inproc_worker"]
 
 
-def worker_process(settings: Settings, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it); ``env``: more variables (OTEL_*)."""
+def worker_process(settings: Settings, log: Path, env: dict[str, str] | None = None, *,
+                   stack: BurstStack | None = None) -> subprocess.Popen[bytes]:
+    """`kubeon-gpu worker` as its own process (crash tests SIGKILL it); ``env``: more variables (OTEL_*);
+    ``stack``: with the stack's gateway in the worker's process (``tests.harness.inproc_worker``)."""
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(WORKER_ARGV, env=worker_env(settings, env), stdout=out,
+    argv, more = (INPROC_WORKER_ARGV, stack.gateway_env()) if stack is not None else (WORKER_ARGV, {})
+    return subprocess.Popen(argv, env=worker_env(settings, {**more, **(env or {})}), stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -261,9 +293,8 @@ def gateway_process(stack: BurstStack, log: Path, port: int, *, extra_env: dict[
                 "PYTHONUNBUFFERED": "1", **(extra_env or {})})
     out = open(log, "ab")  # noqa: SIM115 - handed to the child
     proc = popen([sys.executable, "-m", "worker.cli", "gateway"], env=env, stdout=out,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, {"gateway_kubeconfig": None, "gateway_ticket_key_file": None,
-                  "gateway_url": f"http://127.0.0.1:{port}", "gateway_token_file": token}
+                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, {"gateway_url": f"http://127.0.0.1:{port}", "gateway_token_file": token}
 
 
 def unique(prefix: str) -> str:

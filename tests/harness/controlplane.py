@@ -102,6 +102,10 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
+# The chart's admission policy for burst nodes, installed on every control plane the tests start.
+NODE_ADMISSION_POLICY = (Path(__file__).resolve().parents[2] / "charts" / "kubeon-gpu-optimizer" / "files"
+                         / "node-admission-policy.yaml")
+
 
 @dataclass
 class _Cert:
@@ -208,6 +212,7 @@ class ControlPlane:
     # How components are started: `make dev` passes its registry's (pids recorded, killed with the harness).
     popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _ca: _Cert | None = None
 
     def start(self, timeout: float = 120.0) -> ControlPlane:
         t0 = time.monotonic()
@@ -215,7 +220,7 @@ class ControlPlane:
         self.workdir.mkdir(parents=True, exist_ok=True)
         pki = self.workdir / "pki"
         pki.mkdir(exist_ok=True)
-        ca = _issue(_name("kubeon-test-ca"), None, is_ca=True)
+        ca = self._ca = _issue(_name("kubeon-test-ca"), None, is_ca=True)
         self.ca_file, self.ca_key_file = ca.write(pki, "ca")
         serving = _issue(
             _name("kube-apiserver"), ca,
@@ -277,6 +282,7 @@ class ControlPlane:
         self.admin_kubeconfig = write_kubeconfig(self.workdir / "admin.kubeconfig", self.server, self.ca_file,
                                                  cert=admin)
         self._wait_ready(admin, deadline=t0 + timeout)
+        self._install_node_admission_policy(deadline=t0 + timeout)
         self._spawn("kube-controller-manager", [
             str(self.binaries["kube-controller-manager"]),
             f"--kubeconfig={self.admin_kubeconfig}",
@@ -343,6 +349,37 @@ class ControlPlane:
                 last = str(exc)
             time.sleep(0.2)
         raise ControlPlaneError(f"kube-apiserver not ready at {self.server}/readyz: {last}")
+
+    def node_kubeconfig(self, node_name: str) -> Path:
+        """A kubeconfig with a kubelet client certificate of ``system:node:<node_name>`` (group system:nodes), signed
+        by the cluster CA: what a node's approved CSR gives it, for tests that act as a node."""
+        assert self._ca is not None, "start() first"
+        cert = _issue(_name(f"system:node:{node_name}", "system:nodes"), self._ca, client=True)
+        files = cert.write(self.workdir / "pki", f"node-{node_name}")
+        return write_kubeconfig(self.workdir / f"node-{node_name}.kubeconfig", self.server, self.ca_file, cert=files,
+                                user=f"node-{node_name}")
+
+    def _install_node_admission_policy(self, deadline: float) -> None:
+        """The chart's ValidatingAdmissionPolicy for burst nodes (charts/.../files/node-admission-policy.yaml), as a
+        real cluster with the chart installed has it; returns once the API server enforces it (a burst node's
+        dry-run registration without the joining taint is denied), since the policy takes effect asynchronously."""
+        from kubernetes import client, config, utils
+
+        api = config.new_client_from_config(config_file=str(self.admin_kubeconfig))
+        utils.create_from_yaml(api, str(NODE_ADMISSION_POLICY))
+        probe = config.new_client_from_config(config_file=str(self.node_kubeconfig("burst-admission-probe")))
+        node = client.V1Node(metadata=client.V1ObjectMeta(name="burst-admission-probe"))
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                client.CoreV1Api(probe).create_node(node, dry_run="All")
+                last = "a dry-run registration without the joining taint was admitted"
+            except client.ApiException as exc:
+                if exc.status == 403 and "gpu.kubeon.io/joining" in str(exc.body):
+                    return
+                last = f"{exc.status}: {exc.body}"
+            time.sleep(0.2)
+        raise ControlPlaneError(f"the burst node admission policy is not enforced: {last}")
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")[-chars:]

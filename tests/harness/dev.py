@@ -28,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from gateway.pool_tokens import token_file as pool_token_file
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
 from tests.harness.burst import WORKER_ARGV, build_stack, gateway_process, worker_env
@@ -38,7 +39,6 @@ from tests.harness.dev_clouds import DevClouds
 from tests.harness.kube import Kube, wait_for
 from tests.harness.onprem import AgentProcess
 from tests.harness.temporal import dev_server_path
-from worker.pool_join import token_file as pool_token_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV_LOCATIONS = [

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.join import parse_user_data
-from models.operation import LABEL_OPERATION
+from models.labels import LABEL_OPERATION
 from tests.harness.kube import Cluster, wait_for
 from tunnel import keys
 from tunnel.proxy import TcpProxy
@@ -175,7 +175,7 @@ class Gateway:
         return (self.workdir / "gateway.log").read_text(errors="replace")
 
     def start(self) -> Gateway:
-        self.proc = self.bed.spawn([sys.executable, "-m", "worker.gateway_server"], netns=self.bed.gw,
+        self.proc = self.bed.spawn([sys.executable, "-m", "gateway.main"], netns=self.bed.gw,
                                    log=self.workdir / "gateway.log", env=self.env)
         marker = self.log.count("restored from the API")
         wait_for(lambda: self.log.count("restored from the API") > marker or self._dead(), timeout=60,

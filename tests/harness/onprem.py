@@ -1,6 +1,6 @@
 """On-prem pieces for end-to-end tests and `make dev`: a server agent as its own process (`kubeon-gpu
 onprem-agent --simulated`: kwok runs its node, as for sim instances) and the gateway's HTTP app on loopback (the
-real `worker.gateway_server` app with its own credentials, checking the pools' join tokens)."""
+real `gateway.app` app with its own credentials, checking the pools' join tokens)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from typing import Any
 
 import uvicorn
 
-from activities.gateway import KubeGateway
+from gateway.app import TokenReviewer, create_app
+from gateway.pool_tokens import token_file
+from gateway.service import KubeGateway
 from tests.harness.controlplane import free_port
-from worker.gateway_server import TokenReviewer, create_app
-from worker.pool_join import token_file
 from worker.runtime import kube_api
 
 ROOT = Path(__file__).resolve().parent.parent.parent

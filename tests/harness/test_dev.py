@@ -22,7 +22,8 @@ from kubernetes import client
 from temporalio.client import Client
 
 from models.converter import DATA_CONVERTER
-from models.operation import OperationView, ProvisionView
+from models.node import OperationView
+from models.provisioning import ProvisionView
 from tests.harness.children import Child, recorded
 from tests.harness.controlplane import free_port
 from tests.harness.kube import Kube

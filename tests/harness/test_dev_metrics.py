@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from activities.metrics import PodActivity, PrometheusClient, judge_idle
+from activities.clients.prometheus import PrometheusClient
+from planning.idle import PodActivity, judge_idle
 from tests.harness.dev_metrics import ACTIVITY, NAMESPACE, NODE, DevMetrics
 from tests.harness.kube import Cluster, wait_for
 

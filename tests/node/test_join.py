@@ -13,10 +13,11 @@ import pytest
 import yaml
 from kubernetes import client
 
-from activities.gateway import JoinTicketRequest, KubeGateway, TicketError
-from activities.gateway_join import check_csr
-from models.join import JoinAnswer, JoinRedeem
-from models.operation import LABEL_OPERATION, Taint
+from gateway.admission import check_csr
+from gateway.service import KubeGateway
+from models.errors import TicketError
+from models.join import JoinAnswer, JoinRedeem, JoinTicketRequest
+from models.labels import LABEL_OPERATION, Taint
 from node.join import (
     JoinError,
     JoinUnavailable,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.metrics import PrometheusClient
+from activities.clients.prometheus import PrometheusClient
 from tests.harness.controlplane import free_port
 from tests.harness.dcgm_exporter import DcgmExporter
 from tests.harness.kube import Cluster

@@ -28,16 +28,18 @@ from temporalio.worker import Worker
 
 from activities.providers.base import InsufficientCapacityError
 from activities.providers.fake import FakeProvider
-from activities.tracing import traced
+from activities.telemetry.tracing import traced
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
-from models.operation import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY, LaunchRequest, Offering, operation_id
+from models.ids import operation_id
+from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
+from models.node import LaunchRequest
+from models.provisioning import Offering
 from tests.harness.burst import SIM_LOCATIONS, build_stack, unique
 from tests.harness.kube import Cluster
 from tests.harness.stall_proxy import StallingProxy
 from worker import telemetry
 from worker.config import ConfigError
-from worker.runtime import build_runtime
 from worker.telemetry import LOG_CONTEXT, JsonFormatter, operation_context, traces_exporter
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -223,7 +225,7 @@ async def test_a_scrape_serves_the_last_values_at_once_while_temporal_stalls(
     name, policy = unique("slow"), unique("slow")
     settings = stack.settings(temporal_address=direct.service_client.config.target_host, task_queue=name,
                               locations=SIM_LOCATIONS, cluster_name=name)
-    runtime = build_runtime(settings)
+    runtime = stack.runtime(settings)
     nodes: list[str] = []
     runs: list[str] = []
 

@@ -15,12 +15,13 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from models.operation import Phase
+from models.provisioning import BatchPhase
 from tests.harness.burst import BurstStack, build_stack, gpu_deployment, provision_state, unique, wait_for
 from tests.harness.kube import Cluster, until
+from worker.background import running
 from worker.main import worker_services
 from worker.runtime import Runtime
-from worker.watcher import PendingPodWatcher, running, unschedulable_since
+from worker.watcher import PendingPodWatcher, unschedulable_since
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
@@ -56,7 +57,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, pr
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=locations(product), cluster_name=queue)
-    async with worker_services(settings, watch=False) as (temporal, runtime, _):
+    async with worker_services(settings, stack.runtime(settings), watch=False) as (temporal, runtime, _):
         yield temporal, runtime
 
 
@@ -108,7 +109,7 @@ async def test_pods_go_to_their_policys_provisioning_and_a_failed_send_is_retrie
     assert sorted({n.rsplit("-", 2)[0] for n in watcher.sent_pods}) == ["group-0", "group-1", "group-2"]
     # The facts planning needs came along: the product selector decided the (recommended) node.
     batch = view.batches[0]
-    assert batch.phase == Phase.PROPOSED
+    assert batch.phase == BatchPhase.PROPOSED
     assert {n.offering.gpu_product for n in batch.plan.new_nodes} == {product}
     # maxNodes 4 (one-GPU nodes): four pods planned, two named as waiting for capacity.
     assert sum(len(n.pods) for b in view.batches for n in b.plan.new_nodes) == 4

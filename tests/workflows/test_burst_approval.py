@@ -26,30 +26,26 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.planning import plan_pods
+from models.audit import AuditRecord
+from models.decisions import Approval, Rejection
 from models.hub import GateRequest, GateState
-from models.operation import (
-    SERVE_QUEUE_SUFFIX,
-    Approval,
-    AuditRecord,
+from models.ids import SERVE_QUEUE_SUFFIX
+from models.node import BurstResult, CleanupRequest, CleanupResult, LaunchRequest, NodePhase, OperationView
+from models.provisioning import (
+    BatchPhase,
     BatchPlan,
     BatchPlanRequest,
-    BurstResult,
-    CleanupRequest,
-    CleanupResult,
-    LaunchRequest,
     LoadPolicyRequest,
     Offering,
     OperationSettings,
-    OperationView,
     PendingPod,
-    Phase,
     PodsWaiting,
     PolicySnapshot,
     ProvisionInput,
+    ProvisionPhase,
     ProvisionView,
-    Rejection,
 )
+from planning.burst import plan_pods
 from tests.harness.temporal import skip_time, time_skipping_server_path
 from worker import ops
 from worker.main import workflow_runner
@@ -216,7 +212,7 @@ async def test_pods_arriving_while_a_plan_is_made_are_gathered_into_the_next_pla
     server, queue, recorded = env
     recorded.mode, recorded.launch_hangs, recorded.plan_gate = "Automatic", True, asyncio.Event()
     handle = await _send(server.client, queue, f"provision/c/p-{uuid.uuid4().hex[:6]}", _pods(1, prefix="first"))
-    await _until(handle, lambda v: v.phase == Phase.PLANNING)
+    await _until(handle, lambda v: v.phase == ProvisionPhase.PLANNING)
     assert [len(r.pods) for r in recorded.plans] == [1]  # planned at once, nothing gathered
     for i in range(3):  # a trickle while the first plan is made
         await _send(server.client, queue, handle.id, _pods(1, prefix=f"trickle{i}"))
@@ -235,10 +231,10 @@ async def test_pods_arriving_while_a_plan_is_made_are_gathered_into_the_next_pla
 async def test_unapproved_proposal_expires(env: Env) -> None:
     server, queue, recorded = env
     handle, view = await _proposal(server.client, queue, _pods(1))
-    assert view.phase == Phase.AWAITING_APPROVAL
+    assert view.phase == BatchPhase.AWAITING_APPROVAL
     await skip_time(server, timedelta(seconds=3610))  # an hour of workflow time, skipped
     view = await _until(handle, lambda v: bool(v.batches))
-    assert view.batches[0].phase == Phase.EXPIRED and view.proposal is None
+    assert view.batches[0].phase == BatchPhase.EXPIRED and view.proposal is None
     assert recorded.launches == []
     assert recorded.actions(view.batches[0].batch) == ["proposed", "expired"]
     assert "expired" in view.waiting[0]  # the pod still waits, and says why
@@ -259,7 +255,7 @@ async def test_one_proposal_covers_the_batch_and_pods_arriving_meanwhile_go_into
     await handle.execute_update(ProvisionWorkflow.approve_update,
                                 Approval(approver="alice", plan_id=first.plan.plan_id))
     # maxNodes 2 is held by the first batch's two nodes: the late pods are planned next, and wait, saying why.
-    view = await _until(handle, lambda v: v.phase == Phase.WAITING_FOR_CAPACITY)
+    view = await _until(handle, lambda v: v.phase == ProvisionPhase.WAITING_FOR_CAPACITY)
     assert any(w.startswith("ml/late-0: maxNodes 2 reached") for w in view.waiting), view.waiting
     assert recorded.plans[0].max_new_nodes == 2 and recorded.plans[-1].max_new_nodes == 0
     assert len(view.nodes) == 2 and view.proposal is None
@@ -279,7 +275,7 @@ async def test_rejection_launches_nothing_and_stale_or_late_decisions_are_refuse
     decided = await ops.reject(server.client, handle.id, Rejection(approver="carol", reason="cost"))
     assert "carol" in decided.message and decided.operation == batch
     view = await _until(handle, lambda v: bool(v.batches))
-    assert view.batches[0].phase == Phase.REJECTED
+    assert view.batches[0].phase == BatchPhase.REJECTED
     assert recorded.launches == []
     assert recorded.actions(batch) == ["proposed", "rejected"]
     with pytest.raises(ops.DecisionRefused, match="not awaiting approval"):
@@ -297,7 +293,7 @@ async def test_signal_approval_from_the_ui_starts_one_node_workflow_per_planned_
     node = server.client.get_workflow_handle(node_id, result_type=BurstResult)
     result = await node.result()
     # The (test) launch refuses: the node fails after compensation, and gives its place under maxNodes back.
-    assert result.phase == Phase.FAILED
+    assert result.phase == NodePhase.FAILED
     assert recorded.launches and recorded.launches[0].offering.instance_type == "sim.l4.1"
     assert [c.operation for c in recorded.cleanups] == [recorded.launches[0].operation]
     assert recorded.actions(result.operation)[-1] == "failed"
@@ -313,15 +309,15 @@ async def test_hub_hold_keeps_an_approved_node_from_launching_until_released(env
     node = server.client.get_workflow_handle(view.batches[0].nodes[0], result_type=BurstResult)
     for _ in range(200):
         state: OperationView = await node.query(BurstNodeWorkflow.state)
-        if state.phase == Phase.HELD:
+        if state.phase == NodePhase.HELD:
             break
         await asyncio.sleep(0.05)
-    assert state.phase == Phase.HELD and "revoked" in state.message
+    assert state.phase == NodePhase.HELD and "revoked" in state.message
     assert recorded.launches == [] and recorded.gate_checks == ["p"]
     recorded.hold = ""
     recorded.released.set()
     result = await node.result()
-    assert recorded.launches and result.phase == Phase.FAILED  # the test launch refuses, as above
+    assert recorded.launches and result.phase == NodePhase.FAILED  # the test launch refuses, as above
     actions = recorded.actions(result.operation)
     assert actions.index("held") < actions.index("resumed") < actions.index("failed")
 

@@ -15,9 +15,11 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import KubeGateway, parse_user_data_ticket
 from activities.providers.sim import KWOK_ANNOTATIONS
-from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Phase
+from gateway.service import KubeGateway
+from models.join import parse_user_data
+from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
+from models.node import NodePhase
 from node.register import join_simulated
 from tests.harness.burst import (
     BurstStack,
@@ -97,7 +99,7 @@ class BootedInstances:
                     continue
                 attr = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
                 user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
-                doc = parse_user_data_ticket(user_data)
+                doc = parse_user_data(user_data)
                 # The node's own join (keys, CSR, ticket) and registration with its own certificate.
                 node = join_simulated(doc, self.state_dir / iid, self.gateway.join,
                                       provider_id=f"aws:///{REGION}/{iid}", annotations=KWOK_ANNOTATIONS,
@@ -122,7 +124,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, mo
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=[aws_location], cluster_name=queue,
                               aws_endpoint_url=moto_server.endpoint)
-    async with worker_services(settings) as (temporal, runtime, _):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _):
         assert isinstance(runtime.gateway, KubeGateway)
         yield temporal, settings.cluster, runtime.gateway
 
@@ -144,7 +146,7 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
 
     with BootedInstances(moto_server, gateway, policy, stack.workdir / f"aws-nodes-{policy}") as booted:
         _, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-", "bob")
-        view = await wait_phase(handle, Phase.SERVING, timeout=120)
+        view = await wait_phase(handle, NodePhase.SERVING, timeout=120)
         assert view.instance is not None
         raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
         tags = {t["Key"]: t["Value"] for t in raw["Tags"]}
@@ -161,7 +163,7 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
 
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle)
-    assert done.phase == Phase.COMPLETED, done.message
+    assert done.phase == NodePhase.COMPLETED, done.message
     state = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
     assert state["State"]["Name"] in ("shutting-down", "terminated")
     wait_for(lambda: not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items,

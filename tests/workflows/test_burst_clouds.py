@@ -15,8 +15,10 @@ import pytest
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import KubeGateway
-from models.operation import LABEL_LOCATION, TAG_BURST, TAG_OPERATION, Phase
+from gateway.service import KubeGateway
+from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
+from models.node import NodePhase
+from models.provisioning import BatchPhase
 from tests.harness import clouds
 from tests.harness.burst import (
     BurstStack,
@@ -153,7 +155,7 @@ async def worker(stack: BurstStack, temporal: WorkflowEnvironment, cloud: Cloud,
     locations = [cloud.location(r) for r in regions]
     settings = stack.settings(temporal_address=temporal.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=queue, **cloud.settings())
-    async with worker_services(settings) as (client_, runtime, _):
+    async with worker_services(settings, stack.runtime(settings)) as (client_, runtime, _):
         assert isinstance(runtime.gateway, KubeGateway)
         yield client_, settings.cluster, runtime.gateway
 
@@ -172,7 +174,7 @@ async def test_documented_burst(stack: BurstStack, temporal_dev_server: Workflow
         stack.create_policy(policy, mode="Approve", locations=[home], max_nodes=4)
         deploy = _deploy(stack, namespace, cloud)
         proposed = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
-        assert proposed.proposal is not None and proposed.phase == Phase.AWAITING_APPROVAL
+        assert proposed.proposal is not None and proposed.phase == BatchPhase.AWAITING_APPROVAL
         (planned,) = proposed.proposal.plan.new_nodes
         assert planned.offering.instance_type == cloud.best_type and planned.offering.location == home
         assert planned.pods and all(p.startswith(f"{namespace}/{deploy}-") for p in planned.pods)
@@ -181,7 +183,7 @@ async def test_documented_burst(stack: BurstStack, temporal_dev_server: Workflow
         with Booter(cloud.server, gateway_join(gateway)) as booted:
             batch, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-", "bob")
             assert batch.batch == proposed.proposal.batch
-            view = await wait_phase(handle, Phase.SERVING, timeout=120)
+            view = await wait_phase(handle, NodePhase.SERVING, timeout=120)
             assert view.batch == batch.batch
             assert view.instance is not None
             [inst] = cloud.live(policy)
@@ -197,7 +199,7 @@ async def test_documented_burst(stack: BurstStack, temporal_dev_server: Workflow
 
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         wait_for(lambda: not stack.cluster.admin.core.list_node(
             field_selector=f"metadata.name={view.node_name}").items, what="node gone")
         wait_for(lambda: cloud.live(policy) == [], what="no instance left")
@@ -214,7 +216,7 @@ async def test_capacity_fails_over_to_the_next_location(stack: BurstStack, tempo
         deploy = _deploy(stack, namespace, cloud)
         handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
         with Booter(cloud.server, gateway_join(gateway)) as booted:
-            view = await wait_phase(handle, Phase.SERVING, timeout=120)
+            view = await wait_phase(handle, NodePhase.SERVING, timeout=120)
             # Planned in the cheaper location; it had no capacity, so the node fell back to its alternatives.
             assert view.node is not None and view.node.offering.location == cheap
             assert home in [o.location for o in view.node.alternatives]
@@ -228,7 +230,7 @@ async def test_capacity_fails_over_to_the_next_location(stack: BurstStack, tempo
                 zones = [c.split("/")[0] for c in cloud.creates(policy)[:4]]
                 assert zones == ZONES[cloud.cheap_region], zones
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-            assert (await result(handle)).phase == Phase.COMPLETED
+            assert (await result(handle)).phase == NodePhase.COMPLETED
         wait_for(lambda: cloud.live(policy) == [], what="no instance left")
         assert cloud.outside_called() == []
 
@@ -244,7 +246,7 @@ async def test_no_capacity_anywhere_fails_with_nothing_running(
         pods = f"{namespace}/{deploy}-"
         handle = await node_for(temporal, cluster_name, policy, pods)
         done = await result(handle)
-        assert done.phase == Phase.FAILED
+        assert done.phase == NodePhase.FAILED
         assert "no capacity in any eligible location" in done.message
         assert cloud.cheap_region in done.message and cloud.home_region in done.message
         assert done.node is not None
@@ -277,7 +279,7 @@ async def test_quota_fails_clearly_without_retrying(stack: BurstStack, temporal_
         pods = f"{namespace}/{deploy}-"
         handle = await node_for(temporal, cluster_name, policy, pods)
         done = await result(handle)
-        assert done.phase == Phase.FAILED
+        assert done.phase == NodePhase.FAILED
         assert named in done.message and "quota" in done.message
         assert len(cloud.creates(policy)) == 1, "a quota error is not retried (nor another offering tried)"
         # The provisioning shows the node failed on the quota, and holds no node for it any more.
@@ -300,7 +302,7 @@ async def test_killed_after_the_create_is_sent_is_one_instance(
     stack.create_policy(policy, mode="Automatic", locations=[f"{cloud.name}/{cloud.home_region}"])
     cloud.server.fault(slow_create_seconds=8)
     log = stack.workdir / f"{queue}.log"
-    procs = [worker_process(settings, log)]
+    procs = [worker_process(settings, log, stack=stack)]
     gateway = KubeGateway(kube_api(stack.gateway_kubeconfig), stack.ticket_key_file.read_bytes().strip())
     deploy = _deploy(stack, namespace, cloud)
     try:
@@ -308,18 +310,18 @@ async def test_killed_after_the_create_is_sent_is_one_instance(
         os.killpg(procs[0].pid, signal.SIGKILL)  # the cloud is still holding its answer
         procs[0].wait(timeout=10)
         cloud.server.fault(slow_create_seconds=0)
-        procs.append(worker_process(settings, log))
+        procs.append(worker_process(settings, log, stack=stack))
         # The node workflow the batch started (asked of the provisioning: a worker is running again).
         handle = await node_for(temporal_dev_server.client, queue, policy, f"{namespace}/{deploy}-", timeout=90)
         with Booter(cloud.server, gateway_join(gateway)) as booted:
-            view = await wait_phase(handle, Phase.SERVING, timeout=180)
+            view = await wait_phase(handle, NodePhase.SERVING, timeout=180)
             assert view.instance is not None
             assert [i["id"] for i in cloud.live(policy)] == [view.instance.instance_id]
             assert cloud.operation_tag(cloud.live(policy)[0]) == view.operation
             assert list(booted.joined.values()) == [view.node_name], booted.errors
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle, timeout=150)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         assert len(set(cloud.creates(policy))) == 1, cloud.creates(policy)
         # One node workflow for the one pod: the crash did not make the provisioning plan it again.
         final = await provision_state(temporal_dev_server.client, queue, policy)

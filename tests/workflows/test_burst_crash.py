@@ -16,7 +16,8 @@ import pytest
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
-from models.operation import TAG_OPERATION, OperationView, Phase
+from models.labels import TAG_OPERATION
+from models.node import NodePhase, OperationView
 from tests.harness.burst import (
     BurstStack,
     build_stack,
@@ -42,12 +43,12 @@ def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstSt
 class Workers:
     """Starts and kills `kubeon-gpu worker` processes; none outlives the test."""
 
-    def __init__(self, settings: Settings, log: Path) -> None:
-        self.settings, self.log = settings, log
+    def __init__(self, settings: Settings, log: Path, stack: BurstStack) -> None:
+        self.settings, self.log, self.stack = settings, log, stack
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> subprocess.Popen[bytes]:
-        proc = worker_process(self.settings, self.log)
+        proc = worker_process(self.settings, self.log, stack=self.stack)
         self.procs.append(proc)
         return proc
 
@@ -76,7 +77,7 @@ def scenario(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, reques
                               task_queue=queue, locations=[location], cluster_name=queue)
     policy = unique("crash")
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], return_home=True)
-    workers = Workers(settings, stack.workdir / f"{queue}.log")
+    workers = Workers(settings, stack.workdir / f"{queue}.log", stack)
     try:
         yield {"settings": settings, "policy": policy, "product": product, "workers": workers,
                "temporal": temporal_dev_server.client}
@@ -103,10 +104,10 @@ async def _node(s: dict[str, Any], namespace: str, deploy: str) -> Any:
 
 
 async def _finish(stack: BurstStack, s: dict[str, Any], handle: Any, namespace: str, deploy: str) -> OperationView:
-    view = await wait_phase(handle, Phase.SERVING, timeout=150)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=150)
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     done = await result(handle, timeout=150)
-    assert done.phase == Phase.COMPLETED, done.message
+    assert done.phase == NodePhase.COMPLETED, done.message
     return view
 
 
@@ -122,7 +123,7 @@ async def test_killed_while_waiting_for_join(stack: BurstStack, scenario: dict[s
     s = scenario
     s["workers"].start()
     handle, deploy = await _start_workload(stack, s, namespace)
-    joining = await wait_phase(handle, Phase.JOINING, timeout=90)
+    joining = await wait_phase(handle, NodePhase.JOINING, timeout=90)
     assert len(sim_instances(s["settings"], joining.operation)) == 1
     s["workers"].kill()  # the simulated instance is still booting; its boot resumes with the next worker
     s["workers"].start()
@@ -153,16 +154,16 @@ async def test_killed_while_draining(stack: BurstStack, scenario: dict[str, Any]
         metadata=client.V1ObjectMeta(name="hold"),
         spec=client.V1PodDisruptionBudgetSpec(min_available=1,
                                               selector=client.V1LabelSelector(match_labels={"app": deploy}))))
-    view = await wait_phase(handle, Phase.SERVING, timeout=90)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=90)
     home = unique("home")
     stack.cluster.create_kwok_node(home, labels={"nvidia.com/gpu.product": s["product"]})
     try:
-        await wait_phase(handle, Phase.DRAINING, timeout=60)  # held there by the PDB
+        await wait_phase(handle, NodePhase.DRAINING, timeout=60)  # held there by the PDB
         s["workers"].kill()
         s["workers"].start()
         admin.policy.patch_namespaced_pod_disruption_budget("hold", namespace, {"spec": {"minAvailable": 0}})
         done = await result(handle, timeout=150)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         _exactly_one_instance_none_left(s, stack, view)
     finally:
         admin.apps.delete_namespaced_deployment(deploy, namespace)

@@ -15,7 +15,11 @@ from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.providers.sim import SimProvider
-from models.operation import LABEL_INSTANCE_TYPE, LABEL_POLICY, DrainStatus, Phase
+from gateway.slots import AddressPlan
+from models.drain import DrainStatus
+from models.labels import LABEL_INSTANCE_TYPE, LABEL_POLICY
+from models.node import NodePhase
+from models.provisioning import ProvisionPhase
 from tests.harness.burst import (
     BurstStack,
     build_stack,
@@ -69,7 +73,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, pr
                  sim_location("sim/big", product, four=3.2)]
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=queue)
-    async with worker_services(settings) as (temporal, _runtime, _):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _):
         yield temporal, settings.cluster
 
 
@@ -147,7 +151,7 @@ async def test_max_nodes_holds_across_ten_concurrent_groups(stack: BurstStack, w
         # The rest wait visibly: the provisioning says how many and why.
         view = await provision_state(temporal, cluster_name, policy, lambda v: len(
             [w for w in v.waiting if "maxNodes 4 reached" in w]) == 6 and len(v.waiting) == 6)
-        assert view.phase == Phase.WAITING_FOR_CAPACITY and len(view.nodes) == 4
+        assert view.phase == ProvisionPhase.WAITING_FOR_CAPACITY and len(view.nodes) == 4
         assert counter.peak == 4
 
         # As served groups leave, their nodes go home and the waiting ones get theirs; the limit still holds.
@@ -201,8 +205,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, cluster_name=queue,
-                              locations=[sim_location("sim/eu-west", product), sim_location("sim/us-west", other)],
-                              gateway_pod_cidr="10.245.0.0/29", gateway_node_cidr_mask=30)
+                              locations=[sim_location("sim/eu-west", product), sim_location("sim/us-west", other)])
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"], max_nodes=4)
     first, then = ["slot-a0", "slot-a1"], ["slot-b0", "slot-b1"]
 
@@ -219,7 +222,8 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
         while not (len(counter.current) == len(names) and running(names) == sorted(names)):
             await asyncio.sleep(0.5)
 
-    async with worker_services(settings) as (temporal, runtime, _):
+    plan = AddressPlan(pod_cidr="10.245.0.0/29", node_mask=30)
+    async with worker_services(settings, stack.runtime(settings, plan)) as (temporal, runtime, _):
         with NodeCounter(core, policy) as counter:
             for name in first:
                 apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
@@ -231,7 +235,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
                     [w for w in v.waiting if "address slots" in w]) == 2 and len(v.waiting) == 2)
             except AssertionError:
                 raise AssertionError(f"nodes {sorted(counter.current)}, launched {launched()}") from None
-            assert view.phase == Phase.WAITING_FOR_CAPACITY and "address slots" in view.message
+            assert view.phase == ProvisionPhase.WAITING_FOR_CAPACITY and "address slots" in view.message
             assert "2 of 2 held" in view.waiting[0]
             assert len(view.nodes) == 2 and counter.peak == 2
             assert len(launched()) == 2  # nothing else launched: no instance that could never join
@@ -258,13 +262,13 @@ async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: t
         spec=client.V1PodDisruptionBudgetSpec(min_available=1,
                                               selector=client.V1LabelSelector(match_labels={"app": deploy}))))
     handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
-    view = await wait_phase(handle, Phase.SERVING)
+    view = await wait_phase(handle, NodePhase.SERVING)
 
     # Home capacity comes back: a home node with this GPU type. The operation starts returning home.
     home = unique("home")
     stack.cluster.create_kwok_node(home, labels={"nvidia.com/gpu.product": product})
     try:
-        await wait_phase(handle, Phase.DRAINING, timeout=60)
+        await wait_phase(handle, NodePhase.DRAINING, timeout=60)
         drain = temporal.get_workflow_handle(f"drain/{handle.id}/{view.operation}")
 
         async def blocked() -> DrainStatus:
@@ -283,7 +287,7 @@ async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: t
         admin.policy.patch_namespaced_pod_disruption_budget("keep-one", namespace,
                                                             {"spec": {"minAvailable": 0}})
         done = await result(handle)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         assert "home capacity is back" in done.message
         pods = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
         wait_for(lambda: [p.spec.node_name for p in admin.core.list_namespaced_pod(
@@ -303,14 +307,14 @@ async def test_cancel_drains_and_removes_what_it_made(stack: BurstStack, worker:
     deploy = unique("cancelled")
     admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy, gpu_product=product))
     handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
-    view = await wait_phase(handle, Phase.SERVING)
+    view = await wait_phase(handle, NodePhase.SERVING)
     await ops.cancel(temporal, view.operation)
     with pytest.raises(WorkflowFailureError) as err:
         await result(handle)
     assert isinstance(err.value.cause, CancelledError), repr(err.value.cause)
     assert not admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items
     final = await handle.query("state", result_type=type(view))
-    assert final.phase == Phase.CANCELLED
+    assert final.phase == NodePhase.CANCELLED
     assert any("Draining" in h for h in final.history)
     # The workload is back to Pending (evicted, not deleted): nothing of the operation is left.
     pods = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
@@ -330,7 +334,7 @@ async def one_operation(stack: BurstStack, temporal_dev_server: WorkflowEnvironm
     stack.create_policy(policy, mode="Automatic", locations=[loc["name"] for loc in locations])
     deploy = unique("infer")
     try:
-        async with worker_services(settings) as (temporal, runtime, _):
+        async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _):
             stack.cluster.admin.apps.create_namespaced_deployment(namespace,
                                                                   gpu_deployment(deploy, gpu_product=product))
             yield await node_for(temporal, queue, policy, f"{namespace}/{deploy}-"), runtime
@@ -343,14 +347,14 @@ async def test_insufficient_capacity_falls_back_to_the_next_location(
         stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, policy: str, product: str) -> None:
     locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, price=1.5)]
     async with one_operation(stack, temporal_dev_server, namespace, policy, product, locations) as (handle, _):
-        view = await wait_phase(handle, Phase.SERVING)
+        view = await wait_phase(handle, NodePhase.SERVING)
         assert view.node is not None
         assert view.node.offering.location == "sim/eu-west"  # cheapest, but full
         assert [o.location for o in view.node.alternatives] == ["sim/us-west"]
         assert view.instance is not None and view.instance.location == "sim/us-west"
         pod = view.node.pods[0].split("/")[1]
         stack.cluster.admin.apps.delete_namespaced_deployment(pod.rsplit("-", 2)[0], namespace)
-        assert (await result(handle)).phase == Phase.COMPLETED
+        assert (await result(handle)).phase == NodePhase.COMPLETED
 
 
 async def test_no_capacity_anywhere_fails_leaving_nothing(
@@ -358,7 +362,7 @@ async def test_no_capacity_anywhere_fails_leaving_nothing(
     locations = [sim_location("sim/eu-west", product, capacity=0), sim_location("sim/us-west", product, capacity=0)]
     async with one_operation(stack, temporal_dev_server, namespace, policy, product, locations) as (handle, runtime):
         done = await result(handle)
-        assert done.phase == Phase.FAILED
+        assert done.phase == NodePhase.FAILED
         assert "no capacity in any eligible location" in done.message
         assert "sim/eu-west" in done.message and "sim/us-west" in done.message
         for loc in ("sim/eu-west", "sim/us-west"):
@@ -374,7 +378,7 @@ async def test_node_that_never_joins_is_terminated(
     async with one_operation(stack, temporal_dev_server, namespace, policy, product, [slow],
                              join_timeout_seconds=3) as (handle, runtime):
         done = await result(handle)
-        assert done.phase == Phase.FAILED
+        assert done.phase == NodePhase.FAILED
         assert "did not become Ready" in done.message
         launched = runtime.providers["sim"].list("sim/eu-west", policy=policy)
         assert [i.state for i in launched] == ["terminated"]

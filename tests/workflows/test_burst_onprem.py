@@ -17,9 +17,12 @@ import pytest
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import JoinTicketRequest, KubeGateway
-from models.operation import LABEL_LOCATION, Phase, ProvisionView, Taint
+from gateway.service import KubeGateway
+from models.join import JOIN_TOKEN_HEADER, JoinTicketRequest
+from models.labels import LABEL_LOCATION, Taint
+from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import ProvisionView
 from node.join import JoinRefusedByGateway
 from tests.harness.burst import (
     BURST_TAINT_KEY,
@@ -38,7 +41,6 @@ from tests.harness.onprem import AgentProcess, GatewayThread
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
 from worker.main import worker_services
-from worker.pool_join import JOIN_TOKEN_HEADER
 from worker.runtime import kube_api
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -167,7 +169,7 @@ async def onprem(onprem_hub: OnPrem, stack: BurstStack, temporal_dev_server: Wor
         temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
         locations=LOCATIONS, cluster_name=env.cluster, hub_url=env.hub.url,
         hub_token_file=env.workdir / "cluster.token", hub_poll_interval=1.0, gateway_url=env.gateway.url)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
         env.temporal = temporal
         try:
             yield env
@@ -187,7 +189,7 @@ async def _serve_then_remove(env: OnPrem, namespace: str, server: str) -> tuple[
     assert planned.offering.location == LOCATION  # the pool is cheapest: 0.35 USD/GPU-h, transfer 0
     assert planned.offering.transfer_usd_per_gpu_hour == 0
     handle = await env.approve(namespace, policy, deploy)
-    view = await wait_phase(handle, Phase.SERVING, timeout=90)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=90)
     node = env.stack.cluster.admin.core.read_node(str(view.node_name))
     assert node.metadata.labels[LABEL_LOCATION] == "onprem.dc1"
     assert node.spec.provider_id == f"onprem://{POOL}/{server}"
@@ -197,7 +199,7 @@ async def _serve_then_remove(env: OnPrem, namespace: str, server: str) -> tuple[
     serving = await env.server_in(server, "serving")
     assert serving["claim_cluster"] == env.cluster and serving["claim_operation"] == view.operation
     env.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
     return view, policy
 
 
@@ -227,14 +229,14 @@ async def test_agent_killed_while_joining_resumes_with_the_same_ticket(onprem: O
     policy = await onprem.policy()
     deploy, _ = await onprem.proposed(namespace, policy)
     handle = await onprem.approve(namespace, policy, deploy)
-    view = await wait_phase(handle, Phase.LAUNCHING, Phase.JOINING)  # the operation the claim carries
+    view = await wait_phase(handle, NodePhase.LAUNCHING, NodePhase.JOINING)  # the operation the claim carries
     await onprem.server_in("gpu-a", "joining")
     await until(lambda: agent.state().get("phase") == "joining" or None, timeout=10, what="agent joining")
     agent.kill()
     assert agent.state()["operation"] == view.operation and agent.state()["user_data"]
     onprem.gateway.start()
     agent.start()  # the reboot: it resumes from its state file
-    view = await wait_phase(handle, Phase.SERVING, timeout=90)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=90)
     assert view.node_name in onprem.nodes(policy)
     assert "joined cluster" in agent.log
     await _remove(onprem, namespace, deploy, handle, policy)
@@ -244,7 +246,7 @@ async def test_agent_killed_while_joining_resumes_with_the_same_ticket(onprem: O
 async def _remove(env: OnPrem, namespace: str, deploy: str, handle: WorkflowHandle[Any, Any], policy: str) -> None:
     """Remove the workload and wait until its burst node is gone (a Node left behind would take later pods)."""
     env.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
     await until(lambda: not env.nodes(policy), timeout=30, what="the burst Node removed")
 
 
@@ -269,12 +271,12 @@ async def _serve_then_remove_hub_down(env: OnPrem, namespace: str, hub_down: Cal
     policy = await env.policy()
     deploy, _ = await env.proposed(namespace, policy)
     handle = await env.approve(namespace, policy, deploy)
-    view = await wait_phase(handle, Phase.SERVING, timeout=90)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=90)
     await env.server_in("gpu-a", "serving")
     await hub_down()
     env.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     # The drain runs; the release (terminate) cannot reach the hub and is retried.
-    await wait_phase(handle, Phase.DRAINING, timeout=60)
+    await wait_phase(handle, NodePhase.DRAINING, timeout=60)
     assert env.temporal is not None
 
     async def release_retried() -> bool:
@@ -292,9 +294,9 @@ async def _serve_then_remove_hub_down(env: OnPrem, namespace: str, hub_down: Cal
         assert time.monotonic() < deadline, "the release was not retried while the hub is down"
         await asyncio.sleep(0.5)
     state = await handle.query("state", result_type=type(view))
-    assert state.phase in (Phase.DRAINING,), state.phase  # not done: the server is not released yet
+    assert state.phase in (NodePhase.DRAINING,), state.phase  # not done: the server is not released yet
     env.hub.start()
-    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
     return view, policy
 
 
@@ -310,7 +312,7 @@ async def test_server_offline_while_claimed_fails_over_to_the_next_location(onpr
     assert "sim/eu-west" in [o.location for o in planned.alternatives]  # the next location, tried on no capacity
     agent.signal(signal.SIGSTOP)  # silent from now on, still online in the hub for OFFLINE_AFTER seconds
     handle = await onprem.approve(namespace, policy, deploy)
-    view = await wait_phase(handle, Phase.SERVING, timeout=90)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=90)
     assert view.instance is not None and view.instance.location == "sim/eu-west"
     assert view.history and any("onprem/dc1" in h for h in view.history), view.history
     events = [e["action"] for e in onprem.audit()]

@@ -12,7 +12,10 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from models.operation import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Approval, Phase
+from models.decisions import Approval
+from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
+from models.node import NodePhase
+from models.provisioning import BatchPhase, ProvisionPhase
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
@@ -64,7 +67,7 @@ async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) ->
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=LOCATIONS, cluster_name=queue)
-    async with worker_services(settings) as (temporal, runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _watcher):
         yield temporal, settings.cluster
         assert runtime.audit.read() is not None
 
@@ -90,7 +93,7 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
 
     view = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
-    assert view.proposal is not None and view.phase == Phase.AWAITING_APPROVAL
+    assert view.proposal is not None and view.phase == BatchPhase.AWAITING_APPROVAL
     plan = view.proposal.plan
     (node,) = plan.new_nodes
     # Cheapest location inside the policy, never the cheaper one outside it; the transfer estimate is shown.
@@ -109,7 +112,7 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
     assert "alice" in decided.message
 
     handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
-    serving = await wait_phase(handle, Phase.SERVING)
+    serving = await wait_phase(handle, NodePhase.SERVING)
     labels = stack.cluster.admin.core.read_node(str(serving.node_name)).metadata.labels
     assert labels[LABEL_LOCATION] == "sim.eu-west" and labels[LABEL_POLICY] == policy
     assert labels[LABEL_OPERATION] == serving.operation and labels[LABEL_INSTANCE_TYPE] == "sim.l4.1"
@@ -122,7 +125,7 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
     # Remove the workload: the burst node drains and is removed.
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     done = await result(handle)
-    assert done.phase == Phase.COMPLETED, done.message
+    assert done.phase == NodePhase.COMPLETED, done.message
     wait_for(lambda: not stack.cluster.admin.core.list_node(
         field_selector=f"metadata.name={serving.node_name}").items, what="burst node gone")
     after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
@@ -136,10 +139,10 @@ async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[
     deploy = unique("infer")
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
     view = await provision_state(temporal, cluster_name, policy, lambda v: bool(v.batches))
-    assert view.batches[0].phase == Phase.PROPOSED and view.batches[0].plan.new_nodes
+    assert view.batches[0].phase == BatchPhase.PROPOSED and view.batches[0].plan.new_nodes
     assert view.batches[0].nodes == [] and view.nodes == []
     # Its round over (back to Idle), the provisioning has launched nothing.
-    settled = await provision_state(temporal, cluster_name, policy, lambda v: v.phase == Phase.IDLE)
+    settled = await provision_state(temporal, cluster_name, policy, lambda v: v.phase == ProvisionPhase.IDLE)
     assert settled.nodes == [] and all(b.nodes == [] for b in settled.batches)
     assert not _burst_nodes(stack, policy)
     # Its pod would wait for the next test's policy otherwise (namespaces go asynchronously).
@@ -187,7 +190,7 @@ async def test_a_two_gpu_pod_never_lands_a_plan_that_cannot_fit_it(
                                  lambda v: any("asks for 2 GPU(s)" in w for w in v.waiting))
     assert view.batches == [] and view.nodes == []
     assert "the largest eligible offering has 1" in view.waiting[0]
-    settled = await provision_state(temporal, cluster_name, policy, lambda v: v.phase == Phase.IDLE)
+    settled = await provision_state(temporal, cluster_name, policy, lambda v: v.phase == ProvisionPhase.IDLE)
     assert settled.batches == [] and settled.nodes == []
     assert not _burst_nodes(stack, policy)
     stack.cluster.admin.apps.delete_namespaced_deployment("two", namespace, propagation_policy="Foreground")
@@ -256,7 +259,7 @@ async def test_a_pod_taking_another_batchs_node_leaves_no_spare_node_and_no_pod_
         await until(lambda: len(_running(stack, namespace)) == 2, timeout=90, what="both pods running")
         # Settled: nothing waits, nothing proposed, back to Idle: a spare node would have been planned by now.
         final = await provision_state(temporal, cluster_name, policy, lambda v: (
-            v.phase == Phase.IDLE and not v.waiting and v.proposal is None))
+            v.phase == ProvisionPhase.IDLE and not v.waiting and v.proposal is None))
         assert final.proposal is None and len(node_workflows(final)) == 2
         assert len(_burst_nodes(stack, policy)) == 2
         for d in ("infer-a", "infer-b"):

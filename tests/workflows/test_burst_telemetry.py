@@ -23,10 +23,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.testing import WorkflowEnvironment
 
-from activities.gateway import parse_user_data_ticket
 from models.hub import hub_sync_workflow_id
-from models.operation import TAG_OPERATION, Phase, provision_workflow_id
+from models.ids import provision_workflow_id
+from models.join import parse_user_data
+from models.labels import TAG_OPERATION
+from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import BatchPhase
 from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
@@ -84,10 +87,11 @@ class Worker:
     settings: Settings
     log: Path
     env: dict[str, str]
+    stack: BurstStack
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, **more_env: str) -> None:
-        self.proc = worker_process(self.settings, self.log, {**self.env, **more_env})
+        self.proc = worker_process(self.settings, self.log, {**self.env, **more_env}, stack=self.stack)
         wait_for(self.healthy, what="worker /healthz", timeout=60)
 
     def healthy(self) -> bool:
@@ -215,7 +219,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             temporal_address=temporal.service_client.config.target_host, task_queue=unique("q"),
             locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
             hub_token_file=hub.token_file, hub_poll_interval=1.0, health_port=free_port())
-        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp))
+        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp), stack)
         worker.start()
         try:
             created = hub.admin.put(f"/v1/clusters/{hub.cluster}/policies/{policy}", json={
@@ -245,7 +249,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
             assert decided.status_code == 201, decided.text
             handle = await node_for(temporal, hub.cluster, policy, pods, timeout=120)
             wf_id = handle.id
-            serving = await wait_phase(handle, Phase.SERVING, timeout=120)
+            serving = await wait_phase(handle, NodePhase.SERVING, timeout=120)
 
             # While it serves: its node, what it costs, its phase and the node its provisioning holds.
             def serving_metrics() -> Samples | None:
@@ -261,7 +265,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
 
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle, timeout=150)
-            assert done.phase == Phase.COMPLETED, done.message
+            assert done.phase == NodePhase.COMPLETED, done.message
 
             # -- the node's trace: every phase of the node, the cloud call a child of the launch activity; linked to
             # its batch's trace, which holds the planning and the approval -----------------------------------------
@@ -357,7 +361,7 @@ async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
         # -- no secret anywhere: logs, spans as exported, metrics ------------------------------------------------
         (record,) = sim_records(settings, serving.operation)
         user_data: str = record["user_data"]
-        ticket: str = parse_user_data_ticket(user_data)["ticket"]
+        ticket: str = parse_user_data(user_data)["ticket"]
         secrets = {"hub token": hub.token_file.read_text().strip(), "join ticket": ticket, "user data": user_data}
         haystacks = {"logs": worker.log.read_bytes(), "spans": b"\n".join(otlp.bodies),
                      "decoded spans": repr(otlp.snapshot()).encode(), "metrics": after.text.encode()}
@@ -380,7 +384,7 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
     with OtlpReceiver() as otlp:
         settings = stack.settings(temporal_address=temporal.service_client.config.target_host, task_queue=queue,
                                   locations=[location], cluster_name=queue, health_port=free_port())
-        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp, "first"))
+        worker = Worker(settings, tmp_path / "worker.log", otel_env(otlp, "first"), stack)
         try:
             worker.start()
             deploy = unique("infer")
@@ -388,15 +392,15 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
                                                                   gpu_deployment(deploy, gpu_product=product))
             handle = await node_for(temporal, queue, policy, f"{namespace}/{deploy}-", timeout=90)
             wf_id = handle.id
-            operation = (await wait_phase(handle, Phase.JOINING, timeout=90)).operation
+            operation = (await wait_phase(handle, NodePhase.JOINING, timeout=90)).operation
             await until(lambda: by_name(otlp.snapshot(), "StartActivity:wait_for_node"), timeout=10,
                         what="the join's scheduling exported")
             worker.kill()  # mid-join: the instance is still booting
             worker.start(OTEL_RESOURCE_ATTRIBUTES="service.instance.id=second")
-            await wait_phase(handle, Phase.SERVING, timeout=150)
+            await wait_phase(handle, NodePhase.SERVING, timeout=150)
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle, timeout=150)
-            assert done.phase == Phase.COMPLETED, done.message
+            assert done.phase == NodePhase.COMPLETED, done.message
 
             def completed_trace() -> list[ReceivedSpan] | None:
                 trace = one_trace(otlp, wf_id)
@@ -431,13 +435,13 @@ async def test_worker_without_otel_variables_exports_nothing_and_says_nothing(
     stack.create_policy(policy, mode=None, locations=["sim/eu-west"])  # Recommend: a proposal, nothing launched
     settings = stack.settings(temporal_address=temporal.service_client.config.target_host, task_queue=queue,
                               locations=SIM_LOCATIONS, cluster_name=queue, health_port=free_port())
-    worker = Worker(settings, tmp_path / "worker.log", {})
+    worker = Worker(settings, tmp_path / "worker.log", {}, stack)
     try:
         worker.start()
         deploy = unique("infer")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         view = await provision_state(temporal, queue, policy, lambda v: any(
-            b.phase == Phase.PROPOSED for b in v.batches), timeout=120)
+            b.phase == BatchPhase.PROPOSED for b in v.batches), timeout=120)
         assert not view.nodes  # a proposal, nothing launched
 
         def counted() -> Samples | None:

@@ -14,7 +14,8 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes as sa
-from models.operation import Phase, provision_workflow_id
+from models.ids import provision_workflow_id
+from models.node import NodePhase
 from tests.harness.browser import artifacts_dir, chromium, current_details_text, screenshot
 from tests.harness.burst import (
     SIM_LOCATIONS,
@@ -63,7 +64,7 @@ async def worker(stack: BurstStack, ui: tuple[WorkflowEnvironment, str]) -> Asyn
     queue = unique("q")
     settings = stack.settings(temporal_address=ui[0].client.service_client.config.target_host,
                               task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
         yield temporal, settings.cluster
 
 
@@ -120,7 +121,7 @@ async def test_an_operator_finds_reads_approves_and_follows_a_burst_home_in_the_
         await dialog.get_by_role("option").filter(has_text=re.compile(r"^\s*approve\b")).click()
         await page.get_by_role("button", name="Submit").click()
         handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
-        serving = await wait_phase(handle, Phase.SERVING)
+        serving = await wait_phase(handle, NodePhase.SERVING)
         after = await provision_state(temporal, cluster_name, policy, lambda v: bool(v.batches))
         assert after.batches[-1].approver is not None  # the UI's signal carries no input: the default approver
         await screenshot(page, out, "3-approved")
@@ -128,7 +129,7 @@ async def test_an_operator_finds_reads_approves_and_follows_a_burst_home_in_the_
         # 4. The workload goes; filtering by the operation finds the node and its drain, both Completed.
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle)
-        assert done.phase == Phase.COMPLETED, done.message
+        assert done.phase == NodePhase.COMPLETED, done.message
         query = f'{sa.OPERATION.name}="{serving.operation}"'
         await page.goto(f"{console}/namespaces/default/workflows?query={quote(query, safe='')}")
         await page.locator("tr", has_text="drain/").wait_for(timeout=60_000)

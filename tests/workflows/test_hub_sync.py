@@ -21,6 +21,8 @@ from temporalio.testing import WorkflowEnvironment
 from hub.db import Cluster as HubCluster
 from hub.db import Database
 from hub.db import Policy as HubPolicy
+from models.decisions import Approval
+from models.drain import DrainStatus
 from models.hub import (
     CONDITION_HUB_CONNECTED,
     CONDITION_READY,
@@ -32,8 +34,9 @@ from models.hub import (
     PolicySyncOutcome,
     hub_sync_workflow_id,
 )
-from models.operation import Approval, DrainStatus, Phase
+from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
+from models.provisioning import BatchPhase
 from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
@@ -182,7 +185,7 @@ async def optimizer(stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEn
         temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
         locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
         hub_token_file=hub.token_file, hub_poll_interval=POLL)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
         opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack)
         try:
             yield opt
@@ -285,7 +288,7 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
     await hub.decide_when_proposed(rejected.batch, "reject", reason="too dear")
     view = await provision_state(optimizer.temporal, optimizer.cluster, name,
                                  lambda v: bool(v.batches) and v.batches[-1].batch == rejected.batch)
-    assert view.batches[-1].phase == Phase.REJECTED and "too dear" in view.batches[-1].message
+    assert view.batches[-1].phase == BatchPhase.REJECTED and "too dear" in view.batches[-1].message
     apps.delete_namespaced_deployment(rejected_deploy, namespace)
 
     approved_deploy = optimizer.create_workload(namespace)
@@ -293,13 +296,13 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
     assert approved is not None
     await hub.decide_when_proposed(approved.batch, "approve", plan_id=approved.plan.plan_id, reason="needed")
     handle = await node_for(optimizer.temporal, optimizer.cluster, name, f"{namespace}/{approved_deploy}-")
-    serving = await wait_phase(handle, Phase.SERVING)
+    serving = await wait_phase(handle, NodePhase.SERVING)
     view = await provision_state(optimizer.temporal, optimizer.cluster, name)
     assert view.batches[-1].approver is not None and view.batches[-1].approver.startswith("hub:")
     assert optimizer.burst_nodes(name) == [serving.node_name]  # one node: the approved batch's
 
     apps.delete_namespaced_deployment(approved_deploy, namespace)
-    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
     await until(lambda: not optimizer.burst_nodes(name), timeout=30, what="the burst node removed")
 
     def reported() -> dict[str, list[str]] | None:
@@ -334,20 +337,20 @@ async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
     # A pending workload under an Automatic policy: the operation holds; nothing is launched in the cluster.
     deploy = optimizer.create_workload(namespace)
     handle = await node_for(optimizer.temporal, optimizer.cluster, name, f"{namespace}/{deploy}-")
-    held = await wait_phase(handle, Phase.HELD)
+    held = await wait_phase(handle, NodePhase.HELD)
     assert "token" in held.message and held.instance is None
     status_before = await optimizer.sync_status()
     await _polled_again(optimizer, status_before.polls)
-    assert (await wait_phase(handle, Phase.HELD)).instance is None
+    assert (await wait_phase(handle, NodePhase.HELD)).instance is None
     assert optimizer.burst_nodes(name) == []
 
     # A valid token, mounted without a restart: the operation goes on from where it held.
     hub.mount(hub.rotate())
-    serving = await wait_phase(handle, Phase.SERVING, timeout=60)
+    serving = await wait_phase(handle, NodePhase.SERVING, timeout=60)
     assert optimizer.burst_nodes(name) == [serving.node_name]
     assert optimizer.condition(name, CONDITION_HUB_CONNECTED)["status"] == "True"
     optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
 
 
 async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_returns(
@@ -361,7 +364,7 @@ async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_
     assert cond["reason"] == REASON_UNREACHABLE
     # The last policies stay enforced: a burst runs to Serving with the hub down.
     deploy, handle = await optimizer.pending_workload(namespace, name)
-    serving = await wait_phase(handle, Phase.SERVING, timeout=60)
+    serving = await wait_phase(handle, NodePhase.SERVING, timeout=60)
     status = await _polled_again(optimizer, (await optimizer.sync_status()).polls)
     assert status.state == "unreachable" and status.pending_reports == 3  # launched, joined, verified
 
@@ -378,7 +381,7 @@ async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_
     assert (await optimizer.sync_status()).pending_reports == 0
     assert len([r for r in hub.reports() if r["operation"] == serving.operation]) == 3  # delivered once
     optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
 
 
 async def test_invalid_policy_from_the_hub_keeps_the_last_good_one_and_is_reported(
@@ -440,7 +443,7 @@ async def test_revoked_token_holds_a_return_home_until_a_valid_token_is_mounted(
     hub = optimizer.hub
     name = await optimizer.synced_policy("Automatic")
     deploy, handle = await optimizer.pending_workload(namespace, name)
-    serving = await wait_phase(handle, Phase.SERVING, timeout=60)
+    serving = await wait_phase(handle, NodePhase.SERVING, timeout=60)
 
     hub.revoke()
     await until(lambda: (c := optimizer.condition(name, CONDITION_HUB_CONNECTED)) and c["status"] == "False",
@@ -465,6 +468,6 @@ async def test_revoked_token_holds_a_return_home_until_a_valid_token_is_mounted(
     assert not node.spec.unschedulable  # not even cordoned
 
     hub.mount(hub.rotate())
-    done = await wait_phase(handle, Phase.COMPLETED, timeout=120)
+    done = await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
     assert "returned home" in done.message
     assert optimizer.burst_nodes(name) == []

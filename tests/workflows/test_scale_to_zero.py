@@ -18,7 +18,7 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.scale import ScaleForbidden, ScaleOps
-from models.operation import Approval
+from models.decisions import Approval
 from models.policy import API_GROUP, PLURAL
 from models.scale import NO_PROMETHEUS, ScalePhase, ScaleRequest, WakeRequest, WorkloadRef, scale_workflow_id
 from tests.harness.burst import worker_process
@@ -71,7 +71,7 @@ def _settings(stack: ScaleStack, env: WorkflowEnvironment, **kw: Any) -> Setting
 @pytest.fixture
 async def worker(stack: ScaleStack, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, Settings]]:
     settings = _settings(stack, temporal_dev_server)
-    async with worker_services(settings) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.burst.runtime(settings)) as (temporal, _runtime, _watcher):
         yield temporal, settings
 
 
@@ -214,7 +214,7 @@ async def test_without_prometheus_url_policies_only_recommend(
         stack: ScaleStack, temporal_dev_server: WorkflowEnvironment, allowed_ns: str, policy: str) -> None:
     settings = _settings(stack, temporal_dev_server, prometheus=False)
     _idle_deployment(stack, allowed_ns, "idle", replicas=1)
-    async with worker_services(settings):
+    async with worker_services(settings, stack.burst.runtime(settings)):
         stack.create_policy(policy, [allowed_ns], mode="Automatic")
         status = await until(lambda: stack.scale_status(policy).get("enforcedMode") and stack.scale_status(policy),
                              what="the enforced mode in the status")
@@ -259,14 +259,14 @@ async def test_worker_killed_at_zero_wakes_once_to_the_right_count(
     temporal = temporal_dev_server.client
     _idle_deployment(stack, allowed_ns, "crash", replicas=3)
     stack.create_policy(policy, [allowed_ns], mode="Automatic")
-    procs = [worker_process(settings, tmp_path / "worker.log")]
+    procs = [worker_process(settings, tmp_path / "worker.log", stack=stack.burst)]
     try:
         handle = _handle(temporal, settings, policy, allowed_ns, "crash")
         view = await wait_scale_phase(handle, ScalePhase.SCALED_TO_ZERO, timeout=120)
         assert stack.replicas(allowed_ns, "crash")[0] == 0
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait(timeout=10)
-        procs.append(worker_process(settings, tmp_path / "worker.log"))
+        procs.append(worker_process(settings, tmp_path / "worker.log", stack=stack.burst))
         await ops.wake(temporal, view.operation, WakeRequest(by="carol"))
         done = await handle.result()
         assert done["phase"] == ScalePhase.COMPLETED.value, done

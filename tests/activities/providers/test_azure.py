@@ -14,8 +14,9 @@ from activities.providers.base import (
     NotOwnedError,
     ProviderError,
 )
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
-from models.operation import TAG_BURST, TAG_OPERATION, LaunchRequest
+from models.node import LaunchRequest
 from tests.harness.azure_server import IDENTITY_HEADER
 from tests.harness.cloud_fake import FakeServer
 

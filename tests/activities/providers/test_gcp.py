@@ -15,8 +15,9 @@ from activities.providers.base import (
     ProviderError,
 )
 from activities.providers.gcp import GcpProvider
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
-from models.operation import TAG_BURST, TAG_OPERATION, LaunchRequest
+from models.node import LaunchRequest
 from tests.harness.cloud_fake import FakeServer
 
 LOCATION = "gcp/europe-west4"

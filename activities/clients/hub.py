@@ -1,0 +1,124 @@
+"""The optimizer's HTTP client of the hub (R2.x). The hub never connects to the optimizer: this pulls policies and
+approvals and pushes action reports, authenticated with the cluster token.
+
+The token is read from its mounted Secret file on every request, so a rotated Secret (the kubelet swaps the
+file) is used at once, without a restart (R2.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from activities.clients.gateway import error_message
+from activities.telemetry.tracing import http_call
+from models.hub import ActionReport
+
+
+class HubError(Exception):
+    """The hub could not be used; ``str()`` says why."""
+
+
+class HubUnauthorized(HubError):
+    """401: the token is revoked, expired, unknown, or there is none. No action until a valid token arrives."""
+
+
+class HubUnreachable(HubError):
+    """No answer, or a 5xx: try again later; nothing is lost."""
+
+
+class HubRefused(HubError):
+    """Another 4xx: this request will never succeed as it is (a malformed report, a key reused)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"hub refused ({status}): {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class PolicySet:
+    revision: int
+    etag: str
+    documents: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class HubApproval:
+    id: int
+    operation: str
+    decision: str
+    plan_id: str | None
+    reason: str
+    decided_by: str
+
+
+@dataclass(frozen=True)
+class ApprovalPage:
+    approvals: list[HubApproval]
+    cursor: int
+    more: bool
+
+
+class HubClient:
+    def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.token_file = token_file
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=ca_file or True, transport=transport,
+                                  headers={"User-Agent": "kubeon-gpu-optimizer"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def token(self) -> str:
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise HubUnauthorized(f"no hub token: cannot read {self.token_file} ({exc.strerror})") from None
+        if not token:
+            raise HubUnauthorized(f"no hub token: {self.token_file} is empty")
+        return token
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token()}", **kwargs.pop("headers", {})}
+        with http_call("hub", method, path) as call:
+            try:
+                response = self._http.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError as exc:
+                raise HubUnreachable(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
+            call.response(response.status_code)
+        if response.status_code == 401:
+            raise HubUnauthorized(f"hub rejected the cluster token (401): {error_message(response)}")
+        if response.status_code >= 500:
+            raise HubUnreachable(f"hub {self.url} answered {response.status_code}: {error_message(response)}")
+        if response.status_code >= 400:
+            raise HubRefused(response.status_code, error_message(response))
+        return response
+
+    def policies(self, etag: str | None = None) -> PolicySet | None:
+        """The cluster's policy set, or None when it still has ``etag`` (304: nothing was sent)."""
+        headers = {"If-None-Match": etag} if etag else {}
+        response = self._request("GET", "/v1/cluster/policies", headers=headers)
+        if response.status_code == 304:
+            return None
+        body = response.json()
+        return PolicySet(revision=int(body["revision"]), etag=response.headers.get("ETag") or str(body["etag"]),
+                         documents=list(body["policies"]))
+
+    def approvals(self, after: int, limit: int = 100) -> ApprovalPage:
+        response = self._request("GET", "/v1/cluster/approvals", params={"after": after, "limit": limit})
+        body = response.json()
+        return ApprovalPage(
+            approvals=[HubApproval(id=int(a["id"]), operation=a["operation"], decision=a["decision"],
+                                   plan_id=a.get("plan_id"), reason=a.get("reason") or "",
+                                   decided_by=a["decided_by"]) for a in body["approvals"]],
+            cursor=int(body["cursor"]), more=bool(body["more"]))
+
+    def report(self, report: ActionReport) -> bool:
+        """Deliver one report. True when the hub stored it now, False when it already had it (a retry)."""
+        body = report.model_dump(mode="json")
+        response = self._request("POST", "/v1/cluster/reports", json=body)
+        return response.status_code == 201

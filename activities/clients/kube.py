@@ -1,0 +1,399 @@
+"""Kubernetes side effects with the optimizer's own credentials (R5.1): read pods, nodes, policies; patch
+nodes (cordon); evict through the Eviction API only. Nothing here creates or deletes a Node."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+from kubernetes import client, watch
+
+from models.drain import EvictionResult
+from models.labels import GPU_RESOURCE, LABEL_LOCATION, LABEL_OPERATION
+from models.node import NodeExpectation, ServeCheckRequest, ServeCheckResult, VerifyResult
+from models.policy import API_GROUP, PLURAL, GpuPolicy, PolicyError, parse_policy
+from models.provisioning import NodeRequirement, PendingPod
+from planning.burst import pod_matches
+
+Heartbeat = Callable[..., None]
+PDB_PATTERN = re.compile(r"disruption budget ([a-z0-9]([-a-z0-9.]*[a-z0-9])?)")
+
+
+class NodeJoinTimeout(Exception):
+    pass
+
+
+class VerificationFailed(Exception):
+    pass
+
+
+def gpus_requested(pod: client.V1Pod) -> int:
+    total = 0
+    for c in pod.spec.containers or []:
+        res = c.resources
+        for source in ((res.limits or {}), (res.requests or {})) if res else ():
+            if GPU_RESOURCE in source:
+                total += int(source[GPU_RESOURCE])
+                break
+    return total
+
+
+def tolerates(pod: client.V1Pod, taint_key: str) -> bool:
+    for t in pod.spec.tolerations or []:
+        key_ok = t.key == taint_key or (t.key in (None, "") and t.operator == "Exists")
+        if key_ok and t.effect in (None, "", "NoSchedule"):
+            return True
+    return False
+
+
+def could_take(node: client.V1Node, pod: client.V1Pod, taint_key: str) -> bool:
+    """Whether a waiting pod is one this burst node is for: it tolerates the burst taint, its nodeSelector and
+    required node affinity match the node and its GPU request fits the node."""
+    spec = pod.spec
+    if spec.node_name or pod.metadata.deletion_timestamp is not None or not tolerates(pod, taint_key):
+        return False
+    if not pod_matches(pending_pod(pod), dict(node.metadata.labels or {})):
+        return False
+    gpus = gpus_requested(pod)
+    allocatable = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0")) if node.status else 0
+    return 0 < gpus <= allocatable
+
+
+def is_ready(node: client.V1Node) -> bool:
+    conditions = node.status.conditions if node.status else None
+    return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
+
+
+def _pod_terminal(pod: client.V1Pod) -> bool:
+    return bool(pod.status and pod.status.phase in ("Succeeded", "Failed"))
+
+
+T = TypeVar("T")
+
+# How stale the home capacity a serving node's return-home check reads may be: every serving node checks every
+# serve_check_seconds, and one list of the cluster's nodes and pods per second serves them all.
+HOME_VIEW_SECONDS = 1.0
+
+
+class RecentRead(Generic[T]):
+    """The result of ``read`` for up to ``ttl`` seconds, read by one thread at a time (the others wait for it)."""
+
+    def __init__(self, read: Callable[[], T], ttl: float) -> None:
+        self._read, self.ttl = read, ttl
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._at = -1e18
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None or time.monotonic() - self._at > self.ttl:
+                self._value, self._at = self._read(), time.monotonic()
+            return self._value
+
+
+def _raw_items(response: Any) -> list[dict[str, Any]]:
+    """The items of a list call made with ``_preload_content=False``: plain JSON, without building the client's
+    model objects (which cost more CPU than the request for a cluster's nodes or pods)."""
+    items: list[dict[str, Any]] = json.loads(response.data)["items"]
+    return items
+
+
+def _gpus_of(pod: dict[str, Any]) -> int:
+    total = 0
+    for c in pod.get("spec", {}).get("containers") or []:
+        res = c.get("resources") or {}
+        for source in (res.get("limits") or {}, res.get("requests") or {}):
+            if GPU_RESOURCE in source:
+                total += int(source[GPU_RESOURCE])
+                break
+    return total
+
+
+class KubeOps:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        # A ReplicaSet's controller never changes: (namespace, name) -> (kind, name) of its owner.
+        self._rs_owner: dict[tuple[str, str], tuple[str, str]] = {}
+        self._home_nodes = RecentRead(lambda: _raw_items(self.core.list_node(_preload_content=False)),
+                                      HOME_VIEW_SECONDS)
+        self._active_pods = RecentRead(lambda: _raw_items(self.core.list_pod_for_all_namespaces(
+            field_selector="status.phase!=Succeeded", _preload_content=False)), HOME_VIEW_SECONDS)
+
+    # -- policies ----------------------------------------------------------------------------------------
+    def read_policy(self, name: str) -> GpuPolicy:
+        """A Burst policy (a policy of another kind is an error naming its kind)."""
+        doc = self.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
+        policy = parse_policy(doc)
+        if not isinstance(policy, GpuPolicy):
+            raise PolicyError([("spec.kind", f"policy {name} is {policy.spec.kind}, not Burst")])
+        return policy
+
+    def policy_status(self, name: str) -> dict[str, Any] | None:
+        """The policy's status as stored (None when the policy does not exist)."""
+        try:
+            doc: dict[str, Any] = self.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, name)  # type: ignore[assignment]
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(doc.get("status") or {})
+
+    def list_policies(self) -> list[GpuPolicy]:
+        """The valid Burst policies."""
+        out = []
+        listed: dict[str, Any] = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)  # type: ignore[assignment]
+        for doc in listed.get("items", []):
+            try:
+                policy = parse_policy(doc)
+            except ValueError:
+                continue  # an invalid policy is never enforced; the sync reports it in its status
+            if isinstance(policy, GpuPolicy):
+                out.append(policy)
+        return out
+
+    # -- ownership ---------------------------------------------------------------------------------------
+    def owner_of(self, pod: client.V1Pod) -> tuple[str, str]:
+        """(kind, name) of the workload a pod belongs to: Deployment through its ReplicaSet, Job, StatefulSet,
+        or the pod itself."""
+        refs = [r for r in pod.metadata.owner_references or [] if r.controller]
+        if not refs:
+            return "Pod", str(pod.metadata.name)
+        ref = refs[0]
+        if ref.kind == "ReplicaSet":
+            key = (str(pod.metadata.namespace), str(ref.name))
+            if key not in self._rs_owner:
+                try:
+                    rs = self.apps.read_namespaced_replica_set(key[1], key[0])
+                except client.ApiException:
+                    return "ReplicaSet", str(ref.name)
+                owners = [r for r in rs.metadata.owner_references or [] if r.controller]
+                self._rs_owner[key] = (str(owners[0].kind), str(owners[0].name)) if owners else ("ReplicaSet",
+                                                                                                   key[1])
+            return self._rs_owner[key]
+        return str(ref.kind), str(ref.name)
+
+    def waiting_uids(self, uids: set[str]) -> set[str]:
+        """Which of these pods still wait for a node (Pending, not bound, not being deleted)."""
+        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=").items
+        return {str(p.metadata.uid) for p in pending
+                if str(p.metadata.uid) in uids and p.metadata.deletion_timestamp is None}
+
+    def gpus_on_nodes(self, names: set[str]) -> dict[str, int]:
+        """GPUs requested by the pods bound to each of these nodes (one list, not one per node)."""
+        used = dict.fromkeys(names, 0)
+        if not names:
+            return used
+        for p in self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items:
+            name = str(p.spec.node_name)
+            if name in used and not _pod_terminal(p):
+                used[name] += gpus_requested(p)
+        return used
+
+    def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
+        """How many waiting pods (any namespace, any group) this burst node could take."""
+        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=").items
+        return len([p for p in pending if could_take(node, p, taint_key)])
+
+    # -- join ----------------------------------------------------------------------------------------------
+    def wait_node_ready(self, node_name: str, operation: str, timeout: float, heartbeat: Heartbeat) -> str:
+        """Watch (not poll) for the Node to register and turn Ready; heartbeat between watch windows."""
+        deadline = time.monotonic() + timeout
+        while True:
+            heartbeat(f"waiting for node {node_name}")
+            try:
+                node = self.core.read_node(node_name)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+                node = None
+            if node is not None:
+                if (node.metadata.labels or {}).get(LABEL_OPERATION) != operation:
+                    raise VerificationFailed(f"node {node_name} exists but belongs to another operation")
+                if is_ready(node):
+                    return node_name
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NodeJoinTimeout(f"node {node_name} did not become Ready within {timeout:.0f}s")
+            rv = node.metadata.resource_version if node is not None else None
+            w = watch.Watch()
+            try:
+                for event in w.stream(self.core.list_node, field_selector=f"metadata.name={node_name}",
+                                      resource_version=rv, timeout_seconds=int(min(10, max(1, remaining)))):
+                    obj = event["object"]
+                    if event["type"] != "DELETED" and is_ready(obj):
+                        w.stop()
+                        break
+            except client.ApiException as exc:
+                if exc.status != 410:  # expired resourceVersion: re-read and watch again
+                    raise
+            finally:
+                w.stop()
+
+    # -- verify --------------------------------------------------------------------------------------------
+    def verify_node(self, expect: NodeExpectation, heartbeat: Heartbeat) -> VerifyResult:
+        node = self.core.read_node(expect.node_name)
+        taints = node.spec.taints or []
+        if not any(t.key == expect.taint_key and t.effect == "NoSchedule" for t in taints):
+            raise VerificationFailed(f"node {expect.node_name} lacks the taint {expect.taint_key}:NoSchedule")
+        labels = node.metadata.labels or {}
+        wrong = {k: labels.get(k) for k, v in expect.labels.items() if labels.get(k) != v}
+        if wrong:
+            raise VerificationFailed(f"node {expect.node_name} has wrong or missing labels: {wrong}")
+        deadline = time.monotonic() + expect.timeout_seconds
+        while True:
+            heartbeat(f"waiting for pods on {expect.node_name}")
+            # Any opted-in pod may land on a burst node, whatever its namespace or group.
+            placed = [f"{p.metadata.namespace}/{p.metadata.name}" for p in self._evictable(
+                self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={expect.node_name}").items)]
+            if placed:
+                return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
+            if self.waiting_for(node, expect.taint_key) == 0:
+                # Nothing waits that this node could take (its pods found room elsewhere or are gone): verified
+                # but idle; serving notices that and returns it home.
+                return VerifyResult(node_name=expect.node_name, pods_on_node=[])
+            if time.monotonic() > deadline:
+                raise VerificationFailed(
+                    f"no waiting pod was scheduled on {expect.node_name} within {expect.timeout_seconds}s")
+            time.sleep(0.5)
+
+    # -- serve ---------------------------------------------------------------------------------------------
+    def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:
+        """Done when the burst node is idle (nothing runs on it and no waiting pod could take it), or (returnHome)
+        when home nodes have room for everything on it. A burst node serves whatever opted-in pods the scheduler
+        puts there, whichever batch they were planned in."""
+        on_node = self._evictable(self.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={req.node_name}").items)
+        on_node = [p for p in on_node if p.metadata.deletion_timestamp is None]
+        if not on_node:
+            waiting = self.waiting_for(self.core.read_node(req.node_name), req.taint_key) if req.taint_key else 0
+            if waiting == 0:
+                return ServeCheckResult(done=True, reason="workload gone from the burst node", pods_on_node=0)
+            return ServeCheckResult(done=False, pods_on_node=0)
+        if req.return_home:
+            need = sum(gpus_requested(p) for p in on_node)
+            free = self.home_free_gpus(req.node_selector)
+            if free >= need:
+                return ServeCheckResult(done=True, reason=f"home capacity is back ({free} GPU(s) free)",
+                                        pods_on_node=len(on_node))
+        return ServeCheckResult(done=False, pods_on_node=len(on_node))
+
+    def home_free_gpus(self, node_selector: dict[str, str]) -> int:
+        """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector, from a view
+        of the cluster at most HOME_VIEW_SECONDS old."""
+        free = 0
+        used: dict[str, int] | None = None
+        for node in self._home_nodes.get():
+            meta, spec, status = node.get("metadata", {}), node.get("spec", {}), node.get("status", {})
+            labels = meta.get("labels") or {}
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+            if LABEL_LOCATION in labels or spec.get("unschedulable") or not ready:
+                continue
+            if any(labels.get(k) != v for k, v in node_selector.items()):
+                continue
+            alloc = int((status.get("allocatable") or {}).get(GPU_RESOURCE, "0"))
+            if alloc == 0:
+                continue
+            if used is None:
+                used = {}
+                for p in self._active_pods.get():
+                    where = p.get("spec", {}).get("nodeName")
+                    if where and p.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+                        used[where] = used.get(where, 0) + _gpus_of(p)
+            free += max(0, alloc - used.get(meta.get("name", ""), 0))
+        return free
+
+    # -- drain ---------------------------------------------------------------------------------------------
+    def cordon(self, node_name: str) -> bool:
+        """Mark the node unschedulable. False if the node is gone."""
+        try:
+            self.core.patch_node(node_name, {"spec": {"unschedulable": True}})
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def evict_pods(self, node_name: str) -> EvictionResult:
+        """Evict every evictable pod on the node through the Eviction API. A PDB refusal (429) is reported, not
+        forced: the caller retries with backoff."""
+        pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}").items
+        remaining: list[str] = []
+        blocked: dict[str, str] = {}
+        for pod in self._evictable(pods):
+            meta = pod.metadata
+            key = f"{meta.namespace}/{meta.name}"
+            remaining.append(key)
+            if meta.deletion_timestamp is not None:
+                continue  # already going
+            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=meta.name, namespace=meta.namespace))
+            try:
+                self.core.create_namespaced_pod_eviction(str(meta.name), str(meta.namespace), body)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    remaining.remove(key)
+                elif exc.status == 429:
+                    match = PDB_PATTERN.search(exc.body or "")
+                    blocked[key] = f"blocked by PDB {match.group(1) if match else '(unknown)'}"
+                else:
+                    raise
+        return EvictionResult(remaining=remaining, blocked=blocked)
+
+    @staticmethod
+    def _evictable(pods: Iterable[client.V1Pod]) -> list[client.V1Pod]:
+        out = []
+        for p in pods:
+            if _pod_terminal(p):
+                continue
+            refs = p.metadata.owner_references or []
+            if any(r.kind == "DaemonSet" for r in refs):
+                continue  # DaemonSet pods go with the node
+            if "kubernetes.io/config.mirror" in (p.metadata.annotations or {}):
+                continue
+            out.append(p)
+        return out
+
+    def node_exists(self, node_name: str) -> bool:
+        try:
+            self.core.read_node(node_name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+
+def _affinity_terms(pod: client.V1Pod) -> list[list[NodeRequirement]]:
+    affinity = pod.spec.affinity.node_affinity if pod.spec.affinity else None
+    required = affinity.required_during_scheduling_ignored_during_execution if affinity else None
+    if required is None:
+        return []
+    return [[NodeRequirement(key=e.key, operator=e.operator, values=list(e.values or []))
+             for e in term.match_expressions or []] for term in required.node_selector_terms or []]
+
+
+def _tolerated(pod: client.V1Pod) -> list[str]:
+    keys = []
+    for t in pod.spec.tolerations or []:
+        if t.effect not in (None, "", "NoSchedule"):
+            continue
+        keys.append("*" if t.key in (None, "") and t.operator == "Exists" else str(t.key))
+    return sorted(set(keys))
+
+
+def pending_pod(pod: client.V1Pod) -> PendingPod:
+    """The facts of a waiting pod that planning needs."""
+    meta = pod.metadata
+    since = None
+    for cond in (pod.status.conditions if pod.status else None) or []:
+        if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
+            since = cond.last_transition_time
+    return PendingPod(namespace=meta.namespace, name=meta.name, uid=meta.uid or "", gpus=gpus_requested(pod),
+                      node_selector=dict(pod.spec.node_selector or {}), affinity_terms=_affinity_terms(pod),
+                      tolerations=_tolerated(pod), unschedulable_since=since)

@@ -1,0 +1,80 @@
+"""Activities of a policy's provisioning: its policy as it is now, and the plan of a batch of waiting pods."""
+
+from __future__ import annotations
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.context import PhaseActivities
+from activities.providers.base import ProviderError
+from models.errors import POLICY_GONE
+from models.provisioning import BatchPlan, BatchPlanRequest, LoadPolicyRequest, Offering, PolicySnapshot
+from planning.burst import AddressSlots, Room, node_labels, plan_pods
+
+
+class ProvisioningActivities(PhaseActivities):
+    """load_policy, plan_batch"""
+
+    @activity.defn(name="load_policy", no_thread_cancel_exception=True)
+    def load_policy(self, req: LoadPolicyRequest) -> PolicySnapshot:
+        from kubernetes.client import ApiException
+
+        try:
+            policy = self.kube.read_policy(req.policy)
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ApplicationError(f"policy {req.policy} no longer exists", type=POLICY_GONE,
+                                       non_retryable=True) from None
+            raise
+        except ValueError as exc:
+            raise ApplicationError(f"policy {req.policy} is invalid: {exc}", type=POLICY_GONE,
+                                   non_retryable=True) from None
+        spec = policy.spec
+        return PolicySnapshot(
+            name=policy.name, generation=policy.metadata.generation or 0, mode=spec.effective_mode(req.default_mode),
+            tolerate=spec.workloads.tolerate, locations=list(spec.locations), max_nodes=spec.limits.max_nodes,
+            max_gpu_hour=float(spec.limits.max_gpu_hour), return_home=spec.return_home,
+        )
+
+    def _offerings(self, locations: list[str]) -> tuple[list[Offering], list[str]]:
+        offerings: list[Offering] = []
+        unavailable: list[str] = []
+        for location in locations:
+            try:
+                self.config.location(location)
+                offerings += self.context.provider(location).price_offerings(location)
+            except KeyError as exc:
+                unavailable.append(f"{location}: {exc.args[0]}")
+            except (ProviderError, ApplicationError) as exc:
+                unavailable.append(f"{location}: {exc}")
+        return offerings, unavailable
+
+    @activity.defn(name="plan_batch", no_thread_cancel_exception=True)
+    def plan_batch(self, req: BatchPlanRequest) -> BatchPlan:
+        """Plan the batch: which of its pods still wait, the room on the policy's burst nodes, the offerings of
+        its locations priced now; then the pure planner (planning.burst)."""
+        still = self.kube.waiting_uids({p.uid for p in req.pods})
+        waiting = [p for p in req.pods if p.uid in still]
+        used = self.kube.gpus_on_nodes({n.node_name for n in req.nodes})
+        rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
+                      free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
+        preferred = {pod: n.node_name for n in req.nodes for pod in n.pods}
+        offerings, unavailable = self._offerings(req.policy.locations) if waiting else ([], [])
+        slots = self._free_slots(req) if waiting else None
+        p = req.policy
+        plan = plan_pods(batch=req.batch, policy=p.name, taint_key=p.tolerate, pods=waiting,
+                         rooms=[r for r in rooms if r.free > 0], offerings=offerings, locations=p.locations,
+                         max_gpu_hour=p.max_gpu_hour, max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes,
+                         preferred=preferred, address_slots=slots)
+        plan.gone = [pod.uid for pod in req.pods if pod.uid not in still]
+        plan.refused = unavailable + plan.refused
+        plan.planned_at = self.clock()
+        return plan
+
+    def _free_slots(self, req: BatchPlanRequest) -> AddressSlots:
+        """The gateway's address slots free for new nodes: every provider's node joins with a ticket, which
+        reserves one. The provisioning's nodes still launching (no ticket yet) will take theirs."""
+        room = self.gateway.capacity()
+        holding = set(room.nodes)
+        pending = sum(1 for n in req.nodes if n.node_name not in holding)
+        return AddressSlots(total=room.total, held=room.held, free=max(0, room.free - pending))

@@ -1,0 +1,179 @@
+"""Spans and product metrics around the optimizer's outbound calls: cloud APIs, the hub, the gateway.
+
+Every cloud call goes through ``TracedProvider`` (one seam: ``BurstActivities`` wraps each provider it is given),
+so a new provider gets its span, request counter and latency histogram without code of its own. Attributes and
+labels name only the provider, location, instance type, call and outcome: never user data, a ticket, a token or
+a request body. Without a configured tracer provider (``OTEL_*`` unset) the spans are OpenTelemetry's no-op
+spans; the metrics are always kept (``/metrics``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from activities.providers.base import (
+    InstanceNotFoundError,
+    InsufficientCapacityError,
+    LocationNotAllowedError,
+    NotOwnedError,
+    Provider,
+    ProviderError,
+)
+from activities.telemetry import metrics as pm
+from models.node import Instance, LaunchRequest
+from models.provisioning import Offering
+
+TRACER_NAME = "kubeon.optimizer"
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def tracer() -> trace.Tracer:
+    # Looked up per call: the worker installs its tracer provider after modules are imported.
+    return trace.get_tracer(TRACER_NAME)
+
+
+def untraced(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Run an async call with no current span: for a call that starts a long-lived workflow (a policy's ledger),
+    which would otherwise carry the first operation's trace for good and gather every later one's spans in it."""
+
+    @functools.wraps(fn)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        token = otel_context.attach(otel_context.Context())
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            otel_context.detach(token)
+
+    return call
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """A short, bounded outcome label for a failed (or not) call; never the message (it may name anything)."""
+    if exc is None:
+        return "ok"
+    for kind, label in ((InsufficientCapacityError, "insufficient_capacity"),
+                        (LocationNotAllowedError, "location_not_allowed"), (InstanceNotFoundError, "not_found"),
+                        (NotOwnedError, "not_owned")):
+        if isinstance(exc, kind):
+            return label
+    if isinstance(exc, ProviderError):
+        return "error" if exc.retryable else "rejected"
+    return "error"
+
+
+def _end(span: Span, exc: BaseException | None, outcome: str) -> None:
+    span.set_attribute("kubeon.outcome", outcome)
+    if exc is not None:
+        # The exception type only: messages of cloud SDKs and HTTP clients can quote request data.
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        span.set_attribute("error.type", type(exc).__name__)
+
+
+@contextmanager
+def cloud_call(provider: str, call: str, location: str, instance_type: str | None = None) -> Iterator[Span]:
+    """A CLIENT span ``cloud.<call>`` and the cloud request metrics, around one provider call."""
+    attributes: dict[str, str] = {"cloud.provider": provider, "cloud.region": location, "kubeon.location": location}
+    if instance_type:
+        attributes["kubeon.instance_type"] = instance_type
+    start = time.monotonic()
+    with tracer().start_as_current_span(f"cloud.{call}", kind=SpanKind.CLIENT, attributes=attributes,
+                                        record_exception=False, set_status_on_exception=False) as span:
+        error: BaseException | None = None
+        try:
+            yield span
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            outcome = outcome_of(error)
+            _end(span, error, outcome)
+            pm.CLOUD_REQUESTS.labels(provider=provider, call=call, outcome=outcome).inc()
+            pm.CLOUD_REQUEST_SECONDS.labels(provider=provider, call=call).observe(time.monotonic() - start)
+
+
+class HttpCall:
+    """What one hub or gateway request tells its span: the response status."""
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+        self.status: int | None = None
+
+    def response(self, status: int) -> None:
+        self.status = status
+        self.span.set_attribute("http.response.status_code", status)
+
+
+@contextmanager
+def http_call(peer: str, method: str, route: str) -> Iterator[HttpCall]:
+    """A CLIENT span around one request to the hub or the gateway. ``route`` is the path template (no IDs,
+    no query string, never a header)."""
+    start = time.monotonic()
+    with tracer().start_as_current_span(f"{peer} {method} {route}", kind=SpanKind.CLIENT, attributes={
+            "http.request.method": method, "url.template": route, "kubeon.peer": peer},
+            record_exception=False, set_status_on_exception=False) as span:
+        call = HttpCall(span)
+        error: BaseException | None = None
+        try:
+            yield call
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if error is not None:
+                outcome = "error"
+            elif call.status is None or call.status < 400:
+                outcome = "ok"
+            else:
+                outcome = str(call.status)
+            _end(span, error, outcome)
+            pm.HTTP_REQUESTS.labels(peer=peer, route=route, outcome=outcome).inc()
+            pm.HTTP_REQUEST_SECONDS.labels(peer=peer, route=route).observe(time.monotonic() - start)
+
+
+class TracedProvider:
+    """A ``Provider`` whose every call is a span of its own (child of the activity's span) and counted."""
+
+    def __init__(self, inner: Provider) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, item: str) -> Any:  # provider-specific extras (tests, the sim's stop())
+        return getattr(self.inner, item)
+
+    def price_offerings(self, location: str) -> list[Offering]:
+        with cloud_call(self.name, "price_offerings", location):
+            return self.inner.price_offerings(location)
+
+    def launch(self, request: LaunchRequest, user_data: str) -> Instance:
+        with cloud_call(self.name, "launch", request.offering.location, request.offering.instance_type) as span:
+            instance = self.inner.launch(request, user_data)
+            span.set_attribute("kubeon.instance_state", instance.state)
+            return instance
+
+    def get(self, location: str, instance_id: str) -> Instance:
+        with cloud_call(self.name, "get", location):
+            return self.inner.get(location, instance_id)
+
+    def list(self, location: str, *, policy: str | None = None, operation: str | None = None) -> list[Instance]:
+        with cloud_call(self.name, "list", location):
+            return self.inner.list(location, policy=policy, operation=operation)
+
+    def terminate(self, location: str, instance_id: str, *, policy: str) -> None:
+        with cloud_call(self.name, "terminate", location):
+            self.inner.terminate(location, instance_id, policy=policy)
+
+
+def traced(provider: Provider) -> Provider:
+    return provider if isinstance(provider, TracedProvider) else TracedProvider(provider)
+
+
+__all__ = ["HttpCall", "TracedProvider", "cloud_call", "http_call", "outcome_of", "traced", "tracer", "untraced"]

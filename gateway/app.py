@@ -1,0 +1,402 @@
+"""The burst gateway's HTTP API and its authentication of the optimizer (R4.2, R5.x); `kubeon-gpu gateway` runs it
+(``gateway.main``).
+
+It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimizer-gateway``: node rules and
+``tokenreviews create``) and alone holds the ticket signing key. Endpoints on ``KUBEON_GATEWAY_LISTEN``:
+
+- ``POST /v1/tickets`` (the optimizer): a one-time join ticket for one node of one operation, and where the node
+  joins: ``endpoint`` (``KUBEON_GATEWAY_PUBLIC_URL``, else ``https://<LoadBalancer address>:<port>`` of the
+  Service ``KUBEON_GATEWAY_SERVICE``, read with the gateway's namespaced Role) and ``serverName`` (the URL's host,
+  else ``<service>.<namespace>.svc``, which the chart's certificate carries). 503 ``address_pending`` until the
+  LoadBalancer has an address. The ticket reserves the node's address slot (tunnel IP, pod CIDR) until it
+  expires or the node is removed; 503 ``addresses_exhausted`` when none is free (no instance should launch).
+- ``GET /v1/capacity`` (the optimizer): the address slots, ``total`` and ``held`` (reservations included), and
+  the ``nodes`` holding them; the optimizer plans no more new nodes than are free.
+- ``DELETE /v1/nodes/{name}?operation=op-...`` (the optimizer): remove a burst Node of that operation; 409 for a
+  Node of another operation.
+- ``POST /v1/join`` (a booting burst node; the ticket is its only credential): redeem the ticket with the node's
+  WireGuard public key and kubelet CSR (``models.join.JoinRedeem``); the answer (``JoinAnswer``) carries the
+  signed kubelet certificate, the tunnel's parameters, the pod CIDR and the API server address. The gateway creates
+  no Node; the node registers itself, then the gateway's reconciler applies its ticket's labels and taints.
+
+With ``KUBEON_GATEWAY_TUNNEL_INTERFACE`` the gateway runs ``wireguard-go`` on that interface (UDP
+``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS and
+masquerades tunnel traffic to the service CIDR (nftables), and proxies ``<gateway tunnel IP>:443`` to the API
+server. Peers and address slots live in ConfigMaps in its namespace and are restored from there on start.
+
+The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``), checked with the
+TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets, capacity or removals.
+``/healthz`` and ``/readyz`` are served on ``KUBEON_HEALTH_PORT`` (the chart probes port 8080), or on the main
+listener when both ports are the same. Every error is JSON: ``{"error": "<code>", "message": "<reason>"}``.
+Tokens and tickets are never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Final
+
+import urllib3
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kubernetes import client
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway import metrics
+from gateway.pool_tokens import DEFAULT_TOKENS_DIR, JoinTokenRefused, check_join_token
+from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
+from gateway.settings import MAX_BODY_BYTES
+from models.errors import JoinRefused, TicketError
+from models.join import JOIN_TOKEN_HEADER, JoinRedeem, JoinTicketRequest
+from models.labels import LABEL_OPERATION
+
+log = logging.getLogger("kubeon.gateway")
+
+MAX_TICKET_TTL_SECONDS: Final = 24 * 3600
+# Labels no ticket may set: the gateway sets the hostname and OS; node roles are the cluster admin's.
+RESERVED_LABELS: Final = frozenset({"kubernetes.io/hostname", "kubernetes.io/os"})
+RESERVED_LABEL_PREFIXES: Final = ("node-role.kubernetes.io/", "node-restriction.kubernetes.io/")
+NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+# ----- optimizer authentication --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Identity:
+    authenticated: bool
+    username: str = ""
+    error: str = ""
+
+
+class TokenReviewer:
+    """Who a bearer token belongs to, by the TokenReview API, asked with the gateway's own credentials."""
+
+    def __init__(self, api: client.ApiClient, audiences: tuple[str, ...] = ()) -> None:
+        self._auth = client.AuthenticationV1Api(api)
+        self._audiences = list(audiences) or None
+
+    def review(self, token: str) -> Identity:
+        review = self._auth.create_token_review(client.V1TokenReview(
+            spec=client.V1TokenReviewSpec(token=token, audiences=self._audiences)))
+        status = review.status
+        if status is None or not status.authenticated:
+            return Identity(False, error=(status.error if status is not None else "") or "")
+        user = status.user
+        return Identity(True, username=(user.username if user is not None else "") or "")
+
+    def whoami(self) -> str:
+        """The gateway's own user (SelfSubjectReview, allowed to every authenticated user)."""
+        review = self._auth.create_self_subject_review(client.V1SelfSubjectReview())
+        info = review.status.user_info if review.status is not None else None
+        return str(info.username) if info is not None and info.username else "?"
+
+
+# ----- errors --------------------------------------------------------------------------------------------------
+
+
+class GatewayHTTPError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.code, "message": self.message}, status_code=self.status,
+                            headers=self.headers)
+
+
+def _unauthorized(message: str) -> GatewayHTTPError:
+    description = message.replace('"', "'")
+    return GatewayHTTPError(401, "unauthorized", message, {
+        "WWW-Authenticate": f'Bearer realm="kubeon-gateway", error="invalid_token", '
+                            f'error_description="{description}"'})
+
+
+def _kube_error(exc: client.ApiException, what: str) -> GatewayHTTPError:
+    reason = exc.reason or ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        reason = json.loads(exc.body or "{}").get("message") or reason
+    if exc.status in (400, 422):
+        return GatewayHTTPError(400, "invalid_node", f"{what}: the Kubernetes API refused it: {reason}")
+    return GatewayHTTPError(502, "kubernetes_api_error", f"{what}: Kubernetes API error {exc.status}: {reason}")
+
+
+def _service_error(exc: client.ApiException, gateway: KubeGateway) -> GatewayHTTPError:
+    ref = gateway.service
+    what = f"reading the gateway's Service {ref.name} in {ref.namespace}" if ref else "reading the gateway's Service"
+    if exc.status == 403 and ref is not None:
+        return GatewayHTTPError(503, "kubernetes_api_error",
+                                f"{what}: forbidden; the gateway's ServiceAccount needs 'get' on services/{ref.name} "
+                                f"in {ref.namespace} (the chart's Role {ref.name}), or set burst.gateway.publicUrl")
+    if exc.status == 404:
+        return GatewayHTTPError(503, "kubernetes_api_error", f"{what}: it does not exist")
+    return _kube_error(exc, what)
+
+
+class BodySizeLimit:
+    """413 for bodies over ``max_bytes``: by Content-Length up front, and while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        error: GatewayHTTPError | None = None
+        if length is not None and not length.isdigit():
+            error = GatewayHTTPError(400, "bad_request", "invalid Content-Length header")
+        elif length is not None and int(length) > self.max_bytes:
+            error = self._too_large(f"Content-Length {int(length)}")
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        received = 0
+        refused = False
+
+        async def limited_receive() -> Message:
+            # Over the limit while reading (a chunked body has no Content-Length): answer 413 here, then tell
+            # the application the client went away. Raising would reach FastAPI's body parser, which turns any
+            # error into a 400.
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    refused = True
+                    await self._too_large(f"more than {self.max_bytes} bytes").response()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+    def _too_large(self, got: str) -> GatewayHTTPError:
+        return GatewayHTTPError(413, "body_too_large",
+                                f"request body too large: {got}, the limit is {self.max_bytes} bytes")
+
+
+# ----- request checks ------------------------------------------------------------------------------------------
+
+
+def check_ticket_request(req: JoinTicketRequest) -> None:
+    """Only tickets for burst nodes the optimizer can later remove, each tainted (R4.4)."""
+    problems: list[str] = []
+    if len(req.node_name) > 253 or not NODE_NAME.match(req.node_name):
+        problems.append(f"node_name {req.node_name[:80]!r} is not a valid Node name")
+    if not req.operation:
+        problems.append("operation is empty")
+    if req.labels.get(LABEL_OPERATION) != req.operation:
+        problems.append(f"labels[{LABEL_OPERATION!r}] must be the operation {req.operation!r}")
+    for key in req.labels:
+        if key in RESERVED_LABELS or key.startswith(RESERVED_LABEL_PREFIXES):
+            problems.append(f"label {key!r} is reserved")
+    if not any(t.effect == "NoSchedule" for t in req.taints):
+        problems.append("taints must hold the burst taint with effect NoSchedule")
+    if not 0 < req.ttl_seconds <= MAX_TICKET_TTL_SECONDS:
+        problems.append(f"ttl_seconds must be between 1 and {MAX_TICKET_TTL_SECONDS}")
+    if problems:
+        raise GatewayHTTPError(400, "invalid_ticket_request", "join ticket refused: " + "; ".join(problems))
+
+
+# ----- the application -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class HealthState:
+    identity: str = "?"
+    ready: Callable[[], bool] = field(default=lambda: True)
+
+
+def add_health_routes(app: FastAPI, state: HealthState) -> None:
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        ok = state.ready()
+        return JSONResponse({"status": "ready" if ok else "not ready", "identity": state.identity},
+                            status_code=200 if ok else 503)
+
+    metrics.add_metrics_route(app)
+
+
+def _bare_app() -> FastAPI:
+    app = FastAPI(title="kubeon burst gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(GatewayHTTPError)
+    async def gateway_error(_: Request, exc: GatewayHTTPError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        return GatewayHTTPError(400, "bad_request", "; ".join(problems) or "invalid request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        return GatewayHTTPError(exc.status_code, code, str(exc.detail)).response()
+
+    return app
+
+
+def optimizer(request: Request) -> str:
+    """The caller's username when it is an allowed optimizer; 401 without a valid token, 403 otherwise."""
+    reviewer: TokenReviewer = request.app.state.reviewer
+    allowed_clients: frozenset[str] = request.app.state.allowed_clients
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if not header:
+        raise _unauthorized("no Authorization header: send the optimizer's ServiceAccount token as "
+                            "'Authorization: Bearer <token>'")
+    if scheme.lower() != "bearer" or not token:
+        raise _unauthorized("Authorization header is not 'Bearer <token>'")
+    try:
+        who = reviewer.review(token)
+    except client.ApiException as exc:
+        log.warning("TokenReview failed: HTTP %s %s", exc.status, exc.reason)
+        hint = ("; the gateway's ServiceAccount needs 'create' on authentication.k8s.io tokenreviews"
+                if exc.status == 403 else "")
+        raise GatewayHTTPError(503, "authentication_unavailable",
+                               f"cannot verify the token: TokenReview answered {exc.status} {exc.reason}{hint}"
+                               ) from None
+    except (urllib3.exceptions.HTTPError, OSError) as exc:  # the API server is unreachable
+        log.warning("TokenReview failed: %s", type(exc).__name__)
+        raise GatewayHTTPError(503, "authentication_unavailable",
+                               f"cannot verify the token: the Kubernetes API is unreachable "
+                               f"({type(exc).__name__})") from None
+    if not who.authenticated:
+        raise _unauthorized(f"token not accepted by the Kubernetes API: {who.error or 'not authenticated'}")
+    if who.username not in allowed_clients:
+        log.warning("refused %s %s from %s: not an allowed optimizer", request.method, request.url.path,
+                    who.username)
+        raise GatewayHTTPError(403, "forbidden",
+                               f"{who.username} may not use the burst gateway; allowed: "
+                               f"{', '.join(sorted(allowed_clients))}")
+    return who.username
+
+
+Caller = Annotated[str, Depends(optimizer)]
+
+
+def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
+               max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None,
+               pool_tokens_dir: Path = DEFAULT_TOKENS_DIR) -> FastAPI:
+    app = _bare_app()
+    app.state.reviewer = reviewer
+    app.state.allowed_clients = allowed_clients
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(metrics.GatewayRequestCounter)
+    if health is not None:
+        add_health_routes(app, health)
+
+
+    @app.post("/v1/tickets")
+    def issue_ticket(body: JoinTicketRequest, caller: Caller) -> dict[str, str]:
+        check_ticket_request(body)
+        try:
+            grant = gateway.issue_ticket(body)
+        except JoinRefused as exc:  # no free address slot (addresses_exhausted): no ticket, so no instance
+            log.warning("refused a join ticket for node %s (operation %s): %s", body.node_name, body.operation, exc)
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
+        except GatewayAddressPending as exc:
+            raise GatewayHTTPError(503, "address_pending", str(exc), {"Retry-After": "10"}) from None
+        except GatewayAddressUnknown as exc:
+            raise GatewayHTTPError(503, "no_public_address", str(exc)) from None
+        except client.ApiException as exc:
+            raise _service_error(exc, gateway) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise GatewayHTTPError(503, "kubernetes_api_unreachable",
+                                   f"cannot issue the ticket (the gateway's Service, the address slots): the "
+                                   f"Kubernetes API is unreachable ({type(exc).__name__})") from None
+        log.info("issued a join ticket for node %s (operation %s, location %s) to %s; the node joins at %s as %s",
+                 body.node_name, body.operation, body.location, caller, grant.endpoint or "the worker's URL",
+                 grant.server_name or "its host")
+        return {"ticket": grant.ticket, "endpoint": grant.endpoint, "serverName": grant.server_name}
+
+    @app.get("/v1/capacity")
+    def capacity(caller: Caller) -> dict[str, object]:
+        try:
+            room = gateway.capacity()
+        except client.ApiException as exc:
+            raise _kube_error(exc, "reading the address slots") from None
+        return {"total": room.total, "held": room.held, "nodes": room.nodes}
+
+    @app.delete("/v1/nodes/{name}")
+    def remove_node(name: str, caller: Caller,
+                    operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, bool]:
+        try:
+            removed = gateway.remove_node(name, operation=operation)
+        except TicketError as exc:
+            raise GatewayHTTPError(409, "not_owned", str(exc)) from None
+        except client.ApiException as exc:
+            raise _kube_error(exc, f"removing node {name}") from None
+        log.info("node %s of operation %s: %s (asked by %s)", name, operation,
+                 "removed" if removed else "already gone", caller)
+        return {"removed": removed}
+
+    @app.post("/v1/join")
+    def join(body: JoinRedeem, request: Request) -> dict[str, object]:
+        try:
+            # On-prem servers also present their pool's join token (R4.5); cloud nodes have the ticket alone.
+            check_join_token(gateway.verify(body.ticket).location, request.headers.get(JOIN_TOKEN_HEADER),
+                             pool_tokens_dir)
+            answer = gateway.join(body)
+        except JoinTokenRefused as exc:
+            log.warning("refused a join: %s", exc)
+            raise GatewayHTTPError(403, "join_token_refused", str(exc)) from None
+        except TicketError as exc:
+            log.warning("refused a join: %s", exc)
+            status = 409 if exc.code == "node_exists" else 403
+            raise GatewayHTTPError(status, exc.code, str(exc)) from None
+        except JoinRefused as exc:
+            log.warning("refused a join: %s", exc)
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
+        except client.ApiException as exc:
+            raise _kube_error(exc, "joining the node") from None
+        log.info("node %s joined: pod CIDR %s%s; it registers itself now", answer.node_name, answer.pod_cidr,
+                 f", tunnel {answer.tunnel.address}" if answer.tunnel else "")
+        return answer.model_dump(mode="json", by_alias=True)
+
+    return app
+
+
+class _QuietProbes(logging.Filter):
+    """Drop access-log lines of kubelet probes (every few seconds): uvicorn's access logger is process-wide."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 3 and args[2] in ("/healthz", "/readyz", "/metrics"))
+
+
+def create_health_app(state: HealthState) -> FastAPI:
+    app = _bare_app()
+    add_health_routes(app, state)
+    return app
+
+
+__all__ = ["GatewayHTTPError", "HealthState", "TokenReviewer", "create_app", "create_health_app"]

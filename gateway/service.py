@@ -1,0 +1,179 @@
+"""The burst gateway seam: join tickets, the join itself, and Node removal.
+
+The optimizer's ClusterRole (R5.1) cannot delete Nodes and reads no Secret. Joining a burst node (its kubelet
+client certificate, its tunnel peer and addresses) and removing its Node belong to the gateway, which runs with
+its own ServiceAccount and alone holds the ticket signing key. The gateway creates no Node: the node registers
+itself with its own certificate (``system:node:<name>``, confined by the Node authorizer and NodeRestriction);
+the gateway then applies what its ticket names. The optimizer talks to it through
+``activities.clients.gateway.GatewayClient``; ``KubeGateway`` is the gateway's side, constructed with the
+gateway's credentials, never the optimizer's. It composes one collaborator per job: ``TicketSigner``
+(tickets), ``SlotBook`` (address slots), ``Admission`` (the join), ``Reconciler`` (after registration)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kubernetes import client
+
+from gateway.admission import DEFAULT_CERT_SECONDS, Admission
+from gateway.reconciler import Reconciler
+from gateway.settings import ServiceRef
+from gateway.slots import AddressPlan, RecordStore, SlotBook
+from gateway.tickets import JoinTicket, TicketSigner
+from gateway.tunnel_end import GatewayTunnel
+from models.errors import TicketError
+from models.join import GatewayCapacity, JoinAnswer, JoinRedeem, JoinTicketRequest, TicketGrant, url_host
+from models.labels import LABEL_OPERATION
+
+
+class GatewayAddressPending(Exception):
+    """The gateway has no address burst nodes can reach yet (its LoadBalancer is being provisioned): retry."""
+
+
+class GatewayAddressUnknown(Exception):
+    """The gateway cannot tell burst nodes where it is: no public URL and its Service is no LoadBalancer."""
+
+
+def endpoint_from_service(service: client.V1Service, ref: ServiceRef) -> tuple[str, str]:
+    """``(https://<lb-host>:<port>, <name>.<ns>.svc)`` from a LoadBalancer Service's status and its port."""
+    kind = service.spec.type if service.spec is not None else None
+    if kind != "LoadBalancer":
+        raise GatewayAddressUnknown(
+            f"gateway Service {ref.name} is of type {kind}, not LoadBalancer, so it has no address burst nodes "
+            f"can reach: set burst.gateway.publicUrl (e.g. https://<node address>:<nodePort>)")
+    lb = service.status.load_balancer if service.status is not None else None
+    ingress = [i for i in ((lb.ingress if lb is not None else None) or []) if i.hostname or i.ip]
+    if not ingress:
+        raise GatewayAddressPending(f"gateway Service {ref.name} has no LoadBalancer address yet (namespace "
+                                    f"{ref.namespace}); retry once `kubectl -n {ref.namespace} get svc {ref.name}` "
+                                    f"shows an EXTERNAL-IP, or set burst.gateway.publicUrl")
+    host = str(ingress[0].hostname or ingress[0].ip)
+    ports = (service.spec.ports if service.spec is not None else None) or []
+    port = next((p for p in ports if p.name == "tunnel"), ports[0] if ports else None)
+    if port is None:
+        raise GatewayAddressUnknown(f"gateway Service {ref.name} has no port")
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    return f"https://{host}:{port.port}", ref.dns_name
+
+
+class KubeGateway:
+    """The gateway's own logic, with the gateway's Kubernetes credentials and signing key.
+
+    Where burst nodes join: ``public_url`` when set (verified against its own host); else the LoadBalancer
+    address of ``service`` (read at every ticket, verified against the Service's DNS name, which the chart's
+    certificate carries); neither (dev, tests, in-process): the worker's configured URL."""
+
+    def __init__(self, api: client.ApiClient, signing_key: bytes, *, clock: Any = time.time,
+                 public_url: str = "", service: ServiceRef | None = None, namespace: str = "kubeon-gpu",
+                 plan: AddressPlan | None = None, tunnel: GatewayTunnel | None = None,
+                 cert_seconds: int = DEFAULT_CERT_SECONDS, sign_timeout: float = 30.0) -> None:
+        self._tickets = TicketSigner(signing_key, clock)
+        self._core = client.CoreV1Api(api)
+        self._public_url = public_url.rstrip("/")
+        self._service = service
+        self._tunnel = tunnel
+        self._plan = tunnel.plan if tunnel is not None else (plan or AddressPlan())
+        self._records = RecordStore(self._core, namespace)
+        self._slots = SlotBook(self._records, self._plan)
+        self._reconciler = Reconciler(self._core, self._records, tunnel, clock)
+        self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
+                                    endpoint=self.endpoint, on_join=self._joined, cert_seconds=cert_seconds,
+                                    sign_timeout=sign_timeout)
+
+    @property
+    def tunnel(self) -> GatewayTunnel | None:
+        return self._tunnel
+
+    @property
+    def records(self) -> RecordStore:
+        return self._records
+
+    # -- where nodes join ------------------------------------------------------------------------------------
+    @property
+    def public_url(self) -> str:
+        return self._public_url
+
+    @property
+    def service(self) -> ServiceRef | None:
+        return self._service
+
+    def endpoint(self) -> tuple[str, str]:
+        """``(endpoint URL, TLS server name)`` burst nodes use; ``("", "")`` when the worker's URL stands.
+        Raises ``GatewayAddressPending`` until the LoadBalancer has an address, ``GatewayAddressUnknown`` when
+        there can be none, ``ApiException`` when the Service cannot be read."""
+        if self._public_url:
+            return self._public_url, url_host(self._public_url)
+        if self._service is None:
+            return "", ""
+        ref = self._service
+        return endpoint_from_service(self._core.read_namespaced_service(ref.name, ref.namespace), ref)
+
+    # -- tickets ---------------------------------------------------------------------------------------------
+    def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
+        """A ticket and where to use it (the address first: no ticket while nodes could not reach us), with the
+        node's address slot reserved until the ticket expires: ``AddressesExhausted`` when none is free, before
+        any instance is launched for a node that could never join."""
+        endpoint, server_name = self.endpoint()
+        ticket = self._tickets.new(request)
+        self._slots.reserve(ticket, ticket.node_name, ticket.operation)
+        return TicketGrant(ticket=self._tickets.encode(ticket), endpoint=endpoint, server_name=server_name)
+
+    def sign_ticket(self, request: JoinTicketRequest) -> str:
+        """A signed ticket without a reservation (its join allocates a slot if one is free)."""
+        return self._tickets.encode(self._tickets.new(request))
+
+    def capacity(self) -> GatewayCapacity:
+        """The address slots and the nodes holding them (reservations included)."""
+        return GatewayCapacity(total=self._plan.slots, nodes=sorted(s.node for s in self._records.slots()))
+
+    def verify(self, token: str) -> JoinTicket:
+        return self._tickets.verify(token)
+
+    # -- the join, and after it ------------------------------------------------------------------------------
+    def join(self, redeem: JoinRedeem) -> JoinAnswer:
+        """See ``Admission.join``."""
+        return self._admission.join(redeem)
+
+    def _joined(self) -> None:
+        self._reconciler.joining = True
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """One pass of ``Reconciler.reconcile``."""
+        return self._reconciler.reconcile()
+
+    def start_reconciler(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:
+        self._reconciler.start(interval, joining_interval)
+
+    def stop(self) -> None:
+        self._reconciler.stop()
+
+    # -- node removal ----------------------------------------------------------------------------------------
+    def remove_node(self, node_name: str, *, operation: str) -> bool:
+        """Delete a burst Node of ``operation``, remove its WireGuard peer and free its addresses (also a slot
+        reserved by a ticket never redeemed: the compensation of a failed launch). False if it is already gone;
+        refuses any other node."""
+        try:
+            node = self._core.read_node(node_name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            node = None
+        if node is not None:
+            owner = (node.metadata.labels or {}).get(LABEL_OPERATION)
+            if owner != operation:
+                raise TicketError(f"node {node_name} belongs to operation {owner!r}, not {operation}; not removing",
+                                  code="not_owned")
+            try:
+                self._core.delete_node(node_name)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        for slot in self._records.slots():
+            if slot.node == node_name and slot.operation == operation:
+                self._reconciler.release(slot)
+        return node is not None
+
+
+__all__ = ["GatewayAddressPending", "GatewayAddressUnknown", "KubeGateway", "ServiceRef", "endpoint_from_service"]

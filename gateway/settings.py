@@ -1,0 +1,196 @@
+"""The gateway's configuration: the chart's values reach it as ``KUBEON_*`` environment variables, as they reach
+the worker (the same names; the worker reads only its client's: ``KUBEON_GATEWAY_URL``, ``..._PUBLIC_URL``,
+``..._CA_FILE``, ``..._TOKEN_FILE``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.pool_tokens import DEFAULT_TOKENS_DIR
+from gateway.slots import AddressPlan
+from tunnel import link
+
+DEFAULT_LISTEN: Final = "0.0.0.0:8443"
+DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
+MAX_BODY_BYTES: Final = 64 * 1024
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The gateway's own credentials: KUBEON_GATEWAY_KUBECONFIG, else KUBEON_KUBECONFIG, else in-cluster.
+    kubeconfig: Path | None = None
+    gateway_kubeconfig: Path | None = None
+    gateway_ticket_key_file: Path | None = None
+    health_port: int = 8080
+    # Where burst nodes in other clouds reach the gateway (the chart's burst.gateway.publicUrl); empty: its
+    # Service's LoadBalancer address.
+    gateway_public_url: str = ""
+    # The gateway's own Service and namespace: with no public URL, burst nodes connect to its LoadBalancer
+    # address and verify the certificate as <service>.<namespace>.svc.
+    gateway_service: str = ""
+    gateway_service_namespace: str = "kubeon-gpu"
+    gateway_listen: str = DEFAULT_LISTEN
+    gateway_tls_cert_file: Path | None = None
+    gateway_tls_key_file: Path | None = None
+    gateway_allowed_clients: str = DEFAULT_ALLOWED_CLIENTS
+    gateway_token_audiences: str = ""
+    # On-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
+    pool_tokens_dir: Path = DEFAULT_TOKENS_DIR
+    # The WireGuard tunnel (R4.3). No interface: no tunnel (sim nodes reach the API server directly, with the
+    # same certificates). The UDP port is the gateway Service's `wireguard` port.
+    gateway_tunnel_interface: str = ""
+    gateway_wireguard_key_file: Path | None = None
+    gateway_udp_port: int = Field(default=51820, gt=0, lt=65536)
+    # host:port nodes send UDP to; empty: the host nodes join at (public URL or LoadBalancer) and the UDP port.
+    gateway_tunnel_endpoint: str = ""
+    gateway_tunnel_cidr: str = "10.250.0.0/16"
+    gateway_pod_cidr: str = "10.245.0.0/16"
+    gateway_node_cidr_mask: int = Field(default=24, ge=8, le=30)
+    gateway_service_cidr: str = "10.96.0.0/12"
+    gateway_tunnel_mtu: int = Field(default=1380, ge=1280, le=1420)
+    # host:port of the API server the tunnel's proxy forwards to; empty: the gateway's own API server.
+    gateway_api_upstream: str = ""
+
+    @field_validator("gateway_public_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if value and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL (e.g. https://host.example.com:8443)")
+        return value.rstrip("/")
+
+    def address_plan(self) -> AddressPlan:
+        """The address plan of these settings; ``ValueError`` naming the CIDR that is wrong."""
+        return AddressPlan(tunnel_cidr=self.gateway_tunnel_cidr, pod_cidr=self.gateway_pod_cidr,
+                           node_mask=self.gateway_node_cidr_mask, service_cidr=self.gateway_service_cidr)
+
+
+ENV = {name: "KUBEON_" + name.upper() for name in GatewaySettings.model_fields}
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> GatewaySettings:
+    """Settings from the environment; an invalid value fails naming the variable that holds it."""
+    environ = os.environ if environ is None else environ
+    values = {field: environ[var] for field, var in ENV.items() if environ.get(var, "") != ""}
+    try:
+        return GatewaySettings.model_validate(values)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            name = str(err["loc"][0]) if err["loc"] else "?"
+            problems.append(f"{ENV.get(name, name)}: {err['msg']}")
+        raise ConfigError("; ".join(problems)) from None
+
+
+@dataclass(frozen=True)
+class ServiceRef:
+    """The gateway's own Service, whose LoadBalancer address burst nodes connect to."""
+
+    name: str
+    namespace: str
+
+    @property
+    def dns_name(self) -> str:
+        """The name the chart's certificate carries and burst nodes verify it against (tls-server-name)."""
+        return f"{self.name}.{self.namespace}.svc"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT``."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"KUBEON_GATEWAY_LISTEN {value!r}: expected HOST:PORT, e.g. {DEFAULT_LISTEN}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+@dataclass(frozen=True)
+class GatewayServerConfig:
+    host: str
+    port: int
+    health_port: int
+    ticket_key_file: Path
+    kubeconfig: Path | None = None  # None: in-cluster ServiceAccount credentials (the gateway's own)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    allowed_clients: frozenset[str] = frozenset({DEFAULT_ALLOWED_CLIENTS})
+    # Empty: the API server's own audiences (the default ServiceAccount token). Set to make the optimizer send a
+    # projected token only the gateway accepts, so the gateway never holds a token usable against the API server.
+    token_audiences: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+    # Where burst nodes join: public_url, else the LoadBalancer address of service; neither: the worker's URL.
+    public_url: str = ""
+    service: ServiceRef | None = None
+    namespace: str = "kubeon-gpu"
+    plan: AddressPlan = field(default_factory=AddressPlan)
+    tunnel_interface: str = ""
+    wireguard_key_file: Path | None = None
+    udp_port: int = 51820
+    tunnel_endpoint: str = ""
+    mtu: int = 1380
+    api_upstream: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> GatewayServerConfig:
+        host, port = parse_listen(settings.gateway_listen)
+        if settings.gateway_ticket_key_file is None:
+            raise ConfigError("KUBEON_GATEWAY_TICKET_KEY_FILE is required: the file holding the join ticket key")
+        cert, key = settings.gateway_tls_cert_file, settings.gateway_tls_key_file
+        if bool(cert) != bool(key):
+            raise ConfigError("KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE go together")
+        clients = frozenset(c.strip() for c in settings.gateway_allowed_clients.split(",") if c.strip())
+        if not clients:
+            raise ConfigError("KUBEON_GATEWAY_ALLOWED_CLIENTS is empty: name the optimizer's ServiceAccount user, "
+                              f"e.g. {DEFAULT_ALLOWED_CLIENTS}")
+        audiences = settings.gateway_token_audiences
+        # The gateway's own credentials: KUBEON_GATEWAY_KUBECONFIG, else KUBEON_KUBECONFIG, else in-cluster.
+        kubeconfig = settings.gateway_kubeconfig or settings.kubeconfig
+        service = (ServiceRef(settings.gateway_service, settings.gateway_service_namespace)
+                   if settings.gateway_service else None)
+        try:
+            plan = settings.address_plan()
+        except ValueError as exc:
+            raise ConfigError(f"KUBEON_GATEWAY_TUNNEL_CIDR / KUBEON_GATEWAY_POD_CIDR / KUBEON_GATEWAY_SERVICE_CIDR: "
+                              f"{exc}") from None
+        if settings.gateway_tunnel_interface:
+            link.check_ifname(settings.gateway_tunnel_interface)
+            if settings.gateway_wireguard_key_file is None:
+                raise ConfigError("KUBEON_GATEWAY_WIREGUARD_KEY_FILE is required with KUBEON_GATEWAY_TUNNEL_INTERFACE:"
+                                  " the gateway's WireGuard private key (it must survive restarts)")
+        return cls(
+            host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
+            kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
+            token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),
+            public_url=settings.gateway_public_url, service=service,
+            namespace=settings.gateway_service_namespace, plan=plan,
+            tunnel_interface=settings.gateway_tunnel_interface, wireguard_key_file=settings.gateway_wireguard_key_file,
+            udp_port=settings.gateway_udp_port, tunnel_endpoint=settings.gateway_tunnel_endpoint,
+            mtu=settings.gateway_tunnel_mtu, api_upstream=settings.gateway_api_upstream,
+        )
+
+
+def check_tls_files(cfg: GatewayServerConfig) -> None:
+    """The certificate and key load and belong together (the chart mounts them from the gateway's TLS Secret)."""
+    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"KUBEON_GATEWAY_TLS_CERT_FILE {cfg.tls_cert_file} / KUBEON_GATEWAY_TLS_KEY_FILE "
+                          f"{cfg.tls_key_file}: cannot load the certificate and key: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None

@@ -1,0 +1,308 @@
+"""Address slots: the address plan (tunnel IP and pod CIDR per node), the durable records the gateway keeps in
+the API, and holding a slot for a ticket (reserved when it is issued, claimed when it is redeemed).
+
+Records (ConfigMaps in the gateway's namespace, labelled ``app.kubernetes.io/managed-by=kubeon-gateway``), never
+state held only in memory:
+
+- ``kubeon-ticket-<nonce>``: a redeemed ticket, created at redemption (an atomic create: a second redemption
+  finds it), kept until the ticket has expired, ``state=released`` once its node is gone. A ticket is single use
+  for its whole lifetime.
+- ``kubeon-slot-<i>``: address slot ``i`` (tunnel IP, pod CIDR) held by one node, with its WireGuard key and what
+  its ticket says it must carry (labels, taints, GPUs). Reserved when the ticket is issued (no WireGuard key yet:
+  nothing launches without a slot), completed with the key at redemption. Created atomically (409: taken, next
+  slot), deleted when the node is removed or its ticket expired unredeemed. A restarted gateway rebuilds its
+  WireGuard peers from these."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from kubernetes import client
+
+from models.errors import AddressesExhausted, JoinRefused
+from models.labels import Taint
+
+MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}
+
+RECORD_LABEL: Final = "gpu.kubeon.io/gateway-record"
+
+TICKET_PREFIX: Final = "kubeon-ticket-"
+
+SLOT_PREFIX: Final = "kubeon-slot-"
+
+@dataclass(frozen=True)
+class AddressPlan:
+    """Tunnel addresses (the gateway takes the first host, node slot ``i`` the ``i+2``-th) and per-node pod CIDRs
+    (the ``i``-th ``/node_mask`` of ``pod_cidr``); ``service_cidr`` is routed through the tunnel too."""
+
+    tunnel_cidr: str = "10.250.0.0/16"
+    pod_cidr: str = "10.245.0.0/16"
+    node_mask: int = 24
+    service_cidr: str = "10.96.0.0/12"
+
+    def __post_init__(self) -> None:
+        nets = {}
+        for name in ("tunnel_cidr", "pod_cidr", "service_cidr"):
+            try:
+                net = ipaddress.ip_network(getattr(self, name), strict=True)
+            except ValueError as exc:
+                raise ValueError(f"{name} {getattr(self, name)!r}: {exc}") from None
+            if net.version != 4:
+                raise ValueError(f"{name} {net}: only IPv4 is supported")
+            nets[name] = net
+        names = list(nets)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if nets[a].overlaps(nets[b]):
+                    raise ValueError(f"{a} {nets[a]} overlaps {b} {nets[b]}")
+        if not nets["pod_cidr"].prefixlen <= self.node_mask <= 30:
+            raise ValueError(f"node_mask /{self.node_mask} must be between the pod CIDR's /"
+                             f"{nets['pod_cidr'].prefixlen} and /30")
+        if nets["tunnel_cidr"].prefixlen > 29:
+            raise ValueError(f"tunnel_cidr {nets['tunnel_cidr']}: at least a /29")
+
+    @property
+    def gateway_ip(self) -> str:
+        return str(ipaddress.ip_network(self.tunnel_cidr).network_address + 1)
+
+    @property
+    def slots(self) -> int:
+        tunnel = ipaddress.ip_network(self.tunnel_cidr).num_addresses - 3  # network, gateway, broadcast
+        pods = 2 ** (self.node_mask - ipaddress.ip_network(self.pod_cidr).prefixlen)
+        return min(tunnel, pods)
+
+    def exhausted(self) -> str:
+        """Why no slot is free, naming the slot count, the CIDRs and the settings that size them."""
+        return (f"no free address slot: all {self.slots} address slots of the gateway are held (tunnel "
+                f"{self.tunnel_cidr}, pod CIDR {self.pod_cidr} in /{self.node_mask}s; sized by "
+                "KUBEON_GATEWAY_TUNNEL_CIDR, KUBEON_GATEWAY_POD_CIDR and KUBEON_GATEWAY_NODE_CIDR_MASK): a new "
+                "burst node waits until one goes home or an unredeemed ticket's reservation expires")
+
+    def slot(self, index: int) -> tuple[str, str]:
+        """``(tunnel IP, pod CIDR)`` of slot ``index``."""
+        if not 0 <= index < self.slots:
+            raise IndexError(f"slot {index} outside 0..{self.slots - 1}")
+        tunnel = ipaddress.ip_network(self.tunnel_cidr).network_address + 2 + index
+        pods = ipaddress.ip_network(self.pod_cidr)
+        size = 2 ** (32 - self.node_mask)
+        sub = ipaddress.ip_network(f"{pods.network_address + index * size}/{self.node_mask}")
+        return str(tunnel), str(sub)
+
+class Ticketed(Protocol):
+    """What a slot records of the ticket it is for (``JoinTicket`` of gateway.tickets, or a ``Slot``)."""
+
+    nonce: str
+    expires_at: float
+    labels: dict[str, str]
+    taints: list[Taint]
+    gpus: int
+
+def _ticket_data(ticket: Ticketed) -> dict[str, str]:
+    return {"ticket": ticket.nonce, "expiresAt": repr(ticket.expires_at),
+            "labels": json.dumps(dict(ticket.labels), sort_keys=True),
+            "taints": json.dumps([t.model_dump() for t in ticket.taints]), "gpus": str(ticket.gpus)}
+
+@dataclass
+class Slot:
+    index: int
+    node: str
+    wireguard_key: str
+    tunnel_ip: str
+    pod_cidr: str
+    nonce: str
+    operation: str
+    labels: dict[str, str]
+    taints: list[Taint]
+    gpus: int
+    expires_at: float
+    registered_uid: str = ""
+    resource_version: str = ""  # of the ConfigMap read; not part of its data
+
+    @property
+    def name(self) -> str:
+        return f"{SLOT_PREFIX}{self.index}"
+
+    @property
+    def reserved(self) -> bool:
+        """Reserved for a ticket not redeemed yet: no WireGuard key, no peer."""
+        return not self.wireguard_key
+
+    def data(self) -> dict[str, str]:
+        return {
+            "node": self.node, "wireguardPublicKey": self.wireguard_key, "tunnelIP": self.tunnel_ip,
+            "podCIDR": self.pod_cidr, "operation": self.operation, "registeredUID": self.registered_uid,
+            **_ticket_data(self),
+        }
+
+    @classmethod
+    def from_configmap(cls, cm: client.V1ConfigMap) -> Slot:
+        d = cm.data or {}
+        return cls(
+            index=int(cm.metadata.name.removeprefix(SLOT_PREFIX)), node=d["node"],
+            wireguard_key=d["wireguardPublicKey"], tunnel_ip=d["tunnelIP"], pod_cidr=d["podCIDR"],
+            nonce=d["ticket"], operation=d.get("operation", ""), labels=json.loads(d.get("labels", "{}")),
+            taints=[Taint.model_validate(t) for t in json.loads(d.get("taints", "[]"))],
+            gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
+            registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
+        )
+
+@dataclass
+class RecordStore:
+    """The gateway's records as ConfigMaps in ``namespace``."""
+
+    core: client.CoreV1Api
+    namespace: str
+
+    def _meta(self, name: str, kind: str) -> client.V1ObjectMeta:
+        return client.V1ObjectMeta(name=name, namespace=self.namespace, labels={**MANAGED_BY, RECORD_LABEL: kind})
+
+    def create_ticket(self, nonce: str, data: dict[str, str]) -> dict[str, str] | None:
+        """Record a redemption; ``None`` if it is new, else the existing record's data."""
+        try:
+            self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
+                metadata=self._meta(f"{TICKET_PREFIX}{nonce}", "ticket"), data=data))
+            return None
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+        existing = self.core.read_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace)
+        return dict(existing.data or {})
+
+    def release_ticket(self, nonce: str) -> None:
+        try:
+            self.core.patch_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace,
+                                                  {"data": {"state": "released"}})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def tickets(self) -> list[client.V1ConfigMap]:
+        return list(self.core.list_namespaced_config_map(
+            self.namespace, label_selector=f"{RECORD_LABEL}=ticket").items)
+
+    def delete(self, name: str) -> None:
+        try:
+            self.core.delete_namespaced_config_map(name, self.namespace)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def slots(self) -> list[Slot]:
+        items = self.core.list_namespaced_config_map(self.namespace, label_selector=f"{RECORD_LABEL}=slot").items
+        return [Slot.from_configmap(cm) for cm in items]
+
+    def create_slot(self, slot: Slot) -> bool:
+        try:
+            self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
+                metadata=self._meta(slot.name, "slot"), data=slot.data()))
+            return True
+        except client.ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def claim(self, slot: Slot, ticket: Ticketed, *, wireguard_key: str) -> Slot | None:
+        """Complete a reservation at redemption (the node's WireGuard key; the redeemed ticket, whose labels,
+        taints and GPUs are those of the instance that exists), only if it is unchanged since read; ``None`` if it
+        changed (another redemption claimed it, or it was released)."""
+        cm = self._patch_unchanged(slot, {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket)})
+        return Slot.from_configmap(cm) if cm is not None else None
+
+    def update_reservation(self, slot: Slot, ticket: Ticketed) -> bool:
+        """Point an unredeemed reservation at a newer ticket of the same node (a retried launch, perhaps failed
+        over to another location: its labels change with it); False if it changed since read."""
+        return self._patch_unchanged(slot, _ticket_data(ticket)) is not None
+
+    def _patch_unchanged(self, slot: Slot, data: dict[str, str]) -> client.V1ConfigMap | None:
+        """Patch the slot's data only if it is as read (its resourceVersion); None if it changed or is gone."""
+        try:
+            return self.core.patch_namespaced_config_map(slot.name, self.namespace, {
+                "metadata": {"resourceVersion": slot.resource_version}, "data": data})
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return None
+            raise
+
+    def delete_unchanged(self, slot: Slot) -> bool:
+        """Delete a slot only if it is as read (a reservation being claimed meanwhile stays); False if not."""
+        try:
+            self.core.delete_namespaced_config_map(slot.name, self.namespace, body=client.V1DeleteOptions(
+                preconditions=client.V1Preconditions(resource_version=slot.resource_version)))
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    def mark_registered(self, slot: Slot, uid: str) -> None:
+        self.core.patch_namespaced_config_map(slot.name, self.namespace, {"data": {"registeredUID": uid}})
+        slot.registered_uid = uid
+
+
+class _SlotChanged(Exception):
+    """A reservation changed between read and update: read again."""
+
+
+@dataclass
+class SlotBook:
+    """Which slot a ticket's node holds: reserved at issue, allocated at a join without one, claimed at
+    redemption. Every change is a conditional write to the records: concurrent tickets and joins (several
+    gateway replicas) never share a slot."""
+
+    records: RecordStore
+    plan: AddressPlan
+
+    def reserve(self, ticket: Ticketed, node: str, operation: str) -> None:
+        """Hold an address slot for the ticket's node. A retried launch (a new ticket for the same node and
+        operation) keeps the one slot: an unredeemed reservation is pointed at the newer ticket (the node may
+        still redeem the older one: the join finds the reservation by node and operation), a redeemed one is
+        already the node's."""
+        for _ in range(5):  # bounded: each round lost a race against a join or a release of that slot
+            try:
+                self._reserve_once(ticket, node, operation)
+                return
+            except _SlotChanged:
+                continue
+            except client.ApiException as exc:  # retryable: a 5xx answer, an exception the caller retries
+                raise JoinRefused("kubernetes_api_error", f"reserving an address slot for {node}: "
+                                  f"Kubernetes API error {exc.status}: {exc.reason}", status=502) from None
+        raise JoinRefused("slot_conflict", f"the address slot of {node} kept changing while the "
+                          "ticket was issued; retry", status=503)
+
+    def _reserve_once(self, ticket: Ticketed, node: str, operation: str) -> None:
+        slots = self.records.slots()
+        mine = [s for s in slots if s.node == node and s.operation == operation]
+        if not mine:
+            self.allocate(ticket, node, operation, "", slots)
+            return
+        held = mine[0]  # a redeemed slot is already the node's: nothing to reserve
+        if held.reserved and not self.records.update_reservation(held, ticket):
+            raise _SlotChanged
+
+    def allocate(self, ticket: Ticketed, node: str, operation: str, wg_key: str, slots: list[Slot]) -> Slot:
+        taken = {s.index for s in slots}
+        for index in range(self.plan.slots):
+            if index in taken:
+                continue
+            tunnel_ip, pod_cidr = self.plan.slot(index)
+            slot = Slot(index=index, node=node, wireguard_key=wg_key, tunnel_ip=tunnel_ip,
+                        pod_cidr=pod_cidr, nonce=ticket.nonce, operation=operation,
+                        labels=dict(ticket.labels), taints=list(ticket.taints), gpus=ticket.gpus,
+                        expires_at=ticket.expires_at)
+            if self.records.create_slot(slot):  # 409: a concurrent ticket or join took it; the next one
+                return slot
+        raise AddressesExhausted(self.plan.exhausted())
+
+    def claim(self, slot: Slot, ticket: Ticketed, node: str, wg_key: str) -> Slot:
+        claimed = self.records.claim(slot, ticket, wireguard_key=wg_key)
+        if claimed is not None:
+            return claimed
+        # Changed since read: a concurrent retry of this same join (same key) claimed it, or it was released.
+        again = next((s for s in self.records.slots() if s.nonce == ticket.nonce), None)
+        if again is not None and again.wireguard_key == wg_key:
+            return again
+        raise JoinRefused("slot_conflict", f"the address slot reserved for {node} changed while it "
+                          "joined; retry", status=503)

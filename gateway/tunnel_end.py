@@ -1,0 +1,135 @@
+"""The gateway's end of the burst nodes' WireGuard tunnels: the interface (driven through UAPI), its peers kept
+exactly those of the redeemed slots, what a joining node is told about it, and what the gateway process runs for
+it (``wireguard-go``, addresses and nftables rules, the API server proxy on the gateway's tunnel address)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import urllib3
+from kubernetes import client
+
+from gateway.settings import ConfigError, GatewayServerConfig
+from gateway.slots import AddressPlan, Slot
+from models.join import TunnelAnswer
+from tunnel import keys, link
+from tunnel.proxy import TcpProxy
+from tunnel.uapi import Uapi
+
+log = logging.getLogger("kubeon.gateway")
+
+
+@dataclass
+class GatewayTunnel:
+    """The gateway's WireGuard interface (driven through UAPI; ``wireguard-go`` and the link are set up by the
+    gateway process or the test bed) and what nodes are told about it."""
+
+    interface: str
+    private_key: str
+    endpoint: str  # host:port nodes send UDP to; empty: the host nodes join at, and listen_port
+    listen_port: int
+    plan: AddressPlan = field(default_factory=AddressPlan)
+    mtu: int = 1380
+    persistent_keepalive: int = 25
+    api_proxy_port: int = 443
+
+    @property
+    def uapi(self) -> Uapi:
+        return Uapi(self.interface)
+
+    @property
+    def public_key(self) -> str:
+        return keys.public_key(self.private_key)
+
+    def configure(self) -> None:
+        self.uapi.configure(self.private_key, self.listen_port)
+
+    def answer(self, slot: Slot, endpoint: str) -> TunnelAnswer:
+        gw = self.plan.gateway_ip
+        return TunnelAnswer(
+            gateway_public_key=self.public_key, endpoint=endpoint, address=f"{slot.tunnel_ip}/32",
+            gateway_address=gw, allowed_ips=[f"{gw}/32", self.plan.service_cidr, self.plan.pod_cidr],
+            mtu=self.mtu, persistent_keepalive=self.persistent_keepalive)
+
+    def sync(self, slots: list[Slot]) -> dict[str, Any]:
+        """Make the interface's peers exactly ``slots`` (missing added, differing fixed, stale removed), touching
+        only what differs: a set interrupts nothing that is already right."""
+        uapi = self.uapi
+        device = uapi.get()
+        if not device.has_private_key or device.listen_port != self.listen_port:
+            self.configure()
+        # Reservations (tickets not redeemed yet) have no key and no peer.
+        want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots if not s.reserved}
+        added, removed = [], []
+        for key, ips in want.items():
+            peer = device.peers.get(key)
+            if peer is None or sorted(peer.allowed_ips) != ips:
+                uapi.set_peer(key, ips)
+                added.append(key)
+        for key in device.peers:
+            if key not in want:
+                uapi.remove_peer(key)
+                removed.append(key)
+        return {"added": added, "removed": removed}
+
+
+def build_tunnel(cfg: GatewayServerConfig) -> GatewayTunnel | None:
+    if not cfg.tunnel_interface:
+        return None
+    assert cfg.wireguard_key_file is not None
+    try:
+        private = keys.check_key(cfg.wireguard_key_file.read_text().strip(), str(cfg.wireguard_key_file))
+    except ValueError as exc:
+        raise ConfigError(f"KUBEON_GATEWAY_WIREGUARD_KEY_FILE: {exc}") from None
+    return GatewayTunnel(interface=cfg.tunnel_interface, private_key=private, endpoint=cfg.tunnel_endpoint,
+                         listen_port=cfg.udp_port, plan=cfg.plan, mtu=cfg.mtu)
+
+
+@dataclass
+class TunnelLinks:
+    """What the gateway process runs for its tunnel: wireguard-go and the API server proxy."""
+
+    wireguard: object
+    proxy: TcpProxy
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        if hasattr(self.wireguard, "poll"):
+            link.stop_wireguard_go(self.wireguard)  # type: ignore[arg-type]
+
+
+def api_upstream(cfg: GatewayServerConfig, api: client.ApiClient) -> tuple[str, int]:
+    target = cfg.api_upstream or urlsplit(str(api.configuration.host)).netloc
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"KUBEON_GATEWAY_API_UPSTREAM {target!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def start_tunnel(cfg: GatewayServerConfig, tunnel: GatewayTunnel, api: client.ApiClient,
+                 restore: Callable[[], object]) -> TunnelLinks:
+    """wireguard-go on the interface (kept if it already runs), its key and port, the gateway's tunnel address
+    and routes for the burst pod CIDR, nftables (MSS clamp, service CIDR masquerade), the peers from the API, and
+    the API server proxy on <gateway tunnel IP>:443."""
+    wireguard: object = None
+    if not tunnel.uapi.path.exists():
+        wireguard = link.start_wireguard_go(tunnel.interface)
+    tunnel.configure()
+    prefix = cfg.plan.tunnel_cidr.split("/")[1]
+    link.bring_up(tunnel.interface, f"{cfg.plan.gateway_ip}/{prefix}", mtu=cfg.mtu, routes=[cfg.plan.pod_cidr])
+    link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr, tunnel_cidr=cfg.plan.tunnel_cidr,
+                             pod_cidr=cfg.plan.pod_cidr)
+    try:
+        restore()  # the peers back from the API before the first node's packets
+    except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+        log.warning("cannot restore the tunnel's peers yet (%s); the reconciler retries every second",
+                    type(exc).__name__)
+    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
+    log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
+             tunnel.interface, cfg.plan.gateway_ip, cfg.udp_port, len(tunnel.uapi.get().peers), *proxy.address,
+             *proxy.upstream)
+    return TunnelLinks(wireguard=wireguard, proxy=proxy)

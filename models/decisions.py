@@ -1,0 +1,27 @@
+"""Approvals and rejections of an operation's proposal, and the answer to one."""
+
+from __future__ import annotations
+
+from models.base import Model
+
+
+class Approval(Model):
+    approver: str = "temporal-ui"
+    # When set, the approval is for this plan only: a stale approval of an older plan is refused.
+    plan_id: str | None = None
+    reason: str = ""
+    # When set, the approval is for this batch only (the operation ID the proposal was reported under).
+    operation: str | None = None
+
+
+class Rejection(Model):
+    approver: str = "temporal-ui"
+    reason: str = ""
+    operation: str | None = None
+
+
+class DecisionResult(Model):
+    operation: str
+    # The operation's phase after the decision (a batch's or a scale operation's; the same strings).
+    phase: str
+    message: str

@@ -1,0 +1,39 @@
+"""Labels, tags, taints and resource names that burst nodes and instances carry."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from models.base import Model
+
+BURST_TAINT_EFFECT: Final = "NoSchedule"
+
+LABEL_LOCATION: Final = "gpu.kubeon.io/location"
+
+LABEL_POLICY: Final = "gpu.kubeon.io/policy"
+
+LABEL_OPERATION: Final = "gpu.kubeon.io/operation"
+
+LABEL_GPU_PRODUCT: Final = "nvidia.com/gpu.product"
+
+LABEL_INSTANCE_TYPE: Final = "node.kubernetes.io/instance-type"
+
+TAG_BURST: Final = "kubeon.io/burst"
+
+TAG_OPERATION: Final = "kubeon.io/operation"
+
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+
+class Taint(Model):
+    key: str
+    value: str = "true"
+    effect: str = BURST_TAINT_EFFECT
+
+
+
+JOIN_REFUSED_ANNOTATION = "gpu.kubeon.io/join-refused"
+
+# Nodes register with this taint too; the gateway lifts it once it has checked the registered Node against its
+# ticket (labels, taints, capacity), so no pod lands before. A node cannot lift a taint itself (NodeRestriction).
+JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSchedule")

@@ -1,0 +1,155 @@
+"""One burst node's life: launch, join, verify, serve, return home (``BurstNodeWorkflow``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from models.base import Model
+from models.labels import Taint
+from models.policy import Mode
+from models.provisioning import Offering, OperationSettings, PendingPod, PlannedNode
+
+
+class NodePhase(StrEnum):
+    """A burst node's state machine (``BurstNodeWorkflow``): the values are the ``KubeonPhase`` search attribute
+    and what histories hold, shared with the other operations' phases where the meaning is the same."""
+
+    LAUNCHING = "Launching"
+    PROPOSED = "Proposed"  # the policy switched to Recommend before launch: nothing launched
+    JOINING = "Joining"
+    VERIFYING = "Verifying"
+    SERVING = "Serving"
+    DRAINING = "Draining"
+    HELD = "Held"  # the hub rejected this cluster's token (R2.3): no action until a valid one is mounted
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+    CANCELLED = "Cancelled"
+
+
+class NodeInput(Model):
+    """One new burst node of a batch: launch -> join -> verify -> serve -> return home."""
+
+    cluster: str
+    policy: str
+    batch: str
+    provision_workflow_id: str
+    node: PlannedNode
+    default_mode: Mode = "Recommend"
+    settings: OperationSettings = Field(default_factory=OperationSettings)
+
+
+class LaunchRequest(Model):
+    operation: str
+    cluster: str
+    policy: str
+    allowed_locations: list[str]
+    offering: Offering
+    node_name: str
+    labels: dict[str, str]
+    taints: list[Taint]
+
+
+class Instance(Model):
+    provider: str
+    location: str
+    instance_id: str
+    instance_type: str = ""
+    state: str = ""
+    tags: dict[str, str] = Field(default_factory=dict)
+    node_name: str = ""
+    launched_at: datetime | None = None
+
+
+class InstanceRef(Model):
+    location: str
+    instance_id: str
+    policy: str
+
+
+class NodeWaitRequest(Model):
+    operation: str
+    node_name: str
+    timeout_seconds: int
+
+
+class NodeExpectation(Model):
+    node_name: str
+    taint_key: str
+    labels: dict[str, str]
+    pods: list[PendingPod]
+    timeout_seconds: int
+
+
+class VerifyResult(Model):
+    node_name: str
+    pods_on_node: list[str]
+
+
+class ServeCheckRequest(Model):
+    node_name: str
+    return_home: bool
+    check_seconds: float = 30
+    # An empty node is idle only when no waiting pod tolerating this taint could take it (burst nodes are shared).
+    taint_key: str = ""
+    # What home nodes must carry to take the node's pods back (returnHome).
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class ServeCheckResult(Model):
+    done: bool
+    reason: str = ""
+    pods_on_node: int = 0
+
+
+class OperationView(Model):
+    """What `ops show` and a node workflow's query return."""
+
+    operation: str
+    workflow_id: str
+    cluster: str
+    policy: str
+    batch: str = ""
+    phase: NodePhase
+    node: PlannedNode | None = None
+    location: str | None = None
+    instance: Instance | None = None
+    node_name: str | None = None
+    approver: str | None = None
+    message: str = ""
+    history: list[str] = Field(default_factory=list)
+
+
+class BurstResult(Model):
+    operation: str
+    phase: NodePhase
+    message: str
+    node: PlannedNode | None = None
+    instance: Instance | None = None
+    node_name: str | None = None
+
+
+class CleanupRequest(Model):
+    """Compensation: everything an operation may have made, found by its tag, not by what the workflow saw."""
+
+    operation: str
+    policy: str
+    locations: list[str]
+    node_name: str
+
+
+class CleanupResult(Model):
+    terminated: list[str] = Field(default_factory=list)
+    node_removed: bool = False
+
+
+class NodeFinished(Model):
+    """A node workflow's signal to its provisioning: the node is gone home, failed or was cancelled."""
+
+    workflow_id: str
+    phase: NodePhase
+    message: str = ""
+    launched: bool = False
+    pods: list[str] = Field(default_factory=list)

@@ -1,0 +1,350 @@
+"""`kubeon-gpu onprem-agent`: runs on an on-prem GPU server (a systemd service), holding its pool's join token.
+
+It registers the server in its pool in the hub and heartbeats; the hub answers what the server should be part of.
+When a burst claims the server, the agent joins the claiming cluster through that cluster's gateway exactly as a
+cloud burst node does, with the user data (gateway ticket) the claim carries — the same call that boots a
+simulated instance (``node.join``), plus the pool's join token, which the gateway checks. When the claim
+is released it leaves (the node side stopped, ticket and credentials wiped) and reports the server idle.
+
+Its state (idle / joining / serving, the claim's operation and user data) is in a state file written atomically:
+a server that reboots mid-claim resumes where it was (a join is retried with the same ticket, which the gateway
+answers with the same Node). While the hub is unreachable it keeps its state and reports once the hub is back:
+a release is never lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel
+
+from models.errors import TicketError
+from models.join import JOIN_TOKEN_HEADER
+from models.labels import GPU_RESOURCE
+from node.join import JoinRefusedByGateway, JoinUnavailable
+
+log = logging.getLogger("kubeon.onprem-agent")
+
+# What a simulated server's node carries so that kwok runs it (dev and tests), as the sim provider's nodes do.
+SIM_ANNOTATIONS = {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}
+
+
+class AgentState(BaseModel):
+    phase: Literal["idle", "joining", "serving"] = "idle"
+    operation: str | None = None
+    cluster: str | None = None
+    node_name: str | None = None
+    user_data: str | None = None
+    # The operation this server left and has not yet reported idle for (the hub may be down).
+    left: str | None = None
+
+
+@dataclass
+class AgentConfig:
+    hub_url: str
+    join_token_file: Path
+    pool: str
+    server: str
+    gpu_product: str
+    gpus: int
+    state_file: Path
+    credentials_dir: Path
+    labels: dict[str, str] = field(default_factory=dict)
+    hub_ca_file: str | None = None
+    gateway_ca_file: Path | None = None
+    simulated: bool = False  # dev/tests: the node is run by kwok, like the sim provider's instances
+    heartbeat_seconds: float | None = None  # None: what the hub says
+
+
+class HubError(Exception):
+    """The hub could not be used; ``str()`` says why."""
+
+
+class HubUnauthorized(HubError):
+    """401, or no join token to send: nothing happens until a valid token arrives."""
+
+
+class HubRefused(HubError):
+    """Another 4xx: this heartbeat will never succeed as it is."""
+
+
+class AgentHub:
+    """The agent's client of the hub: its heartbeat, authenticated with the pool's join token, read from its file
+    at every call (a rotated token is used at once). No answer or a 5xx raises ``HubError``: try again later."""
+
+    def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.token_file = token_file
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=ca_file or True,
+                                  headers={"User-Agent": "kubeon-gpu-onprem-agent"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _token(self) -> str:
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise HubUnauthorized(f"no join token: cannot read {self.token_file} ({exc.strerror})") from None
+        if not token:
+            raise HubUnauthorized(f"no join token: {self.token_file} is empty")
+        return token
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = self._http.post("/v1/pool-agent/heartbeat", json=body,
+                                       headers={"Authorization": f"Bearer {self._token()}"})
+        except httpx.TransportError as exc:
+            raise HubError(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
+        if response.status_code == 401:
+            raise HubUnauthorized(f"hub rejected the join token (401): {_message(response)}")
+        if response.status_code >= 500:
+            raise HubError(f"hub {self.url} answered {response.status_code}: {_message(response)}")
+        if response.status_code >= 400:
+            raise HubRefused(f"hub refused ({response.status_code}): {_message(response)}")
+        answer: dict[str, Any] = response.json()
+        return answer
+
+
+def _message(response: httpx.Response) -> str:
+    """The hub's error message (``{"error": ..., "message": ...}``), or the start of the body."""
+    try:
+        doc = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    return str(doc["message"]) if isinstance(doc, dict) and isinstance(doc.get("message"), str) else str(doc)[:300]
+
+
+class _WithJoinToken(httpx.BaseTransport):
+    """Adds the pool's join token to the join request: the gateway checks it for on-prem locations."""
+
+    def __init__(self, inner: httpx.BaseTransport, token: str) -> None:
+        self._inner = inner
+        self._token = token
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.headers[JOIN_TOKEN_HEADER] = self._token
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def join_node(user_data: str, *, gpus: int, provider_id: str, join_token: str, simulated: bool,
+              state_dir: Path, ca_file: Path | None = None) -> str:
+    """Join the cluster the user data names as a cloud burst node does: its own keys and kubelet CSR, the ticket
+    redeemed at the gateway (with the pool's join token, which the gateway checks). Simulated, the node registers
+    itself over the API server's own address and kwok plays its kubelet; otherwise the tunnel comes up and the
+    kubelet's registration file and flags are written for its systemd unit."""
+    from models.join import parse_user_data
+    from node.join import NodeFiles, join, redeem_over_https, write_registration
+    from node.register import join_simulated
+
+    doc = parse_user_data(user_data)
+    capacity = {"cpu": "32", "memory": "256Gi", "pods": "110", GPU_RESOURCE: str(gpus)}
+    redeem = redeem_over_https(
+        doc, ca_file=ca_file,
+        transport=lambda verify: _WithJoinToken(httpx.HTTPTransport(verify=verify), join_token))
+    if simulated:
+        node = join_simulated(doc, state_dir, redeem, provider_id=provider_id, capacity=capacity,
+                              annotations=SIM_ANNOTATIONS)
+        return answer_name(node)
+    files = NodeFiles(state_dir)
+    answer = join(doc, files, redeem=redeem, tunnel=True)
+    write_registration(files, answer, provider_id=provider_id, capacity=capacity)
+    return answer.node_name
+
+
+def answer_name(node: Any) -> str:
+    name = node.metadata.name if node.metadata else None
+    if not name:
+        raise ValueError("the registered Node has no name")
+    return str(name)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.hub = AgentHub(cfg.hub_url, cfg.join_token_file, ca_file=cfg.hub_ca_file)
+        self.stop = threading.Event()
+        self.state = self._load()
+        self.interval = cfg.heartbeat_seconds or 5.0
+
+    # -- state file --------------------------------------------------------------------------------------------
+    def _load(self) -> AgentState:
+        try:
+            return AgentState.model_validate_json(self.cfg.state_file.read_text())
+        except FileNotFoundError:
+            return AgentState()
+
+    def _save(self) -> None:
+        self.cfg.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cfg.state_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.state.model_dump_json())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.cfg.state_file)
+
+    # -- hub -----------------------------------------------------------------------------------------------------
+    def _beat(self) -> dict[str, Any] | None:
+        s = self.state
+        body = {"pool": self.cfg.pool, "server": self.cfg.server, "gpu_product": self.cfg.gpu_product,
+                "gpus": self.cfg.gpus, "labels": self.cfg.labels, "phase": s.phase,
+                "operation": s.operation if s.phase != "idle" else s.left}
+        try:
+            answer = self.hub.heartbeat(body)
+        except HubUnauthorized as exc:
+            log.error("the hub refused the join token: %s", exc)
+            return None
+        except HubRefused as exc:
+            log.error("the hub refused this server's heartbeat: %s", exc)
+            return None
+        except HubError as exc:
+            log.warning("hub unreachable, keeping state %s: %s", s.phase, exc)
+            return None
+        if self.cfg.heartbeat_seconds is None:
+            self.interval = float(answer.get("heartbeat_seconds") or 5)
+        if s.phase == "idle" and s.left is not None:
+            log.info("reported idle after leaving operation %s", s.left)
+            s.left = None
+            self._save()
+        return answer
+
+    # -- join and leave ------------------------------------------------------------------------------------------
+    def _join(self) -> bool:
+        s = self.state
+        assert s.user_data is not None and s.operation is not None
+        self.cfg.credentials_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.cfg.credentials_dir / "user-data").write_text(s.user_data)
+        token = self.cfg.join_token_file.read_text().strip()
+        try:
+            node = join_node(s.user_data, gpus=self.cfg.gpus,
+                             provider_id=f"onprem://{self.cfg.pool}/{self.cfg.server}", join_token=token,
+                             simulated=self.cfg.simulated, state_dir=self.cfg.credentials_dir / "node-state",
+                             ca_file=self.cfg.gateway_ca_file)
+        except JoinUnavailable as exc:
+            log.warning("gateway unavailable, will retry the join of %s: %s", s.operation, exc)
+            return False
+        except (TicketError, JoinRefusedByGateway, ValueError) as exc:
+            log.error("the gateway refused the join of operation %s: %s; leaving", s.operation, exc)
+            self._leave()
+            return False
+        (self.cfg.credentials_dir / "node").write_text(node)
+        s.phase, s.node_name = "serving", node
+        s.user_data = None  # redeemed
+        self._save()
+        log.info("joined cluster %s as node %s (operation %s)", s.cluster, node, s.operation)
+        return True
+
+    def _leave(self) -> None:
+        """Stop the node side and wipe its credentials; the server is idle (reported on the next heartbeat)."""
+        s = self.state
+        shutil.rmtree(self.cfg.credentials_dir, ignore_errors=True)
+        log.info("left operation %s (node %s): credentials wiped", s.operation, s.node_name)
+        self.state = AgentState(left=s.operation)
+        self._save()
+
+    def step(self) -> None:
+        """One heartbeat and whatever it asks for."""
+        answer = self._beat()
+        if answer is None:
+            return
+        claim = answer.get("claim")
+        s = self.state
+        if s.phase == "idle":
+            if claim and claim.get("user_data"):
+                self.state = AgentState(phase="joining", operation=claim["operation"], cluster=claim["cluster"],
+                                        node_name=claim["node_name"], user_data=claim["user_data"])
+                self._save()
+                log.info("claimed by cluster %s for operation %s: joining", claim["cluster"], claim["operation"])
+                if self._beat() is not None:  # the hub knows it is picked up; join
+                    self._join_and_report()
+            return
+        if claim is None or claim.get("operation") != s.operation:
+            self._leave()
+            self._beat()
+            return
+        if s.phase == "joining":  # e.g. after a reboot mid-join: the same ticket again
+            self._join_and_report()
+
+    def _join_and_report(self) -> None:
+        if self._join():
+            self._beat()
+
+    def run(self) -> None:
+        log.info("on-prem agent for server %s of pool %s (%d x %s), hub %s, state %s", self.cfg.server,
+                 self.cfg.pool, self.cfg.gpus, self.cfg.gpu_product, self.cfg.hub_url, self.state.phase)
+        while not self.stop.is_set():
+            try:
+                self.step()
+            except OSError as exc:
+                log.error("step failed: %s", exc)
+            self.stop.wait(self.interval)
+        self.hub.close()
+
+
+def _labels(values: list[str]) -> dict[str, str]:
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--label {item!r}: expected key=value")
+        out[key] = value
+    return out
+
+
+def build_parser(prog: str = "kubeon-gpu onprem-agent") -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--hub-url", default=env("KUBEON_HUB_URL"), required=not env("KUBEON_HUB_URL"))
+    p.add_argument("--join-token-file", type=Path, default=Path(env("KUBEON_JOIN_TOKEN_FILE",
+                                                                    "/etc/kubeon/join-token")),
+                   help="the pool's join token (the value behind the location's existingSecret)")
+    p.add_argument("--pool", required=True, help="the pool: the location onprem/<pool>")
+    p.add_argument("--server", required=True, help="this server's name in the pool (a DNS label)")
+    p.add_argument("--gpu-product", required=True, help="e.g. NVIDIA-L4")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--label", action="append", default=[], help="key=value, repeatable")
+    p.add_argument("--state-dir", type=Path, default=Path("/var/lib/kubeon-agent"))
+    p.add_argument("--hub-ca-file")
+    p.add_argument("--gateway-ca-file", type=Path)
+    p.add_argument("--heartbeat-seconds", type=float)
+    p.add_argument("--simulated", action="store_true", help="development: kwok runs the node (like sim locations)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "kubeon-gpu onprem-agent") -> int:
+    args = build_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        labels = _labels(args.label)
+    except argparse.ArgumentTypeError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    cfg = AgentConfig(hub_url=args.hub_url, join_token_file=args.join_token_file, pool=args.pool,
+                      server=args.server, gpu_product=args.gpu_product, gpus=args.gpus, labels=labels,
+                      state_file=args.state_dir / "state.json", credentials_dir=args.state_dir / "credentials",
+                      hub_ca_file=args.hub_ca_file, gateway_ca_file=args.gateway_ca_file, simulated=args.simulated,
+                      heartbeat_seconds=args.heartbeat_seconds)
+    agent = Agent(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop.set())
+    agent.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

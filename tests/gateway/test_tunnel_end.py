@@ -1,0 +1,393 @@
+"""The join for real, on real parts, every non-loopback address inside namespaces this test creates (see
+tests/harness/netbed.py): `kubeon-gpu gateway` with wireguard-go in its namespace, a burst node in its own running
+`kubeon-gpu node join` and the kubelet stand-in with only its own certificate, all through the tunnel."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.clients.audit_log import AuditLog
+from activities.clients.gateway import HttpGatewayClient
+from activities.clients.kube import KubeOps
+from activities.providers.sim import SimProvider
+from models.join import JoinTicketRequest, render_user_data
+from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.node import Instance, NodePhase
+from models.provisioning import BatchPhase
+from tests.harness.burst import (
+    SIM_LOCATIONS,
+    BurstStack,
+    approve_batch,
+    build_stack,
+    gpu_deployment,
+    provision_state,
+    result,
+    unique,
+    wait_phase,
+)
+from tests.harness.kube import Cluster, wait_for
+from tests.harness.netbed import (
+    GATEWAY_PUBLIC_IP,
+    UDP_PORT,
+    Gateway,
+    Joined,
+    NetBed,
+    boot_node,
+    sh,
+    start_tunnel_gateway,
+)
+from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
+from tunnel.uapi import Uapi
+from worker.main import worker_services
+from worker.runtime import Runtime
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+BURST_TAINT = "gpu.kubeon.io/burst"
+SERVICE_CIDR = "10.96.0.0/16"  # the harness API server's
+POD_CIDR = "10.245.0.0/16"
+TUNNEL_CIDR = "10.250.0.0/16"
+SERVICE_IP = "10.96.77.77"
+MARKER = f"kubeon-marker-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def bed(cluster: Cluster) -> Iterator[NetBed]:
+    bed = NetBed().create(api_port=int(urlsplit(cluster.plane.server).port or 443))
+    try:
+        bed.route_cluster(service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
+        yield bed
+    finally:
+        bed.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
+                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def join_node(cluster: Cluster, bed: NetBed, gateway: Gateway, workdir: Path) -> Joined:
+    """What launch_instance and the booting VM do: a ticket from the gateway (as the optimizer), user data,
+    then `kubeon-gpu node join` in the node's own namespace, which starts the kubelet stand-in."""
+    op = f"op-{uuid.uuid4().hex[:10]}"
+    name = f"burst-{uuid.uuid4().hex[:8]}"
+    token = workdir / f"{name}.token"
+    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    labels = {LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "tunnel.test"}
+    with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
+        grant_ = http.issue_ticket(JoinTicketRequest(
+            operation=op, policy="inference-burst", location="sim/eu-west", node_name=name, labels=labels,
+            taints=[Taint(key=BURST_TAINT)], gpus=1))
+    assert grant_.endpoint == f"https://{GATEWAY_PUBLIC_IP}:8443"
+    user_data = render_user_data(gateway_url=grant_.endpoint, ticket=grant_.ticket, node_name=name, labels=labels,
+                                 taints=[Taint(key=BURST_TAINT)], ca_bundle=gateway.ca_file.read_text())
+    capacity = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
+    return boot_node(bed, user_data, capacity, workdir, f"sim://tunnel/{name}")
+
+
+def ready(cluster: Cluster, name: str) -> bool:
+    try:
+        return cluster.node_ready(name)
+    except client.ApiException:
+        return False
+
+
+def http_get(netns: str, url: str, timeout: float = 10) -> str:
+    return sh(sys.executable, "-c", f"import urllib.request; print(urllib.request.urlopen({url!r}, "
+              f"timeout={timeout}).read().decode())", netns=netns)
+
+
+@pytest.fixture(scope="module")
+def joined(cluster: Cluster, bed: NetBed, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Joined]:
+    node = join_node(cluster, bed, gateway, tmp_path_factory.mktemp("nodes"))
+    try:
+        wait_for(lambda: ready(cluster, node.name), timeout=60, what=f"{node.name} Ready through the tunnel")
+        yield node
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.admin.core.delete_node(node.name)
+
+
+def test_the_node_registers_itself_through_the_tunnel(cluster: Cluster, gateway: Gateway, joined: Joined) -> None:
+    # Its identity, asked through the tunnel from its own namespace with its own kubeconfig: system:node:<name>.
+    who = sh(sys.executable, "-c", "import sys; from kubernetes import client; from node.register import node_api; "
+             f"api = node_api(__import__('pathlib').Path({str(joined.state / 'kubelet.kubeconfig')!r})); "
+             "print(client.AuthenticationV1Api(api).create_self_subject_review(client.V1SelfSubjectReview())"
+             ".status.user_info.username)", netns=joined.node.netns).strip()
+    assert who == f"system:node:{joined.name}"
+    kubeconfig = (joined.state / "kubelet.kubeconfig").read_text()
+    assert "https://10.250.0.1:443" in kubeconfig and "tls-server-name: kubernetes.default.svc" in kubeconfig
+    # Its CSR: approved by the gateway, for the kubelet client signer.
+    csrs = client.CertificatesV1Api(cluster.admin.api).list_certificate_signing_request().items
+    mine = [c for c in csrs if c.spec.username == f"system:serviceaccount:{OPTIMIZER_NAMESPACE}:{GATEWAY_SA}"
+            and c.status.certificate and joined.name in (c.status.conditions[0].message or "")]
+    assert [(c.spec.signer_name, c.status.conditions[0].reason) for c in mine] == [
+        ("kubernetes.io/kube-apiserver-client-kubelet", "KubeonGatewayValidated")]
+    # Its Lease, renewed by the node itself; the ticket's labels and taint; the joining taint lifted.
+    lease = client.CoordinationV1Api(cluster.admin.api).read_namespaced_lease(joined.name, "kube-node-lease")
+    assert lease.spec.holder_identity == joined.name
+    wait_for(lambda: JOINING_TAINT.key not in {t.key for t in cluster.admin.core.read_node(joined.name).spec.taints},
+             timeout=30, what="the joining taint lifted")
+    node = cluster.admin.core.read_node(joined.name)
+    assert node.metadata.labels[LABEL_OPERATION] == joined.operation
+    assert [(t.key, t.effect) for t in node.spec.taints] == [(BURST_TAINT, "NoSchedule")]
+    assert node.spec.pod_cidr and node.spec.pod_cidr.startswith("10.245.")
+    # The gateway's peer for it: its key, its tunnel IP and pod CIDR.
+    peer = Uapi(gateway.bed.gateway_interface).get().peers[joined.public_key]
+    assert sorted(peer.allowed_ips) == sorted([f"{node.status.addresses[0].address}/32", node.spec.pod_cidr])
+    assert peer.last_handshake > 0
+    # MSS clamped both ways through the tunnel; tunnel traffic to Services masqueraded.
+    rules = sh("nft", "list", "table", "ip", "kubeon_gateway", netns=gateway.bed.gw)
+    assert rules.count("tcp option maxseg size set rt mtu") == 2
+    assert f"ip daddr {SERVICE_CIDR} masquerade" in rules
+
+
+@pytest.fixture(scope="module")
+def served(cluster: Cluster, bed: NetBed, joined: Joined, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[client.V1Pod]:
+    """A pod on the burst node (the stand-in runs it: an HTTP server at its pod IP) and an in-cluster Service
+    whose ClusterIP the cluster side answers with the marker."""
+    ns = cluster.create_namespace("tunnel")
+    cluster.admin.core.create_namespaced_pod(ns, client.V1Pod(
+        metadata=client.V1ObjectMeta(name="infer"),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="registry.invalid/x:1")],
+                              node_selector={"kubernetes.io/hostname": joined.name},
+                              tolerations=[client.V1Toleration(key=BURST_TAINT, operator="Exists")],
+                              termination_grace_period_seconds=0)))
+    cluster.admin.core.create_namespaced_service(ns, client.V1Service(
+        metadata=client.V1ObjectMeta(name="marker"),
+        spec=client.V1ServiceSpec(cluster_ip=SERVICE_IP, ports=[client.V1ServicePort(port=80)])))
+    site = tmp_path_factory.mktemp("site")
+    (site / "marker.txt").write_text(MARKER)
+    sh("ip", "addr", "add", f"{SERVICE_IP}/32", "dev", "lo", netns=bed.cl)
+    bed.spawn([sys.executable, "-m", "http.server", "80", "--bind", SERVICE_IP, "--directory", str(site)],
+              netns=bed.cl, log=site.parent / "service.log")
+
+    def running() -> client.V1Pod | None:
+        got = cluster.admin.core.read_namespaced_pod("infer", ns)
+        return got if got.status.phase == "Running" and got.status.pod_ip else None
+
+    wait_for(lambda: running() is not None, timeout=60, what="the pod Running on the burst node")
+    yield running()  # type: ignore[misc]
+    with contextlib.suppress(client.ApiException):
+        cluster.admin.core.delete_namespace(ns)
+
+
+def test_traffic_goes_through_the_tunnel_only(bed: NetBed, joined: Joined, served: client.V1Pod,
+                                              tmp_path: Path) -> None:
+    pcap, inner = tmp_path / "underlay.pcap", tmp_path / "tunnel.pcap"
+    dumps = [bed.spawn(["tcpdump", "-i", iface, "-U", "-w", str(path)], netns=joined.node.netns,
+                       log=tmp_path / f"{iface}.tcpdump.log")
+             for iface, path in ((joined.node.underlay, pcap), (joined.node.interface, inner))]
+    wait_for(lambda: all("listening on" in (tmp_path / f"{i}.tcpdump.log").read_text(errors="replace")
+                         for i in (joined.node.underlay, joined.node.interface)
+                         if (tmp_path / f"{i}.tcpdump.log").exists()) and pcap.exists() and inner.exists(),
+             timeout=10, what="tcpdump capturing")
+    # The node reaches an in-cluster Service through the tunnel...
+    assert http_get(joined.node.netns, f"http://{SERVICE_IP}/marker.txt").strip() == MARKER
+    # ...and the cluster side reaches the burst pod's address through the gateway.
+    pod = f"{served.metadata.namespace}/{served.metadata.name}"
+    assert http_get(bed.cl, f"http://{served.status.pod_ip}:8080/").strip() == f"kubeon-pod {pod}"
+    # The positive control has the marker in clear: the capture has seen the traffic (packet-buffered, -U).
+    wait_for(lambda: MARKER.encode() in inner.read_bytes(), timeout=10, what="the marker in the tunnel capture")
+    for proc in dumps:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    lines = [x for x in sh("tcpdump", "-nn", "-r", str(pcap)).splitlines() if x.strip()]
+    assert lines, "nothing captured on the underlay"
+    gw = f"{GATEWAY_PUBLIC_IP}.{UDP_PORT}"
+    odd = [x for x in lines if " UDP" not in x or not (f"> {gw}:" in x or f"{gw} > {joined.node.address}." in x)]
+    assert odd == [], odd[:5]
+    assert MARKER.encode() not in pcap.read_bytes()
+    assert MARKER.encode() in inner.read_bytes()  # positive control: in clear inside the tunnel only
+
+
+def slot_keys(cluster: Cluster) -> set[str]:
+    return {cm.data["wireguardPublicKey"] for cm in cluster.admin.core.list_namespaced_config_map(
+        OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+        if cm.data["wireguardPublicKey"]}
+
+
+def test_a_reserved_slot_has_no_peer_and_the_resync_skips_it(
+        cluster: Cluster, gateway: Gateway, joined: Joined, tmp_path: Path) -> None:
+    """A ticket not redeemed yet holds its address slot without a WireGuard key: a restarted gateway's full
+    resync (and every reconcile after it) leaves it out of the peers and still restores the joined node's."""
+    token = tmp_path / "token"
+    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    op, name = f"op-{uuid.uuid4().hex[:10]}", f"burst-{uuid.uuid4().hex[:8]}"
+    with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
+        http.issue_ticket(JoinTicketRequest(
+            operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,
+            labels={LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "tunnel.test"},
+            taints=[Taint(key=BURST_TAINT)], gpus=1))
+        slots = cluster.admin.core.list_namespaced_config_map(
+            OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+        (reserved,) = [cm for cm in slots if cm.data["node"] == name]
+        assert reserved.data["wireguardPublicKey"] == ""
+        assert gateway.stop() in (0, -signal.SIGTERM), gateway.log
+        keyed = slot_keys(cluster)
+        gateway.start()  # resyncs every peer from the slots before it is ready
+        # Peers come only from slots with a key (the joined node's; others that earlier tests' gateways left in
+        # this namespace, which the reconciler may be releasing meanwhile); the reservation has none.
+        peers = set(Uapi(gateway.bed.gateway_interface).get().peers)
+        assert joined.public_key in peers and "" not in peers and peers <= keyed | slot_keys(cluster)
+        assert "cannot restore the tunnel's peers" not in gateway.log
+        assert "gateway reconcile failed" not in gateway.log
+        assert http.remove_node(name, operation=op) is False  # never joined: the reservation goes
+    slots = cluster.admin.core.list_namespaced_config_map(
+        OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+    assert all(cm.data["node"] != name for cm in slots)
+
+
+def test_a_restarted_gateway_restores_the_peer_and_the_node_stays_ready(
+        cluster: Cluster, gateway: Gateway, joined: Joined, served: client.V1Pod) -> None:
+    assert gateway.stop() in (0, -signal.SIGTERM), gateway.log
+    assert not Uapi(gateway.bed.gateway_interface).path.exists()  # its wireguard-go went with it
+    restarted = time.monotonic()
+    gateway.start()
+    assert joined.public_key in Uapi(gateway.bed.gateway_interface).get().peers  # restored from the API
+    answered = None
+    while time.monotonic() - restarted < 45:
+        assert ready(cluster, joined.name), "the node went NotReady across the gateway restart"
+        if answered is None:
+            with contextlib.suppress(RuntimeError):
+                if http_get(gateway.bed.cl, f"http://{served.status.pod_ip}:8080/", timeout=2).startswith(
+                        "kubeon-pod"):
+                    answered = time.monotonic() - restarted
+        time.sleep(1)
+    assert answered is not None and answered < 30, f"the pod answered again after {answered}s"
+
+
+def test_removing_the_node_removes_its_peer_and_frees_its_addresses(
+        cluster: Cluster, gateway: Gateway, joined: Joined, served: client.V1Pod, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
+        assert http.remove_node(joined.name, operation=joined.operation) is True
+    wait_for(lambda: not cluster.admin.core.list_node(field_selector=f"metadata.name={joined.name}").items,
+             what="the Node gone")
+    assert joined.public_key not in Uapi(gateway.bed.gateway_interface).get().peers
+    slots = cluster.admin.core.list_namespaced_config_map(
+        OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+    assert all(cm.data["node"] != joined.name for cm in slots)
+
+
+# ----- R4.10 in Approve mode with a tunnel node ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
+    return build_stack(cluster, tmp_path_factory.mktemp("burst-tunnel"))
+
+
+@pytest.fixture
+async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, temporal_dev_server: WorkflowEnvironment,
+                        tmp_path: Path) -> AsyncIterator[tuple[Client, str, dict[str, Joined]]]:
+    """The worker as in a cluster (the optimizer's own credentials, the gateway over HTTPS); each simulated
+    instance boots as a burst node in a namespace of its own: `kubeon-gpu node join` with its user data, then the
+    kubelet stand-in, through the tunnel."""
+    queue = unique("q")
+    token = tmp_path / "optimizer.token"
+    token.write_text(str(stack.cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
+                              task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue,
+                              gateway_url=gateway.url,
+                              gateway_ca_file=gateway.ca_file)
+    http = HttpGatewayClient(settings.gateway_url, token, ca_file=gateway.ca_file)
+    booted: dict[str, Joined] = {}
+
+    def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+        booted[instance.instance_id] = boot_node(bed, user_data, capacity, tmp_path,
+                                                 f"sim://{instance.location}/{instance.instance_id}")
+
+    burst = settings.burst_config()
+    sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
+    runtime = Runtime(settings=settings, kube=KubeOps(stack.optimizer.api), burst=burst, gateway=http,
+                      providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
+                      closers=[sim.stop, http.close])
+    async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
+        yield temporal, settings.cluster, booted
+
+
+async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: NetBed, gateway: Gateway,
+                                                     tunnel_worker: tuple[Client, str, dict[str, Joined]],
+                                                     namespace: str) -> None:
+    temporal, cluster_name, booted = tunnel_worker
+    cluster = stack.cluster
+    policy = unique("tunnel")
+    stack.create_policy(policy, mode="Approve", locations=["sim/eu-west"], max_nodes=1)
+    try:
+        deploy = unique("infer")
+        cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        # One proposal for the batch, one new node on the policy's location; approved by batch and plan.
+        proposed = await provision_state(temporal, cluster_name, policy, lambda v: v.proposal is not None)
+        assert proposed.phase == BatchPhase.AWAITING_APPROVAL and proposed.proposal is not None
+        (planned,) = proposed.proposal.plan.new_nodes
+        assert planned.offering.location == "sim/eu-west"
+        assert len(planned.pods) == 1 and planned.pods[0].startswith(f"{namespace}/{deploy}-")
+        batch, handle = await approve_batch(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
+        assert batch.batch == proposed.proposal.batch
+        view = await wait_phase(handle, NodePhase.SERVING, timeout=180)
+        assert view.batch == batch.batch and view.node is not None and view.node.offering == planned.offering
+        (joined,) = booted.values()
+        assert joined.name == view.node_name
+        # The node registered itself: its own Lease, its own CSR approved by the gateway; taint and location.
+        lease = client.CoordinationV1Api(cluster.admin.api).read_namespaced_lease(joined.name, "kube-node-lease")
+        assert lease.spec.holder_identity == joined.name
+        node = cluster.admin.core.read_node(joined.name)
+        assert node.metadata.labels[LABEL_OPERATION] == view.operation
+        assert node.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
+        assert [(t.key, t.effect) for t in node.spec.taints] == [(BURST_TAINT, "NoSchedule")]
+        assert joined.public_key in Uapi(bed.gateway_interface).get().peers
+        # The pod landed and runs: the cluster side reaches it at its pod IP through the gateway.
+        (pod,) = cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+        assert pod.spec.node_name == joined.name
+        pod_name = str(pod.metadata.name)
+        ip = wait_for(lambda: cluster.admin.core.read_namespaced_pod(pod_name, namespace).status.pod_ip,
+                      what="the pod's IP", timeout=30)
+        assert http_get(bed.cl, f"http://{ip}:8080/").strip() == f"kubeon-pod {namespace}/{pod_name}"
+
+        # The workload goes: drained, terminated, the Node, its peer and its addresses gone.
+        cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        done = await result(handle, timeout=180)
+        assert done.phase == NodePhase.COMPLETED, done.message
+        wait_for(lambda: not cluster.admin.core.list_node(field_selector=f"metadata.name={joined.name}").items,
+                 what="the burst Node removed")
+        assert joined.public_key not in Uapi(bed.gateway_interface).get().peers
+        slots = cluster.admin.core.list_namespaced_config_map(
+            OPTIMIZER_NAMESPACE, label_selector="gpu.kubeon.io/gateway-record=slot").items
+        assert all(cm.data["node"] != joined.name for cm in slots)
+        states = json.loads((stack.workdir / f"state-{cluster_name}" / "sim-instances.json").read_text())
+        assert [r["state"] for r in states.values()] == ["terminated"]
+        after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
+        assert after.batches[-1].approver == "alice" and after.batches[-1].nodes == [handle.id]
+    finally:
+        stack.delete_policy(policy)

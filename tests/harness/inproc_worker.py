@@ -1,0 +1,47 @@
+"""The gateway in the worker's process, for tests and the bench: ``inproc_gateway`` builds it with the gateway's
+own ServiceAccount and ticket key (never the optimizer's), as ``kubeon-gpu gateway`` would; run as
+``python -m tests.harness.inproc_worker``, this is ``kubeon-gpu worker`` with that gateway in its runtime
+(from ``KUBEON_GATEWAY_KUBECONFIG`` and ``KUBEON_GATEWAY_TICKET_KEY_FILE``), for tests that SIGKILL the worker.
+
+The product's worker never builds a gateway: it talks to the gateway process over HTTPS. Here its runtime is
+handed one (``build_runtime(settings, gateway=..., redeem=...)``), and simulated instances redeem their ticket
+with its ``join``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+from gateway.main import kube_api
+from gateway.service import KubeGateway
+from gateway.slots import AddressPlan
+
+
+def inproc_gateway(kubeconfig: Path, ticket_key_file: Path, plan: AddressPlan | None = None) -> KubeGateway:
+    """The gateway in namespace kubeon-gpu (``plan``: its address plan, default the gateway's), its reconciler
+    running."""
+    gateway = KubeGateway(kube_api(kubeconfig), ticket_key_file.read_bytes().strip(), namespace="kubeon-gpu",
+                          plan=plan)
+    gateway.start_reconciler()
+    return gateway
+
+
+def main() -> None:
+    import worker.main
+    from worker.cli import entry
+    from worker.runtime import build_runtime
+
+    mask = os.environ.get("KUBEON_GATEWAY_NODE_CIDR_MASK")
+    gateway = inproc_gateway(Path(os.environ["KUBEON_GATEWAY_KUBECONFIG"]),
+                             Path(os.environ["KUBEON_GATEWAY_TICKET_KEY_FILE"]),
+                             AddressPlan(node_mask=int(mask)) if mask else None)
+    # worker_services builds the runtime from the settings alone: this one holds the gateway.
+    worker.main.build_runtime = functools.partial(build_runtime, gateway=gateway, redeem=gateway.join)
+    sys.argv = [sys.argv[0], "worker"]
+    entry()
+
+
+if __name__ == "__main__":
+    main()
