@@ -14,7 +14,7 @@ import pytest
 import yaml
 from playwright.async_api import Error as PlaywrightError
 
-from activities.hub_client import HubUnauthorized
+from activities.clients.hub import HubUnauthorized
 from models.hub import ActionReport
 from tests.hub.conftest import UiHub
 from tests.hub.helpers import policy_document

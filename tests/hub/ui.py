@@ -12,7 +12,7 @@ from typing import Any
 
 from playwright.async_api import BrowserContext, Page, ViewportSize
 
-from activities.hub_client import HubClient
+from activities.clients.hub import HubClient
 from models.hub import ActionReport
 from tests.harness.browser import artifacts_dir
 from tests.hub.conftest import UiHub
