@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"(agents: {workdir / 'onprem'})")
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
+                         f"  hub UI       {hub_url}/ui/  (sign in with the API key {admin_key})\n"
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
                          f"{hub_url}/v1/clusters/dev/reports\n")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         approve_in_hub = "" if args.no_hub else (
             "\n  (or approve in the hub: curl -H \"Authorization: Bearer $(cat "
             f"{os.path.relpath(workdir / 'hub' / 'dev.key', Path.cwd())})\" -d '{{\"operation\": \"<OPERATION>\", "
-            f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals)")
+            f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals,\n"
+            f"   or in the hub UI: http://127.0.0.1:{args.hub_port}/ui/approvals)")
         onprem_line = "" if not agents else (
             f", onprem/{ONPREM_POOL} (${ONPREM_USD_PER_GPU_HOUR}/GPU-h, servers {', '.join(ONPREM_SERVERS)})")
         # Started before "ready" is printed: a signal sent by whoever reads "ready" is a stop, not an interruption.
