@@ -26,6 +26,7 @@ from temporalio.workflow import ParentClosePolicy
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
+from models.hub import proposal_detail
 from models.ids import node_workflow_id, operation_id
 from models.node import NodeFinished, NodeInput, NodePhase
 from models.provisioning import (
@@ -210,7 +211,9 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         await record_audit(AuditRecord(
             key=f"{record.batch}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
             operation=record.batch, action=action, location=first, approver=approver,
-            detail=detail or record.plan.summary()))
+            # A proposal carries its whole plan, as the hub shows it and binds a decision to its plan ID.
+            detail=detail or (proposal_detail(record.plan, record.batch) if action == "proposed"
+                              else record.plan.summary())))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def _should_continue(self) -> bool:

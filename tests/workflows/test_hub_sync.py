@@ -21,6 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from hub.db import Cluster as HubCluster
 from hub.db import Database
 from hub.db import Policy as HubPolicy
+from hub.plans import parse_plan
 from models.decisions import Approval
 from models.drain import DrainStatus
 from models.hub import (
@@ -317,6 +318,13 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
     assert by_op[rejected.batch] == ["proposed", "rejected"]
     launched = next(r for r in hub.reports() if r["action"] == "launched")
     assert launched["location"] == "sim/eu-west" and launched["instance"] and launched["node"]
+    # The proposal carries its whole plan, as the hub's Approvals page shows it and binds a decision to it.
+    proposed = next(r for r in hub.reports() if r["operation"] == approved.batch and r["action"] == "proposed")
+    plan = parse_plan(proposed["detail"])
+    assert plan is not None and plan.plan_id == approved.plan.plan_id and plan.batch == approved.batch
+    assert [(n.location, n.instance_type, n.pods) for n in plan.nodes] == [
+        (n.offering.location, n.offering.instance_type, n.pods) for n in approved.plan.new_nodes]
+    assert plan.total == approved.plan.total_usd_per_hour
     # A decision for a batch no longer awaiting approval is refused, not applied to a later proposal.
     with pytest.raises(ops.DecisionRefused):
         await ops.approve(optimizer.temporal, approved.batch, Approval(approver="late"))
