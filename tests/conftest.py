@@ -18,9 +18,9 @@ from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes
 from models.converter import DATA_CONVERTER
+from tests.harness.clouds.moto_server import MotoServer
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
-from tests.harness.moto_server import MotoServer
 from tests.harness.temporal import dev_server_path, time_skipping_server_path
 from worker.runtime import register_search_attributes
 

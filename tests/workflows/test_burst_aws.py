@@ -32,8 +32,8 @@ from tests.harness.burst import (
     wait_for,
     wait_phase,
 )
+from tests.harness.clouds.moto_server import MotoServer
 from tests.harness.kube import Cluster, Kube
-from tests.harness.moto_server import MotoServer
 from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]

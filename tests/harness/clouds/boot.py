@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from activities.providers.sim import KWOK_ANNOTATIONS
-from tests.harness.azure_server import SIZES
-from tests.harness.cloud_fake import FakeServer
-from tests.harness.gcp_server import MACHINE_TYPES
+from tests.harness.clouds.azure_server import SIZES
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.gcp_server import MACHINE_TYPES
 
 # (instance id, user data, capacity, provider id) -> the node's name; raises when the join fails.
 Join = Callable[[str, str, dict[str, str], str], str]

@@ -17,8 +17,8 @@ from azure.core.exceptions import (
 from azure.identity import ManagedIdentityCredential
 from azure.mgmt.compute import ComputeManagementClient
 
-from tests.harness.azure_server import IDENTITY_HEADER
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds.azure_server import IDENTITY_HEADER
+from tests.harness.clouds.fake import FakeServer
 
 SUB = "11111111-2222-3333-4444-555555555555"
 RG = "kubeon-burst-westeurope"
@@ -29,7 +29,7 @@ SUBNET = f"/subscriptions/{SUB}/resourceGroups/net/providers/Microsoft.Network/v
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
     tmp = tmp_path_factory.mktemp("azure")
-    srv = FakeServer("tests.harness.azure_server", tmp, tls_dir=tmp / "tls", with_identity=True).start()
+    srv = FakeServer("tests.harness.clouds.azure_server", tmp, tls_dir=tmp / "tls", with_identity=True).start()
     yield srv
     srv.stop()
 
