@@ -74,6 +74,18 @@ def alive(pid: int) -> bool:
     return start_time(pid) is not None
 
 
+def terminate(proc: subprocess.Popen[Any] | None, grace: float = 10.0) -> None:
+    """One child process of a test (not a group): SIGTERM if it still runs, SIGKILL after ``grace`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @dataclass
 class Child:
     name: str

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.harness.children import terminate
 from tests.harness.controlplane import free_port
 
 SCRAPE_JOB = "dcgm"
@@ -113,11 +114,5 @@ class Prometheus:
         return ""
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        terminate(self._proc, grace=20)
         self._proc = None

@@ -22,6 +22,7 @@ from typing import Any
 
 from werkzeug.wrappers import Request, Response
 
+from tests.harness.children import terminate
 from tests.harness.controlplane import free_port
 
 
@@ -183,13 +184,7 @@ class FakeServer:
         return dict(self._control("GET", "state"))
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        terminate(self._proc)
 
 
 def serve(app: FakeCloud, argv: list[str] | None = None) -> None:
