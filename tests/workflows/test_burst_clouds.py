@@ -22,8 +22,8 @@ from models.provisioning import BatchPhase
 from tests.harness.burst import (
     BurstStack,
     approve_batch,
-    build_stack,
     gpu_deployment,
+    in_process_worker,
     node_for,
     node_workflows,
     provision_state,
@@ -37,8 +37,6 @@ from tests.harness.clouds import local
 from tests.harness.clouds.boot import Booter, gateway_join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.gcp_server import ZONES
-from tests.harness.kube import Cluster
-from worker.main import worker_services
 from worker.runtime import kube_api
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -119,11 +117,6 @@ class Cloud:
         return str(inst["tags"]["kubeon-operation" if self.name == "gcp" else TAG_OPERATION])
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("burst-clouds"))
-
-
 @pytest.fixture(scope="module", params=["gcp", "azure"])
 def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     logdir = tmp_path_factory.mktemp(request.param)
@@ -151,11 +144,8 @@ def policy(stack: BurstStack, cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> 
 @contextlib.asynccontextmanager
 async def worker(stack: BurstStack, temporal: WorkflowEnvironment, cloud: Cloud, regions: list[str]
                  ) -> AsyncIterator[tuple[Any, str, KubeGateway]]:
-    queue = unique("q")
     locations = [cloud.location(r) for r in regions]
-    settings = stack.settings(temporal_address=temporal.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue, **cloud.settings())
-    async with worker_services(settings) as (client_, runtime, _):
+    async with in_process_worker(stack, temporal, locations, **cloud.settings()) as (client_, settings, runtime):
         assert isinstance(runtime.gateway, KubeGateway)
         yield client_, settings.cluster, runtime.gateway
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,8 @@ SA = "kubeon-burst@acme-ml.iam.gserviceaccount.com"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    srv = FakeServer("tests.harness.clouds.gcp_server", tmp_path_factory.mktemp("gcp")).start()
-    yield srv
-    srv.stop()
+def server(gcp_server: FakeServer) -> FakeServer:
+    return gcp_server
 
 
 def config(**gcp: object) -> BurstConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,10 +16,8 @@ ZONE = "europe-west4-a"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    srv = FakeServer("tests.harness.clouds.gcp_server", tmp_path_factory.mktemp("gcp")).start()
-    yield srv
-    srv.stop()
+def server(gcp_server: FakeServer) -> FakeServer:
+    return gcp_server
 
 
 @pytest.fixture
