@@ -20,7 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes
 from models.converter import DATA_CONVERTER
-from tests.harness.burst import BurstStack, build_stack
+from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.clouds import local
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.moto_server import MotoServer
@@ -134,3 +134,9 @@ async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
 def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> BurstStack:
     """The burst stack of one test module (no GpuPolicy left by an earlier module), in a folder named after it."""
     return build_stack(cluster, tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]))
+
+
+@pytest.fixture
+def product() -> str:
+    """A GPU type of this test alone, so its pods fit no other test's nodes."""
+    return unique("NVIDIA-T")

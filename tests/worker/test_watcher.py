@@ -33,12 +33,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 
 @pytest.fixture
-def product() -> str:
-    """A GPU type of this test alone: its pods fit no other test's nodes."""
-    return unique("NVIDIA-W")
-
-
-@pytest.fixture
 def policy(stack: BurstStack) -> Iterator[str]:
     name = unique("watch")
     stack.create_policy(name, mode="Recommend", locations=["sim/open"])  # plans, launches nothing

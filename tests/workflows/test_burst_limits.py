@@ -38,12 +38,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 
 @pytest.fixture
-def product() -> str:
-    """A GPU type of this test alone, so its pods fit no other test's nodes."""
-    return unique("NVIDIA-T")
-
-
-@pytest.fixture
 def locations(product: str) -> list[dict[str, Any]]:
     return [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5),
             sim_location("sim/big", product, four=3.2)]
