@@ -36,6 +36,5 @@ def create_strictly(cluster: Cluster, doc: dict[str, Any], prefix: str) -> dict[
     does by default (unknown fields are errors, not pruned)."""
     doc = copy.deepcopy(doc)
     doc["metadata"]["name"] = f"{prefix}-{uuid.uuid4().hex[:10]}"
-    created: dict[str, Any] = cluster.admin.custom.create_cluster_custom_object(
+    return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
         API_GROUP, "v1", PLURAL, doc, field_validation="Strict")
-    return created
