@@ -75,18 +75,6 @@ def alive(pid: int) -> bool:
     return start_time(pid) is not None
 
 
-def terminate(proc: subprocess.Popen[Any] | None, grace: float = 10.0) -> None:
-    """One child process of a test (not a group): SIGTERM if it still runs, SIGKILL after ``grace`` seconds."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def wait_answering(proc: subprocess.Popen[Any], url: str, *, name: str, log: Callable[[], str],
                    timeout: float, interval: float = 0.1) -> None:
     """Until a GET of ``url`` answers; a RuntimeError with ``log()`` when ``proc`` (``name``) exits first or

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.harness.children import terminate, wait_answering
+from tests.harness.children import wait_answering
 from tests.harness.controlplane import free_port
 
 SCRAPE_JOB = "dcgm"
@@ -108,5 +108,11 @@ class Prometheus:
         return ""
 
     def stop(self) -> None:
-        terminate(self._proc, grace=20)
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
         self._proc = None

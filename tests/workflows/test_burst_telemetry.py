@@ -42,7 +42,6 @@ from tests.harness.burst import (
     wait_phase,
     worker_process,
 )
-from tests.harness.children import terminate
 from tests.harness.controlplane import free_port
 from tests.harness.dashboard import dashboard_metric_names
 from tests.harness.kube import until, wait_for
@@ -117,7 +116,13 @@ class Worker:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        terminate(proc, grace=60)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         return proc.returncode

@@ -22,7 +22,6 @@ from typing import Any
 
 from werkzeug.wrappers import Request, Response
 
-from tests.harness.children import terminate
 from tests.harness.controlplane import free_port
 
 
@@ -184,7 +183,13 @@ class FakeServer:
         return dict(self._control("GET", "state"))
 
     def stop(self) -> None:
-        terminate(self._proc)
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
 
 
 def serve(app: FakeCloud, argv: list[str] | None = None) -> None:

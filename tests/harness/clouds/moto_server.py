@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.harness.children import terminate, wait_answering
+from tests.harness.children import wait_answering
 from tests.harness.controlplane import free_port
 
 
@@ -38,4 +38,10 @@ class MotoServer:
         urllib.request.urlopen(req, timeout=10).close()
 
     def stop(self) -> None:
-        terminate(self._proc)
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
