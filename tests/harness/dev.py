@@ -32,9 +32,9 @@ from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
 from tests.harness.burst import WORKER_ARGV, build_stack, gateway_process, worker_env
 from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_ports, reap, recorded
-from tests.harness.cloud_boot import gateway_join
+from tests.harness.clouds.boot import gateway_join
+from tests.harness.clouds.dev import DevClouds
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
-from tests.harness.dev_clouds import DevClouds
 from tests.harness.kube import Kube, wait_for
 from tests.harness.onprem import AgentProcess, claim_keys, register_server, write_gateways
 from tests.harness.temporal import dev_server_path

@@ -4,13 +4,12 @@ real dev server, the optimizer and the gateway each with their own ServiceAccoun
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 from temporalio.client import Client
-from temporalio.testing import WorkflowEnvironment
 
 from models.decisions import Approval
 from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
@@ -19,7 +18,7 @@ from models.provisioning import BatchPhase, ProvisionPhase
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
-    build_stack,
+    StartWorker,
     gpu_deployment,
     node_for,
     node_workflows,
@@ -29,10 +28,9 @@ from tests.harness.burst import (
     wait_for,
     wait_phase,
 )
-from tests.harness.kube import Cluster, until
+from tests.harness.kube import until
 from worker import ops
 from worker.cli import _render_view as render_view
-from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
@@ -50,25 +48,10 @@ LOCATIONS: list[dict[str, Any]] = [*SIM_LOCATIONS,
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("burst"))
-
-
 @pytest.fixture
-def policy(stack: BurstStack) -> Iterator[str]:
-    """A fresh policy name, deleted after the test (policies are cluster-scoped and would match later pods)."""
-    name = unique("burst")
-    yield name
-    stack.delete_policy(name)
-
-
-@pytest.fixture
-async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
-    queue = unique("q")
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=LOCATIONS, cluster_name=queue)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _watcher):
+async def worker(start_worker: StartWorker) -> AsyncIterator[tuple[Client, str]]:
+    """The worker over these locations; every test leaves an audit log."""
+    async with start_worker(LOCATIONS) as (temporal, settings, runtime):
         yield temporal, settings.cluster
         assert runtime.audit.read() is not None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,6 @@ from kubernetes import client
 from sqlalchemy import select
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
-from temporalio.testing import WorkflowEnvironment
 
 from hub.db import Cluster as HubCluster
 from hub.db import Database
@@ -42,17 +41,16 @@ from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
     BurstStack,
-    build_stack,
+    StartWorker,
     gpu_deployment,
     node_for,
     provision_state,
     unique,
     wait_phase,
 )
-from tests.harness.kube import Cluster, until
-from tests.hub.process import SeededHub, seeded_hub
+from tests.harness.kube import until
+from tests.hub.process import SeededHub
 from worker import ops
-from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 POLL = 1.0
@@ -168,25 +166,15 @@ class Optimizer:
         return [str(n.metadata.name) for n in nodes.items]
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("hub-sync"))
+@pytest.fixture
+def hub_class() -> type[Hub]:
+    return Hub
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[Hub]:
-    with seeded_hub(tmp_path, unique("c"), Hub) as seeded:
-        yield seeded
-
-
-@pytest.fixture
-async def optimizer(stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEnvironment
-                    ) -> AsyncIterator[Optimizer]:
-    settings = stack.settings(
-        temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
-        locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
-        hub_token_file=hub.token_file, hub_poll_interval=POLL)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
+async def optimizer(stack: BurstStack, hub: Hub, start_worker: StartWorker) -> AsyncIterator[Optimizer]:
+    async with start_worker(SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
+                            hub_token_file=hub.token_file, hub_poll_interval=POLL) as (temporal, _settings, _runtime):
         opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack)
         try:
             yield opt
