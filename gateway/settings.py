@@ -4,7 +4,6 @@ the worker (the same names; the worker reads only its client's: ``KUBEON_GATEWAY
 
 from __future__ import annotations
 
-import os
 import re
 import ssl
 from collections.abc import Mapping
@@ -12,19 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
 from gateway.slots import AddressPlan
+from models.env import ConfigError, env_names, from_env
 from tunnel import link
 
 DEFAULT_LISTEN: Final = "0.0.0.0:8443"
 DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
 MAX_BODY_BYTES: Final = 64 * 1024
 
-
-class ConfigError(ValueError):
-    pass
 
 
 class GatewaySettings(BaseModel):
@@ -77,21 +74,12 @@ class GatewaySettings(BaseModel):
                            node_mask=self.gateway_node_cidr_mask, service_cidr=self.gateway_service_cidr)
 
 
-ENV = {name: "KUBEON_" + name.upper() for name in GatewaySettings.model_fields}
+ENV = env_names(GatewaySettings)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> GatewaySettings:
     """Settings from the environment; an invalid value fails naming the variable that holds it."""
-    environ = os.environ if environ is None else environ
-    values = {field: environ[var] for field, var in ENV.items() if environ.get(var, "") != ""}
-    try:
-        return GatewaySettings.model_validate(values)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors(include_url=False):
-            name = str(err["loc"][0]) if err["loc"] else "?"
-            problems.append(f"{ENV.get(name, name)}: {err['msg']}")
-        raise ConfigError("; ".join(problems)) from None
+    return from_env(GatewaySettings, environ)
 
 
 @dataclass(frozen=True)
