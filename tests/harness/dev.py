@@ -349,7 +349,7 @@ Next:
 
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
-ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"):
+ScaleToZero (Prometheus {metrics.url}; docs/scale-to-zero.md):
   kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, with 40m of history)
   kubectl --kubeconfig {rel} get gpupolicy scale-to-zero-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
 
