@@ -100,7 +100,7 @@ class Admission:
     def __init__(self, api: client.ApiClient, tickets: TicketSigner, slots: SlotBook, records: RecordStore,
                  plan: AddressPlan, tunnel: GatewayTunnel | None, *, endpoint: Callable[[], tuple[str, str]],
                  on_join: Callable[[], None], cert_seconds: int = DEFAULT_CERT_SECONDS,
-                 sign_timeout: float = 30.0) -> None:
+                 sign_timeout: float = 30.0, tombstoned: Callable[[str], bool] = lambda _: False) -> None:
         self._api = api
         self._certs = client.CertificatesV1Api(api)
         self._tickets = tickets
@@ -114,6 +114,7 @@ class Admission:
         self._sign_timeout = sign_timeout
         self._ca_bundle: str | None = None
         self._username: str | None = None
+        self._tombstoned = tombstoned
 
     def join(self, redeem: JoinRedeem) -> JoinAnswer:
         """Redeem a ticket: check it, the node's WireGuard key and its kubelet CSR; record the redemption
@@ -144,6 +145,12 @@ class Admission:
             raise TicketError(f"join ticket for {ticket.node_name} was issued with an address slot reservation "
                               "that was released (its launch was compensated or its node removed); tickets are "
                               "single use", code="ticket_replayed")
+        if held is None and self._tombstoned(ticket.node_name):
+            if (self._records.ticket(ticket.nonce) or {}).get("state") == "released":
+                raise TicketError(f"join ticket for {ticket.node_name} was already used and its node removed; "
+                                  "tickets are single use", code="ticket_replayed")
+            raise TicketError(f"node {ticket.node_name} was removed and its certificate may still be valid: no new "
+                              "node joins under that name", code="node_exists")
         if (held is None or held.reserved) and self._node_exists(ticket.node_name):
             raise TicketError(f"node {ticket.node_name} exists and was not admitted by this ticket: no join "
                               "hands out an existing node's identity", code="node_exists")

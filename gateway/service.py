@@ -80,7 +80,7 @@ class KubeGateway:
         self._reconciler = Reconciler(self._core, self._records, tunnel, clock, tombstone_seconds=cert_seconds)
         self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
                                     endpoint=self.endpoint, on_join=self._joined, cert_seconds=cert_seconds,
-                                    sign_timeout=sign_timeout)
+                                    sign_timeout=sign_timeout, tombstoned=self._tombstoned)
 
     @property
     def tunnel(self) -> GatewayTunnel | None:
@@ -125,17 +125,25 @@ class KubeGateway:
         """A signed ticket without a reservation (its join allocates a slot if one is free)."""
         return self._tickets.encode(self._tickets.new(request))
 
-    def _refuse_unowned_node(self, node_name: str, operation: str) -> None:
-        """No ticket for a Node that exists without a slot of this operation (a home or control-plane node, or
-        another operation's): its join would hand out that node's identity. Nor for a removed node's name while
-        its tombstone stands (its certificate may still be valid: a new node would share its identity)."""
+    def _tombstoned(self, node_name: str, operation: str | None = None) -> bool:
+        """A released ticket of ``node_name`` (of ``operation``, if given) still names it: the node was removed
+        and its certificate may still be valid."""
         now = self._clock()
         for record in self._records.tickets():
             data = record.data or {}
             keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
-            if data.get("state") == "released" and data.get("node") == node_name and keep_until >= now:
-                raise JoinRefused("node_removed", f"node {node_name} was removed and its certificate may still be "
-                                  "valid: no new ticket for that name", status=409)
+            if (data.get("state") == "released" and data.get("node") == node_name and keep_until >= now
+                    and operation in (None, data.get("operation"))):
+                return True
+        return False
+
+    def _refuse_unowned_node(self, node_name: str, operation: str) -> None:
+        """No ticket for a Node that exists without a slot of this operation (a home or control-plane node, or
+        another operation's): its join would hand out that node's identity. Nor for a removed node's name while
+        its tombstone stands (its certificate may still be valid: a new node would share its identity)."""
+        if self._tombstoned(node_name):
+            raise JoinRefused("node_removed", f"node {node_name} was removed and its certificate may still be "
+                              "valid: no new ticket for that name", status=409)
         try:
             self._core.read_node(node_name)
         except client.ApiException as exc:
@@ -176,7 +184,9 @@ class KubeGateway:
         """Delete a burst Node of ``operation``, remove its WireGuard peer and free its addresses (also a slot
         reserved by a ticket never redeemed: the compensation of a failed launch), its tickets tombstoned for
         good. Ownership is the gateway's slot record, never a label the node could write: a Node without a slot
-        of ``operation`` is refused (``not_owned``). False if it is already gone."""
+        of ``operation`` (or a tombstone of it: a removed node that registered again) is refused (``not_owned``).
+        False if it is already gone."""
+        removed = False
         for _ in range(5):  # each round lost a race against a reconcile pass writing the slot
             slots = [s for s in self._records.slots() if s.node == node_name and s.operation == operation]
             try:
@@ -186,16 +196,17 @@ class KubeGateway:
                     raise
                 node = None
             if node is not None:
-                if not slots:
+                if not slots and not self._tombstoned(node_name, operation):
                     raise TicketError(f"node {node_name} has no address slot of operation {operation} at the "
                                       "gateway: not a node it admitted for it; not removing", code="not_owned")
                 try:
                     self._core.delete_node(node_name)
+                    removed = True
                 except client.ApiException as exc:
                     if exc.status != 404:
                         raise
             if all([self._reconciler.release(slot) for slot in slots]):
-                return node is not None
+                return removed
         raise JoinRefused("slot_conflict", f"the address slot of node {node_name} kept changing while it was "
                           "removed; retry", status=503)
 

@@ -204,6 +204,15 @@ class RecordStore:
                     raise
         raise RuntimeError(f"ticket record {TICKET_PREFIX}{nonce} kept changing while it was released")
 
+    def ticket(self, nonce: str) -> dict[str, str] | None:
+        """A ticket's record (redeemed, or a tombstone), None if there is none."""
+        try:
+            return dict(self.core.read_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace).data or {})
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def tickets(self) -> list[client.V1ConfigMap]:
         return list(self.core.list_namespaced_config_map(
             self.namespace, label_selector=f"{RECORD_LABEL}=ticket").items)

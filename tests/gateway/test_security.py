@@ -220,6 +220,26 @@ def test_a_node_recreated_with_a_removed_nodes_certificate_is_revoked(
     with pytest.raises(JoinRefused) as refused:
         gw.issue_ticket(req)
     assert (refused.value.status, refused.value.code) == (409, "node_removed")
+    assert http_join(gw, redeem_body(files(), gw.sign_ticket(req), req.node_name)) == (409, "node_exists")
+
+
+def test_a_drain_removes_a_node_recreated_under_its_tombstone(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    """The drain's removal of a node that re-registered before the reconciler revoked it is no 409 (the drain
+    would retry for ever): its tombstone makes it the operation's, so it is deleted."""
+    gw = gateway(gateway_api)
+    req = ticket_request(nodes)
+    node_files = files()
+    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
+    api = node_client(node_files, answer)
+    register_self(api, answer, annotations=KWOK_ANNOTATIONS)
+    assert gw.remove_node(req.node_name, operation=req.operation) is True
+    wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
+    register_self(api, answer, annotations=KWOK_ANNOTATIONS)
+    with pytest.raises(TicketError, match="has no address slot"):
+        gw.remove_node(req.node_name, operation="op-someone-else")
+    assert gw.remove_node(req.node_name, operation=req.operation) is True
+    wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted again")
 
 
 # -- Lows ------------------------------------------------------------------------------------------------------
