@@ -353,6 +353,8 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
             removed = gateway.remove_node(name, operation=operation)
         except TicketError as exc:
             raise GatewayHTTPError(409, "not_owned", str(exc)) from None
+        except JoinRefused as exc:
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
         except client.ApiException as exc:
             raise _kube_error(exc, f"removing node {name}") from None
         log.info("node %s of operation %s: %s (asked by %s)", name, operation,
