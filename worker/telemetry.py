@@ -236,9 +236,13 @@ class StateCollector:
         self.cluster = runtime.settings.cluster
         self.min_interval = min_interval
         self.source_timeout = source_timeout
-        self._last = -1e9
-        self._task: asyncio.Task[None] | None = None
+        # Each source is read by a task of its own, on its own cadence: a stalled Temporal (each read cut off at
+        # source_timeout) never holds back the Kubernetes read, nor the other way round.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started: dict[str, float] = {}  # source -> when its last read started (monotonic)
         self._read_at: dict[str, float] = {}  # source -> when its values were last read (monotonic)
+        # The policies the node and operation reads last saw: the provisioning read asks about each.
+        self._policies: dict[str, set[str]] = {}
         self._price_checked: dict[str, float] = {}
         # Its own thread: the default executor is busy with the serving activities' checks under load, and a
         # read queued behind them would go stale.
@@ -249,34 +253,39 @@ class StateCollector:
                                                                                                    **kwargs))
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks.values():
+            task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def refresh(self) -> asyncio.Task[None] | None:
-        """For a scrape: start the next read in the background if one is due, and set the snapshot ages. Returns
-        the read under way (a caller that wants fresh values, e.g. a test, may await it)."""
-        if (self._task is None or self._task.done()) and time.monotonic() - self._last >= self.min_interval:
-            self._last = time.monotonic()
-            self._task = asyncio.create_task(self._read_all())
+    def refresh(self) -> list[asyncio.Task[None]]:
+        """For a scrape: start the next read of each source that is due and not still reading, and set the
+        snapshot ages. Returns the reads under way (a caller that wants fresh values, e.g. a test, may await them)."""
         now = time.monotonic()
-        for source, at in self._read_at.items():
-            pm.SNAPSHOT_AGE.labels(source=source).set(round(now - at, 3))
-        return self._task if self._task is not None and not self._task.done() else None
-
-    async def _read_all(self) -> None:
-        policies: set[str] = set()
-        steps = (self._nodes, self._operations, self._provisionings, self._hub)
-        for source, step in zip(self.SOURCES, steps, strict=True):
+        for source in self.SOURCES:
             if source == "hub" and self.runtime.hub is None:
                 continue
-            try:
-                # Each step sets its gauges only once all it reads is in: cut off, it leaves the last values.
-                await asyncio.wait_for(step(policies), timeout=self.source_timeout)
-                self._read_at[source] = time.monotonic()
-            except Exception as exc:  # one source down must not take the others' metrics with it
-                pm.SCRAPE_ERRORS.labels(source=source).inc()
-                log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
+            running = self._tasks.get(source)
+            if (running is None or running.done()) and now - self._started.get(source, -1e9) >= self.min_interval:
+                self._started[source] = now
+                self._tasks[source] = asyncio.create_task(self._read(source), name=f"metrics-{source}")
+        for source, at in self._read_at.items():
+            pm.SNAPSHOT_AGE.labels(source=source).set(round(now - at, 3))
+        return [task for task in self._tasks.values() if not task.done()]
+
+    async def _read(self, source: str) -> None:
+        step = dict(zip(self.SOURCES, (self._nodes, self._operations, self._provisionings, self._hub),
+                        strict=True))[source]
+        seen: set[str] = set()
+        policies = seen if source in ("kubernetes", "temporal") else set().union(*self._policies.values())
+        try:
+            # Each step sets its gauges only once all it reads is in: cut off, it leaves the last values.
+            await asyncio.wait_for(step(policies), timeout=self.source_timeout)
+            self._read_at[source] = time.monotonic()
+            if source in ("kubernetes", "temporal"):
+                self._policies[source] = seen
+        except Exception as exc:  # one source down must not take the others' metrics with it
+            pm.SCRAPE_ERRORS.labels(source=source).inc()
+            log.debug("metrics: cannot read %s: %s", source, type(exc).__name__)
 
     async def _nodes(self, policies: set[str]) -> None:
         nodes = await self._blocking(self.runtime.kube.core.list_node, label_selector=LABEL_POLICY)

@@ -94,6 +94,8 @@ def test_default_renders_the_documented_objects(default: Rendered) -> None:
         ("Deployment", TEMPORAL),
         ("Service", TEMPORAL),
         ("PersistentVolumeClaim", TEMPORAL),
+        # it authenticates nobody: only the worker reaches it (issue 21, finding 8)
+        ("NetworkPolicy", TEMPORAL),
     }
     for doc in default.docs:
         if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
@@ -389,7 +391,7 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     volume = next(v for v in spec["volumes"] if v["name"] == keys["name"])["configMap"]
     assert volume["name"] == f"{GATEWAY}-hub-claim-keys"
     assert volume["items"] == [{"key": "keys.pem", "path": "keys.pem"}]
-    from worker.config import Settings
+    from gateway.settings import GatewaySettings as Settings
 
     assert str(Settings.model_fields["hub_claim_keys_file"].default) == "/var/run/kubeon/hub-claim-keys/keys.pem"
     pem = burst.get("ConfigMap", f"{GATEWAY}-hub-claim-keys", NAMESPACE)["data"]["keys.pem"]

@@ -23,6 +23,7 @@ from hub.app import create_app
 from hub.db import Database
 from hub.schemas import disallowed_character
 from hub.settings import HubSettings
+from models.join import render_user_data
 from tests.hub.conftest import BOOTSTRAP_KEY, FakeClock, snapshot
 from tests.hub.helpers import policy_document
 
@@ -67,7 +68,7 @@ def _as_param(value: Any) -> str:
 class Endpoint:
     method: str
     path: str  # FastAPI's template
-    auth: str  # admin | cluster | none
+    auth: str  # admin | cluster | pool (a server's credential) | enrol (the pool's enrolment token) | none
     paths: dict[str, Valid] = field(default_factory=dict)  # valid values per path parameter
     query: dict[str, Valid] = field(default_factory=dict)
     body: dict[str, Valid] | None = None  # valid values per field; None: the endpoint takes no body
@@ -95,7 +96,10 @@ RATE_CARD: Final = {"usd_per_gpu_hour": {"NVIDIA-L4": 0.35}, "transfer_usd_per_g
 CLAIMED: Final = "op-00000000000c"
 CLAIM: dict[str, Valid] = {
     "operation": [CLAIMED, "op-0000000000c2"], "policy": ["inference-burst-eu"], "gpu_product": ["NVIDIA-L4"],
-    "gpus": [1], "node_name": ["burst-op-00000000000c"], "user_data": ["#kubeon-join\n{\"ticket\": \"t\"}\n"]}
+    "gpus": [1], "node_name": ["burst-op-00000000000c"],
+    # A join document with a ticket for the claimed node: the hub refuses user data that holds none.
+    "user_data": [render_user_data(gateway_url="https://gw.example:8443", ticket="t", node_name="burst-op-00000000000c",
+                                   labels={}, taints=[])]}
 ENDPOINTS: Final = [
     Endpoint("GET", "/healthz", "none"),
     Endpoint("GET", "/v1/me", "admin"),
@@ -142,6 +146,12 @@ ENDPOINTS: Final = [
              body={"gpu_product": ["NVIDIA-L4", "NVIDIA-H100"], "gpus": [1, 8], "labels": [{}, {"rack": "r1"}],
                    "usd_per_gpu_hour": [None, 0.4]}),
     Endpoint("POST", "/v1/pools/{pool}/servers/{server}/retire", "admin", paths={**POOL, "server": ["spare"]}),
+    Endpoint("POST", "/v1/pools/{pool}/servers/{server}/credential", "admin", paths={**POOL, "server": ["spare"]}),
+    Endpoint("POST", "/v1/pools/{pool}/servers/{server}/credential/revoke", "admin",
+             paths={**POOL, "server": ["spare"]}),
+    Endpoint("GET", "/v1/pool-claims/keys", "none"),
+    Endpoint("POST", "/v1/pool-agent/enrol", "enrol",
+             body={"pool": ["dc1"], "server": ["spare", "gpu-b"], "gpu_product": ["NVIDIA-L4"], "gpus": [1]}),
     Endpoint("POST", "/v1/pool-agent/heartbeat", "pool",
              body={"pool": ["dc1"], "server": ["gpu-a"], "gpu_product": ["NVIDIA-L4"], "gpus": [1],
                    "labels": [{}, {"rack": "r1"}], "phase": ["idle"], "operation": [None]}),
@@ -275,18 +285,27 @@ def target(database_url: str) -> Iterator[Target]:
         assert proposed.status_code == 201, proposed.text
         pool = t.call("POST", "/v1/pools", json={"name": "dc1", "rate_card": RATE_CARD}, headers=admin)
         assert pool.status_code == 201, pool.text
-        agent = {"Authorization": f"Bearer {pool.json()['join_token']['token']}"}
+        enrolment = {"Authorization": f"Bearer {pool.json()['join_token']['token']}"}
+        agents = {}
         for server in ("gpu-a", "gpu-c"):  # two idle servers: a claim can succeed, and be refused once both are
-            beat = t.call("POST", "/v1/pool-agent/heartbeat", headers=agent, json={
+            registered = t.call("PUT", f"/v1/pools/dc1/servers/{server}", headers=admin,
+                                json={"gpu_product": "NVIDIA-L4", "gpus": 1})
+            assert registered.status_code in (200, 201), registered.text
+            enrolled = t.call("POST", "/v1/pool-agent/enrol", headers=enrolment, json={
+                "pool": "dc1", "server": server, "gpu_product": "NVIDIA-L4", "gpus": 1})
+            assert enrolled.status_code == 201, enrolled.text
+            agents[server] = {"Authorization": f"Bearer {enrolled.json()['credential']}"}
+            beat = t.call("POST", "/v1/pool-agent/heartbeat", headers=agents[server], json={
                 "pool": "dc1", "server": server, "gpu_product": "NVIDIA-L4", "gpus": 1, "phase": "idle"})
             assert beat.status_code == 200, beat.text
+        agent = agents["gpu-a"]
         spare = t.call("PUT", "/v1/pools/dc1/servers/spare", headers=admin,
                        json={"gpu_product": "NVIDIA-L4", "gpus": 1})
         assert spare.status_code in (200, 201), spare.text
         claimed = t.call("POST", "/v1/cluster/pools/dc1/claims", headers=cluster, json={
             k: v[0] for k, v in CLAIM.items() if isinstance(v, list)})
         assert claimed.status_code == 201, claimed.text
-        t.headers = {"admin": admin, "cluster": cluster, "pool": agent, "none": {}}
+        t.headers = {"admin": admin, "cluster": cluster, "pool": agent, "enrol": enrolment, "none": {}}
         yield t
     finally:
         loop.run_until_complete(client.aclose())

@@ -5,6 +5,7 @@ each write checked from the optimizer's side with its own hub client, and a scre
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import re
 from datetime import timedelta
@@ -71,8 +72,9 @@ async def test_add_cluster_shows_the_token_once_and_the_optimizer_pulls_with_it(
     await page.goto(f"{ui_hub.url}/ui/clusters/web-prod")
     assert token not in await page.content()
     assert await page.locator("#cluster-status").inner_text() == "connected"
-    # Today's optimizer names no version in its User-Agent; one that does is shown.
-    assert "version not reported" in await page.locator("#optimizer-version").inner_text()
+    # The optimizer's client names its version in its User-Agent; a newer one's is shown once it calls.
+    installed = importlib.metadata.version("kubeon-gpu-optimizer")
+    assert (await page.locator("#optimizer-version").inner_text()).startswith(installed)
     async with httpx.AsyncClient(base_url=ui_hub.url, headers={
             "Authorization": f"Bearer {token}", "User-Agent": "kubeon-gpu-optimizer/1.4.2"}) as newer:
         assert (await newer.get("/v1/cluster")).status_code == 200
@@ -367,7 +369,18 @@ async def test_pools_show_rate_cards_and_servers_and_issue_and_revoke_join_token
         "usd_per_gpu_hour": {"NVIDIA-L4": 0.45}, "transfer_usd_per_gpu_hour": 0.02}})
     assert created.status_code == 201, created.text
     join_token = created.json()["join_token"]["token"]
-    beat = ui_hub.admin.post("/v1/pool-agent/heartbeat", headers={"Authorization": f"Bearer {join_token}"},
+    # An operator registers the servers; an agent enrols with the pool's enrolment token, then heartbeats with the
+    # server's own credential.
+    for server in ("gpu-01", "gpu-02"):
+        registered = ui_hub.admin.put(f"/v1/pools/web-dc1/servers/{server}",
+                                      json={"gpu_product": "NVIDIA-L4", "gpus": 2})
+        assert registered.status_code in (200, 201), registered.text
+    enrol = {"pool": "web-dc1", "server": "gpu-01", "gpu_product": "NVIDIA-L4", "gpus": 2}
+    enrolled = ui_hub.admin.post("/v1/pool-agent/enrol", headers={"Authorization": f"Bearer {join_token}"},
+                                 json=enrol)
+    assert enrolled.status_code == 201, enrolled.text
+    beat = ui_hub.admin.post("/v1/pool-agent/heartbeat",
+                             headers={"Authorization": f"Bearer {enrolled.json()['credential']}"},
                              json={"pool": "web-dc1", "server": "gpu-01", "gpu_product": "NVIDIA-L4", "gpus": 2,
                                    "phase": "idle"})
     assert beat.status_code == 200, beat.text
@@ -390,10 +403,9 @@ async def test_pools_show_rate_cards_and_servers_and_issue_and_revoke_join_token
     await page.get_by_role("link", name=f"Revoke join token {first_id}").click()
     await page.get_by_role("button", name=f"Revoke join token {first_id}").click()
     await page.wait_for_url(re.compile(r".*/ui/pools$"))
-    refused = ui_hub.admin.post("/v1/pool-agent/heartbeat", headers={"Authorization": f"Bearer {join_token}"},
-                                json={"pool": "web-dc1", "server": "gpu-01", "gpu_product": "NVIDIA-L4",
-                                      "gpus": 2, "phase": "idle"})
-    assert refused.status_code == 401
+    refused = ui_hub.admin.post("/v1/pool-agent/enrol", headers={"Authorization": f"Bearer {join_token}"},
+                                json={**enrol, "server": "gpu-02"})
+    assert refused.status_code == 401, refused.text
     tokens = {t["id"]: t["active"] for t in ui_hub.admin.get("/v1/pools/web-dc1").json()["join_tokens"]}
     assert tokens[first_id] is False and list(tokens.values()).count(True) == 1
     await context.close()
