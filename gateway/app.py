@@ -51,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
+from gateway.limits import FailureLimiter, RefusedTokens
 from gateway.pool_tokens import DEFAULT_TOKENS_DIR, JoinTokenRefused, check_join_token
 from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
 from gateway.settings import MAX_BODY_BYTES
@@ -83,13 +84,27 @@ class TokenReviewer:
     def __init__(self, api: client.ApiClient, audiences: tuple[str, ...] = ()) -> None:
         self._auth = client.AuthenticationV1Api(api)
         self._audiences = list(audiences) or None
+        # A token refused once is refused again for a minute without asking the API server (issue 21, 9).
+        self._refused = RefusedTokens()
 
     def review(self, token: str) -> Identity:
+        cached = self._refused.get(token)
+        if isinstance(cached, Identity):
+            return cached
         review = self._auth.create_token_review(client.V1TokenReview(
             spec=client.V1TokenReviewSpec(token=token, audiences=self._audiences)))
         status = review.status
         if status is None or not status.authenticated:
-            return Identity(False, error=(status.error if status is not None else "") or "")
+            refused = Identity(False, error=(status.error if status is not None else "") or "")
+            self._refused.add(token, refused)
+            return refused
+        if self._audiences and not set(self._audiences) <= set(status.audiences or []):
+            # The API server answers with the audiences the token is good for: one it was not minted for (e.g.
+            # the API server's own, so a gateway holding it could act as the optimizer) is refused.
+            refused = Identity(False, error=f"the token's audiences {status.audiences or []} are not "
+                                            f"{self._audiences}")
+            self._refused.add(token, refused)
+            return refused
         user = status.user
         return Identity(True, username=(user.username if user is not None else "") or "")
 
@@ -275,6 +290,13 @@ def optimizer(request: Request) -> str:
                             "'Authorization: Bearer <token>'")
     if scheme.lower() != "bearer" or not token:
         raise _unauthorized("Authorization header is not 'Bearer <token>'")
+    limiter: FailureLimiter = request.app.state.auth_failures
+    source = request.client.host if request.client else ""
+    wait = limiter.retry_after(source)
+    if wait:
+        raise GatewayHTTPError(429, "too_many_failures",
+                               f"more than {limiter.limit} failed authentications from {source} in "
+                               f"{limiter.window:.0f}s; retry later", {"Retry-After": str(int(wait))})
     try:
         who = reviewer.review(token)
     except client.ApiException as exc:
@@ -290,8 +312,10 @@ def optimizer(request: Request) -> str:
                                f"cannot verify the token: the Kubernetes API is unreachable "
                                f"({type(exc).__name__})") from None
     if not who.authenticated:
+        limiter.failed(source)
         raise _unauthorized(f"token not accepted by the Kubernetes API: {who.error or 'not authenticated'}")
     if who.username not in allowed_clients:
+        limiter.failed(source)
         log.warning("refused %s %s from %s: not an allowed optimizer", request.method, request.url.path,
                     who.username)
         raise GatewayHTTPError(403, "forbidden",
@@ -305,9 +329,10 @@ Caller = Annotated[str, Depends(optimizer)]
 
 def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
                max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None,
-               pool_tokens_dir: Path = DEFAULT_TOKENS_DIR) -> FastAPI:
+               pool_tokens_dir: Path = DEFAULT_TOKENS_DIR, auth_failures_per_minute: int = 10) -> FastAPI:
     app = _bare_app()
     app.state.reviewer = reviewer
+    app.state.auth_failures = FailureLimiter(auth_failures_per_minute, window=60.0)
     app.state.allowed_clients = allowed_clients
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(metrics.GatewayRequestCounter)

@@ -73,6 +73,15 @@ class GatewaySettings(BaseModel):
     # Services in the gateway's namespace whose ClusterIP the tunnel refuses (the chart: the embedded Temporal),
     # read with the gateway's Role at start and every 30 s.
     gateway_tunnel_denied_services: str = ""
+    # Abuse limits (issue 21, finding 9): a request's headers and body within this many seconds; connections at
+    # once, in all and per source address; failed authentications per source a minute (then 429, no
+    # TokenReview); the tunnel's API server proxy: connections per tunnel peer and in all.
+    gateway_request_timeout: float = Field(default=10.0, gt=0, le=300)
+    gateway_max_connections: int = Field(default=128, ge=1)
+    gateway_max_connections_per_source: int = Field(default=32, ge=1)
+    gateway_auth_failures_per_minute: int = Field(default=10, ge=1)
+    gateway_proxy_max_per_peer: int = Field(default=64, ge=1)
+    gateway_proxy_max_connections: int = Field(default=1024, ge=1)
 
     @field_validator("gateway_public_url")
     @classmethod
@@ -174,6 +183,12 @@ class GatewayServerConfig:
     tunnel_cluster_pod_cidrs: tuple[str, ...] = ()
     tunnel_denied: tuple[str, ...] = ()
     tunnel_denied_services: tuple[str, ...] = ()
+    request_timeout: float = 10.0
+    max_connections: int = 128
+    max_connections_per_source: int = 32
+    auth_failures_per_minute: int = 10
+    proxy_max_per_peer: int = 64
+    proxy_max_connections: int = 1024
 
     @property
     def tls(self) -> bool:
@@ -226,6 +241,11 @@ class GatewayServerConfig:
         return cls(
             tunnel_allowed=allowed, tunnel_cluster_pod_cidrs=pods, tunnel_denied=denied,
             tunnel_denied_services=denied_services,
+            request_timeout=settings.gateway_request_timeout, max_connections=settings.gateway_max_connections,
+            max_connections_per_source=settings.gateway_max_connections_per_source,
+            auth_failures_per_minute=settings.gateway_auth_failures_per_minute,
+            proxy_max_per_peer=settings.gateway_proxy_max_per_peer,
+            proxy_max_connections=settings.gateway_proxy_max_connections,
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),

@@ -207,7 +207,8 @@ def start_tunnel(cfg: GatewayServerConfig, tunnel: GatewayTunnel, api: client.Ap
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
         log.warning("cannot restore the tunnel's peers yet (%s); the reconciler retries every second",
                     type(exc).__name__)
-    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
+    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api),
+                     max_per_peer=cfg.proxy_max_per_peer, max_connections=cfg.proxy_max_connections).start()
     log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
              tunnel.interface, cfg.plan.gateway_ip, cfg.udp_port, len(tunnel.uapi.get().peers), *proxy.address,
              *proxy.upstream)
