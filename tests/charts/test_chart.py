@@ -338,8 +338,9 @@ def test_worker_env_contract_burst_and_external_temporal(burst: Rendered) -> Non
     e = env(c)
     assert set(e) == WORKER_ENV_ALWAYS | {
         "KUBEON_PROMETHEUS_URL", "KUBEON_BURST_LOCATIONS_FILE", "KUBEON_GATEWAY_URL", "KUBEON_TEMPORAL_API_KEY_FILE",
-        "KUBEON_GATEWAY_PUBLIC_URL", "KUBEON_GATEWAY_CA_FILE",
+        "KUBEON_GATEWAY_PUBLIC_URL", "KUBEON_GATEWAY_CA_FILE", "KUBEON_GATEWAY_TOKEN_FILE",
     }
+    assert e["KUBEON_GATEWAY_TOKEN_FILE"] == "/var/run/secrets/kubeon-gateway/token"  # audience kubeon-gateway
     assert e["KUBEON_CLUSTER"] == "prod-use1-a"
     assert e["KUBEON_PROMETHEUS_URL"] == "http://prometheus-server.monitoring.svc:9090"
     assert e["KUBEON_BURST_ENABLED"] == "true"

@@ -153,7 +153,13 @@ def test_objects_exist(installed: Install) -> None:
         "no scale Role in a namespace that scaleToZero.namespaces does not name"
     admin.rbac.read_namespaced_role(f"{OPTIMIZER}-time-slicing", GPU_OPERATOR)
 
-    admin.apps.read_namespaced_deployment(GATEWAY, NAMESPACE)
+    # The worker's gateway token: projected for the gateway's audience, accepted by the API server as a volume.
+    (projected,) = [v.projected.sources[0].service_account_token for v in pod.volumes if v.name == "gateway-token"]
+    assert (projected.audience, projected.path) == ("kubeon-gateway", "token")
+    gateway_env = {e.name: e.value for e in
+                   admin.apps.read_namespaced_deployment(GATEWAY, NAMESPACE).spec.template.spec.containers[0].env}
+    assert gateway_env["KUBEON_GATEWAY_ALLOWED_CLIENTS"] == f"system:serviceaccount:{NAMESPACE}:{OPTIMIZER}"
+    assert gateway_env["KUBEON_GATEWAY_TOKEN_AUDIENCES"] == "kubeon-gateway"
     admin.core.read_namespaced_service_account(GATEWAY, NAMESPACE)
     admin.rbac.read_cluster_role(GATEWAY)
     service = admin.core.read_namespaced_service(GATEWAY, NAMESPACE)
@@ -408,11 +414,13 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
 
 
 def test_gateway_gets_its_own_service_and_no_other(installed: Install, gateway: Kube) -> None:
-    """The gateway's namespaced Role: get on its own Service (its LoadBalancer address), nothing more."""
+    """The gateway's namespaced Role: get on its own Service (its LoadBalancer address) and on the embedded
+    Temporal's (whose ClusterIP its tunnel refuses), nothing more."""
     own = wait_for(lambda: gateway.core.read_namespaced_service(GATEWAY, NAMESPACE),
                    what="the gateway may get its own Service")
     assert own.spec.type == "LoadBalancer"
-    refused(lambda: gateway.core.read_namespaced_service(f"{OPTIMIZER}-temporal", NAMESPACE))  # another Service
+    assert gateway.core.read_namespaced_service(f"{OPTIMIZER}-temporal", NAMESPACE).spec.cluster_ip
+    refused(lambda: gateway.core.read_namespaced_service(f"{OPTIMIZER}-console", NAMESPACE))  # another Service
     refused(lambda: gateway.core.list_namespaced_service(NAMESPACE))
     refused(lambda: gateway.core.patch_namespaced_service(GATEWAY, NAMESPACE, {"metadata": {"labels": {"x": "y"}}}))
     refused(lambda: gateway.core.patch_namespaced_service_status(

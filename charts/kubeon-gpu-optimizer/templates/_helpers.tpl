@@ -149,3 +149,6 @@ Checks the schema cannot express; each failure names the value.
 {{- fail (printf "burst.gateway.publicUrl is required with burst.gateway.service.type=%s: only a LoadBalancer Service has an address the gateway can find itself; set the https URL burst nodes reach it at from their own cloud, e.g. https://<node address>:<nodePort> for NodePort" $gw.service.type) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The audience of the token the worker sends to the gateway, which accepts no other. */}}
+{{- define "kubeon.gatewayAudience" -}}kubeon-gateway{{- end -}}
