@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -41,9 +43,10 @@ METADATA_IP = "169.254.169.254"
 UNDERLAY_PORT = 8081
 
 
-def tcp_open(netns: str, host: str, port: int, timeout: float = 3.0) -> bool:
+def tcp_open(netns: str, host: str, port: int, timeout: float = 3.0, source: str = "") -> bool:
+    bind = f", source_address=({source!r}, 0)" if source else ""
     out = sh(sys.executable, "-c", "import socket, sys\ntry:\n"
-             f"    socket.create_connection(({host!r}, {port}), timeout={timeout}).close(); print('open')\n"
+             f"    socket.create_connection(({host!r}, {port}), timeout={timeout}{bind}).close(); print('open')\n"
              "except OSError as exc:\n    print('closed', exc)", netns=netns)
     return out.startswith("open")
 
@@ -160,6 +163,25 @@ def test_the_tunnel_reaches_only_the_api_proxy_and_the_allowed_services(
     assert tcp_open(ns, gateway_ip, 443)
     rules = sh("nft", "list", "table", "ip", link.NFT_TABLE, netns=bed.gw)
     assert temporal_ip[1] in rules and "169.254.0.0/16" in rules
+
+
+def test_burst_pods_still_reach_each_other_through_the_gateway(
+        cluster: Cluster, bed: NetBed, gateway: Gateway, joined: Joined, tmp_path: Path) -> None:
+    """Burst pod CIDR to burst pod CIDR, node to node through the gateway: allowed by the filter."""
+    other = join_node(cluster, bed, gateway, tmp_path)
+    try:
+        wait_for(lambda: ready(cluster, other.name), timeout=60, what=f"{other.name} Ready through the tunnel")
+        pods = [str(ipaddress.ip_network(str(cluster.admin.core.read_node(n.name).spec.pod_cidr))[10])
+                for n in (joined, other)]
+        for node, addr in zip((joined, other), pods, strict=True):
+            sh("ip", "addr", "add", f"{addr}/32", "dev", "lo", netns=node.node.netns)
+        bed.spawn([sys.executable, "-m", "http.server", "8090", "--bind", pods[1]], netns=other.node.netns,
+                  log=tmp_path / "pod.log")
+        wait_for(functools.partial(tcp_open, other.node.netns, pods[1], 8090), timeout=20, what="the pod listening")
+        assert tcp_open(joined.node.netns, pods[1], 8090, source=pods[0])
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.admin.core.delete_node(other.name)
 
 
 def _config(**values: str) -> GatewayServerConfig:
