@@ -19,7 +19,8 @@ from kubernetes import client
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
 from tests.charts.helm import BURST_VALUES, Rendered, container, env, template
 from tests.gateway.test_app import GatewayProcess, Setup, setup  # noqa: F401 - the module's fixture
-from tests.harness.kube import Cluster
+from tests.harness.controlplane import write_kubeconfig
+from tests.harness.kube import Cluster, Kube
 
 OTHER_NS = "ml-platform"
 OPTIMIZER = "kubeon-gpu-optimizer"
@@ -94,6 +95,13 @@ def test_the_rendered_gateway_refuses_an_api_audience_token_and_the_hard_wired_n
         projected = mint(setup.cluster, other_namespace, [audience], tmp_path / "projected.token")
         with HttpGatewayClient(proc.url, projected) as http:
             assert http.capacity().total > 0
+        # ...and useless against the API server: a gateway that holds it cannot act as the optimizer.
+        plane = setup.cluster.plane
+        as_gateway_holder = Kube.from_kubeconfig(write_kubeconfig(
+            tmp_path / "replay.kubeconfig", plane.server, plane.ca_file, token=projected.read_text(), user="replay"))
+        with pytest.raises(client.ApiException) as replayed:
+            as_gateway_holder.core.list_node()
+        assert replayed.value.status == 401
         # The same ServiceAccount's API-audience token (what a pod gets by default): refused.
         plain = mint(setup.cluster, other_namespace, [], tmp_path / "plain.token")
         with HttpGatewayClient(proc.url, plain) as http, pytest.raises(GatewayRefused) as refused:
