@@ -101,8 +101,9 @@ def gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_ci
     - Clamp the TCP MSS of forwarded SYNs to the route's MTU (both directions through the tunnel).
     - Filter what comes out of the tunnel (issue 21, finding 8): a new connection from a burst node or pod may
       reach only ``allowed`` (default: the service CIDR), the ``cluster_pod_cidrs`` the user allows, and other
-      burst nodes (tunnel and burst pod CIDR, back into the tunnel); never ``denied`` (node networks, the embedded
-      Temporal's Service) nor 169.254.0.0/16. Replies to connections the cluster opened pass (conntrack).
+      burst pods (the burst pod CIDR, back into the tunnel); never ``denied`` (node networks, the embedded
+      Temporal's Service) nor 169.254.0.0/16; other burst nodes only at their pod CIDRs (not their kubelets on
+      their tunnel addresses). Replies to connections the cluster opened pass (conntrack).
     - Traffic from the tunnel to the gateway itself: only the API server proxy on ``gateway_ip:api_port``.
     - Masquerade tunnel traffic to the service CIDR (replies come back to the gateway, whose node's kube-proxy
       DNATs the service IP); masquerade cluster traffic into the tunnel to the gateway's tunnel address (burst
@@ -128,7 +129,7 @@ def gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_ci
         f"    iifname != \"{interface}\" accept\n"
         "    ct state established,related accept\n"
         "    ip daddr @denied counter drop\n"
-        f"    oifname \"{interface}\" ip daddr {{ {_elements([tunnel_cidr, pod_cidr])} }} accept\n"
+        f"    oifname \"{interface}\" ip daddr {pod_cidr} accept\n"
         f"{reach}\n"
         "    counter drop\n"
         "  }\n"

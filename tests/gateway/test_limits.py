@@ -142,8 +142,8 @@ def proxied(proxy: TcpProxy, source: str) -> tuple[socket.socket, bool]:
     sock = socket.socket()
     sock.settimeout(3)
     sock.bind((source, 0))
-    sock.connect(proxy.address)
     try:
+        sock.connect(proxy.address)  # a refused one may be reset before connect() returns, on loopback
         sock.sendall(b"ping")
         return sock, sock.recv(4) == b"ping"
     except OSError:
