@@ -170,8 +170,8 @@ class TunnelFilter:
             while not self._stopped.wait(self._interval):
                 try:
                     self.refresh()
-                except link.LinkError as exc:
-                    log.warning("tunnel filter: %s", exc)
+                except Exception as exc:  # the thread must outlive any one failure
+                    log.warning("tunnel filter: cannot refresh the denied Services: %s", exc)
 
         self._thread = threading.Thread(target=loop, name="tunnel-filter", daemon=True)
         self._thread.start()
