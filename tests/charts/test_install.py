@@ -57,7 +57,7 @@ def _ignore_missing(call: Callable[[], object]) -> None:
 @pytest.fixture(scope="module")
 def installed(cluster: Cluster) -> Iterator[Install]:
     admin = cluster.admin
-    operator_existed = _exists(lambda: admin.core.read_namespace(GPU_OPERATOR))
+    operator_existed = namespace_settled(cluster, GPU_OPERATOR)
     if not operator_existed:  # the GPU Operator's namespace exists wherever the Operator is installed
         admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=GPU_OPERATOR)))
     allowed_ns, other_ns = cluster.create_namespace("stz"), cluster.create_namespace("other")
@@ -86,6 +86,19 @@ def installed(cluster: Cluster) -> Iterator[Install]:
                                                                                       NAMESPACE))
         for ns in (allowed_ns, other_ns, *([] if operator_existed else [GPU_OPERATOR])):
             _ignore_missing(lambda ns=ns: admin.core.delete_namespace(ns))  # type: ignore[misc]
+
+
+def namespace_settled(cluster: Cluster, name: str) -> bool:
+    """Whether the namespace exists, once one that another module's teardown is deleting has gone."""
+    def phase() -> str:
+        try:
+            return str(cluster.admin.core.read_namespace(name).status.phase)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return "Gone"
+            raise
+    return wait_for(lambda: phase() if phase() != "Terminating" else None, timeout=60,
+                    what=f"namespace {name} deleted or active") == "Active"
 
 
 def _exists(read: Callable[[], object]) -> bool:
