@@ -20,12 +20,15 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   no Node; the node registers itself, then the gateway's reconciler applies its ticket's labels and taints.
 
 With ``KUBEON_GATEWAY_TUNNEL_INTERFACE`` the gateway runs ``wireguard-go`` on that interface (UDP
-``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS and
-masquerades tunnel traffic to the service CIDR (nftables), and proxies ``<gateway tunnel IP>:443`` to the API
-server. Peers and address slots live in ConfigMaps in its namespace and are restored from there on start.
+``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS,
+filters what the tunnel reaches and masquerades tunnel traffic to the service CIDR (nftables:
+``gateway.tunnel_end.TunnelFilter``), and proxies ``<gateway tunnel IP>:443`` to the API server. Peers and address
+slots live in ConfigMaps in its namespace and are restored from there on start.
 
-The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``), checked with the
-TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets, capacity or removals.
+The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``; the chart projects one of
+audience ``kubeon-gateway``, ``KUBEON_GATEWAY_TOKEN_AUDIENCES``), checked with the TokenReview API; only the
+usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets, capacity or removals. Failed authentications
+are throttled per source address, and requests must arrive within a deadline (``gateway.limits``).
 ``/healthz`` and ``/readyz`` are served on ``KUBEON_HEALTH_PORT`` (the chart probes port 8080), or on the main
 listener when both ports are the same. Every error is JSON: ``{"error": "<code>", "message": "<reason>"}``.
 Tokens and tickets are never logged.
