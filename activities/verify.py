@@ -8,7 +8,7 @@ from temporalio.exceptions import ApplicationError
 from activities.clients.kube import VerificationFailed
 from activities.context import PhaseActivities, beat
 from models.errors import VERIFICATION_FAILED
-from models.labels import JOIN_REFUSED_ANNOTATION
+from models.labels import JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT
 from models.node import NodeExpectation, VerifyResult
 
 
@@ -21,6 +21,8 @@ class VerifyActivities(PhaseActivities):
             beat(details)
             node = self.kube.core.read_node(req.node_name)
             reason = (node.metadata.annotations or {}).get(JOIN_REFUSED_ANNOTATION)
+            if not reason and any(t.key == JOIN_REFUSED_TAINT.key for t in (node.spec.taints or [])):
+                reason = "refused by the gateway (its refusal taint)"
             if reason:
                 raise VerificationFailed(f"node {req.node_name} failed the gateway's join check: {reason} (cordoned)")
 

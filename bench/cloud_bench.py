@@ -29,10 +29,10 @@ from models.join import JoinTicketRequest, render_user_data
 from models.labels import Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest
-from tests.harness import clouds
 from tests.harness.burst import build_stack
-from tests.harness.cloud_boot import Booter, gateway_join
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds import local
+from tests.harness.clouds.boot import Booter, gateway_join
+from tests.harness.clouds.fake import FakeServer
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from worker.runtime import kube_api
@@ -58,7 +58,7 @@ def run(cloud: str, server: FakeServer, gateway: KubeGateway, kube: KubeOps, sam
     from activities.providers.azure import AzureProvider
     from activities.providers.gcp import GcpProvider
 
-    location = clouds.gcp_location() if cloud == "gcp" else clouds.azure_location()
+    location = local.gcp_location() if cloud == "gcp" else local.azure_location()
     config = BurstConfig.model_validate({"locations": [location]})
     provider: Any = (GcpProvider(config, endpoint_url=server.url) if cloud == "gcp" else
                      AzureProvider(config, endpoint_url=server.url, ca_file=str(server.ca_file), polling_interval=0.2))
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             stack = build_stack(cluster, workdir / "stack")
             gateway = KubeGateway(kube_api(stack.gateway_kubeconfig), stack.ticket_key_file.read_bytes().strip())
             kube = KubeOps(kube_api(stack.optimizer_kubeconfig))
-            gcp, azure = clouds.start_gcp(workdir), clouds.start_azure(workdir)
+            gcp, azure = local.start_gcp(workdir), local.start_azure(workdir)
             servers += [gcp, azure]
-            os.environ.update(clouds.azure_identity_env(azure))
+            os.environ.update(local.azure_identity_env(azure))
             results = []
             for cloud, server in (("gcp", gcp), ("azure", azure)):
                 server.fault(operation_seconds=args.operation_seconds, retry_after=0)

@@ -39,7 +39,7 @@ from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import BURST_TAINT_KEY, BurstStack, build_stack, gpu_deployment, unique
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.onprem import AgentProcess, GatewayThread
+from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, register_server, write_gateways
 from tests.harness.temporal import dev_server_path
 from tests.hub.process import HubProcess
 from worker.main import worker_services
@@ -81,11 +81,13 @@ def _prepare(workdir: Path, burst: BurstStack) -> tuple[HubProcess, httpx.Client
                     "locations": ["onprem/dc1"], "limits": {"maxNodes": 1, "maxGpuHour": 4.5}}}
     admin.put(f"/v1/clusters/bench/policies/{POLICY}", json=doc).raise_for_status()
     gateway = GatewayThread(burst.gateway_kubeconfig, burst.ticket_key_file.read_bytes().strip(),
-                            workdir / "pool-tokens")
-    gateway.mount_join_token("onprem/dc1", join)
+                            workdir / "hub-claim-keys.pem")
+    gateway.mount_claim_keys(claim_keys(hub.url))
     gateway.start()
+    register_server(hub.url, ADMIN_KEY, "dc1", "gpu-a")
+    gateways = write_gateways(workdir / "gateways.yaml", {"bench": gateway.url})
     agent = AgentProcess(hub_url=hub.url, join_token_file=workdir / "join.token", pool="dc1", server="gpu-a",
-                         state_dir=workdir / "agent").start()
+                         state_dir=workdir / "agent", gateways_file=gateways).start()
     return hub, admin, gateway, agent
 
 
@@ -128,7 +130,7 @@ async def run(args: argparse.Namespace) -> None:
             stack.callback(closer)
         settings = burst.settings(
             temporal_address=env.client.service_client.config.target_host, task_queue="bench",
-            locations=[{"name": "onprem/dc1", "credentials": {"existingSecret": "kubeon-burst-dc1"}}],
+            locations=[{"name": "onprem/dc1"}],
             cluster_name="bench", hub_url=hub.url, hub_token_file=workdir / "cluster.token",
             hub_poll_interval=1.0, gateway_url=gateway.url)
         async with worker_services(settings, burst.runtime(settings)):

@@ -100,7 +100,7 @@ class Admission:
     def __init__(self, api: client.ApiClient, tickets: TicketSigner, slots: SlotBook, records: RecordStore,
                  plan: AddressPlan, tunnel: GatewayTunnel | None, *, endpoint: Callable[[], tuple[str, str]],
                  on_join: Callable[[], None], cert_seconds: int = DEFAULT_CERT_SECONDS,
-                 sign_timeout: float = 30.0) -> None:
+                 sign_timeout: float = 30.0, tombstoned: Callable[[str], bool] = lambda _: False) -> None:
         self._api = api
         self._certs = client.CertificatesV1Api(api)
         self._tickets = tickets
@@ -113,6 +113,8 @@ class Admission:
         self._cert_seconds = cert_seconds
         self._sign_timeout = sign_timeout
         self._ca_bundle: str | None = None
+        self._username: str | None = None
+        self._tombstoned = tombstoned
 
     def join(self, redeem: JoinRedeem) -> JoinAnswer:
         """Redeem a ticket: check it, the node's WireGuard key and its kubelet CSR; record the redemption
@@ -137,6 +139,21 @@ class Admission:
             if other.node == ticket.node_name and other.nonce != ticket.nonce and not (
                     other.reserved and other.operation == ticket.operation):  # a retried launch's reservation
                 raise TicketError(f"node {ticket.node_name} already joined with another ticket", code="node_exists")
+        held = next((s for s in slots if s.nonce == ticket.nonce), None) or next(
+            (s for s in slots if s.reserved and ticket.nonce in s.nonces), None)
+        if held is None and ticket.reserved:
+            raise TicketError(f"join ticket for {ticket.node_name} was issued with an address slot reservation "
+                              "that was released (its launch was compensated or its node removed); tickets are "
+                              "single use", code="ticket_replayed")
+        if held is None and self._tombstoned(ticket.node_name):
+            if (self._records.ticket(ticket.nonce) or {}).get("state") == "released":
+                raise TicketError(f"join ticket for {ticket.node_name} was already used and its node removed; "
+                                  "tickets are single use", code="ticket_replayed")
+            raise TicketError(f"node {ticket.node_name} was removed and its certificate may still be valid: no new "
+                              "node joins under that name", code="node_exists")
+        if (held is None or held.reserved) and self._node_exists(ticket.node_name):
+            raise TicketError(f"node {ticket.node_name} exists and was not admitted by this ticket: no join "
+                              "hands out an existing node's identity", code="node_exists")
         seen = self._records.create_ticket(ticket.nonce, {
             "node": ticket.node_name, "operation": ticket.operation, "expiresAt": repr(ticket.expires_at),
             "wireguardPublicKey": wg_key, "csrKey": fingerprint, "state": "redeemed"})
@@ -147,10 +164,11 @@ class Admission:
             if seen.get("csrKey") != fingerprint or seen.get("wireguardPublicKey") != wg_key:
                 raise TicketError(f"join ticket for {ticket.node_name} was already redeemed with other keys; "
                                   "tickets are single use", code="ticket_replayed")
-        # The slot its ticket reserved (found by nonce, or by node and operation: a retried launch pointed it at a
-        # newer ticket), completed with the node's key; a ticket issued without one gets a free slot now.
+        # The slot its ticket reserved (found by nonce: the reservation may have been pointed at a newer ticket
+        # of a retried launch, which remembers the older), completed with the node's key; a ticket issued
+        # without one gets a free slot now.
         slot = next((s for s in slots if s.nonce == ticket.nonce), None) or next(
-            (s for s in slots if s.reserved and s.node == ticket.node_name and s.operation == ticket.operation), None)
+            (s for s in slots if s.reserved and ticket.nonce in s.nonces), None)
         if slot is None:
             slot = self._slots.allocate(ticket, ticket.node_name, ticket.operation, wg_key, slots)
         elif slot.reserved:
@@ -169,6 +187,23 @@ class Admission:
             api_server=api_server, api_server_name=api_server_name, pod_cidr=slot.pod_cidr,
             labels=dict(ticket.labels), taints=[*ticket.taints, JOINING_TAINT], tunnel=tunnel)
 
+    def _node_exists(self, name: str) -> bool:
+        try:
+            client.CoreV1Api(self._api).read_node(name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def _own_username(self) -> str:
+        """The gateway's own user (SelfSubjectReview): the only requester of a join CSR it approves."""
+        if self._username is None:
+            review = client.AuthenticationV1Api(self._api).create_self_subject_review(client.V1SelfSubjectReview())
+            info = review.status.user_info if review.status is not None else None
+            self._username = str(info.username) if info is not None and info.username else ""
+        return self._username
+
     def _sign(self, csr: x509.CertificateSigningRequest, redeem: JoinRedeem, ticket: JoinTicket) -> str:
         """Create the CSR object for the kubelet-client signer, approve it (only this one, which was just
         checked, read back and checked again), and wait for the certificate."""
@@ -184,6 +219,12 @@ class Admission:
             if exc.status != 409:
                 raise
             obj = self._certs.read_certificate_signing_request(name)
+            # Found, not created: someone else's object under the join's name (a node that knows the nonce) is
+            # never approved, nor one asking for a longer certificate than the gateway's.
+            requester, seconds = obj.spec.username, obj.spec.expiration_seconds
+            if requester != self._own_username() or seconds is None or seconds > self._cert_seconds:
+                raise JoinRefused("csr_mismatch", f"CSR {name} in the API was not created by the gateway for this "
+                                  f"join (requester {requester!r}, expirationSeconds {seconds})", status=409) from None
         # What the API holds is what was checked: the same key, the same shape, our signer.
         held = base64.b64decode(obj.spec.request).decode()
         if obj.spec.signer_name != KUBELET_CLIENT_SIGNER or key_fingerprint(

@@ -55,11 +55,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
 from gateway.limits import FailureLimiter, RefusedTokens
-from gateway.pool_tokens import DEFAULT_TOKENS_DIR, JoinTokenRefused, check_join_token
+from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE, POOL_CLAIM_HEADER, JoinTokenRefused, check_pool_claim
 from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
 from gateway.settings import MAX_BODY_BYTES
 from models.errors import JoinRefused, TicketError
-from models.join import JOIN_TOKEN_HEADER, JoinRedeem, JoinTicketRequest
+from models.join import JoinRedeem, JoinTicketRequest
 from models.labels import LABEL_OPERATION
 
 log = logging.getLogger("kubeon.gateway")
@@ -332,7 +332,7 @@ Caller = Annotated[str, Depends(optimizer)]
 
 def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
                max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None,
-               pool_tokens_dir: Path = DEFAULT_TOKENS_DIR, auth_failures_per_minute: int = 10) -> FastAPI:
+               hub_claim_keys: Path | None = DEFAULT_CLAIM_KEYS_FILE, auth_failures_per_minute: int = 10) -> FastAPI:
     app = _bare_app()
     app.state.reviewer = reviewer
     app.state.auth_failures = FailureLimiter(auth_failures_per_minute, window=60.0)
@@ -381,6 +381,8 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
             removed = gateway.remove_node(name, operation=operation)
         except TicketError as exc:
             raise GatewayHTTPError(409, "not_owned", str(exc)) from None
+        except JoinRefused as exc:
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
         except client.ApiException as exc:
             raise _kube_error(exc, f"removing node {name}") from None
         log.info("node %s of operation %s: %s (asked by %s)", name, operation,
@@ -390,9 +392,9 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     @app.post("/v1/join")
     def join(body: JoinRedeem, request: Request) -> dict[str, object]:
         try:
-            # On-prem servers also present their pool's join token (R4.5); cloud nodes have the ticket alone.
-            check_join_token(gateway.verify(body.ticket).location, request.headers.get(JOIN_TOKEN_HEADER),
-                             pool_tokens_dir)
+            # On-prem servers also present the claim the hub signed for them (R4.5); cloud nodes: the ticket alone.
+            check_pool_claim(gateway.verify(body.ticket), body.ticket, request.headers.get(POOL_CLAIM_HEADER),
+                             hub_claim_keys)
             answer = gateway.join(body)
         except JoinTokenRefused as exc:
             log.warning("refused a join: %s", exc)

@@ -103,7 +103,7 @@ def serve(settings: GatewaySettings) -> int:
         log.warning("cannot tell the gateway's own identity (SelfSubjectReview): %s", type(exc).__name__)
     same_port = cfg.health_port in (0, cfg.port)
     app = create_app(gateway, reviewer, cfg.allowed_clients, max_body_bytes=cfg.max_body_bytes,
-                     health=state if same_port else None, pool_tokens_dir=settings.pool_tokens_dir,
+                     health=state if same_port else None, hub_claim_keys=settings.hub_claim_keys_file,
                      auth_failures_per_minute=cfg.auth_failures_per_minute)
     if not cfg.tls and cfg.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("serving plain HTTP on %s: set KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE",

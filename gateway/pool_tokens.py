@@ -1,44 +1,65 @@
-"""The gateway's check of an on-prem server's join token (R4.5: "joining with a join token").
+"""The gateway's check of an on-prem server's join (R4.5): the claim the hub signed for that very server.
 
-A node of an ``onprem/<pool>`` location presents, besides its one-time ticket, the pool's join token in the
-``X-Kubeon-Join-Token`` header. The gateway compares it (constant time) with the value behind the location's
-``existingSecret``, mounted read-only at ``<tokens dir>/onprem.<pool>/token`` (the chart's layout). Nodes of other
-locations are not asked for one. The optimizer itself never reads the Secret (R5.4).
+A node of an ``onprem/<pool>`` location presents, besides its one-time ticket, the pool claim the hub signed for
+it (``X-Kubeon-Pool-Claim``, ``models.pool_claim``). The gateway verifies it with the hub's public claim keys
+(a PEM bundle, mounted read-only from the chart's ``hub.claimPublicKeys``: nothing secret), and requires it to
+name the ticket's pool, node and operation, and the ticket itself (its SHA-256). Nodes of other locations are not
+asked for one.
+
+The gateway holds no pool secret: the pool's enrolment token stays with the operator and the servers, so nothing
+a cluster holds lets anyone enrol a server, heartbeat as one, or pass this check with another server's ticket.
 """
 
 from __future__ import annotations
 
-import hmac
+import time
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
-from models.join import JOIN_TOKEN_HEADER
+from models.pool_claim import POOL_CLAIM_HEADER, PoolClaim, PoolClaimRefused, load_public_keys, ticket_digest, verify
 
-DEFAULT_TOKENS_DIR: Final = Path("/var/run/kubeon/burst")
+DEFAULT_CLAIM_KEYS_FILE: Final = Path("/var/run/kubeon/hub-claim-keys/keys.pem")
 
-
-class JoinTokenRefused(Exception):
-    """The join token is missing, wrong, or the gateway has none for the location; the message says which."""
+__all__ = ["DEFAULT_CLAIM_KEYS_FILE", "POOL_CLAIM_HEADER", "JoinTokenRefused", "check_pool_claim"]
 
 
-def token_file(tokens_dir: Path, location: str) -> Path:
-    return tokens_dir / location.replace("/", ".", 1) / "token"
+class JoinTokenRefused(PoolClaimRefused):
+    """The pool claim is missing, forged, expired, for another join, or the gateway has no hub keys."""
 
 
-def check_join_token(location: str, presented: str | None, tokens_dir: Path = DEFAULT_TOKENS_DIR) -> None:
-    """Raise ``JoinTokenRefused`` unless ``presented`` is the join token of ``location``'s pool (onprem only)."""
+class _Ticket(Protocol):
+    location: str
+    node_name: str
+    operation: str
+
+
+def check_pool_claim(ticket: _Ticket, ticket_text: str, presented: str | None, keys_file: Path | None,
+                     *, now: float | None = None) -> PoolClaim | None:
+    """Raise ``JoinTokenRefused`` unless ``presented`` is a hub-signed claim for exactly this join (onprem only).
+    Returns the claim (None for other locations). The keys file is read on every join: a rotation needs no
+    restart."""
+    location = ticket.location
     if not location.startswith("onprem/"):
-        return
-    path = token_file(tokens_dir, location)
+        return None
+    pool = location.partition("/")[2]
+    if keys_file is None:
+        raise JoinTokenRefused(f"{location}: the gateway has no hub claim keys (hub.claimPublicKeys): it cannot "
+                               "check the pool's servers")
     try:
-        expected = path.read_text().strip()
-    except OSError as exc:
-        raise JoinTokenRefused(f"{location}: the gateway has no join token for this pool ({path}: "
-                               f"{exc.strerror or exc}); set the location's credentials.existingSecret") from None
-    if not expected:
-        raise JoinTokenRefused(f"{location}: the pool's join token file {path} is empty")
-    if not presented:
-        raise JoinTokenRefused(f"{location}: a server of an on-prem pool must present the pool's join token "
-                               f"({JOIN_TOKEN_HEADER})")
-    if not hmac.compare_digest(presented.strip().encode(), expected.encode()):
-        raise JoinTokenRefused(f"{location}: wrong join token ({JOIN_TOKEN_HEADER}) for this pool")
+        keys = load_public_keys(keys_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise JoinTokenRefused(f"{location}: the hub claim keys {keys_file} cannot be read: {exc}") from None
+    if not keys:
+        raise JoinTokenRefused(f"{location}: the hub claim keys file {keys_file} holds no key")
+    try:
+        claim = verify(presented, keys, now=time.time() if now is None else now)
+    except PoolClaimRefused as exc:
+        raise JoinTokenRefused(f"{location}: {exc}") from None
+    named = {"pool": (claim.pool, pool), "node": (claim.node, ticket.node_name),
+             "operation": (claim.operation, ticket.operation),
+             "ticket": (claim.ticket_sha256, ticket_digest(ticket_text))}
+    wrong = [what for what, (got, want) in named.items() if got != want]
+    if wrong:
+        raise JoinTokenRefused(f"{location}: the pool claim (server {claim.server}) is for another join: its "
+                               f"{', '.join(wrong)} differ from the ticket's")
+    return claim

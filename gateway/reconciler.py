@@ -16,10 +16,13 @@ from kubernetes.utils import parse_quantity
 
 from gateway.slots import RecordStore, Slot
 from gateway.tunnel_end import GatewayTunnel
-from models.labels import GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOINING_TAINT
+from models.labels import GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")
+
+# Labels under this prefix carry trust (operation, location, policy): only those the ticket names stay on a node.
+TRUST_LABEL_PREFIX = "gpu.kubeon.io/"
 
 # Ticket records outlive their ticket by this much (clock skew between gateway replicas).
 TICKET_RECORD_GRACE_SECONDS = 300
@@ -30,8 +33,9 @@ class Reconciler:
     is still under its joining taint (the loop runs faster then)."""
 
     def __init__(self, core: client.CoreV1Api, records: RecordStore, tunnel: GatewayTunnel | None,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], *, tombstone_seconds: float = 24 * 3600) -> None:
         self._core = core
+        self._tombstone_seconds = tombstone_seconds
         self._records = records
         self._tunnel = tunnel
         self._clock = clock
@@ -40,12 +44,14 @@ class Reconciler:
         self.joining = False
 
     def reconcile(self) -> dict[str, list[str]]:
-        """One pass: label and taint registered nodes as their tickets say (only those), cordon a node whose
-        capacity exceeds its ticket's offering, release the slots of removed nodes and of tickets that expired
-        unregistered, resync the WireGuard peers with the slots, drop ticket records past their expiry."""
-        report: dict[str, list[str]] = {"labelled": [], "cordoned": [], "released": []}
+        """One pass: label and taint registered nodes as their tickets say (only those), refuse a node whose
+        capacity exceeds its ticket's offering, revoke a Node re-created under a removed or replaced node's name,
+        release the slots of removed nodes and of tickets that expired unregistered, resync the WireGuard peers
+        with the slots, drop ticket records past their expiry (tombstones past the certificate's lifetime)."""
+        report: dict[str, list[str]] = {"labelled": [], "cordoned": [], "released": [], "revoked": []}
         # Slots first, then nodes: a slot marked registered names a node that existed before this list.
         slots = self._records.slots()
+        tickets = self._records.tickets()
         nodes = {n.metadata.name: n for n in self._core.list_node().items}
         now = self._clock()
         live = []
@@ -57,35 +63,50 @@ class Reconciler:
             node = nodes.get(slot.node)
             if node is None:
                 if (slot.registered_uid or slot.expires_at < now) and self._node_gone(slot.node):
-                    self.release(slot)
-                    report["released"].append(slot.node)
+                    if self.release(slot):
+                        report["released"].append(slot.node)
                 else:
                     live.append(slot)
                 continue
             if slot.registered_uid and node.metadata.uid != slot.registered_uid:
                 # The Node was deleted and registered again (with a still valid certificate): not the node the
-                # ticket admitted. Its slot goes; the new object is cordoned and never served.
-                self._cordon(node, "re-registered after its node was removed")
+                # ticket admitted. Its slot goes (its tickets tombstoned); the new object is evicted and deleted.
+                self._revoke(node, "re-registered after its node was removed")
                 self.release(slot)
                 report["released"].append(slot.node)
-                report["cordoned"].append(slot.node)
+                report["revoked"].append(slot.node)
                 continue
             live.append(slot)
-            if not slot.registered_uid:
-                self._records.mark_registered(slot, str(node.metadata.uid))
+            if not slot.registered_uid and not self._records.mark_registered(slot, str(node.metadata.uid)):
+                continue  # the slot changed during this pass (released, re-issued): the next pass sees it
             gpus = parse_quantity((node.status.capacity or {}).get(GPU_RESOURCE, "0") if node.status else "0")
-            refused = (node.metadata.annotations or {}).get(JOIN_REFUSED_ANNOTATION)
+            refused = slot.refused
             if slot.gpus and gpus > slot.gpus and not refused:
                 refused = f"reports {gpus} GPUs, its ticket's offering has {slot.gpus}"
-                self._cordon(node, refused)
+                if not self._records.mark_refused(slot, refused):
+                    continue
                 report["cordoned"].append(slot.node)
-            if self._apply_ticket(node, slot, lift_joining=not refused):
+            if refused:
+                self._refuse(node, refused, taint=False)  # the taint with the ticket's, below
+            if self._apply_ticket(node, slot, refused=bool(refused)):
                 report["labelled"].append(slot.node)
+        slotted = {s.node for s in slots}
+        for record in tickets:
+            data = record.data or {}
+            name = data.get("node", "")
+            keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
+            if (data.get("state") == "released" and keep_until >= now and name in nodes and name not in slotted
+                    and name not in report["revoked"]):
+                # A Node registered under a removed node's name (its certificate is still valid): never served.
+                self._revoke(nodes[name], "registered again after the gateway removed it")
+                report["revoked"].append(name)
         self.joining = any(not s.registered_uid or s.node in report["labelled"] for s in live)
         if self._tunnel is not None:
             self._tunnel.sync(live)
-        for record in self._records.tickets():
-            if float((record.data or {}).get("expiresAt", "0")) + TICKET_RECORD_GRACE_SECONDS < now:
+        for record in tickets:
+            data = record.data or {}
+            keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
+            if keep_until + TICKET_RECORD_GRACE_SECONDS < now:
                 self._records.delete(str(record.metadata.name))
         return report
 
@@ -98,17 +119,21 @@ class Reconciler:
             raise
         return False
 
-    def _apply_ticket(self, node: client.V1Node, slot: Slot, *, lift_joining: bool) -> bool:
-        """The ticket's labels and taints (only those), the pod CIDR; the joining taint lifted when checked."""
+    def _apply_ticket(self, node: client.V1Node, slot: Slot, *, refused: bool) -> bool:
+        """The ticket's labels and taints (only those: a ``gpu.kubeon.io/`` label the node set itself and its
+        ticket does not name is removed), the pod CIDR; the joining taint lifted when checked, the refusal taint
+        kept on a refused node."""
         labels = node.metadata.labels or {}
         patch: dict[str, Any] = {}
-        wrong = {k: v for k, v in slot.labels.items() if labels.get(k) != v}
+        wrong: dict[str, str | None] = {k: v for k, v in slot.labels.items() if labels.get(k) != v}
+        wrong.update({k: None for k in labels if k.startswith(TRUST_LABEL_PREFIX) and k not in slot.labels})
         if wrong:
             patch["metadata"] = {"labels": wrong}
         taints = node.spec.taints or []
         have = {(t.key, t.effect) for t in taints}
-        missing = [t for t in slot.taints if (t.key, t.effect) not in have]
-        keep = [t for t in taints if not (lift_joining and t.key == JOINING_TAINT.key)]
+        wanted = [*slot.taints, *([JOIN_REFUSED_TAINT] if refused else [])]
+        missing = [t for t in wanted if (t.key, t.effect) not in have]
+        keep = [t for t in taints if refused or t.key != JOINING_TAINT.key]
         spec: dict[str, Any] = {}
         if missing or len(keep) != len(taints):
             spec["taints"] = [{"key": t.key, "value": t.value, "effect": t.effect} for t in keep] + [
@@ -121,16 +146,46 @@ class Reconciler:
             self._core.patch_node(slot.node, patch)
         return bool(patch)
 
-    def _cordon(self, node: client.V1Node, reason: str) -> None:
+    def _refuse(self, node: client.V1Node, reason: str, *, taint: bool = True) -> None:
+        """A refusal the node cannot lift: the refusal taint (NoExecute: nothing runs there), cordoned, the reason
+        annotated (what verification reads); applied again every pass from the slot, where the refusal lives."""
+        taints = (node.spec.taints if node.spec is not None else None) or []
+        annotations = node.metadata.annotations or {}
+        tainted = any(t.key == JOIN_REFUSED_TAINT.key and t.effect == JOIN_REFUSED_TAINT.effect for t in taints)
+        if (node.spec is not None and node.spec.unschedulable and annotations.get(JOIN_REFUSED_ANNOTATION)
+                and (tainted or not taint)):
+            return
+        spec: dict[str, Any] = {"unschedulable": True}
+        if taint and not tainted:
+            spec["taints"] = [*({"key": t.key, "value": t.value, "effect": t.effect} for t in taints
+                                if t.key != JOIN_REFUSED_TAINT.key), JOIN_REFUSED_TAINT.model_dump()]
         self._core.patch_node(str(node.metadata.name), {
-            "metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}}, "spec": {"unschedulable": True}})
+            "metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}}, "spec": spec})
 
-    def release(self, slot: Slot) -> None:
+    def _revoke(self, node: client.V1Node, reason: str) -> None:
+        """A Node no slot admits (re-created with a removed node's certificate): refused (NoExecute), then
+        deleted; its certificate stays refused while a tombstone names it."""
+        name = str(node.metadata.name)
+        log.warning("revoking node %s: %s", name, reason)
+        try:
+            self._refuse(node, reason)
+            self._core.delete_node(name, body=client.V1DeleteOptions(
+                preconditions=client.V1Preconditions(uid=node.metadata.uid)))
+        except client.ApiException as exc:
+            if exc.status not in (404, 409):  # gone, or re-created again meanwhile (the next pass sees it)
+                raise
+
+    def release(self, slot: Slot) -> bool:
+        """Free a slot whose node is gone: its peer removed, every ticket it was issued for tombstoned (refused
+        for good, its name watched for the certificate's lifetime), the record deleted if unchanged since read;
+        False if it changed (read again)."""
         if self._tunnel is not None and slot.wireguard_key:
             with contextlib.suppress(UapiError):
                 self._tunnel.uapi.remove_peer(slot.wireguard_key)
-        self._records.release_ticket(slot.nonce)
-        self._records.delete(slot.name)
+        keep_until = max(slot.expires_at, self._clock() + self._tombstone_seconds)
+        for nonce in slot.nonces:
+            self._records.release_ticket(nonce, node=slot.node, operation=slot.operation, keep_until=keep_until)
+        return self._records.delete_unchanged(slot)
 
     def start(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:
         """Reconcile every ``interval`` seconds in a daemon thread, until ``stop()``; every ``joining_interval``

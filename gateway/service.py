@@ -22,9 +22,8 @@ from gateway.settings import ServiceRef
 from gateway.slots import AddressPlan, RecordStore, SlotBook
 from gateway.tickets import JoinTicket, TicketSigner
 from gateway.tunnel_end import GatewayTunnel
-from models.errors import TicketError
+from models.errors import JoinRefused, TicketError
 from models.join import GatewayCapacity, JoinAnswer, JoinRedeem, JoinTicketRequest, TicketGrant, url_host
-from models.labels import LABEL_OPERATION
 
 
 class GatewayAddressPending(Exception):
@@ -70,6 +69,7 @@ class KubeGateway:
                  plan: AddressPlan | None = None, tunnel: GatewayTunnel | None = None,
                  cert_seconds: int = DEFAULT_CERT_SECONDS, sign_timeout: float = 30.0) -> None:
         self._tickets = TicketSigner(signing_key, clock)
+        self._clock = clock
         self._core = client.CoreV1Api(api)
         self._public_url = public_url.rstrip("/")
         self._service = service
@@ -77,10 +77,10 @@ class KubeGateway:
         self._plan = tunnel.plan if tunnel is not None else (plan or AddressPlan())
         self._records = RecordStore(self._core, namespace)
         self._slots = SlotBook(self._records, self._plan)
-        self._reconciler = Reconciler(self._core, self._records, tunnel, clock)
+        self._reconciler = Reconciler(self._core, self._records, tunnel, clock, tombstone_seconds=cert_seconds)
         self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
                                     endpoint=self.endpoint, on_join=self._joined, cert_seconds=cert_seconds,
-                                    sign_timeout=sign_timeout)
+                                    sign_timeout=sign_timeout, tombstoned=self._tombstoned)
 
     @property
     def tunnel(self) -> GatewayTunnel | None:
@@ -116,13 +116,43 @@ class KubeGateway:
         node's address slot reserved until the ticket expires: ``AddressesExhausted`` when none is free, before
         any instance is launched for a node that could never join."""
         endpoint, server_name = self.endpoint()
-        ticket = self._tickets.new(request)
+        ticket = self._tickets.new(request, reserved=True)
+        self._refuse_unowned_node(ticket.node_name, ticket.operation)
         self._slots.reserve(ticket, ticket.node_name, ticket.operation)
         return TicketGrant(ticket=self._tickets.encode(ticket), endpoint=endpoint, server_name=server_name)
 
     def sign_ticket(self, request: JoinTicketRequest) -> str:
         """A signed ticket without a reservation (its join allocates a slot if one is free)."""
         return self._tickets.encode(self._tickets.new(request))
+
+    def _tombstoned(self, node_name: str, operation: str | None = None) -> bool:
+        """A released ticket of ``node_name`` (of ``operation``, if given) still names it: the node was removed
+        and its certificate may still be valid."""
+        now = self._clock()
+        for record in self._records.tickets():
+            data = record.data or {}
+            keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
+            if (data.get("state") == "released" and data.get("node") == node_name and keep_until >= now
+                    and operation in (None, data.get("operation"))):
+                return True
+        return False
+
+    def _refuse_unowned_node(self, node_name: str, operation: str) -> None:
+        """No ticket for a Node that exists without a slot of this operation (a home or control-plane node, or
+        another operation's): its join would hand out that node's identity. Nor for a removed node's name while
+        its tombstone stands (its certificate may still be valid: a new node would share its identity)."""
+        if self._tombstoned(node_name):
+            raise JoinRefused("node_removed", f"node {node_name} was removed and its certificate may still be "
+                              "valid: no new ticket for that name", status=409)
+        try:
+            self._core.read_node(node_name)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return
+            raise
+        if not any(s.node == node_name and s.operation == operation for s in self._records.slots()):
+            raise JoinRefused("node_exists", f"node {node_name} exists and the gateway holds no slot of operation "
+                              f"{operation} for it: no ticket names an existing node", status=409)
 
     def capacity(self) -> GatewayCapacity:
         """The address slots and the nodes holding them (reservations included)."""
@@ -152,28 +182,33 @@ class KubeGateway:
     # -- node removal ----------------------------------------------------------------------------------------
     def remove_node(self, node_name: str, *, operation: str) -> bool:
         """Delete a burst Node of ``operation``, remove its WireGuard peer and free its addresses (also a slot
-        reserved by a ticket never redeemed: the compensation of a failed launch). False if it is already gone;
-        refuses any other node."""
-        try:
-            node = self._core.read_node(node_name)
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
-            node = None
-        if node is not None:
-            owner = (node.metadata.labels or {}).get(LABEL_OPERATION)
-            if owner != operation:
-                raise TicketError(f"node {node_name} belongs to operation {owner!r}, not {operation}; not removing",
-                                  code="not_owned")
+        reserved by a ticket never redeemed: the compensation of a failed launch), its tickets tombstoned for
+        good. Ownership is the gateway's slot record, never a label the node could write: a Node without a slot
+        of ``operation`` (or a tombstone of it: a removed node that registered again) is refused (``not_owned``).
+        False if it is already gone."""
+        removed = False
+        for _ in range(5):  # each round lost a race against a reconcile pass writing the slot
+            slots = [s for s in self._records.slots() if s.node == node_name and s.operation == operation]
             try:
-                self._core.delete_node(node_name)
+                node = self._core.read_node(node_name)
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
-        for slot in self._records.slots():
-            if slot.node == node_name and slot.operation == operation:
-                self._reconciler.release(slot)
-        return node is not None
+                node = None
+            if node is not None:
+                if not slots and not self._tombstoned(node_name, operation):
+                    raise TicketError(f"node {node_name} has no address slot of operation {operation} at the "
+                                      "gateway: not a node it admitted for it; not removing", code="not_owned")
+                try:
+                    self._core.delete_node(node_name)
+                    removed = True
+                except client.ApiException as exc:
+                    if exc.status != 404:
+                        raise
+            if all([self._reconciler.release(slot) for slot in slots]):
+                return removed
+        raise JoinRefused("slot_conflict", f"the address slot of node {node_name} kept changing while it was "
+                          "removed; retry", status=503)
 
 
 __all__ = ["GatewayAddressPending", "GatewayAddressUnknown", "KubeGateway", "ServiceRef", "endpoint_from_service"]

@@ -5,7 +5,6 @@ the worker (the same names; the worker reads only its client's: ``KUBEON_GATEWAY
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import ssl
 from collections.abc import Mapping
@@ -13,19 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.pool_tokens import DEFAULT_TOKENS_DIR
+from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
 from gateway.slots import AddressPlan
+from models.env import ConfigError, env_names, from_env
 from tunnel import link
 
 DEFAULT_LISTEN: Final = "0.0.0.0:8443"
 DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-optimizer"
 MAX_BODY_BYTES: Final = 64 * 1024
 
-
-class ConfigError(ValueError):
-    pass
 
 
 class GatewaySettings(BaseModel):
@@ -49,7 +46,7 @@ class GatewaySettings(BaseModel):
     gateway_allowed_clients: str = DEFAULT_ALLOWED_CLIENTS
     gateway_token_audiences: str = ""
     # On-prem pools' join tokens (each location's existingSecret at <dir>/onprem.<pool>/token).
-    pool_tokens_dir: Path = DEFAULT_TOKENS_DIR
+    hub_claim_keys_file: Path = DEFAULT_CLAIM_KEYS_FILE
     # The WireGuard tunnel (R4.3). No interface: no tunnel (sim nodes reach the API server directly, with the
     # same certificates). The UDP port is the gateway Service's `wireguard` port.
     gateway_tunnel_interface: str = ""
@@ -96,21 +93,12 @@ class GatewaySettings(BaseModel):
                            node_mask=self.gateway_node_cidr_mask, service_cidr=self.gateway_service_cidr)
 
 
-ENV = {name: "KUBEON_" + name.upper() for name in GatewaySettings.model_fields}
+ENV = env_names(GatewaySettings)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> GatewaySettings:
     """Settings from the environment; an invalid value fails naming the variable that holds it."""
-    environ = os.environ if environ is None else environ
-    values = {field: environ[var] for field, var in ENV.items() if environ.get(var, "") != ""}
-    try:
-        return GatewaySettings.model_validate(values)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors(include_url=False):
-            name = str(err["loc"][0]) if err["loc"] else "?"
-            problems.append(f"{ENV.get(name, name)}: {err['msg']}")
-        raise ConfigError("; ".join(problems)) from None
+    return from_env(GatewaySettings, environ)
 
 
 @dataclass(frozen=True)

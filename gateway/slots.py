@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from kubernetes import client
@@ -120,6 +120,16 @@ class Slot:
     expires_at: float
     registered_uid: str = ""
     resource_version: str = ""  # of the ConfigMap read; not part of its data
+    # Older tickets this reservation was issued for (a retried launch re-pointed it at a newer one): each may still
+    # redeem it while it is unredeemed, and each is tombstoned with it when it is released.
+    previous: list[str] = field(default_factory=list)
+    # Why the gateway refused the node that registered on this slot (kept here, where the node cannot write).
+    refused: str = ""
+
+    @property
+    def nonces(self) -> list[str]:
+        """Every ticket this slot was issued for."""
+        return [self.nonce, *(n for n in self.previous if n != self.nonce)]
 
     @property
     def name(self) -> str:
@@ -134,7 +144,7 @@ class Slot:
         return {
             "node": self.node, "wireguardPublicKey": self.wireguard_key, "tunnelIP": self.tunnel_ip,
             "podCIDR": self.pod_cidr, "operation": self.operation, "registeredUID": self.registered_uid,
-            **_ticket_data(self),
+            "previousTickets": json.dumps(self.previous), "refused": self.refused, **_ticket_data(self),
         }
 
     @classmethod
@@ -147,6 +157,7 @@ class Slot:
             taints=[Taint.model_validate(t) for t in json.loads(d.get("taints", "[]"))],
             gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
             registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
+            previous=list(json.loads(d.get("previousTickets", "[]"))), refused=d.get("refused", ""),
         )
 
 @dataclass
@@ -171,13 +182,36 @@ class RecordStore:
         existing = self.core.read_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace)
         return dict(existing.data or {})
 
-    def release_ticket(self, nonce: str) -> None:
+    def release_ticket(self, nonce: str, *, node: str, operation: str, keep_until: float) -> None:
+        """Mark a ticket released for good: its record (created now as a tombstone if the ticket was never
+        redeemed: a compensated launch) refuses every later redemption, and names its node until ``keep_until``
+        (the node's certificate may outlive its removal: a Node re-created under that name is revoked)."""
+        data = {"state": "released", "node": node, "operation": operation, "keepUntil": repr(keep_until)}
+        for _ in range(3):
+            try:
+                self.core.patch_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace, {"data": data})
+                return
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+            try:
+                self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
+                    metadata=self._meta(f"{TICKET_PREFIX}{nonce}", "ticket"),
+                    data={**data, "expiresAt": repr(keep_until)}))
+                return
+            except client.ApiException as exc:
+                if exc.status != 409:  # a redemption recorded it meanwhile: patch that one
+                    raise
+        raise RuntimeError(f"ticket record {TICKET_PREFIX}{nonce} kept changing while it was released")
+
+    def ticket(self, nonce: str) -> dict[str, str] | None:
+        """A ticket's record (redeemed, or a tombstone), None if there is none."""
         try:
-            self.core.patch_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace,
-                                                  {"data": {"state": "released"}})
+            return dict(self.core.read_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace).data or {})
         except client.ApiException as exc:
-            if exc.status != 404:
-                raise
+            if exc.status == 404:
+                return None
+            raise
 
     def tickets(self) -> list[client.V1ConfigMap]:
         return list(self.core.list_namespaced_config_map(
@@ -208,13 +242,18 @@ class RecordStore:
         """Complete a reservation at redemption (the node's WireGuard key; the redeemed ticket, whose labels,
         taints and GPUs are those of the instance that exists), only if it is unchanged since read; ``None`` if it
         changed (another redemption claimed it, or it was released)."""
-        cm = self._patch_unchanged(slot, {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket)})
+        previous = [n for n in slot.nonces if n != ticket.nonce]
+        cm = self._patch_unchanged(slot, {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket),
+                                          "previousTickets": json.dumps(previous)})
         return Slot.from_configmap(cm) if cm is not None else None
 
     def update_reservation(self, slot: Slot, ticket: Ticketed) -> bool:
         """Point an unredeemed reservation at a newer ticket of the same node (a retried launch, perhaps failed
-        over to another location: its labels change with it); False if it changed since read."""
-        return self._patch_unchanged(slot, _ticket_data(ticket)) is not None
+        over to another location: its labels change with it), remembering the older ones (each is released with
+        the slot); False if it changed since read."""
+        previous = [n for n in slot.nonces if n != ticket.nonce]
+        data = {**_ticket_data(ticket), "previousTickets": json.dumps(previous)}
+        return self._patch_unchanged(slot, data) is not None
 
     def _patch_unchanged(self, slot: Slot, data: dict[str, str]) -> client.V1ConfigMap | None:
         """Patch the slot's data only if it is as read (its resourceVersion); None if it changed or is gone."""
@@ -237,9 +276,24 @@ class RecordStore:
             raise
         return True
 
-    def mark_registered(self, slot: Slot, uid: str) -> None:
-        self.core.patch_namespaced_config_map(slot.name, self.namespace, {"data": {"registeredUID": uid}})
+    def mark_registered(self, slot: Slot, uid: str) -> bool:
+        """Record the UID of the Node that registered on the slot, only if the slot is as read (a slot released
+        and re-issued during a slow pass never gets the old node's UID); False if it changed."""
+        cm = self._patch_unchanged(slot, {"registeredUID": uid})
+        if cm is None:
+            return False
         slot.registered_uid = uid
+        slot.resource_version = str(cm.metadata.resource_version or "")
+        return True
+
+    def mark_refused(self, slot: Slot, reason: str) -> bool:
+        """Record the gateway's refusal of the slot's node in the slot (where the node cannot write)."""
+        cm = self._patch_unchanged(slot, {"refused": reason})
+        if cm is None:
+            return False
+        slot.refused = reason
+        slot.resource_version = str(cm.metadata.resource_version or "")
+        return True
 
 
 class _SlotChanged(Exception):

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, Field
 
-from models.errors import TicketError
-from models.join import JoinTicketRequest
+from models.errors import JoinRefused, TicketError
+from models.join import JoinTicketRequest, burst_node_name_problem
 from models.labels import Taint
 
 
@@ -25,6 +25,9 @@ class JoinTicket(BaseModel):
     taints: list[Taint]
     expires_at: float
     gpus: int = 0
+    # Issued with an address slot reservation: redeemed on that reservation only, never on a fresh slot (once it is
+    # released, the ticket is dead).
+    reserved: bool = False
     nonce: str = Field(default_factory=lambda: secrets.token_hex(8))
 
 
@@ -45,11 +48,14 @@ class TicketSigner:
         self._key = key
         self._clock = clock
 
-    def new(self, request: JoinTicketRequest) -> JoinTicket:
+    def new(self, request: JoinTicketRequest, *, reserved: bool = False) -> JoinTicket:
+        problem = burst_node_name_problem(request.node_name)
+        if problem:
+            raise JoinRefused("node_name_refused", problem, status=400)
         return JoinTicket(
             operation=request.operation, policy=request.policy, location=request.location,
             node_name=request.node_name, labels=request.labels, taints=request.taints,
-            expires_at=self._clock() + request.ttl_seconds, gpus=request.gpus,
+            expires_at=self._clock() + request.ttl_seconds, gpus=request.gpus, reserved=reserved,
         )
 
     def _mac(self, body: str) -> str:
@@ -69,4 +75,6 @@ class TicketSigner:
             raise TicketError(f"join ticket is malformed: {exc}", code="ticket_invalid") from None
         if ticket.expires_at < self._clock():
             raise TicketError(f"join ticket for {ticket.node_name} expired", code="ticket_expired")
+        if burst_node_name_problem(ticket.node_name):  # signed before names were checked at issue
+            raise TicketError(burst_node_name_problem(ticket.node_name), code="ticket_invalid")
         return ticket

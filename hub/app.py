@@ -18,6 +18,7 @@ from hub.pools import ROUTERS as POOL_ROUTERS
 from hub.routes import clusters_api, people
 from hub.schemas import ActionReportCreate, ApiKeyCreate, ApprovalCreate, ClusterCreate, Health, UserCreate
 from hub.settings import Clock, HubSettings, system_clock
+from hub.web import install as install_web_ui
 from models.policy import GpuPolicy
 
 DESCRIPTION = """\
@@ -61,6 +62,8 @@ def create_app(settings: HubSettings, clock: Clock = system_clock, *, database: 
     app.include_router(clusters_api)
     for router in POOL_ROUTERS:  # on-prem burst pools (hub/pools.py)
         app.include_router(router)
+
+    install_web_ui(app)  # the pages under /ui (hub/web): same database, roles and write functions
 
     @app.get("/healthz", tags=["health"], summary="Liveness and database reachability (no auth)")
     def healthz(state: Annotated[HubState, Depends(hub_state)]) -> Health:

@@ -17,7 +17,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from hub import ops, tokens
+from hub import ops, optimizer_clients, tokens
 from hub.audit import BOOTSTRAP_ACTOR, Actor, ActorKind, Role
 from hub.db import Database
 from hub.errors import Forbidden, Unauthorized
@@ -84,6 +84,12 @@ def authenticate(request: Request, session: Session, now: datetime, settings: Hu
             f"malformed Authorization header: expected 'Bearer <token>', got scheme {scheme[:20]!r}",
             code="malformed_authorization",
         )
+    return authenticate_credential(value, session, now, settings)
+
+
+def authenticate_credential(value: str, session: Session, now: datetime, settings: HubSettings) -> Actor:
+    """Who ``value`` (an API key, the bootstrap admin key or a cluster token) is; raises ``Unauthorized``. The
+    API reads it from the Authorization header, the web UI's sign-in from its form."""
     bootstrap = settings.bootstrap_admin_key
     if bootstrap is not None and hmac.compare_digest(_digest(value), _digest(bootstrap)):
         return BOOTSTRAP_ACTOR
@@ -130,13 +136,16 @@ def require_cluster(
     now: NowDep,
     _: Annotated[HTTPAuthorizationCredentials | None, Security(cluster_token_scheme)],
 ) -> Actor:
-    """Dependency: a valid cluster token. Records the cluster's last-seen time (committed with the request)."""
+    """Dependency: a valid cluster token. Records the cluster's last-seen time and its optimizer's User-Agent
+    (committed with the request)."""
     actor = authenticate(request, session, now, state.settings)
     if actor.kind is not ActorKind.CLUSTER:
         raise Forbidden(
             f"{request.method} {request.url.path} is for clusters: authenticate with the cluster's token (kgc_...), "
             f"not the API key of {actor.label}", code="cluster_token_required",
         )
+    assert actor.cluster_id is not None
+    optimizer_clients.note(session, actor.cluster_id, request.headers.get("user-agent"), now)
     return actor
 
 

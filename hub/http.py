@@ -124,16 +124,20 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     authenticated before its body is looked at (FastAPI resolves dependencies in parameter order)."""
 
     async def dependency(request: Request) -> M:
-        data = await read_json(request)
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            details = [(_field(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in exc.errors()]
-            raise Unprocessable(
-                "invalid request body: " + "; ".join(f"{f}: {m}" for f, m in details), details=details
-            ) from None
+        return validate_body(model, await read_json(request))
 
     return dependency
+
+
+def validate_body(model: type[M], data: Any) -> M:
+    """``data`` as ``model``, or ``Unprocessable`` naming each field (the API's bodies and the web UI's forms)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        details = [(_field(err["loc"]), err["msg"].removeprefix("Value error, ")) for err in exc.errors()]
+        raise Unprocessable(
+            "invalid request body: " + "; ".join(f"{f}: {m}" for f, m in details), details=details
+        ) from None
 
 
 def body_doc(model: type[BaseModel] | str, description: str = "") -> dict[str, Any]:

@@ -16,6 +16,7 @@ from hub import tokens
 from hub.audit import Actor, ActorKind, AuditAction, Role, record
 from hub.db import ActionReport, ApiKey, Approval, Cluster, ClusterToken, Policy, Principal
 from hub.errors import Conflict, NotFound, Unauthorized, Unprocessable
+from hub.plans import parse_plan
 from hub.schemas import ActionReportCreate, ApprovalCreate, ClusterStatus, TokenState, disallowed_character
 from hub.tokens import IssuedToken, TokenKind
 from models.policy import PolicyError, parse_policy
@@ -340,7 +341,10 @@ def policy_etag(cluster: Cluster) -> str:
 
 def decide(session: Session, now: datetime, actor: Actor, cluster: Cluster, req: ApprovalCreate
            ) -> tuple[Approval, bool]:
-    """Record a decision. The same decision again returns the stored one; a different one is a conflict."""
+    """Record a decision. The same decision again returns the stored one; a different one is a conflict. A
+    decision bound to a plan other than the one the cluster proposes now is refused as stale."""
+    if req.plan_id is not None:
+        _check_plan_current(session, cluster, req.operation, req.plan_id)
     existing = session.scalar(
         select(Approval).where(Approval.cluster_id == cluster.id, Approval.operation == req.operation)
     )
@@ -364,6 +368,30 @@ def decide(session: Session, now: datetime, actor: Actor, cluster: Cluster, req:
         detail={"approval_id": approval.id, "plan_id": req.plan_id, "reason": req.reason},
     )
     return approval, True
+
+
+def current_proposal(session: Session, cluster: Cluster, operation: str) -> ActionReport | None:
+    """The operation's latest ``proposed`` report: the plan a decision applies to."""
+    return session.scalar(
+        select(ActionReport)
+        .where(ActionReport.cluster_id == cluster.id, ActionReport.operation == operation,
+               ActionReport.action == "proposed")
+        .order_by(ActionReport.id.desc()).limit(1)
+    )
+
+
+def _check_plan_current(session: Session, cluster: Cluster, operation: str, plan_id: str) -> None:
+    """409 ``stale_plan`` when the cluster's latest proposal of ``operation`` names another plan (a page or a
+    script still showing the old one). A proposal whose detail names no plan cannot be stale."""
+    proposal = current_proposal(session, cluster, operation)
+    plan = parse_plan(proposal.detail) if proposal is not None else None
+    if plan is not None and plan.plan_id != plan_id:
+        raise Conflict(
+            f"plan {plan_id!r} is stale: cluster {cluster.name!r} now proposes plan {plan.plan_id!r} for operation "
+            f"{operation!r} (reported {_iso(proposal.occurred_at if proposal else None)})"
+            + (f": {plan.summary}" if plan.summary else ""),
+            details=[("plan_id", f"stale: the current plan is {plan.plan_id!r}")], code="stale_plan",
+        )
 
 
 def _check_decidable(session: Session, cluster: Cluster, operation: str) -> None:

@@ -36,8 +36,8 @@ class Pool(Base):
 
 
 class PoolJoinToken(Base):
-    """The value behind the location's ``existingSecret``: servers of the pool register with it, and the gateway
-    checks it when they join. Stored as a SHA-256 hash."""
+    """The pool's enrolment token: an operator-registered server of the pool that has no credential yet
+    exchanges it, once, for its own server credential. Never handed to clusters. Stored as a SHA-256 hash."""
 
     __tablename__ = "pool_join_tokens"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -77,3 +77,32 @@ class PoolServer(Base):
     claimed_at: Mapped[datetime | None]
     release_requested_at: Mapped[datetime | None]
     pool: Mapped[Pool] = relationship(back_populates="servers")
+
+
+class PoolServerCredential(Base):
+    """A server's own credential (``kgs_<id>_<secret>``): its agent heartbeats with it, and the hub takes the
+    server's name from it, never from the request. At most one active per server; revoked by an operator (the
+    server is then never claimed, and gets no claim signed, until it enrols again). Stored as a SHA-256 hash."""
+
+    __tablename__ = "pool_server_credentials"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_id: Mapped[str] = mapped_column(String(16), unique=True)
+    server_id: Mapped[int] = mapped_column(ForeignKey("pool_servers.id"), index=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
+    via_join_token: Mapped[str | None] = mapped_column(String(16))  # the enrolment token's id (None: an operator)
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+    revoked_by: Mapped[str | None] = mapped_column(String(ACTOR_LENGTH))
+    server: Mapped[PoolServer] = relationship()
+
+
+class HubSigningKey(Base):
+    """The hub's Ed25519 key that signs pool claims (``models.pool_claim``); gateways hold the public half."""
+
+    __tablename__ = "hub_signing_keys"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kid: Mapped[str] = mapped_column(String(16), unique=True)
+    private_pem: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]

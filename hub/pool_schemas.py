@@ -63,17 +63,29 @@ class ServerRegister(_In):
     usd_per_gpu_hour: Price | None = Field(default=None, description="overrides the pool's rate card")
 
 
-class Heartbeat(_In):
-    """What an agent says every few seconds: who it is and what it is doing."""
+class Enrolment(_In):
+    """A server's agent, with the pool's enrolment token, asking for its own credential (once)."""
 
     pool: Name
     server: Name
     gpu_product: GpuProduct
     gpus: Gpus
-    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=64)] = Field(default_factory=dict)
+
+
+class Heartbeat(_In):
+    """What an agent says every few seconds (with its server credential, which names the server): what it is
+    doing. ``gpu_product`` and ``gpus`` must be what the operator registered; labels are the operator's."""
+
+    pool: Name
+    server: Name | None = Field(default=None, description="must be the credential's server, if given")
+    gpu_product: GpuProduct
+    gpus: Gpus
+    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=64)] = Field(
+        default_factory=dict, description="ignored: a server's labels are what its operator registered")
     phase: AgentPhase = Field(description="idle, or joining/serving `operation`")
     operation: OperationId | None = Field(
-        default=None, description="the claim the agent holds (joining or serving) or has just left (idle)")
+        default=None, description="the claim the agent holds (joining or serving), has just left or declines "
+        "(idle)")
 
 
 class ClaimCreate(_In):
@@ -83,13 +95,16 @@ class ClaimCreate(_In):
     gpus: Gpus
     node_name: NodeName
     user_data: UserData = Field(description="the node's user data (gateway ticket), handed to the server's agent")
+    exclude: Annotated[list[Name], Field(max_length=100)] = Field(
+        default_factory=list, description="servers not to claim (this launch's withdrawn or declining ones)")
 
 
 class ClaimRelease(_In):
     operation: OperationId
     policy: PolicyName
     withdraw: StrictBool = Field(
-        default=False, description="the agent never picked the claim up: the server is idle at once")
+        default=False, description="the agent has not taken the claim up: the server is idle at once (a no-op once "
+        "it has)")
 
 
 # ----- responses -----
@@ -108,8 +123,26 @@ class JoinTokenOut(BaseModel):
 class JoinTokenIssued(BaseModel):
     pool: str
     token_id: str
-    token: str = Field(description="the join token; shown only here. Store it as the Secret behind the location's "
-                       "`existingSecret` (key `token`) and on the pool's servers")
+    token: str = Field(description="the pool's enrolment token; shown only here. Give it to the pool's servers' "
+                       "agents (`--enrolment-token-file`) to enrol; never to a cluster")
+
+
+class ServerCredentialIssued(BaseModel):
+    pool: str
+    server: str
+    credential_id: str
+    credential: str = Field(description="the server's own credential (kgs_...); shown only here. The agent keeps it "
+                            "in its state directory and heartbeats with it")
+
+
+class ClaimKey(BaseModel):
+    kid: str
+    pem: str
+
+
+class ClaimKeys(BaseModel):
+    keys: list[ClaimKey]
+    pem: str = Field(description="all of them as one PEM bundle: the chart's `hub.claimPublicKeys`")
 
 
 class ServerOut(BaseModel):
@@ -129,6 +162,7 @@ class ServerOut(BaseModel):
     claim_policy: str | None
     claim_node_name: str | None
     claimed_at: datetime | None
+    credential_id: str | None = Field(default=None, description="the server's active credential; none: not enrolled")
 
 
 class PoolOut(BaseModel):
@@ -194,7 +228,10 @@ class AgentClaim(BaseModel):
     cluster: str
     policy: str
     node_name: str
-    user_data: str | None = Field(description="the node's user data; null once the node serves (ticket redeemed)")
+    user_data: str | None = Field(description="the node's user data: only once the agent has taken the claim up "
+                                  "(joining); null before and once the node serves (ticket redeemed)")
+    pool_claim: str | None = Field(default=None, description="the claim the hub signed for this server (joining "
+                                   "only), presented at the gateway (X-Kubeon-Pool-Claim)")
 
 
 class HeartbeatAnswer(BaseModel):

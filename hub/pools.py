@@ -5,11 +5,16 @@ Three kinds of callers:
 
 * people and automation (API keys): ``/v1/pools/...`` create pools (admin), set rate cards (operator), register
   and retire servers (operator), issue and revoke join tokens (admin); every change is in the audit log.
-* a server's agent (the pool's join token, ``kgp_...``): ``POST /v1/pool-agent/heartbeat`` registers the server
-  (first time), keeps it online and answers what it should be part of (a claim, or nothing: be idle).
+* a server's agent. An operator registers the server (its name, GPU product and count: the inventory); its agent
+  then enrols once with the pool's enrolment token (``kgp_...``, ``POST /v1/pool-agent/enrol``) and gets the
+  server's own credential (``kgs_...``), or an operator issues that credential directly. The enrolment token does
+  nothing else, and never leaves the operator and the servers. With its credential (which names the server: the
+  request cannot) the agent heartbeats (``POST /v1/pool-agent/heartbeat``): online, and what it should be part of
+  (a claim, or nothing: be idle). Only once it has taken a claim up (``joining``) does it get the node's user data
+  and the claim the hub signs for it (``models.pool_claim``), which the claiming cluster's gateway checks.
 * an optimizer (its cluster token): ``/v1/cluster/pools/{pool}/...`` offerings, claims, release. A cluster may
   use a pool only for a location one of its policies in the hub names (``onprem/<pool>``), and only through that
-  policy.
+  policy, and for at most its ``limits.maxNodes`` servers at a time.
 """
 
 from __future__ import annotations
@@ -22,23 +27,28 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Final
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi import APIRouter, Depends, Path, Request, Response
-from sqlalchemy import select, update
+from sqlalchemy import exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from hub.audit import Actor, ActorKind
 from hub.auth import AdminDep, ClusterDep, NowDep, OperatorDep, SessionDep, ViewerDep
 from hub.db import AuditEvent, Cluster, Policy
-from hub.errors import Conflict, Forbidden, NotFound, Unauthorized
+from hub.errors import Conflict, Forbidden, NotFound, Unauthorized, Unprocessable
 from hub.http import ERROR_RESPONSES, body_doc, json_body
-from hub.pool_db import Pool, PoolJoinToken, PoolServer
+from hub.pool_db import HubSigningKey, Pool, PoolJoinToken, PoolServer, PoolServerCredential
 from hub.pool_schemas import (
     AgentClaim,
     Claim,
     ClaimCreate,
+    ClaimKey,
+    ClaimKeys,
     ClaimRelease,
     ClaimResult,
+    Enrolment,
     Heartbeat,
     HeartbeatAnswer,
     JoinTokenIssued,
@@ -50,14 +60,18 @@ from hub.pool_schemas import (
     PoolOut,
     RateCard,
     ReleaseResult,
+    ServerCredentialIssued,
     ServerOut,
     ServerRegister,
     ShownState,
 )
 from hub.schemas import NAME_PATTERN
+from models import pool_claim
+from models.join import parse_user_data
 
 LOCATION_PROVIDER: Final = "onprem"
 _JOIN_TOKEN_RE: Final = re.compile(r"^kgp_([0-9a-f]{16})_([A-Za-z0-9_-]{43})$")
+_SERVER_CREDENTIAL_RE: Final = re.compile(r"^kgs_([0-9a-f]{16})_([A-Za-z0-9_-]{43})$")
 
 PoolName = Annotated[str, Path(max_length=63, pattern=NAME_PATTERN, description="pool name")]
 ServerName = Annotated[str, Path(max_length=63, pattern=NAME_PATTERN, description="server name")]
@@ -66,6 +80,7 @@ TokenId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$")]
 pools_admin = APIRouter(prefix="/v1/pools", tags=["pools"], responses=ERROR_RESPONSES)
 pools_agent = APIRouter(prefix="/v1/pool-agent", tags=["pools (server agent)"], responses=ERROR_RESPONSES)
 pools_cluster = APIRouter(prefix="/v1/cluster/pools", tags=["pools (optimizer)"], responses=ERROR_RESPONSES)
+pool_claim_keys = APIRouter(prefix="/v1/pool-claims", tags=["pools (gateway)"], responses=ERROR_RESPONSES)
 
 
 def location(pool: str) -> str:
@@ -107,23 +122,127 @@ def issue_join_token(session: Session, now: datetime, actor: Actor, pool: Pool, 
     return JoinTokenIssued(pool=pool.name, token_id=token_id, token=token)
 
 
-def authenticate_agent(session: Session, now: datetime, request: Request) -> PoolJoinToken:
+def _bearer(request: Request, what: str) -> str:
     header = request.headers.get("authorization") or ""
     scheme, _, value = header.strip().partition(" ")
     if scheme.lower() != "bearer" or not value.strip():
-        raise Unauthorized("Authorization header missing or malformed: send 'Bearer <pool join token>'",
-                           code="missing_token")
-    match = _JOIN_TOKEN_RE.match(value.strip())
+        raise Unauthorized(f"Authorization header missing or malformed: send 'Bearer <{what}>'", code="missing_token")
+    return value.strip()
+
+
+def authenticate_agent(session: Session, now: datetime, request: Request) -> PoolJoinToken:
+    """The pool's enrolment token (``POST /v1/pool-agent/enrol`` only)."""
+    value = _bearer(request, "pool enrolment token")
+    match = _JOIN_TOKEN_RE.match(value)
     if match is None:
-        raise Unauthorized("invalid join token: not a pool join token (kgp_...)")
+        raise Unauthorized("invalid join token: not a pool enrolment token (kgp_...)")
     token = session.scalar(select(PoolJoinToken).where(PoolJoinToken.token_id == match.group(1)))
-    if token is None or not hmac.compare_digest(_digest(value.strip()).encode(), token.digest.encode()):
+    if token is None or not hmac.compare_digest(_digest(value).encode(), token.digest.encode()):
         raise Unauthorized("invalid join token: unknown or wrong secret")
     if token.revoked_at is not None:
         raise Unauthorized(f"join token {token.token_id} of pool {token.pool.name!r} was revoked at "
                            f"{token.revoked_at.isoformat()} by {token.revoked_by}", code="token_revoked")
     token.last_used_at = now
     return token
+
+
+def authenticate_server(session: Session, now: datetime, request: Request) -> PoolServerCredential:
+    """A server's own credential: the server is the credential's, whatever the request says."""
+    value = _bearer(request, "server credential")
+    if _JOIN_TOKEN_RE.match(value):
+        raise Forbidden("the pool's enrolment token only enrols a server (POST /v1/pool-agent/enrol); heartbeat "
+                        "with the server's own credential (kgs_...)", code="enrolment_token_only")
+    match = _SERVER_CREDENTIAL_RE.match(value)
+    if match is None:
+        raise Unauthorized("invalid server credential: not a pool server credential (kgs_...)")
+    cred = session.scalar(select(PoolServerCredential).where(PoolServerCredential.token_id == match.group(1)))
+    if cred is None or not hmac.compare_digest(_digest(value).encode(), cred.digest.encode()):
+        raise Unauthorized("invalid server credential: unknown or wrong secret")
+    if cred.revoked_at is not None:
+        raise Unauthorized(f"the credential {cred.token_id} of server {cred.server.name!r} was revoked at "
+                           f"{cred.revoked_at.isoformat()} by {cred.revoked_by}; enrol the server again",
+                           code="token_revoked")
+    cred.last_used_at = now
+    return cred
+
+
+def _active_credential(session: Session, server: PoolServer) -> PoolServerCredential | None:
+    return session.scalar(select(PoolServerCredential).where(PoolServerCredential.server_id == server.id,
+                                                             PoolServerCredential.revoked_at.is_(None)))
+
+
+def _revoke_credential(session: Session, now: datetime, actor: str, key_id: str | None, server: PoolServer
+                       ) -> str | None:
+    cred = _active_credential(session, server)
+    if cred is None:
+        return None
+    cred.revoked_at, cred.revoked_by = now, actor
+    _audit(session, now, actor, "pool.server_credential_revoked", target=f"{server.pool.name}/{server.name}",
+           key_id=key_id, detail={"credential_id": cred.token_id})
+    return cred.token_id
+
+
+def issue_server_credential(session: Session, now: datetime, actor: str, key_id: str | None, server: PoolServer,
+                            *, via_join_token: str | None) -> ServerCredentialIssued:
+    """A new credential for the server; its previous one, if any, is revoked."""
+    _revoke_credential(session, now, actor, key_id, server)
+    token_id = secrets.token_hex(8)
+    token = f"kgs_{token_id}_{secrets.token_urlsafe(32)}"
+    session.add(PoolServerCredential(token_id=token_id, server_id=server.id, digest=_digest(token), created_at=now,
+                                     created_by=actor, via_join_token=via_join_token))
+    session.flush()
+    _audit(session, now, actor, "pool.server_enrolled" if via_join_token else "pool.server_credential_issued",
+           target=f"{server.pool.name}/{server.name}", key_id=key_id,
+           detail={"credential_id": token_id, "join_token_id": via_join_token})
+    return ServerCredentialIssued(pool=server.pool.name, server=server.name, credential_id=token_id, credential=token)
+
+
+# ----- the hub's claim signing key -----
+
+
+def signing_key(session: Session, now: datetime) -> tuple[str, Ed25519PrivateKey]:
+    """The newest claim signing key, made on first use (kept in the database, like everything of the hub's)."""
+    row = session.scalar(select(HubSigningKey).order_by(HubSigningKey.id.desc()).limit(1))
+    if row is None:
+        key = Ed25519PrivateKey.generate()
+        row = HubSigningKey(kid=pool_claim.key_id(key.public_key()), created_at=now, private_pem=key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())
+        session.add(row)
+        session.flush()
+    loaded = serialization.load_pem_private_key(row.private_pem.encode(), password=None)
+    assert isinstance(loaded, Ed25519PrivateKey)
+    return row.kid, loaded
+
+
+def _ticket_of(user_data: str) -> str:
+    try:
+        ticket = parse_user_data(user_data).get("ticket")
+    except ValueError:
+        ticket = None
+    return ticket if isinstance(ticket, str) else ""
+
+
+def sign_claim(session: Session, now: datetime, server: PoolServer, cluster: str) -> str:
+    kid, key = signing_key(session, now)
+    assert server.claim_operation is not None and server.claim_user_data is not None
+    iat = int(now.timestamp())
+    return pool_claim.sign(key, pool_claim.PoolClaim(
+        kid=kid, pool=server.pool.name, server=server.name, cluster=cluster, operation=server.claim_operation,
+        node=server.claim_node_name or "", ticket_sha256=pool_claim.ticket_digest(_ticket_of(server.claim_user_data)),
+        iat=iat, exp=iat + pool_claim.CLAIM_SECONDS))
+
+
+@pool_claim_keys.get("/keys", summary="The hub's public claim keys (no authentication: nothing secret); gateways "
+                     "verify on-prem servers' joins with them (the chart's hub.claimPublicKeys)")
+def claim_keys(session: SessionDep, now: NowDep) -> ClaimKeys:
+    signing_key(session, now)
+    out = []
+    for row in session.scalars(select(HubSigningKey).order_by(HubSigningKey.id)):
+        loaded = serialization.load_pem_private_key(row.private_pem.encode(), password=None)
+        assert isinstance(loaded, Ed25519PrivateKey)
+        out.append(ClaimKey(kid=row.kid, pem=pool_claim.public_pem(loaded.public_key())))
+    session.commit()
+    return ClaimKeys(keys=out, pem="".join(k.pem for k in out))
 
 
 # ----- lookups and views -----
@@ -176,6 +295,7 @@ def _cluster_name(session: Session, cluster_id: int | None) -> str | None:
 
 
 def server_out(session: Session, server: PoolServer, now: datetime) -> ServerOut:
+    cred = _active_credential(session, server)
     return ServerOut(
         name=server.name, pool=server.pool.name, gpu_product=server.gpu_product, gpus=server.gpus,
         labels=dict(server.labels), usd_per_gpu_hour=price(server), state=shown_state(server, now),
@@ -183,6 +303,7 @@ def server_out(session: Session, server: PoolServer, now: datetime) -> ServerOut
         registered_at=server.registered_at, registered_by=server.registered_by,
         claim_cluster=_cluster_name(session, server.claim_cluster_id), claim_operation=server.claim_operation,
         claim_policy=server.claim_policy, claim_node_name=server.claim_node_name, claimed_at=server.claimed_at,
+        credential_id=cred.token_id if cred else None,
     )
 
 
@@ -303,8 +424,8 @@ def register_server(actor: OperatorDep, session: SessionDep, now: NowDep, respon
                     server: ServerName, body: Annotated[ServerRegister, Depends(json_body(ServerRegister))]
                     ) -> ServerOut:
     found = get_pool(session, pool)
-    row, created = _register(session, now, actor.label, actor.key_id, found, server, body.gpu_product, body.gpus,
-                             body.labels, override=body.usd_per_gpu_hour, set_override=True)
+    row, created = register_inventory(session, now, actor.label, actor.key_id, found, server, body.gpu_product,
+                                      body.gpus, body.labels, override=body.usd_per_gpu_hour, set_override=True)
     session.commit()
     response.status_code = 201 if created else 200
     return server_out(session, row, now)
@@ -323,9 +444,31 @@ def retire_server(actor: OperatorDep, session: SessionDep, now: NowDep, pool: Po
     return server_out(session, row, now)
 
 
-def _register(session: Session, now: datetime, actor: str, key_id: str | None, pool: Pool, name: str,
-              gpu_product: str, gpus: int, labels: dict[str, str], *, override: float | None = None,
-              set_override: bool = False) -> tuple[PoolServer, bool]:
+@pools_admin.post("/{pool}/servers/{server}/credential", status_code=201,
+                  summary="Issue the server's own credential (operator; shown once): its previous one is revoked")
+def create_server_credential(actor: OperatorDep, session: SessionDep, now: NowDep, pool: PoolName,
+                             server: ServerName) -> ServerCredentialIssued:
+    row = get_server(session, get_pool(session, pool), server)
+    issued = issue_server_credential(session, now, actor.label, actor.key_id, row, via_join_token=None)
+    session.commit()
+    return issued
+
+
+@pools_admin.post("/{pool}/servers/{server}/credential/revoke",
+                  summary="Revoke the server's credential (operator): it can no longer heartbeat, is never claimed "
+                  "and gets no claim signed until it enrols again")
+def revoke_server_credential(actor: OperatorDep, session: SessionDep, now: NowDep, pool: PoolName,
+                             server: ServerName) -> ServerOut:
+    row = get_server(session, get_pool(session, pool), server)
+    _revoke_credential(session, now, actor.label, actor.key_id, row)
+    session.commit()
+    return server_out(session, row, now)
+
+
+def register_inventory(session: Session, now: datetime, actor: str, key_id: str | None, pool: Pool, name: str,
+                       gpu_product: str, gpus: int, labels: dict[str, str], *, override: float | None = None,
+                       set_override: bool = False) -> tuple[PoolServer, bool]:
+    """The operator's inventory entry of a server (created, or changed): what its agent may enrol as."""
     row = session.scalar(select(PoolServer).where(PoolServer.name == name))
     if row is not None and row.pool_id != pool.id:
         raise Conflict(f"server {name!r} is registered in pool {row.pool.name!r}, not {pool.name!r}: retire it "
@@ -355,44 +498,95 @@ def _register(session: Session, now: datetime, actor: str, key_id: str | None, p
 # ----- the server's agent -----
 
 
-@pools_agent.post("/heartbeat", summary="A server's heartbeat (pool join token): registers it the first time and "
-                  "answers what it should be part of", openapi_extra=body_doc(Heartbeat))
-def heartbeat(request: Request, session: SessionDep, now: NowDep,
-              body: Annotated[Heartbeat, Depends(json_body(Heartbeat))]) -> HeartbeatAnswer:
+@pools_agent.post("/enrol", status_code=201, summary="Enrol a server (the pool's enrolment token): an "
+                  "operator-registered server with no credential gets its own, once", openapi_extra=body_doc(Enrolment))
+def enrol(request: Request, session: SessionDep, now: NowDep,
+          body: Annotated[Enrolment, Depends(json_body(Enrolment))]) -> ServerCredentialIssued:
     token = authenticate_agent(session, now, request)
     pool = token.pool
     if body.pool != pool.name:
-        raise Forbidden(f"the join token {token.token_id} is pool {pool.name!r}'s; it cannot register or report a "
-                        f"server of pool {body.pool!r}", code="wrong_pool", details=[("pool", "not this token's pool")])
-    actor = f"agent:{body.server}"
-    server, _ = _register(session, now, actor, token.token_id, pool, body.server, body.gpu_product, body.gpus,
-                          body.labels)
+        raise Forbidden(f"the enrolment token {token.token_id} is pool {pool.name!r}'s; it cannot enrol a server of "
+                        f"pool {body.pool!r}", code="wrong_pool", details=[("pool", "not this token's pool")])
+    row = session.scalar(select(PoolServer).where(PoolServer.name == body.server))
+    if row is not None and row.pool_id != pool.id:
+        raise Conflict(f"server {body.server!r} is registered in pool {row.pool.name!r}, not {pool.name!r}",
+                       code="server_in_another_pool", details=[("server", f"in pool {row.pool.name}")])
+    if row is None or row.retired_at is not None:
+        raise Forbidden(f"pool {pool.name!r} has no server {body.server!r} to enrol: an operator registers it first "
+                        f"(PUT /v1/pools/{pool.name}/servers/{body.server})", code="server_not_registered",
+                        details=[("server", "not registered by an operator")])
+    if (row.gpu_product, row.gpus) != (body.gpu_product, body.gpus):
+        raise Conflict(f"server {row.name!r} is registered with {row.gpus} x {row.gpu_product}, not {body.gpus} x "
+                       f"{body.gpu_product}: an operator changes that", code="server_mismatch",
+                       details=[("gpus", "not what the operator registered")])
+    if _active_credential(session, row) is not None:
+        raise Conflict(f"server {row.name!r} is enrolled already: an operator revokes its credential before it "
+                       "enrols again", code="server_enrolled", details=[("server", "has a credential")])
+    issued = issue_server_credential(session, now, f"agent:{row.name}", token.token_id, row,
+                                     via_join_token=token.token_id)
+    session.commit()
+    return issued
+
+
+@pools_agent.post("/heartbeat", summary="A server's heartbeat (its own credential): online, and what it should be "
+                  "part of", openapi_extra=body_doc(Heartbeat))
+def heartbeat(request: Request, session: SessionDep, now: NowDep,
+              body: Annotated[Heartbeat, Depends(json_body(Heartbeat))]) -> HeartbeatAnswer:
+    cred = authenticate_server(session, now, request)
+    server = cred.server
+    pool = server.pool
+    if body.pool != pool.name or (body.server is not None and body.server != server.name):
+        raise Forbidden(f"the credential {cred.token_id} is server {pool.name}/{server.name}'s; it cannot report "
+                        f"{body.pool}/{body.server or server.name}", code="wrong_server",
+                        details=[("server" if body.pool == pool.name else "pool", "not this credential's")])
+    if (server.gpu_product, server.gpus) != (body.gpu_product, body.gpus):
+        raise Conflict(f"server {server.name!r} is registered with {server.gpus} x {server.gpu_product}, it reports "
+                       f"{body.gpus} x {body.gpu_product}: an operator changes the registration",
+                       code="server_mismatch", details=[("gpus", "not what the operator registered")])
+    actor, key_id = f"agent:{server.name}", cred.token_id
+    target = f"{pool.name}/{server.name}"
     was_offline = not is_online(server, now)
     server.last_heartbeat_at = now
-    if was_offline and server.registered_at != now:
-        _audit(session, now, actor, "pool.server_online", target=f"{pool.name}/{server.name}", key_id=token.token_id,
+    if was_offline:
+        _audit(session, now, actor, "pool.server_online", target=target, key_id=key_id,
                detail={"phase": body.phase, "operation": body.operation})
     cluster = _cluster_name(session, server.claim_cluster_id)
     holds = server.claim_operation is not None and body.operation == server.claim_operation
     if body.phase == "idle":
         if server.state == "releasing" or (server.state in ("joining", "serving") and holds):
-            _audit(session, now, actor, "pool.server_released", target=f"{pool.name}/{server.name}",
-                   cluster=cluster, key_id=token.token_id,
+            _audit(session, now, actor, "pool.server_released", target=target, cluster=cluster, key_id=key_id,
                    detail={"operation": server.claim_operation, "policy": server.claim_policy,
                            "requested_at": server.release_requested_at.isoformat()
                            if server.release_requested_at else None})
             _clear_claim(server)
-    elif holds and server.state in ("claimed", "joining", "serving"):
-        if server.state != body.phase:
-            _audit(session, now, actor, f"pool.server_{body.phase}", target=f"{pool.name}/{server.name}",
-                   cluster=cluster, key_id=token.token_id, detail={"operation": server.claim_operation})
-            server.state = body.phase
-        if body.phase == "serving":
-            server.claim_user_data = None  # the ticket was redeemed: nothing to keep
+        elif server.state == "claimed" and holds:  # the agent declines (a cluster it is not configured for)
+            _audit(session, now, actor, "pool.claim_declined", target=target, cluster=cluster, key_id=key_id,
+                   detail={"operation": server.claim_operation, "policy": server.claim_policy})
+            _clear_claim(server)
+    elif holds and server.state == "claimed":
+        # Taken up: from now on the claim cannot be withdrawn, so its ticket reaches this server only. Conditional:
+        # of this and a concurrent withdrawal exactly one wins.
+        won = session.execute(  # type: ignore[attr-defined]
+            update(PoolServer).where(PoolServer.id == server.id, PoolServer.state == "claimed",
+                                     PoolServer.claim_operation == body.operation)
+            .values(state=body.phase).execution_options(synchronize_session=False)).rowcount
+        session.refresh(server)
+        if won == 1:
+            _audit(session, now, actor, f"pool.server_{body.phase}", target=target, cluster=cluster, key_id=key_id,
+                   detail={"operation": server.claim_operation})
+    elif holds and server.state in ("joining", "serving") and server.state != body.phase:
+        _audit(session, now, actor, f"pool.server_{body.phase}", target=target, cluster=cluster, key_id=key_id,
+               detail={"operation": server.claim_operation})
+        server.state = body.phase
+    if holds and server.state == "serving":
+        server.claim_user_data = None  # the ticket was redeemed: nothing to keep
     claim = None
     if server.claim_operation is not None and server.state in ("claimed", "joining", "serving"):
+        taken_up = holds and server.state == "joining" and server.claim_user_data is not None
         claim = AgentClaim(operation=server.claim_operation, cluster=cluster or "", policy=server.claim_policy or "",
-                           node_name=server.claim_node_name or "", user_data=server.claim_user_data)
+                           node_name=server.claim_node_name or "",
+                           user_data=server.claim_user_data if taken_up else None,
+                           pool_claim=sign_claim(session, now, server, cluster or "") if taken_up else None)
     answer = HeartbeatAnswer(server=server.name, pool=pool.name, state=server.state,
                              claim=claim, heartbeat_seconds=max(1, pool.offline_after_seconds // 4))
     session.commit()
@@ -438,7 +632,7 @@ def offerings(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolNam
         if s.retired_at is not None:
             continue
         key = (s.gpu_product, s.gpus, round(price(s), 6))
-        idle = s.state == "idle" and is_online(s, now)
+        idle = s.state == "idle" and is_online(s, now) and _active_credential(session, s) is not None
         kinds[key] = kinds.get(key, 0) + (1 if idle else 0)
     out = PoolOfferings(
         pool=found.name, location=location(found.name), transfer_usd_per_gpu_hour=found.transfer_usd_per_gpu_hour,
@@ -462,11 +656,16 @@ def claim(actor: ClusterDep, session: SessionDep, now: NowDep, response: Respons
         session.commit()
         response.status_code = 200
         return ClaimResult(created=False, claim=claim_out(held, now))
+    _check_user_data(body)
+    _check_max_nodes(session, cluster, body.policy)
+    enrolled = exists().where(PoolServerCredential.server_id == PoolServer.id,
+                              PoolServerCredential.revoked_at.is_(None))
     candidates = list(session.scalars(
         select(PoolServer).where(
             PoolServer.pool_id == found.id, PoolServer.state == "idle", PoolServer.retired_at.is_(None),
             PoolServer.gpu_product == body.gpu_product, PoolServer.gpus >= body.gpus,
-            PoolServer.last_heartbeat_at >= _online_since(found, now),
+            PoolServer.last_heartbeat_at >= _online_since(found, now), enrolled,
+            PoolServer.name.not_in(body.exclude),
         ).order_by(PoolServer.gpus, PoolServer.name)))
     for candidate in candidates:
         # Compare-and-set: of two clusters racing for the last server, exactly one update matches.
@@ -497,6 +696,33 @@ def claim(actor: ClusterDep, session: SessionDep, now: NowDep, response: Respons
         return ClaimResult(created=True, claim=claim_out(candidate, now))
     raise Conflict(f"pool {found.name!r} has no idle, online server with {body.gpus} x {body.gpu_product}",
                    code="no_idle_server")
+
+
+def _check_user_data(body: ClaimCreate) -> None:
+    """The user data must hold a join document for the claimed node with its ticket: the hub signs the ticket's
+    digest into the server's pool claim, so the gateway lets the server join with that ticket only."""
+    try:
+        doc = parse_user_data(body.user_data)
+    except ValueError as exc:
+        raise Unprocessable(f"user_data: {exc}", details=[("user_data", "no kubeon join document")]) from None
+    if not isinstance(doc.get("ticket"), str) or not doc["ticket"] or doc.get("nodeName") != body.node_name:
+        raise Unprocessable(f"user_data: the join document must hold a ticket for node {body.node_name!r}",
+                            details=[("user_data", "no ticket for node_name")])
+
+
+def _check_max_nodes(session: Session, cluster: Cluster, policy: str) -> None:
+    """A cluster holds at most its policy's ``limits.maxNodes`` servers for it (across pools). The policy row is
+    locked (PostgreSQL; SQLite's write transactions are serialised anyway): two concurrent claims count in turn."""
+    row = session.scalar(select(Policy).where(Policy.cluster_id == cluster.id, Policy.name == policy)
+                         .with_for_update())
+    limit = ((row.document.get("spec") or {}).get("limits") or {}).get("maxNodes") if row is not None else None
+    if not isinstance(limit, int):
+        return
+    held = session.scalar(select(func.count()).select_from(PoolServer).where(
+        PoolServer.claim_cluster_id == cluster.id, PoolServer.claim_policy == policy)) or 0
+    if held >= limit:
+        raise Conflict(f"policy {policy!r} of cluster {cluster.name!r} already holds {held} on-prem server(s), its "
+                       f"maxNodes is {limit}", code="max_nodes_reached", details=[("policy", f"maxNodes {limit}")])
 
 
 def _claimed(session: Session, cluster: Cluster, pool: Pool, operation: str) -> PoolServer | None:
@@ -533,7 +759,9 @@ def get_claimed(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolN
 
 @pools_cluster.post("/{pool}/servers/{server}/release", summary="Release a claimed server (idempotent)",
                     description="The server's agent leaves the cluster and reports idle. Releasing a server this "
-                    "cluster does not hold (already released) is a no-op; one held for another policy is 409.",
+                    "cluster does not hold (already released) is a no-op; one held for another policy is 409. "
+                    "`withdraw` frees a claim the agent has not taken up yet at once, and is a no-op (released "
+                    "false, its state) once the agent has: it has the ticket then.",
                     openapi_extra=body_doc(ClaimRelease))
 def release(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolName, server: ServerName,
             body: Annotated[ClaimRelease, Depends(json_body(ClaimRelease))]) -> ReleaseResult:
@@ -548,11 +776,23 @@ def release(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolName,
     released = False
     target = f"{found.name}/{row.name}"
     detail = {"operation": row.claim_operation, "policy": row.claim_policy, "location": location(found.name)}
-    if body.withdraw and row.state == "claimed":
+    withdrawn = body.withdraw and row.state == "claimed" and session.execute(  # type: ignore[attr-defined]
+        # Only while the agent has not taken it up (and so has not seen the ticket): conditional, against a
+        # heartbeat taking it up at the same moment.
+        update(PoolServer).where(PoolServer.id == row.id, PoolServer.state == "claimed",
+                                 PoolServer.claim_operation == body.operation)
+        .values(state="idle", claim_cluster_id=None, claim_operation=None, claim_policy=None, claim_node_name=None,
+                claim_user_data=None, claimed_at=None, release_requested_at=None)
+        .execution_options(synchronize_session=False)).rowcount == 1
+    session.refresh(row)
+    if withdrawn:
         _audit(session, now, actor, "pool.claim_withdrawn", target=target, cluster=cluster.name,
                detail={**detail, "online": is_online(row, now)})
-        _clear_claim(row)
         released = True
+    elif row.state == "idle" or body.withdraw:
+        # Withdrawn or declined meanwhile; or (withdraw) taken up by the agent after all: it has the ticket, so the
+        # claim stands (not withdrawn, not released) and the answer says it is joining.
+        pass
     elif row.state != "releasing":
         row.state = "releasing"
         row.release_requested_at = now
@@ -565,5 +805,5 @@ def release(actor: ClusterDep, session: SessionDep, now: NowDep, pool: PoolName,
     return out
 
 
-ROUTERS: Final = (pools_admin, pools_agent, pools_cluster)
-BODY_MODELS: Final = (PoolCreate, RateCard, ServerRegister, Heartbeat, ClaimCreate, ClaimRelease)
+ROUTERS: Final = (pools_admin, pools_agent, pools_cluster, pool_claim_keys)
+BODY_MODELS: Final = (PoolCreate, RateCard, ServerRegister, Enrolment, Heartbeat, ClaimCreate, ClaimRelease)

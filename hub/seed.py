@@ -36,9 +36,9 @@ from hub import ops, tokens
 from hub.audit import SEED_ACTOR, Role
 from hub.db import ApiKey, Cluster, ClusterToken, Database, Principal
 from hub.errors import HubError
-from hub.pool_db import Pool
-from hub.pool_schemas import PoolCreate, RateCard
-from hub.pools import add_pool
+from hub.pool_db import Pool, PoolServer
+from hub.pool_schemas import GpuProduct, Gpus, PoolCreate, RateCard
+from hub.pools import add_pool, register_inventory
 from hub.schemas import Line, Name
 from hub.settings import ROTATION_GRACE, Clock, system_clock
 from hub.tokens import IssuedToken, TokenKind
@@ -66,8 +66,17 @@ class SeedCluster(_Seed):
     policy_files: list[StrictStr] = Field(default_factory=list, alias="policyFiles")
 
 
+class SeedServer(_Seed):
+    """A server of the pool, registered as its operator would (its agent then enrols with the pool's token)."""
+
+    name: Name
+    gpu_product: GpuProduct = Field(alias="gpuProduct")
+    gpus: Gpus
+    labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+
+
 class SeedPool(_Seed):
-    """An on-prem pool (hub/pools.py): its rate card and the file holding its join token."""
+    """An on-prem pool (hub/pools.py): its rate card, the file holding its enrolment token, its servers."""
 
     name: Name
     description: Annotated[StrictStr, Field(max_length=200)] = ""
@@ -75,6 +84,7 @@ class SeedPool(_Seed):
     offline_after_seconds: Annotated[int, Field(strict=True, ge=5, le=86_400)] = Field(
         default=60, alias="offlineAfterSeconds")
     join_token_file: StrictStr | None = Field(default=None, alias="joinTokenFile")
+    servers: list[SeedServer] = Field(default_factory=list)
 
 
 class SeedSpec(_Seed):
@@ -210,9 +220,28 @@ def _seed_cluster(session: Session, now: datetime, spec: SeedCluster, base_dir: 
 
 
 def _seed_pool(session: Session, now: datetime, spec: SeedPool, base_dir: Path) -> list[str]:
-    """Create the pool once (an existing pool is kept as it is); its join token from the file, or written there."""
-    if session.scalar(select(Pool.id).where(Pool.name == spec.name)) is not None:
-        return []
+    """Create the pool once (an existing pool is kept as it is); its join token from the file, or written there;
+    its servers registered (once each)."""
+    found = session.scalar(select(Pool).where(Pool.name == spec.name))
+    if found is not None:
+        return _seed_servers(session, now, found, spec)
+    done = _seed_new_pool(session, now, spec, base_dir)
+    pool = session.scalar(select(Pool).where(Pool.name == spec.name))
+    assert pool is not None
+    return done + _seed_servers(session, now, pool, spec)
+
+
+def _seed_servers(session: Session, now: datetime, pool: Pool, spec: SeedPool) -> list[str]:
+    done = []
+    for server in spec.servers:
+        if session.scalar(select(PoolServer.id).where(PoolServer.name == server.name)) is None:
+            register_inventory(session, now, SEED_ACTOR.label, None, pool, server.name, server.gpu_product,
+                                 server.gpus, dict(server.labels))
+            done.append(f"pool {pool.name}: server {server.name} registered ({server.gpus} x {server.gpu_product})")
+    return done
+
+
+def _seed_new_pool(session: Session, now: datetime, spec: SeedPool, base_dir: Path) -> list[str]:
     path = base_dir / spec.join_token_file if spec.join_token_file else None
     existing = path.read_text().strip() if path is not None and path.exists() else None
     body = PoolCreate(name=spec.name, description=spec.description, rate_card=spec.rate_card,

@@ -53,6 +53,9 @@ def build_parser(prog: str = "kubeon-gpu hub") -> argparse.ArgumentParser:
                         help="YAML with users, clusters (tokens written to files) and policies to create (local dev)")
     parser.add_argument("--tls-cert-file", metavar="PATH", help="serve HTTPS with this certificate (PEM)")
     parser.add_argument("--tls-key-file", metavar="PATH", help="private key of --tls-cert-file (PEM)")
+    parser.add_argument("--public-url", metavar="URL",
+                        help="the address optimizers reach this hub at, for the web UI's install commands "
+                        "(default: the address the browser used)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -68,6 +71,7 @@ def serve(argv: Sequence[str] | None = None, *, clock: Clock = system_clock, pro
         settings = HubSettings(
             database_url=args.database_url,
             bootstrap_admin_key=read_bootstrap_key(args.bootstrap_admin_key_file),
+            public_url=args.public_url,
         )
         db = Database(settings.database_url)
         db.create_schema()

@@ -37,6 +37,9 @@ class HubSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     # After a rotation the previous cluster token keeps working until the new one is used, or this long.
     rotation_grace: timedelta = ROTATION_GRACE
+    # The address optimizers reach this hub at, filled into the web UI's install commands. None: the address the
+    # browser used (right unless the hub sits behind a proxy or a load balancer of another name).
+    public_url: str | None = None
 
     def __post_init__(self) -> None:
         key = self.bootstrap_admin_key
@@ -47,6 +50,8 @@ class HubSettings:
             )
         if self.max_body_bytes < 1024:
             raise SettingsError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
+            raise SettingsError(f"public URL must start with http:// or https://, got {self.public_url[:80]!r}")
         if self.rotation_grace <= timedelta(0):
             raise SettingsError(f"rotation_grace must be positive, got {self.rotation_grace}")
 

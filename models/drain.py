@@ -62,3 +62,5 @@ class DrainStatus(Model):
     pdb_waits: dict[str, int] = Field(default_factory=dict)  # pod -> eviction rounds a PDB refused it
     terminated: str | None = None  # the instance ID, once terminated
     node_removed: bool = False
+    phase: DrainPhase = DrainPhase.DRAINING
+    history: list[str] = Field(default_factory=list)  # what it did, a line per status

@@ -7,6 +7,7 @@ survives a worker crash and an unreachable hub, and the hub's idempotency keys m
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from typing import Final, Literal
@@ -14,6 +15,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from models.base import Model
+from models.provisioning import BatchPlan
 
 # Server-side apply field manager of everything the sync writes (spec and status).
 FIELD_MANAGER: Final = "kubeon-gpu-optimizer"
@@ -60,6 +62,28 @@ def report_detail(text: str) -> str:
     """A detail the hub accepts: within its limit, control characters replaced by U+FFFD."""
     text = _DETAIL_REFUSED.sub("\ufffd", text)
     return text if len(text) <= REPORT_DETAIL_LIMIT else text[: REPORT_DETAIL_LIMIT - 1] + "…"
+
+
+def proposal_detail(plan: BatchPlan, batch: str) -> str:
+    """A batch proposal as the hub reads it (hub/plans.py): the plan as one JSON object, so the hub shows each node
+    (location, instance type, $/h compute and estimated transfer, pods) and binds a decision to ``plan_id``. Kept
+    within the hub's limit: the pods of each node are cut first (the count stays in the summary), then nodes."""
+    def doc(pods_each: int | None, nodes: int | None) -> str:
+        return json.dumps({
+            "plan_id": plan.plan_id, "batch": batch, "summary": plan.summary(),
+            "total_usd_per_hour": plan.total_usd_per_hour,
+            "nodes": [{"location": n.offering.location, "instance_type": n.offering.instance_type,
+                       "gpus": n.offering.gpus, "gpu_product": n.offering.gpu_product,
+                       "compute_usd_per_hour": n.offering.instance_usd_per_hour,
+                       "transfer_usd_per_hour": round(n.offering.transfer_usd_per_hour, 6),
+                       "pods": n.pods[:pods_each]} for n in plan.new_nodes[:nodes]],
+        }, separators=(",", ":"))
+
+    for pods_each, nodes in ((None, None), (8, None), (1, None), (0, 64), (0, 16), (0, 0)):
+        text = doc(pods_each, nodes)
+        if len(text) <= REPORT_DETAIL_LIMIT:
+            return text
+    return report_detail(plan.summary())
 
 
 class ActionReport(Model):

@@ -7,6 +7,7 @@ The gateway answers with what the node needs to bring the tunnel up and to regis
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -23,6 +24,21 @@ KUBELET_CLIENT_USAGES: Final = ("digital signature", "client auth")
 KUBELET_CLIENT_OPTIONAL_USAGES: Final = ("key encipherment",)
 NODES_GROUP: Final = "system:nodes"
 NODE_USER_PREFIX: Final = "system:node:"
+
+# Every burst node's name starts so (``burst-<operation>``, workflows.burst): the gateway issues tickets for these
+# names only, and the chart's node admission policy confines exactly the nodes ``system:node:burst-*``.
+BURST_NODE_PREFIX: Final = "burst-"
+
+_BURST_NODE_NAME: Final = re.compile(r"^burst-[a-z0-9]([-a-z0-9]{0,55}[a-z0-9])?$")
+
+
+def burst_node_name_problem(name: str) -> str:
+    """Why ``name`` cannot be a burst node's (empty: it can): a ``burst-`` prefixed DNS label, so its kubelet
+    certificate (``system:node:<name>``) is one the node admission policy confines and never a home node's."""
+    if not _BURST_NODE_NAME.match(name):
+        return (f"node_name {name[:80]!r} is not a burst node's name: tickets are only for {BURST_NODE_PREFIX}<id> "
+                "(a DNS label of at most 63 characters)")
+    return ""
 # An on-prem server presents its pool's join token in this header besides its ticket (R4.5; the gateway checks it).
 JOIN_TOKEN_HEADER: Final = "X-Kubeon-Join-Token"
 
@@ -149,7 +165,9 @@ def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: d
         "#!/bin/bash\n"
         "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"
         "set -euo pipefail\n"
+        "umask 077  # the ticket is a secret until redeemed: root only (the node join deletes it then)\n"
         "mkdir -p /etc/kubeon\n"
+        "chmod 0700 /etc/kubeon\n"
         "cat > /etc/kubeon/join.json <<'KUBEON_JOIN'\n"
         f"{USER_DATA_BEGIN}{json.dumps(doc, indent=1, sort_keys=True)}{USER_DATA_END}\n"
         "KUBEON_JOIN\n"

@@ -34,6 +34,10 @@ class Taint(Model):
 
 JOIN_REFUSED_ANNOTATION = "gpu.kubeon.io/join-refused"
 
+# The gateway's refusal of a node (more GPUs than its offering, re-registered after removal): NoExecute, so nothing
+# runs there, applied again from the gateway's slot record on every pass (the node cannot lift it for good).
+JOIN_REFUSED_TAINT = Taint(key="gpu.kubeon.io/join-refused", value="true", effect="NoExecute")
+
 # Nodes register with this taint too; the gateway lifts it once it has checked the registered Node against its
 # ticket (labels, taints, capacity), so no pod lands before. A node cannot lift a taint itself (NodeRestriction).
 JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSchedule")

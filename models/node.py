@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from models.base import Model
+from models.base import Model, OperationViewBase
 from models.labels import Taint
 from models.policy import Mode
 from models.provisioning import Offering, OperationSettings, PendingPod, PlannedNode
@@ -104,22 +104,15 @@ class ServeCheckResult(Model):
     pods_on_node: int = 0
 
 
-class OperationView(Model):
+class OperationView(OperationViewBase):
     """What `ops show` and a node workflow's query return."""
 
-    operation: str
-    workflow_id: str
-    cluster: str
-    policy: str
     batch: str = ""
     phase: NodePhase
     node: PlannedNode | None = None
     location: str | None = None
     instance: Instance | None = None
     node_name: str | None = None
-    approver: str | None = None
-    message: str = ""
-    history: list[str] = Field(default_factory=list)
 
 
 class BurstResult(Model):

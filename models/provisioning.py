@@ -27,9 +27,10 @@ class BatchPhase(StrEnum):
     PROPOSED = "Proposed"  # Recommend mode: the plan is the result
     AWAITING_APPROVAL = "AwaitingApproval"
     LAUNCHING = "Launching"  # its nodes started (each a BurstNode workflow)
-    COMPLETED = "Completed"  # its nodes ended, or it was withdrawn
+    COMPLETED = "Completed"  # its nodes ended (one at least served), or it was withdrawn
     REJECTED = "Rejected"
     EXPIRED = "Expired"
+    FAILED = "Failed"  # its nodes ended, none served: each failed (or was cancelled), at least one failed
 
 
 class NodeRequirement(Model):
@@ -233,6 +234,41 @@ class BatchRecord(Model):
     message: str = ""
     approver: str | None = None
     nodes: list[str] = Field(default_factory=list)  # node workflow IDs
+    # node workflow ID -> the NodePhase value it ended in (told by node_finished)
+    ended: dict[str, str] = Field(default_factory=dict)
+
+    def launched(self) -> None:
+        """Its nodes were started: Launching until each has ended, then what became of them."""
+        self.phase = BatchPhase.LAUNCHING
+        self._progress()
+
+    def node_ended(self, workflow_id: str, phase: str) -> bool:
+        """One of its nodes ended in ``phase``; True when that ended the batch (all its nodes have)."""
+        if workflow_id not in self.nodes or workflow_id in self.ended:
+            return False
+        self.ended[workflow_id] = phase
+        return self.phase == BatchPhase.LAUNCHING and self._progress()
+
+    def _progress(self) -> bool:
+        if self.phase != BatchPhase.LAUNCHING:
+            return False
+        counts: dict[str, int] = {}
+        for phase in self.ended.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        what = ", ".join(f"{n} {phase}" for phase, n in sorted(counts.items()))
+        if not self.nodes:
+            self.phase, self.message = BatchPhase.COMPLETED, "no node started: none of its pods waits any more"
+            return True
+        if len(self.ended) < len(self.nodes):
+            self.message = f"{len(self.nodes)} node(s) started" + (f"; {len(self.ended)} ended: {what}"
+                                                                   if self.ended else "")
+            return False
+        # NodePhase values: the same strings (models.node imports this module)
+        served = counts.get(BatchPhase.COMPLETED.value, 0) > 0
+        failed = counts.get(BatchPhase.FAILED.value, 0) > 0
+        self.phase = BatchPhase.FAILED if failed and not served else BatchPhase.COMPLETED
+        self.message = f"its {len(self.nodes)} node(s) ended: {what}"
+        return True
 
 
 class ProvisionInput(Model):

@@ -10,7 +10,7 @@ from typing import Final, Literal
 
 from pydantic import Field
 
-from models.base import Model
+from models.base import Model, OperationViewBase
 from models.policy import Mode, ScheduleWake
 
 WorkloadKind = Literal["Deployment", "StatefulSet"]
@@ -187,21 +187,14 @@ class WakeResult(Model):
     message: str
 
 
-class ScaleView(Model):
+class ScaleView(OperationViewBase):
     """What `ops show` and the workflow's ``state`` query return for a scale operation."""
 
-    operation: str
-    workflow_id: str
-    cluster: str
-    policy: str
     workload: str
     mode: Mode | None = None
     phase: ScalePhase
     replicas_before: int | None = None
-    approver: str | None = None
     woken_by: str | None = None
-    message: str = ""
-    history: list[str] = Field(default_factory=list)
 
 
 class ScaleOutcome(Model):

@@ -14,7 +14,9 @@
    (the same as kubelet flags, for the image's systemd unit), then the kubelet is started (a systemd unit on a
    real image; a stand-in in tests).
 
-Idempotent: a rerun (after a reboot) reuses the keys and the saved answer, and only brings things up again.
+Idempotent: a rerun (after a reboot) reuses the keys and the saved answer, and only brings things up again. Once
+the answer is saved, the join document (``--config``, which holds the ticket) is deleted; a rerun without it uses
+the saved answer and the document's other fields, kept without the ticket (``join-document.json``, 0600).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class NodeFiles:
     answer = property(lambda self: self.state_dir / "join-answer.json")
     kubeconfig = property(lambda self: self.state_dir / "kubelet.kubeconfig")
     registration = property(lambda self: self.state_dir / "registration.json")
+    document = property(lambda self: self.state_dir / "join-document.json")  # the join document, no ticket
     wireguard_pid = property(lambda self: self.state_dir / "wireguard-go.pid")
 
 
@@ -289,13 +292,22 @@ def start_kubelet(files: NodeFiles, command: str) -> subprocess.Popen[bytes] | N
 
 
 def main_join(config: Path, state_dir: Path, *, interface: str, kubelet_command: str, provider_id: str,
-              capacity: dict[str, str], tunnel: bool, retry_seconds: float = RETRY_SECONDS) -> int:
+              capacity: dict[str, str], tunnel: bool, retry_seconds: float = RETRY_SECONDS,
+              redeem: Redeemer | None = None) -> int:
     from models.join import parse_user_data
 
-    text = config.read_text()
-    doc = parse_user_data(text) if "# --- kubeon join document ---" in text else json.loads(text)
     files = NodeFiles(state_dir)
-    answer = join(doc, files, interface=interface, tunnel=tunnel, retry_seconds=retry_seconds)
+    if config.exists():
+        text = config.read_text()
+        doc = parse_user_data(text) if "# --- kubeon join document ---" in text else json.loads(text)
+    elif files.document.exists() and files.answer.exists():  # a rerun: the ticket was redeemed and deleted
+        doc = json.loads(files.document.read_text())
+    else:
+        raise JoinError(f"{config}: no join document (and no earlier join in {state_dir})")
+    answer = join(doc, files, redeem=redeem, interface=interface, tunnel=tunnel, retry_seconds=retry_seconds)
+    _write_private(files.document, json.dumps({k: v for k, v in doc.items() if k != "ticket"}).encode())
+    if config.exists():
+        config.unlink()  # the ticket is redeemed: nothing on disk to replay (issue 21)
     write_registration(files, answer, provider_id=provider_id, capacity=capacity)
     start_kubelet(files, kubelet_command)
     print(f"joined as {answer.node_name}: pod CIDR {answer.pod_cidr}, API server {answer.api_server}"

@@ -1,10 +1,15 @@
-"""`kubeon-gpu onprem-agent`: runs on an on-prem GPU server (a systemd service), holding its pool's join token.
+"""`kubeon-gpu onprem-agent`: runs on an on-prem GPU server (a systemd service).
 
-It registers the server in its pool in the hub and heartbeats; the hub answers what the server should be part of.
-When a burst claims the server, the agent joins the claiming cluster through that cluster's gateway exactly as a
-cloud burst node does, with the user data (gateway ticket) the claim carries — the same call that boots a
-simulated instance (``node.join``), plus the pool's join token, which the gateway checks. When the claim
-is released it leaves (the node side stopped, ticket and credentials wiped) and reports the server idle.
+Its operator registers the server in the hub (name, GPU product and count). The agent enrols once with the
+pool's enrolment token and keeps the server's own credential (``<state dir>/server-credential``, 0600); it
+heartbeats with that credential, and the hub answers what the server should be part of. When a burst claims the
+server, the agent joins the claiming cluster through *that cluster's gateway as this server's configuration pins
+it* (``--gateways-file``: per cluster the gateway's URL and CA, and the routes it may install; a claim by a
+cluster not there is declined, and a claim naming another gateway is refused before anything is sent), exactly as
+a cloud burst node does, with the user data (gateway ticket) the claim carries, plus the claim the hub signed for
+this server, which the gateway checks. When the claim is released it leaves (the kubelet and wireguard-go
+stopped, the tunnel and its routes deleted, the kubelet's directory emptied, ticket and credentials wiped) and
+reports the server idle.
 
 Its state (idle / joining / serving, the claim's operation and user data) is in a state file written atomically:
 a server that reboots mid-claim resumes where it was (a join is retried with the same ticket, which the gateway
@@ -30,9 +35,10 @@ import httpx
 from pydantic import BaseModel
 
 from models.errors import TicketError
-from models.join import JOIN_TOKEN_HEADER
 from models.labels import GPU_RESOURCE
-from node.join import JoinRefusedByGateway, JoinUnavailable
+from models.pool_claim import POOL_CLAIM_HEADER
+from node.join import DEFAULT_INTERFACE, JoinRefusedByGateway, JoinUnavailable, NodeFiles
+from node.pinned import GatewayPin, PinRefused, load_pins, pinned_redeemer, teardown
 
 log = logging.getLogger("kubeon.onprem-agent")
 
@@ -46,25 +52,34 @@ class AgentState(BaseModel):
     cluster: str | None = None
     node_name: str | None = None
     user_data: str | None = None
-    # The operation this server left and has not yet reported idle for (the hub may be down).
+    pool_claim: str | None = None  # the claim the hub signed for this server (renewed on every heartbeat)
+    # The operation this server left (or declined) and has not yet reported idle for (the hub may be down).
     left: str | None = None
 
 
 @dataclass
 class AgentConfig:
     hub_url: str
-    join_token_file: Path
+    join_token_file: Path  # the pool's enrolment token: used once, to enrol
     pool: str
     server: str
     gpu_product: str
     gpus: int
     state_file: Path
     credentials_dir: Path
+    gateways: dict[str, GatewayPin] = field(default_factory=dict)  # the clusters this server may serve
     labels: dict[str, str] = field(default_factory=dict)
     hub_ca_file: str | None = None
-    gateway_ca_file: Path | None = None
     simulated: bool = False  # dev/tests: the node is run by kwok, like the sim provider's instances
     heartbeat_seconds: float | None = None  # None: what the hub says
+    credential_file: Path | None = None  # default: server-credential next to the state file
+    interface: str = DEFAULT_INTERFACE
+    kubelet_dir: Path | None = None  # emptied on leaving (the last tenant's volumes, images): /var/lib/kubelet
+    kubelet_stop_command: str = "systemctl stop kubelet"  # on leaving (not simulated)
+
+    @property
+    def server_credential(self) -> Path:
+        return self.credential_file or self.state_file.parent / "server-credential"
 
 
 class HubError(Exception):
@@ -72,16 +87,17 @@ class HubError(Exception):
 
 
 class HubUnauthorized(HubError):
-    """401, or no join token to send: nothing happens until a valid token arrives."""
+    """401, or no credential to send: nothing happens until a valid one arrives."""
 
 
 class HubRefused(HubError):
-    """Another 4xx: this heartbeat will never succeed as it is."""
+    """Another 4xx: this request will never succeed as it is."""
 
 
 class AgentHub:
-    """The agent's client of the hub: its heartbeat, authenticated with the pool's join token, read from its file
-    at every call (a rotated token is used at once). No answer or a 5xx raises ``HubError``: try again later."""
+    """The agent's client of the hub (the node side may not import the optimizer's clients): its heartbeat with
+    the server's own credential, its enrolment with the pool's enrolment token, each read from its file at every
+    call (a rotated one is used at once). No answer or a 5xx raises ``HubError``: try again later."""
 
     def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None) -> None:
         self.url = url.rstrip("/")
@@ -96,25 +112,30 @@ class AgentHub:
         try:
             token = self.token_file.read_text().strip()
         except OSError as exc:
-            raise HubUnauthorized(f"no join token: cannot read {self.token_file} ({exc.strerror})") from None
+            raise HubUnauthorized(f"no credential: cannot read {self.token_file} ({exc.strerror})") from None
         if not token:
-            raise HubUnauthorized(f"no join token: {self.token_file} is empty")
+            raise HubUnauthorized(f"no credential: {self.token_file} is empty")
         return token
 
-    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = self._http.post("/v1/pool-agent/heartbeat", json=body,
-                                       headers={"Authorization": f"Bearer {self._token()}"})
+            response = self._http.post(path, json=body, headers={"Authorization": f"Bearer {self._token()}"})
         except httpx.TransportError as exc:
             raise HubError(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
         if response.status_code == 401:
-            raise HubUnauthorized(f"hub rejected the join token (401): {_message(response)}")
+            raise HubUnauthorized(f"hub rejected the credential (401): {_message(response)}")
         if response.status_code >= 500:
             raise HubError(f"hub {self.url} answered {response.status_code}: {_message(response)}")
         if response.status_code >= 400:
             raise HubRefused(f"hub refused ({response.status_code}): {_message(response)}")
         answer: dict[str, Any] = response.json()
         return answer
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._post("/v1/pool-agent/heartbeat", body)
+
+    def enrol(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._post("/v1/pool-agent/enrol", body)
 
 
 def _message(response: httpx.Response) -> str:
@@ -126,42 +147,28 @@ def _message(response: httpx.Response) -> str:
     return str(doc["message"]) if isinstance(doc, dict) and isinstance(doc.get("message"), str) else str(doc)[:300]
 
 
-class _WithJoinToken(httpx.BaseTransport):
-    """Adds the pool's join token to the join request: the gateway checks it for on-prem locations."""
-
-    def __init__(self, inner: httpx.BaseTransport, token: str) -> None:
-        self._inner = inner
-        self._token = token
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        request.headers[JOIN_TOKEN_HEADER] = self._token
-        return self._inner.handle_request(request)
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-def join_node(user_data: str, *, gpus: int, provider_id: str, join_token: str, simulated: bool,
-              state_dir: Path, ca_file: Path | None = None) -> str:
-    """Join the cluster the user data names as a cloud burst node does: its own keys and kubelet CSR, the ticket
-    redeemed at the gateway (with the pool's join token, which the gateway checks). Simulated, the node registers
-    itself over the API server's own address and kwok plays its kubelet; otherwise the tunnel comes up and the
-    kubelet's registration file and flags are written for its systemd unit."""
+def join_node(user_data: str, *, gpus: int, provider_id: str, pin: GatewayPin, pool_claim: str | None,
+              simulated: bool, state_dir: Path, node_name: str, interface: str = DEFAULT_INTERFACE) -> str:
+    """Join the claiming cluster as a cloud burst node does (its own keys and kubelet CSR), the ticket redeemed at
+    the gateway ``pin`` names (never the user data's: a different one is refused before anything is sent), with
+    the hub's claim for this server, and the answer checked against the pin's routes. Simulated, the node
+    registers itself over the API server's own address and kwok plays its kubelet; otherwise the tunnel comes up
+    and the kubelet's registration file and flags are written for its systemd unit."""
     from models.join import parse_user_data
-    from node.join import NodeFiles, join, redeem_over_https, write_registration
+    from node.join import join, write_registration
     from node.register import join_simulated
 
     doc = parse_user_data(user_data)
+    if doc.get("nodeName") != node_name:
+        raise PinRefused(f"the user data is for node {doc.get('nodeName')!r}, the claim for {node_name!r}")
     capacity = {"cpu": "32", "memory": "256Gi", "pods": "110", GPU_RESOURCE: str(gpus)}
-    redeem = redeem_over_https(
-        doc, ca_file=ca_file,
-        transport=lambda verify: _WithJoinToken(httpx.HTTPTransport(verify=verify), join_token))
+    redeem = pinned_redeemer(pin, doc, header=(POOL_CLAIM_HEADER, pool_claim) if pool_claim else None)
     if simulated:
         node = join_simulated(doc, state_dir, redeem, provider_id=provider_id, capacity=capacity,
                               annotations=SIM_ANNOTATIONS)
         return answer_name(node)
     files = NodeFiles(state_dir)
-    answer = join(doc, files, redeem=redeem, tunnel=True)
+    answer = join(doc, files, redeem=redeem, interface=interface, tunnel=True)
     write_registration(files, answer, provider_id=provider_id, capacity=capacity)
     return answer.node_name
 
@@ -176,7 +183,7 @@ def answer_name(node: Any) -> str:
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.hub = AgentHub(cfg.hub_url, cfg.join_token_file, ca_file=cfg.hub_ca_file)
+        self.hub = AgentHub(cfg.hub_url, cfg.server_credential, ca_file=cfg.hub_ca_file)
         self.stop = threading.Event()
         self.state = self._load()
         self.interval = cfg.heartbeat_seconds or 5.0
@@ -199,15 +206,42 @@ class Agent:
         os.replace(tmp, self.cfg.state_file)
 
     # -- hub -----------------------------------------------------------------------------------------------------
+    def _enrol(self) -> bool:
+        """The server's own credential, once: the pool's enrolment token exchanged for it (0600)."""
+        path = self.cfg.server_credential
+        if path.exists():
+            return True
+        enrolment = AgentHub(self.cfg.hub_url, self.cfg.join_token_file, ca_file=self.cfg.hub_ca_file)
+        try:
+            issued = enrolment.enrol({"pool": self.cfg.pool, "server": self.cfg.server,
+                                      "gpu_product": self.cfg.gpu_product, "gpus": self.cfg.gpus})
+        except HubError as exc:
+            log.error("cannot enrol server %s in pool %s: %s", self.cfg.server, self.cfg.pool, exc)
+            return False
+        finally:
+            enrolment.close()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(str(issued["credential"]) + "\n")
+        os.replace(tmp, path)
+        log.info("enrolled server %s in pool %s: credential %s (the enrolment token %s is no longer needed here)",
+                 self.cfg.server, self.cfg.pool, issued["credential_id"], self.cfg.join_token_file)
+        return True
+
     def _beat(self) -> dict[str, Any] | None:
         s = self.state
+        if not self._enrol():
+            return None
         body = {"pool": self.cfg.pool, "server": self.cfg.server, "gpu_product": self.cfg.gpu_product,
                 "gpus": self.cfg.gpus, "labels": self.cfg.labels, "phase": s.phase,
                 "operation": s.operation if s.phase != "idle" else s.left}
         try:
             answer = self.hub.heartbeat(body)
         except HubUnauthorized as exc:
-            log.error("the hub refused the join token: %s", exc)
+            log.error("the hub refused this server's credential %s (an operator revoked it? delete the file to "
+                      "enrol again): %s", self.cfg.server_credential, exc)
             return None
         except HubRefused as exc:
             log.error("the hub refused this server's heartbeat: %s", exc)
@@ -227,35 +261,54 @@ class Agent:
     def _join(self) -> bool:
         s = self.state
         assert s.user_data is not None and s.operation is not None
+        pin = self.cfg.gateways.get(s.cluster or "")
+        if pin is None:
+            log.error("operation %s is cluster %s's, which this server is not configured for: leaving", s.operation,
+                      s.cluster)
+            self._leave()
+            return False
         self.cfg.credentials_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        (self.cfg.credentials_dir / "user-data").write_text(s.user_data)
-        token = self.cfg.join_token_file.read_text().strip()
         try:
             node = join_node(s.user_data, gpus=self.cfg.gpus,
-                             provider_id=f"onprem://{self.cfg.pool}/{self.cfg.server}", join_token=token,
-                             simulated=self.cfg.simulated, state_dir=self.cfg.credentials_dir / "node-state",
-                             ca_file=self.cfg.gateway_ca_file)
+                             provider_id=f"onprem://{self.cfg.pool}/{self.cfg.server}", pin=pin,
+                             pool_claim=s.pool_claim, simulated=self.cfg.simulated,
+                             state_dir=self.node_dir, node_name=s.node_name or "", interface=self.cfg.interface)
         except JoinUnavailable as exc:
             log.warning("gateway unavailable, will retry the join of %s: %s", s.operation, exc)
             return False
-        except (TicketError, JoinRefusedByGateway, ValueError) as exc:
+        except (TicketError, JoinRefusedByGateway, PinRefused, ValueError) as exc:
             log.error("the gateway refused the join of operation %s: %s; leaving", s.operation, exc)
             self._leave()
             return False
         (self.cfg.credentials_dir / "node").write_text(node)
         s.phase, s.node_name = "serving", node
-        s.user_data = None  # redeemed
+        s.user_data = s.pool_claim = None  # redeemed
         self._save()
         log.info("joined cluster %s as node %s (operation %s)", s.cluster, node, s.operation)
         return True
 
+    @property
+    def node_dir(self) -> Path:
+        return self.cfg.credentials_dir / "node-state"
+
     def _leave(self) -> None:
-        """Stop the node side and wipe its credentials; the server is idle (reported on the next heartbeat)."""
+        """Stop the node side (kubelet, wireguard-go, the tunnel and its routes), empty the kubelet's directory
+        and wipe the credentials; the server is idle (reported on the next heartbeat)."""
         s = self.state
+        done = teardown(NodeFiles(self.node_dir), interface="" if self.cfg.simulated else self.cfg.interface,
+                        kubelet_stop_command="" if self.cfg.simulated else self.cfg.kubelet_stop_command,
+                        kubelet_dir=self.cfg.kubelet_dir) if self.cfg.credentials_dir.exists() else []
         shutil.rmtree(self.cfg.credentials_dir, ignore_errors=True)
-        log.info("left operation %s (node %s): credentials wiped", s.operation, s.node_name)
+        log.info("left operation %s (node %s): %s", s.operation, s.node_name, ", ".join([*done, "credentials wiped"]))
         self.state = AgentState(left=s.operation)
         self._save()
+
+    def _decline(self, claim: dict[str, Any]) -> None:
+        log.error("claimed by cluster %s (operation %s), which this server is not configured for (--gateways-file): "
+                  "declined, nothing sent", claim.get("cluster"), claim.get("operation"))
+        self.state = AgentState(left=str(claim["operation"]))
+        self._save()
+        self._beat()
 
     def step(self) -> None:
         """One heartbeat and whatever it asks for."""
@@ -265,23 +318,39 @@ class Agent:
         claim = answer.get("claim")
         s = self.state
         if s.phase == "idle":
-            if claim and claim.get("user_data"):
+            if claim and claim.get("operation") != s.left:
+                if claim.get("cluster") not in self.cfg.gateways:
+                    self._decline(claim)
+                    return
                 self.state = AgentState(phase="joining", operation=claim["operation"], cluster=claim["cluster"],
-                                        node_name=claim["node_name"], user_data=claim["user_data"])
+                                        node_name=claim["node_name"])
                 self._save()
                 log.info("claimed by cluster %s for operation %s: joining", claim["cluster"], claim["operation"])
-                if self._beat() is not None:  # the hub knows it is picked up; join
+                taken = self._beat()  # taking it up: the hub answers with the ticket and its signed claim
+                if taken is not None and self._take(taken.get("claim")):
                     self._join_and_report()
             return
         if claim is None or claim.get("operation") != s.operation:
             self._leave()
             self._beat()
             return
-        if s.phase == "joining":  # e.g. after a reboot mid-join: the same ticket again
+        if s.phase == "joining" and self._take(claim):  # e.g. after a reboot mid-join: the same ticket again
             self._join_and_report()
 
+    def _take(self, claim: dict[str, Any] | None) -> bool:
+        """The ticket and a fresh signed claim from the hub's answer (the ticket only comes once taken up)."""
+        s = self.state
+        if not claim or claim.get("operation") != s.operation:
+            return False
+        if claim.get("user_data"):
+            s.user_data = claim["user_data"]
+        if claim.get("pool_claim"):
+            s.pool_claim = claim["pool_claim"]
+        self._save()
+        return s.user_data is not None
+
     def _join_and_report(self) -> None:
-        if self._join():
+        if self._join() or self.state.phase == "idle":  # joined, or refused and left: the hub hears it at once
             self._beat()
 
     def run(self) -> None:
@@ -310,9 +379,13 @@ def build_parser(prog: str = "kubeon-gpu onprem-agent") -> argparse.ArgumentPars
     env = os.environ.get
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--hub-url", default=env("KUBEON_HUB_URL"), required=not env("KUBEON_HUB_URL"))
-    p.add_argument("--join-token-file", type=Path, default=Path(env("KUBEON_JOIN_TOKEN_FILE",
-                                                                    "/etc/kubeon/join-token")),
-                   help="the pool's join token (the value behind the location's existingSecret)")
+    p.add_argument("--enrolment-token-file", "--join-token-file", dest="join_token_file", type=Path,
+                   default=Path(env("KUBEON_JOIN_TOKEN_FILE", "/etc/kubeon/join-token")),
+                   help="the pool's enrolment token: exchanged once for the server's own credential (kept in the "
+                   "state directory); not needed afterwards")
+    p.add_argument("--gateways-file", type=Path, required=True,
+                   help="the clusters this server may serve: clusters: {<cluster>: {gateway: <https URL>, caFile: "
+                   "<PEM>, serverName: <name>, allowedRoutes: [<its tunnel, pod and service CIDRs>]}}")
     p.add_argument("--pool", required=True, help="the pool: the location onprem/<pool>")
     p.add_argument("--server", required=True, help="this server's name in the pool (a DNS label)")
     p.add_argument("--gpu-product", required=True, help="e.g. NVIDIA-L4")
@@ -320,7 +393,10 @@ def build_parser(prog: str = "kubeon-gpu onprem-agent") -> argparse.ArgumentPars
     p.add_argument("--label", action="append", default=[], help="key=value, repeatable")
     p.add_argument("--state-dir", type=Path, default=Path("/var/lib/kubeon-agent"))
     p.add_argument("--hub-ca-file")
-    p.add_argument("--gateway-ca-file", type=Path)
+    p.add_argument("--interface", default=DEFAULT_INTERFACE, help="the tunnel's interface")
+    p.add_argument("--kubelet-dir", type=Path,
+                   help="emptied when the server leaves a cluster (the last tenant's volumes and images); default "
+                   "/var/lib/kubelet, none when simulated")
     p.add_argument("--heartbeat-seconds", type=float)
     p.add_argument("--simulated", action="store_true", help="development: kwok runs the node (like sim locations)")
     return p
@@ -331,14 +407,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "kubeon-gpu onprem-agent
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         labels = _labels(args.label)
-    except argparse.ArgumentTypeError as exc:
+        gateways = load_pins(args.gateways_file)
+    except (argparse.ArgumentTypeError, OSError, ValueError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     cfg = AgentConfig(hub_url=args.hub_url, join_token_file=args.join_token_file, pool=args.pool,
                       server=args.server, gpu_product=args.gpu_product, gpus=args.gpus, labels=labels,
                       state_file=args.state_dir / "state.json", credentials_dir=args.state_dir / "credentials",
-                      hub_ca_file=args.hub_ca_file, gateway_ca_file=args.gateway_ca_file, simulated=args.simulated,
-                      heartbeat_seconds=args.heartbeat_seconds)
+                      gateways=gateways, hub_ca_file=args.hub_ca_file, simulated=args.simulated,
+                      heartbeat_seconds=args.heartbeat_seconds, interface=args.interface,
+                      kubelet_dir=args.kubelet_dir or (None if args.simulated else Path("/var/lib/kubelet")))
     agent = Agent(cfg)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop.set())

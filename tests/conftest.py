@@ -1,4 +1,6 @@
-"""Session fixtures for the real parts: Kubernetes control plane, Temporal servers, moto.
+"""Fixtures for the real parts, shared by every suite: the Kubernetes control plane (and a fresh namespace), the
+Temporal servers, moto, the local Compute Engine and Azure servers, the Temporal UI behind `kubeon-gpu console`,
+and the burst stack (CRD and the chart's identities) a module's burst tests run on.
 
 Nothing here skips: a missing Go toolchain, a failed build or a missing wheel fails the tests that need it
 with a message that says what is missing.
@@ -18,9 +20,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes
 from models.converter import DATA_CONVERTER
+from tests.harness.burst import BurstStack, build_stack, unique
+from tests.harness.clouds import local
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.moto_server import MotoServer
+from tests.harness.console import console_server, ui_dev_server
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
-from tests.harness.moto_server import MotoServer
 from tests.harness.temporal import dev_server_path, time_skipping_server_path
 from worker.runtime import register_search_attributes
 
@@ -92,3 +98,45 @@ def moto_server(session_dir: Path) -> Iterator[MotoServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def gcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
+    """The local Compute Engine server, one per test module."""
+    server = local.start_gcp(tmp_path_factory.mktemp("gcp"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
+    """The local Azure Resource Manager over HTTPS with its managed-identity endpoint, one per test module."""
+    server = local.start_azure(tmp_path_factory.mktemp("azure"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def ui() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
+    """A dev server of the test's own with the Temporal UI: (the environment, the UI's URL)."""
+    async with ui_dev_server() as server:
+        yield server
+
+
+@pytest.fixture
+async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
+    """`kubeon-gpu console` in front of the test's UI: its URL."""
+    async with console_server(ui[1]) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> BurstStack:
+    """The burst stack of one test module (no GpuPolicy left by an earlier module), in a folder named after it."""
+    return build_stack(cluster, tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]))
+
+
+@pytest.fixture
+def product() -> str:
+    """A GPU type of this test alone, so its pods fit no other test's nodes."""
+    return unique("NVIDIA-T")

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from models.env import ConfigError, env_names, from_env
 from models.locations import BurstConfig
 from models.policy import Mode
 from models.provisioning import OperationSettings
 from models.scale import ScaleSettings
-
-
-class ConfigError(ValueError):
-    pass
-
 
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -174,18 +169,9 @@ class Settings(BaseModel):
                                  batch_max_seconds=self.batch_max_seconds)
 
 
-ENV = {name: "KUBEON_" + name.upper() for name in Settings.model_fields}
+ENV = env_names(Settings)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Settings from the environment; an invalid value fails naming the variable that holds it."""
-    environ = os.environ if environ is None else environ
-    values = {field: environ[var] for field, var in ENV.items() if environ.get(var, "") != ""}
-    try:
-        return Settings.model_validate(values)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors(include_url=False):
-            field = str(err["loc"][0]) if err["loc"] else "?"
-            problems.append(f"{ENV.get(field, field)}: {err['msg']}")
-        raise ConfigError("; ".join(problems)) from None
+    return from_env(Settings, environ)

@@ -9,12 +9,10 @@ holds ``maxNodes`` and plans the pods the node was for again if they still wait.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy, SearchAttributeUpdate
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError
 
 from models import search_attributes as sa
@@ -46,7 +44,7 @@ from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
 from workflows.failures import QUICK, RETRY, error_type, message
 from workflows.gate import action_gate, wait_until_allowed
-from workflows.observe import phase_span
+from workflows.operation import Operation
 
 # Must match activities.burst (workflows may not import activities).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
@@ -59,38 +57,21 @@ HEARTBEAT = timedelta(seconds=15)
 
 
 @workflow.defn(name="BurstNode")
-class BurstNodeWorkflow:
+class BurstNodeWorkflow(Operation[NodePhase]):
+    KIND = "Burst"
+
     def __init__(self) -> None:
+        super().__init__(NodePhase.LAUNCHING)
         self.inp: NodeInput | None = None
         self.operation = ""
         self.node_name = ""
-        self.phase = NodePhase.LAUNCHING
-        self.message = ""
         self.policy: PolicySnapshot | None = None
         self.instance: Instance | None = None
         self.offering: Offering | None = None
         self.launch_attempted = False
         self.serving = False
-        self.history: list[str] = []
-        self.attributes: dict[str, Any] = {}  # search attribute name -> the value last upserted
 
-    # -- visibility -----------------------------------------------------------------------------------------
-    def _set_phase(self, phase: NodePhase, message: str = "", also: Sequence[SearchAttributeUpdate[Any]] = ()) -> None:
-        self.phase = phase
-        self.message = message
-        stamp = workflow.now().strftime("%H:%M:%S")
-        self.history.append(f"{stamp} {phase.value}" + (f": {message}" if message else ""))
-        self._upsert([sa.PHASE.value_set(phase.value), *also])
-        workflow.set_current_details(self._details())
-        phase_span("Burst", phase.value)
-
-    def _upsert(self, updates: Sequence[SearchAttributeUpdate[Any]]) -> None:
-        """One upsert (a Temporal action and a visibility write) for what changed, none when nothing did."""
-        changed = [u for u in updates if self.attributes.get(u.key.name) != u.value]
-        if changed:
-            workflow.upsert_search_attributes(changed)
-            self.attributes.update({u.key.name: u.value for u in changed})
-
+    # -- visibility (the phase bookkeeping is Operation's) -----------------------------------------------------
     def _details(self) -> str:
         assert self.inp is not None
         n = self.inp.node
@@ -141,13 +122,13 @@ class BurstNodeWorkflow:
         info = workflow.info()
         self.operation = operation_id(info.workflow_id, info.run_id)
         self.node_name = f"burst-{self.operation}"
-        self._upsert([
+        self._start(
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-            sa.OPERATION_KIND.value_set("Burst"), sa.OPERATION.value_set(self.operation),
+            sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
             sa.BATCH.value_set(inp.batch), sa.LOCATION.value_set(inp.node.offering.location),
             sa.USD_PER_HOUR.value_set(round(inp.node.offering.usd_per_hour, 4)),
             sa.PHASE.value_set(NodePhase.LAUNCHING.value),
-        ])
+        )
         try:
             try:
                 result = await self._run(inp)
@@ -158,7 +139,7 @@ class BurstNodeWorkflow:
                 raise
         except asyncio.CancelledError:
             # Cancelled from the UI or CLI: drain and remove what this operation made, then end cancelled.
-            self.history.append("cancel requested: returning what was made")
+            self._log("cancel requested: returning what was made")
             await self._compensate("cancelled")
             self._set_phase(NodePhase.CANCELLED, "cancelled; what it made was drained and removed")
             await self._audit("cancelled")
@@ -166,7 +147,7 @@ class BurstNodeWorkflow:
             raise
         except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
             reason = message(exc)
-            self.history.append(f"failed: {reason}; compensating")
+            self._log(f"failed: {reason}; compensating")
             await self._compensate(reason)
             self._set_phase(NodePhase.FAILED, reason)
             await self._audit("failed", reason)
@@ -326,7 +307,7 @@ class BurstNodeWorkflow:
             try:
                 await self._return_home(reason)
             except (ActivityError, ChildWorkflowError) as exc:
-                self.history.append(f"drain during compensation failed: {message(exc)}")
+                self._log(f"drain during compensation failed: {message(exc)}")
         if self.launch_attempted:
             locations = self.policy.locations if self.policy else [self._offering().location]
             cleaned = await workflow.execute_activity(

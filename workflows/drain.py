@@ -24,6 +24,7 @@ from models.drain import (
 from models.ui_text import Details, code, md
 from workflows.failures import QUICK, RETRY
 from workflows.gate import action_gate, wait_until_allowed
+from workflows.operation import Operation
 
 
 class NotGoneYet(Exception):
@@ -31,30 +32,36 @@ class NotGoneYet(Exception):
 
 
 @workflow.defn(name="DrainWorkflow")
-class DrainWorkflow:
+class DrainWorkflow(Operation[DrainPhase]):
+    KIND = "Drain"
+
     def __init__(self) -> None:
-        self.status = "starting"
+        super().__init__(DrainPhase.DRAINING)
+        self.message = "starting"
         self.blocked: dict[str, str] = {}
         self.cordoned = False
         self.evicted: list[str] = []
         self.pdb_waits: dict[str, int] = {}
         self.terminated: str | None = None
         self.node_removed = False
+        self.inp: DrainInput | None = None
 
     @workflow.query(name="status", description=(
         "What the drain did so far: cordoned, pods evicted (in order), pods a PodDisruptionBudget holds and how "
         "often, the instance terminated, the Node removed."))
     def current_status(self) -> DrainStatus:
-        return DrainStatus(status=self.status, blocked=dict(self.blocked), cordoned=self.cordoned,
+        return DrainStatus(status=self.message, blocked=dict(self.blocked), cordoned=self.cordoned,
                            evicted=list(self.evicted), pdb_waits=dict(self.pdb_waits), terminated=self.terminated,
-                           node_removed=self.node_removed)
+                           node_removed=self.node_removed, phase=self.phase.value, history=list(self.history))
 
-    def _details(self, inp: DrainInput) -> None:
+    def _details(self) -> str:
+        inp = self.inp
+        assert inp is not None
         where = f", location {md(inp.instance.location)}" if inp.instance else ""
         d = Details()
         d.para(f"**Drain** of node {code(inp.node_name)} (operation {code(inp.operation)}, policy "
                f"{code(inp.policy)}{where}): {md(inp.reason or 'requested')}")
-        d.para(f"**Status:** {md(self.status)}")
+        d.para(f"**Status:** {md(self.message)}")
         d.para("**Cordoned:** " + ("yes" if self.cordoned else "not yet"))
         if self.evicted:
             d.para(f"**Evicted** ({len(self.evicted)}):")
@@ -67,28 +74,28 @@ class DrainWorkflow:
             d.para(f"**Terminated** instance {code(self.terminated)}")
         if self.node_removed:
             d.para("**Node removed**")
-        workflow.set_current_details(d.render())
+        return d.render()
 
     def _set(self, inp: DrainInput, status: str) -> None:
-        self.status = status
-        self._details(inp)
+        self._note(status)
 
     async def _hold_while_disconnected(self, inp: DrainInput) -> None:
         gate = await action_gate(inp.policy)
         if gate.held:
-            status = self.status
+            status = self.message
             self._set(inp, f"held: {gate.reason}")
             await wait_until_allowed(inp.policy)
             self._set(inp, status)
 
     @workflow.run
     async def run(self, inp: DrainInput) -> DrainResult:
-        workflow.upsert_search_attributes([
+        self.inp = inp
+        self._start(
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-            sa.OPERATION_KIND.value_set("Drain"), sa.PHASE.value_set(DrainPhase.DRAINING.value),
+            sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(DrainPhase.DRAINING.value),
             sa.OPERATION.value_set(inp.operation),
             *([sa.LOCATION.value_set(inp.instance.location)] if inp.instance else []),
-        ])
+        )
         await self._hold_while_disconnected(inp)  # R2.3: no drain starts while the hub rejects our token
         self._set(inp, "cordoning")
         node = NodeRef(node_name=inp.node_name)
@@ -119,9 +126,8 @@ class DrainWorkflow:
                 raise ApplicationError(
                     f"node {inp.node_name} or its instance still present 10 minutes after removal")
             await workflow.sleep(timedelta(seconds=2), summary="until the Node and the instance are gone")
-        workflow.upsert_search_attributes([sa.PHASE.value_set(DrainPhase.COMPLETED.value)])
-        self._set(inp, "done: node drained, instance terminated, Node removed" if inp.instance
-                  else "done: node drained and removed")
+        self._set_phase(DrainPhase.COMPLETED, "done: node drained, instance terminated, Node removed"
+                        if inp.instance else "done: node drained and removed")
         return DrainResult(node_name=inp.node_name, evicted=len(self.evicted),
                            instance_terminated=inp.instance is not None, node_removed=removed)
 

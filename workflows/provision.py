@@ -26,8 +26,7 @@ from temporalio.workflow import ParentClosePolicy
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.converter import Refused
-from models.decisions import Approval, DecisionResult, Rejection
+from models.hub import proposal_detail
 from models.ids import node_workflow_id, operation_id
 from models.node import NodeFinished, NodeInput, NodePhase
 from models.provisioning import (
@@ -48,18 +47,24 @@ from models.ui_text import Details, code, md, md_usd
 from workflows.audit import record_audit
 from workflows.burst import BurstNodeWorkflow
 from workflows.failures import QUICK, RETRY
-from workflows.observe import batch_trace, phase_span
+from workflows.observe import batch_trace
+from workflows.operation import Approvable, Proposal
 
 KEEP_BATCHES = 20
-KEEP_HISTORY = 50
+# A provisioning waiting for capacity whose waiting pods all went settles at once (runs before it did not).
+SETTLE_WHEN_WAITERS_GO = "kubeon-settle-when-capacity-waiters-go"
 
 
 @workflow.defn(name="Provision")
-class ProvisionWorkflow:
+class ProvisionWorkflow(Approvable[ProvisionPhase]):
+    KIND = "Provision"
+    NOUN = "batch"
+
     @workflow.init
     def __init__(self, inp: ProvisionInput) -> None:
         # State is read here, not in run(): signals can be handled before run() starts (signal-with-start and
         # continue-as-new alike).
+        super().__init__(ProvisionPhase.IDLE)
         self.inp = inp
         self.waiting = {p.uid: p for p in inp.waiting}
         self.nodes = {n.workflow_id: n for n in inp.nodes}
@@ -74,14 +79,10 @@ class ProvisionWorkflow:
         self.planning = False  # a round is under way
         self.arrived_while_planning = False
         self.proposal: BatchRecord | None = None
-        self.approval: Approval | None = None
-        self.rejection: Rejection | None = None
         self.policy: PolicySnapshot | None = None
-        self.phase = ProvisionPhase.IDLE
-        self.message = ""
         self.unplaced: dict[str, str] = {}
-        self.capacity_waits: list[str] = []  # why pods wait for a node to free up (maxNodes, address slots)
-        self.history: list[str] = []
+        # pod -> why it waits for a node to free up (maxNodes, address slots), as the last plan found
+        self.capacity_waits: dict[str, str] = {}
         self.rounds = 0  # of this run: each round that plans is a trace of its own
 
     # -- signals from the watchers and the node workflows ----------------------------------------------------
@@ -99,6 +100,7 @@ class ProvisionWorkflow:
             self.arrived_while_planning = self.arrived_while_planning or self.planning
             self.last_arrival = now
             self.first_arrival = self.first_arrival or now
+        self._show()
 
     @workflow.signal(name="pods_gone", description="Internal: pods that no longer wait (sent by the watcher).")
     def pods_gone(self, msg: PodsGone) -> None:
@@ -109,6 +111,10 @@ class ProvisionWorkflow:
         keys = {p.key for p in self.waiting.values()}
         if any(k in self.unplaced for k in keys):
             self.dirty = True
+        if (self.phase == ProvisionPhase.WAITING_FOR_CAPACITY and not self._capacity_waits()
+                and workflow.patched(SETTLE_WHEN_WAITERS_GO)):
+            self._settle()  # no pod waits for a node to free up any more
+        self._show()
 
     @workflow.signal(name="node_finished", description=(
         "Internal: a burst node's workflow ended (sent by that workflow); frees its place under maxNodes."))
@@ -117,6 +123,9 @@ class ProvisionWorkflow:
         if record is None:
             return
         self._log(f"node {msg.workflow_id} {msg.phase.value}" + (f": {msg.message}" if msg.message else ""))
+        batch = next((b for b in reversed(self.batches) if b.batch == record.batch), None)
+        if batch is not None and batch.node_ended(msg.workflow_id, msg.phase.value):
+            self._log(f"batch {batch.batch} {batch.phase.value}: {batch.message}")
         if msg.phase in (NodePhase.FAILED, NodePhase.CANCELLED):
             # Its pods, if they still wait, are planned again after a back-off that doubles with each failure.
             s = self.inp.settings
@@ -127,72 +136,17 @@ class ProvisionWorkflow:
                     wait = min(s.recheck_seconds, s.retry_seconds * 2 ** (count - 1))
                     self.not_before[uid] = (workflow.now() + timedelta(seconds=wait)).isoformat()
         self.dirty = bool(self.waiting)  # a node freed up under maxNodes
+        self._show()
 
     def _forget(self, uid: str) -> None:
         self.waiting.pop(uid, None)
         self.not_before.pop(uid, None)
         self.failures.pop(uid, None)
 
-    # -- approval (CLI, Temporal UI, hub) -------------------------------------------------------------------
-    @workflow.signal(name="approve", description=(
-        "Approve the batch awaiting approval (input may be empty): its nodes launch. Ignored when nothing awaits. "
-        "Optional input {\"approver\": \"you\", \"plan_id\": \"...\"} approves only that plan."))
-    def approve_signal(self, approval: Approval | None = None) -> None:
-        """For the Temporal UI and `temporal workflow signal`: ignored unless a proposal awaits (this plan)."""
-        approval = approval or Approval()
-        if self._decision_problem(approval.plan_id, approval.operation) is None:
-            self.approval = approval
-
-    @workflow.signal(name="reject", description=(
-        "Reject the batch awaiting approval (input may be empty): nothing launches; its pods are proposed again "
-        "later if they still wait."))
-    def reject_signal(self, rejection: Rejection | None = None) -> None:
-        rejection = rejection or Rejection()
-        if self._decision_problem(None, rejection.operation) is None:
-            self.rejection = rejection
-
-    @workflow.update(name="approve_plan", description=(
-        "Approve the batch awaiting approval, refused with the reason if the plan is stale or nothing awaits. "
-        "Input {\"approver\": \"you\", \"plan_id\": \"...\"}. In the Temporal UI fill in an Update ID."))
-    def approve_update(self, approval: Approval) -> DecisionResult:
-        assert self.proposal is not None
-        self.approval = approval
-        return DecisionResult(operation=self.proposal.batch, phase=self.phase,
-                              message=f"approved by {approval.approver}: {self.proposal.plan.summary()}")
-
-    @approve_update.validator
-    def _validate_approve(self, approval: Approval) -> None:
-        problem = self._decision_problem(approval.plan_id, approval.operation)
-        if problem:
-            raise Refused(problem)
-        if not approval.approver.strip():
-            raise Refused("approver must name who approves")
-
-    @workflow.update(name="reject_plan", description=(
-        "Reject the batch awaiting approval; refused with the reason if nothing awaits. Input {\"approver\": "
-        "\"you\", \"reason\": \"...\"}."))
-    def reject_update(self, rejection: Rejection) -> DecisionResult:
-        assert self.proposal is not None
-        self.rejection = rejection
-        return DecisionResult(operation=self.proposal.batch, phase=self.phase,
-                              message=f"rejected by {rejection.approver}")
-
-    @reject_update.validator
-    def _validate_reject(self, rejection: Rejection) -> None:
-        problem = self._decision_problem(None, rejection.operation)
-        if problem:
-            raise Refused(problem)
-
-    def _decision_problem(self, plan_id: str | None, operation: str | None) -> str | None:
-        wf = workflow.info().workflow_id
-        if self.proposal is None or self.approval is not None or self.rejection is not None:
-            return f"{operation or wf} is {self.phase.value}, not awaiting approval"
-        if operation and operation != self.proposal.batch:
-            return f"batch {operation} is not awaiting approval (batch {self.proposal.batch} is)"
-        if plan_id and plan_id != self.proposal.plan.plan_id:
-            return (f"plan {plan_id} is stale: batch {self.proposal.batch} now proposes "
-                    f"{self.proposal.plan.plan_id} ({self.proposal.plan.summary()})")
-        return None
+    # -- approval (CLI, Temporal UI, hub): the handlers are Approvable's ---------------------------------------
+    def _awaiting(self) -> Proposal | None:
+        p = self.proposal
+        return None if p is None else Proposal(operation=p.batch, plan_id=p.plan.plan_id, summary=p.plan.summary())
 
     # -- visibility -----------------------------------------------------------------------------------------
     @workflow.query(name="state", description=(
@@ -201,7 +155,7 @@ class ProvisionWorkflow:
     def state(self) -> ProvisionView:
         return ProvisionView(
             workflow_id=workflow.info().workflow_id, cluster=self.inp.cluster, policy=self.inp.policy,
-            mode=self.policy.mode if self.policy else None, phase=self.phase, message=self.message,
+            mode=self.policy.mode if self.policy else None, phase=self.phase, message=self._message(),
             proposal=self.proposal, waiting=self._waiting_lines(), nodes=list(self.nodes.values()),
             max_nodes=self.policy.max_nodes if self.policy else 0, batches=list(self.batches),
             history=list(self.history))
@@ -210,24 +164,29 @@ class ProvisionWorkflow:
         return sorted(f"{p.key}" + (f": {self.unplaced[p.key]}" if p.key in self.unplaced else "")
                       for p in self.waiting.values())
 
-    def _log(self, line: str) -> None:
-        self.history.append(f"{workflow.now().strftime('%H:%M:%S')} {line}")
-        del self.history[:-KEEP_HISTORY]
+    def _message(self) -> str:
+        """Between rounds the message is what the state is now (nodes finish, pods go at any time); in a round,
+        what the round said (planning, the proposal awaiting approval)."""
+        if self.phase == ProvisionPhase.IDLE:
+            counts = f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting"
+            return f"{counts}; {self.message}" if self.message else counts
+        if self.phase == ProvisionPhase.WAITING_FOR_CAPACITY:
+            whys = self._capacity_waits()
+            return f"{len(whys)} pod(s) wait" + (f": {whys[0]}" if whys else "")
+        return self.message
 
-    def _set_phase(self, phase: ProvisionPhase, message: str = "") -> None:
-        if phase != self.phase:
-            workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
-            self._log(phase.value + (f": {message}" if message else ""))
-            phase_span("Provision", phase.value)
-        self.phase, self.message = phase, message
-        self._details()
+    def _capacity_waits(self) -> list[str]:
+        """Why the pods that still wait for a node to free up wait (maxNodes, address slots)."""
+        waiting = {p.key for p in self.waiting.values()}
+        return [why for pod, why in self.capacity_waits.items() if pod in waiting]
 
-    def _details(self) -> None:
+    def _details(self) -> str:
         p = self.policy
         d = Details()
         d.para(f"**Provisioning** of burst nodes for policy {code(self.inp.policy)} on cluster "
                f"{code(self.inp.cluster)}, mode {md(p.mode if p else '?')}")
-        d.para(f"**Phase:** {md(self.phase.value)}" + (f" — {md(self.message)}" if self.message else ""))
+        message = self._message()
+        d.para(f"**Phase:** {md(self.phase.value)}" + (f" — {md(message)}" if message else ""))
         d.para(f"**Nodes:** {len(self.nodes)} of maxNodes {p.max_nodes if p else '?'} · "
                f"**waiting pods:** {len(self.waiting)}")
         if self.proposal is not None:
@@ -236,22 +195,25 @@ class ProvisionWorkflow:
                    f"{md_usd(self.proposal.plan.total_usd_per_hour, 'h')} in total: signal `approve` (empty "
                    f"input), or `kubeon-gpu ops approve {self.proposal.batch}`, or approve in the hub. Signal "
                    "`reject` launches nothing.")
-        if self.unplaced:
+        waiting = {p.key for p in self.waiting.values()}
+        unplaced = sorted((pod, why) for pod, why in self.unplaced.items() if pod in waiting)
+        if unplaced:
             d.para("**Waiting, and why:**")
-            d.bullets((f"{code(pod)}: {md(why)}" for pod, why in sorted(self.unplaced.items())), limit=10,
-                      more="more pods")
+            d.bullets((f"{code(pod)}: {md(why)}" for pod, why in unplaced), limit=10, more="more pods")
         if self.nodes:
             d.para("**Nodes held:**")
             d.bullets((f"{code(n.workflow_id)}: {md(n.offering.describe())} for {len(n.pods)} pod(s)"
                        for n in self.nodes.values()), limit=10, more="more nodes")
-        workflow.set_current_details(d.render())
+        return d.render()
 
     async def _audit(self, record: BatchRecord, action: str, detail: str = "", approver: str | None = None) -> None:
         first = record.plan.new_nodes[0].offering.location if record.plan.new_nodes else None
         await record_audit(AuditRecord(
             key=f"{record.batch}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
             operation=record.batch, action=action, location=first, approver=approver,
-            detail=detail or record.plan.summary()))
+            # A proposal carries its whole plan, as the hub shows it and binds a decision to its plan ID.
+            detail=detail or (proposal_detail(record.plan, record.batch) if action == "proposed"
+                              else record.plan.summary())))
 
     # -- the loop -------------------------------------------------------------------------------------------
     def _should_continue(self) -> bool:
@@ -278,10 +240,9 @@ class ProvisionWorkflow:
         info = workflow.info()
         if not self.chain:
             self.chain = hashlib.sha256(info.run_id.encode()).hexdigest()[:6]
-        workflow.upsert_search_attributes([
-            sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-            sa.OPERATION_KIND.value_set("Provision"), sa.PHASE.value_set(self.phase.value)])
-        self._details()
+        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                    sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(self.phase.value))
+        self._show()
         while True:
             if self._should_continue():
                 await workflow.wait_condition(workflow.all_handlers_finished)
@@ -358,15 +319,16 @@ class ProvisionWorkflow:
         for uid in plan.gone:
             self._forget(uid)
         self.unplaced = {u.pod: u.why for u in plan.unplaced}
-        self.capacity_waits = [u.why for u in plan.unplaced if u.waits_for_capacity]
+        self.capacity_waits = {u.pod: u.why for u in plan.unplaced if u.waits_for_capacity}
         if not plan.new_nodes:
             self._settle()
             return
         self.seq += 1
         record = BatchRecord(batch=batch, phase=BatchPhase.PLANNING, plan=plan)
-        workflow.upsert_search_attributes([sa.BATCH.value_set(batch), sa.OPERATION.value_set(batch),
-                                           sa.LOCATION.value_set(plan.new_nodes[0].offering.location),
-                                           sa.USD_PER_HOUR.value_set(round(plan.total_usd_per_hour, 4))])
+        # The batch's attributes in one upsert, all four, as the histories of running provisionings hold it.
+        self._upsert([sa.BATCH.value_set(batch), sa.OPERATION.value_set(batch),
+                      sa.LOCATION.value_set(plan.new_nodes[0].offering.location),
+                      sa.USD_PER_HOUR.value_set(round(plan.total_usd_per_hour, 4))], every=True)
         if policy.mode == "Recommend":
             self._decided(record, BatchPhase.PROPOSED, plan.summary())
             await self._audit(record, "proposed")
@@ -453,23 +415,19 @@ class ProvisionWorkflow:
                 id=wf_id, parent_close_policy=ParentClosePolicy.ABANDON,
                 static_summary=(f"Burst node: {node.offering.instance_type} in {node.offering.location} for "
                                 f"{len(node.pods)} pod(s) (batch {record.batch})")))
+        record.launched()  # Launching until its nodes end (node_finished), then what became of them
+        self._keep(record)
         handles = await asyncio.gather(*starts)
         for handle in handles:
             # The node's name comes from its own run (operation ID): known once started.
             rec = self.nodes.get(handle.id)
             if rec is not None:
                 rec.node_name = f"burst-{operation_id(handle.id, handle.first_execution_run_id or '')}"
-        record.phase = BatchPhase.LAUNCHING
-        record.message = f"{len(handles)} node(s) started"
-        self._keep(record)
-        self._log(f"batch {record.batch}: {record.message}")
+        self._log(f"batch {record.batch}: {len(handles)} node(s) started")
 
     def _settle(self) -> None:
-        if self.capacity_waits:
-            self._set_phase(ProvisionPhase.WAITING_FOR_CAPACITY,
-                            f"{len(self.capacity_waits)} pod(s) wait: {self.capacity_waits[0]}")
-        else:
-            self._set_phase(ProvisionPhase.IDLE, f"{len(self.nodes)} node(s), {len(self.waiting)} pod(s) waiting")
+        """The round is over: Idle, or waiting for capacity; the message says the state's (see _message)."""
+        self._set_phase(ProvisionPhase.WAITING_FOR_CAPACITY if self._capacity_waits() else ProvisionPhase.IDLE)
 
 
 def plan_details(d: Details, plan: BatchPlan) -> None:

@@ -19,7 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.converter import Refused
-from models.decisions import Approval, DecisionResult, Rejection
+from models.decisions import Approval
 from models.ids import operation_id
 from models.scale import (
     DemandRequest,
@@ -46,39 +46,30 @@ from models.scale import (
 from workflows.audit import record_audit
 from workflows.failures import QUICK, RETRY, message
 from workflows.gate import action_gate, wait_until_allowed
+from workflows.operation import Approvable, Proposal
 
 HEARTBEAT = timedelta(seconds=15)
-DECIDABLE = (ScalePhase.AWAITING_APPROVAL,)
 WAKEABLE = (ScalePhase.SCALING_DOWN, ScalePhase.SCALED_TO_ZERO)
-
+# Runs started before the phase bookkeeping upserted KubeonPhase only on change replay without this marker.
+PHASE_ON_CHANGE = "kubeon-phase-on-change"
 
 
 @workflow.defn(name="ScaleWorkflow")
-class ScaleWorkflow:
+class ScaleWorkflow(Approvable[ScalePhase]):
+    KIND = "Scale"
+
     def __init__(self) -> None:
+        super().__init__(ScalePhase.OBSERVING)
         self.inp: ScaleInput | None = None
         self.operation = ""
-        self.phase = ScalePhase.OBSERVING
-        self.message = ""
         self.policy: ScalePolicySnapshot | None = None
         self.observation: Observation | None = None
         self.replicas_before: int | None = None
         self.scaled_at: datetime | None = None
-        self.approval: Approval | None = None
-        self.rejection: Rejection | None = None
         self.wake_request: WakeRequest | None = None
         self.woken_by: str | None = None
-        self.history: list[str] = []
 
     # -- visibility -----------------------------------------------------------------------------------------
-    def _set_phase(self, phase: ScalePhase, message: str = "") -> None:
-        self.phase = phase
-        self.message = message
-        stamp = workflow.now().strftime("%H:%M:%S")
-        self.history.append(f"{stamp} {phase.value}" + (f": {message}" if message else ""))
-        workflow.upsert_search_attributes([sa.PHASE.value_set(phase.value)])
-        workflow.set_current_details(self._details())
-
     def _details(self) -> str:
         assert self.inp is not None
         lines = [f"**ScaleToZero** `{self.operation}` for `{self.inp.workload.key}`, policy `{self.inp.policy}`, "
@@ -114,52 +105,24 @@ class ScaleWorkflow:
             "update_scale_status", ScaleStatusUpdate(policy=self.inp.policy, workload=self.inp.workload, entry=entry),
             start_to_close_timeout=QUICK, retry_policy=RETRY)
 
-    # -- operator interface ---------------------------------------------------------------------------------
+    # -- operator interface (approve, reject: Approvable's handlers) ---------------------------------------
     @workflow.query(name="state")
     def state(self) -> ScaleView:
         return self._view()
 
-    @workflow.signal(name="approve")
-    def approve_signal(self, approval: Approval | None = None) -> None:
-        approval = approval or Approval()
-        if self._decision_problem(approval.plan_id) is None:
-            self.approval = approval
+    def _awaiting(self) -> Proposal | None:
+        if self.phase != ScalePhase.AWAITING_APPROVAL:
+            return None
+        return Proposal(operation=self.operation, plan_id=self.plan_id(),
+                        summary=f"scaling {self._workload()} to 0")
 
-    @workflow.signal(name="reject")
-    def reject_signal(self, rejection: Rejection | None = None) -> None:
-        if self._decision_problem(None) is None:
-            self.rejection = rejection or Rejection()
+    def _subject(self) -> str:
+        return f"operation {self.operation}"
 
     @workflow.signal(name="wake")
     def wake_signal(self, request: WakeRequest | None = None) -> None:
         if self._wake_problem() is None:
             self.wake_request = request or WakeRequest()
-
-    @workflow.update(name="approve_plan")
-    def approve_update(self, approval: Approval) -> DecisionResult:
-        self.approval = approval
-        return DecisionResult(operation=self.operation, phase=ScalePhase.AWAITING_APPROVAL,
-                              message=f"approved by {approval.approver}: scaling {self._workload()} to 0")
-
-    @approve_update.validator
-    def _validate_approve(self, approval: Approval) -> None:
-        problem = self._decision_problem(approval.plan_id)
-        if problem:
-            raise Refused(problem)
-        if not approval.approver.strip():
-            raise Refused("approver must name who approves")
-
-    @workflow.update(name="reject_plan")
-    def reject_update(self, rejection: Rejection) -> DecisionResult:
-        self.rejection = rejection
-        return DecisionResult(operation=self.operation, phase=ScalePhase.AWAITING_APPROVAL,
-                              message=f"rejected by {rejection.approver}")
-
-    @reject_update.validator
-    def _validate_reject(self, rejection: Rejection) -> None:
-        problem = self._decision_problem(None)
-        if problem:
-            raise Refused(problem)
 
     @workflow.update(name="wake")
     def wake_update(self, request: WakeRequest) -> WakeResult:
@@ -179,13 +142,6 @@ class ScaleWorkflow:
     def plan_id(self) -> str:
         return f"{self.operation}-r{self.replicas_before}"
 
-    def _decision_problem(self, plan_id: str | None) -> str | None:
-        if self.phase not in DECIDABLE or self.approval or self.rejection:
-            return f"operation {self.operation} is {self.phase.value}, not awaiting approval"
-        if plan_id and plan_id != self.plan_id():
-            return f"plan {plan_id} is stale: operation {self.operation} now proposes {self.plan_id()}"
-        return None
-
     def _wake_problem(self) -> str | None:
         if self.phase not in WAKEABLE:
             return f"operation {self.operation} is {self.phase.value}: only a workload scaled to zero can be woken"
@@ -199,10 +155,12 @@ class ScaleWorkflow:
         self.inp = inp
         info = workflow.info()
         self.operation = inp.resume.operation if inp.resume else operation_id(info.workflow_id, info.run_id)
-        workflow.upsert_search_attributes([
-            sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-            sa.OPERATION_KIND.value_set("Scale"), sa.OPERATION.value_set(self.operation),
-            sa.LOCATION.value_set(inp.workload.namespace)])
+        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
+                    sa.LOCATION.value_set(inp.workload.namespace))
+        # A run begun before this bookkeeping wrote KubeonPhase at every phase set (a proposal open in Recommend
+        # mode, once a minute): its history replays that way.
+        self._upsert_every_set = not workflow.patched(PHASE_ON_CHANGE)
         try:
             try:
                 return await self._run(inp)
@@ -211,7 +169,7 @@ class ScaleWorkflow:
                     raise asyncio.CancelledError(str(exc.cause)) from exc
                 raise
         except asyncio.CancelledError:
-            self.history.append("cancel requested")
+            self._log("cancel requested")
             note = await self._restore("cancelled")
             self._set_phase(ScalePhase.CANCELLED, "cancelled" + note)
             await self._audit("cancelled", self.message)
@@ -323,7 +281,7 @@ class ScaleWorkflow:
             if waited >= inp.settings.approval_timeout_seconds:
                 if policy.mode == "Recommend":
                     # The proposal ends (its history stays short); the next resync proposes again while idle.
-                    self.message = f"{proposal}; still idle after {waited}s (re-proposed while idle)"
+                    self._note(f"{proposal}; still idle after {waited}s (re-proposed while idle)")
                     return self._outcome()
                 self._set_phase(ScalePhase.EXPIRED, f"no approval within {inp.settings.approval_timeout_seconds}s")
                 await self._audit("expired")
@@ -377,7 +335,7 @@ class ScaleWorkflow:
             wake_at = (await workflow.execute_activity(
                 "next_wake_time", WakeTimeRequest(schedule=policy.schedule, after=self.scaled_at),
                 result_type=WakeTime, start_to_close_timeout=QUICK, retry_policy=RETRY)).at
-            self.history.append(f"scheduled wake at {wake_at.isoformat()}")
+            self._log(f"scheduled wake at {wake_at.isoformat()}")
         checks = 0
         why = ""
         while not why:
@@ -409,7 +367,7 @@ class ScaleWorkflow:
                     why = f"demand {demand.value:g} > {policy.activation_threshold:g} ({policy.demand_query})"
                     break
                 if demand.error and not self.message.endswith(demand.error):
-                    self.message = f"demand query not answered: {demand.error}"
+                    self._note(f"demand query not answered: {demand.error}")
             # A policy deleted, or no longer naming the workload, gives it back its replicas.
             policy = await self._load_policy()
             gone = self._gone(policy)

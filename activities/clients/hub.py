@@ -18,6 +18,15 @@ from activities.telemetry.tracing import http_call
 from models.hub import ActionReport
 
 
+def _version() -> str:
+    """The installed optimizer's version, for the hub's clusters page (User-Agent kubeon-gpu-optimizer/<version>)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kubeon-gpu-optimizer")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
 class HubError(Exception):
     """The hub could not be used; ``str()`` says why."""
 
@@ -68,7 +77,7 @@ class HubClient:
         self.url = url.rstrip("/")
         self.token_file = token_file
         self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=ca_file or True, transport=transport,
-                                  headers={"User-Agent": "kubeon-gpu-optimizer"})
+                                  headers={"User-Agent": f"kubeon-gpu-optimizer/{_version()}"})
 
     def close(self) -> None:
         self._http.close()

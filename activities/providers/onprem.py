@@ -7,9 +7,14 @@ server's agent through the hub; ``list``/``get`` read the cluster's claims; ``te
 (idempotent). The agent then joins through the gateway like any burst node, and leaves when released.
 
 A launch returns once the server's agent has picked the claim up. A server that goes offline before it does
-(no heartbeat within the pool's timeout) has its claim withdrawn and the next idle server is tried; with none
-left the launch fails with ``InsufficientCapacityError`` and the operation moves on to the policy's next
-location. The withdrawn server is not claimed again until it heartbeats.
+(no heartbeat within the pool's timeout) has its claim withdrawn, and one whose agent declines it (a cluster it is
+not configured to serve) loses it; the next idle server is tried, and with none left the launch fails with
+``InsufficientCapacityError`` and the operation moves on to the policy's next location. The withdrawn server is
+not claimed again until it heartbeats.
+
+One user data (one ticket) serves every claim of a launch, and still reaches one server only: the hub hands the
+ticket to a server's agent only once it has taken the claim up, and a claim taken up is never withdrawn (only
+released, which makes the agent leave). A withdrawn or declining server never saw it.
 """
 
 from __future__ import annotations
@@ -122,9 +127,9 @@ class OnPremProvider:
         withdrawn: list[str] = []
         for _ in range(100):  # bounded: every round withdraws one server, which is then offline or gone
             try:
-                claim = self._call(location, "POST", "/claims", json=body)["claim"]
-            except HubRefused as exc:  # 409: no idle, online server that fits
-                gone = f" (withdrawn from {', '.join(withdrawn)}: offline)" if withdrawn else ""
+                claim = self._call(location, "POST", "/claims", json={**body, "exclude": withdrawn})["claim"]
+            except HubRefused as exc:  # 409: no idle, online server that fits (or the policy's maxNodes)
+                gone = f" (withdrawn from or declined by {', '.join(withdrawn)})" if withdrawn else ""
                 raise InsufficientCapacityError(f"{location}: {exc}{gone}") from None
             picked = self._await_agent(location, claim)
             if picked is not None:
@@ -143,12 +148,21 @@ class OnPremProvider:
             if claim["state"] == "offline" or time.monotonic() > deadline:
                 log.warning("%s: server %s did not pick up the claim of operation %s (%s): withdrawing it",
                             location, server, claim["operation"], claim["state"])
-                self._call(location, "POST", f"/servers/{server}/release",
-                           json={"operation": claim["operation"], "policy": claim["policy"], "withdraw": True})
+                result = self._call(location, "POST", f"/servers/{server}/release",
+                                    json={"operation": claim["operation"], "policy": claim["policy"],
+                                          "withdraw": True})
+                if not result["released"] and result["state"] in ("joining", "serving"):
+                    # taken up at the last moment: the server has the ticket, so it is this launch's
+                    return self._instance(location, self._call(location, "GET", f"/servers/{server}"))
                 return None
             self._beat(f"waiting for server {server} of {location} to pick up the claim")
             time.sleep(self._poll)
-            claim = self._call(location, "GET", f"/servers/{server}")
+            try:
+                claim = self._call(location, "GET", f"/servers/{server}")
+            except InstanceNotFoundError:  # its agent declined the claim: the server is not ours
+                log.warning("%s: server %s declined the claim of operation %s", location, server,
+                            claim["operation"])
+                return None
 
     def get(self, location: str, instance_id: str) -> Instance:
         return self._instance(location, self._call(location, "GET", f"/servers/{instance_id}"))

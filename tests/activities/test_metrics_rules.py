@@ -22,6 +22,12 @@ def _series(name: str, pod: str, gpu: int, values: str) -> dict[str, str]:
     return {"series": f'{name}{{namespace="ml",pod="{pod}",gpu="{gpu}",Hostname="n1"}}', "values": values}
 
 
+def _samples(record: str, **value_by_pod: float) -> list[dict[str, object]]:
+    """What promtool expects of ``record``: one sample per pod of namespace ml."""
+    return [{"labels": f'{record}{{namespace="ml",pod="{pod}"}}', "value": value}
+            for pod, value in value_by_pod.items()]
+
+
 def test_idle_busy_young_and_fallback_queries(tmp_path: Path) -> None:
     rules = {"groups": [{"name": "kubeon", "rules": [
         {"record": "kubeon:peak_activity", "expr": metrics.peak_activity_query(FORM, ["ml"], WINDOW)},
@@ -48,29 +54,19 @@ def test_idle_busy_young_and_fallback_queries(tmp_path: Path) -> None:
             {"series": f'{gr}{{namespace="",pod="",gpu="5",Hostname="n1"}}', "values": "0x40"},  # a free GPU
         ],
         "promql_expr_test": [
-            {"expr": "kubeon:peak_activity", "eval_time": "40m", "exp_samples": [
-                {"labels": 'kubeon:peak_activity{namespace="ml",pod="idle"}', "value": 0.01},
-                {"labels": 'kubeon:peak_activity{namespace="ml",pod="spiked"}', "value": 0.6},
-                {"labels": 'kubeon:peak_activity{namespace="ml",pod="young"}', "value": 0},
-                {"labels": 'kubeon:peak_activity{namespace="ml",pod="util"}', "value": 0.03},
-                {"labels": 'kubeon:peak_activity{namespace="ml",pod="both"}', "value": 0.02},
-            ]},
+            {"expr": "kubeon:peak_activity", "eval_time": "40m", "exp_samples": _samples(
+                "kubeon:peak_activity", idle=0.01, spiked=0.6, young=0, util=0.03, both=0.02)},
             # 31 minutes after the spike it has left the 30-minute window: idle again.
-            {"expr": 'kubeon:peak_activity{pod="spiked"}', "eval_time": "66m", "exp_samples": [
-                {"labels": 'kubeon:peak_activity{namespace="ml",pod="spiked"}', "value": 0.01}]},
-            {"expr": "kubeon:covered_minutes", "eval_time": "40m", "exp_samples": [
-                {"labels": 'kubeon:covered_minutes{namespace="ml",pod="idle"}', "value": 30},
-                {"labels": 'kubeon:covered_minutes{namespace="ml",pod="spiked"}', "value": 30},
-                {"labels": 'kubeon:covered_minutes{namespace="ml",pod="young"}', "value": 6},
-                {"labels": 'kubeon:covered_minutes{namespace="ml",pod="util"}', "value": 30},
-                {"labels": 'kubeon:covered_minutes{namespace="ml",pod="both"}', "value": 30},
-            ]},
-            {"expr": "kubeon:peak_fb_mib", "eval_time": "40m", "exp_samples": [
-                {"labels": 'kubeon:peak_fb_mib{namespace="ml",pod="idle"}', "value": 9216}]},
-            {"expr": "kubeon:fb_total_mib", "eval_time": "40m", "exp_samples": [
-                {"labels": 'kubeon:fb_total_mib{namespace="ml",pod="idle"}', "value": 81920}]},
-            {"expr": 'kubeon:p95_activity{pod="spiked"}', "eval_time": "40m", "exp_samples": [
-                {"labels": 'kubeon:p95_activity{namespace="ml",pod="spiked"}', "value": 0.01}]},
+            {"expr": 'kubeon:peak_activity{pod="spiked"}', "eval_time": "66m",
+             "exp_samples": _samples("kubeon:peak_activity", spiked=0.01)},
+            {"expr": "kubeon:covered_minutes", "eval_time": "40m", "exp_samples": _samples(
+                "kubeon:covered_minutes", idle=30, spiked=30, young=6, util=30, both=30)},
+            {"expr": "kubeon:peak_fb_mib", "eval_time": "40m",
+             "exp_samples": _samples("kubeon:peak_fb_mib", idle=9216)},
+            {"expr": "kubeon:fb_total_mib", "eval_time": "40m",
+             "exp_samples": _samples("kubeon:fb_total_mib", idle=81920)},
+            {"expr": 'kubeon:p95_activity{pod="spiked"}', "eval_time": "40m",
+             "exp_samples": _samples("kubeon:p95_activity", spiked=0.01)},
         ],
     }]}
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
@@ -87,8 +83,8 @@ def test_promtool_fails_a_wrong_expectation(tmp_path: Path) -> None:
         {"record": "kubeon:peak_activity", "expr": metrics.peak_activity_query(FORM, ["ml"], WINDOW)}]}]}
     tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m", "input_series": [_series(metrics.GR_ENGINE_ACTIVE, "idle", 0, "0.01x40")],
-        "promql_expr_test": [{"expr": "kubeon:peak_activity", "eval_time": "40m", "exp_samples": [
-            {"labels": 'kubeon:peak_activity{namespace="ml",pod="idle"}', "value": 0.5}]}]}]}
+        "promql_expr_test": [{"expr": "kubeon:peak_activity", "eval_time": "40m",
+                              "exp_samples": _samples("kubeon:peak_activity", idle=0.5)}]}]}
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(tests))
     done = subprocess.run([str(binary("promtool")), "test", "rules", "test.yaml"], cwd=tmp_path,

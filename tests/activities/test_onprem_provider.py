@@ -22,14 +22,15 @@ from models.locations import BurstConfig
 from models.node import LaunchRequest
 from models.provisioning import Offering
 from tests.harness.controlplane import free_port
-from tests.harness.onprem import AgentProcess
+from tests.harness.onprem import AgentProcess, register_server, write_gateways
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.helpers import wait_until
 from tests.hub.process import HubProcess
 
 LOCATION = "onprem/dc1"
-CONFIG = BurstConfig.model_validate({"locations": [{"name": LOCATION,
-                                                    "credentials": {"existingSecret": "kubeon-burst-dc1"}}]})
+CONFIG = BurstConfig.model_validate({"locations": [{"name": LOCATION}]})
+# A gateway that is not there: the agent picks the claim up and keeps retrying its join.
+GATEWAY = f"http://127.0.0.1:{free_port()}"
 
 
 @dataclass
@@ -78,8 +79,10 @@ def env(tmp_path: Path) -> Iterator[Env]:
 
 @pytest.fixture
 def agent(env: Env) -> Iterator[AgentProcess]:
+    register_server(env.hub.url, BOOTSTRAP_KEY, "dc1", "gpu-a")
+    gateways = write_gateways(env.tmp / "gateways.yaml", {"prod-a": GATEWAY, "prod-b": GATEWAY})
     proc = AgentProcess(hub_url=env.hub.url, join_token_file=env.join_token_file, pool="dc1", server="gpu-a",
-                        state_dir=env.tmp / "agent", heartbeat_seconds=0.3).start()
+                        state_dir=env.tmp / "agent", gateways_file=gateways, heartbeat_seconds=0.3).start()
     try:
         wait_until(lambda: env.server("gpu-a").get("state") == "idle" or None, timeout=20, what="gpu-a idle")
         yield proc
@@ -93,10 +96,8 @@ def request(operation: str, offering: Offering) -> LaunchRequest:
                          taints=[Taint(key="gpu.kubeon.io/burst")])
 
 
-def user_data() -> str:
-    # A gateway that is not there: the agent picks the claim up and keeps retrying its join.
-    return render_user_data(gateway_url=f"http://127.0.0.1:{free_port()}", ticket="t.t", node_name="n", labels={},
-                            taints=[])
+def user_data(operation: str = "op-1") -> str:
+    return render_user_data(gateway_url=GATEWAY, ticket="t.t", node_name=f"burst-{operation}", labels={}, taints=[])
 
 
 def test_offerings_come_from_the_rate_card_with_the_pools_transfer_figure(env: Env, agent: AgentProcess) -> None:
@@ -118,7 +119,7 @@ def test_launch_claims_once_per_operation_and_terminate_returns_the_server(env: 
     assert provider.get(LOCATION, "gpu-a").node_name == "burst-op-1"
     assert json.loads((agent.state_dir / "state.json").read_text())["operation"] == "op-1"
     with pytest.raises(InsufficientCapacityError, match="no idle"):
-        provider.launch(request("op-2", offering), user_data())
+        provider.launch(request("op-2", offering), user_data("op-2"))
 
     provider.terminate(LOCATION, "gpu-a", policy="burst")
     provider.terminate(LOCATION, "gpu-a", policy="burst")  # idempotent
@@ -136,7 +137,7 @@ def test_two_optimizers_racing_for_one_server_exactly_one_wins(env: Env, agent: 
     def launch(i: int) -> None:
         start.wait()
         try:
-            outcomes[i] = providers[i].launch(request(f"op-{i}", offering), user_data())
+            outcomes[i] = providers[i].launch(request(f"op-{i}", offering), user_data(f"op-{i}"))
         except Exception as exc:
             outcomes[i] = exc
 
@@ -176,3 +177,12 @@ def test_a_release_while_the_hub_is_down_is_retried_and_delivered_when_it_is_bac
     env.hub.start()
     provider.terminate(LOCATION, "gpu-a", policy="burst")  # the activity's retry
     wait_until(lambda: env.server("gpu-a")["state"] == "idle" or None, timeout=20, what="gpu-a idle again")
+
+
+def test_a_claim_by_a_cluster_the_server_is_not_configured_for_is_declined(env: Env, agent: AgentProcess) -> None:
+    provider = env.cluster("stranger", [LOCATION])  # not in the agent's --gateways-file
+    [offering] = provider.price_offerings(LOCATION)
+    with pytest.raises(InsufficientCapacityError, match="declined"):
+        provider.launch(request("op-1", offering), user_data())
+    assert env.server("gpu-a")["state"] == "idle"
+    assert "declined, nothing sent" in agent.log

@@ -362,9 +362,8 @@ def test_worker_env_contract_burst_and_external_temporal(burst: Rendered) -> Non
     configmap = burst.get("ConfigMap", locations, NAMESPACE)
     values = yaml.safe_load(BURST_VALUES.read_text())
     assert json.loads(configmap["data"]["locations.json"]) == values["burst"]["locations"]
-    # the on-prem join token Secret is the gateway's (it checks the pool's servers), never the worker's
+    # no on-prem pool token in the cluster at all (the gateway checks the hub's signed claims)
     assert "/var/run/kubeon/burst/onprem.dc1" not in mounts
-    assert all(v.get("secret", {}).get("secretName") != "kubeon-burst-dc1" for v in spec["volumes"])
     # the gateway's ticket key never reaches the worker
     assert all(v.get("secret", {}).get("secretName") != f"{GATEWAY}-ticket-key" for v in spec["volumes"])
     assert "checksum/burst-locations" in deployment["spec"]["template"]["metadata"]["annotations"]
@@ -385,12 +384,18 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     key = next(v for v in spec["volumes"] if v["name"] == "ticket-key")["secret"]
     assert key["secretName"] == f"{GATEWAY}-ticket-key" and key["items"] == [{"key": "key", "path": "ticket-key"}]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    # the on-prem pool's join token (existingSecret), where gateway.pool_tokens reads it: <dir>/onprem.dc1/token
+    # the hub's public claim keys, where gateway.pool_tokens reads them (gateway.settings' default path); no pool token
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    dc1 = mounts["/var/run/kubeon/burst/onprem.dc1"]
-    assert dc1["readOnly"] is True
-    join = next(v for v in spec["volumes"] if v["name"] == dc1["name"])["secret"]
-    assert join["secretName"] == "kubeon-burst-dc1" and join["items"] == [{"key": "token", "path": "token"}]
+    keys = mounts["/var/run/kubeon/hub-claim-keys"]
+    assert keys["readOnly"] is True and "/var/run/kubeon/burst/onprem.dc1" not in mounts
+    volume = next(v for v in spec["volumes"] if v["name"] == keys["name"])["configMap"]
+    assert volume["name"] == f"{GATEWAY}-hub-claim-keys"
+    assert volume["items"] == [{"key": "keys.pem", "path": "keys.pem"}]
+    from worker.config import Settings
+
+    assert str(Settings.model_fields["hub_claim_keys_file"].default) == "/var/run/kubeon/hub-claim-keys/keys.pem"
+    pem = burst.get("ConfigMap", f"{GATEWAY}-hub-claim-keys", NAMESPACE)["data"]["keys.pem"]
+    assert pem == yaml.safe_load(BURST_VALUES.read_text())["hub"]["claimPublicKeys"]
 
     service = burst.get("Service", GATEWAY, NAMESPACE)
     assert service["spec"]["type"] == "LoadBalancer"
@@ -576,6 +581,10 @@ def test_documented_values_are_accepted(tmp_path: Path) -> None:
     assert rendered.get("Service", GATEWAY)["spec"]["type"] == "LoadBalancer"
     gateway = env(container(rendered.get("Deployment", GATEWAY), "gateway"))
     assert (gateway["KUBEON_GATEWAY_PUBLIC_URL"], gateway["KUBEON_GATEWAY_SERVICE"]) == ("", GATEWAY)
+    # the spec's onprem existingSecret (the pool token) is mounted nowhere: clusters never get it
+    for deployment in (GATEWAY, OPTIMIZER):
+        volumes = pod_spec(rendered.get("Deployment", deployment))["volumes"]
+        assert all(v.get("secret", {}).get("secretName") != "kubeon-burst-dc1" for v in volumes)
     rendered.get("Role", GATEWAY, NAMESPACE)
     run_helm(["template", RELEASE, CHART, "-f", tmp_path / "values.yaml"])
     run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
@@ -689,7 +698,7 @@ def test_rendered_locations_are_what_the_worker_parses(burst: Rendered) -> None:
     assert [loc.name for loc in config.locations] == [
         "aws/eu-central-1", "gcp/europe-west4", "azure/westeurope", "onprem/dc1", "sim/eu-west"]
     assert config.location("aws/eu-central-1").aws.subnet_id == "subnet-0b1c2d3e4f5a6b7c8"
-    assert config.location("onprem/dc1").credentials.existing_secret == "kubeon-burst-dc1"
+    assert config.location("onprem/dc1").credentials.existing_secret is None
 
 
 def test_location_schema_matches_the_worker_model() -> None:

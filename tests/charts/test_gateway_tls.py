@@ -154,11 +154,11 @@ def test_worker_mounts_no_secret_but_its_hub_token() -> None:
 
 
 def test_worker_mounts_none_of_the_gateways_secrets(burst: Rendered) -> None:
-    # What values-burst.yaml asks for (the Temporal API key), nothing of the gateway's. The on-prem pool's join
-    # token is the gateway's: it checks the pool's servers; the worker claims them with its hub token.
+    # What values-burst.yaml asks for (the Temporal API key), nothing of the gateway's. No on-prem pool token in
+    # either: the worker claims servers with its hub token, the gateway checks the hub's claims (public keys).
     assert secret_names(burst.get("Deployment", OPTIMIZER)) == {"kubeon-gpu-optimizer-token", "kubeon-temporal-api-key"}
     assert secret_names(burst.get("Deployment", GATEWAY)) == {
-        f"{GATEWAY}-ticket-key", f"{GATEWAY}-tls", f"{GATEWAY}-wireguard", "kubeon-burst-dc1"}
+        f"{GATEWAY}-ticket-key", f"{GATEWAY}-tls", f"{GATEWAY}-wireguard"}
 
 
 # --- the user's own certificate -------------------------------------------------------------------------------

@@ -1,47 +1,80 @@
-"""The gateway's check of an on-prem server's join token against the pool's mounted Secret."""
+"""The gateway's check of an on-prem server's join: the claim the hub signed for that server, for this very join
+(pool, node, operation, ticket), verified with the hub's public keys. No pool secret is mounted in the gateway."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gateway.pool_tokens import JoinTokenRefused, check_join_token, token_file
+from gateway.pool_tokens import JoinTokenRefused, check_pool_claim
+from models import pool_claim
 
-TOKEN = "kgp_0123456789abcdef_" + "a" * 43
+POOL_TOKEN = "kgp_0123456789abcdef_" + "a" * 43
+TICKET = "ticket-body.ticket-signature"
+HUB_KEY = Ed25519PrivateKey.generate()
+
+
+@dataclass
+class Ticket:
+    location: str = "onprem/dc1"
+    node_name: str = "burst-op-1"
+    operation: str = "op-1"
+
+
+def signed(key: Ed25519PrivateKey = HUB_KEY, *, ticket: str = TICKET, exp: float | None = None, **fields: str) -> str:
+    now = int(time.time())
+    body = {"pool": "dc1", "server": "gpu-a", "cluster": "prod-eu", "operation": "op-1", "node": "burst-op-1",
+            **fields}
+    return pool_claim.sign(key, pool_claim.PoolClaim(
+        kid=pool_claim.key_id(key.public_key()), ticket_sha256=pool_claim.ticket_digest(ticket), iat=now,
+        exp=int(exp if exp is not None else now + 600), **body))
 
 
 @pytest.fixture
-def tokens_dir(tmp_path: Path) -> Path:
-    path = token_file(tmp_path, "onprem/dc1")
-    assert path == tmp_path / "onprem.dc1" / "token"  # the chart's mount: /var/run/kubeon/burst/onprem.dc1/token
-    path.parent.mkdir()
-    path.write_text(TOKEN + "\n")
-    return tmp_path
+def keys_file(tmp_path: Path) -> Path:
+    path = tmp_path / "keys.pem"
+    other = Ed25519PrivateKey.generate()  # a rotation: two keys, both trusted
+    path.write_text(pool_claim.public_pem(other.public_key()) + pool_claim.public_pem(HUB_KEY.public_key()))
+    return path
 
 
-def test_the_pools_own_token_is_accepted(tokens_dir: Path) -> None:
-    check_join_token("onprem/dc1", TOKEN, tokens_dir)
+def test_the_hubs_claim_for_this_join_is_accepted(keys_file: Path) -> None:
+    claim = check_pool_claim(Ticket(), TICKET, signed(), keys_file)
+    assert claim is not None and claim.server == "gpu-a"
 
 
-def test_nodes_of_cloud_locations_need_no_join_token(tokens_dir: Path) -> None:
-    check_join_token("aws/eu-central-1", None, tokens_dir)
-    check_join_token("sim/eu-west", None, tokens_dir)
+def test_nodes_of_cloud_locations_need_no_claim(keys_file: Path) -> None:
+    assert check_pool_claim(Ticket(location="aws/eu-central-1"), TICKET, None, keys_file) is None
+    assert check_pool_claim(Ticket(location="sim/eu-west"), TICKET, None, None) is None
 
 
-@pytest.mark.parametrize(("location", "presented", "message"), [
-    ("onprem/dc1", None, "must present the pool's join token"),
-    ("onprem/dc1", "", "must present the pool's join token"),
-    ("onprem/dc1", TOKEN[:-1] + "b", "wrong join token"),
-    ("onprem/dc2", TOKEN, "has no join token for this pool"),  # another pool's server, or no existingSecret
+@pytest.mark.parametrize(("presented", "message"), [
+    (None, "must present the claim the hub signed"),
+    ("", "must present the claim the hub signed"),
+    (POOL_TOKEN, "malformed"),  # the pool's old shared token opens nothing any more
+    (signed(Ed25519PrivateKey.generate()), "not one of the hub's keys"),  # signed by someone else
+    (signed()[:-3] + ("AAA" if not signed().endswith("AAA") else "BBB"), "signature is invalid"),
+    (signed(exp=time.time() - 1), "expired"),
+    (signed(node="burst-op-2"), "node differ"),  # another server's claim, for another node
+    (signed(operation="op-2"), "operation differ"),
+    (signed(pool="dc2"), "pool differ"),
+    (signed(ticket="another-ticket"), "ticket differ"),  # a claim for another ticket of the same node
 ])
-def test_a_missing_wrong_or_unconfigured_join_token_is_refused(tokens_dir: Path, location: str,
-                                                               presented: str | None, message: str) -> None:
+def test_a_missing_forged_expired_or_foreign_claim_is_refused(keys_file: Path, presented: str | None,
+                                                               message: str) -> None:
     with pytest.raises(JoinTokenRefused, match=message):
-        check_join_token(location, presented, tokens_dir)
+        check_pool_claim(Ticket(), TICKET, presented, keys_file)
 
 
-def test_an_empty_token_file_refuses_every_server(tokens_dir: Path) -> None:
-    token_file(tokens_dir, "onprem/dc1").write_text("\n")
-    with pytest.raises(JoinTokenRefused, match="is empty"):
-        check_join_token("onprem/dc1", "", tokens_dir)
+def test_a_gateway_without_the_hubs_keys_refuses_every_server(tmp_path: Path) -> None:
+    with pytest.raises(JoinTokenRefused, match="no hub claim keys"):
+        check_pool_claim(Ticket(), TICKET, signed(), None)
+    with pytest.raises(JoinTokenRefused, match="cannot be read"):
+        check_pool_claim(Ticket(), TICKET, signed(), tmp_path / "missing.pem")
+    (tmp_path / "empty.pem").write_text("\n")
+    with pytest.raises(JoinTokenRefused, match="holds no key"):
+        check_pool_claim(Ticket(), TICKET, signed(), tmp_path / "empty.pem")

@@ -37,7 +37,7 @@ def test_remove_refuses_another_operations_node(cluster: Cluster, gateway_api: c
     answer = gw.join(redeem_for(node_files, gw.sign_ticket(req), req.node_name))
     register_self(node_client(node_files, answer), answer, annotations=KWOK_ANNOTATIONS)
 
-    with pytest.raises(TicketError, match=f"belongs to operation '{req.operation}', not op-other"):
+    with pytest.raises(TicketError, match="has no address slot of operation op-other"):
         gw.remove_node(req.node_name, operation="op-other")
     assert cluster.admin.core.read_node(req.node_name).metadata.name == req.node_name
 
@@ -45,7 +45,7 @@ def test_remove_refuses_another_operations_node(cluster: Cluster, gateway_api: c
     home = f"home-{uuid.uuid4().hex[:6]}"
     nodes.append(home)
     cluster.create_kwok_node(home)
-    with pytest.raises(TicketError, match="belongs to operation None"):
+    with pytest.raises(TicketError, match=f"has no address slot of operation {req.operation}"):
         gw.remove_node(home, operation=req.operation)
 
     assert gw.remove_node(req.node_name, operation=req.operation) is True
@@ -78,7 +78,7 @@ def launch_user_data(config: BurstConfig, gateway: KubeGateway | None = None) ->
     """User data as launch_instance renders it, for a node with every label a launch sets and a real ticket:
     where the gateway's grant says to join, else the worker's configured URL."""
     op = f"op-{uuid.uuid4().hex}"
-    node = f"kubeon-burst-{uuid.uuid4().hex}"
+    node = f"burst-{uuid.uuid4().hex}"
     labels = {LABEL_OPERATION: op, LABEL_POLICY: "inference-burst-" + "x" * 40, LABEL_LOCATION: "aws.eu-central-1",
               LABEL_GPU_PRODUCT: "NVIDIA-H100-80GB-HBM3", LABEL_INSTANCE_TYPE: "p5.48xlarge"}
     taints = [Taint(key=BURST_TAINT)]

@@ -5,18 +5,21 @@ the optimizer's) or as its own process (``gateway_process``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
 
 from models.ids import provision_workflow_id
 from models.node import BurstResult, OperationView
@@ -26,6 +29,8 @@ from tests.harness.crd import install_gpupolicy_crd
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_SA, install_chart_identities
 from worker.config import ENV, Settings
+from worker.main import worker_services
+from worker.runtime import Runtime
 
 if TYPE_CHECKING:
     from gateway.service import KubeGateway
@@ -44,6 +49,19 @@ SIM_LOCATIONS: list[dict[str, Any]] = [
     {"name": "sim/ap-cheap", "sim": {"bootSeconds": 0.5},
      "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.1}]},
 ]
+
+
+def sim_location(name: str, product: str, *, capacity: int | None = None, price: float = 0.9,
+                 four: float | None = None, boot_seconds: float = 0.3) -> dict[str, Any]:
+    """A sim location offering 1-GPU nodes of ``product`` at ``price`` $/h (and 4-GPU ones at ``four``), which
+    boot in ``boot_seconds`` and hold at most ``capacity`` instances (unset: the provider's default)."""
+    offerings = [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": price}]
+    if four is not None:
+        offerings.append({"instanceType": "sim.gpu.4", "gpus": 4, "gpuProduct": product, "usdPerHour": four})
+    sim: dict[str, Any] = {"bootSeconds": boot_seconds}
+    if capacity is not None:
+        sim["capacity"] = capacity
+    return {"name": name, "sim": sim, "offerings": offerings}
 
 
 @dataclass
@@ -130,6 +148,25 @@ def build_stack(cluster: Cluster, workdir: Path) -> BurstStack:
         gateway_kubeconfig=cluster.service_account_kubeconfig("kubeon-gpu", GATEWAY_SA, create=False),
         ticket_key_file=key,
     )
+
+
+# What the ``start_worker`` fixture gives: ``start_worker(locations, **settings)`` -> ``in_process_worker(...)``.
+StartWorker = Callable[..., contextlib.AbstractAsyncContextManager[tuple[Client, Settings, Runtime]]]
+
+
+@contextlib.asynccontextmanager
+async def in_process_worker(stack: BurstStack, temporal: WorkflowEnvironment, locations: list[dict[str, Any]], *,
+                            cluster_name: str | None = None, watch: bool = True, plan: AddressPlan | None = None,
+                            **overrides: Any) -> AsyncIterator[tuple[Client, Settings, Runtime]]:
+    """The worker's services in this process (workflows, activities and, with ``watch``, the pending-pod watcher)
+    on a task queue of their own, against ``temporal`` over ``locations``, with the gateway in this process (its
+    address ``plan``); the cluster is named after the queue unless ``cluster_name`` is given; ``overrides``: more
+    settings."""
+    queue = unique("q")
+    settings = stack.settings(temporal_address=temporal.client.service_client.config.target_host,
+                              task_queue=queue, locations=locations, cluster_name=cluster_name or queue, **overrides)
+    async with worker_services(settings, stack.runtime(settings, plan), watch=watch) as (client_, runtime, _watcher):
+        yield client_, settings, runtime
 
 
 def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: str | None = "NVIDIA-L4",
@@ -301,6 +338,6 @@ def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
-__all__ = ["WORKER_ARGV", "BurstStack", "approve_batch", "build_stack", "gateway_process", "gpu_deployment",
-           "node_for", "node_workflows", "provision_state", "provisioning", "result", "unique", "wait_for",
-           "wait_phase", "worker_env", "worker_process"]
+__all__ = ["WORKER_ARGV", "BurstStack", "StartWorker", "approve_batch", "build_stack", "gateway_process",
+           "gpu_deployment", "in_process_worker", "node_for", "node_workflows", "provision_state", "provisioning",
+           "result", "sim_location", "unique", "wait_for", "wait_phase", "worker_env", "worker_process"]

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,21 @@ def process_group(pgid: int) -> list[int]:
 
 def alive(pid: int) -> bool:
     return start_time(pid) is not None
+
+
+def wait_answering(proc: subprocess.Popen[Any], url: str, *, name: str, log: Callable[[], str],
+                   timeout: float, interval: float = 0.1) -> None:
+    """Until a GET of ``url`` answers; a RuntimeError with ``log()`` when ``proc`` (``name``) exits first or
+    ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode}: {log()}")
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        time.sleep(interval)
+    raise RuntimeError(f"{name} did not answer on {url} within {timeout}s: {log()}")
 
 
 @dataclass

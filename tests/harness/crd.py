@@ -1,10 +1,16 @@
+"""The GpuPolicy CRD from the chart, installed into a test cluster; policies created as `kubectl apply` would."""
+
 from __future__ import annotations
 
+import copy
+import uuid
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kubernetes import client
 
+from models.policy import API_GROUP, PLURAL
 from tests.harness.kube import Cluster, wait_for
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
@@ -23,3 +29,12 @@ def install_gpupolicy_crd(cluster: Cluster) -> None:
         return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
 
     wait_for(established, what="GpuPolicy CRD established")
+
+
+def create_strictly(cluster: Cluster, doc: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A copy of ``doc`` named ``<prefix>-<random>``, created with strict field validation: what `kubectl apply`
+    does by default (unknown fields are errors, not pruned)."""
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["name"] = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
+        API_GROUP, "v1", PLURAL, doc, field_validation="Strict")

@@ -28,16 +28,15 @@ from pathlib import Path
 
 import yaml
 
-from gateway.pool_tokens import token_file as pool_token_file
 from models import search_attributes
 from models.policy import API_GROUP, PLURAL, parse_policy
 from tests.harness.burst import WORKER_ARGV, build_stack, gateway_process, worker_env
 from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_ports, reap, recorded
-from tests.harness.cloud_boot import gateway_join
+from tests.harness.clouds.boot import gateway_join
+from tests.harness.clouds.dev import DevClouds
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
-from tests.harness.dev_clouds import DevClouds
 from tests.harness.kube import Kube, wait_for
-from tests.harness.onprem import AgentProcess
+from tests.harness.onprem import AgentProcess, claim_keys, register_server, write_gateways
 from tests.harness.temporal import dev_server_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,11 +123,13 @@ ONPREM_SERVERS = ("gpu-1", "gpu-2")
 ONPREM_USD_PER_GPU_HOUR = 0.45
 
 
-def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key: str, tokens_dir: Path
-                      ) -> list[AgentProcess]:
-    """The pool onprem/dc1 in the hub (rate card NVIDIA-L4 at $0.45/GPU-h) with two local "servers": agents as
-    processes that join through the gateway like real burst nodes (kwok runs their nodes). The pool's join token
-    goes where the chart mounts each location's existingSecret for the gateway (``tokens_dir``)."""
+def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key: str, claim_keys_file: Path,
+                      gateway_url: str) -> list[AgentProcess]:
+    """The pool onprem/dc1 in the hub (rate card NVIDIA-L4 at $0.45/GPU-h) with two local "servers", registered
+    as an operator does: agents as processes that enrol with the pool's token (once: each then keeps its own
+    server credential) and join through the gateway like real burst nodes (kwok runs their nodes), pinned to the
+    cluster `dev`'s gateway. The gateway gets only the hub's public claim keys (``claim_keys_file``, where the
+    chart mounts hub.claimPublicKeys), never the pool's token."""
     import httpx
 
     created = httpx.post(f"{hub_url}/v1/pools", headers={"Authorization": f"Bearer {admin_key}"}, timeout=10, json={
@@ -140,11 +141,12 @@ def start_onprem_pool(children: Children, workdir: Path, hub_url: str, admin_key
     token_file.parent.mkdir(parents=True, exist_ok=True)
     token_file.write_text(token)
     token_file.chmod(0o600)
-    mounted = pool_token_file(tokens_dir, f"onprem/{ONPREM_POOL}")
-    mounted.parent.mkdir(parents=True, exist_ok=True)
-    mounted.write_text(token)
+    claim_keys_file.write_text(claim_keys(hub_url))
+    gateways = write_gateways(workdir / "onprem" / "gateways.yaml", {"dev": gateway_url})
+    for name in ONPREM_SERVERS:
+        register_server(hub_url, admin_key, ONPREM_POOL, name)
     agents = [AgentProcess(hub_url=hub_url, join_token_file=token_file, pool=ONPREM_POOL, server=name,
-                           state_dir=workdir / "onprem" / name, heartbeat_seconds=2,
+                           state_dir=workdir / "onprem" / name, gateways_file=gateways, heartbeat_seconds=2,
                            popen=children.popen).start()
               for name in ONPREM_SERVERS]
     return agents
@@ -264,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         devclouds.boot(gateway_join(None))
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
-        tokens_dir = workdir / "gateway-pool-tokens"
+        claim_keys_file = workdir / "gateway-hub-claim-keys.pem"
         gateway_port, worker_health_port = free_port(), free_port()
         gateway, gateway_settings = gateway_process(stack, workdir / "gateway.log", gateway_port, popen=children.popen,
-                                                    extra_env={"KUBEON_POOL_TOKENS_DIR": str(tokens_dir)})
+                                                    extra_env={"KUBEON_HUB_CLAIM_KEYS_FILE": str(claim_keys_file)})
         starting(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
         from tests.harness.dev_metrics import DevMetrics
@@ -291,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
             hub_settings.update({"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                                  "hub_poll_interval": 5})
             admin_key = (workdir / "hub" / "dev.key").read_text().strip()
-            agents = start_onprem_pool(children, workdir, hub_url, admin_key, tokens_dir)
-            locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}",
-                                          "credentials": {"existingSecret": "kubeon-burst-dc1"}}]
+            agents = start_onprem_pool(children, workdir, hub_url, admin_key, claim_keys_file,
+                                       str(gateway_settings["gateway_url"]))
+            locations = [*DEV_LOCATIONS, {"name": f"onprem/{ONPREM_POOL}"}]
             starting(f"pool onprem/{ONPREM_POOL} with servers {', '.join(ONPREM_SERVERS)} "
                      f"(agents: {workdir / 'onprem'})")
             key = os.path.relpath(workdir / "hub" / "dev.key", Path.cwd())
             hub_lines = (f"  hub          {hub_url}  (admin key: {key}; cluster dev, policies every 5s)\n"
+                         f"  hub UI       {hub_url}/ui/  (sign in with the API key {admin_key})\n"
                          f"               curl -H \"Authorization: Bearer $(cat {key})\" "
                          f"{hub_url}/v1/clusters/dev/reports\n")
         settings = stack.settings(temporal_address=f"127.0.0.1:{args.temporal_port}", task_queue="kubeon-gpu",
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         approve_in_hub = "" if args.no_hub else (
             "\n  (or approve in the hub: curl -H \"Authorization: Bearer $(cat "
             f"{os.path.relpath(workdir / 'hub' / 'dev.key', Path.cwd())})\" -d '{{\"operation\": \"<OPERATION>\", "
-            f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals)")
+            f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals,\n"
+            f"   or in the hub UI: http://127.0.0.1:{args.hub_port}/ui/approvals)")
         onprem_line = "" if not agents else (
             f", onprem/{ONPREM_POOL} (${ONPREM_USD_PER_GPU_HOUR}/GPU-h, servers {', '.join(ONPREM_SERVERS)})")
         # Started before "ready" is printed: a signal sent by whoever reads "ready" is a stop, not an interruption.
@@ -345,7 +349,7 @@ Next:
 
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
-ScaleToZero (Prometheus {metrics.url}; README "Scale idle GPU workloads to zero"):
+ScaleToZero (Prometheus {metrics.url}; docs/scale-to-zero.md):
   kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, with 40m of history)
   kubectl --kubeconfig {rel} get gpupolicy scale-to-zero-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
 

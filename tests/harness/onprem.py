@@ -1,6 +1,8 @@
 """On-prem pieces for end-to-end tests and `make dev`: a server agent as its own process (`kubeon-gpu
-onprem-agent --simulated`: kwok runs its node, as for sim instances) and the gateway's HTTP app on loopback (the
-real `gateway.app` app with its own credentials, checking the pools' join tokens)."""
+onprem-agent --simulated`: kwok runs its node, as for sim instances), registered by an operator and enrolling
+with the pool's enrolment token, pinned to the clusters' gateways (``write_gateways``), and the gateway's HTTP app
+on loopback (the real `gateway.app` app with its own credentials, checking the hub's signed claims with
+the hub's public claim keys)."""
 
 from __future__ import annotations
 
@@ -17,15 +19,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
+import yaml
 
 from gateway.app import TokenReviewer, create_app
-from gateway.pool_tokens import token_file
 from gateway.service import KubeGateway
 from tests.harness.controlplane import free_port
 from worker.runtime import kube_api
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+# What a test or dev cluster's gateway may route to a server: its tunnel, pod and service CIDRs (the default
+# address plan), and loopback, where a simulated node reaches the local API server.
+TEST_ROUTES = ("10.250.0.0/16", "10.245.0.0/16", "10.96.0.0/12", "127.0.0.0/8")
+
+
+def write_gateways(path: Path, gateways: dict[str, str], *, routes: tuple[str, ...] = TEST_ROUTES,
+                   ca_file: Path | None = None) -> Path:
+    """The agent's ``--gateways-file``: the clusters it may serve, each with its gateway and routes."""
+    clusters = {name: {"gateway": url, "allowedRoutes": list(routes), **({"caFile": str(ca_file)} if ca_file else {})}
+                for name, url in gateways.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"clusters": clusters}))
+    return path
+
+
+def register_server(hub_url: str, admin_key: str, pool: str, server: str, *, gpu_product: str = "NVIDIA-L4",
+                    gpus: int = 1, labels: dict[str, str] | None = None) -> None:
+    """What the pool's operator does before a server's agent may enrol: the inventory entry."""
+    r = httpx.put(f"{hub_url}/v1/pools/{pool}/servers/{server}", headers={"Authorization": f"Bearer {admin_key}"},
+                  json={"gpu_product": gpu_product, "gpus": gpus, "labels": labels or {"rack": "r1"}}, timeout=10)
+    assert r.status_code in (200, 201), r.text
+
+
+def claim_keys(hub_url: str) -> str:
+    """The hub's public claim keys (PEM): what the chart's hub.claimPublicKeys holds for the gateway."""
+    r = httpx.get(f"{hub_url}/v1/pool-claims/keys", timeout=10)
+    r.raise_for_status()
+    pem: str = r.json()["pem"]
+    return pem
 
 
 @dataclass
@@ -35,6 +67,7 @@ class AgentProcess:
     pool: str
     server: str
     state_dir: Path
+    gateways_file: Path
     gpu_product: str = "NVIDIA-L4"
     gpus: int = 1
     heartbeat_seconds: float = 0.5
@@ -63,7 +96,8 @@ class AgentProcess:
         out = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child
         self._proc = self.popen(
             [sys.executable, "-m", "worker.cli", "onprem-agent", "--hub-url", self.hub_url,
-             "--join-token-file", str(self.join_token_file), "--pool", self.pool, "--server", self.server,
+             "--enrolment-token-file", str(self.join_token_file), "--pool", self.pool, "--server", self.server,
+             "--gateways-file", str(self.gateways_file),
              "--gpu-product", self.gpu_product, "--gpus", str(self.gpus), "--state-dir", str(self.state_dir),
              "--heartbeat-seconds", str(self.heartbeat_seconds), "--simulated", "--label", "rack=r1"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
@@ -103,7 +137,7 @@ class GatewayThread:
 
     kubeconfig: Path
     ticket_key: bytes
-    tokens_dir: Path
+    claim_keys_file: Path
     port: int = field(default_factory=free_port)
     _server: uvicorn.Server | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
@@ -112,16 +146,15 @@ class GatewayThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def mount_join_token(self, location: str, token: str) -> None:
-        """What the chart does with the location's existingSecret."""
-        path = token_file(self.tokens_dir, location)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(token)
+    def mount_claim_keys(self, pem: str) -> None:
+        """What the chart does with hub.claimPublicKeys."""
+        self.claim_keys_file.parent.mkdir(parents=True, exist_ok=True)
+        self.claim_keys_file.write_text(pem)
 
     def start(self) -> GatewayThread:
         api = kube_api(self.kubeconfig)
         app = create_app(KubeGateway(api, self.ticket_key), TokenReviewer(api), frozenset(),
-                         pool_tokens_dir=self.tokens_dir)
+                         hub_claim_keys=self.claim_keys_file)
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
         self._thread.start()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.harness.children import wait_answering
 from tests.harness.controlplane import free_port
 
 SCRAPE_JOB = "dcgm"
@@ -85,15 +86,9 @@ class Prometheus:
              f"--storage.tsdb.path={self.data_dir}", f"--web.listen-address=127.0.0.1:{self.port}",
              "--storage.tsdb.retention.time=30d", "--web.enable-lifecycle"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self._proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{self.url}/-/ready", timeout=2).close()
-                return self
-            time.sleep(0.2)
-        raise RuntimeError(f"prometheus did not get ready on {self.url} within {timeout}s: {self.log_tail()}")
+        wait_answering(self._proc, f"{self.url}/-/ready", name="prometheus", log=self.log_tail, timeout=timeout,
+                       interval=0.2)
+        return self
 
     def wait_scraped(self, timeout: float = 30.0, jobs: tuple[str, ...] | None = None) -> None:
         """Until every target (of ``jobs``: default all) has been scraped successfully once."""

@@ -153,3 +153,76 @@ async def hub(app: FastAPI, database_url: str) -> AsyncIterator[Hub]:
             yield Hub(client=client, clock=clock, db=db)
     finally:
         db.dispose()
+
+
+# ----- the web UI: a real hub process and Debian's chromium, shared by the tests of a module -----
+
+
+@dataclass
+class UiHub:
+    """A hub process (``tests.hub.clocked_server``: its clock is a file the test can move) for the web UI tests,
+    with an admin API client. ``backend`` is ``sqlite`` or ``postgresql``."""
+
+    process: Any
+    backend: str
+    clock_file: Path
+    workdir: Path
+    admin: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return str(self.process.url)
+
+    def now(self) -> datetime:
+        return datetime.fromisoformat(self.clock_file.read_text().strip())
+
+    def advance(self, delta: timedelta) -> None:
+        from tests.hub.clocked_server import FileClock
+
+        FileClock.set(self.clock_file, self.now() + delta)
+
+
+def start_ui_hub(workdir: Path, database_url: str, backend: str) -> UiHub:
+    from tests.hub.clocked_server import FileClock
+    from tests.hub.process import HubProcess
+
+    key_file = workdir / "bootstrap.key"
+    key_file.write_text(BOOTSTRAP_KEY + "\n")
+    clock_file = workdir / "clock"
+    FileClock.set(clock_file, datetime.now(UTC).replace(microsecond=0))
+    process = HubProcess(["--database-url", database_url, "--bootstrap-admin-key-file", str(key_file)],
+                         logdir=workdir,
+                         module=["tests.hub.clocked_server", str(clock_file)]).start()
+    admin = httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {BOOTSTRAP_KEY}"}, timeout=10)
+    return UiHub(process=process, backend=backend, clock_file=clock_file, workdir=workdir, admin=admin)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def ui_hub(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UiHub]:
+    """One hub per module and backend: the module's tests use clusters of their own names, so they cannot
+    disturb each other."""
+    workdir = tmp_path_factory.mktemp(f"ui-hub-{request.param}")
+    server: PostgresServer | None = None
+    if request.param == "sqlite":
+        url = f"sqlite:///{workdir / 'hub.db'}"
+    else:
+        server = request.getfixturevalue("postgres_server")
+        url = server.create_database()
+    hub = start_ui_hub(workdir, url, request.param)
+    try:
+        yield hub
+    finally:
+        hub.admin.close()
+        stopped = hub.process.stop()
+        if server is not None:
+            server.drop_database(url)
+        assert stopped, hub.process.log
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    """Debian's chromium, headless, one per module (each test opens contexts of its own: separate cookies)."""
+    from tests.harness.browser import chromium
+
+    async with chromium() as launched:
+        yield launched

@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+from models.join import render_user_data
+from models.labels import Taint
 from tests.hub.conftest import Hub
 from tests.hub.helpers import policy_document
 
@@ -31,13 +33,42 @@ def beat(server: str, *, pool: str = "dc1", phase: str = "idle", operation: str 
             "operation": operation, "labels": {"rack": "r1"}}
 
 
-def claim_body(operation: str, *, policy: str = "inference-burst-eu", gpus: int = 1) -> dict[str, Any]:
+def user_data(operation: str, ticket: str = "") -> str:
+    return render_user_data(gateway_url="https://gw.example:8443", ticket=ticket or f"ticket-of-{operation}",
+                            node_name=f"burst-{operation}", labels={}, taints=[Taint(key="gpu.kubeon.io/burst")])
+
+
+def claim_body(operation: str, *, policy: str = "inference-burst-eu", gpus: int = 1, ticket: str = ""
+               ) -> dict[str, Any]:
     return {"operation": operation, "policy": policy, "gpu_product": "NVIDIA-L4", "gpus": gpus,
-            "node_name": f"burst-{operation}", "user_data": "#kubeon-join\n{\"ticket\": \"t\"}\n"}
+            "node_name": f"burst-{operation}", "user_data": user_data(operation, ticket)}
 
 
-async def heartbeat(hub: Hub, join_token: str, body: dict[str, Any]) -> httpx.Response:
-    return await hub.client.post("/v1/pool-agent/heartbeat", json=body, headers=hub.bearer(join_token))
+async def heartbeat(hub: Hub, credential: str, body: dict[str, Any]) -> httpx.Response:
+    return await hub.client.post("/v1/pool-agent/heartbeat", json=body, headers=hub.bearer(credential))
+
+
+async def register(hub: Hub, server: str, *, pool: str = "dc1", gpus: int = 1, gpu_product: str = "NVIDIA-L4"
+                   ) -> None:
+    r = await hub.client.put(f"/v1/pools/{pool}/servers/{server}", headers=hub.admin,
+                             json={"gpu_product": gpu_product, "gpus": gpus, "labels": {"rack": "r1"}})
+    assert r.status_code in (200, 201), r.text
+
+
+async def enrol_request(hub: Hub, join_token: str, server: str, *, pool: str = "dc1", gpus: int = 1
+                        ) -> httpx.Response:
+    return await hub.client.post("/v1/pool-agent/enrol", headers=hub.bearer(join_token),
+                                 json={"pool": pool, "server": server, "gpu_product": "NVIDIA-L4", "gpus": gpus})
+
+
+async def enrol(hub: Hub, join_token: str, server: str, *, pool: str = "dc1", gpus: int = 1) -> str:
+    """An operator registers the server; its agent enrols with the pool's enrolment token: its own credential."""
+    await register(hub, server, pool=pool, gpus=gpus)
+    r = await enrol_request(hub, join_token, server, pool=pool, gpus=gpus)
+    assert r.status_code == 201, r.text
+    credential: str = r.json()["credential"]
+    assert credential.startswith("kgs_") and r.json()["server"] == server
+    return credential
 
 
 async def cluster_with_policy(hub: Hub, name: str) -> dict[str, str]:
@@ -49,7 +80,8 @@ async def cluster_with_policy(hub: Hub, name: str) -> dict[str, str]:
 
 async def test_claim_join_serve_release_round_trip_is_audited(hub: Hub) -> None:
     join = await create_pool(hub)
-    first = await heartbeat(hub, join, beat("gpu-a"))
+    cred = await enrol(hub, join, "gpu-a")
+    first = await heartbeat(hub, cred, beat("gpu-a"))
     assert first.status_code == 200, first.text
     assert first.json()["claim"] is None and first.json()["state"] == "idle"
     auth = await cluster_with_policy(hub, "prod-eu")
@@ -65,12 +97,14 @@ async def test_claim_join_serve_release_round_trip_is_audited(hub: Hub) -> None:
     again = await hub.client.post("/v1/cluster/pools/dc1/claims", json=claim_body("op-1"), headers=auth)
     assert again.status_code == 200 and again.json()["created"] is False and again.json()["claim"]["server"] == "gpu-a"
 
-    # the agent sees the claim with the user data, joins, serves
-    seen = (await heartbeat(hub, join, beat("gpu-a"))).json()
+    # the agent sees the claim (no ticket yet), takes it up: the user data and the signed claim; joins, serves
+    seen = (await heartbeat(hub, cred, beat("gpu-a"))).json()
     assert seen["claim"]["operation"] == "op-1" and seen["claim"]["cluster"] == "prod-eu"
-    assert seen["claim"]["user_data"].startswith("#kubeon-join")
-    assert (await heartbeat(hub, join, beat("gpu-a", phase="joining", operation="op-1"))).json()["state"] == "joining"
-    serving = (await heartbeat(hub, join, beat("gpu-a", phase="serving", operation="op-1"))).json()
+    assert seen["claim"]["user_data"] is None and seen["claim"]["pool_claim"] is None
+    taken = (await heartbeat(hub, cred, beat("gpu-a", phase="joining", operation="op-1"))).json()
+    assert taken["state"] == "joining" and "ticket-of-op-1" in taken["claim"]["user_data"]
+    assert taken["claim"]["pool_claim"].startswith("kpc1.")
+    serving = (await heartbeat(hub, cred, beat("gpu-a", phase="serving", operation="op-1"))).json()
     assert serving["state"] == "serving" and serving["claim"]["user_data"] is None  # the ticket is not kept
 
     listed = (await hub.client.get("/v1/cluster/pools/dc1/claims", params={"operation": "op-1"}, headers=auth)).json()
@@ -80,8 +114,8 @@ async def test_claim_join_serve_release_round_trip_is_audited(hub: Hub) -> None:
                                 json={"operation": "op-1", "policy": "inference-burst-eu"}, headers=auth)
     assert rel.status_code == 200 and rel.json() == {"server": "gpu-a", "released": True, "state": "releasing"}
     # the agent is told to leave (no claim), leaves, reports idle
-    assert (await heartbeat(hub, join, beat("gpu-a", phase="serving", operation="op-1"))).json()["claim"] is None
-    done = (await heartbeat(hub, join, beat("gpu-a", phase="idle", operation="op-1"))).json()
+    assert (await heartbeat(hub, cred, beat("gpu-a", phase="serving", operation="op-1"))).json()["claim"] is None
+    done = (await heartbeat(hub, cred, beat("gpu-a", phase="idle", operation="op-1"))).json()
     assert done["state"] == "idle" and done["claim"] is None
     retry = await hub.client.post("/v1/cluster/pools/dc1/servers/gpu-a/release",
                                   json={"operation": "op-1", "policy": "inference-burst-eu"}, headers=auth)
@@ -94,7 +128,8 @@ async def test_claim_join_serve_release_round_trip_is_audited(hub: Hub) -> None:
                if e["action"].startswith("pool.")]
     assert actions == [
         ("pool.created", "bootstrap:admin", None), ("pool.join_token_created", "bootstrap:admin", None),
-        ("pool.server_registered", "agent:gpu-a", None), ("pool.server_claimed", "cluster:prod-eu", "prod-eu"),
+        ("pool.server_registered", "bootstrap:admin", None), ("pool.server_enrolled", "agent:gpu-a", None),
+        ("pool.server_online", "agent:gpu-a", None), ("pool.server_claimed", "cluster:prod-eu", "prod-eu"),
         ("pool.server_joining", "agent:gpu-a", "prod-eu"), ("pool.server_serving", "agent:gpu-a", "prod-eu"),
         ("pool.server_release_requested", "cluster:prod-eu", "prod-eu"),
         ("pool.server_released", "agent:gpu-a", "prod-eu"),
@@ -103,7 +138,7 @@ async def test_claim_join_serve_release_round_trip_is_audited(hub: Hub) -> None:
 
 async def test_two_clusters_racing_for_the_last_server_exactly_one_wins(hub: Hub) -> None:
     join = await create_pool(hub)
-    await heartbeat(hub, join, beat("gpu-a"))
+    await heartbeat(hub, await enrol(hub, join, "gpu-a"), beat("gpu-a"))
     a = await cluster_with_policy(hub, "prod-a")
     b = await cluster_with_policy(hub, "prod-b")
     results = await asyncio.gather(*[
@@ -118,21 +153,23 @@ async def test_two_clusters_racing_for_the_last_server_exactly_one_wins(hub: Hub
 
 async def test_an_offline_server_is_never_claimed_until_it_heartbeats(hub: Hub) -> None:
     join = await create_pool(hub, offline_after_seconds=30)
-    await heartbeat(hub, join, beat("gpu-a"))
+    cred = await enrol(hub, join, "gpu-a")
+    await heartbeat(hub, cred, beat("gpu-a"))
     auth = await cluster_with_policy(hub, "prod-eu")
     hub.clock.advance(timedelta(seconds=31))
     pool = (await hub.client.get("/v1/pools/dc1", headers=hub.admin)).json()
     assert pool["servers"][0]["state"] == "offline"
     r = await hub.client.post("/v1/cluster/pools/dc1/claims", json=claim_body("op-1"), headers=auth)
     assert r.status_code == 409 and r.json()["error"] == "no_idle_server"
-    await heartbeat(hub, join, beat("gpu-a"))
+    await heartbeat(hub, cred, beat("gpu-a"))
     assert (await hub.client.post("/v1/cluster/pools/dc1/claims", json=claim_body("op-1"),
                                   headers=auth)).status_code == 201
 
 
 async def test_a_claim_the_agent_never_picked_up_is_withdrawn_and_the_server_is_idle(hub: Hub) -> None:
     join = await create_pool(hub, offline_after_seconds=30)
-    await heartbeat(hub, join, beat("gpu-a"))
+    cred = await enrol(hub, join, "gpu-a")
+    await heartbeat(hub, cred, beat("gpu-a"))
     auth = await cluster_with_policy(hub, "prod-eu")
     assert (await hub.client.post("/v1/cluster/pools/dc1/claims", json=claim_body("op-1"),
                                   headers=auth)).status_code == 201
@@ -146,14 +183,14 @@ async def test_a_claim_the_agent_never_picked_up_is_withdrawn_and_the_server_is_
     server = (await hub.client.get("/v1/pools/dc1", headers=hub.admin)).json()["servers"][0]
     assert server["stored_state"] == "idle" and server["state"] == "offline" and server["claim_operation"] is None
     # back: it is told nothing (the claim is gone), and may be claimed again
-    back = (await heartbeat(hub, join, beat("gpu-a"))).json()
+    back = (await heartbeat(hub, cred, beat("gpu-a"))).json()
     assert back["claim"] is None
     assert "pool.server_online" in [e["action"] for e in await hub.audit()]
 
 
 async def test_a_claim_for_a_location_the_clusters_policies_do_not_name_is_refused(hub: Hub) -> None:
     join = await create_pool(hub, name="dc2")
-    await heartbeat(hub, join, beat("gpu-a", pool="dc2"))
+    await heartbeat(hub, await enrol(hub, join, "gpu-a", pool="dc2"), beat("gpu-a", pool="dc2"))
     auth = await cluster_with_policy(hub, "prod-eu")  # its policy names onprem/dc1, not onprem/dc2
     before = hub.snapshot()
     r = await hub.client.post("/v1/cluster/pools/dc2/claims", json=claim_body("op-1"), headers=auth)
@@ -167,21 +204,21 @@ async def test_a_claim_for_a_location_the_clusters_policies_do_not_name_is_refus
     assert hub.snapshot()["pool_servers"] == before["pool_servers"]
 
 
-async def test_wrong_or_revoked_join_tokens_and_servers_of_another_pool_are_refused(hub: Hub) -> None:
+async def test_wrong_or_revoked_enrolment_tokens_and_servers_of_another_pool_are_refused(hub: Hub) -> None:
     dc1 = await create_pool(hub, name="dc1")
     dc2 = await create_pool(hub, name="dc2")
-    assert (await heartbeat(hub, dc1, beat("gpu-a"))).status_code == 200
+    await register(hub, "gpu-a")
     before = hub.snapshot()
     wrong = dc1[:-4] + ("AAAA" if not dc1.endswith("AAAA") else "BBBB")
-    r = await heartbeat(hub, wrong, beat("gpu-a"))
+    r = await enrol_request(hub, wrong, "gpu-a")
     assert r.status_code == 401 and "wrong secret" in r.json()["message"]
-    r = await heartbeat(hub, "kgc_0123456789abcdef_" + "x" * 43, beat("gpu-a"))
-    assert r.status_code == 401 and "join token" in r.json()["message"]
+    r = await enrol_request(hub, "kgc_0123456789abcdef_" + "x" * 43, "gpu-a")
+    assert r.status_code == 401 and "enrolment token" in r.json()["message"]
     # dc2's token for a server of dc1's pool: the body names dc1
-    r = await heartbeat(hub, dc2, beat("gpu-a"))
+    r = await enrol_request(hub, dc2, "gpu-a")
     assert r.status_code == 403 and r.json()["details"][0]["field"] == "pool"
-    # dc2's token registering the dc1 server under dc2
-    r = await heartbeat(hub, dc2, beat("gpu-a", pool="dc2"))
+    # dc2's token enrolling the dc1 server under dc2
+    r = await enrol_request(hub, dc2, "gpu-a", pool="dc2")
     assert r.status_code == 409 and r.json()["error"] == "server_in_another_pool"
     assert r.json()["details"][0]["field"] == "server"
     assert hub.snapshot() == before
@@ -189,9 +226,9 @@ async def test_wrong_or_revoked_join_tokens_and_servers_of_another_pool_are_refu
     token_id = dc1.split("_")[1]
     r = await hub.client.post(f"/v1/pools/dc1/join-tokens/{token_id}/revoke", headers=hub.admin)
     assert r.status_code == 200 and r.json()["join_tokens"][0]["active"] is False
-    r = await heartbeat(hub, dc1, beat("gpu-a"))
+    r = await enrol_request(hub, dc1, "gpu-a")
     assert r.status_code == 401 and r.json()["error"] == "token_revoked"
-    # a join token is no API key or cluster token
+    # an enrolment token is no API key or cluster token
     assert (await hub.client.get("/v1/pools", headers=hub.bearer(dc2))).status_code == 401
     assert (await hub.client.get("/v1/cluster/policies", headers=hub.bearer(dc2))).status_code == 401
 
@@ -214,6 +251,7 @@ async def test_a_rate_card_with_a_negative_or_non_numeric_price_is_refused(hub: 
 
 async def test_bad_text_and_numbers_are_refused_naming_the_field(hub: Hub) -> None:
     join = await create_pool(hub)
+    cred = await enrol(hub, join, "gpu-a")
     before = hub.snapshot()
     cases: list[tuple[dict[str, Any], str]] = [
         ({**beat("gpu-a"), "gpus": 0}, "gpus"), ({**beat("gpu-a"), "gpus": "1"}, "gpus"),
@@ -222,7 +260,7 @@ async def test_bad_text_and_numbers_are_refused_naming_the_field(hub: Hub) -> No
         ({**beat("gpu-a"), "labels": {"rack": "a\nb"}}, "labels.rack"), ({**beat("gpu-a"), "extra": 1}, "extra"),
     ]
     for body, field in cases:
-        r = await heartbeat(hub, join, body)
+        r = await heartbeat(hub, cred, body)
         assert r.status_code == 422, (body, r.text)
         assert r.json()["details"][0]["field"] == field, (body, r.json())
     r = await hub.client.post("/v1/pools", json={"name": "dc2", "description": "a\x07b", "rate_card": RATE_CARD},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from kubernetes import client
 
 from models import policy
 from models.policy import PolicyError, parse_policy
-from tests.harness.crd import CRD_FILE, install_gpupolicy_crd
+from tests.harness.crd import CRD_FILE, create_strictly
 from tests.harness.kube import Cluster
 from tests.hub.helpers import apply_case
 
@@ -89,18 +88,8 @@ def test_crd_schema_uses_the_model_patterns() -> None:
 
 # --- the same corpus against the real apiserver --------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gpupolicy_crd(cluster: Cluster) -> Cluster:
-    install_gpupolicy_crd(cluster)
-    return cluster
-
-
 def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
-    doc = copy.deepcopy(doc)
-    doc["metadata"]["name"] = f"p-{uuid.uuid4().hex[:10]}"
-    # Strict field validation is what `kubectl apply` does by default: unknown fields are errors, not pruned.
-    return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
-        policy.API_GROUP, "v1", policy.PLURAL, doc, field_validation="Strict")
+    return create_strictly(cluster, doc, "p")
 
 
 @pytest.mark.cluster

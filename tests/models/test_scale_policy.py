@@ -4,7 +4,6 @@ naming the field."""
 from __future__ import annotations
 
 import copy
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from kubernetes import client
 
 from models import policy
 from models.policy import PolicyError, ScaleToZeroPolicy, duration_seconds, parse_policy
-from tests.harness.crd import install_gpupolicy_crd
+from tests.harness.crd import create_strictly
 from tests.harness.kube import Cluster
 
 HERE = Path(__file__).parent
@@ -100,17 +99,8 @@ def test_crd_schema_uses_the_model_patterns() -> None:
 
 # --- the same corpus against the real apiserver --------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gpupolicy_crd(cluster: Cluster) -> Cluster:
-    install_gpupolicy_crd(cluster)
-    return cluster
-
-
 def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
-    doc = copy.deepcopy(doc)
-    doc["metadata"]["name"] = f"s-{uuid.uuid4().hex[:10]}"
-    return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
-        policy.API_GROUP, "v1", policy.PLURAL, doc, field_validation="Strict")
+    return create_strictly(cluster, doc, "s")
 
 
 @pytest.mark.cluster

@@ -6,7 +6,6 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -16,7 +15,6 @@ from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes as sa
 from tests.harness.browser import artifacts_dir, chromium, screenshot
-from tests.harness.console import console_server, ui_dev_server
 from worker.console import COLUMNS_KEY, column_script, inject, workflows_url
 
 PAGE = ('<!doctype html><html><head><meta charset="utf-8" />'
@@ -39,18 +37,6 @@ def test_a_page_without_a_head_is_left_alone() -> None:
 def test_the_link_filters_on_awaiting_approval() -> None:
     assert workflows_url("http://ui:8233/", "prod ns") == (
         "http://ui:8233/namespaces/prod%20ns/workflows?query=KubeonPhase%3D%22AwaitingApproval%22")
-
-
-@pytest.fixture
-async def ui() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
-    async with ui_dev_server() as server:
-        yield server
-
-
-@pytest.fixture
-async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
-    async with console_server(ui[1]) as url:
-        yield url
 
 
 async def _operation(env: WorkflowEnvironment, wf_id: str, phase: str, usd: float) -> None:

@@ -16,30 +16,21 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models.provisioning import BatchPhase
-from tests.harness.burst import BurstStack, build_stack, gpu_deployment, provision_state, unique, wait_for
-from tests.harness.kube import Cluster, until
+from tests.harness.burst import (
+    BurstStack,
+    gpu_deployment,
+    in_process_worker,
+    provision_state,
+    sim_location,
+    unique,
+    wait_for,
+)
+from tests.harness.kube import until
 from worker.background import running
-from worker.main import worker_services
 from worker.runtime import Runtime
 from worker.watcher import PendingPodWatcher, unschedulable_since
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
-
-
-def locations(product: str) -> list[dict[str, Any]]:
-    offering = [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": 0.9}]
-    return [{"name": "sim/open", "sim": {"bootSeconds": 0.3, "capacity": 50}, "offerings": offering}]
-
-
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("watcher"))
-
-
-@pytest.fixture
-def product() -> str:
-    """A GPU type of this test alone: its pods fit no other test's nodes."""
-    return unique("NVIDIA-W")
 
 
 @pytest.fixture
@@ -54,10 +45,8 @@ def policy(stack: BurstStack) -> Iterator[str]:
 async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, product: str
                  ) -> AsyncIterator[tuple[Client, Runtime]]:
     """Workflows and activities without the worker's own watcher: each test runs the watchers it configures."""
-    queue = unique("q")
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations(product), cluster_name=queue)
-    async with worker_services(settings, stack.runtime(settings), watch=False) as (temporal, runtime, _):
+    locations = [sim_location("sim/open", product, capacity=50)]
+    async with in_process_worker(stack, temporal_dev_server, locations, watch=False) as (temporal, _settings, runtime):
         yield temporal, runtime
 
 

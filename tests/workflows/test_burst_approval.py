@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from temporalio import activity
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -26,6 +27,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from models import provisioning
 from models.audit import AuditRecord
 from models.decisions import Approval, Rejection
 from models.hub import GateRequest, GateState
@@ -340,3 +342,58 @@ async def test_state_survives_continue_as_new(env: Env) -> None:
     assert first.proposal is not None
     assert [b.batch for b in view.batches] == [first.proposal.batch]  # its batches and nodes carried over
     assert len(view.nodes) + len(recorded.cleanups) >= 1
+
+
+async def _after_a_failed_node_and_its_pod_gone(env: Env) -> tuple[WorkflowHandle[Any, Any], ProvisionView]:
+    """A batch of one node, approved; the (test) launch refuses, so the node fails and frees its place; then its
+    pod is bound elsewhere. Nothing of this changes the provisioning's phase: it stays Idle."""
+    server, queue, _ = env
+    handle, view = await _proposal(server.client, queue, _pods(1))
+    await ops.approve(server.client, handle.id, Approval(approver="alice"))
+    view = await _until(handle, lambda v: bool(v.batches) and bool(v.batches[0].nodes))
+    await server.client.get_workflow_handle(view.batches[0].nodes[0], result_type=BurstResult).result()
+    await _until(handle, lambda v: not v.nodes)
+    await handle.signal(ProvisionWorkflow.pods_gone, provisioning.PodsGone(uids=["infer-0"]))
+    return handle, await _until(handle, lambda v: not v.waiting)
+
+
+async def test_the_idle_message_says_the_nodes_and_pods_there_are_now(env: Env) -> None:
+    """`ops show` once said `phase Idle: 1 node(s), 1 pod(s) waiting` beside `nodes 0 of maxNodes 4`: the message
+    was written only when a round ended, not when a node finished or a pod went. The query and the Temporal UI's
+    details say what is true now."""
+    handle, view = await _after_a_failed_node_and_its_pod_gone(env)
+    assert view.phase == ProvisionPhase.IDLE
+    assert view.message == "0 node(s), 0 pod(s) waiting"
+    meta = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
+    assert "**Phase:** Idle — 0 node(s), 0 pod(s) waiting" in meta.current_details, meta.current_details
+    assert "**Nodes:** 0 of maxNodes 2 · **waiting pods:** 0" in meta.current_details, meta.current_details
+
+
+async def test_a_batch_whose_nodes_all_ended_says_what_became_of_them(env: Env) -> None:
+    """Every batch once stayed `Launching (1 node(s) started)` after its nodes were gone."""
+    _, view = await _after_a_failed_node_and_its_pod_gone(env)
+    (batch,) = view.batches
+    assert batch.phase == BatchPhase.FAILED, batch
+    assert batch.message == "its 1 node(s) ended: 1 Failed"
+    assert any(f"batch {batch.batch} Failed: its 1 node(s) ended: 1 Failed" in line for line in view.history)
+
+
+async def test_waiting_for_capacity_ends_when_the_pods_waiting_for_it_go(env: Env) -> None:
+    """maxNodes held, a late pod waits for a node to free up; when it goes (bound elsewhere, deleted) nothing
+    waits for capacity any more: the provisioning is Idle, not WaitingForCapacity until some later round."""
+    server, queue, recorded = env
+    recorded.launch_hangs = True
+    handle, view = await _proposal(server.client, queue, _pods(5))
+    await ops.approve(server.client, handle.id, Approval(approver="alice"))
+    await _until(handle, lambda v: len(v.nodes) == 2)
+    await _send(server.client, queue, handle.id, _pods(1, prefix="late"))
+    view = await _until(handle, lambda v: v.phase == ProvisionPhase.WAITING_FOR_CAPACITY)
+    # (This test's planner knows no node's room: the first five wait on too, until bound.)
+    assert view.message.startswith("6 pod(s) wait: maxNodes 2 reached"), view.message
+    gone = [f"infer-{i}" for i in range(5)]
+    await handle.signal(ProvisionWorkflow.pods_gone, provisioning.PodsGone(uids=gone))
+    view = await _until(handle, lambda v: len(v.waiting) == 1)
+    assert view.phase == ProvisionPhase.WAITING_FOR_CAPACITY and view.message.startswith("1 pod(s) wait: maxNodes")
+    await handle.signal(ProvisionWorkflow.pods_gone, provisioning.PodsGone(uids=["late-0"]))
+    view = await _until(handle, lambda v: v.phase == ProvisionPhase.IDLE)
+    assert view.message == "2 node(s), 0 pod(s) waiting"

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 from temporalio.client import Client
-from temporalio.testing import WorkflowEnvironment
 
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
@@ -21,10 +19,11 @@ from models.join import parse_user_data
 from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from node.register import join_simulated
+from tests.harness.background import Background
 from tests.harness.burst import (
     BurstStack,
+    StartWorker,
     approve_batch,
-    build_stack,
     gpu_deployment,
     provision_state,
     result,
@@ -32,9 +31,8 @@ from tests.harness.burst import (
     wait_for,
     wait_phase,
 )
-from tests.harness.kube import Cluster, Kube
-from tests.harness.moto_server import MotoServer
-from worker.main import worker_services
+from tests.harness.clouds.moto_server import MotoServer
+from tests.harness.kube import Kube
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
 REGION = "eu-central-1"
@@ -53,11 +51,6 @@ def _ec2(moto: MotoServer, name: str = "ec2") -> Any:
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("burst-aws"))
-
-
-@pytest.fixture(scope="module")
 def aws_location(moto_server: MotoServer) -> dict[str, Any]:
     # The burst account has the nodes' instance profile, as the setup guide asks (R4.5).
     iam = _ec2(moto_server, "iam")
@@ -67,26 +60,17 @@ def aws_location(moto_server: MotoServer) -> dict[str, Any]:
     return {"name": f"aws/{REGION}", "credentials": {"awsRoleArn": ROLE}, "aws": {"imageId": image}}
 
 
-class BootedInstances:
+class BootedInstances(Background):
     """Plays the booted burst instances: reads each instance's user data from moto and joins through the
     gateway with the ticket found there, as the node's bootstrap would; kwok then runs the Node."""
 
     def __init__(self, moto: MotoServer, gateway: KubeGateway, policy: str, state_dir: Path) -> None:
+        super().__init__()
         self.state_dir = state_dir
         self.ec2 = _ec2(moto)
         self.gateway = gateway
         self.policy = policy
         self.joined: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> BootedInstances:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.wait(0.3):
@@ -108,23 +92,11 @@ class BootedInstances:
 
 
 @pytest.fixture
-def policy(stack: BurstStack) -> Iterator[str]:
-    name = unique("aws")
-    yield name
-    stack.delete_policy(name)
-
-
-@pytest.fixture
-async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, moto_server: MotoServer,
-                 aws_location: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-                 ) -> AsyncIterator[tuple[Client, str, KubeGateway]]:
+async def worker(start_worker: StartWorker, moto_server: MotoServer, aws_location: dict[str, Any],
+                 monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Client, str, KubeGateway]]:
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(var, "testing")
-    queue = unique("q")
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=[aws_location], cluster_name=queue,
-                              aws_endpoint_url=moto_server.endpoint)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _):
+    async with start_worker([aws_location], aws_endpoint_url=moto_server.endpoint) as (temporal, settings, runtime):
         assert isinstance(runtime.gateway, KubeGateway)
         yield temporal, settings.cluster, runtime.gateway
 

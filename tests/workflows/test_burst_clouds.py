@@ -19,12 +19,11 @@ from gateway.service import KubeGateway
 from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from models.provisioning import BatchPhase
-from tests.harness import clouds
 from tests.harness.burst import (
     BurstStack,
     approve_batch,
-    build_stack,
     gpu_deployment,
+    in_process_worker,
     node_for,
     node_workflows,
     provision_state,
@@ -34,11 +33,10 @@ from tests.harness.burst import (
     wait_phase,
     worker_process,
 )
-from tests.harness.cloud_boot import Booter, gateway_join
-from tests.harness.cloud_fake import FakeServer
-from tests.harness.gcp_server import ZONES
-from tests.harness.kube import Cluster
-from worker.main import worker_services
+from tests.harness.clouds import local
+from tests.harness.clouds.boot import Booter, gateway_join
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.gcp_server import ZONES
 from worker.runtime import kube_api
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -61,12 +59,12 @@ class Cloud:
     def location(self, region: str) -> dict[str, Any]:
         if self.name == "gcp":
             if region == self.outside_region:
-                return clouds.gcp_location(region, project="outside-project",
+                return local.gcp_location(region, project="outside-project",
                                            offerings=[{**o, "instanceType": "g2-standard-4"} for o in CHEAP])
-            return clouds.gcp_location(region)
+            return local.gcp_location(region)
         extra = {"offerings": [{**o, "instanceType": "Standard_NC4as_T4_v3"} for o in CHEAP]} \
             if region == self.outside_region else {}
-        return clouds.azure_location(region, **extra)
+        return local.azure_location(region, **extra)
 
     def settings(self) -> dict[str, Any]:
         if self.name == "gcp":
@@ -103,13 +101,13 @@ class Cloud:
     def live(self, policy: str) -> list[dict[str, Any]]:
         """The policy's instances that exist and are not being deleted, per the official client."""
         if self.name == "gcp":
-            found = clouds.gcp_live(self.server, f'(labels.kubeon-burst = "{policy.replace(".", "_")}")')
+            found = local.gcp_live(self.server, f'(labels.kubeon-burst = "{policy.replace(".", "_")}")')
             return [{"id": f"{i.zone.rsplit('/', 1)[1]}/{i.name}", "type": i.machine_type.rsplit("/", 1)[1],
                      "tags": dict(i.labels), "state": i.status} for i in found if i.status != "STOPPING"]
-        compute = clouds.azure_compute(self.server)
+        compute = local.azure_compute(self.server)
         out = []
         for region in (self.home_region, self.cheap_region):
-            for vm in compute.virtual_machines.list(clouds.azure_resource_group(region)):
+            for vm in compute.virtual_machines.list(local.azure_resource_group(region)):
                 if (vm.tags or {}).get(TAG_BURST) == policy and vm.properties.provisioning_state != "Deleting":
                     out.append({"id": vm.name, "type": vm.properties.hardware_profile.vm_size, "tags": vm.tags,
                                 "state": vm.properties.provisioning_state})
@@ -119,22 +117,17 @@ class Cloud:
         return str(inst["tags"]["kubeon-operation" if self.name == "gcp" else TAG_OPERATION])
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("burst-clouds"))
-
-
 @pytest.fixture(scope="module", params=["gcp", "azure"])
 def cloud(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     logdir = tmp_path_factory.mktemp(request.param)
     if request.param == "gcp":
-        server = clouds.start_gcp(logdir)
+        server = local.start_gcp(logdir)
         yield Cloud("gcp", server, "europe-west4", "us-central1", "us-east1", "NVIDIA-A100-SXM4-40GB",
                     "a2-highgpu-1g")
     else:
-        server = clouds.start_azure(logdir)
+        server = local.start_azure(logdir)
         yield Cloud("azure", server, "westeurope", "eastus", "northeurope", "Tesla-T4", "Standard_NC4as_T4_v3",
-                    env=clouds.azure_identity_env(server))
+                    env=local.azure_identity_env(server))
     server.stop()
 
 
@@ -151,11 +144,8 @@ def policy(stack: BurstStack, cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> 
 @contextlib.asynccontextmanager
 async def worker(stack: BurstStack, temporal: WorkflowEnvironment, cloud: Cloud, regions: list[str]
                  ) -> AsyncIterator[tuple[Any, str, KubeGateway]]:
-    queue = unique("q")
     locations = [cloud.location(r) for r in regions]
-    settings = stack.settings(temporal_address=temporal.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue, **cloud.settings())
-    async with worker_services(settings, stack.runtime(settings)) as (client_, runtime, _):
+    async with in_process_worker(stack, temporal, locations, **cloud.settings()) as (client_, settings, runtime):
         assert isinstance(runtime.gateway, KubeGateway)
         yield client_, settings.cluster, runtime.gateway
 

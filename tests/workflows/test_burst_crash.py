@@ -20,24 +20,18 @@ from models.labels import TAG_OPERATION
 from models.node import NodePhase, OperationView
 from tests.harness.burst import (
     BurstStack,
-    build_stack,
     gpu_deployment,
     node_for,
     result,
+    sim_location,
     unique,
     wait_for,
     wait_phase,
     worker_process,
 )
-from tests.harness.kube import Cluster
 from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
-
-
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("crash"))
 
 
 class Workers:
@@ -68,9 +62,7 @@ class Workers:
 def scenario(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, request: pytest.FixtureRequest
              ) -> Iterator[dict[str, Any]]:
     product = unique("NVIDIA-C")
-    location: dict[str, Any] = {
-        "name": "sim/eu-west", "sim": {"bootSeconds": 0.3},
-        "offerings": [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": 1.0}]}
+    location = sim_location("sim/eu-west", product, price=1.0)
     location["sim"].update(getattr(request, "param", {}))
     queue = unique("crash")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,81 +19,42 @@ from models.drain import DrainStatus
 from models.labels import LABEL_INSTANCE_TYPE, LABEL_POLICY
 from models.node import NodePhase
 from models.provisioning import ProvisionPhase
+from tests.harness.background import Background
 from tests.harness.burst import (
     BurstStack,
-    build_stack,
     gpu_deployment,
+    in_process_worker,
     node_for,
     provision_state,
     result,
+    sim_location,
     unique,
     wait_for,
     wait_phase,
 )
-from tests.harness.kube import Cluster
 from worker import ops
-from worker.main import worker_services
 from worker.runtime import Runtime
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 
-def sim_location(name: str, product: str, *, capacity: int = 100, price: float = 0.9,
-                 four: float | None = None) -> dict[str, Any]:
-    offerings = [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": price}]
-    if four is not None:
-        offerings.append({"instanceType": "sim.gpu.4", "gpus": 4, "gpuProduct": product, "usdPerHour": four})
-    return {"name": name, "sim": {"bootSeconds": 0.3, "capacity": capacity}, "offerings": offerings}
-
-
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("limits"))
-
-
 @pytest.fixture
-def product() -> str:
-    """A GPU type of this test alone, so its pods fit no other test's nodes."""
-    return unique("NVIDIA-T")
+def locations(product: str) -> list[dict[str, Any]]:
+    return [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5),
+            sim_location("sim/big", product, four=3.2)]
 
 
-@pytest.fixture
-def policy(stack: BurstStack) -> Iterator[str]:
-    name = unique("lim")
-    yield name
-    stack.delete_policy(name)
-
-
-@pytest.fixture
-async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, product: str
-                 ) -> AsyncIterator[tuple[Client, str]]:
-    queue = unique("q")
-    locations = [sim_location("sim/eu-west", product), sim_location("sim/us-west", product, price=1.5),
-                 sim_location("sim/big", product, four=3.2)]
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _):
-        yield temporal, settings.cluster
-
-
-class NodeCounter:
+class NodeCounter(Background):
     """Watches burst nodes of a policy and records the most that ever existed at once (re-listing whenever the
     watch breaks, so no node is missed)."""
 
+    join_seconds = 15
+
     def __init__(self, core: client.CoreV1Api, policy: str) -> None:
+        super().__init__()
         self.core, self.policy = core, policy
         self.current: set[str] = set()
         self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> NodeCounter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
 
     def _seen(self, names: set[str]) -> None:
         self.current = names
@@ -202,10 +162,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
     for cm in core.list_namespaced_config_map("kubeon-gpu", label_selector="gpu.kubeon.io/gateway-record=slot").items:
         core.delete_namespaced_config_map(str(cm.metadata.name), "kubeon-gpu")  # other modules' slots: this one has 2
     other = f"{product}-b"
-    queue = unique("q")
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, cluster_name=queue,
-                              locations=[sim_location("sim/eu-west", product), sim_location("sim/us-west", other)])
+    locations = [sim_location("sim/eu-west", product), sim_location("sim/us-west", other)]
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west", "sim/us-west"], max_nodes=4)
     first, then = ["slot-a0", "slot-a1"], ["slot-b0", "slot-b1"]
 
@@ -223,7 +180,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
             await asyncio.sleep(0.5)
 
     plan = AddressPlan(pod_cidr="10.245.0.0/29", node_mask=30)
-    async with worker_services(settings, stack.runtime(settings, plan)) as (temporal, runtime, _):
+    async with in_process_worker(stack, temporal_dev_server, locations, plan=plan) as (temporal, settings, runtime):
         with NodeCounter(core, policy) as counter:
             for name in first:
                 apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
@@ -231,7 +188,7 @@ async def test_the_gateways_address_slots_cap_the_nodes_and_the_rest_wait_visibl
             for name in then:
                 apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=other))
             try:
-                view = await provision_state(temporal, queue, policy, lambda v: len(
+                view = await provision_state(temporal, settings.cluster, policy, lambda v: len(
                     [w for w in v.waiting if "address slots" in w]) == 2 and len(v.waiting) == 2)
             except AssertionError:
                 raise AssertionError(f"nodes {sorted(counter.current)}, launched {launched()}") from None
@@ -328,16 +285,14 @@ async def one_operation(stack: BurstStack, temporal_dev_server: WorkflowEnvironm
                         ) -> AsyncIterator[tuple[Any, Runtime]]:
     """A worker over ``locations``, an Automatic policy over them, and one pending Deployment: yields the
     handle of the node workflow planned for it and the worker's runtime; the Deployment is deleted at the end."""
-    queue = unique("q")
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=locations, cluster_name=queue, **settings_overrides)
     stack.create_policy(policy, mode="Automatic", locations=[loc["name"] for loc in locations])
     deploy = unique("infer")
     try:
-        async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _):
+        async with in_process_worker(stack, temporal_dev_server, locations, **settings_overrides) as (
+                temporal, settings, runtime):
             stack.cluster.admin.apps.create_namespaced_deployment(namespace,
                                                                   gpu_deployment(deploy, gpu_product=product))
-            yield await node_for(temporal, queue, policy, f"{namespace}/{deploy}-"), runtime
+            yield await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-"), runtime
     finally:
         with contextlib.suppress(client.ApiException):  # a test may have deleted it to end the operation
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)

@@ -1,6 +1,7 @@
 """R4.10 with an on-prem pool, end to end: the hub as a real process holding the pool `onprem/dc1`, server agents
-as their own processes (`kubeon-gpu onprem-agent --simulated`), the gateway's real HTTP app checking the pool's
-join token, the real control plane, the Temporal dev server and the worker."""
+as their own processes (`kubeon-gpu onprem-agent --simulated`, enrolled with the pool's token, pinned to the
+cluster's gateway), the gateway's real HTTP app checking the claims the hub signs, the real control plane, the
+Temporal dev server and the worker."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from gateway.pool_tokens import POOL_CLAIM_HEADER
 from gateway.service import KubeGateway
-from models.join import JOIN_TOKEN_HEADER, JoinTicketRequest
+from models import pool_claim
+from models.join import JoinTicketRequest
 from models.labels import LABEL_LOCATION, Taint
 from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
@@ -37,7 +41,7 @@ from tests.harness.burst import (
 )
 from tests.harness.joining import join_over_http
 from tests.harness.kube import Cluster, until
-from tests.harness.onprem import AgentProcess, GatewayThread
+from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, register_server, write_gateways
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
 from worker.main import worker_services
@@ -46,8 +50,7 @@ from worker.runtime import kube_api
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 POOL = "dc1"
 LOCATION = f"onprem/{POOL}"
-LOCATIONS: list[dict[str, Any]] = [{"name": LOCATION, "credentials": {"existingSecret": "kubeon-burst-dc1"}},
-                                   SIM_LOCATIONS[0]]
+LOCATIONS: list[dict[str, Any]] = [{"name": LOCATION}, SIM_LOCATIONS[0]]
 OFFLINE_AFTER = 5
 
 
@@ -64,8 +67,11 @@ class OnPrem:
     agents: list[AgentProcess] = field(default_factory=list)
 
     def agent(self, server: str) -> AgentProcess:
+        if not self.server(server):
+            register_server(self.hub.url, BOOTSTRAP_KEY, POOL, server)
+        gateways = write_gateways(self.workdir / "gateways.yaml", {self.cluster: self.gateway.url})
         agent = AgentProcess(hub_url=self.hub.url, join_token_file=self.join_token_file, pool=POOL, server=server,
-                             state_dir=self.workdir / f"agent-{server}")
+                             state_dir=self.workdir / f"agent-{server}", gateways_file=gateways)
         self.agents.append(agent)
         return agent.start()
 
@@ -147,8 +153,8 @@ def onprem_hub(stack: BurstStack, tmp_path: Path) -> Iterator[OnPrem]:
     join_token_file = tmp_path / "join.token"
     join_token_file.write_text(join_token)
     gateway = GatewayThread(stack.gateway_kubeconfig, stack.ticket_key_file.read_bytes().strip(),
-                            tmp_path / "pool-tokens")
-    gateway.mount_join_token(LOCATION, join_token)
+                            tmp_path / "hub-claim-keys.pem")
+    gateway.mount_claim_keys(claim_keys(hub.url))  # no pool secret in the cluster: the hub's public keys
     env = OnPrem(stack=stack, hub=hub, admin=admin, cluster=cluster, join_token_file=join_token_file,
                  gateway=gateway, workdir=tmp_path)
     try:
@@ -325,28 +331,38 @@ async def test_server_offline_while_claimed_fails_over_to_the_next_location(onpr
     await _remove(onprem, namespace, deploy, handle, policy)
 
 
-def test_the_gateway_refuses_a_server_without_the_pools_join_token(stack: BurstStack, tmp_path: Path) -> None:
-    gateway = GatewayThread(stack.gateway_kubeconfig, stack.ticket_key_file.read_bytes().strip(), tmp_path / "t")
-    gateway.mount_join_token(LOCATION, "kgp_0123456789abcdef_" + "a" * 43)
+def test_the_gateway_refuses_a_server_without_the_hubs_claim_for_it(stack: BurstStack, tmp_path: Path) -> None:
+    hub_key = Ed25519PrivateKey.generate()
+    gateway = GatewayThread(stack.gateway_kubeconfig, stack.ticket_key_file.read_bytes().strip(), tmp_path / "k.pem")
+    gateway.mount_claim_keys(pool_claim.public_pem(hub_key.public_key()))
     gateway.start()
     signer = KubeGateway(kube_api(stack.gateway_kubeconfig), stack.ticket_key_file.read_bytes().strip())
     try:
-        def ticket(location: str) -> str:
+        def ticket(location: str, node: str) -> str:
             return signer.sign_ticket(JoinTicketRequest(
-                operation="op-0123456789ab", policy="p", location=location, node_name=unique("burst"),
+                operation="op-0123456789ab", policy="p", location=location, node_name=node,
                 labels={}, taints=[Taint(key=BURST_TAINT_KEY)]))
 
+        def claim(key: Ed25519PrivateKey, node: str, for_ticket: str) -> str:
+            now = int(time.time())
+            return pool_claim.sign(key, pool_claim.PoolClaim(
+                kid=pool_claim.key_id(key.public_key()), pool=POOL, server="gpu-a", cluster="c",
+                operation="op-0123456789ab", node=node, ticket_sha256=pool_claim.ticket_digest(for_ticket),
+                iat=now, exp=now + 600))
+
         capacity = {"cpu": "1", "pods": "10"}
-        for presented, why in ((None, "must present"), ("kgp_wrong", "wrong join token")):
+        node = unique("burst")
+        mine = ticket(LOCATION, node)
+        other = ticket(LOCATION, unique("burst"))
+        for presented, why in ((None, "must present"), ("kgp_0123456789abcdef_" + "a" * 43, "malformed"),
+                               (claim(Ed25519PrivateKey.generate(), node, mine), "not one of the hub's keys"),
+                               (claim(hub_key, node, other), "ticket differ")):
             transport = None
             if presented is not None:
                 def transport(verify: Any, token: str = presented) -> httpx.BaseTransport:
                     return _Header(httpx.HTTPTransport(verify=verify), token)
             with pytest.raises(JoinRefusedByGateway, match=why):
-                join_over_http(gateway.url, ticket(LOCATION), capacity, {}, "", transport=transport)
-        with pytest.raises(JoinRefusedByGateway, match="no join token"):
-            join_over_http(gateway.url, ticket("onprem/dc9"), capacity, {}, "",
-                           transport=lambda v: _Header(httpx.HTTPTransport(verify=v), "x"))
+                join_over_http(gateway.url, mine, capacity, {}, "", transport=transport)
     finally:
         gateway.stop()
 
@@ -356,5 +372,5 @@ class _Header(httpx.BaseTransport):
         self.inner, self.token = inner, token
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        request.headers[JOIN_TOKEN_HEADER] = self.token
+        request.headers[POOL_CLAIM_HEADER] = self.token
         return self.inner.handle_request(request)

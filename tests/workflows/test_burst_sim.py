@@ -4,13 +4,12 @@ real dev server, the optimizer and the gateway each with their own ServiceAccoun
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 from temporalio.client import Client
-from temporalio.testing import WorkflowEnvironment
 
 from models.decisions import Approval
 from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
@@ -19,7 +18,7 @@ from models.provisioning import BatchPhase, ProvisionPhase
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
-    build_stack,
+    StartWorker,
     gpu_deployment,
     node_for,
     node_workflows,
@@ -29,9 +28,9 @@ from tests.harness.burst import (
     wait_for,
     wait_phase,
 )
-from tests.harness.kube import Cluster, until
+from tests.harness.kube import until
 from worker import ops
-from worker.main import worker_services
+from worker.cli import _render_view as render_view
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
@@ -49,25 +48,10 @@ LOCATIONS: list[dict[str, Any]] = [*SIM_LOCATIONS,
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("burst"))
-
-
 @pytest.fixture
-def policy(stack: BurstStack) -> Iterator[str]:
-    """A fresh policy name, deleted after the test (policies are cluster-scoped and would match later pods)."""
-    name = unique("burst")
-    yield name
-    stack.delete_policy(name)
-
-
-@pytest.fixture
-async def worker(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
-    queue = unique("q")
-    settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
-                              task_queue=queue, locations=LOCATIONS, cluster_name=queue)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, runtime, _watcher):
+async def worker(start_worker: StartWorker) -> AsyncIterator[tuple[Client, str]]:
+    """The worker over these locations; every test leaves an audit log."""
+    async with start_worker(LOCATIONS) as (temporal, settings, runtime):
         yield temporal, settings.cluster
         assert runtime.audit.read() is not None
 
@@ -128,8 +112,15 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
     assert done.phase == NodePhase.COMPLETED, done.message
     wait_for(lambda: not stack.cluster.admin.core.list_node(
         field_selector=f"metadata.name={serving.node_name}").items, what="burst node gone")
-    after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
+    after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes and not v.waiting)
     assert after.batches[-1].approver == "alice"
+    # What `ops show` says once the burst is over: the batch ended with its node, the phase's message says the
+    # nodes and pods there are now (both once stayed as they were when the node started).
+    assert (after.batches[-1].phase, after.batches[-1].message) == (BatchPhase.COMPLETED,
+                                                                    "its 1 node(s) ended: 1 Completed")
+    shown_text = render_view(await ops.show(temporal, after.workflow_id))
+    assert "phase      Idle: 0 node(s), 0 pod(s) waiting" in shown_text, shown_text
+    assert "nodes      0 of maxNodes 2" in shown_text and "Completed" in shown_text, shown_text
 
 
 async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[Client, str],

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,20 +33,20 @@ from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
     BurstStack,
-    build_stack,
     gpu_deployment,
     node_for,
     provision_state,
     result,
+    sim_location,
     unique,
     wait_phase,
     worker_process,
 )
 from tests.harness.controlplane import free_port
 from tests.harness.dashboard import dashboard_metric_names
-from tests.harness.kube import Cluster, until, wait_for
+from tests.harness.kube import until, wait_for
 from tests.harness.otlp import OtlpReceiver, ReceivedSpan
-from tests.hub.process import SeededHub, seeded_hub
+from tests.hub.process import SeededHub
 from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -55,11 +54,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 # The node's phases; the batch's (planning, awaiting its approval) are in the batch's trace.
 PHASES = ("Launching", "Joining", "Verifying", "Serving", "Draining", "Completed")
 BATCH_PHASES = {"Phase:Planning", "Phase:AwaitingApproval"}
-
-
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("telemetry"))
 
 
 @pytest.fixture
@@ -201,12 +195,6 @@ def by_name(spans: list[ReceivedSpan], name: str) -> list[ReceivedSpan]:
 def sim_records(settings: Settings, operation: str) -> list[dict[str, Any]]:
     state = json.loads((settings.state_dir / "sim-instances.json").read_text())
     return [rec for rec in state.values() if rec["tags"].get(TAG_OPERATION) == operation]
-
-
-@pytest.fixture
-def hub(tmp_path: Path) -> Iterator[SeededHub]:
-    with seeded_hub(tmp_path, unique("c"), SeededHub) as seeded:
-        yield seeded
 
 
 async def test_a_burst_is_one_trace_counted_in_metrics_and_leaks_no_secret(
@@ -376,8 +364,7 @@ async def test_the_trace_survives_a_worker_killed_mid_join(
         stack: BurstStack, temporal_dev_server: WorkflowEnvironment, namespace: str, tmp_path: Path) -> None:
     temporal = temporal_dev_server.client
     product = unique("NVIDIA-T")
-    location = {"name": "sim/eu-west", "sim": {"bootSeconds": 6},
-                "offerings": [{"instanceType": "sim.gpu.1", "gpus": 1, "gpuProduct": product, "usdPerHour": 1.0}]}
+    location = sim_location("sim/eu-west", product, price=1.0, boot_seconds=6)
     queue = unique("trace")
     policy = unique("trace")
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"])

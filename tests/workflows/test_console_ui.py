@@ -5,7 +5,7 @@ Screenshots are saved (KUBEON_ARTIFACTS_DIR, else the test's temporary directory
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -20,51 +20,22 @@ from tests.harness.browser import artifacts_dir, chromium, current_details_text,
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
-    build_stack,
     gpu_deployment,
+    in_process_worker,
     node_for,
     provision_state,
     result,
     unique,
     wait_phase,
 )
-from tests.harness.console import console_server, ui_dev_server
-from tests.harness.kube import Cluster
-from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("console"))
-
-
-@pytest.fixture
-def policy(stack: BurstStack) -> Iterator[str]:
-    name = unique("console")
-    yield name
-    stack.delete_policy(name)
-
-
-@pytest.fixture
-async def ui() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
-    async with ui_dev_server() as server:
-        yield server
-
-
-@pytest.fixture
-async def console(ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[str]:
-    async with console_server(ui[1]) as url:
-        yield url
-
-
 @pytest.fixture
 async def worker(stack: BurstStack, ui: tuple[WorkflowEnvironment, str]) -> AsyncIterator[tuple[Client, str]]:
-    queue = unique("q")
-    settings = stack.settings(temporal_address=ui[0].client.service_client.config.target_host,
-                              task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
+    """The worker on the UI's own dev server."""
+    async with in_process_worker(stack, ui[0], SIM_LOCATIONS) as (temporal, settings, _runtime):
         yield temporal, settings.cluster
 
 

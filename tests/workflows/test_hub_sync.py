@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +16,11 @@ from kubernetes import client
 from sqlalchemy import select
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
-from temporalio.testing import WorkflowEnvironment
 
 from hub.db import Cluster as HubCluster
 from hub.db import Database
 from hub.db import Policy as HubPolicy
+from hub.plans import parse_plan
 from models.decisions import Approval
 from models.drain import DrainStatus
 from models.hub import (
@@ -41,17 +41,16 @@ from tests.harness.burst import (
     BURST_TAINT_KEY,
     SIM_LOCATIONS,
     BurstStack,
-    build_stack,
+    StartWorker,
     gpu_deployment,
     node_for,
     provision_state,
     unique,
     wait_phase,
 )
-from tests.harness.kube import Cluster, until
-from tests.hub.process import SeededHub, seeded_hub
+from tests.harness.kube import until
+from tests.hub.process import SeededHub
 from worker import ops
-from worker.main import worker_services
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 POLL = 1.0
@@ -167,25 +166,15 @@ class Optimizer:
         return [str(n.metadata.name) for n in nodes.items]
 
 
-@pytest.fixture(scope="module")
-def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> BurstStack:
-    return build_stack(cluster, tmp_path_factory.mktemp("hub-sync"))
+@pytest.fixture
+def hub_class() -> type[Hub]:
+    return Hub
 
 
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[Hub]:
-    with seeded_hub(tmp_path, unique("c"), Hub) as seeded:
-        yield seeded
-
-
-@pytest.fixture
-async def optimizer(stack: BurstStack, hub: Hub, temporal_dev_server: WorkflowEnvironment
-                    ) -> AsyncIterator[Optimizer]:
-    settings = stack.settings(
-        temporal_address=temporal_dev_server.client.service_client.config.target_host, task_queue=unique("q"),
-        locations=SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
-        hub_token_file=hub.token_file, hub_poll_interval=POLL)
-    async with worker_services(settings, stack.runtime(settings)) as (temporal, _runtime, _watcher):
+async def optimizer(stack: BurstStack, hub: Hub, start_worker: StartWorker) -> AsyncIterator[Optimizer]:
+    async with start_worker(SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
+                            hub_token_file=hub.token_file, hub_poll_interval=POLL) as (temporal, _settings, _runtime):
         opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack)
         try:
             yield opt
@@ -317,6 +306,13 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
     assert by_op[rejected.batch] == ["proposed", "rejected"]
     launched = next(r for r in hub.reports() if r["action"] == "launched")
     assert launched["location"] == "sim/eu-west" and launched["instance"] and launched["node"]
+    # The proposal carries its whole plan, as the hub's Approvals page shows it and binds a decision to it.
+    proposed = next(r for r in hub.reports() if r["operation"] == approved.batch and r["action"] == "proposed")
+    plan = parse_plan(proposed["detail"])
+    assert plan is not None and plan.plan_id == approved.plan.plan_id and plan.batch == approved.batch
+    assert [(n.location, n.instance_type, n.pods) for n in plan.nodes] == [
+        (n.offering.location, n.offering.instance_type, n.pods) for n in approved.plan.new_nodes]
+    assert plan.total == approved.plan.total_usd_per_hour
     # A decision for a batch no longer awaiting approval is refused, not applied to a later proposal.
     with pytest.raises(ops.DecisionRefused):
         await ops.approve(optimizer.temporal, approved.batch, Approval(approver="late"))

@@ -150,5 +150,10 @@ Checks the schema cannot express; each failure names the value.
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when burst.locations has an on-prem pool (onprem/<pool>): the gateway then checks the hub's claims. */}}
+{{- define "kubeon.onpremLocations" -}}
+{{- range .Values.burst.locations }}{{ if hasPrefix "onprem/" .name }}true{{ end }}{{ end -}}
+{{- end -}}
+
 {{/* The audience of the token the worker sends to the gateway, which accepts no other. */}}
 {{- define "kubeon.gatewayAudience" -}}kubeon-gateway{{- end -}}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,21 +16,18 @@ from activities.providers.base import (
 from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
 from models.node import LaunchRequest
-from tests.harness.azure_server import IDENTITY_HEADER
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds.azure_server import IDENTITY_HEADER
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
+from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
 
 LOCATION = "azure/westeurope"
-SUB = "11111111-2222-3333-4444-555555555555"
-CLIENT_ID = "55555555-6666-7777-8888-999999999999"
 SUBNET = f"/subscriptions/{SUB}/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    tmp = tmp_path_factory.mktemp("azure")
-    srv = FakeServer("tests.harness.azure_server", tmp, tls_dir=tmp / "tls", with_identity=True).start()
-    yield srv
-    srv.stop()
+def server(azure_server: FakeServer) -> FakeServer:
+    return azure_server
 
 
 def config(**azure: object) -> BurstConfig:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,15 @@ from activities.providers.gcp import GcpProvider
 from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
 from models.node import LaunchRequest
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds.fake import FakeServer
 
 LOCATION = "gcp/europe-west4"
 SA = "kubeon-burst@acme-ml.iam.gserviceaccount.com"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    srv = FakeServer("tests.harness.gcp_server", tmp_path_factory.mktemp("gcp")).start()
-    yield srv
-    srv.stop()
+def server(gcp_server: FakeServer) -> FakeServer:
+    return gcp_server
 
 
 def config(**gcp: object) -> BurstConfig:

@@ -5,15 +5,15 @@ sees) and joins through the gateway with the ticket in it; kwok then runs the No
 from __future__ import annotations
 
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from activities.providers.sim import KWOK_ANNOTATIONS
-from tests.harness.azure_server import SIZES
-from tests.harness.cloud_fake import FakeServer
-from tests.harness.gcp_server import MACHINE_TYPES
+from tests.harness.background import Background
+from tests.harness.clouds.azure_server import SIZES
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.gcp_server import MACHINE_TYPES
 
 # (instance id, user data, capacity, provider id) -> the node's name; raises when the join fails.
 Join = Callable[[str, str, dict[str, str], str], str]
@@ -65,24 +65,15 @@ def _azure(state: dict[str, Any]) -> list[tuple[str, str, dict[str, str], str]]:
     return out
 
 
-class Booter:
+class Booter(Background):
     """A thread that joins every newly running instance of one local cloud, once."""
 
     def __init__(self, server: FakeServer, join: Join, *, interval: float = 0.3) -> None:
+        super().__init__()
         self.server, self.join, self.interval = server, join, interval
         self.kind = _azure if "azure" in server.module else _gcp
         self.joined: dict[str, str] = {}  # instance id -> node name
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Booter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -144,7 +144,7 @@ class FakeServer:
             self.identity_url = f"http://127.0.0.1:{identity_port}/msi/token"
             argv += ["--identity-port", str(identity_port)]
         self._proc = self.popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+                                      start_new_session=True, cwd=Path(__file__).resolve().parents[3])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.harness import clouds
-from tests.harness.cloud_boot import Booter, Join
-from tests.harness.cloud_fake import FakeServer
-from tests.harness.moto_server import MotoServer
+from tests.harness.clouds import local
+from tests.harness.clouds.boot import Booter, Join
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.moto_server import MotoServer
 
 AWS_REGION = "eu-central-1"
 AWS_ROLE = "arn:aws:iam::111122223333:role/kubeon-burst-eu-central-1"
@@ -38,19 +38,19 @@ class DevClouds:
     def start(self) -> DevClouds:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.moto = MotoServer(self.workdir, popen=self.popen).start()
-        self.gcp = clouds.start_gcp(self.workdir, popen=self.popen)
-        self.azure = clouds.start_azure(self.workdir, popen=self.popen)
+        self.gcp = local.start_gcp(self.workdir, popen=self.popen)
+        self.azure = local.start_azure(self.workdir, popen=self.popen)
         image = self._aws_setup()
         self.locations = [
             {"name": f"aws/{AWS_REGION}", "credentials": {"awsRoleArn": AWS_ROLE}, "aws": {"imageId": image}},
-            clouds.gcp_location("europe-west4"),
-            clouds.azure_location("westeurope"),
+            local.gcp_location("europe-west4"),
+            local.azure_location("westeurope"),
         ]
         self.endpoints = {
             "aws": {"url": self.moto.endpoint, "region": AWS_REGION},
-            "gcp": {"url": self.gcp.url, "project": clouds.GCP_PROJECT},
-            "azure": {"url": self.azure.url, "subscription": clouds.AZURE_SUBSCRIPTION,
-                      "resourceGroup": clouds.azure_resource_group("westeurope"), "ca": str(self.azure.ca_file)},
+            "gcp": {"url": self.gcp.url, "project": local.GCP_PROJECT},
+            "azure": {"url": self.azure.url, "subscription": local.AZURE_SUBSCRIPTION,
+                      "resourceGroup": local.azure_resource_group("westeurope"), "ca": str(self.azure.ca_file)},
         }
         self.endpoints_file.write_text(json.dumps(self.endpoints, indent=2) + "\n")
         return self
@@ -59,7 +59,7 @@ class DevClouds:
         """What the worker process needs besides its settings: AWS keys for moto, Azure's identity endpoint."""
         assert self.azure is not None
         return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                **clouds.azure_identity_env(self.azure)}
+                **local.azure_identity_env(self.azure)}
 
     def settings(self) -> dict[str, Any]:
         assert self.moto and self.gcp and self.azure

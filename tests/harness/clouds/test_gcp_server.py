@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -10,17 +9,15 @@ from google.api_core import exceptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds.fake import FakeServer
 
 PROJECT = "acme-ml"
 ZONE = "europe-west4-a"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    srv = FakeServer("tests.harness.gcp_server", tmp_path_factory.mktemp("gcp")).start()
-    yield srv
-    srv.stop()
+def server(gcp_server: FakeServer) -> FakeServer:
+    return gcp_server
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ azure-identity's ManagedIdentityCredential: the real bearer-token path and the r
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,21 +16,18 @@ from azure.core.exceptions import (
 from azure.identity import ManagedIdentityCredential
 from azure.mgmt.compute import ComputeManagementClient
 
-from tests.harness.azure_server import IDENTITY_HEADER
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds.azure_server import IDENTITY_HEADER
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
+from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
 
-SUB = "11111111-2222-3333-4444-555555555555"
 RG = "kubeon-burst-westeurope"
-CLIENT_ID = "55555555-6666-7777-8888-999999999999"
 SUBNET = f"/subscriptions/{SUB}/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeServer]:
-    tmp = tmp_path_factory.mktemp("azure")
-    srv = FakeServer("tests.harness.azure_server", tmp, tls_dir=tmp / "tls", with_identity=True).start()
-    yield srv
-    srv.stop()
+def server(azure_server: FakeServer) -> FakeServer:
+    return azure_server
 
 
 @pytest.fixture

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.harness.children import wait_answering
 from tests.harness.controlplane import free_port
 
 
@@ -30,16 +29,9 @@ class MotoServer:
             [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                log_text = (self.logdir / "moto.log").read_text()
-                raise RuntimeError(f"moto_server exited {self._proc.returncode}: {log_text}")
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2).close()
-                return self
-            time.sleep(0.1)
-        raise RuntimeError(f"moto_server did not answer on {self.endpoint} within {timeout}s")
+        wait_answering(self._proc, f"{self.endpoint}/moto-api/", name="moto_server", timeout=timeout,
+                       log=(self.logdir / "moto.log").read_text)
+        return self
 
     def reset(self) -> None:
         req = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.harness.azure_server import IDENTITY_HEADER
-from tests.harness.cloud_fake import FakeServer
+from tests.harness.clouds.azure_server import IDENTITY_HEADER
+from tests.harness.clouds.fake import FakeServer
 
 GCP_PROJECT = "kubeon-burst-dev"
 GCP_SA = "kubeon-burst@kubeon-burst-dev.iam.gserviceaccount.com"
@@ -34,11 +34,11 @@ def azure_location(region: str = "westeurope", **extra: Any) -> dict[str, Any]:
 
 
 def start_gcp(logdir: Path, *, port: int = 0, popen: Callable[..., Any] = subprocess.Popen) -> FakeServer:
-    return FakeServer("tests.harness.gcp_server", logdir, popen=popen).start(port=port)
+    return FakeServer("tests.harness.clouds.gcp_server", logdir, popen=popen).start(port=port)
 
 
 def start_azure(logdir: Path, *, port: int = 0, popen: Callable[..., Any] = subprocess.Popen) -> FakeServer:
-    return FakeServer("tests.harness.azure_server", logdir, tls_dir=logdir / "azure-tls",
+    return FakeServer("tests.harness.clouds.azure_server", logdir, tls_dir=logdir / "azure-tls",
                       with_identity=True, popen=popen).start(port=port)
 
 

@@ -13,10 +13,10 @@ Faults: ``sku_not_available`` ([sizes]: a synchronous 409 SkuNotAvailable), ``al
 the create's operation fails with ZonalAllocationFailed, the VM stays, Failed, as Azure leaves it),
 ``allocation_failed`` (AllocationFailed, any zone; ``allocation_failed_locations``: in those regions),
 ``quota`` ({"family": ...}: 409 OperationNotAllowed), plus the
-shared ones (cloud_fake.py). A VM "boots" when its create operation succeeds: PowerState/running, its customData
+shared ones (fake.py). A VM "boots" when its create operation succeeds: PowerState/running, its customData
 is what the booter joins with.
 
-    python -m tests.harness.azure_server --port 8471 --identity-port 8472 --tls-dir .kubeon/dev/azure
+    python -m tests.harness.clouds.azure_server --port 8471 --identity-port 8472 --tls-dir .kubeon/dev/azure
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 from werkzeug.wrappers import Request, Response
 
-from tests.harness.cloud_fake import ApiError, FakeCloud, json_response
+from tests.harness.clouds.fake import ApiError, FakeCloud, json_response
 
 IDENTITY_HEADER = "kubeon-dev-identity"
 SIZES: dict[str, tuple[str, int, int, int]] = {  # name -> (family, vCPUs, memory GB, GPUs)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from werkzeug.serving import make_server
 
-    from tests.harness.cloud_fake import make_tls
+    from tests.harness.clouds.fake import make_tls
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import boto3
 import pytest
 
-from tests.harness.moto_server import MotoServer
+from tests.harness.clouds.moto_server import MotoServer
 
 pytestmark = pytest.mark.aws
 

@@ -5,12 +5,12 @@ machineTypes list/aggregatedList, regions get. Instances live in memory.
 Faults (``FakeServer.fault``): ``stockout_zones`` (an insert's operation ends DONE with
 ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS, as GCE reports a stockout), ``quota`` ({"metric": "NVIDIA_L4_GPUS",
 "in_operation": false}: a 403 quotaExceeded, or the operation's QUOTA_EXCEEDED), ``done_error_only`` (the
-operation ends DONE with only ``error`` set: no httpErrorStatusCode), plus the shared ones (cloud_fake.py).
+operation ends DONE with only ``error`` set: no httpErrorStatusCode), plus the shared ones (fake.py).
 
 An instance "boots" when its insert operation is done: it is RUNNING and its ``user-data`` metadata is what the
-booter (tests/harness/cloud_boot.py) joins the cluster with.
+booter (tests/harness/clouds/boot.py) joins the cluster with.
 
-    python -m tests.harness.gcp_server --port 8470
+    python -m tests.harness.clouds.gcp_server --port 8470
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from werkzeug.wrappers import Request, Response
 
-from tests.harness.cloud_fake import ApiError, FakeCloud, json_response, serve
+from tests.harness.clouds.fake import ApiError, FakeCloud, json_response, serve
 
 GCE = "https://www.googleapis.com/compute/v1"
 ZONES = {

@@ -1,0 +1,152 @@
+"""How histories/ was written: run in a checkout of the code before the skeleton (18613aa), as
+``HISTORIES=<this folder> pytest -p no:cacheprovider <this file>`` (pytest collects test_*.py only: not run here)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio import activity
+from temporalio.worker import Worker
+
+from models.audit import AuditRecord
+from models.decisions import Approval, Rejection
+from models.hub import GateRequest, GateState
+from models.provisioning import PodsGone
+from models.scale import (
+    Observation,
+    ObserveRequest,
+    ReadyRequest,
+    ReadyResult,
+    ScaleInput,
+    ScalePhase,
+    ScalePolicyRequest,
+    ScalePolicySnapshot,
+    ScaleRequest,
+    ScaleResult,
+    ScaleSettings,
+    ScaleStatusUpdate,
+    WakeRequest,
+    WorkloadRef,
+)
+from tests.harness.temporal import skip_time
+from tests.workflows.test_burst_approval import (  # noqa: F401  (fixtures)
+    BurstResult,
+    Env,
+    ProvisionWorkflow,
+    _pods,
+    _proposal,
+    _until,
+    env,
+    ops,
+    own_time_skipping,
+)
+from worker.main import workflow_runner
+from workflows.scale import ScaleWorkflow
+
+OUT = Path(os.environ["HISTORIES"])
+
+
+async def _dump(handle, name: str) -> None:
+    import json
+    history = await handle.fetch_history()
+    (OUT / f"{name}.json").write_text(history.to_json())
+    ids = OUT / "workflow_ids.json"
+    known = json.loads(ids.read_text()) if ids.exists() else {}
+    known[name] = handle.id
+    ids.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
+
+
+async def test_provision_histories(env: Env) -> None:  # noqa: F811
+    server, queue, _ = env
+    handle, view = await _proposal(server.client, queue, _pods(1))
+    await ops.approve(server.client, handle.id, Approval(approver="alice"))
+    view = await _until(handle, lambda v: bool(v.batches) and bool(v.batches[0].nodes))
+    node = server.client.get_workflow_handle(view.batches[0].nodes[0], result_type=BurstResult)
+    await node.result()
+    await _until(handle, lambda v: not v.nodes)
+    await handle.signal(ProvisionWorkflow.pods_gone, PodsGone(uids=["infer-0"]))
+    await _until(handle, lambda v: not v.waiting)
+    await _dump(handle, "provision-approved-node-failed")
+    await _dump(node, "burstnode-launch-refused")
+
+    handle, view = await _proposal(server.client, queue, _pods(2, prefix="other"))
+    await handle.signal("reject", Rejection(approver="carol", reason="cost"))
+    await _until(handle, lambda v: bool(v.batches))
+    await _dump(handle, "provision-rejected")
+
+
+def _scale_activities(mode: str) -> list:
+    @activity.defn(name="load_scale_policy")
+    async def load_scale_policy(req: ScalePolicyRequest) -> ScalePolicySnapshot:
+        return ScalePolicySnapshot(name=req.policy, mode=mode)
+
+    @activity.defn(name="observe_workload")
+    async def observe_workload(req: ObserveRequest) -> Observation:
+        return Observation(replicas=2, idle=True, reason="idle for 30m")
+
+    @activity.defn(name="record_audit")
+    async def record_audit(record: AuditRecord) -> bool:
+        return True
+
+    @activity.defn(name="update_scale_status")
+    async def update_scale_status(req: ScaleStatusUpdate) -> None:
+        return None
+
+    @activity.defn(name="action_gate")
+    async def action_gate(req: GateRequest) -> GateState:
+        return GateState(held=False)
+
+    @activity.defn(name="scale_workload")
+    async def scale_workload(req: ScaleRequest) -> ScaleResult:
+        return ScaleResult(done=True, found=req.expect, message=f"scaled to {req.replicas}")
+
+    @activity.defn(name="read_replicas")
+    async def read_replicas(ref: WorkloadRef) -> int:
+        return 0
+
+    @activity.defn(name="wait_workload_ready")
+    async def wait_workload_ready(req: ReadyRequest) -> ReadyResult:
+        return ReadyResult(ready=req.replicas, replicas=req.replicas)
+
+    return [load_scale_policy, observe_workload, record_audit, update_scale_status, action_gate, scale_workload,
+            read_replicas, wait_workload_ready]
+
+
+async def _scale_state(handle, phase: ScalePhase) -> None:
+    for _ in range(400):
+        view = await handle.query("state")
+        if view["phase"] == phase.value:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(view)
+
+
+async def test_scale_histories(own_time_skipping) -> None:  # noqa: F811
+    server = own_time_skipping
+    client = server.client
+    workload = WorkloadRef(namespace="ml", kind="Deployment", name="infer")
+    for mode in ("Recommend", "Approve"):
+        queue = f"s-{uuid.uuid4().hex[:6]}"
+        async with Worker(client, task_queue=queue, workflows=[ScaleWorkflow], activities=_scale_activities(mode),
+                          workflow_runner=workflow_runner()):
+            handle = await client.start_workflow(
+                ScaleWorkflow.run, ScaleInput(cluster="c", policy="p", workload=workload, default_mode=mode,
+                                              prometheus_configured=True, settings=ScaleSettings()),
+                id=f"scale/c/p/{uuid.uuid4().hex[:6]}", task_queue=queue)
+            if mode == "Recommend":
+                await _scale_state(handle, ScalePhase.PROPOSED)
+                await skip_time(server, timedelta(seconds=200))  # the proposal re-observed, re-set each minute
+                await asyncio.sleep(1)
+                await _dump(handle, "scale-recommend-open")
+                await handle.terminate("test over")
+                continue
+            await _scale_state(handle, ScalePhase.AWAITING_APPROVAL)
+            await handle.execute_update("approve_plan", Approval(approver="alice"))
+            await _scale_state(handle, ScalePhase.SCALED_TO_ZERO)
+            await skip_time(server, timedelta(seconds=70))
+            await handle.execute_update("wake", WakeRequest(by="bob"))
+            await handle.result()
+            await _dump(handle, "scale-approved-woken")
