@@ -391,9 +391,10 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     volume = next(v for v in spec["volumes"] if v["name"] == keys["name"])["configMap"]
     assert volume["name"] == f"{GATEWAY}-hub-claim-keys"
     assert volume["items"] == [{"key": "keys.pem", "path": "keys.pem"}]
-    from worker.config import Settings
+    from gateway.settings import GatewaySettings
 
-    assert str(Settings.model_fields["hub_claim_keys_file"].default) == "/var/run/kubeon/hub-claim-keys/keys.pem"
+    assert str(GatewaySettings.model_fields["hub_claim_keys_file"].default) == \
+        "/var/run/kubeon/hub-claim-keys/keys.pem"
     pem = burst.get("ConfigMap", f"{GATEWAY}-hub-claim-keys", NAMESPACE)["data"]["keys.pem"]
     assert pem == yaml.safe_load(BURST_VALUES.read_text())["hub"]["claimPublicKeys"]
 
