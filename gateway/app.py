@@ -20,12 +20,15 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   no Node; the node registers itself, then the gateway's reconciler applies its ticket's labels and taints.
 
 With ``KUBEON_GATEWAY_TUNNEL_INTERFACE`` the gateway runs ``wireguard-go`` on that interface (UDP
-``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS and
-masquerades tunnel traffic to the service CIDR (nftables), and proxies ``<gateway tunnel IP>:443`` to the API
-server. Peers and address slots live in ConfigMaps in its namespace and are restored from there on start.
+``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS,
+filters what the tunnel reaches and masquerades tunnel traffic to the service CIDR (nftables:
+``gateway.tunnel_end.TunnelFilter``), and proxies ``<gateway tunnel IP>:443`` to the API server. Peers and address
+slots live in ConfigMaps in its namespace and are restored from there on start.
 
-The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``), checked with the
-TokenReview API; only the usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets, capacity or removals.
+The optimizer authenticates with its ServiceAccount token (``Authorization: Bearer``; the chart projects one of
+audience ``kubeon-gateway``, ``KUBEON_GATEWAY_TOKEN_AUDIENCES``), checked with the TokenReview API; only the
+usernames in ``KUBEON_GATEWAY_ALLOWED_CLIENTS`` may ask for tickets, capacity or removals. Failed authentications
+are throttled per source address, and requests must arrive within a deadline (``gateway.limits``).
 ``/healthz`` and ``/readyz`` are served on ``KUBEON_HEALTH_PORT`` (the chart probes port 8080), or on the main
 listener when both ports are the same. Every error is JSON: ``{"error": "<code>", "message": "<reason>"}``.
 Tokens and tickets are never logged.
@@ -51,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import metrics
+from gateway.limits import FailureLimiter, RefusedTokens
 from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE, POOL_CLAIM_HEADER, JoinTokenRefused, check_pool_claim
 from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
 from gateway.settings import MAX_BODY_BYTES
@@ -83,13 +87,27 @@ class TokenReviewer:
     def __init__(self, api: client.ApiClient, audiences: tuple[str, ...] = ()) -> None:
         self._auth = client.AuthenticationV1Api(api)
         self._audiences = list(audiences) or None
+        # A token refused once is refused again for a minute without asking the API server (issue 21, 9).
+        self._refused = RefusedTokens()
 
     def review(self, token: str) -> Identity:
+        cached = self._refused.get(token)
+        if isinstance(cached, Identity):
+            return cached
         review = self._auth.create_token_review(client.V1TokenReview(
             spec=client.V1TokenReviewSpec(token=token, audiences=self._audiences)))
         status = review.status
         if status is None or not status.authenticated:
-            return Identity(False, error=(status.error if status is not None else "") or "")
+            refused = Identity(False, error=(status.error if status is not None else "") or "")
+            self._refused.add(token, refused)
+            return refused
+        if self._audiences and not set(self._audiences) <= set(status.audiences or []):
+            # The API server answers with the audiences the token is good for: one it was not minted for (e.g.
+            # the API server's own, so a gateway holding it could act as the optimizer) is refused.
+            refused = Identity(False, error=f"the token's audiences {status.audiences or []} are not "
+                                            f"{self._audiences}")
+            self._refused.add(token, refused)
+            return refused
         user = status.user
         return Identity(True, username=(user.username if user is not None else "") or "")
 
@@ -275,6 +293,13 @@ def optimizer(request: Request) -> str:
                             "'Authorization: Bearer <token>'")
     if scheme.lower() != "bearer" or not token:
         raise _unauthorized("Authorization header is not 'Bearer <token>'")
+    limiter: FailureLimiter = request.app.state.auth_failures
+    source = request.client.host if request.client else ""
+    wait = limiter.retry_after(source)
+    if wait:
+        raise GatewayHTTPError(429, "too_many_failures",
+                               f"more than {limiter.limit} failed authentications from {source} in "
+                               f"{limiter.window:.0f}s; retry later", {"Retry-After": str(int(wait))})
     try:
         who = reviewer.review(token)
     except client.ApiException as exc:
@@ -290,8 +315,10 @@ def optimizer(request: Request) -> str:
                                f"cannot verify the token: the Kubernetes API is unreachable "
                                f"({type(exc).__name__})") from None
     if not who.authenticated:
+        limiter.failed(source)
         raise _unauthorized(f"token not accepted by the Kubernetes API: {who.error or 'not authenticated'}")
     if who.username not in allowed_clients:
+        limiter.failed(source)
         log.warning("refused %s %s from %s: not an allowed optimizer", request.method, request.url.path,
                     who.username)
         raise GatewayHTTPError(403, "forbidden",
@@ -305,9 +332,10 @@ Caller = Annotated[str, Depends(optimizer)]
 
 def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
                max_body_bytes: int = MAX_BODY_BYTES, health: HealthState | None = None,
-               hub_claim_keys: Path | None = DEFAULT_CLAIM_KEYS_FILE) -> FastAPI:
+               hub_claim_keys: Path | None = DEFAULT_CLAIM_KEYS_FILE, auth_failures_per_minute: int = 10) -> FastAPI:
     app = _bare_app()
     app.state.reviewer = reviewer
+    app.state.auth_failures = FailureLimiter(auth_failures_per_minute, window=60.0)
     app.state.allowed_clients = allowed_clients
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(metrics.GatewayRequestCounter)

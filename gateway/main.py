@@ -20,6 +20,7 @@ import uvicorn
 from kubernetes import client, config
 
 from gateway.app import HealthState, TokenReviewer, _QuietProbes, create_app, create_health_app
+from gateway.limits import guarded_h11
 from gateway.service import KubeGateway
 from gateway.settings import ConfigError, GatewayServerConfig, GatewaySettings, check_tls_files, load_settings
 from gateway.tunnel_end import build_tunnel, start_tunnel
@@ -102,7 +103,8 @@ def serve(settings: GatewaySettings) -> int:
         log.warning("cannot tell the gateway's own identity (SelfSubjectReview): %s", type(exc).__name__)
     same_port = cfg.health_port in (0, cfg.port)
     app = create_app(gateway, reviewer, cfg.allowed_clients, max_body_bytes=cfg.max_body_bytes,
-                     health=state if same_port else None, hub_claim_keys=settings.hub_claim_keys_file)
+                     health=state if same_port else None, hub_claim_keys=settings.hub_claim_keys_file,
+                     auth_failures_per_minute=cfg.auth_failures_per_minute)
     if not cfg.tls and cfg.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("serving plain HTTP on %s: set KUBEON_GATEWAY_TLS_CERT_FILE and KUBEON_GATEWAY_TLS_KEY_FILE",
                     cfg.host)
@@ -117,7 +119,9 @@ def serve(settings: GatewaySettings) -> int:
         app, host=cfg.host, port=cfg.port, log_level="info", server_header=False, proxy_headers=False,
         ssl_certfile=str(cfg.tls_cert_file) if cfg.tls_cert_file else None,
         ssl_keyfile=str(cfg.tls_key_file) if cfg.tls_key_file else None,
-        limit_concurrency=128, timeout_keep_alive=5, timeout_graceful_shutdown=10,
+        limit_concurrency=cfg.max_connections, timeout_keep_alive=5, timeout_graceful_shutdown=10,
+        # A deadline for receiving each request and a cap per source address (issue 21, finding 9).
+        http=guarded_h11(receipt_timeout=cfg.request_timeout, per_source=cfg.max_connections_per_source),
     ))
     state.ready = lambda: bool(main_server.started) and not main_server.should_exit
     logging.getLogger("uvicorn.access").addFilter(_QuietProbes())

@@ -4,6 +4,7 @@ the worker (the same names; the worker reads only its client's: ``KUBEON_GATEWAY
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import ssl
 from collections.abc import Mapping
@@ -60,6 +61,24 @@ class GatewaySettings(BaseModel):
     gateway_tunnel_mtu: int = Field(default=1380, ge=1280, le=1420)
     # host:port of the API server the tunnel's proxy forwards to; empty: the gateway's own API server.
     gateway_api_upstream: str = ""
+    # What a burst node or pod may reach through the tunnel (comma-separated CIDRs): destinations inside the
+    # service CIDR (empty: all of it), the cluster's pod CIDRs (empty: none), and what is refused even there
+    # (node networks; never reachable anyway unless inside the allowed ones). 169.254.0.0/16 is always refused.
+    gateway_tunnel_allowed_destinations: str = ""
+    gateway_tunnel_cluster_pod_cidrs: str = ""
+    gateway_tunnel_denied_cidrs: str = ""
+    # Services in the gateway's namespace whose ClusterIP the tunnel refuses (the chart: the embedded Temporal),
+    # read with the gateway's Role at start and every 30 s.
+    gateway_tunnel_denied_services: str = ""
+    # Abuse limits (issue 21, finding 9): a request's headers and body within this many seconds; connections at
+    # once, in all and per source address; failed authentications per source a minute (then 429, no
+    # TokenReview); the tunnel's API server proxy: connections per tunnel peer and in all.
+    gateway_request_timeout: float = Field(default=10.0, gt=0, le=300)
+    gateway_max_connections: int = Field(default=128, ge=1)
+    gateway_max_connections_per_source: int = Field(default=32, ge=1)
+    gateway_auth_failures_per_minute: int = Field(default=10, ge=1)
+    gateway_proxy_max_per_peer: int = Field(default=64, ge=1)
+    gateway_proxy_max_connections: int = Field(default=1024, ge=1)
 
     @field_validator("gateway_public_url")
     @classmethod
@@ -95,6 +114,26 @@ class ServiceRef:
         return f"{self.name}.{self.namespace}.svc"
 
 
+LINK_LOCAL: Final = ipaddress.ip_network("169.254.0.0/16")
+SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _cidrs(value: str, var: str) -> tuple[str, ...]:
+    """Comma-separated IPv4 CIDRs (host bits must be zero), normalised."""
+    out = []
+    for item in (x.strip() for x in value.split(",")):
+        if not item:
+            continue
+        try:
+            net = ipaddress.ip_network(item)
+        except ValueError as exc:
+            raise ConfigError(f"{var}: {item!r}: {exc}") from None
+        if net.version != 4:
+            raise ConfigError(f"{var}: {item!r}: the tunnel is IPv4 only")
+        out.append(str(net))
+    return tuple(out)
+
+
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT``."""
     host, sep, port = value.rpartition(":")
@@ -128,6 +167,16 @@ class GatewayServerConfig:
     tunnel_endpoint: str = ""
     mtu: int = 1380
     api_upstream: str = ""
+    tunnel_allowed: tuple[str, ...] = ()
+    tunnel_cluster_pod_cidrs: tuple[str, ...] = ()
+    tunnel_denied: tuple[str, ...] = ()
+    tunnel_denied_services: tuple[str, ...] = ()
+    request_timeout: float = 10.0
+    max_connections: int = 128
+    max_connections_per_source: int = 32
+    auth_failures_per_minute: int = 10
+    proxy_max_per_peer: int = 64
+    proxy_max_connections: int = 1024
 
     @property
     def tls(self) -> bool:
@@ -160,7 +209,31 @@ class GatewayServerConfig:
             if settings.gateway_wireguard_key_file is None:
                 raise ConfigError("KUBEON_GATEWAY_WIREGUARD_KEY_FILE is required with KUBEON_GATEWAY_TUNNEL_INTERFACE:"
                                   " the gateway's WireGuard private key (it must survive restarts)")
+        allowed = _cidrs(settings.gateway_tunnel_allowed_destinations, "KUBEON_GATEWAY_TUNNEL_ALLOWED_DESTINATIONS")
+        service_net = ipaddress.ip_network(plan.service_cidr)
+        for cidr in allowed:
+            if not ipaddress.ip_network(cidr).subnet_of(service_net):  # type: ignore[arg-type]
+                raise ConfigError(f"KUBEON_GATEWAY_TUNNEL_ALLOWED_DESTINATIONS: {cidr} is not inside the service "
+                                  f"CIDR {plan.service_cidr}; allow cluster pod CIDRs with "
+                                  "KUBEON_GATEWAY_TUNNEL_CLUSTER_POD_CIDRS")
+        pods = _cidrs(settings.gateway_tunnel_cluster_pod_cidrs, "KUBEON_GATEWAY_TUNNEL_CLUSTER_POD_CIDRS")
+        for cidr in pods:
+            if ipaddress.ip_network(cidr).overlaps(LINK_LOCAL):
+                raise ConfigError(f"KUBEON_GATEWAY_TUNNEL_CLUSTER_POD_CIDRS: {cidr} overlaps {LINK_LOCAL}, which "
+                                  "the tunnel never reaches (cloud metadata endpoints)")
+        denied = _cidrs(settings.gateway_tunnel_denied_cidrs, "KUBEON_GATEWAY_TUNNEL_DENIED_CIDRS")
+        denied_services = tuple(n.strip() for n in settings.gateway_tunnel_denied_services.split(",") if n.strip())
+        for name in denied_services:
+            if not SERVICE_NAME.match(name):
+                raise ConfigError(f"KUBEON_GATEWAY_TUNNEL_DENIED_SERVICES: {name!r} is not a Service name")
         return cls(
+            tunnel_allowed=allowed, tunnel_cluster_pod_cidrs=pods, tunnel_denied=denied,
+            tunnel_denied_services=denied_services,
+            request_timeout=settings.gateway_request_timeout, max_connections=settings.gateway_max_connections,
+            max_connections_per_source=settings.gateway_max_connections_per_source,
+            auth_failures_per_minute=settings.gateway_auth_failures_per_minute,
+            proxy_max_per_peer=settings.gateway_proxy_max_per_peer,
+            proxy_max_connections=settings.gateway_proxy_max_connections,
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),

@@ -5,6 +5,7 @@ it (``wireguard-go``, addresses and nftables rules, the API server proxy on the 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,11 +96,88 @@ class TunnelLinks:
 
     wireguard: object
     proxy: TcpProxy
+    rules: TunnelFilter | None = None
 
     def stop(self) -> None:
+        if self.rules is not None:
+            self.rules.stop()
         self.proxy.stop()
         if hasattr(self.wireguard, "poll"):
             link.stop_wireguard_go(self.wireguard)  # type: ignore[arg-type]
+
+
+class TunnelFilter:
+    """The gateway's nftables table (``tunnel.link.gateway_rules``): what the tunnel may reach, with the ClusterIPs
+    of ``KUBEON_GATEWAY_TUNNEL_DENIED_SERVICES`` refused. A ClusterIP is assigned when the Service is created,
+    so the chart cannot name it: the gateway reads each Service (its Role: ``get`` on those names) at start and
+    every ``interval`` seconds, and replaces the table when an address changed (a Service re-created)."""
+
+    def __init__(self, cfg: GatewayServerConfig, tunnel: GatewayTunnel, api: client.ApiClient, *,
+                 interval: float = 30.0) -> None:
+        self._cfg = cfg
+        self._tunnel = tunnel
+        self._core = client.CoreV1Api(api)
+        self._interval = interval
+        self._ips: dict[str, tuple[str, ...]] = {}
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def denied(self) -> list[str]:
+        return [*self._cfg.tunnel_denied, *(f"{ip}/32" for ips in self._ips.values() for ip in ips)]
+
+    def _resolve(self) -> dict[str, tuple[str, ...]]:
+        found = dict(self._ips)
+        for name in self._cfg.tunnel_denied_services:
+            try:
+                spec = self._core.read_namespaced_service(name, self._cfg.namespace).spec
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    found[name] = ()  # no such Service: nothing to refuse (until it exists)
+                else:
+                    log.warning("cannot read Service %s/%s to refuse it in the tunnel: HTTP %s (kept: %s)",
+                                self._cfg.namespace, name, exc.status, ", ".join(found.get(name, ())) or "none")
+                continue
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                log.warning("cannot read Service %s/%s to refuse it in the tunnel: %s", self._cfg.namespace, name,
+                            type(exc).__name__)
+                continue
+            ips = [*(spec.cluster_ips or []), spec.cluster_ip or ""] if spec is not None else []
+            found[name] = tuple(sorted({ip for ip in ips if ip and ip != "None" and ":" not in ip}))
+        return found
+
+    def refresh(self, *, force: bool = False) -> bool:
+        """Re-read the denied Services; replace the table when their addresses changed (or ``force``)."""
+        found = self._resolve()
+        if not force and found == self._ips:
+            return False
+        self._ips = found
+        plan = self._cfg.plan
+        link.apply_gateway_rules(self._tunnel.interface, service_cidr=plan.service_cidr,
+                                 tunnel_cidr=plan.tunnel_cidr, pod_cidr=plan.pod_cidr, gateway_ip=plan.gateway_ip,
+                                 api_port=self._tunnel.api_proxy_port, allowed=self._cfg.tunnel_allowed,
+                                 cluster_pod_cidrs=self._cfg.tunnel_cluster_pod_cidrs, denied=self.denied())
+        log.info("tunnel filter: to %s%s; refused: %s", ", ".join(self._cfg.tunnel_allowed or (plan.service_cidr,)),
+                 f", cluster pods {', '.join(self._cfg.tunnel_cluster_pod_cidrs)}"
+                 if self._cfg.tunnel_cluster_pod_cidrs else "",
+                 ", ".join([*link.ALWAYS_DENIED, *self.denied()]))
+        return True
+
+    def start(self) -> None:
+        if not self._cfg.tunnel_denied_services:
+            return
+
+        def loop() -> None:
+            while not self._stopped.wait(self._interval):
+                try:
+                    self.refresh()
+                except Exception as exc:  # the thread must outlive any one failure
+                    log.warning("tunnel filter: cannot refresh the denied Services: %s", exc)
+
+        self._thread = threading.Thread(target=loop, name="tunnel-filter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def api_upstream(cfg: GatewayServerConfig, api: client.ApiClient) -> tuple[str, int]:
@@ -121,15 +199,17 @@ def start_tunnel(cfg: GatewayServerConfig, tunnel: GatewayTunnel, api: client.Ap
     tunnel.configure()
     prefix = cfg.plan.tunnel_cidr.split("/")[1]
     link.bring_up(tunnel.interface, f"{cfg.plan.gateway_ip}/{prefix}", mtu=cfg.mtu, routes=[cfg.plan.pod_cidr])
-    link.apply_gateway_rules(tunnel.interface, service_cidr=cfg.plan.service_cidr, tunnel_cidr=cfg.plan.tunnel_cidr,
-                             pod_cidr=cfg.plan.pod_cidr)
+    rules = TunnelFilter(cfg, tunnel, api)
+    rules.refresh(force=True)
+    rules.start()
     try:
         restore()  # the peers back from the API before the first node's packets
     except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
         log.warning("cannot restore the tunnel's peers yet (%s); the reconciler retries every second",
                     type(exc).__name__)
-    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api)).start()
+    proxy = TcpProxy((cfg.plan.gateway_ip, tunnel.api_proxy_port), api_upstream(cfg, api),
+                     max_per_peer=cfg.proxy_max_per_peer, max_connections=cfg.proxy_max_connections).start()
     log.info("tunnel %s up: %s, UDP %d, %d peer(s) restored from the API; API server proxy %s:%d -> %s:%d",
              tunnel.interface, cfg.plan.gateway_ip, cfg.udp_port, len(tunnel.uapi.get().peers), *proxy.address,
              *proxy.upstream)
-    return TunnelLinks(wireguard=wireguard, proxy=proxy)
+    return TunnelLinks(wireguard=wireguard, proxy=proxy, rules=rules)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Final
 
 from tunnel.uapi import SOCKET_DIR
 
@@ -84,19 +85,60 @@ def bring_up(interface: str, address: str, *, mtu: int = DEFAULT_MTU, routes: li
 
 
 NFT_TABLE = "kubeon_gateway"
+# Never reachable from the tunnel, whatever else is allowed: link-local (cloud metadata endpoints, 169.254.169.254).
+ALWAYS_DENIED: Final = ("169.254.0.0/16",)
 
 
-def gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_cidr: str) -> str:
-    """nftables for the gateway: clamp the TCP MSS of forwarded SYNs to the route's MTU (both directions through
-    the tunnel); masquerade tunnel traffic to the service CIDR (replies come back to the gateway, whose node's
-    kube-proxy DNATs the service IP); masquerade cluster traffic into the tunnel to the gateway's tunnel address
-    (burst nodes route only the gateway, the service CIDR and the burst pod CIDR through it)."""
+def _elements(cidrs: Iterable[str]) -> str:
+    return ", ".join(dict.fromkeys(cidrs))
+
+
+def gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_cidr: str,
+                  gateway_ip: str | None = None, api_port: int = 443, allowed: Sequence[str] = (),
+                  cluster_pod_cidrs: Sequence[str] = (), denied: Sequence[str] = ()) -> str:
+    """nftables for the gateway.
+
+    - Clamp the TCP MSS of forwarded SYNs to the route's MTU (both directions through the tunnel).
+    - Filter what comes out of the tunnel (issue 21, finding 8): a new connection from a burst node or pod may
+      reach only ``allowed`` (default: the service CIDR), the ``cluster_pod_cidrs`` the user allows, and other
+      burst pods (the burst pod CIDR, back into the tunnel); never ``denied`` (node networks, the embedded
+      Temporal's Service) nor 169.254.0.0/16; other burst nodes only at their pod CIDRs (not their kubelets on
+      their tunnel addresses). Replies to connections the cluster opened pass (conntrack).
+    - Traffic from the tunnel to the gateway itself: only the API server proxy on ``gateway_ip:api_port``.
+    - Masquerade tunnel traffic to the service CIDR (replies come back to the gateway, whose node's kube-proxy
+      DNATs the service IP); masquerade cluster traffic into the tunnel to the gateway's tunnel address (burst
+      nodes route only the gateway, the service CIDR and the burst pod CIDR through it)."""
+    allowed = list(allowed) or [service_cidr]
+    reach = "\n".join(f"    ip daddr {{ {_elements(cidrs)} }} accept" for cidrs in (allowed, cluster_pod_cidrs)
+                      if cidrs)
+    to_gateway = (f"    ip daddr {gateway_ip} tcp dport {api_port} accept\n"
+                  f"    ip daddr {gateway_ip} icmp type echo-request accept\n") if gateway_ip else ""
     return (
         f"table ip {NFT_TABLE} {{\n"
+        "  set denied {\n"
+        "    type ipv4_addr; flags interval; auto-merge;\n"
+        f"    elements = {{ {_elements([*ALWAYS_DENIED, *denied])} }}\n"
+        "  }\n"
         "  chain forward {\n"
         "    type filter hook forward priority mangle; policy accept;\n"
         f"    iifname \"{interface}\" tcp flags syn tcp option maxseg size set rt mtu\n"
         f"    oifname \"{interface}\" tcp flags syn tcp option maxseg size set rt mtu\n"
+        "  }\n"
+        "  chain tunnel_forward {\n"
+        "    type filter hook forward priority filter; policy accept;\n"
+        f"    iifname != \"{interface}\" accept\n"
+        "    ct state established,related accept\n"
+        "    ip daddr @denied counter drop\n"
+        f"    oifname \"{interface}\" ip daddr {pod_cidr} accept\n"
+        f"{reach}\n"
+        "    counter drop\n"
+        "  }\n"
+        "  chain tunnel_input {\n"
+        "    type filter hook input priority filter; policy accept;\n"
+        f"    iifname != \"{interface}\" accept\n"
+        "    ct state established,related accept\n"
+        f"{to_gateway}"
+        "    counter drop\n"
         "  }\n"
         "  chain postrouting {\n"
         "    type nat hook postrouting priority srcnat; policy accept;\n"
@@ -108,10 +150,12 @@ def gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_ci
 
 
 def apply_gateway_rules(interface: str, *, service_cidr: str, tunnel_cidr: str, pod_cidr: str,
-                        netns: str | None = None) -> None:
-    """Replace the gateway's nftables table, and turn on IPv4 forwarding."""
+                        netns: str | None = None, **filter_args: Any) -> None:
+    """Replace the gateway's nftables table (one transaction: no moment without the filter), and turn on IPv4
+    forwarding. ``filter_args``: those of ``gateway_rules``."""
     run(["nft", "-f", "-"], netns=netns, input_text=f"table ip {NFT_TABLE}\ndelete table ip {NFT_TABLE}\n"
-        + gateway_rules(interface, service_cidr=service_cidr, tunnel_cidr=tunnel_cidr, pod_cidr=pod_cidr))
+        + gateway_rules(interface, service_cidr=service_cidr, tunnel_cidr=tunnel_cidr, pod_cidr=pod_cidr,
+                        **filter_args))
     # In a pod the chart sets it (securityContext.sysctls): /proc/sys is read-only there.
     if run(["sysctl", "-n", "net.ipv4.ip_forward"], netns=netns).strip() != "1":
         run(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"], netns=netns)

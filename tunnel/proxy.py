@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import socket
+import struct
 import threading
 from pathlib import Path
 
@@ -61,8 +62,13 @@ def listen_in_netns(netns: str | None, host: str, port: int) -> socket.socket:
 
 
 class TcpProxy:
+    """``max_per_peer`` connections at once from one source address and ``max_connections`` in all (each costs
+    two threads and an upstream connection); more are closed as soon as they are accepted, so one tunnel peer
+    cannot run the gateway out of threads or memory (issue 21, finding 9)."""
+
     def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], *, listen_netns: str | None = None,
-                 upstream_netns: str | None = None, connect_timeout: float = 10.0) -> None:
+                 upstream_netns: str | None = None, connect_timeout: float = 10.0, max_per_peer: int = 64,
+                 max_connections: int = 1024) -> None:
         self.upstream = upstream
         self._upstream_netns = upstream_netns
         self._sock = listen_in_netns(listen_netns, *listen)
@@ -71,6 +77,11 @@ class TcpProxy:
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self.max_per_peer = max_per_peer
+        self.max_connections = max_connections
+        self._by_peer: dict[str, int] = {}
+        self._active = 0
+        self.refused = 0
         self._thread = threading.Thread(target=self._accept, name=f"proxy-{self.address[1]}", daemon=True)
 
     def start(self) -> TcpProxy:
@@ -80,10 +91,36 @@ class TcpProxy:
     def _accept(self) -> None:
         while not self._stopped.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            source = str(peer[0])
+            with self._lock:
+                if self._active >= self.max_connections or self._by_peer.get(source, 0) >= self.max_per_peer:
+                    self.refused += 1
+                    refuse = True
+                else:
+                    refuse = False
+                    self._active += 1
+                    self._by_peer[source] = self._by_peer.get(source, 0) + 1
+            if refuse:
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()  # a reset: the peer learns at once
+                continue
+            threading.Thread(target=self._serve_counted, args=(conn, source), daemon=True).start()
+
+    def _serve_counted(self, conn: socket.socket, source: str) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            with self._lock:
+                self._active -= 1
+                left = self._by_peer.get(source, 1) - 1
+                if left > 0:
+                    self._by_peer[source] = left
+                else:
+                    self._by_peer.pop(source, None)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -117,8 +154,10 @@ class TcpProxy:
                             self._conns.discard(s)
                 done.set()
 
-        threading.Thread(target=pump, args=(up, conn), daemon=True).start()
+        back = threading.Thread(target=pump, args=(up, conn), daemon=True)
+        back.start()
         pump(conn, up)
+        back.join()  # counted until both directions are done
 
     def stop(self) -> None:
         self._stopped.set()

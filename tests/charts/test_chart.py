@@ -94,8 +94,7 @@ def test_default_renders_the_documented_objects(default: Rendered) -> None:
         ("Deployment", TEMPORAL),
         ("Service", TEMPORAL),
         ("PersistentVolumeClaim", TEMPORAL),
-        # it authenticates nobody: only the worker reaches it (issue 21, finding 8)
-        ("NetworkPolicy", TEMPORAL),
+        ("NetworkPolicy", TEMPORAL),  # its gRPC only from the worker (it authenticates nobody)
     }
     for doc in default.docs:
         if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
@@ -340,8 +339,9 @@ def test_worker_env_contract_burst_and_external_temporal(burst: Rendered) -> Non
     e = env(c)
     assert set(e) == WORKER_ENV_ALWAYS | {
         "KUBEON_PROMETHEUS_URL", "KUBEON_BURST_LOCATIONS_FILE", "KUBEON_GATEWAY_URL", "KUBEON_TEMPORAL_API_KEY_FILE",
-        "KUBEON_GATEWAY_PUBLIC_URL", "KUBEON_GATEWAY_CA_FILE",
+        "KUBEON_GATEWAY_PUBLIC_URL", "KUBEON_GATEWAY_CA_FILE", "KUBEON_GATEWAY_TOKEN_FILE",
     }
+    assert e["KUBEON_GATEWAY_TOKEN_FILE"] == "/var/run/secrets/kubeon-gateway/token"  # audience kubeon-gateway
     assert e["KUBEON_CLUSTER"] == "prod-use1-a"
     assert e["KUBEON_PROMETHEUS_URL"] == "http://prometheus-server.monitoring.svc:9090"
     assert e["KUBEON_BURST_ENABLED"] == "true"
@@ -391,9 +391,10 @@ def test_gateway_pod_and_service(burst: Rendered) -> None:
     volume = next(v for v in spec["volumes"] if v["name"] == keys["name"])["configMap"]
     assert volume["name"] == f"{GATEWAY}-hub-claim-keys"
     assert volume["items"] == [{"key": "keys.pem", "path": "keys.pem"}]
-    from gateway.settings import GatewaySettings as Settings
+    from gateway.settings import GatewaySettings
 
-    assert str(Settings.model_fields["hub_claim_keys_file"].default) == "/var/run/kubeon/hub-claim-keys/keys.pem"
+    assert str(GatewaySettings.model_fields["hub_claim_keys_file"].default) == \
+        "/var/run/kubeon/hub-claim-keys/keys.pem"
     pem = burst.get("ConfigMap", f"{GATEWAY}-hub-claim-keys", NAMESPACE)["data"]["keys.pem"]
     assert pem == yaml.safe_load(BURST_VALUES.read_text())["hub"]["claimPublicKeys"]
 

@@ -201,7 +201,10 @@ def test_public_url_is_optional_with_a_load_balancer() -> None:
     gateway = env(container(rendered.get("Deployment", GATEWAY), "gateway"))
     assert gateway["KUBEON_GATEWAY_PUBLIC_URL"] == ""
     assert (gateway["KUBEON_GATEWAY_SERVICE"], gateway["KUBEON_GATEWAY_SERVICE_NAMESPACE"]) == (GATEWAY, NAMESPACE)
-    assert rendered.get("Role", GATEWAY, NAMESPACE)["rules"][0]["resourceNames"] == [GATEWAY]
+    # Its own Service, and the embedded Temporal's (its tunnel refuses that ClusterIP).
+    assert rendered.get("Role", GATEWAY, NAMESPACE)["rules"][0]["resourceNames"] == [
+        GATEWAY, "kubeon-gpu-optimizer-temporal"]
+    assert gateway["KUBEON_GATEWAY_TUNNEL_DENIED_SERVICES"] == "kubeon-gpu-optimizer-temporal"
     rendered.get("ConfigMap", f"{GATEWAY}-ca", NAMESPACE)
 
 

@@ -57,7 +57,7 @@ def _ignore_missing(call: Callable[[], object]) -> None:
 @pytest.fixture(scope="module")
 def installed(cluster: Cluster) -> Iterator[Install]:
     admin = cluster.admin
-    operator_existed = _exists(lambda: admin.core.read_namespace(GPU_OPERATOR))
+    operator_existed = namespace_settled(cluster, GPU_OPERATOR)
     if not operator_existed:  # the GPU Operator's namespace exists wherever the Operator is installed
         admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=GPU_OPERATOR)))
     allowed_ns, other_ns = cluster.create_namespace("stz"), cluster.create_namespace("other")
@@ -86,6 +86,19 @@ def installed(cluster: Cluster) -> Iterator[Install]:
                                                                                       NAMESPACE))
         for ns in (allowed_ns, other_ns, *([] if operator_existed else [GPU_OPERATOR])):
             _ignore_missing(lambda ns=ns: admin.core.delete_namespace(ns))  # type: ignore[misc]
+
+
+def namespace_settled(cluster: Cluster, name: str) -> bool:
+    """Whether the namespace exists, once one that another module's teardown is deleting has gone."""
+    def phase() -> str:
+        try:
+            return str(cluster.admin.core.read_namespace(name).status.phase)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return "Gone"
+            raise
+    return wait_for(lambda: phase() if phase() != "Terminating" else None, timeout=60,
+                    what=f"namespace {name} deleted or active") == "Active"
 
 
 def _exists(read: Callable[[], object]) -> bool:
@@ -153,7 +166,13 @@ def test_objects_exist(installed: Install) -> None:
         "no scale Role in a namespace that scaleToZero.namespaces does not name"
     admin.rbac.read_namespaced_role(f"{OPTIMIZER}-time-slicing", GPU_OPERATOR)
 
-    admin.apps.read_namespaced_deployment(GATEWAY, NAMESPACE)
+    # The worker's gateway token: projected for the gateway's audience, accepted by the API server as a volume.
+    (projected,) = [v.projected.sources[0].service_account_token for v in pod.volumes if v.name == "gateway-token"]
+    assert (projected.audience, projected.path) == ("kubeon-gateway", "token")
+    gateway_env = {e.name: e.value for e in
+                   admin.apps.read_namespaced_deployment(GATEWAY, NAMESPACE).spec.template.spec.containers[0].env}
+    assert gateway_env["KUBEON_GATEWAY_ALLOWED_CLIENTS"] == f"system:serviceaccount:{NAMESPACE}:{OPTIMIZER}"
+    assert gateway_env["KUBEON_GATEWAY_TOKEN_AUDIENCES"] == "kubeon-gateway"
     admin.core.read_namespaced_service_account(GATEWAY, NAMESPACE)
     admin.rbac.read_cluster_role(GATEWAY)
     service = admin.core.read_namespaced_service(GATEWAY, NAMESPACE)
@@ -408,11 +427,13 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
 
 
 def test_gateway_gets_its_own_service_and_no_other(installed: Install, gateway: Kube) -> None:
-    """The gateway's namespaced Role: get on its own Service (its LoadBalancer address), nothing more."""
+    """The gateway's namespaced Role: get on its own Service (its LoadBalancer address) and on the embedded
+    Temporal's (whose ClusterIP its tunnel refuses), nothing more."""
     own = wait_for(lambda: gateway.core.read_namespaced_service(GATEWAY, NAMESPACE),
                    what="the gateway may get its own Service")
     assert own.spec.type == "LoadBalancer"
-    refused(lambda: gateway.core.read_namespaced_service(f"{OPTIMIZER}-temporal", NAMESPACE))  # another Service
+    assert gateway.core.read_namespaced_service(f"{OPTIMIZER}-temporal", NAMESPACE).spec.cluster_ip
+    refused(lambda: gateway.core.read_namespaced_service(f"{OPTIMIZER}-console", NAMESPACE))  # another Service
     refused(lambda: gateway.core.list_namespaced_service(NAMESPACE))
     refused(lambda: gateway.core.patch_namespaced_service(GATEWAY, NAMESPACE, {"metadata": {"labels": {"x": "y"}}}))
     refused(lambda: gateway.core.patch_namespaced_service_status(

@@ -202,7 +202,7 @@ class Gateway:
 
 
 def start_tunnel_gateway(cluster: Cluster, bed: NetBed, workdir: Path, *, service_cidr: str, pod_cidr: str,
-                         tunnel_cidr: str) -> Gateway:
+                         tunnel_cidr: str, extra_env: dict[str, str] | None = None) -> Gateway:
     """The chart's ServiceAccounts and rules, a CA and certificate for the gateway's public address, its ticket
     and WireGuard keys; the gateway started with its tunnel, reachable from the host at ``Gateway.url``."""
     from tests.harness.controlplane import _issue, _name, free_port
@@ -237,6 +237,7 @@ def start_tunnel_gateway(cluster: Cluster, bed: NetBed, workdir: Path, *, servic
         "KUBEON_GATEWAY_WIREGUARD_KEY_FILE": str(workdir / "wg.key"),
         "KUBEON_GATEWAY_UDP_PORT": str(UDP_PORT), "KUBEON_GATEWAY_SERVICE_CIDR": service_cidr,
         "KUBEON_GATEWAY_POD_CIDR": pod_cidr, "KUBEON_GATEWAY_TUNNEL_CIDR": tunnel_cidr,
+        **(extra_env or {}),
     })
     port = free_port()
     bed.proxies.append(TcpProxy(("127.0.0.1", port), (GATEWAY_PUBLIC_IP, 8443), upstream_netns=bed.gw).start())

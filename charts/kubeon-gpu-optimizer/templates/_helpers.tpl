@@ -154,3 +154,6 @@ Checks the schema cannot express; each failure names the value.
 {{- define "kubeon.onpremLocations" -}}
 {{- range .Values.burst.locations }}{{ if hasPrefix "onprem/" .name }}true{{ end }}{{ end -}}
 {{- end -}}
+
+{{/* The audience of the token the worker sends to the gateway, which accepts no other. */}}
+{{- define "kubeon.gatewayAudience" -}}kubeon-gateway{{- end -}}
