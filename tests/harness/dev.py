@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         rel = os.path.relpath(kubeconfig, Path.cwd())
         approve_in_hub = "" if args.no_hub else (
             "\n  (or approve in the hub: curl -H \"Authorization: Bearer $(cat "
-            f"{os.path.relpath(workdir / 'hub' / 'dev.key', Path.cwd())})\" -d '{{\"operation\": \"<OPERATION>\", "
+            f"{os.path.relpath(workdir / 'hub' / 'dev.key', Path.cwd())})\" -H \"Content-Type: application/json\" "
+            f"-d '{{\"operation\": \"<OPERATION>\", "
             f"\"decision\": \"approve\"}}' http://127.0.0.1:{args.hub_port}/v1/clusters/dev/approvals,\n"
             f"   or in the hub UI: http://127.0.0.1:{args.hub_port}/ui/approvals)")
         onprem_line = "" if not agents else (
