@@ -118,17 +118,6 @@ def http_get(netns: str, url: str, timeout: float = 10) -> str:
               f"timeout={timeout}).read().decode())", netns=netns)
 
 
-@pytest.fixture(scope="module")
-def joined(cluster: Cluster, bed: NetBed, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Joined]:
-    node = join_node(cluster, bed, gateway, tmp_path_factory.mktemp("nodes"))
-    try:
-        wait_for(lambda: ready(cluster, node.name), timeout=60, what=f"{node.name} Ready through the tunnel")
-        yield node
-    finally:
-        with contextlib.suppress(client.ApiException):
-            cluster.admin.core.delete_node(node.name)
-
 
 def test_the_node_registers_itself_through_the_tunnel(cluster: Cluster, gateway: Gateway, joined: Joined) -> None:
     # Its identity, asked through the tunnel from its own namespace with its own kubeconfig: system:node:<name>.

@@ -119,17 +119,6 @@ def gateway(cluster: Cluster, bed: NetBed, temporal_ip: tuple[str, str],
         gw.stop()
 
 
-@pytest.fixture(scope="module")
-def joined(cluster: Cluster, bed: NetBed, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Joined]:
-    node = join_node(cluster, bed, gateway, tmp_path_factory.mktemp("nodes"))
-    try:
-        wait_for(lambda: ready(cluster, node.name), timeout=60, what=f"{node.name} Ready through the tunnel")
-        yield node
-    finally:
-        with contextlib.suppress(client.ApiException):
-            cluster.admin.core.delete_node(node.name)
-
 
 def route_through_tunnel(gateway: Gateway, node: Joined, address: str) -> None:
     """What a hostile node can always do: route ``address`` into its tunnel and let its WireGuard peer (the

@@ -12,7 +12,6 @@ import signal
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -224,7 +223,6 @@ def test_l6_a_reused_pid_of_another_program_is_left_alone(tmp_path: Path) -> Non
     try:
         (node_dir / "wireguard-go.pid").write_text(f"{other.pid}\n")
         agent._leave()
-        time.sleep(0.2)
         assert other.poll() is None
     finally:
         os.killpg(other.pid, signal.SIGKILL)

@@ -49,6 +49,15 @@ from workflows.scale import ScaleWorkflow
 OUT = Path(os.environ["HISTORIES"])
 
 
+async def _history_grows(handle, events: int) -> None:
+    """Until the history holds more than ``events`` events (what the skipped time made it do), at most 10 s."""
+    for _ in range(200):
+        if len((await handle.fetch_history()).events) > events:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the history stayed at {events} events")
+
+
 async def _dump(handle, name: str) -> None:
     import json
     history = await handle.fetch_history()
@@ -138,8 +147,9 @@ async def test_scale_histories(own_time_skipping) -> None:  # noqa: F811
                 id=f"scale/c/p/{uuid.uuid4().hex[:6]}", task_queue=queue)
             if mode == "Recommend":
                 await _scale_state(handle, ScalePhase.PROPOSED)
+                before = len((await handle.fetch_history()).events)
                 await skip_time(server, timedelta(seconds=200))  # the proposal re-observed, re-set each minute
-                await asyncio.sleep(1)
+                await _history_grows(handle, before)
                 await _dump(handle, "scale-recommend-open")
                 await handle.terminate("test over")
                 continue
