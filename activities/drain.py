@@ -7,7 +7,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.context import PhaseActivities
-from activities.providers.base import InstanceNotFoundError, NotOwnedError
+from activities.providers.errors import InstanceNotFoundError, NotOwnedError
 from models.drain import EvictionResult, GoneCheck, NodeRef, NodeRemoval
 from models.errors import NOT_OWNED
 from models.node import CleanupRequest, CleanupResult, InstanceRef

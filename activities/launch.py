@@ -6,7 +6,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.context import PhaseActivities
-from activities.providers.base import InsufficientCapacityError, LocationNotAllowedError, ProviderError
+from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, ProviderError
 from models.errors import (
     ADDRESSES_EXHAUSTED_TYPE,
     HELD,

@@ -6,7 +6,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.context import PhaseActivities
-from activities.providers.base import ProviderError
+from activities.providers.errors import ProviderError
 from models.errors import POLICY_GONE
 from models.provisioning import BatchPlan, BatchPlanRequest, LoadPolicyRequest, Offering, PolicySnapshot
 from planning.burst import AddressSlots, Room, node_labels, plan_pods

@@ -23,8 +23,21 @@ class ErrorResponse(BaseModel):
 
 
 class HubError(Exception):
+    """An answer the hub gives instead of a result: its HTTP status, its stable code and a message naming the cause.
+
+    Each subclass names one status and its default code in its class line; ``code=`` at raise time narrows it
+    (``Conflict("...", code="stale_plan")``).
+    """
+
     status_code = 400
     code = "bad_request"
+
+    def __init_subclass__(cls, *, status_code: int | None = None, code: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if status_code is not None:
+            cls.status_code = status_code
+        if code is not None:
+            cls.code = code
 
     def __init__(
         self,
@@ -49,21 +62,14 @@ class HubError(Exception):
         ).model_dump()
 
 
-class BadRequest(HubError):
-    status_code = 400
-    code = "bad_request"
+class BadRequest(HubError, status_code=400, code="bad_request"): ...
 
 
-class InvalidJson(HubError):
-    status_code = 400
-    code = "invalid_json"
+class InvalidJson(HubError, status_code=400, code="invalid_json"): ...
 
 
-class Unauthorized(HubError):
+class Unauthorized(HubError, status_code=401, code="invalid_token"):
     """401: no usable credentials. Carries ``WWW-Authenticate`` as RFC 6750 asks."""
-
-    status_code = 401
-    code = "invalid_token"
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         description = message.replace('"', "'")
@@ -75,36 +81,24 @@ class Unauthorized(HubError):
         )
 
 
-class Forbidden(HubError):
-    status_code = 403
-    code = "forbidden"
+class Forbidden(HubError, status_code=403, code="forbidden"): ...
 
 
-class NotFound(HubError):
-    status_code = 404
-    code = "not_found"
+class NotFound(HubError, status_code=404, code="not_found"): ...
 
 
-class Conflict(HubError):
-    status_code = 409
-    code = "conflict"
+class Conflict(HubError, status_code=409, code="conflict"): ...
 
 
-class PayloadTooLarge(HubError):
-    status_code = 413
-    code = "body_too_large"
+# The body limit's answer (hub/http.py's BodyLimit).
+class PayloadTooLarge(HubError, status_code=413, code="body_too_large"): ...
 
 
-class UnsupportedMediaType(HubError):
-    status_code = 415
-    code = "unsupported_media_type"
+class UnsupportedMediaType(HubError, status_code=415, code="unsupported_media_type"): ...
 
 
-class Unprocessable(HubError):
-    status_code = 422
-    code = "invalid_request"
+class Unprocessable(HubError, status_code=422, code="invalid_request"): ...
 
 
-class ServiceUnavailable(HubError):
-    status_code = 503
-    code = "database_unavailable"
+# The database did not answer: the client may retry.
+class ServiceUnavailable(HubError, status_code=503, code="database_unavailable"): ...

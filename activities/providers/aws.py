@@ -18,14 +18,9 @@ from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
 from .adaptors import LazyImport
-from .base import (
-    CloudProvider,
-    InstanceNotFoundError,
-    InsufficientCapacityError,
-    ProviderError,
-    check_allowed,
-)
+from .base import CloudProvider, check_allowed
 from .catalog import AWS_GPU_INSTANCES
+from .errors import InstanceNotFoundError, InsufficientCapacityError, ProviderError
 
 # Only clusters with AWS locations load the SDK (activities/providers/adaptors.py).
 boto3 = LazyImport("boto3")

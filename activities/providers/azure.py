@@ -22,20 +22,14 @@ import time
 from typing import Any
 
 from models.labels import TAG_BURST, TAG_OPERATION
-from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
+from models.locations import BurstConfig, LocationConfig, transfer_usd_per_gpu_hour
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
 from .adaptors import LazyImport
-from .base import (
-    CloudProvider,
-    InstanceNotFoundError,
-    InsufficientCapacityError,
-    ProviderError,
-    check_allowed,
-    report_progress,
-)
-from .catalog import AZURE_GPU_INSTANCES
+from .base import CloudProvider, check_allowed, report_progress
+from .catalog import AZURE_GPU_INSTANCES, region_offerings
+from .errors import InstanceNotFoundError, InsufficientCapacityError, ProviderError
 
 # Only clusters with Azure locations load the SDK (activities/providers/adaptors.py).
 azure_identity = LazyImport("azure.identity")
@@ -110,14 +104,6 @@ class AzureProvider(CloudProvider):
                              retryable=retryable)
 
     # -- catalogue and zones ---------------------------------------------------------------------------------------
-    def _catalogue(self, loc: LocationConfig) -> tuple[OfferingSpec, ...]:
-        if loc.offerings:
-            return tuple(loc.offerings)
-        if loc.region not in AZURE_GPU_INSTANCES:
-            raise ProviderError(f"{loc.name}: no built-in prices for {loc.region}; configure offerings",
-                                retryable=False)
-        return AZURE_GPU_INSTANCES[loc.region]
-
     def _available(self, location: str) -> dict[str, list[str]]:
         """VM size -> its zones in the region, from the resource SKUs API (restricted sizes left out)."""
         loc = self._config.location(location)
@@ -162,7 +148,7 @@ class AzureProvider(CloudProvider):
 
     def price_offerings(self, location: str) -> list[Offering]:
         loc = self._config.location(location)
-        catalogue = {o.instance_type: o for o in self._catalogue(loc)}
+        catalogue = {o.instance_type: o for o in region_offerings(loc, AZURE_GPU_INSTANCES)}
         available = self._available(location)
         transfer = transfer_usd_per_gpu_hour(self._config.home, loc)
         return [

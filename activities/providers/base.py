@@ -13,30 +13,7 @@ from models.labels import TAG_BURST
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
-
-class ProviderError(Exception):
-    """A cloud call failed; the message names the location and the cause. ``retryable`` is False when the
-    cloud refused the request itself (bad configuration, missing permission): retrying cannot help."""
-
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-
-
-class InsufficientCapacityError(ProviderError):
-    """The location has no capacity for the instance type now; the next eligible location should be tried."""
-
-
-class InstanceNotFoundError(ProviderError):
-    pass
-
-
-class LocationNotAllowedError(ProviderError):
-    """The launch names a location outside the policy's list (R4.7). Never retried."""
-
-
-class NotOwnedError(ProviderError):
-    """The instance does not carry this policy's burst tag: the optimizer never touches it."""
+from .errors import InstanceNotFoundError, LocationNotAllowedError, NotOwnedError
 
 
 class Provider(Protocol):

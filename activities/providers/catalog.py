@@ -5,7 +5,11 @@ configures ``offerings`` of its own (negotiated rates, a rate card for onprem po
 
 from __future__ import annotations
 
-from models.locations import OfferingSpec
+from collections.abc import Mapping
+
+from models.locations import LocationConfig, OfferingSpec
+
+from .errors import ProviderError
 
 AWS_GPU_INSTANCES: tuple[OfferingSpec, ...] = (
     OfferingSpec(instance_type="g6.xlarge", gpus=1, gpu_product="NVIDIA-L4", usd_per_hour=0.805),
@@ -63,3 +67,13 @@ AZURE_GPU_INSTANCES: dict[str, tuple[OfferingSpec, ...]] = {
     "eastus": tuple(spec for product, _, rows in _AZURE_EASTUS for spec in _specs(product, rows)),
     "westeurope": tuple(spec for product, ratio, rows in _AZURE_EASTUS for spec in _specs(product, rows, ratio)),
 }
+
+
+def region_offerings(loc: LocationConfig, built_in: Mapping[str, tuple[OfferingSpec, ...]]) -> tuple[OfferingSpec, ...]:
+    """The location's configured offerings, else the built-in prices of its region (a region without any is a
+    configuration error: retrying cannot help)."""
+    if loc.offerings:
+        return tuple(loc.offerings)
+    if loc.region not in built_in:
+        raise ProviderError(f"{loc.name}: no built-in prices for {loc.region}; configure offerings", retryable=False)
+    return built_in[loc.region]

@@ -11,7 +11,8 @@ from models.labels import TAG_BURST, TAG_OPERATION
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
-from .base import InstanceNotFoundError, NotOwnedError, check_allowed
+from .base import check_allowed
+from .errors import InstanceNotFoundError, NotOwnedError
 
 
 @dataclass

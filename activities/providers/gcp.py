@@ -22,20 +22,14 @@ from datetime import datetime
 from typing import Any
 
 from models.labels import TAG_BURST, TAG_OPERATION
-from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
+from models.locations import BurstConfig, LocationConfig, transfer_usd_per_gpu_hour
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
 from .adaptors import LazyImport
-from .base import (
-    CloudProvider,
-    InstanceNotFoundError,
-    InsufficientCapacityError,
-    ProviderError,
-    check_allowed,
-    report_progress,
-)
-from .catalog import GCP_GPU_INSTANCES
+from .base import CloudProvider, check_allowed, report_progress
+from .catalog import GCP_GPU_INSTANCES, region_offerings
+from .errors import InstanceNotFoundError, InsufficientCapacityError, ProviderError
 
 # Only clusters with GCP locations load the SDK (activities/providers/adaptors.py).
 compute_v1 = LazyImport("google.cloud.compute_v1")
@@ -120,14 +114,6 @@ class GcpProvider(CloudProvider):
         return loc.gcp.project
 
     # -- catalogue and zones ---------------------------------------------------------------------------------
-    def _catalogue(self, loc: LocationConfig) -> tuple[OfferingSpec, ...]:
-        if loc.offerings:
-            return tuple(loc.offerings)
-        if loc.region not in GCP_GPU_INSTANCES:
-            raise ProviderError(f"{loc.name}: no built-in prices for {loc.region}; configure offerings",
-                                retryable=False)
-        return GCP_GPU_INSTANCES[loc.region]
-
     def _offered_zones(self, location: str, types: list[str]) -> dict[str, list[str]]:
         """Machine type -> zones of the region offering it (one aggregated machineTypes call)."""
         loc = self._config.location(location)
@@ -167,7 +153,7 @@ class GcpProvider(CloudProvider):
 
     def price_offerings(self, location: str) -> list[Offering]:
         loc = self._config.location(location)
-        catalogue = {o.instance_type: o for o in self._catalogue(loc)}
+        catalogue = {o.instance_type: o for o in region_offerings(loc, GCP_GPU_INSTANCES)}
         offered = self._offered_zones(location, sorted(catalogue))
         transfer = transfer_usd_per_gpu_hour(self._config.home, loc)
         return [

@@ -31,13 +31,13 @@ from models.locations import BurstConfig
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
-from .base import (
+from .base import check_allowed
+from .errors import (
     InstanceNotFoundError,
     InsufficientCapacityError,
     LocationNotAllowedError,
     NotOwnedError,
     ProviderError,
-    check_allowed,
 )
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from models.locations import BurstConfig, transfer_usd_per_gpu_hour
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
 
-from .base import InstanceNotFoundError, InsufficientCapacityError, NotOwnedError, ProviderError, check_allowed
+from .base import check_allowed
+from .errors import InstanceNotFoundError, InsufficientCapacityError, NotOwnedError, ProviderError
 
 LIVE_STATES = ("pending", "running")
 KWOK_ANNOTATIONS = {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}

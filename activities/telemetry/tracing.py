@@ -19,12 +19,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from activities.providers.base import (
+from activities.providers.base import Provider
+from activities.providers.errors import (
     InstanceNotFoundError,
     InsufficientCapacityError,
     LocationNotAllowedError,
     NotOwnedError,
-    Provider,
     ProviderError,
 )
 from activities.telemetry import metrics as pm

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.providers.base import InsufficientCapacityError, LocationNotAllowedError, ProviderError
+from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, ProviderError
 from activities.providers.onprem import OnPremProvider, PoolClient
 from models.join import render_user_data
 from models.labels import Taint

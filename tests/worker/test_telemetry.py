@@ -26,7 +26,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.providers.base import InsufficientCapacityError
+from activities.providers.errors import InsufficientCapacityError
 from activities.providers.fake import FakeProvider
 from activities.telemetry.tracing import traced
 from models import search_attributes as sa

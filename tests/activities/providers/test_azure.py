@@ -7,12 +7,7 @@ import base64
 import pytest
 
 from activities.providers.azure import AzureProvider
-from activities.providers.base import (
-    InsufficientCapacityError,
-    LocationNotAllowedError,
-    NotOwnedError,
-    ProviderError,
-)
+from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, NotOwnedError, ProviderError
 from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
 from models.node import LaunchRequest

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.providers.base import (
-    InsufficientCapacityError,
-    LocationNotAllowedError,
-    NotOwnedError,
-    ProviderError,
-)
+from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, NotOwnedError, ProviderError
 from activities.providers.gcp import GcpProvider
 from models.labels import TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig
