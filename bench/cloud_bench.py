@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from activities.clients.kube import KubeOps
+from common.kube import kube_api
 from gateway.service import KubeGateway
 from models.join import JoinTicketRequest, render_user_data
 from models.labels import Taint
@@ -35,7 +36,6 @@ from tests.harness.clouds.boot import Booter, gateway_join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
-from worker.runtime import kube_api
 
 
 def _kind(request: dict[str, Any]) -> str:

@@ -51,8 +51,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kubernetes import client
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.asgi import BodySizeLimit
 from gateway import metrics
 from gateway.limits import FailureLimiter, RefusedTokens
 from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE, POOL_CLAIM_HEADER, JoinTokenRefused, check_pool_claim
@@ -162,54 +162,8 @@ def _service_error(exc: client.ApiException, gateway: KubeGateway) -> GatewayHTT
     return _kube_error(exc, what)
 
 
-class BodySizeLimit:
-    """413 for bodies over ``max_bytes``: by Content-Length up front, and while reading a chunked body."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        error: GatewayHTTPError | None = None
-        if length is not None and not length.isdigit():
-            error = GatewayHTTPError(400, "bad_request", "invalid Content-Length header")
-        elif length is not None and int(length) > self.max_bytes:
-            error = self._too_large(f"Content-Length {int(length)}")
-        if error is not None:
-            await error.response()(scope, receive, send)
-            return
-        received = 0
-        refused = False
-
-        async def limited_receive() -> Message:
-            # Over the limit while reading (a chunked body has no Content-Length): answer 413 here, then tell
-            # the application the client went away. Raising would reach FastAPI's body parser, which turns any
-            # error into a 400.
-            nonlocal received, refused
-            if refused:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    refused = True
-                    await self._too_large(f"more than {self.max_bytes} bytes").response()(scope, receive, send)
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message: Message) -> None:
-            if not refused:
-                await send(message)
-
-        await self.app(scope, limited_receive, guarded_send)
-
-    def _too_large(self, got: str) -> GatewayHTTPError:
-        return GatewayHTTPError(413, "body_too_large",
-                                f"request body too large: {got}, the limit is {self.max_bytes} bytes")
+def _refusal(status: int, code: str, message: str) -> JSONResponse:
+    return GatewayHTTPError(status, code, message).response()
 
 
 # ----- request checks ------------------------------------------------------------------------------------------
@@ -337,7 +291,7 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     app.state.reviewer = reviewer
     app.state.auth_failures = FailureLimiter(auth_failures_per_minute, window=60.0)
     app.state.allowed_clients = allowed_clients
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, refusal=_refusal)
     app.add_middleware(metrics.GatewayRequestCounter)
     if health is not None:
         add_health_routes(app, health)

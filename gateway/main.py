@@ -12,13 +12,13 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import urllib3
 import uvicorn
 from kubernetes import client, config
 
+from common.kube import kube_api
 from gateway.app import HealthState, TokenReviewer, _QuietProbes, create_app, create_health_app
 from gateway.limits import guarded_h11
 from gateway.service import KubeGateway
@@ -29,18 +29,6 @@ from tunnel import link
 log = logging.getLogger("kubeon.gateway")
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
-
-
-def kube_api(kubeconfig: Path | None, *, pool_size: int = 32) -> client.ApiClient:
-    """The gateway's client: ``kubeconfig``, else its in-cluster ServiceAccount; a connection pool for the
-    concurrent joins."""
-    configuration = client.Configuration()
-    if kubeconfig is not None:
-        config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = pool_size
-    return client.ApiClient(configuration)
 
 
 class _JsonLines(logging.Formatter):
@@ -172,4 +160,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["configure_logging", "kube_api", "main", "serve"]
+__all__ = ["configure_logging", "main", "serve"]

@@ -14,6 +14,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.utils import parse_quantity
 
+from common.kube import read_or_none
 from gateway.slots import RecordStore, Slot
 from gateway.tunnel_end import GatewayTunnel
 from models.labels import GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT
@@ -111,13 +112,7 @@ class Reconciler:
         return report
 
     def _node_gone(self, name: str) -> bool:
-        try:
-            self._core.read_node(name)
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return True
-            raise
-        return False
+        return read_or_none(lambda: self._core.read_node(name)) is None
 
     def _apply_ticket(self, node: client.V1Node, slot: Slot, *, refused: bool) -> bool:
         """The ticket's labels and taints (only those: a ``gpu.kubeon.io/`` label the node set itself and its

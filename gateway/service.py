@@ -16,6 +16,7 @@ from typing import Any
 
 from kubernetes import client
 
+from common.kube import read_or_none
 from gateway.admission import DEFAULT_CERT_SECONDS, Admission
 from gateway.reconciler import Reconciler
 from gateway.settings import ServiceRef
@@ -189,12 +190,7 @@ class KubeGateway:
         removed = False
         for _ in range(5):  # each round lost a race against a reconcile pass writing the slot
             slots = [s for s in self._records.slots() if s.node == node_name and s.operation == operation]
-            try:
-                node = self._core.read_node(node_name)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    raise
-                node = None
+            node = read_or_none(lambda: self._core.read_node(node_name))
             if node is not None:
                 if not slots and not self._tombstoned(node_name, operation):
                     raise TicketError(f"node {node_name} has no address slot of operation {operation} at the "

@@ -10,9 +10,10 @@ from typing import Annotated
 from fastapi import Depends, FastAPI
 from pydantic import TypeAdapter
 
+from common.asgi import BodySizeLimit
 from hub.auth import HubState, hub_state
 from hub.db import Database
-from hub.http import BodySizeLimit, install_error_handlers, install_openapi
+from hub.http import install_error_handlers, install_openapi, refusal
 from hub.pools import BODY_MODELS as POOL_BODY_MODELS
 from hub.pools import ROUTERS as POOL_ROUTERS
 from hub.routes import clusters_api, people
@@ -57,7 +58,7 @@ def create_app(settings: HubSettings, clock: Clock = system_clock, *, database: 
     app = FastAPI(title="KubeOn GPU hub", version=_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.hub = HubState(settings=settings, clock=clock, db=db)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, refusal=refusal)
     app.include_router(people)
     app.include_router(clusters_api)
     for router in POOL_ROUTERS:  # on-prem burst pools (hub/pools.py)

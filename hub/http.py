@@ -18,15 +18,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.errors import (
-    BadRequest,
     Conflict,
     ErrorResponse,
     HubError,
     InvalidJson,
-    PayloadTooLarge,
     ServiceUnavailable,
     Unprocessable,
     UnsupportedMediaType,
@@ -39,50 +36,10 @@ M = TypeVar("M", bound=BaseModel)
 # ----- body size -----
 
 
-class BodySizeLimit:
-    """Refuse bodies over ``max_bytes`` with 413: by Content-Length before anything is read, and while reading a
-    body sent without one (chunked)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None:
-            if not length.isdigit():
-                await _send_error(send, BadRequest(f"invalid Content-Length header {length[:40]!r}",
-                                                   code="invalid_content_length"))
-                return
-            if int(length) > self.max_bytes:
-                await _send_error(send, self._too_large(f"Content-Length {int(length)}"))
-                return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise self._too_large(f"more than {self.max_bytes} bytes")
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    def _too_large(self, got: str) -> PayloadTooLarge:
-        return PayloadTooLarge(f"request body too large: {got}, the limit is {self.max_bytes} bytes")
-
-
-async def _send_error(send: Send, error: HubError) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+def refusal(status: int, code: str, message: str) -> JSONResponse:
+    """The body limit's answer (common/asgi.py) in the hub's error shape; the connection closes after it."""
+    body = ErrorResponse(error=code, message=message).model_dump()
+    return JSONResponse(body, status_code=status, headers={"connection": "close"})
 
 
 # ----- JSON bodies -----

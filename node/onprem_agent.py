@@ -34,6 +34,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
+from common.bearer import BearerFileClient
 from models.errors import TicketError
 from models.labels import GPU_RESOURCE
 from models.pool_claim import POOL_CLAIM_HEADER
@@ -94,32 +95,18 @@ class HubRefused(HubError):
     """Another 4xx: this request will never succeed as it is."""
 
 
-class AgentHub:
+class AgentHub(BearerFileClient):
     """The agent's client of the hub (the node side may not import the optimizer's clients): its heartbeat with
     the server's own credential, its enrolment with the pool's enrolment token, each read from its file at every
     call (a rotated one is used at once). No answer or a 5xx raises ``HubError``: try again later."""
 
     def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.token_file = token_file
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=ca_file or True,
-                                  headers={"User-Agent": "kubeon-gpu-onprem-agent"})
-
-    def close(self) -> None:
-        self._http.close()
-
-    def _token(self) -> str:
-        try:
-            token = self.token_file.read_text().strip()
-        except OSError as exc:
-            raise HubUnauthorized(f"no credential: cannot read {self.token_file} ({exc.strerror})") from None
-        if not token:
-            raise HubUnauthorized(f"no credential: {self.token_file} is empty")
-        return token
+        super().__init__(url, token_file, user_agent="kubeon-gpu-onprem-agent", credential="credential",
+                         unauthorized=HubUnauthorized, timeout=timeout, ca_file=ca_file)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = self._http.post(path, json=body, headers={"Authorization": f"Bearer {self._token()}"})
+            response = self._http.post(path, json=body, headers=self.auth_headers())
         except httpx.TransportError as exc:
             raise HubError(f"hub {self.url} unreachable: {exc.__class__.__name__}: {exc}") from None
         if response.status_code == 401:

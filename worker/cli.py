@@ -72,9 +72,9 @@ def _worker(_: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     """R1.6: print what the optimizer finds and misses, what a missing one disables and how to fix it."""
     from activities.clients.prometheus import PrometheusClient
+    from common.kube import kube_api
     from worker.config import load_settings
     from worker.doctor import as_json, render, run_checks
-    from worker.runtime import kube_api
 
     overrides = {"KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
     if args.kubeconfig:
@@ -136,7 +136,7 @@ def _ops(args: argparse.Namespace) -> int:
     from worker.runtime import connect_temporal
 
     if args.ops_command == "fit":
-        from worker.runtime import kube_api
+        from common.kube import kube_api
 
         env = {**os.environ, "KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
         if args.kubeconfig:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.runtime import Runtime as TemporalRuntime
@@ -23,6 +21,7 @@ from activities.context import ReportSink
 from activities.hub import HubActivities
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
+from common.kube import kube_api
 from models import search_attributes
 from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
@@ -33,18 +32,6 @@ from worker import telemetry
 from worker.config import ConfigError, Settings
 from worker.doctor import Prerequisite, run_checks
 from workflows.hub_sync import HubSyncWorkflow
-
-
-def kube_api(kubeconfig: Path | None, *, pool_size: int = 32) -> client.ApiClient:
-    """A client whose connection pool fits the activity threads that share it (the default of 10 makes
-    concurrent activities open a new TLS connection per request)."""
-    configuration = client.Configuration()
-    if kubeconfig is not None:
-        config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = pool_size
-    return client.ApiClient(configuration)
 
 
 async def connect_temporal(settings: Settings, *, runtime: TemporalRuntime | None = None) -> Client:

@@ -15,6 +15,7 @@ import httpx
 
 from activities.clients.gateway import error_message
 from activities.telemetry.tracing import http_call
+from common.bearer import BearerFileClient
 from models.hub import ActionReport
 
 
@@ -71,28 +72,14 @@ class ApprovalPage:
     more: bool
 
 
-class HubClient:
+class HubClient(BearerFileClient):
     def __init__(self, url: str, token_file: Path, *, timeout: float = 10.0, ca_file: str | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.token_file = token_file
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, verify=ca_file or True, transport=transport,
-                                  headers={"User-Agent": f"kubeon-gpu-optimizer/{_version()}"})
-
-    def close(self) -> None:
-        self._http.close()
-
-    def token(self) -> str:
-        try:
-            token = self.token_file.read_text().strip()
-        except OSError as exc:
-            raise HubUnauthorized(f"no hub token: cannot read {self.token_file} ({exc.strerror})") from None
-        if not token:
-            raise HubUnauthorized(f"no hub token: {self.token_file} is empty")
-        return token
+        super().__init__(url, token_file, user_agent=f"kubeon-gpu-optimizer/{_version()}", credential="hub token",
+                         unauthorized=HubUnauthorized, timeout=timeout, ca_file=ca_file, transport=transport)
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.token()}", **kwargs.pop("headers", {})}
+        headers = {**self.auth_headers(), **kwargs.pop("headers", {})}
         with http_call("hub", method, path) as call:
             try:
                 response = self._http.request(method, path, headers=headers, **kwargs)

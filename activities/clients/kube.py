@@ -12,6 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from kubernetes import client, watch
 
+from common.kube import read_or_none
 from models.drain import EvictionResult
 from models.labels import GPU_RESOURCE, LABEL_LOCATION, LABEL_OPERATION
 from models.node import NodeExpectation, ServeCheckRequest, ServeCheckResult, VerifyResult
@@ -207,12 +208,7 @@ class KubeOps:
         deadline = time.monotonic() + timeout
         while True:
             heartbeat(f"waiting for node {node_name}")
-            try:
-                node = self.core.read_node(node_name)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    raise
-                node = None
+            node = read_or_none(lambda: self.core.read_node(node_name))
             if node is not None:
                 if (node.metadata.labels or {}).get(LABEL_OPERATION) != operation:
                     raise VerificationFailed(f"node {node_name} exists but belongs to another operation")
@@ -360,13 +356,7 @@ class KubeOps:
         return out
 
     def node_exists(self, node_name: str) -> bool:
-        try:
-            self.core.read_node(node_name)
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
+        return read_or_none(lambda: self.core.read_node(node_name)) is not None
 
 
 def _affinity_terms(pod: client.V1Pod) -> list[list[NodeRequirement]]:

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from gateway.main import kube_api
+from common.kube import kube_api
 from gateway.service import KubeGateway
 from gateway.slots import AddressPlan
 

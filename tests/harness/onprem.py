@@ -23,10 +23,10 @@ import httpx
 import uvicorn
 import yaml
 
+from common.kube import kube_api
 from gateway.app import TokenReviewer, create_app
 from gateway.service import KubeGateway
 from tests.harness.controlplane import free_port
-from worker.runtime import kube_api
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # What a test or dev cluster's gateway may route to a server: its tunnel, pod and service CIDRs (the default

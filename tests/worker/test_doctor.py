@@ -59,7 +59,7 @@ def test_doctor_names_missing_gpu_operator_and_prometheus(optimizer_kubeconfig: 
 
 
 def test_gpu_operator_found_by_node_labels(cluster: Cluster, optimizer_kubeconfig: Path) -> None:
-    from worker.runtime import kube_api
+    from common.kube import kube_api
 
     node = f"gpu-op-{uuid.uuid4().hex[:6]}"
     cluster.create_kwok_node(node, labels={"nvidia.com/gpu.deploy.device-plugin": "true"})
@@ -73,7 +73,7 @@ def test_gpu_operator_found_by_node_labels(cluster: Cluster, optimizer_kubeconfi
 
 
 def test_dcgm_series_found_and_prometheus_down_reported(optimizer_kubeconfig: Path, dcgm_prometheus: str) -> None:
-    from worker.runtime import kube_api
+    from common.kube import kube_api
 
     api = kube_api(optimizer_kubeconfig)
     found = {p.name: p for p in run_checks(api, PrometheusClient(dcgm_prometheus), gpu_operator_namespace="x",
@@ -88,7 +88,7 @@ def test_dcgm_series_found_and_prometheus_down_reported(optimizer_kubeconfig: Pa
 
 
 def test_one_log_line_each_then_only_changes(caplog: pytest.LogCaptureFixture, optimizer_kubeconfig: Path) -> None:
-    from worker.runtime import kube_api
+    from common.kube import kube_api
 
     prereqs = run_checks(kube_api(optimizer_kubeconfig), None, gpu_operator_namespace="gpu-operator",
                          capacity_provider="karpenter")

@@ -15,6 +15,7 @@ import pytest
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
+from common.kube import kube_api
 from gateway.service import KubeGateway
 from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
@@ -37,7 +38,6 @@ from tests.harness.clouds import local
 from tests.harness.clouds.boot import Booter, gateway_join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.gcp_server import ZONES
-from worker.runtime import kube_api
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 CHEAP = [{"instanceType": "outside.gpu", "gpus": 1, "gpuProduct": "x", "usdPerHour": 0.01}]

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from common.kube import kube_api
 from gateway.pool_tokens import POOL_CLAIM_HEADER
 from gateway.service import KubeGateway
 from models import pool_claim
@@ -45,7 +46,6 @@ from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, regist
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
 from worker.main import worker_services
-from worker.runtime import kube_api
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 POOL = "dc1"
