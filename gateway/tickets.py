@@ -9,20 +9,13 @@ import hmac
 import secrets
 from collections.abc import Callable
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from models.errors import JoinRefused, TicketError
-from models.join import JoinTicketRequest, burst_node_name_problem
-from models.labels import Taint
+from models.join import JoinTicketRequest, TicketSubject, burst_node_name_problem
 
 
-class JoinTicket(BaseModel):
-    operation: str
-    policy: str
-    location: str
-    node_name: str
-    labels: dict[str, str]
-    taints: list[Taint]
+class JoinTicket(TicketSubject):
     expires_at: float
     gpus: int = 0
     # Issued with an address slot reservation: redeemed on that reservation only, never on a fresh slot (once it is

@@ -36,6 +36,8 @@ from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 NAME_LENGTH: Final = 63
 OPERATION_LENGTH: Final = 128
 POLICY_NAME_LENGTH: Final = 253
+# "user:<name>", "cluster:<name>", "server:<name>": who did something, as the audit log names it.
+ACTOR_LENGTH: Final = NAME_LENGTH + 16
 
 
 class DatabaseError(RuntimeError):
@@ -66,6 +68,19 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
 
 
+class StoredSecret:
+    """The columns every stored credential has (API keys, cluster tokens, pool join tokens, server credentials):
+    only its SHA-256 ``digest`` is kept; who made it and when; its last use; who revoked it and when."""
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # issue order: a newer secret has a larger id
+    digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+    revoked_by: Mapped[str | None] = mapped_column(String(ACTOR_LENGTH))
+
+
 class Principal(Base):
     """A person or a piece of automation; acts with its API keys and is named in the audit log."""
 
@@ -74,22 +89,15 @@ class Principal(Base):
     name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
     role: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
+    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
     keys: Mapped[list[ApiKey]] = relationship(back_populates="principal", order_by="ApiKey.id")
 
 
-class ApiKey(Base):
+class ApiKey(StoredSecret, Base):
     __tablename__ = "api_keys"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key_id: Mapped[str] = mapped_column(String(16), unique=True)
     principal_id: Mapped[int] = mapped_column(ForeignKey("principals.id"), index=True)
-    digest: Mapped[str] = mapped_column(String(64))
     description: Mapped[str] = mapped_column(String(200), default="")
-    created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
-    last_used_at: Mapped[datetime | None]
-    revoked_at: Mapped[datetime | None]
-    revoked_by: Mapped[str | None] = mapped_column(String(NAME_LENGTH + 16))
     principal: Mapped[Principal] = relationship(back_populates="keys")
 
 
@@ -101,26 +109,19 @@ class Cluster(Base):
     name: Mapped[str] = mapped_column(String(NAME_LENGTH), unique=True)
     description: Mapped[str] = mapped_column(String(200), default="")
     created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
+    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
     last_seen_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]  # the last revocation (a token issued later reconnects the cluster)
     policy_revision: Mapped[int] = mapped_column(Integer, default=0)
     tokens: Mapped[list[ClusterToken]] = relationship(back_populates="cluster", order_by="ClusterToken.id")
 
 
-class ClusterToken(Base):
+class ClusterToken(StoredSecret, Base):
     __tablename__ = "cluster_tokens"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # issue order: a newer token has a larger id
     token_id: Mapped[str] = mapped_column(String(16), unique=True)
     cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id"), index=True)
-    digest: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
     first_used_at: Mapped[datetime | None]
-    last_used_at: Mapped[datetime | None]
     expires_at: Mapped[datetime | None]  # set on the previous token(s) by a rotation
-    revoked_at: Mapped[datetime | None]
-    revoked_by: Mapped[str | None] = mapped_column(String(NAME_LENGTH + 16))
     revoked_reason: Mapped[str | None] = mapped_column(String(16))  # "revoked" | "superseded"
     cluster: Mapped[Cluster] = relationship(back_populates="tokens")
 
@@ -133,9 +134,9 @@ class Policy(Base):
     name: Mapped[str] = mapped_column(String(POLICY_NAME_LENGTH))
     document: Mapped[dict[str, Any]]
     created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
+    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
     updated_at: Mapped[datetime]
-    updated_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
+    updated_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
     revision: Mapped[int] = mapped_column(Integer)  # the cluster's policy-set revision of the last change
 
 
@@ -148,7 +149,7 @@ class Approval(Base):
     decision: Mapped[str] = mapped_column(String(8))
     plan_id: Mapped[str | None] = mapped_column(String(128))
     reason: Mapped[str] = mapped_column(Text, default="")
-    decided_by: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))
+    decided_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
     decided_at: Mapped[datetime]
 
 
@@ -176,7 +177,7 @@ class AuditEvent(Base):
     __table_args__ = (Index("ix_audit_events_cluster", "cluster"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime]
-    actor: Mapped[str] = mapped_column(String(NAME_LENGTH + 16))  # e.g. "user:alice", "cluster:prod-eu"
+    actor: Mapped[str] = mapped_column(String(ACTOR_LENGTH))  # e.g. "user:alice", "cluster:prod-eu"
     actor_key_id: Mapped[str | None] = mapped_column(String(16))  # the API key or cluster token used
     action: Mapped[str] = mapped_column(String(64))
     cluster: Mapped[str | None] = mapped_column(String(NAME_LENGTH))

@@ -14,9 +14,8 @@ from typing import Any, Final
 from sqlalchemy import Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from hub.db import NAME_LENGTH, OPERATION_LENGTH, POLICY_NAME_LENGTH, Base
+from hub.db import ACTOR_LENGTH, NAME_LENGTH, OPERATION_LENGTH, POLICY_NAME_LENGTH, Base, StoredSecret
 
-ACTOR_LENGTH: Final = NAME_LENGTH + 16
 PRODUCT_LENGTH: Final = 63
 
 
@@ -35,20 +34,13 @@ class Pool(Base):
     servers: Mapped[list[PoolServer]] = relationship(back_populates="pool", order_by="PoolServer.name")
 
 
-class PoolJoinToken(Base):
+class PoolJoinToken(StoredSecret, Base):
     """The pool's enrolment token: an operator-registered server of the pool that has no credential yet
     exchanges it, once, for its own server credential. Never handed to clusters. Stored as a SHA-256 hash."""
 
     __tablename__ = "pool_join_tokens"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
     token_id: Mapped[str] = mapped_column(String(16), unique=True)
     pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id"), index=True)
-    digest: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
-    last_used_at: Mapped[datetime | None]
-    revoked_at: Mapped[datetime | None]
-    revoked_by: Mapped[str | None] = mapped_column(String(ACTOR_LENGTH))
     pool: Mapped[Pool] = relationship(back_populates="tokens")
 
 
@@ -79,22 +71,15 @@ class PoolServer(Base):
     pool: Mapped[Pool] = relationship(back_populates="servers")
 
 
-class PoolServerCredential(Base):
+class PoolServerCredential(StoredSecret, Base):
     """A server's own credential (``kgs_<id>_<secret>``): its agent heartbeats with it, and the hub takes the
     server's name from it, never from the request. At most one active per server; revoked by an operator (the
     server is then never claimed, and gets no claim signed, until it enrols again). Stored as a SHA-256 hash."""
 
     __tablename__ = "pool_server_credentials"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
     token_id: Mapped[str] = mapped_column(String(16), unique=True)
     server_id: Mapped[int] = mapped_column(ForeignKey("pool_servers.id"), index=True)
-    digest: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime]
-    created_by: Mapped[str] = mapped_column(String(ACTOR_LENGTH))
     via_join_token: Mapped[str | None] = mapped_column(String(16))  # the enrolment token's id (None: an operator)
-    last_used_at: Mapped[datetime | None]
-    revoked_at: Mapped[datetime | None]
-    revoked_by: Mapped[str | None] = mapped_column(String(ACTOR_LENGTH))
     server: Mapped[PoolServer] = relationship()
 
 

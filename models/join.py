@@ -95,13 +95,19 @@ def parse_user_data(user_data: str) -> dict[str, Any]:
 DEFAULT_TICKET_TTL_SECONDS = 900
 
 
-class JoinTicketRequest(BaseModel):
+class TicketSubject(BaseModel):
+    """What a join ticket names: the node, its operation, policy and location, and the labels and taints it
+    registers with. The worker's request and the gateway's signed ticket both carry it."""
+
     operation: str
     policy: str
     location: str
     node_name: str
     labels: dict[str, str]
     taints: list[Taint]
+
+
+class JoinTicketRequest(TicketSubject):
     ttl_seconds: int = DEFAULT_TICKET_TTL_SECONDS
     # GPUs of the offering launched: a node reporting more fails its join (cordoned). 0: not checked.
     gpus: int = 0
