@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
 from gateway.slots import AddressPlan
-from models.env import ConfigError, env_names, from_env
+from models.env import ConfigError, env_names, from_env, url_setting
 from tunnel import link
 
 DEFAULT_LISTEN: Final = "0.0.0.0:8443"
@@ -83,9 +83,7 @@ class GatewaySettings(BaseModel):
     @field_validator("gateway_public_url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        if value and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL (e.g. https://host.example.com:8443)")
-        return value.rstrip("/")
+        return url_setting(value) or ""
 
     def address_plan(self) -> AddressPlan:
         """The address plan of these settings; ``ValueError`` naming the CIDR that is wrong."""

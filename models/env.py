@@ -5,6 +5,7 @@ case), and an invalid value fails naming the variable that holds it."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -37,3 +38,15 @@ def from_env(model: type[SettingsT], environ: Mapping[str, str] | None = None) -
             field = str(err["loc"][0]) if err["loc"] else "?"
             problems.append(f"{names.get(field, field)}: {err['msg']}")
         raise ConfigError("; ".join(problems)) from None
+
+
+def url_setting(value: str | None, *, https_only: bool = False) -> str | None:
+    """A URL setting, checked: empty, or ``http(s)://host[:port][/path]`` with its trailing slash dropped. The
+    scheme is required (google-cloud-compute turns a bare host:port into https); ``https_only`` where bearer
+    tokens travel (azure-core refuses them over http, so does the setting)."""
+    if not value:
+        return value
+    if not re.match(r"^https://[^/\s]+" if https_only else r"^https?://[^/\s]+", value):
+        kind = "an https" if https_only else "an http(s)"
+        raise ValueError(f"{value!r} is not {kind} URL (e.g. https://host.example.com:8443)")
+    return value.rstrip("/")

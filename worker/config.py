@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from models.env import ConfigError, env_names, from_env
+from models.env import ConfigError, env_names, from_env, url_setting
 from models.locations import BurstConfig
 from models.policy import Mode
 from models.provisioning import OperationSettings
@@ -92,28 +92,15 @@ class Settings(BaseModel):
             raise ValueError("must be at least 1s")
         return seconds
 
-    @field_validator("gcp_endpoint_url")
+    @field_validator("gateway_public_url", "hub_url", "prometheus_url", "gcp_endpoint_url")
     @classmethod
-    def _gcp_endpoint(cls, value: str | None) -> str | None:
-        # The scheme is required: google-cloud-compute turns a bare host:port into https.
-        if value and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL (e.g. http://127.0.0.1:8470)")
-        return value.rstrip("/") if value else value
+    def _http_url(cls, value: str | None) -> str | None:
+        return url_setting(value)
 
     @field_validator("azure_endpoint_url")
     @classmethod
-    def _azure_endpoint(cls, value: str | None) -> str | None:
-        # Bearer tokens go only over TLS (azure-core refuses otherwise; so does this setting).
-        if value and not re.match(r"^https://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an https URL (e.g. https://127.0.0.1:8471)")
-        return value.rstrip("/") if value else value
-
-    @field_validator("gateway_public_url", "hub_url", "prometheus_url")
-    @classmethod
-    def _http_url(cls, value: str) -> str:
-        if value and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL (e.g. https://host.example.com:8443)")
-        return value.rstrip("/")
+    def _https_url(cls, value: str | None) -> str | None:
+        return url_setting(value, https_only=True)
 
     def gateway_node_url(self) -> str:
         """The gateway's URL as burst nodes use it."""
