@@ -279,19 +279,17 @@ class RecordStore:
     def mark_registered(self, slot: Slot, uid: str) -> bool:
         """Record the UID of the Node that registered on the slot, only if the slot is as read (a slot released
         and re-issued during a slow pass never gets the old node's UID); False if it changed."""
-        cm = self._patch_unchanged(slot, {"registeredUID": uid})
-        if cm is None:
-            return False
-        slot.registered_uid = uid
-        slot.resource_version = str(cm.metadata.resource_version or "")
-        return True
+        return self._mark(slot, "registeredUID", "registered_uid", uid)
 
     def mark_refused(self, slot: Slot, reason: str) -> bool:
         """Record the gateway's refusal of the slot's node in the slot (where the node cannot write)."""
-        cm = self._patch_unchanged(slot, {"refused": reason})
+        return self._mark(slot, "refused", "refused", reason)
+
+    def _mark(self, slot: Slot, key: str, attribute: str, value: str) -> bool:
+        cm = self._patch_unchanged(slot, {key: value})
         if cm is None:
             return False
-        slot.refused = reason
+        setattr(slot, attribute, value)
         slot.resource_version = str(cm.metadata.resource_version or "")
         return True
 

@@ -23,9 +23,9 @@ import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -133,17 +133,10 @@ def _bearer(request: Request, what: str) -> str:
 def authenticate_agent(session: Session, now: datetime, request: Request) -> PoolJoinToken:
     """The pool's enrolment token (``POST /v1/pool-agent/enrol`` only)."""
     value = _bearer(request, "pool enrolment token")
-    match = _JOIN_TOKEN_RE.match(value)
-    if match is None:
-        raise Unauthorized("invalid join token: not a pool enrolment token (kgp_...)")
-    token = session.scalar(select(PoolJoinToken).where(PoolJoinToken.token_id == match.group(1)))
-    if token is None or not hmac.compare_digest(_digest(value).encode(), token.digest.encode()):
-        raise Unauthorized("invalid join token: unknown or wrong secret")
-    if token.revoked_at is not None:
-        raise Unauthorized(f"join token {token.token_id} of pool {token.pool.name!r} was revoked at "
-                           f"{token.revoked_at.isoformat()} by {token.revoked_by}", code="token_revoked")
-    token.last_used_at = now
-    return token
+    return _stored_secret(
+        session, now, value, PoolJoinToken, _JOIN_TOKEN_RE, "join token", "a pool enrolment token (kgp_...)",
+        lambda token: f"join token {token.token_id} of pool {token.pool.name!r} was revoked at "
+                      f"{_revoked(token)}")
 
 
 def authenticate_server(session: Session, now: datetime, request: Request) -> PoolServerCredential:
@@ -152,18 +145,35 @@ def authenticate_server(session: Session, now: datetime, request: Request) -> Po
     if _JOIN_TOKEN_RE.match(value):
         raise Forbidden("the pool's enrolment token only enrols a server (POST /v1/pool-agent/enrol); heartbeat "
                         "with the server's own credential (kgs_...)", code="enrolment_token_only")
-    match = _SERVER_CREDENTIAL_RE.match(value)
+    return _stored_secret(
+        session, now, value, PoolServerCredential, _SERVER_CREDENTIAL_RE, "server credential",
+        "a pool server credential (kgs_...)",
+        lambda cred: f"the credential {cred.token_id} of server {cred.server.name!r} was revoked at "
+                     f"{_revoked(cred)}; enrol the server again")
+
+
+_Secret = TypeVar("_Secret", PoolJoinToken, PoolServerCredential)
+
+
+def _stored_secret(session: Session, now: datetime, value: str, model: type[_Secret], pattern: re.Pattern[str],
+                   kind: str, shape: str, revoked: Callable[[_Secret], str]) -> _Secret:
+    """The stored secret ``value`` names (``<prefix>_<token id>_<secret>``), its digest compared in constant
+    time; 401 naming why for a malformed, unknown, wrong or revoked one. Records its use."""
+    match = pattern.match(value)
     if match is None:
-        raise Unauthorized("invalid server credential: not a pool server credential (kgs_...)")
-    cred = session.scalar(select(PoolServerCredential).where(PoolServerCredential.token_id == match.group(1)))
-    if cred is None or not hmac.compare_digest(_digest(value).encode(), cred.digest.encode()):
-        raise Unauthorized("invalid server credential: unknown or wrong secret")
-    if cred.revoked_at is not None:
-        raise Unauthorized(f"the credential {cred.token_id} of server {cred.server.name!r} was revoked at "
-                           f"{cred.revoked_at.isoformat()} by {cred.revoked_by}; enrol the server again",
-                           code="token_revoked")
-    cred.last_used_at = now
-    return cred
+        raise Unauthorized(f"invalid {kind}: not {shape}")
+    secret = session.scalar(select(model).where(model.token_id == match.group(1)))
+    if secret is None or not hmac.compare_digest(_digest(value).encode(), secret.digest.encode()):
+        raise Unauthorized(f"invalid {kind}: unknown or wrong secret")
+    if secret.revoked_at is not None:
+        raise Unauthorized(revoked(secret), code="token_revoked")
+    secret.last_used_at = now
+    return secret
+
+
+def _revoked(secret: PoolJoinToken | PoolServerCredential) -> str:
+    assert secret.revoked_at is not None
+    return f"{secret.revoked_at.isoformat()} by {secret.revoked_by}"
 
 
 def _active_credential(session: Session, server: PoolServer) -> PoolServerCredential | None:
