@@ -79,14 +79,13 @@ def _end(span: Span, exc: BaseException | None, outcome: str) -> None:
 
 
 @contextmanager
-def cloud_call(provider: str, call: str, location: str, instance_type: str | None = None) -> Iterator[Span]:
-    """A CLIENT span ``cloud.<call>`` and the cloud request metrics, around one provider call."""
-    attributes: dict[str, str] = {"cloud.provider": provider, "cloud.region": location, "kubeon.location": location}
-    if instance_type:
-        attributes["kubeon.instance_type"] = instance_type
+def _client_span(name: str, attributes: dict[str, str], outcome: Callable[[BaseException | None], str],
+                 done: Callable[[str, float], None]) -> Iterator[Span]:
+    """A CLIENT span around one outgoing call: its outcome label on the span (the exception's type only, never its
+    message) and handed to ``done`` with the call's seconds, for the metrics."""
     start = time.monotonic()
-    with tracer().start_as_current_span(f"cloud.{call}", kind=SpanKind.CLIENT, attributes=attributes,
-                                        record_exception=False, set_status_on_exception=False) as span:
+    with tracer().start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes, record_exception=False,
+                                        set_status_on_exception=False) as span:
         error: BaseException | None = None
         try:
             yield span
@@ -94,49 +93,58 @@ def cloud_call(provider: str, call: str, location: str, instance_type: str | Non
             error = exc
             raise
         finally:
-            outcome = outcome_of(error)
-            _end(span, error, outcome)
-            pm.CLOUD_REQUESTS.labels(provider=provider, call=call, outcome=outcome).inc()
-            pm.CLOUD_REQUEST_SECONDS.labels(provider=provider, call=call).observe(time.monotonic() - start)
+            result = outcome(error)
+            _end(span, error, result)
+            done(result, time.monotonic() - start)
+
+
+@contextmanager
+def cloud_call(provider: str, call: str, location: str, instance_type: str | None = None) -> Iterator[Span]:
+    """A CLIENT span ``cloud.<call>`` and the cloud request metrics, around one provider call."""
+    attributes: dict[str, str] = {"cloud.provider": provider, "cloud.region": location, "kubeon.location": location}
+    if instance_type:
+        attributes["kubeon.instance_type"] = instance_type
+
+    def counted(outcome: str, seconds: float) -> None:
+        pm.CLOUD_REQUESTS.labels(provider=provider, call=call, outcome=outcome).inc()
+        pm.CLOUD_REQUEST_SECONDS.labels(provider=provider, call=call).observe(seconds)
+
+    with _client_span(f"cloud.{call}", attributes, outcome_of, counted) as span:
+        yield span
 
 
 class HttpCall:
     """What one hub or gateway request tells its span: the response status."""
 
-    def __init__(self, span: Span) -> None:
-        self.span = span
+    def __init__(self) -> None:
+        self.span: Span | None = None
         self.status: int | None = None
 
     def response(self, status: int) -> None:
         self.status = status
-        self.span.set_attribute("http.response.status_code", status)
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", status)
+
+    def outcome(self, error: BaseException | None) -> str:
+        if error is not None:
+            return "error"
+        return "ok" if self.status is None or self.status < 400 else str(self.status)
 
 
 @contextmanager
 def http_call(peer: str, method: str, route: str) -> Iterator[HttpCall]:
     """A CLIENT span around one request to the hub or the gateway. ``route`` is the path template (no IDs,
     no query string, never a header)."""
-    start = time.monotonic()
-    with tracer().start_as_current_span(f"{peer} {method} {route}", kind=SpanKind.CLIENT, attributes={
-            "http.request.method": method, "url.template": route, "kubeon.peer": peer},
-            record_exception=False, set_status_on_exception=False) as span:
-        call = HttpCall(span)
-        error: BaseException | None = None
-        try:
-            yield call
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            if error is not None:
-                outcome = "error"
-            elif call.status is None or call.status < 400:
-                outcome = "ok"
-            else:
-                outcome = str(call.status)
-            _end(span, error, outcome)
-            pm.HTTP_REQUESTS.labels(peer=peer, route=route, outcome=outcome).inc()
-            pm.HTTP_REQUEST_SECONDS.labels(peer=peer, route=route).observe(time.monotonic() - start)
+    call = HttpCall()
+
+    def counted(outcome: str, seconds: float) -> None:
+        pm.HTTP_REQUESTS.labels(peer=peer, route=route, outcome=outcome).inc()
+        pm.HTTP_REQUEST_SECONDS.labels(peer=peer, route=route).observe(seconds)
+
+    attributes = {"http.request.method": method, "url.template": route, "kubeon.peer": peer}
+    with _client_span(f"{peer} {method} {route}", attributes, call.outcome, counted) as span:
+        call.span = span
+        yield call
 
 
 class TracedProvider:
