@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import zoneinfo
-from typing import Annotated, Any, Final, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Final, Generic, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -274,31 +274,40 @@ class Wake(_Spec):
     demand: DemandWake | None = None
 
 
-class ScaleToZeroSpec(_Spec):
+class WorkloadPolicySpec(_Spec):
+    """What every policy over workloads has: its kind (``KIND``), its namespaces (each once), a selector of the
+    workloads in them, and exclusions."""
+
+    KIND: ClassVar[str]
     kind: StrictStr
-    mode: Mode | None = None
-    # Each must have the chart's scale Role (values scaleToZero.namespaces); the worker refuses others.
     namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
     selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
-    idle: IdleRule = Field(default_factory=IdleRule)
     exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
-    wake: Wake = Field(default_factory=Wake)
 
     @field_validator("kind")
     @classmethod
-    def _scale_kind(cls, kind: str) -> str:
-        return _known_kind(kind, "ScaleToZero")
+    def _policy_kind(cls, kind: str) -> str:
+        return _known_kind(kind, cls.KIND)
 
     @field_validator("namespaces")
     @classmethod
     def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
         return _unique(namespaces, "namespace")
 
-    def effective_mode(self, default_mode: Mode) -> Mode:
-        return self.mode or default_mode
-
     def excluded(self, namespace: str, name: str) -> bool:
         return any(e.matches(namespace, name) for e in self.exclude)
+
+
+class ScaleToZeroSpec(WorkloadPolicySpec):
+    """Each namespace must have the chart's scale Role (values scaleToZero.namespaces); the worker refuses others."""
+
+    KIND = "ScaleToZero"
+    mode: Mode | None = None
+    idle: IdleRule = Field(default_factory=IdleRule)
+    wake: Wake = Field(default_factory=Wake)
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return self.mode or default_mode
 
 
 # --- GpuTypeFit (Recommend only) ----------------------------------------------------------------------------
@@ -335,30 +344,14 @@ class FitRule(_Spec):
         return duration_seconds(self.window)
 
 
-class GpuTypeFitSpec(_Spec):
-    kind: StrictStr
+class GpuTypeFitSpec(WorkloadPolicySpec):
+    KIND = "GpuTypeFit"
     # Recommend only: GPU type fit never acts.
     mode: Literal["Recommend"] | None = None
-    namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
-    selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
-    exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
     fit: FitRule
-
-    @field_validator("kind")
-    @classmethod
-    def _fit_kind(cls, kind: str) -> str:
-        return _known_kind(kind, "GpuTypeFit")
-
-    @field_validator("namespaces")
-    @classmethod
-    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
-        return _unique(namespaces, "namespace")
 
     def effective_mode(self, default_mode: Mode) -> Mode:
         return "Recommend"
-
-    def excluded(self, namespace: str, name: str) -> bool:
-        return any(e.matches(namespace, name) for e in self.exclude)
 
 
 class ObjectMeta(BaseModel):

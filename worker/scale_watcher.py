@@ -13,14 +13,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes.client import ApiException
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from activities.clients.kube import gpus_requested
-from activities.clients.prometheus import MetricsError
+from activities.clients.prometheus import MetricsError, PrometheusClient
 from activities.scale import ScaleOps, scale_role_missing
 from models.policy import GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
 from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
@@ -29,6 +29,9 @@ from planning.idle import PodActivity, PodMemory, judge_idle
 from worker.doctor import Prerequisite, PrerequisiteLog
 
 log = logging.getLogger("kubeon.scale")
+M = TypeVar("M")
+# (namespace, pod) -> what Prometheus says of it
+PodSeries = dict[tuple[str, str], M]
 MAX_DECISIONS = 100
 FIT_STATUS_KEY = "gpuTypeFit"
 NO_PROMETHEUS_FIT = "prometheus.url is not set: GPU type fit needs DCGM metrics"
@@ -68,6 +71,19 @@ class ScaleWatcher:
     def prometheus_configured(self) -> bool:
         return self.ops.metrics is not None
 
+    def _measured(self, wanted: bool, unconfigured: str,
+                  fetch: Callable[[PrometheusClient], PodSeries[M]]) -> tuple[PodSeries[M], str]:
+        """What ``fetch`` reads from Prometheus (nothing when not ``wanted``), or the problem that stopped it:
+        none configured (``unconfigured`` says what that disables), or the query's error."""
+        if self.ops.metrics is None:
+            return {}, unconfigured
+        if not wanted:
+            return {}, ""
+        try:
+            return fetch(self.ops.metrics), ""
+        except MetricsError as exc:
+            return {}, str(exc)
+
     # -- evaluation (blocking: runs in a thread) ------------------------------------------------------------
     def evaluate(self) -> list[Candidate]:
         out: list[Candidate] = []
@@ -100,15 +116,9 @@ class ScaleWatcher:
                 gpus = sum(gpus_requested(p) for p in pods)
                 if gpus:
                     workloads.append((ref.key, ns, sorted(str(p.metadata.name) for p in pods), gpus))
-        problem = ""
-        memory: dict[tuple[str, str], PodMemory] = {}
-        if self.ops.metrics is None:
-            problem = NO_PROMETHEUS_FIT
-        elif workloads:
-            try:
-                memory = self.ops.metrics.pod_memory(spec.namespaces, rule.window_seconds)
-            except MetricsError as exc:
-                problem = str(exc)
+        memory: dict[tuple[str, str], PodMemory]
+        memory, problem = self._measured(bool(workloads), NO_PROMETHEUS_FIT,
+                                         lambda m: m.pod_memory(spec.namespaces, rule.window_seconds))
         recs = [] if problem else [
             recommend(key, [memory[(ns, p)] for p in pods if (ns, p) in memory], gpus, rule)
             for key, ns, pods, gpus in workloads]
@@ -145,15 +155,9 @@ class ScaleWatcher:
                     decisions.append({"workload": ref.key, "idle": False, "reason": "at 0 replicas"})
                     continue
                 workloads.append((ref, sorted(p.metadata.name for p in self.ops.pods_of(w, ns_pods))))
-        metrics_problem = ""
-        activity: dict[tuple[str, str], PodActivity] = {}
-        if self.ops.metrics is None:
-            metrics_problem = NO_PROMETHEUS
-        elif workloads:
-            try:
-                activity = self.ops.metrics.pod_activity(permitted, spec.idle.idle_for_seconds)
-            except MetricsError as exc:
-                metrics_problem = str(exc)
+        activity: dict[tuple[str, str], PodActivity]
+        activity, metrics_problem = self._measured(bool(workloads), NO_PROMETHEUS,
+                                                   lambda m: m.pod_activity(permitted, spec.idle.idle_for_seconds))
         for ref, pods in workloads:
             if metrics_problem:
                 decisions.append({"workload": ref.key, "idle": False, "reason": f"not measured: {metrics_problem}"})
