@@ -4,7 +4,9 @@ Every control plane of the test bed installs it from the chart's file, as a clus
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -43,7 +45,11 @@ def test_chart_ships_the_file_the_test_bed_installs() -> None:
     text = NODE_ADMISSION_POLICY.read_text().replace("kubeon-burst-node-self-registration",
                                                      "kubeon-gpu-optimizer-burst-nodes")
     shipped = [d for d in yaml.safe_load_all(text) if d]
-    assert [d for d in rendered.docs if d["kind"].startswith("ValidatingAdmissionPolicy")] == shipped
+    def key(doc: dict[str, Any]) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    policies = [d for d in rendered.docs if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert sorted(policies, key=key) == sorted(shipped, key=key)
     assert not [d for d in template().docs if d["kind"].startswith("ValidatingAdmissionPolicy")]
 
 
@@ -104,3 +110,42 @@ def test_a_refused_burst_node_cannot_uncordon_itself(cluster: Cluster) -> None:
         assert cluster.admin.core.read_node(name).spec.unschedulable is True
     finally:
         cluster.admin.core.delete_node(name)
+
+
+def _kubelet_csr(name: str, node: str) -> client.V1CertificateSigningRequest:
+    """What the kubelet's client certificate rotation sends for ``node``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}"),
+                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes")])
+    pem = x509.CertificateSigningRequestBuilder().subject_name(subject).sign(
+        ec.generate_private_key(ec.SECP256R1()), hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+    return client.V1CertificateSigningRequest(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1CertificateSigningRequestSpec(request=base64.b64encode(pem).decode(),
+                                                    signer_name="kubernetes.io/kube-apiserver-client-kubelet",
+                                                    usages=["digital signature", "client auth"]))
+
+
+def test_a_burst_node_cannot_renew_its_own_certificate(cluster: Cluster) -> None:
+    """The kubelet's self-renewal (auto-approved for system:nodes) is closed to burst nodes: a removed node's
+    certificate ends with its lifetime; only the gateway re-issues, while the node holds its slot."""
+    name = "burst-op-renewal0001"
+    certs = client.CertificatesV1Api(config.new_client_from_config(
+        config_file=str(cluster.plane.node_kubeconfig(name))))
+    err = refused(lambda: certs.create_certificate_signing_request(_kubelet_csr(f"{name}-renew", name)))
+    assert "burst gateway" in str(err.body)
+    with pytest.raises(client.ApiException) as gone:
+        client.CertificatesV1Api(cluster.admin.api).read_certificate_signing_request(f"{name}-renew")
+    assert gone.value.status == 404
+
+
+def test_a_home_node_still_renews_its_certificate(cluster: Cluster) -> None:
+    home = "home-gpu-node-08"
+    certs = client.CertificatesV1Api(config.new_client_from_config(
+        config_file=str(cluster.plane.node_kubeconfig(home))))
+    created = certs.create_certificate_signing_request(_kubelet_csr(f"{home}-renew", home), dry_run="All")
+    assert created.spec.username == f"system:node:{home}"
