@@ -247,25 +247,31 @@ def test_a_drain_removes_a_node_recreated_under_its_tombstone(
 
 def test_a_csr_precreated_under_the_joins_name_is_never_approved(
         cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
-    """A node that knows its ticket's nonce (and holds a certificate of its name: a removed node's) creates
-    ``kubeon-join-<nonce>`` itself with the join's CSR and no expiry (the signer's maximum): never approved."""
+    """Someone who knows a ticket's nonce creates ``kubeon-join-<nonce>`` first with the join's CSR and no expiry
+    (the signer's maximum): never approved. A burst node (a removed node's certificate of that name) cannot even
+    create it (the node admission policy; a home kubelet may ask only for its own name); any other identity with
+    CSR create (here an administrator) is refused by the gateway."""
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
     ticket = gw.issue_ticket(req).ticket
     redeem = redeem_for(files(), ticket, req.node_name)
     name = f"kubeon-join-{gw.verify(ticket).nonce}"
-    # The node itself (NodeRestriction lets a node ask only for its own name), before it redeems.
-    intruder = client.CertificatesV1Api(Kube.from_kubeconfig(cluster.plane.node_kubeconfig(req.node_name)).api)
-    intruder.create_certificate_signing_request(client.V1CertificateSigningRequest(
+    body = client.V1CertificateSigningRequest(
         metadata=client.V1ObjectMeta(name=name), spec=client.V1CertificateSigningRequestSpec(
             request=base64.b64encode(redeem.csr.encode()).decode(), signer_name=KUBELET_CLIENT_SIGNER,
-            usages=list(KUBELET_CLIENT_USAGES))))
+            usages=list(KUBELET_CLIENT_USAGES)))
+    node_itself = client.CertificatesV1Api(Kube.from_kubeconfig(cluster.plane.node_kubeconfig(req.node_name)).api)
+    with pytest.raises(client.ApiException) as denied:
+        node_itself.create_certificate_signing_request(body)
+    assert denied.value.status == 403
+    client.CertificatesV1Api(cluster.admin.api).create_certificate_signing_request(body)
     try:
         with pytest.raises(JoinRefused, match="was not created by the gateway") as refused:
             gw.join(redeem)
         assert refused.value.status == 409
         obj = client.CertificatesV1Api(cluster.admin.api).read_certificate_signing_request(name)
-        assert not obj.status.conditions and not obj.status.certificate
+        # (An administrator's kubelet CSR is auto-approved by the controller-manager: the gateway added nothing.)
+        assert "KubeonGatewayValidated" not in [c.reason for c in obj.status.conditions or []]
     finally:
         client.CertificatesV1Api(cluster.admin.api).delete_certificate_signing_request(name)
 
