@@ -17,8 +17,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 from kubernetes import client
 
+from common.kube import read_or_none
+from gateway.settings import DEFAULT_CERT_SECONDS
 from gateway.slots import MANAGED_BY, AddressPlan, RecordStore, SlotBook
-from gateway.tickets import JoinTicket, TicketSigner
+from gateway.tickets import TicketSigner
 from gateway.tunnel_end import GatewayTunnel
 from models.errors import JoinRefused, TicketError
 from models.join import (
@@ -27,6 +29,8 @@ from models.join import (
     KUBELET_CLIENT_USAGES,
     NODE_USER_PREFIX,
     NODES_GROUP,
+    CertRenewal,
+    CertRenewalAnswer,
     JoinAnswer,
     JoinRedeem,
     url_host,
@@ -36,7 +40,6 @@ from tunnel.keys import check_key
 from tunnel.uapi import UapiError
 
 # A node's kubelet client certificate lasts this long (the kubelet renews it with its own credentials).
-DEFAULT_CERT_SECONDS = 24 * 3600
 
 API_SERVER_NAME = "kubernetes.default.svc"
 
@@ -179,7 +182,8 @@ class Admission:
             except UapiError as exc:
                 raise JoinRefused("tunnel_unavailable", str(exc), status=503) from None
         self._on_join()
-        certificate = self._sign(csr, redeem, ticket)
+        certificate = self._sign(f"kubeon-join-{ticket.nonce}", redeem.csr, csr, list(redeem.usages), ticket.node_name,
+                                 f"its join ticket (operation {ticket.operation})")
         tunnel = self._tunnel.answer(slot, self._udp_endpoint()) if self._tunnel is not None else None
         api_server, api_server_name = self._node_api_server()
         return JoinAnswer(
@@ -188,13 +192,7 @@ class Admission:
             labels=dict(ticket.labels), taints=[*ticket.taints, JOINING_TAINT], tunnel=tunnel)
 
     def _node_exists(self, name: str) -> bool:
-        try:
-            client.CoreV1Api(self._api).read_node(name)
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
-        return True
+        return read_or_none(lambda: client.CoreV1Api(self._api).read_node(name)) is not None
 
     def _own_username(self) -> str:
         """The gateway's own user (SelfSubjectReview): the only requester of a join CSR it approves."""
@@ -204,15 +202,39 @@ class Admission:
             self._username = str(info.username) if info is not None and info.username else ""
         return self._username
 
-    def _sign(self, csr: x509.CertificateSigningRequest, redeem: JoinRedeem, ticket: JoinTicket) -> str:
-        """Create the CSR object for the kubelet-client signer, approve it (only this one, which was just
-        checked, read back and checked again), and wait for the certificate."""
-        name = f"kubeon-join-{ticket.nonce}"
+    def renew(self, renewal: CertRenewal) -> CertRenewalAnswer:
+        """A new kubelet certificate for a node that still holds its address slot (joined, not removed, not
+        refused) and proves, by the CSR's signature, the kubelet key it joined with (recorded at redemption). A
+        removed node gets none: its last certificate ends with its lifetime, within its tombstone. One CSR object
+        per node and quarter of a certificate's lifetime: a retry gets the same certificate."""
+        csr = check_csr(renewal.csr, renewal.node_name, renewal.usages)
+        node = renewal.node_name
+        slot = next((s for s in self._records.slots() if s.node == node and not s.reserved), None)
+        if slot is None or self._tombstoned(node):
+            raise JoinRefused("node_not_joined", f"node {node} holds no address slot (it was removed, or never "
+                              "joined): no certificate is renewed for it", status=403)
+        if slot.refused:
+            raise JoinRefused("node_refused", f"node {node} was refused by the gateway ({slot.refused}): no "
+                              "certificate is renewed for it", status=403)
+        record = self._records.ticket(slot.nonce) or {}
+        if record.get("state") != "redeemed" or record.get("csrKey") != key_fingerprint(csr):
+            raise JoinRefused("key_mismatch", f"the CSR's key is not the kubelet key node {node} joined with",
+                              status=403)
+        bucket = int(time.time() // max(self._cert_seconds // 4, 60))
+        certificate = self._sign(f"kubeon-renew-{slot.nonce}-{bucket}", renewal.csr, csr, renewal.usages, node,
+                                 f"renewal for {node} (operation {slot.operation}), which holds its address slot "
+                                 "and proved its kubelet key")
+        return CertRenewalAnswer(certificate=certificate)
+
+    def _sign(self, name: str, pem: str, csr: x509.CertificateSigningRequest, usages: list[str], node_name: str,
+              why: str) -> str:
+        """Create the CSR object ``name`` for the kubelet-client signer, approve it (only this one, which was
+        just checked, read back and checked again), and wait for the certificate."""
         body = client.V1CertificateSigningRequest(
             metadata=client.V1ObjectMeta(name=name, labels={**MANAGED_BY}),
             spec=client.V1CertificateSigningRequestSpec(
-                request=base64.b64encode(redeem.csr.encode()).decode(), signer_name=KUBELET_CLIENT_SIGNER,
-                usages=list(redeem.usages), expiration_seconds=self._cert_seconds))
+                request=base64.b64encode(pem.encode()).decode(), signer_name=KUBELET_CLIENT_SIGNER,
+                usages=list(usages), expiration_seconds=self._cert_seconds))
         try:
             obj = self._certs.create_certificate_signing_request(body)
         except client.ApiException as exc:
@@ -224,12 +246,12 @@ class Admission:
             requester, seconds = obj.spec.username, obj.spec.expiration_seconds
             if requester != self._own_username() or seconds is None or seconds > self._cert_seconds:
                 raise JoinRefused("csr_mismatch", f"CSR {name} in the API was not created by the gateway for this "
-                                  f"join (requester {requester!r}, expirationSeconds {seconds})", status=409) from None
+                                  f"node (requester {requester!r}, expirationSeconds {seconds})", status=409) from None
         # What the API holds is what was checked: the same key, the same shape, our signer.
         held = base64.b64decode(obj.spec.request).decode()
         if obj.spec.signer_name != KUBELET_CLIENT_SIGNER or key_fingerprint(
-                check_csr(held, ticket.node_name, list(obj.spec.usages or []))) != key_fingerprint(csr):
-            raise JoinRefused("csr_mismatch", f"CSR {name} in the API is not the one this join sent", status=409)
+                check_csr(held, node_name, list(obj.spec.usages or []))) != key_fingerprint(csr):
+            raise JoinRefused("csr_mismatch", f"CSR {name} in the API is not the one this node sent", status=409)
         conditions = {c.type for c in (obj.status.conditions if obj.status else None) or []}
         if "Denied" in conditions or "Failed" in conditions:
             raise JoinRefused("csr_denied", f"CSR {name} was denied or failed", status=409)
@@ -237,8 +259,7 @@ class Admission:
             obj.status = client.V1CertificateSigningRequestStatus(conditions=[
                 client.V1CertificateSigningRequestCondition(
                     type="Approved", status="True", reason="KubeonGatewayValidated",
-                    message=f"kubelet client CSR for {ticket.node_name}, checked by the burst gateway against "
-                            f"its join ticket (operation {ticket.operation})")])
+                    message=f"kubelet client CSR for {node_name}, checked by the burst gateway: {why}")])
             self._certs.replace_certificate_signing_request_approval(name, obj)
         deadline = time.monotonic() + self._sign_timeout
         while True:

@@ -18,6 +18,10 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   WireGuard public key and kubelet CSR (``models.join.JoinRedeem``); the answer (``JoinAnswer``) carries the
   signed kubelet certificate, the tunnel's parameters, the pod CIDR and the API server address. The gateway creates
   no Node; the node registers itself, then the gateway's reconciler applies its ticket's labels and taints.
+- ``POST /v1/renew`` (a joined burst node, before its certificate expires; ``kubeon-gpu node renew``): a new
+  kubelet certificate for a CSR of the kubelet key the node joined with, while it holds its address slot (never
+  for a removed or refused node). Burst nodes cannot renew through the API server (the node admission policy
+  refuses their CSRs), so a removed node's certificate ends with its lifetime (``KUBEON_GATEWAY_CERT_SECONDS``).
 
 With ``KUBEON_GATEWAY_TUNNEL_INTERFACE`` the gateway runs ``wireguard-go`` on that interface (UDP
 ``KUBEON_GATEWAY_UDP_PORT``), gives it the first address of ``KUBEON_GATEWAY_TUNNEL_CIDR``, clamps the TCP MSS,
@@ -59,7 +63,7 @@ from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE, POOL_CLAIM_HEADER, Join
 from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
 from gateway.settings import MAX_BODY_BYTES
 from models.errors import JoinRefused, TicketError
-from models.join import JoinRedeem, JoinTicketRequest
+from models.join import CertRenewal, JoinRedeem, JoinTicketRequest
 from models.labels import LABEL_OPERATION
 
 log = logging.getLogger("kubeon.gateway")
@@ -364,6 +368,28 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
             raise _kube_error(exc, "joining the node") from None
         log.info("node %s joined: pod CIDR %s%s; it registers itself now", answer.node_name, answer.pod_cidr,
                  f", tunnel {answer.tunnel.address}" if answer.tunnel else "")
+        return answer.model_dump(mode="json", by_alias=True)
+
+    @app.post("/v1/renew")
+    def renew(body: CertRenewal, request: Request) -> dict[str, object]:
+        # No bearer token: the proof is the CSR, signed by the kubelet key the node joined with. Refusals count
+        # against the source like failed authentications, so no one probes node names and keys at speed.
+        limiter: FailureLimiter = request.app.state.auth_failures
+        source = request.client.host if request.client else ""
+        wait = limiter.retry_after(source)
+        if wait:
+            raise GatewayHTTPError(429, "too_many_failures", f"more than {limiter.limit} refused requests from "
+                                   f"{source} in {limiter.window:.0f}s; retry later", {"Retry-After": str(int(wait))})
+        try:
+            answer = gateway.renew(body)
+        except JoinRefused as exc:
+            if exc.status == 403:
+                limiter.failed(source)
+            log.warning("refused a certificate renewal for %s: %s", body.node_name, exc)
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
+        except client.ApiException as exc:
+            raise _kube_error(exc, f"renewing the certificate of {body.node_name}") from None
+        log.info("renewed the kubelet certificate of node %s", body.node_name)
         return answer.model_dump(mode="json", by_alias=True)
 
     return app

@@ -17,14 +17,23 @@ from typing import Any
 from kubernetes import client
 
 from common.kube import read_or_none
-from gateway.admission import DEFAULT_CERT_SECONDS, Admission
+from gateway.admission import Admission
 from gateway.reconciler import Reconciler
-from gateway.settings import ServiceRef
+from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
 from gateway.slots import AddressPlan, RecordStore, SlotBook
 from gateway.tickets import JoinTicket, TicketSigner
 from gateway.tunnel_end import GatewayTunnel
 from models.errors import JoinRefused, TicketError
-from models.join import GatewayCapacity, JoinAnswer, JoinRedeem, JoinTicketRequest, TicketGrant, url_host
+from models.join import (
+    CertRenewal,
+    CertRenewalAnswer,
+    GatewayCapacity,
+    JoinAnswer,
+    JoinRedeem,
+    JoinTicketRequest,
+    TicketGrant,
+    url_host,
+)
 
 
 class GatewayAddressPending(Exception):
@@ -166,6 +175,10 @@ class KubeGateway:
     def join(self, redeem: JoinRedeem) -> JoinAnswer:
         """See ``Admission.join``."""
         return self._admission.join(redeem)
+
+    def renew(self, renewal: CertRenewal) -> CertRenewalAnswer:
+        """See ``Admission.renew``."""
+        return self._admission.renew(renewal)
 
     def _joined(self) -> None:
         self._reconciler.joining = True

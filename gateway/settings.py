@@ -24,6 +24,8 @@ DEFAULT_ALLOWED_CLIENTS: Final = "system:serviceaccount:kubeon-gpu:kubeon-gpu-op
 MAX_BODY_BYTES: Final = 64 * 1024
 
 
+# Short, since a certificate cannot be revoked: a removed node's ends within this (and its tombstone outlives it).
+DEFAULT_CERT_SECONDS = 4 * 3600
 
 class GatewaySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,6 +81,10 @@ class GatewaySettings(BaseModel):
     gateway_auth_failures_per_minute: int = Field(default=10, ge=1)
     gateway_proxy_max_per_peer: int = Field(default=64, ge=1)
     gateway_proxy_max_connections: int = Field(default=1024, ge=1)
+    # Lifetime of the kubelet certificates the gateway signs (issue 21, finding 7): a removed node's last one ends
+    # at most this long after its removal; joined nodes renew at two thirds of it (POST /v1/renew). The API
+    # server's minimum is 10 minutes.
+    gateway_cert_seconds: int = Field(default=DEFAULT_CERT_SECONDS, ge=600, le=7 * 24 * 3600)
 
     @field_validator("gateway_public_url")
     @classmethod
@@ -175,6 +181,7 @@ class GatewayServerConfig:
     auth_failures_per_minute: int = 10
     proxy_max_per_peer: int = 64
     proxy_max_connections: int = 1024
+    cert_seconds: int = DEFAULT_CERT_SECONDS
 
     @property
     def tls(self) -> bool:
@@ -232,6 +239,7 @@ class GatewayServerConfig:
             auth_failures_per_minute=settings.gateway_auth_failures_per_minute,
             proxy_max_per_peer=settings.gateway_proxy_max_per_peer,
             proxy_max_connections=settings.gateway_proxy_max_connections,
+            cert_seconds=settings.gateway_cert_seconds,
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),

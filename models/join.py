@@ -56,6 +56,20 @@ class JoinRedeem(_Wire):
     usages: list[str] = Field(default_factory=lambda: list(KUBELET_CLIENT_USAGES), max_length=8)
 
 
+class CertRenewal(_Wire):
+    """What a joined burst node sends before its kubelet certificate expires (``kubeon-gpu node renew``): a CSR of
+    the same kubelet key it joined with, which proves it holds that key. Burst nodes have no certificate rotation
+    of their own (the node admission policy refuses their CSRs)."""
+
+    node_name: str = Field(alias="nodeName", min_length=1, max_length=63)
+    csr: str = Field(min_length=1, max_length=16 * 1024, description="PEM CERTIFICATE REQUEST of the kubelet key")
+    usages: list[str] = Field(default_factory=lambda: list(KUBELET_CLIENT_USAGES), max_length=8)
+
+
+class CertRenewalAnswer(_Wire):
+    certificate: str = Field(description="the new kubelet client certificate (PEM), signed by the cluster")
+
+
 class TunnelAnswer(_Wire):
     """The node's side of the WireGuard tunnel."""
 
@@ -177,6 +191,15 @@ def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: d
         "cat > /etc/kubeon/join.json <<'KUBEON_JOIN'\n"
         f"{USER_DATA_BEGIN}{json.dumps(doc, indent=1, sort_keys=True)}{USER_DATA_END}\n"
         "KUBEON_JOIN\n"
+        "# Burst nodes have no certificate rotation of their own: renew at the gateway (when due) every 10 minutes.\n"
+        "if [ -d /run/systemd/system ]; then\n"
+        "  printf '[Service]\\nType=oneshot\\nExecStart=/usr/bin/env kubeon-gpu node renew\\n' "
+        "> /etc/systemd/system/kubeon-renew.service\n"
+        "  printf '[Timer]\\nOnBootSec=10min\\nOnUnitActiveSec=10min\\n[Install]\\nWantedBy=timers.target\\n' "
+        "> /etc/systemd/system/kubeon-renew.timer\n"
+        "  systemctl daemon-reload && systemctl enable --now kubeon-renew.timer || "
+        "echo 'kubeon: the certificate renewal timer could not be enabled' >&2\n"
+        "fi\n"
         "exec kubeon-gpu node join --config /etc/kubeon/join.json\n"
     )
     size = len(user_data.encode())

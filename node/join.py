@@ -40,8 +40,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from pydantic import BaseModel
 
-from models.join import NODE_USER_PREFIX, NODES_GROUP, JoinAnswer, JoinRedeem, TunnelAnswer
+from models.join import (
+    NODE_USER_PREFIX,
+    NODES_GROUP,
+    CertRenewal,
+    CertRenewalAnswer,
+    JoinAnswer,
+    JoinRedeem,
+    TunnelAnswer,
+)
 from tunnel import keys, link
 from tunnel.uapi import Uapi
 
@@ -56,6 +65,10 @@ RETRY_FIRST_WAIT, RETRY_MAX_WAIT = 1.0, 30.0
 
 # The join at the gateway: (request) -> answer. Over HTTPS by default; in-process for the simulated provider.
 Redeemer = Callable[[JoinRedeem], JoinAnswer]
+# A certificate renewal at the gateway (burst nodes have no certificate rotation of their own).
+Renewer = Callable[[CertRenewal], CertRenewalAnswer]
+# Renew once this much of a certificate's lifetime has passed (the kubelet's own rotation: 70-90 %).
+RENEW_AT = 2 / 3
 
 
 class JoinError(RuntimeError):
@@ -127,10 +140,11 @@ def kubelet_csr(key: ec.EllipticCurvePrivateKey, node_name: str) -> str:
     return csr.public_bytes(serialization.Encoding.PEM).decode()
 
 
-def redeem_over_https(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS, ca_file: Path | None = None,
-                      transport: Callable[[Any], httpx.BaseTransport] | None = None) -> Redeemer:
-    """POST /v1/join at the gateway the join document names, verified with its caBundle (else ``ca_file``, else
-    the system trust store) as its serverName. Verification is never off."""
+def _gateway_post(doc: dict[str, Any], *, timeout: float, ca_file: Path | None,
+                  transport: Callable[[Any], httpx.BaseTransport] | None) -> Callable[[str, BaseModel, str], Any]:
+    """``post(path, body, what)`` at the gateway the join document names, verified with its caBundle (else
+    ``ca_file``, else the system trust store) as its serverName. Verification is never off. No answer or a 5xx:
+    ``JoinUnavailable`` (retry); another refusal: ``JoinRefusedByGateway``."""
     import ssl
 
     base = str(doc["gateway"]).rstrip("/")
@@ -140,30 +154,78 @@ def redeem_over_https(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS, 
         verify = ssl.create_default_context(cafile=None if ca_bundle else str(ca_file), cadata=ca_bundle)
     server_name = str(doc.get("serverName") or "") or None
 
-    def redeem(request: JoinRedeem) -> JoinAnswer:
+    def post(path: str, body: BaseModel, what: str) -> Any:
         extensions = {"sni_hostname": server_name} if server_name else None
         with httpx.Client(base_url=base, verify=verify, timeout=timeout, follow_redirects=False,
                           transport=transport(verify) if transport is not None else None,
                           headers={"User-Agent": "kubeon-node-join"}) as http:
-            req = http.build_request("POST", "/v1/join", json=request.model_dump(mode="json", by_alias=True),
+            req = http.build_request("POST", path, json=body.model_dump(mode="json", by_alias=True),
                                      extensions=extensions)
             try:
                 response = http.send(req)
             except httpx.HTTPError as exc:
-                raise JoinUnavailable(f"redeeming the ticket at {base}: {type(exc).__name__}: {exc}") from None
+                raise JoinUnavailable(f"{what} at {base}: {type(exc).__name__}: {exc}") from None
         if response.status_code != 200:
             try:
-                body = response.json()
-                code, message = str(body.get("error", "")), str(body.get("message", ""))
+                answer = response.json()
+                code, message = str(answer.get("error", "")), str(answer.get("message", ""))
             except ValueError:
                 code, message = "", response.text[:300]
-            text = f"the gateway {base} refused the join (HTTP {response.status_code} {code}): {message}"
+            text = f"the gateway {base} refused {what} (HTTP {response.status_code} {code}): {message}"
             if response.status_code >= 500:
                 raise JoinUnavailable(text)
             raise JoinRefusedByGateway(text, status=response.status_code, code=code)
-        return JoinAnswer.model_validate(response.json())
+        return response.json()
 
-    return redeem
+    return post
+
+
+def redeem_over_https(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS, ca_file: Path | None = None,
+                      transport: Callable[[Any], httpx.BaseTransport] | None = None) -> Redeemer:
+    """POST /v1/join at the gateway the join document names (see ``_gateway_post``)."""
+    post = _gateway_post(doc, timeout=timeout, ca_file=ca_file, transport=transport)
+    return lambda request: JoinAnswer.model_validate(post("/v1/join", request, "the join"))
+
+
+def renew_over_https(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS, ca_file: Path | None = None,
+                     transport: Callable[[Any], httpx.BaseTransport] | None = None) -> Renewer:
+    """POST /v1/renew at the gateway the join document names (see ``_gateway_post``)."""
+    post = _gateway_post(doc, timeout=timeout, ca_file=ca_file, transport=transport)
+    return lambda request: CertRenewalAnswer.model_validate(post("/v1/renew", request, "the certificate renewal"))
+
+
+def renewal_due(certificate: str, *, now: dt.datetime | None = None, fraction: float = RENEW_AT) -> bool:
+    """Whether ``fraction`` of the certificate's lifetime has passed (or it expired)."""
+    cert = x509.load_pem_x509_certificate(certificate.encode())
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return (now or dt.datetime.now(dt.UTC)) >= start + (end - start) * fraction
+
+
+def _spki(key: Any) -> bytes:
+    return bytes(key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
+def renew(files: NodeFiles, *, renewer: Renewer | None = None, force: bool = False) -> JoinAnswer | None:
+    """A new kubelet certificate from the gateway once two thirds of the current one's lifetime passed (or
+    ``force``), for the kubelet key the node joined with; written where the kubeconfig points. None: not due.
+    The new certificate must be for this node's name and key, or nothing is written."""
+    if not files.answer.exists() or not files.document.exists():
+        raise JoinError(f"{files.state_dir}: this node has not joined (no saved join answer)")
+    saved = JoinAnswer.model_validate_json(files.answer.read_text())
+    if not force and not renewal_due(saved.certificate):
+        return None
+    key = kubelet_key(files)
+    request = CertRenewal(node_name=saved.node_name, csr=kubelet_csr(key, saved.node_name))
+    got = (renewer or renew_over_https(json.loads(files.document.read_text())))(request)
+    cert = x509.load_pem_x509_certificate(got.certificate.encode())
+    subject = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if subject != [f"{NODE_USER_PREFIX}{saved.node_name}"] or _spki(cert.public_key()) != _spki(key.public_key()):
+        raise JoinError(f"the gateway's renewed certificate is not for {NODE_USER_PREFIX}{saved.node_name} and this "
+                        "node's kubelet key; kept the current one")
+    updated = saved.model_copy(update={"certificate": got.certificate})
+    files.answer.write_text(updated.model_dump_json(by_alias=True))
+    write_kubeconfig(files, updated)
+    return updated
 
 
 def write_kubeconfig(files: NodeFiles, answer: JoinAnswer) -> Path:
@@ -226,7 +288,8 @@ def _stderr(line: str) -> None:
 
 
 def join(doc: dict[str, Any], files: NodeFiles, *, redeem: Redeemer | None = None,
-         interface: str = DEFAULT_INTERFACE, tunnel: bool = True, retry_seconds: float = 0.0) -> JoinAnswer:
+         interface: str = DEFAULT_INTERFACE, tunnel: bool = True, retry_seconds: float = 0.0,
+         renewer: Renewer | None = None) -> JoinAnswer:
     """The join up to a usable kubeconfig (the kubelet is started by ``run``). ``tunnel=False``: the gateway's
     answer must carry no tunnel (sim at scale: the API server over loopback, same credentials). An unavailable
     gateway is tried again for ``retry_seconds`` (0: not at all; callers with a retry loop of their own)."""
@@ -239,6 +302,10 @@ def join(doc: dict[str, Any], files: NodeFiles, *, redeem: Redeemer | None = Non
         cert = x509.load_pem_x509_certificate(saved.certificate.encode())
         if saved.node_name == node_name and cert.not_valid_after_utc > dt.datetime.now(dt.UTC):
             answer = saved
+        elif saved.node_name == node_name and "ticket" not in doc and files.document.exists():
+            # A rerun after its certificate expired (a long reboot): the ticket is redeemed and gone; the kubelet
+            # key it joined with proves the node to the gateway, which renews while the node holds its slot.
+            answer = renew(files, renewer=renewer, force=True)
     if answer is None:
         request = JoinRedeem(ticket=str(doc["ticket"]), wireguard_public_key=keys.public_key(wg_key),
                              csr=kubelet_csr(key, node_name))
@@ -312,4 +379,21 @@ def main_join(config: Path, state_dir: Path, *, interface: str, kubelet_command:
     start_kubelet(files, kubelet_command)
     print(f"joined as {answer.node_name}: pod CIDR {answer.pod_cidr}, API server {answer.api_server}"
           + (f", tunnel {answer.tunnel.address} via {answer.tunnel.endpoint}" if answer.tunnel else ""))
+    return 0
+
+
+def main_renew(state_dir: Path, *, kubelet_command: str, force: bool, renewer: Renewer | None = None) -> int:
+    """``kubeon-gpu node renew`` (a systemd timer on a burst image runs it every 10 minutes): renew the kubelet's
+    certificate at the gateway when due, then restart the kubelet with ``kubelet_command`` so it uses the new one
+    (a kubelet restart keeps its pods running)."""
+    files = NodeFiles(state_dir)
+    renewed = renew(files, renewer=renewer, force=force)
+    saved = JoinAnswer.model_validate_json(files.answer.read_text())
+    until = x509.load_pem_x509_certificate(saved.certificate.encode()).not_valid_after_utc
+    if renewed is None:
+        print(f"{saved.node_name}: the kubelet certificate is valid until {until:%Y-%m-%dT%H:%M:%SZ}; not due")
+        return 0
+    if kubelet_command:
+        start_kubelet(files, kubelet_command)
+    print(f"{saved.node_name}: renewed the kubelet certificate, valid until {until:%Y-%m-%dT%H:%M:%SZ}")
     return 0

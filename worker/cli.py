@@ -129,6 +129,18 @@ def _node_join(args: argparse.Namespace) -> int:
         return 1
 
 
+def _node_renew(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from node.join import JoinError, main_renew
+
+    try:
+        return main_renew(Path(args.state_dir), kubelet_command=args.kubelet_command, force=args.force)
+    except (JoinError, OSError, ValueError) as exc:
+        print(f"kubeon-gpu node renew: {exc}", file=sys.stderr)
+        return 1
+
+
 def _ops(args: argparse.Namespace) -> int:
     from models.decisions import Approval, Rejection
     from worker import ops
@@ -296,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     joining.add_argument("--retry-seconds", type=float, default=900.0,
                          help="how long to keep trying a gateway that does not answer (0: once)")
     joining.set_defaults(func=_node_join)
+    renewing = node_sub.add_parser("renew", help="renew the kubelet certificate at the gateway when two thirds "
+                                   "of its lifetime passed (burst nodes have no rotation of their own)")
+    renewing.add_argument("--state-dir", default="/var/lib/kubeon", help="where `node join` keeps its state")
+    renewing.add_argument("--kubelet-command", default="systemctl restart kubelet",
+                          help="run after a renewal so the kubelet uses the new certificate ('' : none)")
+    renewing.add_argument("--force", action="store_true", help="renew now, whatever the certificate's age")
+    renewing.set_defaults(func=_node_renew)
     doctor = sub.add_parser("doctor", help="check the prerequisites: KubeOn agent, GPU Operator, Karpenter, DCGM")
     doctor.add_argument("--kubeconfig", help="default KUBEON_KUBECONFIG, else in-cluster credentials")
     doctor.add_argument("--prometheus-url", help="default KUBEON_PROMETHEUS_URL")

@@ -7,10 +7,13 @@ only approved if the gateway made it, and the gateway's record writes are condit
 from __future__ import annotations
 
 import base64
+import datetime as dt
+import json
 import uuid
 from collections.abc import Callable
 
 import pytest
+from cryptography import x509
 from fastapi.testclient import TestClient
 from kubernetes import client, watch
 
@@ -18,9 +21,10 @@ from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.app import TokenReviewer, create_app
 from gateway.service import KubeGateway
 from models.errors import JoinRefused, TicketError
-from models.join import KUBELET_CLIENT_SIGNER, KUBELET_CLIENT_USAGES, JoinTicketRequest
+from models.join import KUBELET_CLIENT_SIGNER, KUBELET_CLIENT_USAGES, CertRenewal, JoinTicketRequest
 from models.labels import JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT, LABEL_OPERATION
-from node.join import NodeFiles
+from node.join import NodeFiles, kubelet_csr, kubelet_key, renew
+from node.register import node_api
 from tests.gateway.helpers import gateway, node_absent, ticket_request
 from tests.harness.joining import node_client, redeem_for, register_self
 from tests.harness.kube import Cluster, Kube, wait_for
@@ -221,6 +225,89 @@ def test_a_node_recreated_with_a_removed_nodes_certificate_is_revoked(
         gw.issue_ticket(req)
     assert (refused.value.status, refused.value.code) == (409, "node_removed")
     assert http_join(gw, redeem_body(files(), gw.sign_ticket(req), req.node_name)) == (409, "node_exists")
+
+
+# 900 s asked for, plus the 5 minutes the controller-manager's signer backdates notBefore by (clock skew).
+LIFETIME = dt.timedelta(seconds=900 + 300)
+
+
+def _certificate(pem: str) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(pem.encode())
+
+
+def http_renew(gw: KubeGateway, renewal: CertRenewal) -> tuple[int, str]:
+    """``POST /v1/renew`` through the gateway's HTTP app (status, error code)."""
+    app = create_app(gw, TokenReviewer(client.ApiClient()), frozenset(), auth_failures_per_minute=2)
+    with TestClient(app, raise_server_exceptions=False) as http:
+        response = http.post("/v1/renew", json=renewal.model_dump(mode="json", by_alias=True))
+    return response.status_code, str(response.json().get("error", ""))
+
+
+def test_a_joined_node_renews_its_certificate_with_its_kubelet_key_and_it_serves(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    """Medium 7: certificates are short (the gateway's cert_seconds) and burst nodes cannot renew through the
+    API server; the gateway re-issues to a node that holds its slot and proves its kubelet key. The node's own
+    renewal code writes the new certificate, which the API server accepts."""
+    gw = gateway(gateway_api, cert_seconds=900)
+    req = ticket_request(nodes)
+    node_files = files()
+    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
+    register_self(node_client(node_files, answer), answer, annotations=KWOK_ANNOTATIONS)
+    first = _certificate(answer.certificate)
+    assert first.not_valid_after_utc - first.not_valid_before_utc <= LIFETIME
+    # What `node join` keeps (the renewal here goes to the gateway in-process, not to the document's URL).
+    node_files.answer.write_text(answer.model_dump_json(by_alias=True))
+    node_files.document.write_text(json.dumps({"gateway": "https://unused.invalid", "nodeName": req.node_name}))
+    assert renew(node_files, renewer=gw.renew) is None  # not due: a third of its life has not passed
+    renewed = renew(node_files, renewer=gw.renew, force=True)
+    assert renewed is not None and renewed.certificate != answer.certificate
+    second = _certificate(node_files.kubelet_cert.read_text())
+    assert second.serial_number != first.serial_number
+    assert second.public_key().public_numbers() == first.public_key().public_numbers()  # the same kubelet key
+    assert second.subject == first.subject
+    assert second.not_valid_after_utc - second.not_valid_before_utc <= LIFETIME
+    # The kubeconfig the kubelet uses now carries the new certificate, and the API server takes it.
+    as_renewed = client.CoreV1Api(node_api(node_files.kubeconfig))
+    assert as_renewed.read_node(req.node_name).metadata.name == req.node_name
+    # A retry in the same quarter of the lifetime gets the same certificate (one CSR object).
+    again = gw.renew(CertRenewal(node_name=req.node_name, csr=kubelet_csr(kubelet_key(node_files), req.node_name)))
+    assert again.certificate == renewed.certificate
+    gw.remove_node(req.node_name, operation=req.operation)
+
+
+def test_no_certificate_is_renewed_for_a_removed_node_another_key_or_an_unredeemed_slot(
+        gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    gw = gateway(gateway_api)
+    req = ticket_request(nodes)
+    node_files = files()
+    gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
+    other_key = files()  # a thief of the node's name, without its kubelet key
+    assert http_renew(gw, CertRenewal(node_name=req.node_name, csr=kubelet_csr(
+        kubelet_key(other_key), req.node_name))) == (403, "key_mismatch")
+    own = CertRenewal(node_name=req.node_name, csr=kubelet_csr(kubelet_key(node_files), req.node_name))
+    gw.remove_node(req.node_name, operation=req.operation)
+    # Removed: its last certificate ends with its lifetime (its tombstone outlives it); nothing new.
+    assert http_renew(gw, own) == (403, "node_not_joined")
+    # A reservation whose ticket was never redeemed holds no joined node.
+    pending = ticket_request(nodes)
+    gw.issue_ticket(pending)
+    assert http_renew(gw, CertRenewal(node_name=pending.node_name, csr=kubelet_csr(
+        kubelet_key(files()), pending.node_name))) == (403, "node_not_joined")
+    gw.remove_node(pending.node_name, operation=pending.operation)
+
+
+def test_refused_renewals_are_throttled_per_source(gateway_api: client.ApiClient, nodes: list[str],
+                                                   files: Callable[[], NodeFiles]) -> None:
+    """No one probes node names and keys at speed: refusals count like failed authentications (429 after the
+    limit, without reading the gateway's records)."""
+    gw = gateway(gateway_api)
+    app = create_app(gw, TokenReviewer(client.ApiClient()), frozenset(), auth_failures_per_minute=2)
+    probe = CertRenewal(node_name="burst-op-nothere00001", csr=kubelet_csr(kubelet_key(files()),
+                                                                          "burst-op-nothere00001"))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        codes = [http.post("/v1/renew", json=probe.model_dump(mode="json", by_alias=True)).status_code
+                 for _ in range(3)]
+    assert codes == [403, 403, 429]
 
 
 def test_a_drain_removes_a_node_recreated_under_its_tombstone(
