@@ -26,6 +26,7 @@ import yaml
 from gateway.app import TokenReviewer, create_app
 from gateway.service import KubeGateway
 from tests.harness.controlplane import free_port
+from tests.harness.processes import stop_process
 from worker.runtime import kube_api
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -122,13 +123,8 @@ class AgentProcess:
         if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGCONT)
-            proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) agent would not act on SIGTERM
+        stop_process(proc, timeout)
 
 
 @dataclass
