@@ -25,14 +25,15 @@ def policy_document(name: str = "inference-burst-eu", *, max_nodes: int = 4, mod
     return doc
 
 
-def apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    """The valid policy changed as a corpus entry of tests/models/invalid_policies.yaml says."""
-    doc = copy.deepcopy(VALID_POLICY)
+def apply_case(case: dict[str, Any], valid: dict[str, Any] = VALID_POLICY) -> dict[str, Any]:
+    """The ``valid`` policy changed as a corpus entry of tests/models/invalid_*policies.yaml says: each ``set``
+    path (dotted; missing parents are created) given its value, each ``delete`` path removed."""
+    doc = copy.deepcopy(valid)
     for path, value in (case.get("set") or {}).items():
         *parents, leaf = path.split(".")
         target = doc
         for p in parents:
-            target = target[p]
+            target = target.setdefault(p, {})
         target[leaf] = value
     for path in case.get("delete") or []:
         *parents, leaf = path.split(".")
