@@ -69,10 +69,8 @@ from tests.harness.rbac import (
     GATEWAY_SA,
     GATEWAY_SERVICE_RULES,
     OPTIMIZER_NAMESPACE,
-    OPTIMIZER_RULES,
     OPTIMIZER_SA,
-    grant,
-    grant_namespaced,
+    grant_optimizer_and_gateway,
 )
 from worker.config import load_settings
 from worker.main import worker_services
@@ -169,11 +167,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Setup:
     workdir = tmp_path_factory.mktemp("gateway")
-    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
-    grant(cluster, GATEWAY_SA, gateway_rules())
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    # The ClusterRole may already exist from another module with the rules it had then: make it these.
-    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": gateway_rules()})
+    grant_optimizer_and_gateway(cluster, gateway_rules())
     wait_for(lambda: can(cluster, GATEWAY_USER, "create", "tokenreviews", "authentication.k8s.io"),
              what="the gateway's tokenreviews rule in effect")
     key = secrets.token_hex(32).encode()
