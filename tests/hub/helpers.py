@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import yaml
 
+from models.policy import PolicyError, parse_policy
 from tests.harness.kube import wait_for
 
 MODELS = Path(__file__).parent.parent / "models"
@@ -42,6 +44,21 @@ def apply_case(case: dict[str, Any], valid: dict[str, Any] = VALID_POLICY) -> di
             target = target[p]
         del target[leaf]
     return doc
+
+
+def assert_names_unique(corpus: list[dict[str, Any]], at_least: int) -> None:
+    """A corpus of at least ``at_least`` cases, each named (its test id) and no name twice."""
+    names = [c["name"] for c in corpus]
+    assert len(names) >= at_least
+    assert len(set(names)) == len(names)
+
+
+def refused_naming(doc: dict[str, Any], field: str) -> PolicyError:
+    """The model's refusal of ``doc``, after checking it names ``field``."""
+    with pytest.raises(PolicyError) as err:
+        parse_policy(doc)
+    assert field in err.value.fields, f"error {err.value} does not name {field}"
+    return err.value
 
 
 def report(key: str, *, operation: str = "op-0123456789ab", action: str = "launched", **extra: Any) -> dict[str, Any]:
