@@ -29,7 +29,15 @@ from models.join import JoinTicketRequest, render_user_data
 from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
-from tests.harness.netbed import BedNode, NetBed, boot_node, start_tunnel_gateway
+from tests.harness.netbed import (
+    POD_CIDR,
+    SERVICE_CIDR,
+    TUNNEL_CIDR,
+    BedNode,
+    NetBed,
+    boot_node,
+    start_tunnel_gateway,
+)
 from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 
 
@@ -54,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         plane.start()
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
         bed.create(api_port=int(urlsplit(plane.server).port or 443))
-        bed.route_cluster(service_cidr="10.96.0.0/16", pod_cidr="10.245.0.0/16", tunnel_cidr="10.250.0.0/16")
-        gateway = start_tunnel_gateway(cluster, bed, workdir, service_cidr="10.96.0.0/16",
-                                       pod_cidr="10.245.0.0/16", tunnel_cidr="10.250.0.0/16")
+        bed.route_cluster(service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
+        gateway = start_tunnel_gateway(cluster, bed, workdir, service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR,
+                                       tunnel_cidr=TUNNEL_CIDR)
         token = workdir / "optimizer.token"
         granted = cluster.admin.core.create_namespaced_service_account_token(
             OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(

@@ -95,15 +95,15 @@ def test_idle_pod_with_thirty_minutes_of_history_is_idle(dcgm: tuple[DcgmExporte
     assert ("other", "idle-0") not in activity  # only the namespaces asked for
 
 
-def test_pod_busy_five_minutes_ago_is_not_idle(dcgm: tuple[DcgmExporter, PrometheusClient]) -> None:
-    idle, reason = _judge(dcgm[1].pod_activity(["ml"], IDLE_FOR), "spiked-0")
+@pytest.mark.parametrize(("pods", "why"), [
+    pytest.param(["spiked-0"], "busy: pod spiked-0 peaked at 60%", id="pod_busy_five_minutes_ago"),
+    pytest.param(["idle-0", "busy-0"], "busy-0 peaked at 70%", id="busy_pod"),
+    pytest.param(["idle-0", "cpu-only-0"], "no DCGM data for pod cpu-only-0", id="pod_without_series"),
+])
+def test_is_not_idle_saying_why(dcgm: tuple[DcgmExporter, PrometheusClient], pods: list[str], why: str) -> None:
+    idle, reason = _judge(dcgm[1].pod_activity(["ml"], IDLE_FOR), *pods)
     assert not idle
-    assert "busy: pod spiked-0 peaked at 60%" in reason
-
-
-def test_busy_pod_is_not_idle(dcgm: tuple[DcgmExporter, PrometheusClient]) -> None:
-    idle, reason = _judge(dcgm[1].pod_activity(["ml"], IDLE_FOR), "idle-0", "busy-0")
-    assert not idle and "busy-0 peaked at 70%" in reason
+    assert why in reason
 
 
 def test_five_minutes_of_data_is_not_idle_for_thirty(dcgm: tuple[DcgmExporter, PrometheusClient]) -> None:
@@ -112,11 +112,6 @@ def test_five_minutes_of_data_is_not_idle_for_thirty(dcgm: tuple[DcgmExporter, P
     idle, reason = _judge(activity, "young-0")
     assert not idle
     assert "too little history for pod young-0" in reason
-
-
-def test_pod_without_series_is_not_idle(dcgm: tuple[DcgmExporter, PrometheusClient]) -> None:
-    idle, reason = _judge(dcgm[1].pod_activity(["ml"], IDLE_FOR), "idle-0", "cpu-only-0")
-    assert not idle and "no DCGM data for pod cpu-only-0" in reason
 
 
 def test_a_later_busy_scrape_ends_idleness(dcgm: tuple[DcgmExporter, PrometheusClient]) -> None:

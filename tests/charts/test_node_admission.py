@@ -5,7 +5,8 @@ Every control plane of the test bed installs it from the chart's file, as a clus
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +32,18 @@ def register(api: client.CoreV1Api, name: str, *, taints: list[client.V1Taint] |
              labels: dict[str, str] | None = None) -> client.V1Node:
     return api.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=name, labels=labels),
                                          spec=client.V1NodeSpec(taints=taints)))
+
+
+@contextlib.contextmanager
+def registered_burst_node(cluster: Cluster, name: str) -> Iterator[client.CoreV1Api]:
+    """A burst node registered as it may (joining-tainted, with the labels that carry trust) by its own kubelet
+    credentials, which are yielded; its Node deleted after."""
+    api = as_node(cluster, name)
+    register(api, name, taints=[JOINING], labels=TRUST)
+    try:
+        yield api
+    finally:
+        cluster.admin.core.delete_node(name)
 
 
 def refused(call: Callable[[], object]) -> client.ApiException:
@@ -77,9 +90,7 @@ def test_a_home_node_is_not_bound_by_the_policy(cluster: Cluster) -> None:
 
 def test_a_burst_node_cannot_rewrite_the_labels_that_carry_trust(cluster: Cluster) -> None:
     name = "burst-op-relabel0001"
-    api = as_node(cluster, name)
-    register(api, name, taints=[JOINING], labels=TRUST)
-    try:
+    with registered_burst_node(cluster, name) as api:
         patches: list[dict[str, str | None]] = [
             {"gpu.kubeon.io/location": "onprem-dc1"},  # claim another location (data residency)
             {"gpu.kubeon.io/operation": "op-ffffffffffff"},  # make removal refuse it
@@ -94,22 +105,16 @@ def test_a_burst_node_cannot_rewrite_the_labels_that_carry_trust(cluster: Cluste
         assert {k: labels.get(k) for k in TRUST} == TRUST and labels["example.com/rack"] == "r12"
         # The gateway (any identity but the node's own) still sets them.
         cluster.admin.core.patch_node(name, {"metadata": {"labels": {"gpu.kubeon.io/verified": "true"}}})
-    finally:
-        cluster.admin.core.delete_node(name)
 
 
 def test_a_refused_burst_node_cannot_uncordon_itself(cluster: Cluster) -> None:
     name = "burst-op-refused0001"
-    api = as_node(cluster, name)
-    register(api, name, taints=[JOINING], labels=TRUST)
-    try:
+    with registered_burst_node(cluster, name) as api:
         cluster.admin.core.patch_node(name, {"metadata": {"annotations": {"gpu.kubeon.io/join-refused": "8 GPUs"}},
                                              "spec": {"unschedulable": True}})
         refused(lambda: api.patch_node(name, {"spec": {"unschedulable": False}}))
         refused(lambda: api.patch_node(name, {"metadata": {"annotations": {"gpu.kubeon.io/join-refused": None}}}))
         assert cluster.admin.core.read_node(name).spec.unschedulable is True
-    finally:
-        cluster.admin.core.delete_node(name)
 
 
 def _kubelet_csr(name: str, node: str) -> client.V1CertificateSigningRequest:

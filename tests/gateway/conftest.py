@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from kubernetes import client
 
 from node.join import NodeFiles
+from tests.gateway.helpers import delete_nodes
 from tests.harness.joining import gateway_credentials
 from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import Gateway, Joined, NetBed
+from tests.harness.netbed import POD_CIDR, SERVICE_CIDR, TUNNEL_CIDR, Gateway, Joined, NetBed
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +28,7 @@ def nodes(cluster: Cluster) -> Iterator[list[str]]:
     """Names of Nodes a test may create; deleted afterwards so no tainted GPU node is left for other tests."""
     names: list[str] = []
     yield names
-    for name in names:
-        try:
-            cluster.admin.core.delete_node(name)
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
+    delete_nodes(cluster, names)
 
 
 @pytest.fixture
@@ -39,6 +36,18 @@ def files(tmp_path: Path) -> Iterator[Callable[[], NodeFiles]]:
     """A fresh node state directory per call (a node's keys live there)."""
     count = iter(range(1000))
     yield lambda: NodeFiles(tmp_path / f"node-{next(count)}")
+
+
+@pytest.fixture(scope="module")
+def bed(cluster: Cluster) -> Iterator[NetBed]:
+    """Network namespaces for the gateway and its burst nodes, routed to the cluster (tests/harness/netbed.py); one
+    per module, as each module starts its own tunnel gateway in it."""
+    bed = NetBed().create(api_port=int(urlsplit(cluster.plane.server).port or 443))
+    try:
+        bed.route_cluster(service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
+        yield bed
+    finally:
+        bed.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,13 @@ from typing import Any
 
 from kubernetes import client
 
+from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
-from models.join import JoinTicketRequest
+from models.join import JoinAnswer, JoinTicketRequest
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
+from tests.harness.joining import node_client, redeem_for, register_self
 from tests.harness.kube import Cluster
 
 BURST_TAINT = "gpu.kubeon.io/burst"
@@ -36,8 +39,32 @@ def node_absent(cluster: Cluster, name: str) -> bool:
     return not cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
 
 
+def delete_nodes(cluster: Cluster, names: list[str]) -> None:
+    """Delete the Nodes of ``names`` a test created; one already gone is fine."""
+    for name in names:
+        try:
+            cluster.admin.core.delete_node(name)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
 def gateway(api: client.ApiClient, key: bytes | None = None, **kwargs: Any) -> KubeGateway:
     return KubeGateway(api, key or secrets.token_bytes(32), namespace=NAMESPACE, **kwargs)
+
+
+def join_and_register(gw: KubeGateway, req: JoinTicketRequest, files: NodeFiles, *, issued: bool = False,
+                      gpus: int = 1, labels: dict[str, str] | None = None) -> tuple[JoinAnswer, client.ApiClient]:
+    """``req``'s node (its keys in ``files``) joined through ``gw`` with a ticket only signed, or with ``issued`` one
+    issued as the optimizer's are (its slot reserved first), then registered as a kwok node by its own credentials,
+    with ``gpus`` and ``labels`` set over those the gateway gave it (a node labelling itself as it likes). The
+    gateway's answer and the node's own API client."""
+    ticket = gw.issue_ticket(req).ticket if issued else gw.sign_ticket(req)
+    answer = gw.join(redeem_for(files, ticket, req.node_name))
+    api = node_client(files, answer)
+    registered = answer.model_copy(update={"labels": {**answer.labels, **labels}}) if labels else answer
+    register_self(api, registered, gpus=gpus, annotations=KWOK_ANNOTATIONS)
+    return answer, api
 
 
 def records(cluster: Cluster, nonce: str) -> list[str]:

@@ -22,7 +22,15 @@ from models.errors import JoinRefused, TicketError
 from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
-from tests.gateway.helpers import BURST_TAINT, gateway, node_absent, nonce_of, records, ticket_request
+from tests.gateway.helpers import (
+    BURST_TAINT,
+    gateway,
+    join_and_register,
+    node_absent,
+    nonce_of,
+    records,
+    ticket_request,
+)
 from tests.harness.joining import csr, node_client, redeem_for, register_self, weak_rsa_csr
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
@@ -140,10 +148,7 @@ def test_the_nodes_identity_is_confined_to_itself(cluster: Cluster, gateway_api:
                                                   nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.sign_ticket(req), req.node_name))
-    api = node_client(node_files, answer)
-    register_self(api, answer, annotations=KWOK_ANNOTATIONS)
+    _, api = join_and_register(gw, req, files())
     other = f"home-{uuid.uuid4().hex[:6]}"
     nodes.append(other)
     cluster.create_kwok_node(other)

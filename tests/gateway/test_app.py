@@ -63,15 +63,14 @@ from tests.harness.burst import (
 from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
 from tests.harness.joining import join_over_http, join_with_user_data, redeem_for
 from tests.harness.kube import Cluster, Kube, wait_for
+from tests.harness.processes import answers_ok, stop_process
 from tests.harness.rbac import (
     GATEWAY_RULES,
     GATEWAY_SA,
     GATEWAY_SERVICE_RULES,
     OPTIMIZER_NAMESPACE,
-    OPTIMIZER_RULES,
     OPTIMIZER_SA,
-    grant,
-    grant_namespaced,
+    grant_optimizer_and_gateway,
 )
 from worker.config import load_settings
 from worker.main import worker_services
@@ -129,21 +128,13 @@ class GatewayProcess:
         env.update({"PYTHONUNBUFFERED": "1", "KUBEON_CLUSTER": "test", "KUBEON_GATEWAY_LISTEN": f"127.0.0.1:{port}",
                     "KUBEON_HEALTH_PORT": str(health), **self.env})
         with open(self.workdir / f"{self.name}.log", "wb") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "gateway.main"], env=env, cwd=ROOT,
-                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)
-
-        def ready() -> bool:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise AssertionError(f"gateway exited {self._proc.returncode} before it was ready:\n{self.log}")
-            try:
-                return httpx.get(f"{self.health_url}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
+            self._proc = proc = subprocess.Popen([sys.executable, "-m", "gateway.main"], env=env, cwd=ROOT,
+                                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 start_new_session=True)
         try:
-            wait_for(ready, timeout=timeout, what=f"gateway {self.name} /readyz")
+            wait_for(lambda: answers_ok(proc, f"{self.health_url}/readyz", name=f"gateway {self.name}",
+                                        log=lambda: self.log),
+                     timeout=timeout, what=f"gateway {self.name} /readyz")
         except AssertionError:
             self.stop()
             raise
@@ -159,15 +150,7 @@ class GatewayProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process(proc, timeout, group=True)
         return proc.returncode
 
 
@@ -184,11 +167,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Setup:
     workdir = tmp_path_factory.mktemp("gateway")
-    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
-    grant(cluster, GATEWAY_SA, gateway_rules())
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
-    # The ClusterRole may already exist from another module with the rules it had then: make it these.
-    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": gateway_rules()})
+    grant_optimizer_and_gateway(cluster, gateway_rules())
     wait_for(lambda: can(cluster, GATEWAY_USER, "create", "tokenreviews", "authentication.k8s.io"),
              what="the gateway's tokenreviews rule in effect")
     key = secrets.token_hex(32).encode()

@@ -31,7 +31,7 @@ from gateway.service import KubeGateway
 from models.errors import JoinRefused, TicketError
 from models.join import JoinAnswer, burst_node_name_problem
 from node.join import NodeFiles
-from tests.gateway.helpers import gateway, ticket_request
+from tests.gateway.helpers import delete_nodes, gateway, ticket_request
 from tests.harness.joining import csr, node_client, redeem_for, register_self, weak_rsa_csr
 from tests.harness.kube import Cluster
 
@@ -227,12 +227,7 @@ def test_hostile_sequences_keep_the_gateways_invariants(
                 redeem_http(run, body_of(run, ticket, 1, "right", "right", "right"), f"after removal #{i} keys=1")
             invariants(run, cluster)
     finally:
-        for name in names:
-            try:
-                cluster.admin.core.delete_node(name)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    raise
+        delete_nodes(cluster, names)
         for slot in gw.records.slots():
             if slot.node in names:
                 gw.records.delete(slot.name)

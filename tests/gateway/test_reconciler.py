@@ -7,11 +7,9 @@ from collections.abc import Callable
 import pytest
 from kubernetes import client
 
-from activities.providers.sim import KWOK_ANNOTATIONS
 from models.labels import JOIN_REFUSED_ANNOTATION, JOINING_TAINT
 from node.join import NodeFiles
-from tests.gateway.helpers import gateway, ticket_request
-from tests.harness.joining import node_client, redeem_for, register_self
+from tests.gateway.helpers import gateway, join_and_register, ticket_request
 from tests.harness.kube import Cluster
 
 pytestmark = pytest.mark.cluster
@@ -21,9 +19,7 @@ def test_a_node_reporting_more_gpus_than_its_offering_is_cordoned(
         cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes).model_copy(update={"gpus": 1})
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.sign_ticket(req), req.node_name))
-    register_self(node_client(node_files, answer), answer, gpus=100000, annotations=KWOK_ANNOTATIONS)
+    join_and_register(gw, req, files(), gpus=100000)
     assert req.node_name in gw.reconcile()["cordoned"]
     got = cluster.admin.core.read_node(req.node_name)
     assert got.spec.unschedulable is True

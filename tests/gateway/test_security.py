@@ -25,7 +25,7 @@ from models.join import KUBELET_CLIENT_SIGNER, KUBELET_CLIENT_USAGES, CertRenewa
 from models.labels import JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT, LABEL_OPERATION
 from node.join import NodeFiles, kubelet_csr, kubelet_key, renew
 from node.register import node_api
-from tests.gateway.helpers import gateway, node_absent, ticket_request
+from tests.gateway.helpers import gateway, join_and_register, node_absent, ticket_request
 from tests.harness.joining import node_client, redeem_for, register_self
 from tests.harness.kube import Cluster, Kube, wait_for
 
@@ -130,11 +130,8 @@ def test_removal_succeeds_whatever_the_node_labelled_itself_and_its_own_labels_g
         cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
-    forged = {**answer.labels, LABEL_OPERATION: "op-someone-else", "gpu.kubeon.io/tier": "trusted"}
-    register_self(node_client(node_files, answer), answer.model_copy(update={"labels": forged}),
-                  annotations=KWOK_ANNOTATIONS)
+    join_and_register(gw, req, files(), issued=True,
+                      labels={LABEL_OPERATION: "op-someone-else", "gpu.kubeon.io/tier": "trusted"})
     gw.reconcile()
     labels = cluster.admin.core.read_node(req.node_name).metadata.labels
     assert labels[LABEL_OPERATION] == req.operation
@@ -148,11 +145,7 @@ def test_removal_is_not_refused_by_an_operation_label_the_node_registered_with(
         cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
-    forged = {**answer.labels, LABEL_OPERATION: "op-someone-else"}
-    register_self(node_client(node_files, answer), answer.model_copy(update={"labels": forged}),
-                  annotations=KWOK_ANNOTATIONS)
+    join_and_register(gw, req, files(), issued=True, labels={LABEL_OPERATION: "op-someone-else"})
     assert gw.remove_node(req.node_name, operation=req.operation) is True
     wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
     assert all(s.node != req.node_name for s in gw.records.slots())
@@ -165,10 +158,7 @@ def test_a_refused_node_is_tainted_no_execute_and_the_refusal_is_the_gateways(
         cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes).model_copy(update={"gpus": 1})
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
-    api = node_client(node_files, answer)
-    register_self(api, answer, gpus=8, annotations=KWOK_ANNOTATIONS)
+    _, api = join_and_register(gw, req, files(), issued=True, gpus=8)
     assert req.node_name in gw.reconcile()["cordoned"]
     (slot,) = [s for s in gw.records.slots() if s.node == req.node_name]
     assert "8 GPUs" in slot.refused  # recorded where the node cannot write
@@ -198,10 +188,7 @@ def test_a_node_recreated_with_a_removed_nodes_certificate_is_revoked(
         cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
-    api = node_client(node_files, answer)
-    register_self(api, answer, annotations=KWOK_ANNOTATIONS)
+    answer, api = join_and_register(gw, req, files(), issued=True)
     gw.reconcile()
     assert gw.remove_node(req.node_name, operation=req.operation) is True
     wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
@@ -316,10 +303,7 @@ def test_a_drain_removes_a_node_recreated_under_its_tombstone(
     would retry for ever): its tombstone makes it the operation's, so it is deleted."""
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.issue_ticket(req).ticket, req.node_name))
-    api = node_client(node_files, answer)
-    register_self(api, answer, annotations=KWOK_ANNOTATIONS)
+    answer, api = join_and_register(gw, req, files(), issued=True)
     assert gw.remove_node(req.node_name, operation=req.operation) is True
     wait_for(lambda: node_absent(cluster, req.node_name), what=f"{req.node_name} deleted")
     register_self(api, answer, annotations=KWOK_ANNOTATIONS)

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway, ServiceRef, endpoint_from_service
 from models.errors import TicketError
 from models.join import USER_DATA_MAX_BYTES, JoinTicketRequest, UserDataTooLarge, parse_user_data, render_user_data
@@ -20,8 +19,7 @@ from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION
 from models.locations import BurstConfig
 from node.join import NodeFiles
 from tests.charts.helm import BURST_VALUES, NAMESPACE, template
-from tests.gateway.helpers import BURST_TAINT, gateway, node_absent, ticket_request
-from tests.harness.joining import node_client, redeem_for, register_self
+from tests.gateway.helpers import BURST_TAINT, gateway, join_and_register, node_absent, ticket_request
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_SA
 from worker.config import load_settings
@@ -33,9 +31,7 @@ def test_remove_refuses_another_operations_node(cluster: Cluster, gateway_api: c
                                                 nodes: list[str], files: Callable[[], NodeFiles]) -> None:
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
-    node_files = files()
-    answer = gw.join(redeem_for(node_files, gw.sign_ticket(req), req.node_name))
-    register_self(node_client(node_files, answer), answer, annotations=KWOK_ANNOTATIONS)
+    join_and_register(gw, req, files())
 
     with pytest.raises(TicketError, match="has no address slot of operation op-other"):
         gw.remove_node(req.node_name, operation="op-other")

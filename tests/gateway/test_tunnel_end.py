@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 from kubernetes import client
@@ -27,6 +26,7 @@ from models.join import JoinTicketRequest, render_user_data
 from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.node import Instance, NodePhase
 from models.provisioning import BatchPhase
+from tests.gateway.helpers import BURST_TAINT
 from tests.harness.burst import (
     SIM_LOCATIONS,
     BurstStack,
@@ -41,6 +41,9 @@ from tests.harness.burst import (
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
     GATEWAY_PUBLIC_IP,
+    POD_CIDR,
+    SERVICE_CIDR,
+    TUNNEL_CIDR,
     UDP_PORT,
     Gateway,
     Joined,
@@ -57,22 +60,8 @@ from worker.runtime import Runtime
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-BURST_TAINT = "gpu.kubeon.io/burst"
-SERVICE_CIDR = "10.96.0.0/16"  # the harness API server's
-POD_CIDR = "10.245.0.0/16"
-TUNNEL_CIDR = "10.250.0.0/16"
 SERVICE_IP = "10.96.77.77"
 MARKER = f"kubeon-marker-{uuid.uuid4().hex}"
-
-
-@pytest.fixture(scope="module")
-def bed(cluster: Cluster) -> Iterator[NetBed]:
-    bed = NetBed().create(api_port=int(urlsplit(cluster.plane.server).port or 443))
-    try:
-        bed.route_cluster(service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
-        yield bed
-    finally:
-        bed.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,23 +15,24 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 from kubernetes import client
 
 from gateway.settings import ConfigError, GatewayServerConfig, GatewaySettings
-from tests.gateway.test_tunnel_end import (
-    MARKER,
+from tests.gateway.test_tunnel_end import MARKER, http_get, join_node, ready
+from tests.harness.kube import Cluster, wait_for
+from tests.harness.netbed import (
+    CLUSTER_LINK,
     POD_CIDR,
     SERVICE_CIDR,
     TUNNEL_CIDR,
-    http_get,
-    join_node,
-    ready,
+    Gateway,
+    Joined,
+    NetBed,
+    sh,
+    start_tunnel_gateway,
 )
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import CLUSTER_LINK, Gateway, Joined, NetBed, sh, start_tunnel_gateway
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE
 from tunnel import keys, link
 from tunnel.uapi import Uapi
@@ -49,16 +50,6 @@ def tcp_open(netns: str, host: str, port: int, timeout: float = 3.0, source: str
              f"    socket.create_connection(({host!r}, {port}), timeout={timeout}{bind}).close(); print('open')\n"
              "except OSError as exc:\n    print('closed', exc)", netns=netns)
     return out.startswith("open")
-
-
-@pytest.fixture(scope="module")
-def bed(cluster: Cluster) -> Iterator[NetBed]:
-    bed = NetBed().create(api_port=int(urlsplit(cluster.plane.server).port or 443))
-    try:
-        bed.route_cluster(service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
-        yield bed
-    finally:
-        bed.close()
 
 
 @pytest.fixture(scope="module")

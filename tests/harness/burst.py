@@ -22,6 +22,7 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models.ids import provision_workflow_id
+from models.labels import LABEL_LOCATION
 from models.node import BurstResult, OperationView
 from models.policy import API_GROUP, PLURAL
 from models.provisioning import ProvisionView
@@ -190,6 +191,22 @@ def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: 
             ),
         ),
     )
+
+
+def assert_serves_on_burst_node(stack: BurstStack, view: OperationView, namespace: str, deploy: str,
+                                location: str) -> client.V1Node:
+    """An operation in Serving: its Node is in ``location`` (the label's value, ``aws.eu-central-1``), tainted for
+    burst pods only, and ``deploy``'s pods run there and nowhere else. The Node, for more checks."""
+    node = stack.cluster.admin.core.read_node(str(view.node_name))
+    assert node.metadata.labels[LABEL_LOCATION] == location
+    assert any(t.key == BURST_TAINT_KEY and t.effect == "NoSchedule" for t in node.spec.taints), node.spec.taints
+    pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+    assert [p.spec.node_name for p in pods] == [view.node_name]
+    return node
+
+
+def node_gone(stack: BurstStack, name: str | None) -> bool:
+    return not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
 
 
 async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0) -> OperationView:

@@ -38,3 +38,15 @@ def create_strictly(cluster: Cluster, doc: dict[str, Any], prefix: str) -> dict[
     doc["metadata"]["name"] = f"{prefix}-{uuid.uuid4().hex[:10]}"
     return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
         API_GROUP, "v1", PLURAL, doc, field_validation="Strict")
+
+
+def read_gpupolicy(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    """The GpuPolicy ``name`` as the API server has it now, None when there is none."""
+    try:
+        obj: dict[str, Any] = cluster.admin.custom.get_cluster_custom_object(  # type: ignore[assignment]
+            API_GROUP, "v1", PLURAL, name)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return obj

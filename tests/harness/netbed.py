@@ -32,6 +32,10 @@ from tunnel.proxy import TcpProxy
 
 GATEWAY_PUBLIC_IP = "198.51.100.1"
 CLUSTER_LINK = ("203.0.113.1", "203.0.113.2")
+# The cluster's ranges a bed routes: the harness API server's --service-cluster-ip-range, burst pods, tunnel addresses.
+SERVICE_CIDR = "10.96.0.0/16"
+POD_CIDR = "10.245.0.0/16"
+TUNNEL_CIDR = "10.250.0.0/16"
 
 
 def sh(*argv: str, netns: str | None = None, check: bool = True) -> str:
@@ -206,20 +210,8 @@ def start_tunnel_gateway(cluster: Cluster, bed: NetBed, workdir: Path, *, servic
     """The chart's ServiceAccounts and rules, a CA and certificate for the gateway's public address, its ticket
     and WireGuard keys; the gateway started with its tunnel, reachable from the host at ``Gateway.url``."""
     from tests.harness.controlplane import _issue, _name, free_port
-    from tests.harness.rbac import (
-        GATEWAY_RULES,
-        GATEWAY_SA,
-        GATEWAY_SERVICE_RULES,
-        OPTIMIZER_NAMESPACE,
-        OPTIMIZER_RULES,
-        OPTIMIZER_SA,
-        grant,
-        grant_namespaced,
-    )
-    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
-    grant(cluster, GATEWAY_SA, GATEWAY_RULES)
-    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": GATEWAY_RULES})
-    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
+    from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, grant_optimizer_and_gateway
+    grant_optimizer_and_gateway(cluster)
     ca = _issue(_name("tunnel-gateway-ca"), None, is_ca=True)
     ca_file, _ = ca.write(workdir, "ca")
     cert, key = _issue(_name("gateway"), ca, server_ips=(GATEWAY_PUBLIC_IP, "127.0.0.1")).write(workdir, "tls")

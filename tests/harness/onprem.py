@@ -27,6 +27,7 @@ from common.kube import kube_api
 from gateway.app import TokenReviewer, create_app
 from gateway.service import KubeGateway
 from tests.harness.controlplane import free_port
+from tests.harness.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 # What a test or dev cluster's gateway may route to a server: its tunnel, pod and service CIDRs (the default
@@ -122,13 +123,8 @@ class AgentProcess:
         if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGCONT)
-            proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped (SIGSTOP) agent would not act on SIGTERM
+        stop_process(proc, timeout)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import yaml
 
 from tests.harness.children import wait_answering
 from tests.harness.controlplane import free_port
+from tests.harness.processes import stop_process
 
 SCRAPE_JOB = "dcgm"
 
@@ -108,11 +109,6 @@ class Prometheus:
         return ""
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc:
+            stop_process(self._proc, 20)
         self._proc = None

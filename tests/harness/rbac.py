@@ -91,6 +91,15 @@ def grant(cluster: Cluster, name: str, rules: list[dict[str, list[str]]], namesp
     return cluster.service_account_client(namespace, name)
 
 
+def grant_optimizer_and_gateway(cluster: Cluster, gateway_rules: list[dict[str, list[str]]] = GATEWAY_RULES) -> None:
+    """The optimizer's ServiceAccount with its rules, the gateway's with ``gateway_rules`` (its ClusterRole made
+    exactly these, whatever another module created it with) and its namespaced Service rules."""
+    grant(cluster, OPTIMIZER_SA, OPTIMIZER_RULES)
+    grant(cluster, GATEWAY_SA, gateway_rules)
+    cluster.admin.rbac.patch_cluster_role(GATEWAY_SA, {"rules": gateway_rules})
+    grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)
+
+
 CHART_IDENTITY_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
 

@@ -145,4 +145,12 @@ async def wait_scale_phase(handle: Any, *phases: ScalePhase, timeout: float = 90
                          f"{last.phase.value if last else None} {last.history if last else ''}")
 
 
-__all__ = ["SCALE_LABEL", "ScaleStack", "build_scale_stack", "unique", "wait_scale_phase"]
+async def ended_in(handle: Any, phase: ScalePhase, saying: str = "") -> dict[str, Any]:
+    """A scale operation's result, once it has ended in ``phase`` with ``saying`` in its message."""
+    done: dict[str, Any] = await handle.result()
+    assert done["phase"] == phase.value, done
+    assert saying in done["message"], done
+    return done
+
+
+__all__ = ["SCALE_LABEL", "ScaleStack", "build_scale_stack", "ended_in", "unique", "wait_scale_phase"]

@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import yaml
 
+from models.policy import PolicyError, parse_policy
 from tests.harness.kube import wait_for
 
 MODELS = Path(__file__).parent.parent / "models"
@@ -25,14 +27,15 @@ def policy_document(name: str = "inference-burst-eu", *, max_nodes: int = 4, mod
     return doc
 
 
-def apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    """The valid policy changed as a corpus entry of tests/models/invalid_policies.yaml says."""
-    doc = copy.deepcopy(VALID_POLICY)
+def apply_case(case: dict[str, Any], valid: dict[str, Any] = VALID_POLICY) -> dict[str, Any]:
+    """The ``valid`` policy changed as a corpus entry of tests/models/invalid_*policies.yaml says: each ``set``
+    path (dotted; missing parents are created) given its value, each ``delete`` path removed."""
+    doc = copy.deepcopy(valid)
     for path, value in (case.get("set") or {}).items():
         *parents, leaf = path.split(".")
         target = doc
         for p in parents:
-            target = target[p]
+            target = target.setdefault(p, {})
         target[leaf] = value
     for path in case.get("delete") or []:
         *parents, leaf = path.split(".")
@@ -41,6 +44,21 @@ def apply_case(case: dict[str, Any]) -> dict[str, Any]:
             target = target[p]
         del target[leaf]
     return doc
+
+
+def assert_names_unique(corpus: list[dict[str, Any]], at_least: int) -> None:
+    """A corpus of at least ``at_least`` cases, each named (its test id) and no name twice."""
+    names = [c["name"] for c in corpus]
+    assert len(names) >= at_least
+    assert len(set(names)) == len(names)
+
+
+def refused_naming(doc: dict[str, Any], field: str) -> PolicyError:
+    """The model's refusal of ``doc``, after checking it names ``field``."""
+    with pytest.raises(PolicyError) as err:
+        parse_policy(doc)
+    assert field in err.value.fields, f"error {err.value} does not name {field}"
+    return err.value
 
 
 def report(key: str, *, operation: str = "op-0123456789ab", action: str = "launched", **extra: Any) -> dict[str, Any]:

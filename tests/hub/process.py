@@ -15,7 +15,8 @@ from typing import TypeVar
 import httpx
 
 from tests.harness.controlplane import free_port
-from tests.hub.helpers import wait_until
+from tests.harness.kube import wait_for
+from tests.harness.processes import answers_ok, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -43,20 +44,14 @@ class HubProcess:
         port = int(self.url.rsplit(":", 1)[1]) if self.url else free_port()
         self.url = f"http://127.0.0.1:{port}"
         with open(self.logdir / "hub.log", "wb") as log:
-            self._proc = subprocess.Popen(
+            self._proc = proc = subprocess.Popen(
                 [sys.executable, "-m", *self.module, "--listen", f"127.0.0.1:{port}", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-
-        def ready() -> bool:
-            assert self._proc is not None
-            if self._proc.poll() is not None:
-                raise AssertionError(f"hub exited {self._proc.returncode} before answering: {self.log}")
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
-
         try:
-            wait_until(ready, timeout=timeout, what=f"hub on {self.url} to answer /healthz")
+            wait_for(lambda: answers_ok(proc, f"{self.url}/healthz", name="hub", log=lambda: self.log),
+                     timeout=timeout, what=f"hub on {self.url} to answer /healthz", interval=0.05)
         except AssertionError:
             self.stop()
             raise
@@ -68,16 +63,8 @@ class HubProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return True
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise AssertionError(f"hub did not exit within {timeout}s of SIGTERM: {self.log}") from None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if not stop_process(proc, timeout, group=True):
+            raise AssertionError(f"hub did not exit within {timeout}s of SIGTERM: {self.log}")
         return proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in self.log
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,27 +44,28 @@ def test_shipped_dev_seed_creates_cluster_token_and_policy(tmp_path: Path, datab
         db.dispose()
 
 
-def test_seed_refuses_a_token_file_of_another_cluster(tmp_path: Path) -> None:
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Iterator[Database]:
+    """A fresh hub database (SQLite in ``tmp_path``) with its schema; disposed after the test."""
+    db = Database(f"sqlite:///{tmp_path / 'hub.db'}")
+    try:
+        db.create_schema()
+        yield db
+    finally:
+        db.dispose()
+
+
+def test_seed_refuses_a_token_file_of_another_cluster(tmp_path: Path, sqlite_db: Database) -> None:
     seed = tmp_path / "seed.yaml"
     seed.write_text("clusters:\n  - {name: a, tokenFile: a.token}\n")
-    db = Database(f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        db.create_schema()
-        seed_file(db, seed)
-        seed.write_text("clusters:\n  - {name: b, tokenFile: a.token}\n")
-        with pytest.raises(SeedError, match="belongs to another cluster"):
-            seed_file(db, seed)
-    finally:
-        db.dispose()
+    seed_file(sqlite_db, seed)
+    seed.write_text("clusters:\n  - {name: b, tokenFile: a.token}\n")
+    with pytest.raises(SeedError, match="belongs to another cluster"):
+        seed_file(sqlite_db, seed)
 
 
-def test_seed_refuses_a_control_character_naming_the_field(tmp_path: Path) -> None:
+def test_seed_refuses_a_control_character_naming_the_field(tmp_path: Path, sqlite_db: Database) -> None:
     seed = tmp_path / "seed.yaml"
     seed.write_text('clusters:\n  - {name: a, description: "bell\\a"}\n')
-    db = Database(f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        db.create_schema()
-        with pytest.raises(SeedError, match=r"description.*U\+0007"):
-            seed_file(db, seed)
-    finally:
-        db.dispose()
+    with pytest.raises(SeedError, match=r"description.*U\+0007"):
+        seed_file(sqlite_db, seed)

@@ -24,7 +24,7 @@ from tests.harness.controlplane import free_port
 from tests.hub.conftest import BOOTSTRAP_KEY, UiHub, start_ui_hub
 from tests.hub.helpers import policy_document, wait_until
 from tests.hub.process import ROOT
-from tests.hub.ui import Dialogs, create_cluster, optimizer, proposal, sign_in, user_key
+from tests.hub.ui import Dialogs, create_cluster, optimizer, proposal, sign_in, signed_in, user_key
 
 pytestmark = pytest.mark.timeout(180)
 CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')
@@ -261,8 +261,7 @@ async def test_stored_hostile_values_run_no_script_in_the_browser(ui_hub: UiHub,
     finally:
         client.close()
     dialogs = Dialogs()
-    context = await browser.new_context()
-    page = await sign_in(context, ui_hub, user_key(ui_hub, "xena", "admin"), dialogs)
+    context, page = await signed_in(browser, ui_hub, "xena", "admin", dialogs)
     # Each page, and where it shows the hostile text as text (None: the page does not show it).
     pages = {"/ui/clusters": "main", "/ui/clusters/stored-xss": "main", "/ui/clusters/sec-main": None,
              "/ui/clusters/sec-main/policies/hostile-policy": "#document", "/ui/approvals": "main",

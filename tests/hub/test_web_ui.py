@@ -14,8 +14,9 @@ import httpx
 import pytest
 import yaml
 from playwright.async_api import Error as PlaywrightError
+from playwright.async_api import Page
 
-from activities.clients.hub import HubUnauthorized
+from activities.clients.hub import HubClient, HubUnauthorized
 from models.hub import ActionReport
 from tests.hub.conftest import UiHub
 from tests.hub.helpers import policy_document
@@ -28,6 +29,7 @@ from tests.hub.ui import (
     proposal,
     shoot,
     sign_in,
+    signed_in,
     user_key,
 )
 
@@ -93,9 +95,7 @@ async def test_add_cluster_shows_the_token_once_and_the_optimizer_pulls_with_it(
 async def test_rotate_keeps_the_old_token_until_the_new_one_is_used_and_revoke_disconnects(
         ui_hub: UiHub, browser) -> None:
     old_token = create_cluster(ui_hub, "web-rotate")
-    admin_key = user_key(ui_hub, "rosa", "admin")
-    context = await browser.new_context()
-    page = await sign_in(context, ui_hub, admin_key)
+    context, page = await signed_in(browser, ui_hub, "rosa", "admin")
     await page.goto(f"{ui_hub.url}/ui/clusters/web-rotate")
     await page.get_by_role("link", name="Rotate token").click()
     await shoot(page, ui_hub, "rotate-confirm")
@@ -136,12 +136,23 @@ async def test_rotate_keeps_the_old_token_until_the_new_one_is_used_and_revoke_d
     await context.close()
 
 
+async def save_refused_then_confirmed(page: Page, client: HubClient, message: str, diff_line: str,
+                                     max_nodes_kept: int) -> None:
+    """Save policy is refused with ``message`` and a diff to confirm (``diff_line`` in it), the hub's burst-eu still
+    at ``max_nodes_kept``; Save again saves it."""
+    await page.get_by_role("button", name="Save policy").click()
+    assert message in await page.locator("#editor-message").inner_text()
+    assert diff_line in await page.locator("pre.diff").inner_text()
+    pulled = client.policies()
+    assert pulled is not None and pulled.documents[0]["spec"]["limits"]["maxNodes"] == max_nodes_kept
+    await page.get_by_role("button", name="Save policy").click()
+    await page.wait_for_url(re.compile(r".*\?saved=burst-eu$"))
+
+
 async def test_policy_editor_shows_errors_at_their_field_saves_nothing_then_saves_a_valid_one(
         ui_hub: UiHub, browser) -> None:
     token = create_cluster(ui_hub, "web-policies")
-    operator_key = user_key(ui_hub, "otto", "operator")
-    context = await browser.new_context()
-    page = await sign_in(context, ui_hub, operator_key)
+    context, page = await signed_in(browser, ui_hub, "otto", "operator")
     client = optimizer(ui_hub, token, "web-policies")
     try:
         await page.goto(f"{ui_hub.url}/ui/clusters/web-policies")
@@ -179,13 +190,7 @@ async def test_policy_editor_shows_errors_at_their_field_saves_nothing_then_save
         diff = await page.locator("pre.diff").inner_text()
         assert "-    maxNodes: 3" in diff and "+    maxNodes: 2" in diff
         await page.locator("#document").fill(yaml.safe_dump(policy_document("burst-eu", max_nodes=1)))
-        await page.get_by_role("button", name="Save policy").click()
-        assert "changed since you reviewed it" in await page.locator("#editor-message").inner_text()
-        assert "+    maxNodes: 1" in await page.locator("pre.diff").inner_text()
-        pulled = client.policies()
-        assert pulled is not None and pulled.documents[0]["spec"]["limits"]["maxNodes"] == 3
-        await page.get_by_role("button", name="Save policy").click()
-        await page.wait_for_url(re.compile(r".*\?saved=burst-eu$"))
+        await save_refused_then_confirmed(page, client, "changed since you reviewed it", "+    maxNodes: 1", 3)
 
         # Someone changes the policy through the API while the editor is open: Save shows their version first.
         await page.get_by_role("link", name="burst-eu", exact=True).click()
@@ -194,13 +199,7 @@ async def test_policy_editor_shows_errors_at_their_field_saves_nothing_then_save
         changed = ui_hub.admin.put("/v1/clusters/web-policies/policies/burst-eu",
                                    json=policy_document("burst-eu", max_nodes=7))
         assert changed.status_code == 200, changed.text
-        await page.get_by_role("button", name="Save policy").click()
-        assert "changed since you opened the editor" in await page.locator("#editor-message").inner_text()
-        assert "-    maxNodes: 7" in await page.locator("pre.diff").inner_text()
-        pulled = client.policies()
-        assert pulled is not None and pulled.documents[0]["spec"]["limits"]["maxNodes"] == 7
-        await page.get_by_role("button", name="Save policy").click()
-        await page.wait_for_url(re.compile(r".*\?saved=burst-eu$"))
+        await save_refused_then_confirmed(page, client, "changed since you opened the editor", "-    maxNodes: 7", 7)
         pulled = client.policies()
         assert pulled is not None and pulled.documents[0]["spec"]["limits"]["maxNodes"] == 4
 
@@ -324,9 +323,7 @@ async def test_a_viewer_sees_no_write_control_and_a_forged_post_is_403(ui_hub: U
         assert client.report(proposal("op-viewer", "plan-vvv", ui_hub.now()))
     finally:
         client.close()
-    viewer_key = user_key(ui_hub, "vera", "viewer")
-    context = await browser.new_context()
-    page = await sign_in(context, ui_hub, viewer_key)
+    context, page = await signed_in(browser, ui_hub, "vera", "viewer")
     for path in ("/ui/clusters", "/ui/clusters/web-viewer", "/ui/clusters/web-viewer/policies/burst-eu",
                  "/ui/approvals", "/ui/activity", "/ui/pools"):
         await page.goto(f"{ui_hub.url}{path}")
@@ -384,9 +381,7 @@ async def test_pools_show_rate_cards_and_servers_and_issue_and_revoke_join_token
                              json={"pool": "web-dc1", "server": "gpu-01", "gpu_product": "NVIDIA-L4", "gpus": 2,
                                    "phase": "idle"})
     assert beat.status_code == 200, beat.text
-    admin_key = user_key(ui_hub, "pia", "admin")
-    context = await browser.new_context()
-    page = await sign_in(context, ui_hub, admin_key)
+    context, page = await signed_in(browser, ui_hub, "pia", "admin")
     await page.goto(f"{ui_hub.url}/ui/pools")
     pool = page.locator("section[data-pool='web-dc1']")
     text = await pool.inner_text()

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
 from models.policy import API_GROUP, PLURAL
@@ -25,22 +24,12 @@ from tests.harness.burst import (
     provision_state,
     unique,
 )
+from tests.harness.crd import read_gpupolicy
 from tests.harness.kube import until
 from tests.hub.conftest import UiHub
 from tests.hub.ui import shoot, sign_in, user_key
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.timeout(300)]
-
-
-def gpupolicy(stack: BurstStack, name: str) -> dict[str, Any] | None:
-    try:
-        obj: dict[str, Any] = stack.cluster.admin.custom.get_cluster_custom_object(  # type: ignore[assignment]
-            API_GROUP, "v1", PLURAL, name)
-    except client.ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-    return obj
 
 
 def burst_node_ready(stack: BurstStack, policy: str) -> str | None:
@@ -83,7 +72,8 @@ async def test_a_cluster_added_in_the_ui_syncs_its_policy_and_launches_what_the_
                                      hub_url=ui_hub.url, hub_token_file=token_file,
                                      hub_poll_interval=1) as (temporal, _settings, _runtime):
             # Synced into the cluster's GpuPolicy (what `kubectl get gpupolicies` lists).
-            synced = await until(lambda: gpupolicy(stack, policy), timeout=60, what=f"{policy} synced from the hub")
+            synced = await until(lambda: read_gpupolicy(stack.cluster, policy), timeout=60,
+                                 what=f"{policy} synced from the hub")
             assert synced["spec"]["limits"]["maxNodes"] == 2 and synced["spec"]["mode"] == "Approve"
             listed = stack.cluster.admin.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)
             assert policy in [p["metadata"]["name"] for p in listed["items"]]

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from playwright.async_api import BrowserContext, Page, ViewportSize
+from playwright.async_api import Browser, BrowserContext, Page, ViewportSize
 
 from activities.clients.hub import HubClient
 from models.hub import ActionReport
@@ -105,6 +105,13 @@ def user_key(hub: UiHub, name: str, role: str) -> str:
     assert issued.status_code == 201, issued.text
     key: str = issued.json()["key"]
     return key
+
+
+async def signed_in(browser: Browser, hub: UiHub, name: str, role: str,
+                    dialogs: Dialogs | None = None) -> tuple[BrowserContext, Page]:
+    """A new user ``name`` of ``role``, signed in with its key in a fresh browser context: the context and the page."""
+    context = await browser.new_context()
+    return context, await sign_in(context, hub, user_key(hub, name, role), dialogs)
 
 
 def create_cluster(hub: UiHub, name: str) -> str:

@@ -15,28 +15,12 @@ from models import policy
 from models.policy import PolicyError, ScaleToZeroPolicy, duration_seconds, parse_policy
 from tests.harness.crd import create_strictly
 from tests.harness.kube import Cluster
+from tests.hub.helpers import apply_case, assert_names_unique, refused_naming
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_scale_policy.yaml").read_text())
 CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_scale_policies.yaml").read_text())
-
-
-def apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    doc = copy.deepcopy(VALID)
-    for path, value in (case.get("set") or {}).items():
-        *parents, leaf = path.split(".")
-        target = doc
-        for p in parents:
-            target = target.setdefault(p, {})
-        target[leaf] = value
-    for path in case.get("delete") or []:
-        *parents, leaf = path.split(".")
-        target = doc
-        for p in parents:
-            target = target[p]
-        del target[leaf]
-    return doc
 
 
 def test_documented_scale_to_zero_policy_is_valid() -> None:
@@ -72,16 +56,12 @@ def test_durations() -> None:
 
 
 def test_corpus_has_twenty_cases_with_unique_names() -> None:
-    names = [c["name"] for c in CORPUS]
-    assert len(names) >= 20
-    assert len(set(names)) == len(names)
+    assert_names_unique(CORPUS, at_least=20)
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_model_rejects_malformed_scale_policy_naming_the_field(case: dict[str, Any]) -> None:
-    with pytest.raises(PolicyError) as err:
-        parse_policy(apply_case(case))
-    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
+    refused_naming(apply_case(case, VALID), case["field"])
 
 
 def test_crd_schema_uses_the_model_patterns() -> None:
@@ -121,7 +101,7 @@ def test_apiserver_accepts_the_documented_scale_policy_and_the_example(gpupolicy
                          ids=[c["name"] for c in CORPUS if c.get("refusedBy") != "worker"])
 def test_apiserver_rejects_malformed_scale_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
     with pytest.raises(client.ApiException) as err:
-        _create(gpupolicy_crd, apply_case(case))
+        _create(gpupolicy_crd, apply_case(case, VALID))
     assert err.value.status in (400, 422), err.value.body
     leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
     assert leaf in err.value.body, err.value.body

@@ -16,7 +16,7 @@ from temporalio.client import Client
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
 from models.join import parse_user_data
-from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from node.register import join_simulated
 from tests.harness.background import Background
@@ -24,7 +24,9 @@ from tests.harness.burst import (
     BurstStack,
     StartWorker,
     approve_batch,
+    assert_serves_on_burst_node,
     gpu_deployment,
+    node_gone,
     provision_state,
     result,
     unique,
@@ -127,19 +129,14 @@ async def test_documented_burst_on_aws(stack: BurstStack, worker: tuple[Client, 
         assert raw["InstanceType"] == "g5.xlarge"
         assert booted.joined == {view.instance.instance_id: view.node_name}
 
-        node = stack.cluster.admin.core.read_node(str(view.node_name))
-        assert node.metadata.labels[LABEL_LOCATION] == "aws.eu-central-1"
-        assert any(t.key == "gpu.kubeon.io/burst" for t in node.spec.taints)
-        pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
-        assert [p.spec.node_name for p in pods] == [view.node_name]
+        assert_serves_on_burst_node(stack, view, namespace, deploy, "aws.eu-central-1")
 
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         done = await result(handle)
     assert done.phase == NodePhase.COMPLETED, done.message
     state = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]["Instances"][0]
     assert state["State"]["Name"] in ("shutting-down", "terminated")
-    wait_for(lambda: not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={view.node_name}").items,
-             what="node gone")
+    wait_for(lambda: node_gone(stack, view.node_name), what="node gone")
     live = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_BURST}", "Values": [policy]},
                                            {"Name": "instance-state-name", "Values": ["pending", "running"]}])
     assert not live["Reservations"]

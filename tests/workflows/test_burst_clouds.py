@@ -17,15 +17,17 @@ from temporalio.testing import WorkflowEnvironment
 
 from common.kube import kube_api
 from gateway.service import KubeGateway
-from models.labels import LABEL_LOCATION, TAG_BURST, TAG_OPERATION
+from models.labels import TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from models.provisioning import BatchPhase
 from tests.harness.burst import (
     BurstStack,
     approve_batch,
+    assert_serves_on_burst_node,
     gpu_deployment,
     in_process_worker,
     node_for,
+    node_gone,
     node_workflows,
     provision_state,
     result,
@@ -181,17 +183,12 @@ async def test_documented_burst(stack: BurstStack, temporal_dev_server: Workflow
             assert cloud.operation_tag(inst) == view.operation
             assert list(booted.joined.values()) == [view.node_name], booted.errors
 
-            node = stack.cluster.admin.core.read_node(str(view.node_name))
-            assert node.metadata.labels[LABEL_LOCATION] == home.replace("/", ".")
-            assert any(t.key == "gpu.kubeon.io/burst" for t in node.spec.taints)
-            pods = stack.cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
-            assert [p.spec.node_name for p in pods] == [view.node_name]
+            assert_serves_on_burst_node(stack, view, namespace, deploy, home.replace("/", "."))
 
             stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
             done = await result(handle)
         assert done.phase == NodePhase.COMPLETED, done.message
-        wait_for(lambda: not stack.cluster.admin.core.list_node(
-            field_selector=f"metadata.name={view.node_name}").items, what="node gone")
+        wait_for(lambda: node_gone(stack, view.node_name), what="node gone")
         wait_for(lambda: cloud.live(policy) == [], what="no instance left")
         assert cloud.outside_called() == [], "a location outside the policy was called"
 

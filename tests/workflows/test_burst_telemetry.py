@@ -46,6 +46,7 @@ from tests.harness.controlplane import free_port
 from tests.harness.dashboard import dashboard_metric_names
 from tests.harness.kube import until, wait_for
 from tests.harness.otlp import OtlpReceiver, ReceivedSpan
+from tests.harness.processes import answers_ok, stop_process
 from tests.hub.process import SeededHub
 from worker.config import Settings
 
@@ -90,12 +91,7 @@ class Worker:
 
     def healthy(self) -> bool:
         assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"worker exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
+        return answers_ok(self.proc, f"{self.url}/healthz", name="worker", log=lambda: self.log.read_text()[-3000:])
 
     @property
     def url(self) -> str:
@@ -117,15 +113,7 @@ class Worker:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process(proc, 60, group=True)
         return proc.returncode
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-from kubernetes import client
 from sqlalchemy import select
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
@@ -48,6 +47,7 @@ from tests.harness.burst import (
     unique,
     wait_phase,
 )
+from tests.harness.crd import read_gpupolicy
 from tests.harness.kube import until
 from tests.hub.process import SeededHub
 from worker import ops
@@ -127,14 +127,7 @@ class Optimizer:
         return status
 
     def gpupolicy(self, name: str) -> dict[str, Any] | None:
-        try:
-            obj: dict[str, Any] = self.stack.cluster.admin.custom.get_cluster_custom_object(  # type: ignore[assignment]
-                API_GROUP, "v1", PLURAL, name)
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return obj
+        return read_gpupolicy(self.stack.cluster, name)
 
     def condition(self, name: str, type_: str) -> dict[str, Any] | None:
         obj = self.gpupolicy(name) or {}
@@ -160,6 +153,11 @@ class Optimizer:
         """A GPU Deployment home cannot fit, and the handle of the node workflow its batch starts."""
         deploy = self.create_workload(namespace)
         return deploy, await node_for(self.temporal, self.cluster, policy_name, f"{namespace}/{deploy}-")
+
+    async def end_workload(self, namespace: str, deploy: str, handle: WorkflowHandle[Any, Any]) -> None:
+        """The workload gone, its node workflow Completed (the burst node drained and removed)."""
+        self.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
 
     def burst_nodes(self, policy_name: str) -> list[str]:
         nodes = self.stack.cluster.admin.core.list_node(label_selector=f"gpu.kubeon.io/policy={policy_name}")
@@ -345,8 +343,7 @@ async def test_revoked_token_stops_all_actions_until_a_valid_token_is_mounted(
     serving = await wait_phase(handle, NodePhase.SERVING, timeout=60)
     assert optimizer.burst_nodes(name) == [serving.node_name]
     assert optimizer.condition(name, CONDITION_HUB_CONNECTED)["status"] == "True"
-    optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
+    await optimizer.end_workload(namespace, deploy, handle)
 
 
 async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_returns(
@@ -376,8 +373,7 @@ async def test_hub_down_keeps_policies_enforced_and_reports_arrive_once_when_it_
     await _polled_again(optimizer, (await optimizer.sync_status()).polls)
     assert (await optimizer.sync_status()).pending_reports == 0
     assert len([r for r in hub.reports() if r["operation"] == serving.operation]) == 3  # delivered once
-    optimizer.stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-    await wait_phase(handle, NodePhase.COMPLETED, timeout=120)
+    await optimizer.end_workload(namespace, deploy, handle)
 
 
 async def test_invalid_policy_from_the_hub_keeps_the_last_good_one_and_is_reported(

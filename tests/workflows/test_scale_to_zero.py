@@ -23,7 +23,7 @@ from models.policy import API_GROUP, PLURAL
 from models.scale import NO_PROMETHEUS, ScalePhase, ScaleRequest, WakeRequest, WorkloadRef, scale_workflow_id
 from tests.harness.burst import worker_process
 from tests.harness.kube import Cluster, until
-from tests.harness.scale import ScaleStack, build_scale_stack, unique, wait_scale_phase
+from tests.harness.scale import ScaleStack, build_scale_stack, ended_in, unique, wait_scale_phase
 from worker import ops
 from worker.cli import main
 from worker.config import Settings
@@ -124,8 +124,7 @@ async def test_approved_idle_deployment_scaled_to_zero_and_woken_manually(
 
     woken = await ops.wake(temporal, view.operation, WakeRequest(by="bob", reason="demo"))
     assert "to 2 replica(s)" in woken.message
-    done = await handle.result()
-    assert done["phase"] == ScalePhase.COMPLETED.value, done
+    await ended_in(handle, ScalePhase.COMPLETED)
     assert stack.replicas(allowed_ns, "llm") == (2, 2)
     assert f"{allowed_ns}/Deployment/llm" not in stack.scale_status(policy).get("workloads", {})
     assert stack.replicas(other_ns, "llm") == (2, 2)
@@ -147,9 +146,7 @@ async def test_demand_query_wakes_the_workload(stack: ScaleStack, worker: tuple[
     assert stack.replicas(allowed_ns, "chat")[0] == 0
     # Demand appears: a series the query sees rises above the activation threshold.
     stack.exporter.assign(allowed_ns, "queue-probe", fb_used_mib=3)
-    done = await handle.result()
-    assert done["phase"] == ScalePhase.COMPLETED.value, done
-    assert "demand 3 > 0" in done["message"]
+    await ended_in(handle, ScalePhase.COMPLETED, "demand 3 > 0")
     assert stack.replicas(allowed_ns, "chat") == (1, 1)
     stack.exporter.release(allowed_ns, "queue-probe")
 
@@ -162,9 +159,7 @@ async def test_schedule_wakes_the_workload(stack: ScaleStack, worker: tuple[Clie
     stack.create_policy(policy, [allowed_ns], mode="Automatic", wake={"schedule": {"at": at}})
     handle = _handle(temporal, settings, policy, allowed_ns, "batch")
     await wait_scale_phase(handle, ScalePhase.SCALED_TO_ZERO)
-    done = await handle.result()
-    assert done["phase"] == ScalePhase.COMPLETED.value, done
-    assert f"scheduled wake at {at}" in done["message"]
+    await ended_in(handle, ScalePhase.COMPLETED, f"scheduled wake at {at}")
     assert stack.replicas(allowed_ns, "batch") == (1, 1)
 
 
@@ -235,9 +230,7 @@ async def test_rescaled_by_something_else_is_left_alone(
     hpa = _handle(temporal, settings, policy, allowed_ns, "hpa")
     await wait_scale_phase(hpa, ScalePhase.AWAITING_APPROVAL)
     apps.patch_namespaced_deployment_scale("hpa", allowed_ns, {"spec": {"replicas": 3}})
-    done = await hpa.result()
-    assert done["phase"] == ScalePhase.WITHDRAWN.value
-    assert "replicas changed from 2 to 3 meanwhile" in done["message"]
+    await ended_in(hpa, ScalePhase.WITHDRAWN, "replicas changed from 2 to 3 meanwhile")
     assert stack.replicas(allowed_ns, "hpa")[0] == 3
     # GitOps puts it back while at zero: left alone, nothing restored on top.
     gitops = _handle(temporal, settings, policy, allowed_ns, "gitops")
@@ -245,9 +238,7 @@ async def test_rescaled_by_something_else_is_left_alone(
     await ops.approve(temporal, view.operation, Approval(approver="alice"))
     await wait_scale_phase(gitops, ScalePhase.SCALED_TO_ZERO)
     apps.patch_namespaced_deployment_scale("gitops", allowed_ns, {"spec": {"replicas": 4}})
-    done = await gitops.result()
-    assert done["phase"] == ScalePhase.LEFT_ALONE.value
-    assert "by something else while at zero: left alone" in done["message"]
+    await ended_in(gitops, ScalePhase.LEFT_ALONE, "by something else while at zero: left alone")
     assert stack.replicas(allowed_ns, "gitops")[0] == 4
     assert f"{allowed_ns}/Deployment/gitops" not in stack.scale_status(policy).get("workloads", {})
 
@@ -268,8 +259,7 @@ async def test_worker_killed_at_zero_wakes_once_to_the_right_count(
         procs[0].wait(timeout=10)
         procs.append(worker_process(settings, tmp_path / "worker.log", stack=stack.burst))
         await ops.wake(temporal, view.operation, WakeRequest(by="carol"))
-        done = await handle.result()
-        assert done["phase"] == ScalePhase.COMPLETED.value, done
+        await ended_in(handle, ScalePhase.COMPLETED)
         assert stack.replicas(allowed_ns, "crash") == (3, 3)
         woken = [r for r in _audit(settings) if r["operation"] == view.operation and r["action"] == "woken"]
         assert len(woken) == 1
@@ -322,7 +312,5 @@ async def test_deleting_the_policy_gives_a_workload_at_zero_its_replicas_back(
     handle = _handle(temporal, settings, policy, allowed_ns, "orphan")
     await wait_scale_phase(handle, ScalePhase.SCALED_TO_ZERO)
     stack.burst.delete_policy(policy)
-    done = await handle.result()
-    assert done["phase"] == ScalePhase.COMPLETED.value, done
-    assert f"policy {policy} is gone: restoring its replicas" in done["message"]
+    await ended_in(handle, ScalePhase.COMPLETED, f"policy {policy} is gone: restoring its replicas")
     assert stack.replicas(allowed_ns, "orphan") == (2, 2)

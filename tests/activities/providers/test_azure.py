@@ -14,10 +14,10 @@ from models.node import LaunchRequest
 from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
+from tests.harness.clouds.local import AZURE_SUBNET as SUBNET
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
 
 LOCATION = "azure/westeurope"
-SUBNET = f"/subscriptions/{SUB}/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst"
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from typing import Any
 from werkzeug.wrappers import Request, Response
 
 from tests.harness.controlplane import free_port
+from tests.harness.processes import stop_process
 
 
 class ApiError(Exception):
@@ -183,13 +184,8 @@ class FakeServer:
         return dict(self._control("GET", "state"))
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc:
+            stop_process(self._proc, 10)
 
 
 def serve(app: FakeCloud, argv: list[str] | None = None) -> None:

@@ -14,6 +14,9 @@ GCP_PROJECT = "kubeon-burst-dev"
 GCP_SA = "kubeon-burst@kubeon-burst-dev.iam.gserviceaccount.com"
 AZURE_SUBSCRIPTION = "11111111-2222-3333-4444-555555555555"
 AZURE_CLIENT_ID = "55555555-6666-7777-8888-999999999999"
+# The subnet the Azure tests launch into (make dev's locations have one per region: ``azure_location``).
+AZURE_SUBNET = (f"/subscriptions/{AZURE_SUBSCRIPTION}/resourceGroups/net/providers/Microsoft.Network/"
+                "virtualNetworks/vnet/subnets/burst")
 
 
 def azure_resource_group(region: str) -> str:

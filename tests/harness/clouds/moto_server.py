@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tests.harness.children import wait_answering
 from tests.harness.controlplane import free_port
+from tests.harness.processes import stop_process
 
 
 @dataclass
@@ -38,10 +39,5 @@ class MotoServer:
         urllib.request.urlopen(req, timeout=10).close()
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc:
+            stop_process(self._proc, 10)

@@ -19,10 +19,10 @@ from azure.mgmt.compute import ComputeManagementClient
 from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
+from tests.harness.clouds.local import AZURE_SUBNET as SUBNET
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
 
 RG = "kubeon-burst-westeurope"
-SUBNET = f"/subscriptions/{SUB}/resourceGroups/net/providers/Microsoft.Network/virtualNetworks/vnet/subnets/burst"
 
 
 @pytest.fixture(scope="module")
