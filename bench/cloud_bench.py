@@ -35,6 +35,7 @@ from tests.harness.clouds import local
 from tests.harness.clouds.boot import Booter, gateway_join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.controlplane import ControlPlane
+from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, Kube
 
 
@@ -66,9 +67,8 @@ def run(cloud: str, server: FakeServer, gateway: KubeGateway, kube: KubeOps, sam
     offering = min(provider.price_offerings(name), key=lambda o: o.usd_per_gpu_hour)
     running, ready, launch_calls, terminate_calls = [], [], Counter[str](), Counter[str]()
     with Booter(server, gateway_join(gateway), interval=0.1):
-        for n in range(samples):
-            op = f"op-bench{n:04d}{cloud[:2]}"
-            node = f"burst-{op}"
+        for _ in range(samples):
+            op, node = new_burst_node()
             labels = {"gpu.kubeon.io/location": name.replace("/", "."), "gpu.kubeon.io/operation": op}
             taints = [Taint(key="gpu.kubeon.io/burst")]
             grant = gateway.issue_ticket(JoinTicketRequest(operation=op, policy="bench", location=name,

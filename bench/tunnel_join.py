@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -28,6 +27,7 @@ from activities.clients.gateway import HttpGatewayClient
 from models.join import JoinTicketRequest, render_user_data
 from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from tests.harness.controlplane import ControlPlane
+from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, Kube
 from tests.harness.netbed import (
     POD_CIDR,
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         user_data = []
         with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
             for _ in range(args.nodes):
-                op, name = f"op-{uuid.uuid4().hex[:10]}", f"burst-{uuid.uuid4().hex[:8]}"
+                op, name = new_burst_node()
                 labels = {LABEL_OPERATION: op, LABEL_POLICY: "bench", LABEL_LOCATION: "tunnel.bench"}
                 taints = [Taint(key="gpu.kubeon.io/burst")]
                 grant = http.issue_ticket(JoinTicketRequest(operation=op, policy="bench", location="sim/bench",

@@ -42,7 +42,7 @@ class TicketSigner:
         self._clock = clock
 
     def new(self, request: JoinTicketRequest, *, reserved: bool = False) -> JoinTicket:
-        problem = burst_node_name_problem(request.node_name)
+        problem = burst_node_name_problem(request.node_name, request.operation)
         if problem:
             raise JoinRefused("node_name_refused", problem, status=400)
         return JoinTicket(
@@ -68,6 +68,7 @@ class TicketSigner:
             raise TicketError(f"join ticket is malformed: {exc}", code="ticket_invalid") from None
         if ticket.expires_at < self._clock():
             raise TicketError(f"join ticket for {ticket.node_name} expired", code="ticket_expired")
-        if burst_node_name_problem(ticket.node_name):  # signed before names were checked at issue
-            raise TicketError(burst_node_name_problem(ticket.node_name), code="ticket_invalid")
+        problem = burst_node_name_problem(ticket.node_name, ticket.operation)
+        if problem:  # signed before names were checked at issue
+            raise TicketError(problem, code="ticket_invalid")
         return ticket

@@ -25,20 +25,32 @@ KUBELET_CLIENT_OPTIONAL_USAGES: Final = ("key encipherment",)
 NODES_GROUP: Final = "system:nodes"
 NODE_USER_PREFIX: Final = "system:node:"
 
-# Every burst node's name starts so (``burst-<operation>``, workflows.burst): the gateway issues tickets for these
-# names only, and the chart's node admission policy confines exactly the nodes ``system:node:burst-*``.
+# Every burst node is named after its operation (``burst-<operation ID>``, ``models.ids.operation_id``: op- and 12
+# hex digits; workflows.burst): the gateway issues tickets for exactly that name of the ticket's operation, and the
+# chart's node admission policy confines the nodes ``system:node:burst-*``.
 BURST_NODE_PREFIX: Final = "burst-"
 
-_BURST_NODE_NAME: Final = re.compile(r"^burst-[a-z0-9]([-a-z0-9]{0,55}[a-z0-9])?$")
+_BURST_NODE_NAME: Final = re.compile(r"^burst-op-[0-9a-f]{12}$")
 
 
-def burst_node_name_problem(name: str) -> str:
-    """Why ``name`` cannot be a burst node's (empty: it can): a ``burst-`` prefixed DNS label, so its kubelet
-    certificate (``system:node:<name>``) is one the node admission policy confines and never a home node's."""
+def burst_node_name(operation: str) -> str:
+    """The name of the node an operation launches."""
+    return f"{BURST_NODE_PREFIX}{operation}"
+
+
+def burst_node_name_problem(name: str, operation: str | None = None) -> str:
+    """Why ``name`` cannot be a burst node's (of ``operation``, if given; empty: it can): ``burst-<operation ID>``,
+    so its kubelet certificate (``system:node:<name>``) is one the node admission policy confines, never a home
+    node's, and a ticket of one operation never names another operation's node."""
     if not _BURST_NODE_NAME.match(name):
-        return (f"node_name {name[:80]!r} is not a burst node's name: tickets are only for {BURST_NODE_PREFIX}<id> "
-                "(a DNS label of at most 63 characters)")
+        return (f"node_name {name[:80]!r} is not a burst node's name: tickets are only for "
+                f"{BURST_NODE_PREFIX}<operation ID> ({BURST_NODE_PREFIX}op-<12 hex digits>)")
+    if operation is not None and name != burst_node_name(operation):
+        return (f"node_name {name!r} is not the node of operation {operation[:80]!r} "
+                f"({burst_node_name(operation)[:90]}): a ticket names its own operation's node only")
     return ""
+
+
 # An on-prem server presents its pool's join token in this header besides its ticket (R4.5; the gateway checks it).
 JOIN_TOKEN_HEADER: Final = "X-Kubeon-Join-Token"
 

@@ -19,6 +19,7 @@ from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.drain import DrainInput
 from models.ids import SERVE_QUEUE_SUFFIX, operation_id
+from models.join import burst_node_name
 from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.node import (
     BurstResult,
@@ -121,7 +122,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self.inp = inp
         info = workflow.info()
         self.operation = operation_id(info.workflow_id, info.run_id)
-        self.node_name = f"burst-{self.operation}"
+        self.node_name = burst_node_name(self.operation)
         self._start(
             sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
             sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),

@@ -28,6 +28,7 @@ from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.hub import proposal_detail
 from models.ids import node_workflow_id, operation_id
+from models.join import burst_node_name
 from models.node import NodeFinished, NodeInput, NodePhase
 from models.provisioning import (
     BatchPhase,
@@ -422,7 +423,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             # The node's name comes from its own run (operation ID): known once started.
             rec = self.nodes.get(handle.id)
             if rec is not None:
-                rec.node_name = f"burst-{operation_id(handle.id, handle.first_execution_run_id or '')}"
+                rec.node_name = burst_node_name(operation_id(handle.id, handle.first_execution_run_id or ''))
         self._log(f"batch {record.batch}: {len(handles)} node(s) started")
 
     def _settle(self) -> None:

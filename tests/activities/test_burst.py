@@ -24,7 +24,7 @@ from gateway.service import KubeGateway
 from gateway.slots import AddressPlan
 from models.drain import NodeRemoval
 from models.errors import ADDRESSES_EXHAUSTED_TYPE, JoinRefused
-from models.join import JoinTicketRequest, parse_user_data
+from models.join import JoinTicketRequest, burst_node_name, parse_user_data
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest
@@ -74,9 +74,9 @@ class Launcher:
         self.env = ActivityEnvironment()
 
     def request(self, operation: str | None = None) -> LaunchRequest:
-        op = operation or f"burst-op-{uuid.uuid4().hex[:8]}"
+        op = operation or f"op-{uuid.uuid4().hex[:12]}"
         return LaunchRequest(operation=op, cluster="test", policy="slots", allowed_locations=["fake/eu"],
-                             offering=OFFERING, node_name=f"burst-{op}",
+                             offering=OFFERING, node_name=burst_node_name(op),
                              labels={LABEL_OPERATION: op, LABEL_POLICY: "slots"},
                              taints=[Taint(key="gpu.kubeon.io/burst")])
 

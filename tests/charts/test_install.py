@@ -22,6 +22,7 @@ from kubernetes import client
 from models.policy import API_GROUP, PLURAL
 from tests.charts.helm import BAD_VALUES, BURST_VALUES, CHART, MINIMAL_VALUES, NAMESPACE, RELEASE, run_helm
 from tests.charts.test_chart import DOCUMENTED_BURST_VALUES, DOCUMENTED_CLUSTER_ROLE, VERIFY_STEPS, expectations
+from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, Kube, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -396,7 +397,7 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
     wait_for(lambda: can(gateway, "approve", "signers", group="certificates.k8s.io",
                          name="kubernetes.io/kube-apiserver-client-kubelet"), what="the chart's gateway rules")
     gw = KubeGateway(gateway.api, secrets.token_bytes(32), namespace=NAMESPACE)
-    name, op = f"burst-{uuid.uuid4().hex[:6]}", f"op-{uuid.uuid4().hex[:8]}"
+    op, name = new_burst_node()
     ticket = gw.sign_ticket(JoinTicketRequest(
         operation=op, policy="p", location="sim/eu-west", node_name=name,
         labels={"gpu.kubeon.io/operation": op, "gpu.kubeon.io/location": "sim.eu-west"},

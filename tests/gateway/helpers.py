@@ -11,7 +11,7 @@ from kubernetes import client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
-from models.join import JoinAnswer, JoinTicketRequest
+from models.join import JoinAnswer, JoinTicketRequest, burst_node_name
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
@@ -25,8 +25,8 @@ CAPACITY = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
 
 
 def ticket_request(nodes: list[str], *, operation: str | None = None, ttl: int = 900) -> JoinTicketRequest:
-    op = operation or f"op-{uuid.uuid4().hex[:10]}"
-    name = f"burst-{uuid.uuid4().hex[:8]}"
+    op = operation or f"op-{uuid.uuid4().hex[:12]}"
+    name = burst_node_name(op)
     nodes.append(name)
     return JoinTicketRequest(
         operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,

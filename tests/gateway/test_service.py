@@ -20,6 +20,7 @@ from models.locations import BurstConfig
 from node.join import NodeFiles
 from tests.charts.helm import BURST_VALUES, NAMESPACE, template
 from tests.gateway.helpers import BURST_TAINT, gateway, join_and_register, node_absent, ticket_request
+from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import GATEWAY_SA
 from worker.config import load_settings
@@ -73,8 +74,7 @@ def worker_burst_config(**env: str) -> BurstConfig:
 def launch_user_data(config: BurstConfig, gateway: KubeGateway | None = None) -> str:
     """User data as launch_instance renders it, for a node with every label a launch sets and a real ticket:
     where the gateway's grant says to join, else the worker's configured URL."""
-    op = f"op-{uuid.uuid4().hex}"
-    node = f"burst-{uuid.uuid4().hex}"
+    op, node = new_burst_node()
     labels = {LABEL_OPERATION: op, LABEL_POLICY: "inference-burst-" + "x" * 40, LABEL_LOCATION: "aws.eu-central-1",
               LABEL_GPU_PRODUCT: "NVIDIA-H100-80GB-HBM3", LABEL_INSTANCE_TYPE: "p5.48xlarge"}
     taints = [Taint(key=BURST_TAINT)]

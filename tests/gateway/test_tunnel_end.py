@@ -38,6 +38,7 @@ from tests.harness.burst import (
     unique,
     wait_phase,
 )
+from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
     GATEWAY_PUBLIC_IP,
@@ -77,8 +78,7 @@ def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFact
 def join_node(cluster: Cluster, bed: NetBed, gateway: Gateway, workdir: Path) -> Joined:
     """What launch_instance and the booting VM do: a ticket from the gateway (as the optimizer), user data,
     then `kubeon-gpu node join` in the node's own namespace, which starts the kubelet stand-in."""
-    op = f"op-{uuid.uuid4().hex[:10]}"
-    name = f"burst-{uuid.uuid4().hex[:8]}"
+    op, name = new_burst_node()
     token = workdir / f"{name}.token"
     token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
         OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
@@ -216,7 +216,7 @@ def test_a_reserved_slot_has_no_peer_and_the_resync_skips_it(
     token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
         OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
             spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
-    op, name = f"op-{uuid.uuid4().hex[:10]}", f"burst-{uuid.uuid4().hex[:8]}"
+    op, name = new_burst_node()
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         http.issue_ticket(JoinTicketRequest(
             operation=op, policy="inference-burst", location="sim/eu-west", node_name=name,

@@ -8,6 +8,7 @@ import hashlib
 import ipaddress
 import json
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 from kubernetes import client
 
-from models.join import JoinAnswer, JoinRedeem, parse_user_data
+from models.join import JoinAnswer, JoinRedeem, burst_node_name, parse_user_data
 from node.join import NodeFiles, kubelet_csr, kubelet_key, redeem_over_https, wireguard_private_key
 from node.register import join_simulated, node_api, register, registration_from
 from tunnel import keys
@@ -40,6 +41,12 @@ def csr(node: str, *, org: str = "system:nodes", cn: str | None = None, dns: tup
 def weak_rsa_csr(node: str) -> str:
     return csr(node, key=rsa.generate_private_key(public_exponent=65537, key_size=1024))
 
+
+
+def new_burst_node() -> tuple[str, str]:
+    """A fresh operation ID and its burst node's name (``burst-op-<12 hex>``), the only names tickets are for."""
+    operation = f"op-{uuid.uuid4().hex[:12]}"
+    return operation, burst_node_name(operation)
 
 def redeem_for(files: NodeFiles, ticket: str, node: str) -> JoinRedeem:
     """The request the product's node code sends (its own keys, kept in ``files``)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import secrets
 import stat
-import uuid
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from node.join import (
 )
 from node.register import node_api
 from tests.harness.controlplane import free_port
-from tests.harness.joining import gateway_credentials
+from tests.harness.joining import gateway_credentials, new_burst_node
 from tests.harness.kube import Cluster
 from tunnel import keys
 
@@ -45,7 +44,7 @@ def gateway(cluster: Cluster) -> KubeGateway:
 
 
 def document(gateway: KubeGateway) -> dict[str, object]:
-    op, name = f"op-{uuid.uuid4().hex[:8]}", f"burst-{uuid.uuid4().hex[:8]}"
+    op, name = new_burst_node()
     ticket = gateway.sign_ticket(JoinTicketRequest(operation=op, policy="p", location="sim/x", node_name=name,
                                                    labels={LABEL_OPERATION: op}, taints=[Taint(key="k")]))
     return {"ticket": ticket, "nodeName": name}

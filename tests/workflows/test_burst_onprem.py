@@ -23,7 +23,7 @@ from common.kube import kube_api
 from gateway.pool_tokens import POOL_CLAIM_HEADER
 from gateway.service import KubeGateway
 from models import pool_claim
-from models.join import JoinTicketRequest
+from models.join import JoinTicketRequest, burst_node_name
 from models.labels import LABEL_LOCATION, Taint
 from models.node import NodePhase
 from models.policy import API_GROUP, PLURAL
@@ -40,7 +40,7 @@ from tests.harness.burst import (
     unique,
     wait_phase,
 )
-from tests.harness.joining import join_over_http
+from tests.harness.joining import join_over_http, new_burst_node
 from tests.harness.kube import Cluster, until
 from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, register_server, write_gateways
 from tests.hub.conftest import BOOTSTRAP_KEY
@@ -338,22 +338,22 @@ def test_the_gateway_refuses_a_server_without_the_hubs_claim_for_it(stack: Burst
     gateway.start()
     signer = KubeGateway(kube_api(stack.gateway_kubeconfig), stack.ticket_key_file.read_bytes().strip())
     try:
-        def ticket(location: str, node: str) -> str:
+        def ticket(location: str, operation: str) -> str:
             return signer.sign_ticket(JoinTicketRequest(
-                operation="op-0123456789ab", policy="p", location=location, node_name=node,
+                operation=operation, policy="p", location=location, node_name=burst_node_name(operation),
                 labels={}, taints=[Taint(key=BURST_TAINT_KEY)]))
 
         def claim(key: Ed25519PrivateKey, node: str, for_ticket: str) -> str:
             now = int(time.time())
             return pool_claim.sign(key, pool_claim.PoolClaim(
                 kid=pool_claim.key_id(key.public_key()), pool=POOL, server="gpu-a", cluster="c",
-                operation="op-0123456789ab", node=node, ticket_sha256=pool_claim.ticket_digest(for_ticket),
+                operation=operation, node=node, ticket_sha256=pool_claim.ticket_digest(for_ticket),
                 iat=now, exp=now + 600))
 
         capacity = {"cpu": "1", "pods": "10"}
-        node = unique("burst")
-        mine = ticket(LOCATION, node)
-        other = ticket(LOCATION, unique("burst"))
+        operation, node = new_burst_node()
+        mine = ticket(LOCATION, operation)
+        other = ticket(LOCATION, new_burst_node()[0])
         for presented, why in ((None, "must present"), ("kgp_0123456789abcdef_" + "a" * 43, "malformed"),
                                (claim(Ed25519PrivateKey.generate(), node, mine), "not one of the hub's keys"),
                                (claim(hub_key, node, other), "ticket differ")):
