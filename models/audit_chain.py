@@ -144,6 +144,7 @@ class Break:
     label: str  # the first record that does not verify, named as ``Stored.label`` plus its seq and what it is
     seq: int | None
     reason: str
+    against_head: bool = False  # found comparing with a head recorded elsewhere, not in the records themselves
 
     def __str__(self) -> str:
         return f"{self.label}: {self.reason}"
@@ -275,12 +276,13 @@ def check_chain(stored: Iterable[Stored], *, head: tuple[int, str] | None = None
             result.breaks.append(Break(
                 f"the end of the chain (seq {result.head_seq})", result.head_seq,
                 f"{head_name} is seq {head_seq} (hash {head_hash[:16]}...): {missing} missing (the last records were "
-                "deleted, or the chain was rewritten from an earlier record)"))
+                "deleted, or the chain was rewritten from an earlier record)", against_head=True))
         elif head_seq > 0 and hashes.get(head_seq) != head_hash:
             got = hashes.get(head_seq)
+            where = result.positions.get(head_seq)
             result.breaks.append(Break(
-                f"seq {head_seq}", head_seq,
+                f"{where[0]} (seq {head_seq})" if where else f"seq {head_seq}", head_seq,
                 f"{head_name} is seq {head_seq} with hash {head_hash[:16]}... but the stored record has "
                 + (f"hash {got[:16]}..." if got else "no such record")
-                + ": the chain was rewritten from this record on (every later record rehashed)"))
+                + ": the chain was rewritten from this record on (every later record rehashed)", against_head=True))
     return result

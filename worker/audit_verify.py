@@ -44,7 +44,12 @@ class Outcome:
 
     @property
     def all_breaks(self) -> list[Break]:
-        return [*(self.check.breaks if self.check else []), *self.breaks]
+        """Every break, the first broken record first: the chain's own in stored order, then those found against
+        what the hub has (by seq), then those against the recorded head."""
+        own = self.check.breaks if self.check else []
+        return [*(b for b in own if not b.against_head),
+                *sorted(self.breaks, key=lambda b: (b.seq is None, b.seq or 0)),
+                *(b for b in own if b.against_head)]
 
     @property
     def ok(self) -> bool:
@@ -52,7 +57,7 @@ class Outcome:
 
     def render(self) -> str:
         breaks = self.all_breaks
-        if self.check is not None and not self.breaks:
+        if self.check is not None and not self.breaks and (self.check.ok or breaks[0] == self.check.breaks[0]):
             head = self.check.summary()
         elif breaks:
             head = f"BROKEN, first broken record {breaks[0]}" + (
