@@ -160,9 +160,9 @@ async def test_a_deleted_or_moved_row_is_named(hub: Hub, table: str, tamper: Cal
         else:
             r = await hub.put_policy("prod-eu", policy_document(f"p-{n}"))
         assert r.status_code == 201, r.text
-    model = ActionReport if table == "action_reports" else AuditEvent
+    model: type[ActionReport | AuditEvent] = ActionReport if table == "action_reports" else AuditEvent
     with hub.db.session() as s:
-        rows = list(s.scalars(select(model).order_by(model.id)))
+        rows: list[Any] = list(s.scalars(select(model).order_by(model.id)))
     rows = [r for r in rows if table == "action_reports" or r.cluster == "prod-eu"]
     assert [r.chain_seq for r in rows] == list(range(1, 9))
     assert not _broken(await _verify(hub))
@@ -264,8 +264,9 @@ def test_two_concurrent_appenders_never_fork_a_chain(database_url: str) -> None:
     assert not errors, errors[0]
     try:
         with db.session() as s:
-            for model in (AuditEvent, ActionReport):
-                rows = list(s.scalars(select(model).order_by(model.id)))
+            models: tuple[type[AuditEvent | ActionReport], ...] = (AuditEvent, ActionReport)
+            for model in models:
+                rows: list[Any] = list(s.scalars(select(model).order_by(model.id)))
                 seqs = [r.chain_seq for r in rows]
                 assert seqs == list(range(1, len(rows) + 1)), seqs
                 assert all(b.chain_prev == a.chain_hash for a, b in itertools.pairwise(rows))
