@@ -461,7 +461,9 @@ def add_report(session: Session, now: datetime, actor: Actor, cluster: Cluster, 
         assert req.audit_seq is not None and req.audit_hash is not None and req.audit_prev is not None
         problem = chain.observe_report(session, now, cluster, req.idempotency_key, req.audit_chain, req.audit_seq,
                                        req.audit_hash, req.audit_prev)
-        if problem is not None:
+        # Written once per record: a retried delivery of the same report gets the answer, not a second event.
+        if problem is not None and (created or (report.audit_chain, report.audit_seq) != (req.audit_chain,
+                                                                                          req.audit_seq)):
             record(session, at=now, actor=actor, action=AuditAction.AUDIT_CHAIN_BROKEN, cluster=cluster.name,
                    target=req.idempotency_key,
                    detail={"report_id": report.id, "audit_chain": req.audit_chain, "audit_seq": req.audit_seq,
@@ -471,6 +473,7 @@ def add_report(session: Session, now: datetime, actor: Actor, cluster: Cluster, 
 
 def _store_report(session: Session, now: datetime, actor: Actor, cluster: Cluster, req: ActionReportCreate
                   ) -> tuple[ActionReport, bool]:
+    """Store a report once per idempotency key. Returns (report, created)."""
 
     def existing() -> ActionReport | None:
         return session.scalar(select(ActionReport).where(

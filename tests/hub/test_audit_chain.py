@@ -200,6 +200,10 @@ async def test_a_report_that_does_not_follow_its_log_is_flagged_naming_it(hub: H
     problem = r.json()["audit_problem"]
     assert problem.startswith(f"audit record seq 3 of cluster 'prod-eu''s audit log {chain} (report 'op-3/launched') "
                               "does not follow the head the cluster reported before (seq 2, hash 2222222222222222")
+    again = await hub.client.post("/v1/cluster/reports", json=body(3, h3, forged), headers=hub.bearer(token))
+    assert again.status_code == 200 and again.json()["audit_problem"].startswith(  # a retried delivery: said again
+        f"audit record seq 3 of cluster 'prod-eu''s audit log {chain} (report 'op-3/launched') does not follow "
+        "record seq 2 (report 'op-2/launched', hash 2222222222222222...): its prev is ffffffffffffffff")
     partial = {k: v for k, v in body(4, h3, h3).items() if k != "audit_prev"}
     r = await hub.client.post("/v1/cluster/reports", json=partial, headers=hub.bearer(token))
     assert r.status_code == 422 and "audit_prev missing" in r.text
@@ -209,7 +213,7 @@ async def test_a_report_that_does_not_follow_its_log_is_flagged_naming_it(hub: H
         ("prod-eu", "op-3/launched", problem)]
     chains = (await hub.client.get("/v1/audit/chains", headers=hub.admin)).json()
     assert [(h["chain"], h["seq"], h["hash"], h["first_seq"], h["reports"], h["problem"])
-            for h in chains["reported"]] == [(chain, 3, h3, 1, 3, problem)]
+            for h in chains["reported"]] == [(chain, 3, h3, 1, 4, problem)]
     reported = [o for o in await _verify(hub) if o.what.startswith("worker audit log")]
     assert len(reported) == 1 and not reported[0].ok
     assert [str(b) for b in reported[0].all_breaks] == [
