@@ -1,4 +1,4 @@
-"""Who acts (``Actor``) and the append-only audit log."""
+"""Who acts (``Actor``) and the append-only audit log (each event chained as it is stored: ``hub/chain.py``)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ class AuditAction(StrEnum):
     OPERATION_APPROVED = "operation.approved"
     OPERATION_REJECTED = "operation.rejected"
     BURST_NODE_LOCATION = "burst_node.location_reported"
+    # A report's audit record does not fit the cluster's audit log chain as the hub has it (hub/chain.py).
+    AUDIT_CHAIN_BROKEN = "audit.chain_broken"
 
 
 def record(

@@ -2,6 +2,8 @@
 
 Times are stored in UTC and always read back timezone-aware. The audit table is append-only down to the database:
 triggers refuse UPDATE and DELETE (and TRUNCATE on PostgreSQL), so not even a bug in the hub can rewrite history.
+Someone who can drop the triggers can, so the audit table and the action reports are also hash chains, one per
+cluster (``hub/chain.py``): an edited, deleted or moved row is detected by ``kubeon-gpu audit verify --hub``.
 """
 
 from __future__ import annotations
@@ -26,18 +28,23 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    func,
+    inspect,
+    literal,
     text,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
+from sqlalchemy.schema import CreateIndex
 
 NAME_LENGTH: Final = 63
 OPERATION_LENGTH: Final = 128
 POLICY_NAME_LENGTH: Final = 253
 # "user:<name>", "cluster:<name>", "server:<name>": who did something, as the audit log names it.
 ACTOR_LENGTH: Final = NAME_LENGTH + 16
+HASH_LENGTH: Final = 64
 
 
 class DatabaseError(RuntimeError):
@@ -155,7 +162,11 @@ class Approval(Base):
 
 class ActionReport(Base):
     __tablename__ = "action_reports"
-    __table_args__ = (UniqueConstraint("cluster_id", "idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("cluster_id", "idempotency_key"),
+        Index("ux_action_reports_chain", "cluster_id", "chain_seq", unique=True),  # one row per place: no fork
+        Index("ix_action_reports_audit", "cluster_id", "audit_chain", "audit_seq"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id"), index=True)
     idempotency_key: Mapped[str] = mapped_column(String(200))
@@ -168,6 +179,15 @@ class ActionReport(Base):
     detail: Mapped[str] = mapped_column(Text, default="")
     occurred_at: Mapped[datetime]
     received_at: Mapped[datetime]
+    # The hub's chain of the cluster's reports (hub/chain.py); None on rows written before it existed.
+    chain_seq: Mapped[int | None] = mapped_column(Integer)
+    chain_prev: Mapped[str | None] = mapped_column(String(HASH_LENGTH))
+    chain_hash: Mapped[str | None] = mapped_column(String(HASH_LENGTH))
+    # The worker's audit record this report is: its place in the worker's audit log chain, as reported.
+    audit_chain: Mapped[str | None] = mapped_column(String(32))
+    audit_seq: Mapped[int | None] = mapped_column(Integer)
+    audit_hash: Mapped[str | None] = mapped_column(String(HASH_LENGTH))
+    audit_prev: Mapped[str | None] = mapped_column(String(HASH_LENGTH))
 
 
 class AuditEvent(Base):
@@ -183,6 +203,58 @@ class AuditEvent(Base):
     cluster: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
     target: Mapped[str | None] = mapped_column(String(POLICY_NAME_LENGTH))
     detail: Mapped[dict[str, Any]]
+    # The cluster's chain (the hub's own for events of no cluster), hub/chain.py; None before it existed.
+    chain_seq: Mapped[int | None] = mapped_column(Integer)
+    chain_prev: Mapped[str | None] = mapped_column(String(HASH_LENGTH))
+    chain_hash: Mapped[str | None] = mapped_column(String(HASH_LENGTH))
+
+
+# One row per place in a chain (the hub's own chain is the rows of no cluster): a bug cannot fork one.
+Index("ux_audit_events_chain", func.coalesce(AuditEvent.cluster, literal("", String)), AuditEvent.chain_seq,
+      unique=True)
+
+
+class AuditChainHead(Base):
+    """The last record of each of the hub's chains, updated in the transaction that appends (its row is locked
+    first, so appends to one chain are serial on PostgreSQL as on SQLite). ``log``: ``audit`` (audit_events) or
+    ``reports`` (action_reports); ``chain``: the cluster's name, "" for the hub's own audit events."""
+
+    __tablename__ = "audit_chain_heads"
+    __table_args__ = (UniqueConstraint("log", "chain"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    log: Mapped[str] = mapped_column(String(16))
+    chain: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    seq: Mapped[int] = mapped_column(Integer)
+    hash: Mapped[str] = mapped_column(String(HASH_LENGTH))
+    updated_at: Mapped[datetime]
+
+
+class ReportedAuditHead(Base):
+    """The head of a worker's audit log chain as its cluster reported it (one per chain: a worker replica's log,
+    a log started afresh), with the first break the hub saw in it."""
+
+    __tablename__ = "audit_reported_heads"
+    __table_args__ = (UniqueConstraint("cluster_id", "chain"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cluster_id: Mapped[int] = mapped_column(ForeignKey("clusters.id"), index=True)
+    chain: Mapped[str] = mapped_column(String(32))
+    seq: Mapped[int] = mapped_column(Integer)
+    hash: Mapped[str] = mapped_column(String(HASH_LENGTH))
+    first_seq: Mapped[int] = mapped_column(Integer)
+    reports: Mapped[int] = mapped_column(Integer)
+    first_reported_at: Mapped[datetime]
+    reported_at: Mapped[datetime]
+    problem: Mapped[str | None] = mapped_column(Text)
+    problem_at: Mapped[datetime | None]
+
+
+# Columns added since a table was first created: ``create_schema`` adds them to an existing database (the hub has
+# no migration tool; these are nullable, so rows written before read as "not chained").
+ADDED_COLUMNS: Final = {
+    "audit_events": ("chain_seq", "chain_prev", "chain_hash"),
+    "action_reports": ("chain_seq", "chain_prev", "chain_hash", "audit_chain", "audit_seq", "audit_hash",
+                       "audit_prev"),
+}
 
 
 APPEND_ONLY_MESSAGE: Final = "audit_events is append-only"
@@ -274,15 +346,34 @@ class Database:
     """Engine plus session factory; ``create_schema`` creates missing tables (the hub has no migrations yet)."""
 
     def __init__(self, url: str) -> None:
+        from hub import chain  # the hash chains: every audit event and report gets its place as it is flushed
+
         self.url = url
         self.engine = make_engine(url)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        chain.install(self.sessions)
 
     def create_schema(self) -> None:
         try:
             Base.metadata.create_all(self.engine)
+            self._add_columns()
         except Exception as exc:
             raise DatabaseError(f"cannot create the hub schema in {self.engine.url!r}: {exc}") from exc
+
+    def _add_columns(self) -> None:
+        """Bring a database made by an earlier hub up to date: the columns of ``ADDED_COLUMNS`` and the indexes
+        over them (``create_all`` makes missing tables only)."""
+        with self.engine.begin() as conn:
+            for table_name, columns in ADDED_COLUMNS.items():
+                table = Base.metadata.tables[table_name]
+                present = {c["name"] for c in inspect(conn).get_columns(table_name)}
+                for name in columns:
+                    if name not in present:
+                        column = table.c[name]
+                        conn.execute(text(f"ALTER TABLE {table_name} ADD COLUMN {name} "
+                                          f"{column.type.compile(dialect=conn.dialect)}"))
+                for index in table.indexes:
+                    conn.execute(CreateIndex(index, if_not_exists=True))
 
     def ping(self) -> None:
         with self.engine.connect() as conn:

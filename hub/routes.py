@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from hub import ops
 from hub.audit import Actor, ActorKind
 from hub.auth import AdminDep, ClusterDep, HubState, NowDep, OperatorDep, SessionDep, ViewerDep, authenticate, hub_state
-from hub.db import ActionReport, Approval, AuditEvent, Cluster, Policy, Principal
+from hub.db import ActionReport, Approval, AuditChainHead, AuditEvent, Cluster, Policy, Principal, ReportedAuditHead
 from hub.http import ERROR_RESPONSES, body_doc, json_body, read_json
 from hub.schemas import (
     AUDIT_ACTION_PATTERN,
@@ -30,8 +30,10 @@ from hub.schemas import (
     ApprovalDecided,
     ApprovalOut,
     ApprovalPage,
+    AuditChains,
     AuditEventOut,
     AuditPage,
+    ChainHeadOut,
     ClusterCreate,
     ClusterCreated,
     ClusterInfo,
@@ -42,6 +44,7 @@ from hub.schemas import (
     PolicyList,
     PolicyOut,
     PolicyWritten,
+    ReportedHeadOut,
     TokenIssued,
     TokenOut,
     UserCreate,
@@ -121,11 +124,13 @@ def _approval_out(cluster: Cluster, approval: Approval) -> ApprovalOut:
     )
 
 
-def _report_out(cluster: Cluster, r: ActionReport) -> ActionReportOut:
+def _report_out(cluster: Cluster, r: ActionReport, audit_problem: str | None = None) -> ActionReportOut:
     return ActionReportOut(
         id=r.id, cluster=cluster.name, idempotency_key=r.idempotency_key, operation=r.operation, policy=r.policy,
         action=r.action, location=r.location, instance=r.instance, node=r.node,
-        detail=r.detail, occurred_at=r.occurred_at, received_at=r.received_at,
+        detail=r.detail, occurred_at=r.occurred_at, received_at=r.received_at, chain_seq=r.chain_seq,
+        chain_prev=r.chain_prev, chain_hash=r.chain_hash, audit_chain=r.audit_chain, audit_seq=r.audit_seq,
+        audit_hash=r.audit_hash, audit_prev=r.audit_prev, audit_problem=audit_problem,
     )
 
 
@@ -367,10 +372,33 @@ def audit_log(
     return AuditPage(
         events=[
             AuditEventOut(id=e.id, at=e.at, actor=e.actor, actor_key_id=e.actor_key_id, action=e.action,
-                          cluster=e.cluster, target=e.target, detail=e.detail)
+                          cluster=e.cluster, target=e.target, detail=e.detail, chain_seq=e.chain_seq,
+                          chain_prev=e.chain_prev, chain_hash=e.chain_hash)
             for e in page
         ],
         cursor=page[-1].id if page else after, more=len(rows) > limit,
+    )
+
+
+@people.get(
+    "/audit/chains", tags=["audit"], summary="The heads of the audit hash chains (admin)",
+    description="The last record of each of the hub's chains (the audit log and the action reports, one chain per "
+    "cluster, and the hub's own for events of no cluster) and the head of each worker audit log as its cluster "
+    "reported it, with the first record that did not fit. `kubeon-gpu audit verify --hub` checks the chains "
+    "against them.",
+)
+def audit_chains(_: AdminDep, session: SessionDep) -> AuditChains:
+    heads = list(session.scalars(select(AuditChainHead).order_by(AuditChainHead.log, AuditChainHead.chain)))
+    reported = session.execute(select(ReportedAuditHead, Cluster.name).join(
+        Cluster, Cluster.id == ReportedAuditHead.cluster_id).order_by(Cluster.name, ReportedAuditHead.id)).all()
+    session.commit()
+    return AuditChains(
+        chains=[ChainHeadOut(log=h.log, chain=h.chain, seq=h.seq, hash=h.hash, updated_at=h.updated_at)
+                for h in heads],
+        reported=[ReportedHeadOut(cluster=name, chain=h.chain, seq=h.seq, hash=h.hash, first_seq=h.first_seq,
+                                  reports=h.reports, first_reported_at=h.first_reported_at,
+                                  reported_at=h.reported_at, problem=h.problem, problem_at=h.problem_at)
+                  for h, name in reported],
     )
 
 
@@ -430,7 +458,10 @@ def pull_approvals(
     "/reports", summary="Report an action (idempotent)",
     description="201 with the stored report when new; 200 with the same stored report when this cluster already "
     "sent this `idempotency_key` with the same content (stored once); 409 when the key was used for a different "
-    "report. A report with a `location` is also written to the audit log.",
+    "report. A report with a `location` is also written to the audit log. A report may name its audit record's "
+    "place in the worker's audit log (`audit_chain`, `audit_seq`, `audit_hash`, `audit_prev`): the hub records "
+    "the head and, when the record does not follow what it has of that log, stores the report anyway, writes "
+    "`audit.chain_broken` to the audit log and says why in `audit_problem`.",
     openapi_extra=body_doc(ActionReportCreate),
     responses={201: {"model": ActionReportOut, "description": "Stored"}},
 )
@@ -439,10 +470,10 @@ def post_report(
     body: Annotated[ActionReportCreate, Depends(json_body(ActionReportCreate))],
 ) -> ActionReportOut:
     cluster = _own_cluster(session, actor)
-    report, created = ops.add_report(session, now, actor, cluster, body)
+    added = ops.add_report(session, now, actor, cluster, body)
     session.commit()
-    response.status_code = 201 if created else 200
-    return _report_out(cluster, report)
+    response.status_code = 201 if added.created else 200
+    return _report_out(cluster, added.report, added.audit_problem)
 
 
 def _with_etag(model: ClusterPolicySet | ApprovalPage, etag: str) -> Response:

@@ -6,9 +6,10 @@ import re
 from datetime import datetime
 from typing import Annotated, Any, Final, Literal, get_args
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StrictStr
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from hub.audit import Role
+from models.audit_chain import CHAIN_ID_PATTERN, HASH_PATTERN
 from models.hub import ReportAction
 from models.policy import RESOURCE_NAME_PATTERN, LocationName
 
@@ -108,6 +109,25 @@ class ActionReportCreate(_In):
     node: Annotated[Line, Field(min_length=1, max_length=253)] | None = None
     detail: Annotated[Text, Field(max_length=8192)] = ""
     occurred_at: AwareDatetime = Field(description="RFC 3339 with a time zone, e.g. `2025-01-31T12:00:00Z`")
+    audit_chain: Annotated[StrictStr, Field(pattern=CHAIN_ID_PATTERN)] | None = Field(
+        default=None, description="the ID of the worker's audit log (its hash chain) that holds this report's record")
+    audit_seq: Annotated[StrictInt, Field(ge=1, le=MAX_ID)] | None = Field(
+        default=None, description="the record's place in that chain")
+    audit_hash: Annotated[StrictStr, Field(pattern=HASH_PATTERN)] | None = Field(
+        default=None, description="the record's hash (sha256 hex of its canonical JSON)")
+    audit_prev: Annotated[StrictStr, Field(pattern=HASH_PATTERN)] | None = Field(
+        default=None, description="the hash of the record before it in the chain")
+
+    @model_validator(mode="after")
+    def _all_audit_fields_or_none(self) -> ActionReportCreate:
+        given = [f for f in AUDIT_FIELDS if getattr(self, f) is not None]
+        if given and len(given) != len(AUDIT_FIELDS):
+            missing = ", ".join(f for f in AUDIT_FIELDS if f not in given)
+            raise ValueError(f"the audit record's chain fields come together: {missing} missing")
+        return self
+
+
+AUDIT_FIELDS: Final = ("audit_chain", "audit_seq", "audit_hash", "audit_prev")
 
 
 # ----- responses -----
@@ -275,6 +295,17 @@ class ActionReportOut(BaseModel):
     detail: str
     occurred_at: datetime
     received_at: datetime
+    chain_seq: int | None = Field(description="the report's place in the hub's chain of this cluster's reports "
+                                  "(none: stored before the chain existed)")
+    chain_prev: str | None
+    chain_hash: str | None
+    audit_chain: str | None = Field(description="the worker's audit log chain the report's record is in")
+    audit_seq: int | None
+    audit_hash: str | None
+    audit_prev: str | None
+    audit_problem: str | None = Field(
+        default=None, description="in the answer to a report only: how its audit record does not fit the cluster's "
+        "audit log as the hub has it (also written to the audit log as `audit.chain_broken`)")
 
 
 class ActionReportPage(BaseModel):
@@ -293,12 +324,43 @@ class AuditEventOut(BaseModel):
     cluster: str | None
     target: str | None
     detail: dict[str, Any]
+    chain_seq: int | None = Field(description="the event's place in its chain (the cluster's, or the hub's for "
+                                  "events of no cluster); none: stored before the chain existed")
+    chain_prev: str | None
+    chain_hash: str | None
 
 
 class AuditPage(BaseModel):
     events: list[AuditEventOut]
     cursor: int
     more: bool
+
+
+class ChainHeadOut(BaseModel):
+    log: Literal["audit", "reports"] = Field(description="`audit`: the audit log (`/v1/audit`); `reports`: the "
+                                             "cluster's action reports")
+    chain: str = Field(description="the cluster's name; empty: the hub's own events (users, API keys)")
+    seq: int
+    hash: str
+    updated_at: datetime
+
+
+class ReportedHeadOut(BaseModel):
+    cluster: str
+    chain: str = Field(description="the ID of one worker audit log (a replica's file, or a file started afresh)")
+    seq: int = Field(description="the highest record of that log the cluster reported")
+    hash: str
+    first_seq: int
+    reports: int = Field(description="reports that named a record of that log")
+    first_reported_at: datetime
+    reported_at: datetime
+    problem: str | None = Field(description="the first record that did not fit the log as the hub had it")
+    problem_at: datetime | None
+
+
+class AuditChains(BaseModel):
+    chains: list[ChainHeadOut] = Field(description="the head of each of the hub's chains")
+    reported: list[ReportedHeadOut] = Field(description="the head of each worker audit log, as its cluster reported")
 
 
 class Health(BaseModel):

@@ -98,6 +98,11 @@ class ActionReport(Model):
     node: str | None = None
     detail: str = ""
     occurred_at: datetime
+    # The audit record's place in the worker's audit log chain (models.audit_chain): all four or none.
+    audit_chain: str | None = None
+    audit_seq: int | None = None
+    audit_hash: str | None = None
+    audit_prev: str | None = None
 
 
 class HubSyncInput(Model):

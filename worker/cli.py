@@ -196,6 +196,50 @@ def _ops(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _audit(args: argparse.Namespace) -> int:
+    """``audit verify [FILE] [--hub URL]``: 0 when every chain verifies, 1 naming the first broken record of each
+    chain that does not, 2 when a file or the hub cannot be read."""
+    import httpx
+
+    from worker import audit_verify as av
+
+    if args.file is None and args.hub is None:
+        print("kubeon-gpu audit verify: name a FILE (a worker's audit.jsonl), --hub URL, or both", file=sys.stderr)
+        return 2
+    outcomes: list[av.Outcome] = []
+    try:
+        data = None
+        if args.hub is not None:
+            key = (Path(args.api_key_file).read_text().strip() if args.api_key_file
+                   else os.environ.get("KUBEON_HUB_API_KEY", "").strip())
+            if not key:
+                print("kubeon-gpu audit verify --hub: an admin API key is needed: --api-key-file F or "
+                      "KUBEON_HUB_API_KEY", file=sys.stderr)
+                return 2
+
+            async def fetch() -> av.HubData:
+                async with httpx.AsyncClient(base_url=args.hub.rstrip("/"), timeout=30,
+                                             verify=args.ca_file or True,
+                                             headers={"Authorization": f"Bearer {key}"}) as client:
+                    return await av.fetch_hub(client)
+
+            data = asyncio.run(fetch())
+        if args.file is not None:
+            path = Path(args.file)
+            outcomes += av.verify_file_against_hub(path, data) if data is not None else [av.verify_file(path)]
+        if data is not None:
+            seen = {o.what for o in outcomes}
+            outcomes += [o for o in av.verify_hub(data) if o.what not in seen]
+    except (OSError, av.HubAccessError) as exc:
+        print(f"kubeon-gpu audit verify: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([o.as_json() for o in outcomes], indent=2))
+    else:
+        print("\n".join(o.render() for o in outcomes) if outcomes else "nothing to verify: no chains")
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
 def _render_hub(status: HubSyncStatus) -> str:
     lines = [f"cluster          {status.cluster}", f"state            {status.state}"
              + (f": {status.message}" if status.message else ""),
@@ -354,6 +398,19 @@ def build_parser() -> argparse.ArgumentParser:
     hub_sync.add_argument("--cluster", help="the cluster (default KUBEON_CLUSTER)")
     hub_sync.add_argument("--json", action="store_true")
     ops_parser.set_defaults(func=_ops)
+
+    audit = sub.add_parser("audit", help="the audit logs' hash chains")
+    audit_sub = audit.add_subparsers(dest="audit_command", required=True)
+    verifying = audit_sub.add_parser(
+        "verify", help="check the hash chains of a worker's audit log and/or the hub's, naming the first broken "
+        "record; exit 1 when one is broken")
+    verifying.add_argument("file", nargs="?", help="a worker's audit log ($KUBEON_STATE_DIR/audit.jsonl)")
+    verifying.add_argument("--hub", metavar="URL", help="the hub: check its chains, and FILE against it")
+    verifying.add_argument("--api-key-file", help="a file holding an admin API key of the hub (default: "
+                                                  "KUBEON_HUB_API_KEY)")
+    verifying.add_argument("--ca-file", help="CA bundle of the hub's certificate")
+    verifying.add_argument("--json", action="store_true")
+    verifying.set_defaults(func=_audit)
     return parser
 
 

@@ -7,9 +7,10 @@ file) is used at once, without a restart (R2.2).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -17,6 +18,8 @@ from activities.clients.gateway import error_message
 from activities.telemetry.tracing import http_call
 from common.bearer import BearerFileClient
 from models.hub import ActionReport
+
+log = logging.getLogger(__name__)
 
 
 def _version() -> str:
@@ -114,7 +117,33 @@ class HubClient(BearerFileClient):
             cursor=int(body["cursor"]), more=bool(body["more"]))
 
     def report(self, report: ActionReport) -> bool:
-        """Deliver one report. True when the hub stored it now, False when it already had it (a retry)."""
-        body = report.model_dump(mode="json")
-        response = self._request("POST", "/v1/cluster/reports", json=body)
+        """Deliver one report. True when the hub stored it now, False when it already had it (a retry).
+
+        Its audit record's place in the audit log chain goes with it; a hub from before the chain refuses those
+        fields (422), and then gets the report without them. When the hub finds that the record does not follow
+        what it has of this log, it stores the report anyway and says why: logged as an error."""
+        body = report.model_dump(mode="json", exclude={f for f in AUDIT_FIELDS if getattr(report, f) is None})
+        try:
+            response = self._request("POST", "/v1/cluster/reports", json=body)
+        except HubRefused as exc:
+            if exc.status != 422 or "Extra inputs" not in str(exc) or not any(f in str(exc) for f in AUDIT_FIELDS):
+                raise
+            log.warning("hub %s does not take audit chain fields (an earlier version): report %s sent without",
+                        self.url, report.idempotency_key)
+            response = self._request("POST", "/v1/cluster/reports",
+                                     json={k: v for k, v in body.items() if k not in AUDIT_FIELDS})
+        problem = _json_field(response, "audit_problem")
+        if problem:
+            log.error("hub: the audit chain of report %s is broken: %s", report.idempotency_key, problem)
         return response.status_code == 201
+
+
+AUDIT_FIELDS: Final = ("audit_chain", "audit_seq", "audit_hash", "audit_prev")
+
+
+def _json_field(response: httpx.Response, name: str) -> Any:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get(name) if isinstance(body, dict) else None

@@ -127,6 +127,7 @@ ENDPOINTS: Final = [
     Endpoint("GET", "/v1/clusters/{cluster}/reports", "admin", paths=CLUSTER,
              query={**PAGE, "operation": [PROPOSED]}),
     Endpoint("GET", "/v1/audit", "admin", query={**PAGE, "cluster": ["prod-eu"], "action": ["token.rotated"]}),
+    Endpoint("GET", "/v1/audit/chains", "admin"),
     Endpoint("GET", "/v1/cluster", "cluster"),
     Endpoint("GET", "/v1/cluster/policies", "cluster"),
     Endpoint("GET", "/v1/cluster/approvals", "cluster", query=PAGE),

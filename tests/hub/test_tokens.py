@@ -161,8 +161,13 @@ async def test_audit_log_records_who_created_rotated_and_revoked_tokens(hub: Hub
     events = await hub.audit(cluster="prod-eu")
     by_action = {e["action"]: e for e in events}
     assert [e["action"] for e in events] == ["cluster.created", "token.created", "token.rotated", "token.revoked"]
+    # the cluster's chain: one place each, in order, each naming the hash of the one before
+    assert [e["chain_seq"] for e in events] == [1, 2, 3, 4]
+    assert [e["chain_prev"] for e in events[1:]] == [e["chain_hash"] for e in events[:-1]]
     start = "2025-03-01T12:00:00Z"
-    assert by_action["token.created"] | {"id": 0, "detail": {}} == {
+    chain_fields = {"chain_seq", "chain_prev", "chain_hash"}
+    assert {k: v for k, v in by_action["token.created"].items() if k not in chain_fields} | {
+            "id": 0, "detail": {}} == {
         "id": 0, "at": start, "actor": "user:alice", "actor_key_id": alice_id, "action": "token.created",
         "cluster": "prod-eu", "target": "prod-eu", "detail": {},
     }

@@ -30,6 +30,7 @@ from tests.harness.burst import (
 )
 from tests.harness.kube import until
 from worker import ops
+from worker.audit_verify import verify_file
 from worker.cli import _render_view as render_view
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -50,10 +51,12 @@ LOCATIONS: list[dict[str, Any]] = [*SIM_LOCATIONS,
 
 @pytest.fixture
 async def worker(start_worker: StartWorker) -> AsyncIterator[tuple[Client, str]]:
-    """The worker over these locations; every test leaves an audit log."""
+    """The worker over these locations; every test leaves an audit log, whose hash chain verifies."""
     async with start_worker(LOCATIONS) as (temporal, settings, runtime):
         yield temporal, settings.cluster
         assert runtime.audit.read() is not None
+        chain = verify_file(runtime.audit.path)
+        assert chain.ok, chain.render()
 
 
 def _burst_nodes(stack: BurstStack, policy: str) -> list[client.V1Node]:

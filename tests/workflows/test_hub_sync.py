@@ -51,6 +51,7 @@ from tests.harness.crd import read_gpupolicy
 from tests.harness.kube import until
 from tests.hub.process import SeededHub
 from worker import ops
+from worker.audit_verify import fetch_hub, verify_file_against_hub, verify_hub
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 POLL = 1.0
@@ -117,6 +118,7 @@ class Optimizer:
     cluster: str
     hub: Hub
     stack: BurstStack
+    audit_log: Path
 
     @property
     def sync(self) -> WorkflowHandle[Any, Any]:
@@ -172,8 +174,8 @@ def hub_class() -> type[Hub]:
 @pytest.fixture
 async def optimizer(stack: BurstStack, hub: Hub, start_worker: StartWorker) -> AsyncIterator[Optimizer]:
     async with start_worker(SIM_LOCATIONS, cluster_name=hub.cluster, hub_url=hub.process.url,
-                            hub_token_file=hub.token_file, hub_poll_interval=POLL) as (temporal, _settings, _runtime):
-        opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack)
+                            hub_token_file=hub.token_file, hub_poll_interval=POLL) as (temporal, _settings, runtime):
+        opt = Optimizer(temporal=temporal, cluster=hub.cluster, hub=hub, stack=stack, audit_log=runtime.audit.path)
         try:
             yield opt
         finally:
@@ -311,6 +313,14 @@ async def test_approval_in_the_hub_launches_and_a_rejection_launches_nothing(
     assert [(n.location, n.instance_type, n.pods) for n in plan.nodes] == [
         (n.offering.location, n.offering.instance_type, n.pods) for n in approved.plan.new_nodes]
     assert plan.total == approved.plan.total_usd_per_hour
+    # Each report names its record's place in the worker's audit log; the hub's copy anchors the file.
+    assert all(r["audit_chain"] and r["audit_seq"] for r in hub.reports()
+               if r["operation"] in (approved.batch, serving.operation, rejected.batch))
+    async with httpx.AsyncClient(base_url=hub.process.url, headers=dict(hub.admin.headers)) as admin:
+        data = await fetch_hub(admin)
+    outcomes = [*verify_file_against_hub(optimizer.audit_log, data), *verify_hub(data)]
+    assert all(o.ok for o in outcomes), "\n".join(o.render() for o in outcomes)
+    assert [h["problem"] for h in data.reported] == [None]
     # A decision for a batch no longer awaiting approval is refused, not applied to a later proposal.
     with pytest.raises(ops.DecisionRefused):
         await ops.approve(optimizer.temporal, approved.batch, Approval(approver="late"))
