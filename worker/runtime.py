@@ -23,6 +23,7 @@ from activities.context import ReportSink
 from activities.hub import HubActivities
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
+from activities.sharing import SharingActivities, SharingOps
 from models import search_attributes
 from models.converter import DATA_CONVERTER
 from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
@@ -104,6 +105,12 @@ class Runtime:
 
     def scale_activities(self) -> ScaleActivities:
         return ScaleActivities(self.scale_ops())
+
+    def sharing_ops(self) -> SharingOps:
+        return SharingOps(self.kube.api, self.metrics)
+
+    def sharing_activities(self) -> SharingActivities:
+        return SharingActivities(self.sharing_ops())
 
     def prerequisites(self) -> list[Prerequisite]:
         return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,

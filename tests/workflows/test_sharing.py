@@ -1,0 +1,247 @@
+"""Sharing by time-slicing end to end on the real parts: the control plane (a kwok A100 node, the chart's
+ServiceAccount, ClusterRole and its time-slicing Role in the GPU Operator's namespace), the GPU Operator stand-in
+(config-manager with a propagation delay), a real Prometheus with backfilled DCGM history, the Temporal dev
+server and the worker in-process.
+
+The issue's acceptance: four 1-GPU pods at 5 % on a 4-GPU node and four more pending -> a proposal with
+replicas 2, approved -> allocatable 8, the pending pods run on the same node, no new node; undo -> back to 4 and
+the extra pods named as unservable (still running: never evicted)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.sharing import SharingOps
+from models.decisions import Approval
+from models.policy import API_GROUP, PLURAL
+from models.sharing import (
+    CONFIG_LABEL,
+    KEY_PREFIX,
+    NO_PROMETHEUS,
+    SharingPhase,
+    SharingSettings,
+    SharingView,
+    UndoRequest,
+    sharing_workflow_id,
+)
+from tests.charts.helm import BURST_VALUES, template
+from tests.harness.burst import BurstStack, build_stack, unique
+from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
+from tests.harness.gpu_operator import GpuOperator
+from tests.harness.kube import Cluster, until, wait_for
+from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from worker import ops
+from worker.config import Settings
+from worker.main import worker_services
+from worker.sharing_watcher import SharingWatcher
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.prometheus]
+PRODUCT = "NVIDIA-A100-SXM4-80GB"
+
+
+@dataclass
+class SharingBed:
+    burst: BurstStack
+    operator_ns: str
+    node: str
+    pool: str
+    exporter: DcgmExporter
+    prometheus: Prometheus
+    gpu_operator: GpuOperator
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.burst.cluster
+
+
+def grant_time_slicing_role(cluster: Cluster, namespace: str) -> None:
+    """The chart's time-slicing Role and RoleBinding, rendered for this namespace, as the chart creates them."""
+    api = client.ApiClient()
+    rendered = template("--set", f"gpuOperator.namespace={namespace}", values=[BURST_VALUES])
+    for doc in rendered.docs:
+        if doc["kind"] in ("Role", "RoleBinding") and doc["metadata"].get("namespace") == namespace:
+            if doc["kind"] == "Role":
+                cluster.admin.rbac.create_namespaced_role(
+                    namespace, api._ApiClient__deserialize(doc, "V1Role"))  # type: ignore[attr-defined]
+            else:
+                cluster.admin.rbac.create_namespaced_role_binding(
+                    namespace, api._ApiClient__deserialize(doc, "V1RoleBinding"))  # type: ignore[attr-defined]
+
+
+def gpu_pod(name: str, pool: str) -> client.V1Pod:
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, labels={"app": "shared"}),
+        spec=client.V1PodSpec(node_selector={"pool": pool}, containers=[client.V1Container(
+            name="main", image="busybox", resources=client.V1ResourceRequirements(
+                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))]))
+
+
+def pods_on(cluster: Cluster, namespace: str, node: str) -> list[str]:
+    found: list[Any] = cluster.admin.core.list_namespaced_pod(namespace).items
+    return sorted(p.metadata.name for p in found if p.spec.node_name == node and p.status.phase == "Running"
+                  and p.metadata.deletion_timestamp is None)
+
+
+def allocatable(cluster: Cluster, node: str) -> str:
+    return str(cluster.admin.core.read_node(node).status.allocatable["nvidia.com/gpu"])
+
+
+@pytest.fixture(scope="module")
+def bed(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharingBed]:
+    workdir = tmp_path_factory.mktemp("sharing")
+    burst = build_stack(cluster, workdir)
+    operator_ns = cluster.create_namespace("gpu-operator")
+    grant_time_slicing_role(cluster, operator_ns)
+    cluster.admin.core.create_namespaced_config_map(operator_ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="time-slicing-config"), data={"any": "version: v1\n"}))
+    pool = f"ts-{uuid.uuid4().hex[:6]}"
+    node = f"a100-{pool}"
+    cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 4), "pool": pool}, gpus=4)
+    gpu_operator = GpuOperator(cluster.admin.api, namespace=operator_ns, propagation_delay=1.0).start()
+    exporter = DcgmExporter().start()
+    exporter.add_node(node, gpus=4)
+    prometheus = Prometheus(workdir / "prometheus", targets=[exporter.address])
+    try:
+        yield SharingBed(burst, operator_ns, node, pool, exporter, prometheus, gpu_operator)
+    finally:
+        gpu_operator.stop()
+        prometheus.stop()
+        exporter.stop()
+        cluster.admin.core.delete_node(node)
+        cluster.admin.core.delete_namespace(operator_ns)
+
+
+def create_policy(bed: SharingBed, name: str, mode: str) -> None:
+    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name},
+        "spec": {"kind": "Sharing", "mode": mode, "nodes": {"matchLabels": {"pool": bed.pool}},
+                 "timeSlicing": {"maxReplicas": 4}, "idle": {"threshold": 0.4, "window": "1h"},
+                 "usdPerGpuHour": 4.1}})
+
+
+def sharing_status(bed: SharingBed, policy: str) -> dict[str, Any]:
+    doc: Any = bed.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
+    return dict((doc.get("status") or {}).get("sharing") or {})
+
+
+def settings(bed: SharingBed, env: WorkflowEnvironment, *, prometheus: bool = True) -> Settings:
+    queue = unique("sh")
+    return bed.burst.settings(
+        temporal_address=env.client.service_client.config.target_host, task_queue=queue, locations=[],
+        cluster_name=queue, burst_enabled=False, prometheus_url=bed.prometheus.url if prometheus else "",
+        scale_resync_seconds=1, gpu_operator_namespace=bed.operator_ns, sharing_propagation_seconds=2,
+        sharing_verify_timeout_seconds=30)
+
+
+async def wait_phase(temporal: Client, wf_id: str, *phases: SharingPhase, timeout: float = 90) -> SharingView:
+    deadline = time.monotonic() + timeout
+    last: SharingView | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = await temporal.get_workflow_handle(wf_id).query("state", result_type=SharingView)
+        except Exception:  # not started yet
+            last = None
+        if last is not None and last.phase in phases:
+            return last
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{wf_id} never reached {[p.value for p in phases]}; last: "
+                         f"{last.phase.value if last else None} {last.history if last else ''}")
+
+
+async def test_time_slicing_approved_runs_the_waiting_pods_then_undo_names_the_extra_ones(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    cluster = bed.cluster
+    for i in range(4):
+        cluster.admin.core.create_namespaced_pod(namespace, gpu_pod(f"run-{i}", bed.pool))
+    await until(lambda: len(pods_on(cluster, namespace, bed.node)) == 4, what="four pods running", timeout=60)
+    for i in range(4):
+        bed.exporter.assign(namespace, f"run-{i}", activity=0.05, fb_used_mib=4096)
+    now = time.time()
+    held = [g for g in bed.exporter.snapshot() if g.pod]
+    bed.prometheus.backfill(openmetrics_history([(now - ago, held) for ago in range(70 * 60, 15, -30)],
+                                                extra={"job": SCRAPE_JOB, "instance": bed.exporter.address}))
+    bed.prometheus.start()
+    bed.prometheus.wait_scraped()
+    for i in range(4):
+        cluster.admin.core.create_namespaced_pod(namespace, gpu_pod(f"wait-{i}", bed.pool))
+
+    def unschedulable() -> bool:
+        found: list[Any] = cluster.admin.core.list_namespaced_pod(namespace).items
+        waiting = [p for p in found if p.metadata.name.startswith("wait-")]
+        return len(waiting) == 4 and all(any(c.type == "PodScheduled" and c.reason == "Unschedulable"
+                                             for c in (p.status.conditions or [])) for p in waiting)
+    await until(unschedulable, what="four pods pending: the node's 4 GPUs are taken", timeout=60)
+    nodes_before = len(cluster.admin.core.list_node().items)
+
+    policy = unique("share")
+    create_policy(bed, policy, "Approve")
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, bed.node)
+            view = await wait_phase(temporal, wf_id, SharingPhase.AWAITING_APPROVAL)
+            assert view.replicas == 2 and view.mode == "Approve"
+            status = await until(lambda: sharing_status(bed, policy).get("proposals") and sharing_status(bed, policy),
+                                 what="the proposal in the policy's status")
+            assert status["enforcedMode"] == "Approve"
+            proposal = status["nodes"][0]["proposals"][0]
+            assert (proposal["kind"], proposal["replicas"], proposal["savingUsdPerHour"]) == ("time-slicing", 2, 16.4)
+            assert sorted(proposal["waitingServed"]) == [f"{namespace}/wait-{i}" for i in range(4)]
+            assert "noisy neighbours" in proposal["risk"]
+            assert allocatable(cluster, bed.node) == "4"
+
+            await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=proposal["planId"]))
+            view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.SHARED, view.history
+            assert any("waiting 2s for it to reach the device plugin's mounted ConfigMap" in h for h in view.history)
+            assert allocatable(cluster, bed.node) == "8"
+            labels = cluster.admin.core.read_node(bed.node).metadata.labels
+            assert labels[CONFIG_LABEL] == view.key and view.key.startswith(KEY_PREFIX + "r2-")
+            assert labels["nvidia.com/gpu.product"] == f"{PRODUCT}-SHARED"
+            await until(lambda: len(pods_on(cluster, namespace, bed.node)) == 8,
+                        what="the waiting pods running on the same node", timeout=60)
+            assert len(cluster.admin.core.list_node().items) == nodes_before, "no new node"
+            cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+            assert view.key in cm.data and "any" in cm.data, "the new key beside the admin's, none edited"
+
+            result = await ops.undo(temporal, view.operation, UndoRequest(by="bob", reason="noisy"))
+            assert "restoring node" in result.message
+            view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.UNDONE, view.history
+            assert allocatable(cluster, bed.node) == "4"
+            assert CONFIG_LABEL not in (cluster.admin.core.read_node(bed.node).metadata.labels or {})
+            assert sorted(view.unservable) == [f"{namespace}/wait-{i}" for i in range(4)]
+            assert "cannot be served again here" in view.message
+            assert len(pods_on(cluster, namespace, bed.node)) == 8, "the extra pods are not evicted"
+            cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+            assert not [k for k in cm.data if k.startswith(KEY_PREFIX)], "the unused key removed"
+    finally:
+        bed.burst.delete_policy(policy)
+
+
+def test_without_prometheus_the_policy_is_enforced_as_recommend(bed: SharingBed) -> None:
+    policy = unique("share")
+    create_policy(bed, policy, "Automatic")
+    try:
+        ops_ = SharingOps(bed.cluster.admin.api, None)
+        watcher = SharingWatcher(ops_, None, cluster="c", task_queue="q",  # type: ignore[arg-type]
+                                 default_mode="Recommend", settings=SharingSettings(), namespace=bed.operator_ns,
+                                 config_map="time-slicing-config")
+        assert watcher.evaluate() == []
+        status = wait_for(lambda: sharing_status(bed, policy) or None, what="status.sharing", timeout=10)
+        assert (status["enforcedMode"], status["modeReason"]) == ("Recommend", NO_PROMETHEUS)
+        assert status["conditions"][0] == {"type": "PrometheusConfigured", "status": "False",
+                                           "reason": "NoPrometheusUrl", "message": NO_PROMETHEUS}
+        assert status["proposals"] == 0
+    finally:
+        bed.burst.delete_policy(policy)

@@ -1,0 +1,283 @@
+"""TimeSlicingWorkflow: propose -> [approve] -> write the config key -> wait for it to propagate -> label the node
+-> verify allocatable and labels -> shared, until undone (restore the previous label, verify, name the pods the
+node can no longer serve, remove keys no node names).
+
+One per node (``sharing/<cluster>/<node>``). The key is content-addressed and never edited once written; the
+previous label lives in this workflow's state. On a verification timeout or mismatch the previous label is set
+back and the operation fails saying why; a crash at any step resumes (every activity is idempotent: the same key,
+the same label)."""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
+
+from models import search_attributes as sa
+from models.audit import AuditRecord
+from models.converter import Refused
+from models.ids import operation_id
+from models.sharing import (
+    CleanupRequest,
+    CleanupResult,
+    LabelRequest,
+    NodeConfig,
+    SharingOutcome,
+    SharingPhase,
+    SharingView,
+    TimeSlicingInput,
+    UndoRequest,
+    UndoResult,
+    UnservableRequest,
+    UnservableResult,
+    VerifyRequest,
+    VerifyResult,
+    WriteKeyRequest,
+    WriteKeyResult,
+)
+from workflows.audit import record_audit
+from workflows.failures import QUICK, RETRY, message
+from workflows.gate import action_gate, wait_until_allowed
+from workflows.operation import Approvable, Proposal
+
+HEARTBEAT = timedelta(seconds=15)
+
+
+@workflow.defn(name="TimeSlicing")
+class TimeSlicingWorkflow(Approvable[SharingPhase]):
+    KIND = "Sharing"
+
+    def __init__(self) -> None:
+        super().__init__(SharingPhase.PROPOSED)
+        self.inp: TimeSlicingInput | None = None
+        self.operation = ""
+        self.previous: NodeConfig | None = None
+        self.key = ""
+        self.unservable: list[str] = []
+        self.undo_request: UndoRequest | None = None
+        self.undone_by: str | None = None
+
+    # -- visibility -----------------------------------------------------------------------------------------
+    def _details(self) -> str:
+        assert self.inp is not None
+        inp = self.inp
+        lines = [f"**Sharing** `{self.operation}`: time-slicing {inp.replicas} replicas per GPU on node "
+                 f"`{inp.node}`, policy `{inp.policy}`, mode {inp.mode}",
+                 f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
+                 f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}"]
+        if self.previous is not None:
+            lines.append(f"Previous config label: {self.previous.label or '(none)'} ({self.previous.replicas} "
+                         "replica(s))")
+        if self.phase == SharingPhase.AWAITING_APPROVAL:
+            lines.append(f"Approve: `kubeon-gpu ops approve {self.operation}` or signal `approve`")
+        if self.phase == SharingPhase.SHARED:
+            lines.append(f"Undo: `kubeon-gpu ops undo {self.operation}` or signal `undo`")
+        if self.unservable:
+            lines.append(f"Unservable after undo: {', '.join(self.unservable)}")
+        return "\n".join(lines)
+
+    def _view(self) -> SharingView:
+        inp = self.inp
+        return SharingView(
+            operation=self.operation, workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
+            policy=inp.policy if inp else "", node=inp.node if inp else "", mode=inp.mode if inp else None,
+            phase=self.phase, replicas=inp.replicas if inp else 0,
+            previous_label=self.previous.label if self.previous else None, key=self.key,
+            unservable=list(self.unservable), undone_by=self.undone_by,
+            approver=self.approval.approver if self.approval else None, message=self.message,
+            history=list(self.history))
+
+    @workflow.query(name="state")
+    def state(self) -> SharingView:
+        return self._view()
+
+    def _awaiting(self) -> Proposal | None:
+        if self.phase != SharingPhase.AWAITING_APPROVAL or self.inp is None:
+            return None
+        return Proposal(operation=self.operation, plan_id=self.inp.plan_id, summary=self.inp.summary)
+
+    def _subject(self) -> str:
+        return f"operation {self.operation}"
+
+    @workflow.signal(name="undo")
+    def undo_signal(self, request: UndoRequest | None = None) -> None:
+        if self._undo_problem() is None:
+            self.undo_request = request or UndoRequest()
+
+    @workflow.update(name="undo")
+    def undo_update(self, request: UndoRequest) -> UndoResult:
+        self.undo_request = request
+        label = self.previous.label if self.previous else None
+        return UndoResult(operation=self.operation, phase=self.phase,
+                          message=f"restoring node {self._node()} to config {label or '(none)'}")
+
+    @undo_update.validator
+    def _validate_undo(self, request: UndoRequest) -> None:
+        problem = self._undo_problem()
+        if problem:
+            raise Refused(problem)
+
+    def _undo_problem(self) -> str | None:
+        if self.phase != SharingPhase.SHARED:
+            return f"operation {self.operation} is {self.phase.value}: only a node it shared can be restored"
+        if self.undo_request is not None:
+            return f"operation {self.operation} is already being undone"
+        return None
+
+    def _node(self) -> str:
+        return self.inp.node if self.inp else "?"
+
+    async def _audit(self, action: str, detail: str = "") -> None:
+        assert self.inp is not None
+        await record_audit(AuditRecord(
+            key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
+            operation=self.operation, action=action, approver=self.approval.approver if self.approval else None,
+            detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    async def _label(self, key: str | None) -> None:
+        await workflow.execute_activity("set_device_plugin_config", LabelRequest(node=self._node(), key=key),
+                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+
+    async def _verify(self, replicas: int) -> VerifyResult:
+        assert self.inp is not None
+        timeout = self.inp.settings.verify_timeout_seconds
+        return await workflow.execute_activity(
+            "verify_time_slicing", VerifyRequest(node=self._node(), replicas=replicas, gpus=self.inp.gpus,
+                                                 timeout_seconds=timeout),
+            result_type=VerifyResult, start_to_close_timeout=timedelta(seconds=timeout + 60),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+
+    async def _cleanup(self) -> None:
+        assert self.inp is not None
+        done = await workflow.execute_activity(
+            "remove_unused_time_slicing_keys", CleanupRequest(namespace=self.inp.namespace,
+                                                              config_map=self.inp.config_map),
+            result_type=CleanupResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
+        if done.removed:
+            self._log(f"removed unused key(s) {', '.join(done.removed)}")
+
+    async def _restore(self, why: str) -> str:
+        """Compensation: the previous label back on the node; what the node then shows."""
+        if self.previous is None:
+            return ""
+        try:
+            await self._label(self.previous.label)
+            back = await self._verify(self.previous.replicas)
+        except ActivityError as exc:
+            return f"; could not restore config {self.previous.label or '(none)'}: {message(exc)}"
+        shown = "" if back.ok else f" (node does not show it yet: {back.reason})"
+        return f"; previous config {self.previous.label or '(none)'} restored{shown}"
+
+    def _outcome(self) -> SharingOutcome:
+        return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message,
+                              unservable=list(self.unservable))
+
+    # -- the operation --------------------------------------------------------------------------------------
+    @workflow.run
+    async def run(self, inp: TimeSlicingInput) -> SharingOutcome:
+        self.inp = inp
+        info = workflow.info()
+        self.operation = operation_id(info.workflow_id, info.run_id)
+        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
+                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
+        try:
+            return await self._run(inp)
+        except (ActivityError, ApplicationError) as exc:
+            reason = message(exc)
+            note = await self._restore(reason) if self.key else ""
+            self._set_phase(SharingPhase.FAILED, reason + note)
+            await self._audit("failed", self.message)
+            return self._outcome()
+
+    async def _run(self, inp: TimeSlicingInput) -> SharingOutcome:
+        proposal = inp.summary
+        await self._audit("proposed", proposal)
+        if inp.mode == "Recommend":
+            self._set_phase(SharingPhase.PROPOSED, proposal + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(lambda: False,
+                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
+            return self._outcome()
+        if inp.mode == "Approve":
+            self._set_phase(SharingPhase.AWAITING_APPROVAL, proposal)
+            try:
+                await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
+                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
+            except TimeoutError:
+                self._set_phase(SharingPhase.EXPIRED,
+                                f"no approval within {inp.settings.approval_timeout_seconds}s")
+                await self._audit("expired")
+                return self._outcome()
+            if self.rejection is not None:
+                self._set_phase(SharingPhase.REJECTED, f"rejected by {self.rejection.approver}"
+                                + (f": {self.rejection.reason}" if self.rejection.reason else ""))
+                await self._audit("rejected", self.rejection.reason)
+                return self._outcome()
+            assert self.approval is not None
+            await self._audit("approved", f"plan {inp.plan_id} by {self.approval.approver}")
+        gate = await action_gate(inp.policy)
+        if gate.held:
+            self._set_phase(SharingPhase.HELD, gate.reason)
+            await self._audit("held", gate.reason)
+            await wait_until_allowed(inp.policy)
+
+        self.previous = await workflow.execute_activity("read_node_config", inp.node, result_type=NodeConfig,
+                                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+        self._set_phase(SharingPhase.WRITING_CONFIG, f"a time-slicing key with {inp.replicas} replicas into "
+                                                     f"ConfigMap {inp.namespace}/{inp.config_map}")
+        written = await workflow.execute_activity(
+            "write_time_slicing_key", WriteKeyRequest(namespace=inp.namespace, config_map=inp.config_map,
+                                                      replicas=inp.replicas,
+                                                      fail_requests_greater_than_one=inp.fail_requests_greater_than_one),
+            result_type=WriteKeyResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
+        self.key = written.key
+        if written.written:
+            wait = inp.settings.propagation_seconds
+            self._set_phase(SharingPhase.PROPAGATING, (
+                f"key {self.key} written; waiting {wait}s for it to reach the device plugin's mounted ConfigMap "
+                "(kubelet sync period + ConfigMap cache TTL; the optimizer cannot see inside the pod)"))
+            await workflow.sleep(timedelta(seconds=wait))
+        self._set_phase(SharingPhase.LABELLING, f"{inp.node}: nvidia.com/device-plugin.config={self.key} (was "
+                                                f"{self.previous.label or '(none)'})")
+        await self._label(self.key)
+        self._set_phase(SharingPhase.VERIFYING, f"allocatable nvidia.com/gpu = {inp.gpus} x {inp.replicas}, "
+                                                "replicas, -SHARED product and sharing-strategy labels")
+        result = await self._verify(inp.replicas)
+        if not result.ok:
+            why = (f"node {inp.node} did not show the config within {inp.settings.verify_timeout_seconds}s: "
+                   f"{result.reason}")
+            note = await self._restore(why)
+            self._set_phase(SharingPhase.FAILED, why + note)
+            await self._audit("failed", self.message)
+            return self._outcome()
+        self._set_phase(SharingPhase.SHARED, f"{inp.node}: {result.allocatable} time-sliced GPUs "
+                                             f"({inp.gpus} x {inp.replicas})")
+        await self._audit("shared", self.message)
+        await self._cleanup()
+
+        await workflow.wait_condition(lambda: self.undo_request is not None)
+        assert self.undo_request is not None
+        self.undone_by = self.undo_request.by
+        label = self.previous.label
+        self._set_phase(SharingPhase.RESTORING, f"undo by {self.undone_by}"
+                        + (f" ({self.undo_request.reason})" if self.undo_request.reason else "")
+                        + f": config {label or '(none)'}")
+        await self._label(label)
+        back = await self._verify(self.previous.replicas)
+        if not back.ok:
+            raise ApplicationError(f"undo: node {inp.node} did not show config {label or '(none)'} within "
+                                   f"{inp.settings.verify_timeout_seconds}s: {back.reason}", non_retryable=True)
+        over = await workflow.execute_activity("unservable_pods", UnservableRequest(node=inp.node),
+                                               result_type=UnservableResult, start_to_close_timeout=QUICK,
+                                               retry_policy=RETRY)
+        self.unservable = over.pods
+        await self._cleanup()
+        note = (f"; {len(over.pods)} pod(s) above its {over.allocatable} GPUs keep running but cannot be served "
+                f"again here: {', '.join(over.pods)}" if over.pods else "")
+        self._set_phase(SharingPhase.UNDONE, f"{inp.node} back to {back.allocatable} GPU(s)" + note)
+        await self._audit("undone", self.message)
+        return self._outcome()
