@@ -28,9 +28,11 @@ from models.sharing import (
     CONFIG_LABEL,
     KEY_PREFIX,
     NO_PROMETHEUS,
+    SharingOutcome,
     SharingPhase,
     SharingSettings,
     SharingView,
+    TimeSlicingInput,
     UndoRequest,
     sharing_workflow_id,
 )
@@ -245,3 +247,30 @@ def test_without_prometheus_the_policy_is_enforced_as_recommend(bed: SharingBed)
         assert status["proposals"] == 0
     finally:
         bed.burst.delete_policy(policy)
+
+
+async def test_a_node_that_never_shows_the_config_gets_its_previous_label_back(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
+    """The ClusterPolicy does not point the device plugin at the ConfigMap (the stand-in ignores the label): the
+    verification times out, the previous label is restored, the operation fails saying why."""
+    cluster = bed.cluster
+    node = f"a100-{uuid.uuid4().hex[:6]}"
+    cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 2), CONFIG_LABEL: "any"}, gpus=2)
+    bed.gpu_operator.disconnect()
+    s = settings(bed, temporal_dev_server).model_copy(update={"sharing_verify_timeout_seconds": 3})
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            handle = await temporal.start_workflow(
+                "TimeSlicing", TimeSlicingInput(cluster=s.cluster, policy="p", node=node, gpus=2, replicas=3,
+                                                mode="Automatic", namespace=bed.operator_ns,
+                                                settings=s.sharing_settings()),
+                id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
+            outcome = SharingOutcome.model_validate(await handle.result())
+            assert outcome.phase == SharingPhase.FAILED
+            assert f"node {node} did not show the config within 3s: allocatable nvidia.com/gpu is 2, not 2 x 3 = 6" \
+                in outcome.message
+            assert "previous config any restored" in outcome.message
+            assert cluster.admin.core.read_node(node).metadata.labels[CONFIG_LABEL] == "any"
+    finally:
+        bed.gpu_operator.disconnect(True)
+        cluster.admin.core.delete_node(node)
