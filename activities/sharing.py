@@ -25,6 +25,7 @@ from models.sharing import (
     COUNT_LABEL,
     KEY_PREFIX,
     MIG_CONFIG_LABEL,
+    MIG_STATE_LABEL,
     PRODUCT_LABEL,
     REPLICAS_LABEL,
     STATUS_KEY,
@@ -32,6 +33,10 @@ from models.sharing import (
     CleanupRequest,
     CleanupResult,
     LabelRequest,
+    MigLabelRequest,
+    MigStateRequest,
+    MigStateResult,
+    MigVerifyRequest,
     NodeConfig,
     UnservableRequest,
     UnservableResult,
@@ -149,6 +154,28 @@ class SharingOps:
             problems.append(f"{STRATEGY_LABEL} is {shown[STRATEGY_LABEL] or 'unset'}, not {strategy}")
         return VerifyResult(ok=not problems, allocatable=allocatable, labels=shown, reason="; ".join(problems))
 
+    def uncordon(self, node: str) -> None:
+        self.core.patch_node(node, {"spec": {"unschedulable": None}})
+
+    def mig_label(self, node: str) -> tuple[str | None, str | None]:
+        n: Any = self.core.read_node(node)
+        labels = n.metadata.labels or {}
+        return labels.get(MIG_CONFIG_LABEL), labels.get(MIG_STATE_LABEL)
+
+    def set_mig(self, req: MigLabelRequest) -> None:
+        """The geometry label, and the MIG manager's state label cleared in the same patch: a ``success`` read
+        afterwards is the MIG manager's answer to this change, not what it said of the previous one."""
+        self.core.patch_node(req.node, {"metadata": {"labels": {MIG_CONFIG_LABEL: req.geometry,
+                                                                MIG_STATE_LABEL: None}}})
+
+    def mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
+        n: Any = self.core.read_node(req.node)
+        alloc = n.status.allocatable or {}
+        wrong = [f"{k} is {alloc.get(k, '0')}, not {v}" for k, v in sorted(req.expected.items())
+                 if int(alloc.get(k, "0")) != v]
+        return VerifyResult(ok=not wrong, allocatable=sum(int(alloc.get(k, "0")) for k in req.expected),
+                            labels={k: str(alloc.get(k, "0")) for k in req.expected}, reason="; ".join(wrong))
+
     def unservable(self, req: UnservableRequest) -> UnservableResult:
         n: Any = self.core.read_node(req.node)
         allocatable = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
@@ -241,6 +268,38 @@ class SharingActivities:
     def unservable_pods(self, req: UnservableRequest) -> UnservableResult:
         return self.ops.unservable(req)
 
+    @activity.defn(name="uncordon_node")
+    def uncordon_node(self, node: str) -> None:
+        self.ops.uncordon(node)
+
+    @activity.defn(name="read_mig_config")
+    def read_mig_config(self, node: str) -> MigStateResult:
+        label, state = self.ops.mig_label(node)
+        return MigStateResult(state=state or "", previous=label)
+
+    @activity.defn(name="set_mig_config")
+    def set_mig_config(self, req: MigLabelRequest) -> None:
+        self.ops.set_mig(req)
+
+    @activity.defn(name="wait_mig_state")
+    async def wait_mig_state(self, req: MigStateRequest) -> MigStateResult:
+        """Until the MIG manager reports ``success`` or ``failed`` for the geometry, or the timeout; heartbeats."""
+        deadline = time.monotonic() + req.timeout_seconds
+        while True:
+            label, state = await asyncio.to_thread(self.ops.mig_label, req.node)
+            activity.heartbeat(f"{label}: {state}")
+            if label == req.geometry and state in ("success", "failed"):
+                return MigStateResult(state=state)
+            if time.monotonic() > deadline:
+                return MigStateResult(state=f"timeout (still {state or 'unset'})")
+            await asyncio.sleep(1)
+
+    @activity.defn(name="verify_mig_resources")
+    def verify_mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
+        return self.ops.mig_resources(req)
+
     def all(self) -> list[Callable[..., Any]]:
         return [self.write_time_slicing_key, self.read_node_config, self.set_device_plugin_config,
-                self.verify_time_slicing, self.remove_unused_time_slicing_keys, self.unservable_pods]
+                self.verify_time_slicing, self.remove_unused_time_slicing_keys, self.unservable_pods,
+                self.uncordon_node, self.read_mig_config, self.set_mig_config, self.wait_mig_state,
+                self.verify_mig_resources]

@@ -28,6 +28,10 @@ class SharingPhase(StrEnum):
     PROPOSED = "Proposed"  # Recommend: shown, never acted on
     AWAITING_APPROVAL = "AwaitingApproval"
     HELD = "Held"
+    CORDONING = "Cordoning"
+    EVICTING = "Evicting"  # the node's GPU pods, through the Eviction API (PDBs honoured: a blocked one waits)
+    RECONFIGURING = "Reconfiguring"  # nvidia.com/mig.config set; waiting for nvidia.com/mig.config.state
+    UNCORDONING = "Uncordoning"
     WRITING_CONFIG = "WritingConfig"
     PROPAGATING = "Propagating"
     LABELLING = "Labelling"
@@ -167,6 +171,54 @@ class SharingView(OperationViewBase):
     key: str = ""
     unservable: list[str] = Field(default_factory=list)
     undone_by: str | None = None
+
+
+MIG_STATE_LABEL: Final = "nvidia.com/mig.config.state"
+
+
+class MigSettings(Model):
+    approval_timeout_seconds: int = 3600
+    # Evicting the node's GPU pods (PDBs honoured) and the MIG manager's reconfiguration (it may reboot the node).
+    drain_timeout_seconds: int = 1800
+    mig_timeout_seconds: int = 1800
+
+
+class MigInput(Model):
+    cluster: str
+    policy: str
+    node: str
+    gpus: int
+    geometry: str
+    slices: dict[str, int] = Field(default_factory=dict)  # per GPU: profile -> count
+    mode: Mode = "Approve"
+    mode_reason: str = ""
+    plan_id: str = ""
+    summary: str = ""
+    reason: str = ""
+    risk: str = ""
+    saving_usd_per_hour: float = 0.0
+    settings: MigSettings = Field(default_factory=MigSettings)
+
+
+class MigLabelRequest(Model):
+    node: str
+    geometry: str | None
+
+
+class MigStateRequest(Model):
+    node: str
+    geometry: str
+    timeout_seconds: int
+
+
+class MigStateResult(Model):
+    state: str  # success | failed | timeout
+    previous: str | None = None
+
+
+class MigVerifyRequest(Model):
+    node: str
+    expected: dict[str, int]  # resource name -> count
 
 
 class SharingOutcome(Model):

@@ -31,11 +31,11 @@ from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
-from workflows.sharing import TimeSlicingWorkflow
+from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
 
 log = logging.getLogger("kubeon.worker")
 WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow,
-             TimeSlicingWorkflow]
+             TimeSlicingWorkflow, MigWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 

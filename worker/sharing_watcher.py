@@ -2,8 +2,9 @@
 Prometheus queries for all of them) and decided (planning/sharing.py); a time-slicing proposal gets its
 TimeSlicingWorkflow (one per node: a running one is left as it is). What was decided, and why not for the others,
 goes into the policy's ``status.sharing``: the mode enforced (R1.3: without ``prometheus.url`` nothing is measured
-and the policy stays in Recommend), conditions, and one entry per node. MIG proposals are shown there; this
-version does not act on them."""
+and the policy stays in Recommend), conditions, and one entry per node. A node gets one operation at a time:
+time-slicing when it applies, else a MIG geometry (MigWorkflow, Approve unless the policy names a mode: MIG
+evicts every GPU pod of the node)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from activities.clients.prometheus import MetricsError
 from activities.sharing import SharingOps
 from models.policy import Mode, SharingPolicy
-from models.sharing import NO_PROMETHEUS, SharingSettings, TimeSlicingInput, sharing_workflow_id
+from models.sharing import (
+    NO_PROMETHEUS,
+    MigInput,
+    MigSettings,
+    SharingSettings,
+    TimeSlicingInput,
+    sharing_workflow_id,
+)
 from planning.idle import PodMemory
-from planning.sharing import Proposal, Rule, decide
+from planning.sharing import Proposal, Rule, decide, mig_geometries
 
 log = logging.getLogger("kubeon.sharing")
 
@@ -36,6 +44,7 @@ class Candidate:
     proposal: Proposal
     gpus: int
     fail_requests_greater_than_one: bool
+    slices: dict[str, int] | None = None  # MIG: per GPU
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
@@ -55,7 +64,8 @@ def rule_of(policy: SharingPolicy) -> Rule:
 class SharingWatcher:
     def __init__(self, ops: SharingOps, temporal: Client, *, cluster: str, task_queue: str,
                  default_mode: Mode, settings: SharingSettings, namespace: str, config_map: str,
-                 resync_seconds: float = 60.0) -> None:
+                 resync_seconds: float = 60.0, mig_settings: MigSettings | None = None) -> None:
+        self.mig_settings = mig_settings or MigSettings(approval_timeout_seconds=settings.approval_timeout_seconds)
         self.ops = ops
         self.temporal = temporal
         self.cluster = cluster
@@ -107,10 +117,14 @@ class SharingWatcher:
             verdict = decide(node, usage, rule)
             entries.append({"node": node.name, "proposals": [p.status() for p in verdict.proposals],
                             "reason": verdict.reason})
-            for p in verdict.proposals:
+            for p in verdict.proposals[:1]:  # one operation per node: time-slicing first when both apply
                 if p.kind == "time-slicing":
                     candidates.append(Candidate(policy.name, mode, reason, p, node.gpus,
                                                 rule.fail_requests_greater_than_one))
+                else:
+                    mig_mode = spec.mig_mode(self.default_mode) if measured else "Recommend"
+                    candidates.append(Candidate(policy.name, mig_mode, reason, p, node.gpus, True,
+                                                mig_geometries(node.product).get(p.geometry, {})))
         self.ops.patch_status(policy.name, {
             "enforcedMode": mode, "modeReason": reason,
             "conditions": [
@@ -129,6 +143,19 @@ class SharingWatcher:
         started = []
         for c in candidates:
             p = c.proposal
+            if p.kind == "mig":
+                handle = await self.temporal.start_workflow(
+                    "Mig", MigInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus,
+                                    geometry=p.geometry, slices=c.slices or {}, mode=c.mode,
+                                    mode_reason=c.mode_reason, plan_id=p.plan_id,
+                                    summary=p.summary(), reason=p.reason, risk=p.risk,
+                                    saving_usd_per_hour=p.saving_usd_per_hour, settings=self.mig_settings),
+                    id=sharing_workflow_id(self.cluster, p.node), task_queue=self.task_queue,
+                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                    id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                    static_summary=f"Sharing: MIG {p.geometry} on {p.node} (policy {c.policy})")
+                started.append(handle.id)
+                continue
             handle = await self.temporal.start_workflow(
                 "TimeSlicing",
                 TimeSlicingInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus, replicas=p.replicas,

@@ -158,7 +158,7 @@ class NodeState:
     mig_phase: str = ""
     mig_fail_next: bool = False
     mig_stick_next: bool = False
-    mig_failed_label: str | None = None  # a label value that ended failed (not retried until it changes)
+    mig_label_seen: str | None = ""  # the label value last acted on ("" = never seen); unchanged: nothing to do
 
 
 @dataclass
@@ -287,6 +287,7 @@ class GpuOperator:
                                                  gpus=int(labels.get(COUNT_LABEL, "1")))
             if labels.get(MIG_STATE_LABEL) == "success" and labels.get(MIG_CONFIG_LABEL):
                 state.mig = labels[MIG_CONFIG_LABEL]
+            state.mig_label_seen = labels.get(MIG_CONFIG_LABEL)
         self._config_manager(name, labels, state, now)
         self._mig_manager(name, labels, state, now)
 
@@ -318,10 +319,12 @@ class GpuOperator:
     def _mig_manager(self, name: str, labels: dict[str, str], state: NodeState, now: float) -> None:
         wanted = labels.get(MIG_CONFIG_LABEL)
         if state.mig_target is None:
-            if wanted is None or wanted == state.mig or wanted == state.mig_failed_label:
+            # Acts on a change of the label only (a failed geometry is not retried until the label changes); a
+            # change back to the geometry in force is a reconfiguration too, which succeeds.
+            if wanted is None or wanted == state.mig_label_seen:
                 return
+            state.mig_label_seen = wanted
             state.mig_target, state.mig_started, state.mig_phase = wanted, now, "pending"
-            state.mig_failed_label = None
             self._label(name, {MIG_STATE_LABEL: "pending"})
             self._event(f"{name}: mig config {wanted}: pending")
             self._delete_gpu_pods(name)
@@ -346,7 +349,6 @@ class GpuOperator:
         state.mig_target = None
         if state.mig_fail_next or (target != DISABLED and target not in geometries(state.product)):
             state.mig_fail_next = False
-            state.mig_failed_label = target
             self._label(name, {MIG_STATE_LABEL: "failed"})
             self._event(f"{name}: mig config {target}: failed")
             return

@@ -103,7 +103,7 @@ def test_every_name_a_running_history_may_hold_is_still_registered() -> None:
         "type": "TimeSlicing", "signals": {"undo", *decisions}, "queries": {"state"},
         "updates": {"approve_plan", "reject_plan", "undo"}}
     assert {_Definition.must_from_class(w).name for w in WORKFLOWS} == {
-        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing"}
+        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig"}
 
 
 @pytest.mark.temporal

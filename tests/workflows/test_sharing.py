@@ -28,6 +28,7 @@ from models.sharing import (
     CONFIG_LABEL,
     KEY_PREFIX,
     NO_PROMETHEUS,
+    MigInput,
     SharingOutcome,
     SharingPhase,
     SharingSettings,
@@ -273,4 +274,123 @@ async def test_a_node_that_never_shows_the_config_gets_its_previous_label_back(
             assert cluster.admin.core.read_node(node).metadata.labels[CONFIG_LABEL] == "any"
     finally:
         bed.gpu_operator.disconnect(True)
+        cluster.admin.core.delete_node(node)
+
+
+def backfill(bed: SharingBed, namespace: str, pods: list[str], *, activity: float, fb_used_mib: float) -> None:
+    """The pods hold GPUs of the exporter at these values, with 70 minutes of such history in Prometheus."""
+    for pod in pods:
+        bed.exporter.assign(namespace, pod, activity=activity, fb_used_mib=fb_used_mib)
+    held = [g for g in bed.exporter.snapshot() if (g.namespace, g.pod) in {(namespace, p) for p in pods}]
+    now = time.time()
+    bed.prometheus.stop()
+    bed.prometheus.backfill(openmetrics_history([(now - ago, held) for ago in range(70 * 60, 15, -30)],
+                                                extra={"job": SCRAPE_JOB, "instance": bed.exporter.address}))
+    bed.prometheus.start()
+    bed.prometheus.wait_scraped()
+
+
+def mig_node(bed: SharingBed) -> tuple[str, str]:
+    pool = f"mig-{uuid.uuid4().hex[:6]}"
+    node = f"a100-{pool}"
+    bed.cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 2), "pool": pool}, gpus=2)
+    bed.exporter.add_node(node, gpus=2)
+    return node, pool
+
+
+def unschedulable_node(cluster: Cluster, node: str) -> bool:
+    return bool(cluster.admin.core.read_node(node).spec.unschedulable)
+
+
+async def test_mig_approved_waits_for_the_pdb_then_reconfigures_and_uncordons(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    cluster = bed.cluster
+    node, pool = mig_node(bed)
+    deployment = client.V1Deployment(
+        metadata=client.V1ObjectMeta(name="infer"),
+        spec=client.V1DeploymentSpec(
+            replicas=2, selector=client.V1LabelSelector(match_labels={"app": "infer"}),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels={"app": "infer"}),
+                spec=gpu_pod("x", pool).spec)))
+    cluster.admin.apps.create_namespaced_deployment(namespace, deployment)
+    cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+        metadata=client.V1ObjectMeta(name="infer"),
+        spec=client.V1PodDisruptionBudgetSpec(max_unavailable=0,
+                                              selector=client.V1LabelSelector(match_labels={"app": "infer"}))))
+    await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="two inference pods running", timeout=60)
+    running = pods_on(cluster, namespace, node)
+    backfill(bed, namespace, running, activity=0.05, fb_used_mib=9 * 1024)
+    policy = unique("mig")
+    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+        "spec": {"kind": "Sharing", "mode": "Approve", "nodes": {"matchLabels": {"pool": pool}},
+                 "mig": {"allowed": ["all-1g.10gb", "all-3g.40gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
+                 "usdPerGpuHour": 4.1}})
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, node)
+            view = await wait_phase(temporal, wf_id, SharingPhase.AWAITING_APPROVAL)
+            assert view.key == "all-1g.10gb"
+            await ops.approve(temporal, view.operation, Approval(approver="alice"))
+            view = await wait_phase(temporal, wf_id, SharingPhase.EVICTING)
+
+            async def blocked() -> SharingView | None:
+                v = await temporal.get_workflow_handle(wf_id).query("state", result_type=SharingView)
+                return v if "blocked by PDB infer" in v.message else None
+            deadline = time.monotonic() + 60
+            while (seen := await blocked()) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+            assert seen is not None, "the PDB's wait is shown"
+            assert unschedulable_node(cluster, node)
+            assert len(pods_on(cluster, namespace, node)) == 2, "nothing evicted past the PDB"
+            cluster.admin.policy.patch_namespaced_pod_disruption_budget("infer", namespace,
+                                                                        {"spec": {"maxUnavailable": 2}})
+            view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.SHARED, view.history
+            n: Any = cluster.admin.core.read_node(node)
+            assert n.status.allocatable["nvidia.com/mig-1g.10gb"] == "14"
+            assert n.status.allocatable["nvidia.com/gpu"] == "0"
+            assert n.metadata.labels["nvidia.com/mig.config.state"] == "success"
+            assert not n.spec.unschedulable, "uncordoned"
+            # The owner asks for a slice: its pods run on the node again.
+            cluster.admin.apps.patch_namespaced_deployment("infer", namespace, {"spec": {"template": {"spec": {
+                "containers": [{"name": "main", "resources": {
+                    "limits": {"nvidia.com/gpu": None, "nvidia.com/mig-1g.10gb": "1"},
+                    "requests": {"nvidia.com/gpu": None, "nvidia.com/mig-1g.10gb": "1"}}}]}}}})
+            await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="pods on MIG slices", timeout=60)
+
+            await ops.undo(temporal, view.operation, UndoRequest(by="bob"))
+            view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.UNDONE, view.history
+            n = cluster.admin.core.read_node(node)
+            assert n.status.allocatable["nvidia.com/gpu"] == "2" and not n.spec.unschedulable
+    finally:
+        bed.burst.delete_policy(policy)
+        cluster.admin.core.delete_node(node)
+
+
+async def test_mig_failure_restores_the_previous_config_and_uncordons(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
+    cluster = bed.cluster
+    node, _pool = mig_node(bed)
+    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
+    bed.gpu_operator.fail_next_mig(node)
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            handle = await temporal.start_workflow(
+                "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry="all-1g.10gb",
+                                slices={"1g.10gb": 7}, mode="Automatic"),
+                id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
+            outcome = SharingOutcome.model_validate(await handle.result())
+            assert outcome.phase == SharingPhase.FAILED
+            assert outcome.message.startswith(f"the MIG manager reported failed for all-1g.10gb on {node}")
+            assert "node uncordoned" in outcome.message
+            n: Any = cluster.admin.core.read_node(node)
+            assert not n.spec.unschedulable
+            assert n.status.allocatable["nvidia.com/gpu"] == "2"
+            assert n.metadata.labels.get("nvidia.com/mig.config") is None
+    finally:
         cluster.admin.core.delete_node(node)
