@@ -87,7 +87,8 @@ def _doctor(args: argparse.Namespace) -> int:
     try:
         prereqs = run_checks(kube_api(settings.kubeconfig), metrics,
                              gpu_operator_namespace=settings.gpu_operator_namespace,
-                             capacity_provider=settings.capacity_provider)
+                             capacity_provider=settings.capacity_provider,
+                             time_slicing_configmap=settings.time_slicing_configmap)
     finally:
         if metrics is not None:
             metrics.close()

@@ -114,7 +114,8 @@ class Runtime:
 
     def prerequisites(self) -> list[Prerequisite]:
         return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,
-                          capacity_provider=self.settings.capacity_provider)
+                          capacity_provider=self.settings.capacity_provider,
+                          time_slicing_configmap=self.settings.time_slicing_configmap)
 
     def hub_activities(self, temporal: Client) -> HubActivities | None:
         if self.hub is None:

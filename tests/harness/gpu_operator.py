@@ -412,6 +412,23 @@ class GpuOperator:
                 self._event(f"{name}: mig manager deleted GPU pod {pod.metadata.namespace}/{pod.metadata.name}")
 
 
+def grant_time_slicing_role(cluster: Any, namespace: str) -> None:
+    """The chart's time-slicing Role and RoleBinding (R5.3), rendered for ``namespace``, created as the chart
+    creates them (the optimizer's ServiceAccount: ``tests.harness.rbac.install_chart_identities``)."""
+    from tests.charts.helm import BURST_VALUES, template  # helm is built with the control plane
+
+    api = client.ApiClient()
+    rendered = template("--set", f"gpuOperator.namespace={namespace}", values=[BURST_VALUES])
+    for doc in rendered.docs:
+        if doc["kind"] in ("Role", "RoleBinding") and doc["metadata"].get("namespace") == namespace:
+            if doc["kind"] == "Role":
+                cluster.admin.rbac.create_namespaced_role(
+                    namespace, api._ApiClient__deserialize(doc, "V1Role"))  # type: ignore[attr-defined]
+            else:
+                cluster.admin.rbac.create_namespaced_role_binding(
+                    namespace, api._ApiClient__deserialize(doc, "V1RoleBinding"))  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def running(api: client.ApiClient, **kwargs: Any) -> Iterator[GpuOperator]:
     operator = GpuOperator(api, **kwargs).start()

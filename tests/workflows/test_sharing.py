@@ -37,10 +37,9 @@ from models.sharing import (
     UndoRequest,
     sharing_workflow_id,
 )
-from tests.charts.helm import BURST_VALUES, template
 from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator
+from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
 from tests.harness.kube import Cluster, until, wait_for
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 from worker import ops
@@ -65,20 +64,6 @@ class SharingBed:
     @property
     def cluster(self) -> Cluster:
         return self.burst.cluster
-
-
-def grant_time_slicing_role(cluster: Cluster, namespace: str) -> None:
-    """The chart's time-slicing Role and RoleBinding, rendered for this namespace, as the chart creates them."""
-    api = client.ApiClient()
-    rendered = template("--set", f"gpuOperator.namespace={namespace}", values=[BURST_VALUES])
-    for doc in rendered.docs:
-        if doc["kind"] in ("Role", "RoleBinding") and doc["metadata"].get("namespace") == namespace:
-            if doc["kind"] == "Role":
-                cluster.admin.rbac.create_namespaced_role(
-                    namespace, api._ApiClient__deserialize(doc, "V1Role"))  # type: ignore[attr-defined]
-            else:
-                cluster.admin.rbac.create_namespaced_role_binding(
-                    namespace, api._ApiClient__deserialize(doc, "V1RoleBinding"))  # type: ignore[attr-defined]
 
 
 def gpu_pod(name: str, pool: str) -> client.V1Pod:
