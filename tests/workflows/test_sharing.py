@@ -10,10 +10,14 @@ the extra pods named as unservable (still running: never evicted)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,7 +41,7 @@ from models.sharing import (
     UndoRequest,
     sharing_workflow_id,
 )
-from tests.harness.burst import BurstStack, build_stack, unique
+from tests.harness.burst import BurstStack, build_stack, unique, worker_process
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
 from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
 from tests.harness.kube import Cluster, until, wait_for
@@ -378,4 +382,44 @@ async def test_mig_failure_restores_the_previous_config_and_uncordons(
             assert n.status.allocatable["nvidia.com/gpu"] == "2"
             assert n.metadata.labels.get("nvidia.com/mig.config") is None
     finally:
+        cluster.admin.core.delete_node(node)
+
+
+async def test_a_worker_killed_while_the_key_propagates_resumes_to_shared(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment, tmp_path: Path) -> None:
+    """SIGKILL of `kubeon-gpu worker` during the propagation wait: the next worker resumes the durable timer, labels
+    the node once and verifies it; one key, one label change, one `shared` audit record."""
+    cluster = bed.cluster
+    node = f"a100-{uuid.uuid4().hex[:6]}"
+    cluster.create_kwok_node(node, labels=GpuOperator.gfd_labels(PRODUCT, 2), gpus=2)
+    s = settings(bed, temporal_dev_server).model_copy(update={"sharing_propagation_seconds": 4})
+    temporal = temporal_dev_server.client
+    procs = [worker_process(s, tmp_path / "worker.log", stack=bed.burst)]
+    try:
+        wf_id = sharing_workflow_id(s.cluster, node)
+        handle = await temporal.start_workflow(
+            "TimeSlicing", TimeSlicingInput(cluster=s.cluster, policy="p", node=node, gpus=2, replicas=2,
+                                            mode="Automatic", namespace=bed.operator_ns,
+                                            settings=s.sharing_settings()),
+            id=wf_id, task_queue=s.task_queue)
+        await wait_phase(temporal, wf_id, SharingPhase.PROPAGATING, timeout=60)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        assert CONFIG_LABEL not in (cluster.admin.core.read_node(node).metadata.labels or {})
+        procs.append(worker_process(s, tmp_path / "worker.log", stack=bed.burst))
+        view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED, timeout=90)
+        assert view.phase == SharingPhase.SHARED, view.history
+        assert allocatable(cluster, node) == "4"
+        assert cluster.admin.core.read_node(node).metadata.labels[CONFIG_LABEL] == view.key
+        assert bed.gpu_operator.events_for(node).count(f"{node}: config {view.key} applied: replicas 2") == 1
+        records = [json.loads(line) for line in (s.state_dir / "audit.jsonl").read_text().splitlines()]
+        assert [r["action"] for r in records if r["operation"] == view.operation].count("shared") == 1
+        await handle.signal("undo")
+        view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED, timeout=60)
+        assert view.phase == SharingPhase.UNDONE and allocatable(cluster, node) == "2"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
         cluster.admin.core.delete_node(node)
