@@ -135,11 +135,14 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
     def _node(self) -> str:
         return self.inp.node if self.inp else "?"
 
-    async def _audit(self, action: str, detail: str = "") -> None:
+    async def _audit(self, action: str, detail: str = "", *, key: str = "") -> None:
+        """An audit record, reported to the hub (R2.8) with its actions' names: a change in force is
+        ``verified``, as is its undo (keyed apart)."""
         assert self.inp is not None
         await record_audit(AuditRecord(
-            key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
-            operation=self.operation, action=action, approver=self.approval.approver if self.approval else None,
+            key=f"{self.operation}/{key or action}", at=workflow.now(), cluster=self.inp.cluster,
+            policy=self.inp.policy, operation=self.operation, action=action,
+            approver=self.approval.approver if self.approval else None,
             detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
 
     # -- steps ----------------------------------------------------------------------------------------------
@@ -262,7 +265,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
             return self._outcome()
         self._set_phase(SharingPhase.SHARED, f"{inp.node}: {result.allocatable} time-sliced GPUs "
                                              f"({inp.gpus} x {inp.replicas})")
-        await self._audit("shared", self.message)
+        await self._audit("verified", self.message, key="shared")
         await self._cleanup()
 
         await workflow.wait_condition(lambda: self.undo_request is not None)
@@ -285,7 +288,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
         note = (f"; {len(over.pods)} pod(s) above its {over.allocatable} GPUs keep running but cannot be served "
                 f"again here: {', '.join(over.pods)}" if over.pods else "")
         self._set_phase(SharingPhase.UNDONE, f"{inp.node} back to {back.allocatable} GPU(s)" + note)
-        await self._audit("undone", self.message)
+        await self._audit("verified", f"undo: {self.message}", key="undone")
         return self._outcome()
 
 
@@ -370,11 +373,14 @@ class MigWorkflow(Approvable[SharingPhase]):
             return f"operation {self.operation} is already being undone"
         return None
 
-    async def _audit(self, action: str, detail: str = "") -> None:
+    async def _audit(self, action: str, detail: str = "", *, key: str = "") -> None:
+        """An audit record, reported to the hub (R2.8) with its actions' names: a change in force is
+        ``verified``, as is its undo (keyed apart)."""
         assert self.inp is not None
         await record_audit(AuditRecord(
-            key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
-            operation=self.operation, action=action, approver=self.approval.approver if self.approval else None,
+            key=f"{self.operation}/{key or action}", at=workflow.now(), cluster=self.inp.cluster,
+            policy=self.inp.policy, operation=self.operation, action=action,
+            approver=self.approval.approver if self.approval else None,
             detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
 
     async def _uncordon(self) -> None:
@@ -521,7 +527,7 @@ class MigWorkflow(Approvable[SharingPhase]):
         await self._reconfigure(inp.geometry, self._expected())
         self._set_phase(SharingPhase.SHARED, f"{inp.node}: " + ", ".join(
             f"{v} {k}" for k, v in sorted(self._expected().items())) + f"; evicted {len(self.evicted)} GPU pod(s)")
-        await self._audit("shared", self.message)
+        await self._audit("verified", self.message, key="shared")
 
         await workflow.wait_condition(lambda: self.undo_request is not None)
         assert self.undo_request is not None
@@ -530,5 +536,5 @@ class MigWorkflow(Approvable[SharingPhase]):
         self._set_phase(SharingPhase.RESTORING, f"undo by {self.undone_by}: MIG config {back}")
         await self._reconfigure(self.previous, {"nvidia.com/gpu": inp.gpus} if back == "all-disabled" else {})
         self._set_phase(SharingPhase.UNDONE, f"{inp.node} back to MIG config {self.previous or 'all-disabled'}")
-        await self._audit("undone", self.message)
+        await self._audit("verified", f"undo: {self.message}", key="undone")
         return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)

@@ -27,6 +27,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.sharing import SharingOps
 from models.decisions import Approval
+from models.hub import REPORT_ACTIONS
 from models.policy import API_GROUP, PLURAL
 from models.sharing import (
     CONFIG_LABEL,
@@ -413,7 +414,9 @@ async def test_a_worker_killed_while_the_key_propagates_resumes_to_shared(
         assert cluster.admin.core.read_node(node).metadata.labels[CONFIG_LABEL] == view.key
         assert bed.gpu_operator.events_for(node).count(f"{node}: config {view.key} applied: replicas 2") == 1
         records = [json.loads(line) for line in (s.state_dir / "audit.jsonl").read_text().splitlines()]
-        assert [r["action"] for r in records if r["operation"] == view.operation].count("shared") == 1
+        mine = [r for r in records if r["operation"] == view.operation]
+        assert [r["key"].rsplit("/", 1)[1] for r in mine].count("shared") == 1
+        assert {r["action"] for r in mine} <= REPORT_ACTIONS, "every action is one the hub takes"
         await handle.signal("undo")
         view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED, timeout=60)
         assert view.phase == SharingPhase.UNDONE and allocatable(cluster, node) == "2"
