@@ -26,6 +26,7 @@ from models.sharing import (
     KEY_PREFIX,
     MIG_CONFIG_LABEL,
     MIG_STATE_LABEL,
+    PENDING_PREFIX,
     PRODUCT_LABEL,
     REPLICAS_LABEL,
     STATUS_KEY,
@@ -44,6 +45,7 @@ from models.sharing import (
     VerifyResult,
     WriteKeyRequest,
     WriteKeyResult,
+    pending_annotation,
     time_slicing_config,
     time_slicing_key,
 )
@@ -96,9 +98,17 @@ class SharingOps:
             raise
         return dict(cm.data or {})
 
-    def _patch_config_map(self, namespace: str, name: str, data: dict[str, str | None]) -> None:
+    def _read_annotations(self, namespace: str, name: str) -> dict[str, str]:
+        cm: Any = self.core.read_namespaced_config_map(name, namespace)
+        return dict(cm.metadata.annotations or {})
+
+    def _patch_config_map(self, namespace: str, name: str, data: dict[str, str | None],
+                          annotations: dict[str, str | None] | None = None) -> None:
+        body: dict[str, Any] = {"data": data}
+        if annotations:
+            body["metadata"] = {"annotations": annotations}
         try:
-            self.core.patch_namespaced_config_map(name, namespace, {"data": data})
+            self.core.patch_namespaced_config_map(name, namespace, body)
         except client.ApiException as exc:
             if exc.status == 403:
                 raise ApplicationError(role_missing(namespace, name), type=SHARING_FORBIDDEN,
@@ -110,16 +120,24 @@ class SharingOps:
         key = time_slicing_key(req.replicas, req.fail_requests_greater_than_one)
         body = time_slicing_config(req.replicas, req.fail_requests_greater_than_one)
         data = self._read_config_map(req.namespace, req.config_map)
+        mark: dict[str, str | None] | None = {pending_annotation(req.node): key} if req.node else None
         if key in data:
+            if mark:
+                self._patch_config_map(req.namespace, req.config_map, {}, mark)
             return WriteKeyResult(key=key, written=False)
-        self._patch_config_map(req.namespace, req.config_map, {key: body})
+        self._patch_config_map(req.namespace, req.config_map, {key: body}, mark)
         return WriteKeyResult(key=key, written=True)
 
     def cleanup(self, req: CleanupRequest) -> CleanupResult:
-        """Remove the optimizer's keys no node's label names (others' keys are never touched)."""
+        """Remove the optimizer's keys no node's label names and no operation is bringing to its node (others'
+        keys are never touched); ``release``: that node's pending mark first."""
+        if req.release:
+            self._patch_config_map(req.namespace, req.config_map, {}, {pending_annotation(req.release): None})
         data = self._read_config_map(req.namespace, req.config_map)
+        pending = {v for k, v in self._read_annotations(req.namespace, req.config_map).items()
+                   if k.startswith(PENDING_PREFIX)}
         nodes: list[Any] = self.core.list_node().items
-        named = {(n.metadata.labels or {}).get(CONFIG_LABEL) for n in nodes}
+        named = {(n.metadata.labels or {}).get(CONFIG_LABEL) for n in nodes} | pending
         unused = sorted(k for k in data if k.startswith(KEY_PREFIX) and k not in named)
         if unused:
             self._patch_config_map(req.namespace, req.config_map, dict.fromkeys(unused))

@@ -22,6 +22,13 @@ COUNT_LABEL: Final = "nvidia.com/gpu.count"
 MIG_CONFIG_LABEL: Final = "nvidia.com/mig.config"
 # Keys the optimizer writes into the time-slicing ConfigMap; only these are ever removed.
 KEY_PREFIX: Final = "kubeon-ts-"
+# While an operation brings a key to its node (written, propagating, not yet named by the node's label), the
+# ConfigMap carries the annotation <PENDING_PREFIX><hash of the node>=<key>: no other operation's cleanup removes it.
+PENDING_PREFIX: Final = "sharing.gpu.kubeon.io/pending-"
+
+
+def pending_annotation(node: str) -> str:
+    return PENDING_PREFIX + hashlib.sha256(node.encode()).hexdigest()[:16]
 
 
 class SharingPhase(StrEnum):
@@ -95,6 +102,7 @@ class WriteKeyRequest(Model):
     config_map: str
     replicas: int
     fail_requests_greater_than_one: bool
+    node: str = ""  # the node it is for: the key is marked pending for it until released
 
 
 class WriteKeyResult(Model):
@@ -133,6 +141,7 @@ class VerifyResult(Model):
 class CleanupRequest(Model):
     namespace: str
     config_map: str
+    release: str = ""  # the node whose pending mark to drop first
 
 
 class CleanupResult(Model):

@@ -160,10 +160,12 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
 
     async def _cleanup(self) -> None:
+        """Release this node's pending mark, then remove the keys no node names and no operation brings."""
         assert self.inp is not None
         done = await workflow.execute_activity(
             "remove_unused_time_slicing_keys", CleanupRequest(namespace=self.inp.namespace,
-                                                              config_map=self.inp.config_map),
+                                                              config_map=self.inp.config_map,
+                                                              release=self.inp.node),
             result_type=CleanupResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
         if done.removed:
             self._log(f"removed unused key(s) {', '.join(done.removed)}")
@@ -198,6 +200,9 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
         except (ActivityError, ApplicationError) as exc:
             reason = message(exc)
             note = await self._restore(reason) if self.key else ""
+            if self.key:
+                with contextlib.suppress(ActivityError):
+                    await self._cleanup()
             self._set_phase(SharingPhase.FAILED, reason + note)
             await self._audit("failed", self.message)
             return self._outcome()
@@ -240,7 +245,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
                                                      f"ConfigMap {inp.namespace}/{inp.config_map}")
         written = await workflow.execute_activity(
             "write_time_slicing_key", WriteKeyRequest(namespace=inp.namespace, config_map=inp.config_map,
-                                                      replicas=inp.replicas,
+                                                      replicas=inp.replicas, node=inp.node,
                                                       fail_requests_greater_than_one=inp.fail_requests_greater_than_one),
             result_type=WriteKeyResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
         self.key = written.key
@@ -260,6 +265,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
             why = (f"node {inp.node} did not show the config within {inp.settings.verify_timeout_seconds}s: "
                    f"{result.reason}")
             note = await self._restore(why)
+            await self._cleanup()
             self._set_phase(SharingPhase.FAILED, why + note)
             await self._audit("failed", self.message)
             return self._outcome()

@@ -33,6 +33,7 @@ from models.sharing import (
     CONFIG_LABEL,
     KEY_PREFIX,
     NO_PROMETHEUS,
+    CleanupRequest,
     MigInput,
     SharingOutcome,
     SharingPhase,
@@ -40,6 +41,8 @@ from models.sharing import (
     SharingView,
     TimeSlicingInput,
     UndoRequest,
+    WriteKeyRequest,
+    WriteKeyResult,
     sharing_workflow_id,
 )
 from tests.harness.burst import BurstStack, build_stack, unique, worker_process
@@ -426,3 +429,24 @@ async def test_a_worker_killed_while_the_key_propagates_resumes_to_shared(
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         cluster.admin.core.delete_node(node)
+
+
+def test_cleanup_keeps_a_key_another_operation_is_bringing_to_its_node(bed: SharingBed) -> None:
+    """As the chart's ServiceAccount: a key written for node A and not yet named by A's label survives node B's
+    cleanup; once A's operation releases it (and no node names it), it goes; the admin's keys are never touched."""
+    from worker.runtime import kube_api
+
+    ops_ = SharingOps(kube_api(bed.burst.optimizer_kubeconfig), None)
+    written = ops_.write_key(WriteKeyRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                             replicas=3, fail_requests_greater_than_one=True, node="node-a"))
+    assert written.written and written.key.startswith(KEY_PREFIX + "r3-")
+    assert ops_.cleanup(CleanupRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                       release="node-b")).removed == []
+    again = ops_.write_key(WriteKeyRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                           replicas=3, fail_requests_greater_than_one=True, node="node-a"))
+    assert again == WriteKeyResult(key=written.key, written=False), "an existing key is never rewritten"
+    assert ops_.cleanup(CleanupRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                       release="node-a")).removed == [written.key]
+    cm = bed.cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+    assert "any" in cm.data and written.key not in cm.data
+    assert not [k for k in (cm.metadata.annotations or {}) if k.startswith("sharing.gpu.kubeon.io/")]
