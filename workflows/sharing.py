@@ -9,6 +9,7 @@ the same label)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from datetime import timedelta
 
@@ -197,6 +198,12 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
                     sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
         try:
             return await self._run(inp)
+        except asyncio.CancelledError:
+            # Cancelled (`temporal workflow cancel`): the node gets its previous label back first.
+            note = await self._restore("cancelled") if self.key else ""
+            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
+            await self._audit("cancelled", self.message)
+            raise
         except (ActivityError, ApplicationError) as exc:
             reason = message(exc)
             note = await self._restore(reason) if self.key else ""
@@ -494,6 +501,12 @@ class MigWorkflow(Approvable[SharingPhase]):
                     sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
         try:
             return await self._run(inp)
+        except asyncio.CancelledError:
+            # Cancelled: the previous geometry back and the node uncordoned before the cancellation ends it.
+            note = await self._restore() if self.cordoned else ""
+            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
+            await self._audit("cancelled", self.message)
+            raise
         except (ActivityError, ApplicationError) as exc:
             reason = message(exc)
             note = await self._restore() if self.cordoned else ""

@@ -450,3 +450,32 @@ def test_cleanup_keeps_a_key_another_operation_is_bringing_to_its_node(bed: Shar
     cm = bed.cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
     assert "any" in cm.data and written.key not in cm.data
     assert not [k for k in (cm.metadata.annotations or {}) if k.startswith("sharing.gpu.kubeon.io/")]
+
+
+async def test_mig_cancelled_while_stuck_pending_is_uncordoned(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
+    """The MIG manager never leaves ``pending``; the operation is cancelled: the node is uncordoned and its MIG
+    label restored before the operation ends."""
+    cluster = bed.cluster
+    node, _pool = mig_node(bed)
+    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
+    bed.gpu_operator.stick_pending(node)
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, node)
+            handle = await temporal.start_workflow(
+                "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry="all-3g.40gb",
+                                slices={"3g.40gb": 2}, mode="Automatic"), id=wf_id, task_queue=s.task_queue)
+            await wait_phase(temporal, wf_id, SharingPhase.RECONFIGURING)
+            await until(lambda: cluster.admin.core.read_node(node).metadata.labels.get(
+                "nvidia.com/mig.config.state") == "pending", what="stuck pending", timeout=10)
+            assert unschedulable_node(cluster, node)
+            await handle.cancel()
+            view = await wait_phase(temporal, wf_id, SharingPhase.FAILED)
+            assert view.message == "Cancelled; nvidia.com/mig.config removed (it had none); node uncordoned"
+            assert "node uncordoned" in view.message
+            assert not unschedulable_node(cluster, node)
+            assert cluster.admin.core.read_node(node).metadata.labels.get("nvidia.com/mig.config") is None
+    finally:
+        cluster.admin.core.delete_node(node)
