@@ -49,7 +49,8 @@ from workflows.failures import QUICK, RETRY, message
 from workflows.gate import action_gate, wait_until_allowed
 from workflows.operation import Approvable, Proposal
 
-HEARTBEAT = timedelta(seconds=15)
+# Short: a cancelled wait learns it at its next heartbeat, which the SDK throttles to 80 % of this.
+HEARTBEAT = timedelta(seconds=5)
 
 
 @workflow.defn(name="TimeSlicing")
