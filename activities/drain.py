@@ -22,7 +22,7 @@ class DrainActivities(PhaseActivities):
 
     @activity.defn(name="evict_pods", no_thread_cancel_exception=True)
     def evict_pods(self, req: NodeRef) -> EvictionResult:
-        return self.kube.evict_pods(req.node_name)
+        return self.kube.evict_pods(req.node_name, gpu_only=req.gpu_only)
 
     @activity.defn(name="terminate_instance", no_thread_cancel_exception=True)
     def terminate_instance(self, ref: InstanceRef) -> None:

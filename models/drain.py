@@ -35,6 +35,8 @@ class EvictionResult(Model):
 
 class NodeRef(Model):
     node_name: str
+    # Only pods that request GPUs (a MIG reconfiguration evicts those; the node stays).
+    gpu_only: bool = False
 
 
 class DrainResult(Model):

@@ -2,7 +2,8 @@
 
 One resource, one ``spec`` per kind: ``Burst`` (``GpuPolicy``, ``GpuPolicySpec``), ``ScaleToZero``
 (``ScaleToZeroPolicy``, ``ScaleToZeroSpec``) and ``GpuTypeFit`` (``GpuTypeFitPolicy``, recommendations only).
-``parse_policy`` picks the model by ``spec.kind``.
+``parse_policy`` picks the model by ``spec.kind``. ``Sharing`` (``SharingPolicy``, ``SharingSpec``): time-slicing
+and MIG through the GPU Operator.
 
 The CRD's OpenAPI schema in ``charts/kubeon-gpu-optimizer/crds/`` must accept and reject the same documents as
 these models; ``tests/models/test_policy.py`` applies one corpus to both. Field types are strict (a string is
@@ -26,8 +27,10 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 API_GROUP: Final = "gpu.kubeon.io"
 API_VERSION: Final = f"{API_GROUP}/v1"
@@ -39,8 +42,8 @@ MODES: Final[tuple[str, ...]] = ("Recommend", "Approve", "Automatic")
 
 # R3.2 names these kinds; Burst, ScaleToZero and GpuTypeFit have a spec so far. The others are listed so that an
 # error can say "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
-SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit")
-PLANNED_KINDS: Final[tuple[str, ...]] = ("Sharing", "Autoscaling", "Packing")
+SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit", "Sharing")
+PLANNED_KINDS: Final[tuple[str, ...]] = ("Autoscaling", "Packing")
 
 PROVIDERS: Final[tuple[str, ...]] = ("aws", "gcp", "azure", "onprem", "sim")
 
@@ -354,6 +357,90 @@ class GpuTypeFitSpec(WorkloadPolicySpec):
         return "Recommend"
 
 
+# --- Sharing (time-slicing and MIG through the NVIDIA GPU Operator) --------------------------------------------
+
+# A MIG geometry as the MIG manager's config names it: all-disabled, all-balanced, all-<g>g.<mem>gb.
+MIG_GEOMETRY_PATTERN: Final = r"^all-(disabled|balanced|[1-7]g\.[0-9]{1,3}gb)$"
+SharingWindow = Annotated[Duration, _duration_between(3600, 30 * 24 * 3600)]
+
+
+class NodeSelector(_Spec):
+    """Which GPU nodes the policy may share, by their labels (e.g. GFD's ``nvidia.com/gpu.product``)."""
+
+    match_labels: Annotated[dict[LabelKey, LabelValue], Field(min_length=1, max_length=32)]
+
+
+class TimeSlicingRule(_Spec):
+    """Time-slicing: at most ``maxReplicas`` pods per GPU (the device plugin requires at least 2)."""
+
+    max_replicas: Annotated[StrictInt, Field(ge=2, le=64)] = 4
+    fail_requests_greater_than_one: StrictBool = True
+
+
+class MigRule(_Spec):
+    """MIG: the geometries the policy may choose; a slice must hold the pods' peak framebuffer plus headroom."""
+
+    allowed: Annotated[list[Annotated[StrictStr, Field(pattern=MIG_GEOMETRY_PATTERN)]],
+                       Field(min_length=1, max_length=16)]
+    headroom: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.1
+
+    @field_validator("allowed")
+    @classmethod
+    def _unique_geometries(cls, allowed: list[str]) -> list[str]:
+        return _unique(allowed, "geometry")
+
+
+class SharingIdle(_Spec):
+    """Share only GPUs whose pods' summed p95 activity (0-1) over ``window`` stays under ``threshold``."""
+
+    threshold: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.4
+    window: SharingWindow = "168h"
+    min_coverage: Annotated[StrictFloat, Field(ge=0.5, le=1)] = 0.9
+
+    @field_validator("window", mode="before")
+    @classmethod
+    def _no_days(cls, value: object) -> object:
+        if isinstance(value, str) and re.fullmatch(r"[0-9]+d", value):
+            raise ValueError(f"{value!r}: a duration has no days here (as the apiserver's), write "
+                             f"{int(value[:-1]) * 24}h")
+        return value
+
+    @property
+    def window_seconds(self) -> int:
+        return duration_seconds(self.window)
+
+
+class SharingSpec(_Spec):
+    kind: StrictStr
+    mode: Mode | None = None
+    nodes: NodeSelector
+    time_slicing: TimeSlicingRule | None = None
+    mig: MigRule | None = None
+    idle: SharingIdle = Field(default_factory=SharingIdle)
+    # What one GPU-hour of these nodes costs (USD): the saving of a proposal is the GPUs it frees at this price.
+    usd_per_gpu_hour: Annotated[StrictFloat, Field(gt=0, le=10000)] | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _sharing_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "Sharing")
+
+    @model_validator(mode="after")
+    def _some_sharing(self) -> SharingSpec:
+        if self.time_slicing is None and self.mig is None:
+            raise PydanticCustomError("sharing_missing", "spec.timeSlicing or spec.mig is required for kind Sharing")
+        return self
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return self.mode or default_mode
+
+    def mig_mode(self, default_mode: Mode) -> Mode:
+        """MIG evicts every GPU pod of the node: without a mode of its own, never Automatic."""
+        if self.mode is not None:
+            return self.mode
+        return "Approve" if default_mode == "Automatic" else default_mode
+
+
 class ObjectMeta(BaseModel):
     # Metadata read back from the apiserver carries uid, resourceVersion, managedFields...: keep them all.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -393,7 +480,11 @@ class GpuTypeFitPolicy(_PolicyEnvelope[GpuTypeFitSpec]):
     pass
 
 
-AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy
+class SharingPolicy(_PolicyEnvelope[SharingSpec]):
+    pass
+
+
+AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy | SharingPolicy
 
 
 class PolicyError(ValueError):
@@ -431,6 +522,8 @@ def parse_policy(document: Any) -> AnyPolicy:
         model = ScaleToZeroPolicy
     elif isinstance(spec, dict) and spec.get("kind") == "GpuTypeFit":
         model = GpuTypeFitPolicy
+    elif isinstance(spec, dict) and spec.get("kind") == "Sharing":
+        model = SharingPolicy
     try:
         return model.model_validate(document)
     except ValidationError as exc:

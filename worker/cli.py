@@ -19,6 +19,7 @@ from models.node import OperationView
 from models.policy import PolicyError, parse_policy
 from models.provisioning import ProvisionView
 from models.scale import ScaleView
+from models.sharing import SharingView
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -86,7 +87,8 @@ def _doctor(args: argparse.Namespace) -> int:
     try:
         prereqs = run_checks(kube_api(settings.kubeconfig), metrics,
                              gpu_operator_namespace=settings.gpu_operator_namespace,
-                             capacity_provider=settings.capacity_provider)
+                             capacity_provider=settings.capacity_provider,
+                             time_slicing_configmap=settings.time_slicing_configmap)
     finally:
         if metrics is not None:
             metrics.close()
@@ -178,6 +180,11 @@ def _ops(args: argparse.Namespace) -> int:
 
                 woken = await ops.wake(temporal, args.operation, WakeRequest(by=args.by, reason=args.reason))
                 print(f"{woken.operation}: {woken.message}")
+            elif args.ops_command == "undo":
+                from models.sharing import UndoRequest
+
+                undone = await ops.undo(temporal, args.operation, UndoRequest(by=args.by, reason=args.reason))
+                print(f"{undone.operation}: {undone.message}")
             elif args.ops_command == "reject":
                 result = await ops.reject(temporal, args.operation, Rejection(approver=args.approver,
                                                                                reason=args.reason))
@@ -255,9 +262,19 @@ def _render_hub(status: HubSyncStatus) -> str:
     return "\n".join(lines)
 
 
-def _render_view(view: OperationView | ProvisionView | ScaleView) -> str:
+def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView) -> str:
     if isinstance(view, ProvisionView):
         return _render_provision(view)
+    if isinstance(view, SharingView):
+        lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
+                 f"node       {view.node}", f"mode       {view.mode}", f"phase      {view.phase.value}",
+                 f"replicas   {view.replicas}", f"key        {view.key or '-'}",
+                 f"previous   {view.previous_label or '(none)'}"]
+        if view.message:
+            lines.append(f"message    {view.message}")
+        if view.unservable:
+            lines.append(f"unservable {', '.join(view.unservable)}")
+        return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
     if isinstance(view, ScaleView):
         lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
                  f"workload   {view.workload}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
@@ -392,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     waking.add_argument("operation")
     waking.add_argument("--by", default=os.environ.get("USER") or "cli", help="who wakes it (audit)")
     waking.add_argument("--reason", default="")
+    undoing = ops_sub.add_parser("undo", help="restore the config a Sharing operation replaced (then verified)")
+    undoing.add_argument("operation")
+    undoing.add_argument("--by", default=os.environ.get("USER") or "cli", help="who undoes it (audit)")
+    undoing.add_argument("--reason", default="")
     cancelling = ops_sub.add_parser("cancel", help="cancel: drain and remove what the operation made")
     cancelling.add_argument("operation")
     hub_sync = ops_sub.add_parser("hub", help="the hub sync: state, last policy sync, queued reports")

@@ -14,6 +14,7 @@ from models.locations import BurstConfig
 from models.policy import Mode
 from models.provisioning import OperationSettings
 from models.scale import ScaleSettings
+from models.sharing import SharingSettings
 
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -75,6 +76,11 @@ class Settings(BaseModel):
     # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
     capacity_provider: str = "karpenter"
     gpu_operator_namespace: str = "gpu-operator"
+    # Sharing (time-slicing through the GPU Operator): the chart's gpuOperator.timeSlicingConfigMap, the wait for a
+    # new key to reach the device plugin's mounted copy, and how long a node gets to show the change.
+    time_slicing_configmap: str = "time-slicing-config"
+    sharing_propagation_seconds: int = 90
+    sharing_verify_timeout_seconds: int = 300
     scale_resync_seconds: float = 60.0
     scale_observe_seconds: int = 60
     scale_rescale_check_seconds: int = 30
@@ -145,6 +151,11 @@ class Settings(BaseModel):
         return ScaleSettings(approval_timeout_seconds=self.approval_timeout_seconds,
                              observe_seconds=self.scale_observe_seconds,
                              rescale_check_seconds=self.scale_rescale_check_seconds)
+
+    def sharing_settings(self) -> SharingSettings:
+        return SharingSettings(approval_timeout_seconds=self.approval_timeout_seconds,
+                               propagation_seconds=self.sharing_propagation_seconds,
+                               verify_timeout_seconds=self.sharing_verify_timeout_seconds)
 
     def operation_settings(self) -> OperationSettings:
         return OperationSettings(approval_timeout_seconds=self.approval_timeout_seconds,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import yaml
 from kubernetes import client
 
 from activities.clients.prometheus import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
@@ -75,6 +76,84 @@ def check_gpu_operator(api: client.ApiClient, namespace: str) -> Prerequisite:
                         disables, fix)
 
 
+SHARING_DISABLES = "time-slicing (Sharing policies propose, their operations fail)"
+
+
+def _key_replicas(body: str) -> int | None:
+    """The nvidia.com/gpu replicas a device-plugin config file gives (1: no sharing); None if unreadable."""
+    try:
+        doc = yaml.safe_load(body) or {}
+        resources = ((doc.get("sharing") or {}).get("timeSlicing") or {}).get("resources") or []
+    except (yaml.YAMLError, AttributeError):
+        return None
+    return next((int(r.get("replicas", 1)) for r in resources if r.get("name") == "nvidia.com/gpu"), 1)
+
+
+def check_time_slicing(api: client.ApiClient, namespace: str, config_map: str) -> list[Prerequisite]:
+    """The chart's time-slicing ConfigMap readable with the optimizer's Role (R5.3), and whether the GPU
+    Operator's device plugin reads it (ClusterPolicy ``devicePlugin.config.name``): the ClusterRole cannot read the
+    ClusterPolicy, so this is judged from nodes that name one of its keys and what they advertise."""
+    name = "time-slicing ConfigMap"
+    where = f"{namespace}/{config_map}"
+    try:
+        cm: Any = client.CoreV1Api(api).read_namespaced_config_map(config_map, namespace)
+    except client.ApiException as exc:
+        if exc.status not in (403, 404):
+            raise
+        fix = ("install the chart with gpuOperator.createRole=true and the right gpuOperator.namespace"
+               if exc.status == 403 else
+               f"create ConfigMap {where} (the optimizer may only get and patch it) and set the ClusterPolicy's "
+               f"devicePlugin.config.name to {config_map}")
+        return [Prerequisite(name, "missing", f"ConfigMap {where} {_api_reason(exc)}", SHARING_DISABLES, fix)]
+    data = dict(cm.data or {})
+    found = Prerequisite(name, "found", f"ConfigMap {where}: {len(data)} key(s)", SHARING_DISABLES, "-")
+    plugin = "device plugin reads the ConfigMap"
+    plugin_fix = (f"point the GPU Operator at it: kubectl patch clusterpolicies.nvidia.com/cluster-policy --type merge "
+                  f"-p '{{\"spec\": {{\"devicePlugin\": {{\"config\": {{\"name\": \"{config_map}\"}}}}}}}}'")
+    nodes: list[Any] = client.CoreV1Api(api).list_node().items
+    agree: list[str] = []
+    disagree: list[str] = []
+    for n in nodes:
+        labels = n.metadata.labels or {}
+        key = labels.get("nvidia.com/device-plugin.config")
+        if key is None or key not in data:
+            continue
+        want = _key_replicas(data[key])
+        shown = labels.get("nvidia.com/gpu.replicas", "1")
+        (agree if want is not None and str(want) == shown else disagree).append(
+            f"{n.metadata.name} ({key}: replicas {want}, shows {shown})")
+    if disagree and not agree:
+        return [found, Prerequisite(plugin, "missing", "nodes name its keys but do not show them: "
+                                    + ", ".join(disagree[:5]), SHARING_DISABLES, plugin_fix)]
+    if agree:
+        return [found, Prerequisite(plugin, "found", f"{len(agree)} node(s) show the key they name, e.g. {agree[0]}",
+                                    SHARING_DISABLES, plugin_fix)]
+    return [found, Prerequisite(plugin, "unknown", "no node names one of its keys yet (the first time-slicing "
+                                "operation verifies it, and restores the node's label if it does not)",
+                                SHARING_DISABLES, plugin_fix)]
+
+
+def check_mig_strategy(api: client.ApiClient) -> Prerequisite:
+    """MIG operations verify per-profile ``nvidia.com/mig-*`` resources: the ``mixed`` strategy (GFD's
+    ``nvidia.com/mig.strategy`` label; the ClusterPolicy itself cannot be read)."""
+    name, disables = "MIG strategy", "MIG sharing (its operations verify nvidia.com/mig-<profile> resources)"
+    fix = "set the ClusterPolicy's mig.strategy to mixed (helm --set mig.strategy=mixed)"
+    nodes: list[Any] = client.CoreV1Api(api).list_node().items
+    strategies = {}
+    for n in nodes:
+        labels = n.metadata.labels or {}
+        if labels.get("nvidia.com/mig.capable") == "true":
+            strategies[str(n.metadata.name)] = labels.get("nvidia.com/mig.strategy", "")
+    if not strategies:
+        return Prerequisite(name, "unknown", "no node is labelled nvidia.com/mig.capable=true", disables, fix)
+    others = sorted(n for n, s in strategies.items() if s and s != "mixed")
+    if others:
+        return Prerequisite(name, "missing", f"{len(others)} MIG-capable node(s) use strategy "
+                            f"{strategies[others[0]]} (e.g. {others[0]})", disables, fix)
+    return Prerequisite(name, "found", f"{len(strategies)} MIG-capable node(s), strategy mixed or not yet labelled",
+                        disables, fix)
+
+
 def check_capacity(api: client.ApiClient, provider: str) -> Prerequisite:
     disables = "autoscaling and packing"
     if provider != "karpenter":
@@ -111,7 +190,7 @@ def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:
 
 
 def run_checks(api: client.ApiClient, metrics: PrometheusClient | None, *, gpu_operator_namespace: str,
-               capacity_provider: str) -> list[Prerequisite]:
+               capacity_provider: str, time_slicing_configmap: str = "time-slicing-config") -> list[Prerequisite]:
     """Every check; one that fails unexpectedly is reported as unknown, never raised."""
     checks: list[tuple[str, str, Callable[[], Prerequisite]]] = [
         ("KubeOn agent", "the hub's cluster inventory", lambda: check_agent(api)),
@@ -126,6 +205,16 @@ def run_checks(api: client.ApiClient, metrics: PrometheusClient | None, *, gpu_o
         except Exception as exc:
             out.append(Prerequisite(name, "unknown", f"check failed: {exc}", disables,
                                     "see the worker log; re-run `kubeon-gpu doctor`"))
+    try:
+        out += check_time_slicing(api, gpu_operator_namespace, time_slicing_configmap)
+    except Exception as exc:
+        out.append(Prerequisite("time-slicing ConfigMap", "unknown", f"check failed: {exc}", SHARING_DISABLES,
+                                "see the worker log; re-run `kubeon-gpu doctor`"))
+    try:
+        out.append(check_mig_strategy(api))
+    except Exception as exc:
+        out.append(Prerequisite("MIG strategy", "unknown", f"check failed: {exc}", "MIG sharing",
+                                "see the worker log; re-run `kubeon-gpu doctor`"))
     return out
 
 

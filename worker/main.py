@@ -17,21 +17,25 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
 from activities.scale import ScaleActivities
+from activities.sharing import SharingActivities
 from models.ids import SERVE_QUEUE_SUFFIX
 from worker import telemetry
 from worker.background import running
 from worker.config import Settings
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.scale_watcher import ScaleWatcher
+from worker.sharing_watcher import SharingWatcher
 from worker.watcher import PendingPodWatcher
 from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
+from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
 
 log = logging.getLogger("kubeon.worker")
-WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow]
+WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow,
+             TimeSlicingWorkflow, MigWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 
@@ -45,10 +49,11 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
                 executor: ThreadPoolExecutor, hub: HubActivities | None = None,
-                scale: ScaleActivities | None = None) -> Worker:
+                scale: ScaleActivities | None = None, sharing: SharingActivities | None = None) -> Worker:
     return Worker(
         temporal, task_queue=settings.task_queue, workflows=WORKFLOWS,
-        activities=activities.all() + ([hub.hub_poll] if hub else []) + (scale.all() if scale else []),
+        activities=activities.all() + ([hub.hub_poll] if hub else []) + (scale.all() if scale else [])
+        + (sharing.all() if sharing else []),
         activity_executor=executor, max_concurrent_activities=settings.max_concurrent_activities,
         workflow_runner=workflow_runner(), graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
@@ -79,7 +84,8 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
     runtime_activities = runtime.activities(temporal)
     hub = runtime.hub_activities(temporal)
-    worker = make_worker(temporal, runtime_activities, settings, executor, hub, runtime.scale_activities())
+    worker = make_worker(temporal, runtime_activities, settings, executor, hub, runtime.scale_activities(),
+                         runtime.sharing_activities())
     watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
                                 task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                 settings=settings.operation_settings())
@@ -100,8 +106,15 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
                                       task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                       settings=settings.scale_settings(), resync_seconds=settings.scale_resync_seconds,
                                       prerequisites=runtime.prerequisites)
+                sharer = SharingWatcher(runtime.sharing_ops(), temporal, cluster=settings.cluster,
+                                        task_queue=settings.task_queue, default_mode=settings.default_mode,
+                                        settings=settings.sharing_settings(),
+                                        namespace=settings.gpu_operator_namespace,
+                                        config_map=settings.time_slicing_configmap,
+                                        resync_seconds=settings.scale_resync_seconds)
                 async with (running(watcher, name="pending-pod-watcher", cancel=True, grace_seconds=5),
-                            running(scaler, name="scale-watcher", cancel=False, grace_seconds=30)):
+                            running(scaler, name="scale-watcher", cancel=False, grace_seconds=30),
+                            running(sharer, name="sharing-watcher", cancel=False, grace_seconds=30)):
                     yield temporal, runtime, watcher
             else:
                 yield temporal, runtime, watcher

@@ -19,9 +19,10 @@ from models.node import OperationView
 from models.policy import API_GROUP, PLURAL
 from models.provisioning import ProvisionView
 from models.scale import ScaleView, WakeRequest, WakeResult
+from models.sharing import SharingView, UndoRequest, UndoResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
-           "show", "wake"]
+           "show", "undo", "wake"]
 
 
 @dataclass
@@ -48,7 +49,7 @@ class OperationRow:
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
     """Provisioning workflows (one per policy; OPERATION is its open or latest batch), their batches' nodes
     (BATCH), drains and scale operations."""
-    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain', 'Scale')"
+    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain', 'Scale', 'Sharing')"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []
@@ -75,13 +76,16 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView | ProvisionView | ScaleView:
+async def show(temporal: Client, operation: str) -> OperationView | ProvisionView | ScaleView | SharingView:
     """A node (launch ... return home), a policy's provisioning (its open proposal, plan, batches, nodes) or a
     ScaleToZero operation."""
     handle = await resolve(temporal, operation)
     if handle.id.startswith("scale/"):
         scale: ScaleView = await handle.query("state", result_type=ScaleView)
         return scale
+    if handle.id.startswith("sharing/"):
+        shared: SharingView = await handle.query("state", result_type=SharingView)
+        return shared
     desc = await handle.describe()
     if desc.workflow_type == "Provision":
         view: ProvisionView = await handle.query("state", result_type=ProvisionView)
@@ -100,6 +104,21 @@ async def wake(temporal: Client, operation: str, request: WakeRequest) -> WakeRe
         raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
     try:
         result: WakeResult = await handle.execute_update("wake", request, result_type=WakeResult)
+    except WorkflowUpdateFailedError as exc:
+        raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
+    return result
+
+
+async def undo(temporal: Client, operation: str, request: UndoRequest) -> UndoResult:
+    """Restore the config a Sharing operation replaced on its node (through the same label, then verified)."""
+    handle = await resolve(temporal, operation)
+    if not handle.id.startswith("sharing/"):
+        raise DecisionRefused(f"operation {operation} is not a Sharing operation")
+    desc = await handle.describe()
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
+    try:
+        result: UndoResult = await handle.execute_update("undo", request, result_type=UndoResult)
     except WorkflowUpdateFailedError as exc:
         raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
     return result

@@ -21,6 +21,7 @@ from activities.context import ReportSink
 from activities.hub import HubActivities
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
+from activities.sharing import SharingActivities, SharingOps
 from common.kube import kube_api
 from models import search_attributes
 from models.converter import DATA_CONVERTER
@@ -92,9 +93,16 @@ class Runtime:
     def scale_activities(self) -> ScaleActivities:
         return ScaleActivities(self.scale_ops())
 
+    def sharing_ops(self) -> SharingOps:
+        return SharingOps(self.kube.api, self.metrics)
+
+    def sharing_activities(self) -> SharingActivities:
+        return SharingActivities(self.sharing_ops())
+
     def prerequisites(self) -> list[Prerequisite]:
         return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,
-                          capacity_provider=self.settings.capacity_provider)
+                          capacity_provider=self.settings.capacity_provider,
+                          time_slicing_configmap=self.settings.time_slicing_configmap)
 
     def hub_activities(self, temporal: Client) -> HubActivities | None:
         if self.hub is None:

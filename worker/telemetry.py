@@ -407,7 +407,8 @@ def operation_context(workflow_id: str | None, run_id: str | None, arg: Any = No
 
 # Workflow type -> the operation kind its audited actions count under: a batch's proposal and approval (the
 # provisioning) and its nodes' launch to return home are all of one burst.
-ACTION_KINDS = {"BurstNode": "Burst", "Provision": "Burst", "DrainWorkflow": "Drain", "ScaleWorkflow": "Scale"}
+ACTION_KINDS = {"BurstNode": "Burst", "Provision": "Burst", "DrainWorkflow": "Drain", "ScaleWorkflow": "Scale",
+                "TimeSlicing": "Sharing", "Mig": "Sharing"}
 
 
 def _kind(workflow_type: str | None) -> str:

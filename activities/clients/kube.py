@@ -316,10 +316,12 @@ class KubeOps:
             raise
         return True
 
-    def evict_pods(self, node_name: str) -> EvictionResult:
-        """Evict every evictable pod on the node through the Eviction API. A PDB refusal (429) is reported, not
-        forced: the caller retries with backoff."""
+    def evict_pods(self, node_name: str, *, gpu_only: bool = False) -> EvictionResult:
+        """Evict every evictable pod on the node (``gpu_only``: those requesting GPUs) through the Eviction API. A
+        PDB refusal (429) is reported, not forced: the caller retries with backoff."""
         pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}").items
+        if gpu_only:
+            pods = [p for p in pods if gpus_requested(p)]
         remaining: list[str] = []
         blocked: dict[str, str] = {}
         for pod in self._evictable(pods):

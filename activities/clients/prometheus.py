@@ -65,7 +65,10 @@ class LabelForm:
 
 
 def selector(form: LabelForm, namespaces: Iterable[str]) -> str:
+    """The GPU pods of these namespaces; of every namespace when none is named (sharing looks at nodes)."""
     names = sorted(set(namespaces))
+    if not names:
+        return f'{form.pod}!=""'
     return f'{form.namespace}=~"{"|".join(names)}",{form.pod}!=""'
 
 

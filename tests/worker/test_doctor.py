@@ -3,17 +3,19 @@ real Prometheus for the DCGM check."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from activities.clients.prometheus import PrometheusClient
 from tests.harness.controlplane import free_port
 from tests.harness.dcgm_exporter import DcgmExporter
-from tests.harness.kube import Cluster
+from tests.harness.kube import Cluster, wait_for
 from tests.harness.prometheus import Prometheus
 from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA, install_chart_identities
 from worker.cli import main
@@ -97,6 +99,50 @@ def test_one_log_line_each_then_only_changes(caplog: pytest.LogCaptureFixture, o
         report.report(prereqs)
         report.report(prereqs)
     lines = [r.getMessage() for r in caplog.records if r.name == "kubeon.prerequisites"]
-    assert len(lines) == len(prereqs) == 4
+    assert len(lines) == len(prereqs) == 6
     assert any(line.startswith("prerequisite NVIDIA GPU Operator: missing") and "fix: install the NVIDIA GPU Operator"
                in line for line in lines)
+
+
+def test_time_slicing_configmap_and_device_plugin_by_node_labels(cluster: Cluster,
+                                                                  optimizer_kubeconfig: Path) -> None:
+    """Without the chart's time-slicing Role the ConfigMap is forbidden (R5.3); with it, readable; whether the
+    device plugin reads it is judged from a node naming one of its keys and the replicas it shows."""
+    from kubernetes import client
+
+    from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
+    from worker.doctor import check_mig_strategy, check_time_slicing
+    from worker.runtime import kube_api
+
+    api = kube_api(optimizer_kubeconfig)
+    ns = cluster.create_namespace("gpuop")
+    node = f"doctor-{uuid.uuid4().hex[:6]}"
+    try:
+        cluster.admin.core.create_namespaced_config_map(ns, client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(name="time-slicing-config"),
+            data={"ts-2": "version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                          "      - name: nvidia.com/gpu\n        replicas: 2\n"}))
+        forbidden = check_time_slicing(api, ns, "time-slicing-config")
+        assert [(p.name, p.status) for p in forbidden] == [("time-slicing ConfigMap", "missing")]
+        assert "forbidden" in forbidden[0].detail and "gpuOperator.createRole" in forbidden[0].fix
+        grant_time_slicing_role(cluster, ns)
+
+        def readable() -> list[Any] | None:
+            got = check_time_slicing(api, ns, "time-slicing-config")
+            return got if got[0].status == "found" else None
+        found = wait_for(readable, what="the Role in force", timeout=30)
+        assert found[1].status == "unknown" and "no node names one of its keys" in found[1].detail
+        cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels("NVIDIA-A100-SXM4-80GB", 1),
+                                               "nvidia.com/device-plugin.config": "ts-2"})
+        stale = check_time_slicing(api, ns, "time-slicing-config")
+        assert stale[1].status == "missing" and f"{node} (ts-2: replicas 2, shows 1)" in stale[1].detail
+        assert "devicePlugin" in stale[1].fix
+        cluster.admin.core.patch_node(node, {"metadata": {"labels": {"nvidia.com/gpu.replicas": "2"}}})
+        shown = check_time_slicing(api, ns, "time-slicing-config")
+        assert shown[1].status == "found"
+        cluster.admin.core.patch_node(node, {"metadata": {"labels": {"nvidia.com/mig.strategy": "single"}}})
+        assert check_mig_strategy(api).status == "missing"
+    finally:
+        cluster.admin.core.delete_namespace(ns)
+        with contextlib.suppress(client.ApiException):
+            cluster.admin.core.delete_node(node)

@@ -30,6 +30,7 @@ from workflows.hub_sync import HubSyncWorkflow
 from workflows.operation import Approvable, Proposal
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
+from workflows.sharing import TimeSlicingWorkflow
 
 
 class ToyPhase(StrEnum):
@@ -98,8 +99,11 @@ def test_every_name_a_running_history_may_hold_is_still_registered() -> None:
                                      "updates": set()}
     assert _names(HubSyncWorkflow) == {"type": "HubSync", "signals": {"report", "sync_now", "configure"},
                                        "queries": {"status"}, "updates": set()}
+    assert _names(TimeSlicingWorkflow) == {
+        "type": "TimeSlicing", "signals": {"undo", *decisions}, "queries": {"state"},
+        "updates": {"approve_plan", "reject_plan", "undo"}}
     assert {_Definition.must_from_class(w).name for w in WORKFLOWS} == {
-        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync"}
+        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig"}
 
 
 @pytest.mark.temporal

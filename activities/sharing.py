@@ -1,0 +1,323 @@
+"""Kubernetes side of Sharing (time-slicing through the GPU Operator) with the optimizer's own credentials: get and
+patch the one time-slicing ConfigMap in ``gpuOperator.namespace`` (the chart's Role, R5.3), label nodes (``patch
+nodes``, R5.1), read nodes and pods. Facts the design rests on (../shared/notes/metrics-sharing-packing.md §1): the
+device plugin's config-manager reacts only to the node's ``nvidia.com/device-plugin.config`` label and reads the
+ConfigMap through a mounted volume that lags; so a key a node uses is never edited, a new content-addressed key
+is written and named by the label once it has had time to propagate, and keys are removed only when no node names
+them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.clients.kube import gpus_requested
+from activities.clients.prometheus import PrometheusClient
+from models.policy import API_GROUP, PLURAL, PolicyError, SharingPolicy, parse_policy
+from models.sharing import (
+    CONFIG_LABEL,
+    COUNT_LABEL,
+    KEY_PREFIX,
+    MIG_CONFIG_LABEL,
+    MIG_STATE_LABEL,
+    PENDING_PREFIX,
+    PRODUCT_LABEL,
+    REPLICAS_LABEL,
+    STATUS_KEY,
+    STRATEGY_LABEL,
+    CleanupRequest,
+    CleanupResult,
+    LabelRequest,
+    MigLabelRequest,
+    MigStateRequest,
+    MigStateResult,
+    MigVerifyRequest,
+    NodeConfig,
+    UnservableRequest,
+    UnservableResult,
+    VerifyRequest,
+    VerifyResult,
+    WriteKeyRequest,
+    WriteKeyResult,
+    pending_annotation,
+    time_slicing_config,
+    time_slicing_key,
+)
+from planning.sharing import GpuPod, NodeFacts
+
+# Must match workflows.sharing (workflows may not import activities).
+SHARING_FORBIDDEN = "SharingForbidden"
+CONFIG_MAP_MISSING = "TimeSlicingConfigMapMissing"
+
+
+def role_missing(namespace: str, config_map: str) -> str:
+    return (f"the optimizer may not get/patch ConfigMap {namespace}/{config_map}: the chart's time-slicing Role is "
+            "missing (values gpuOperator.namespace, gpuOperator.timeSlicingConfigMap, gpuOperator.createRole)")
+
+
+def config_map_missing(namespace: str, config_map: str) -> str:
+    return (f"ConfigMap {namespace}/{config_map} does not exist: create it (the optimizer may only get and patch "
+            "it) and point the GPU Operator's ClusterPolicy devicePlugin.config.name at it")
+
+
+def base_product(label: str) -> str:
+    return label.removesuffix("-SHARED")
+
+
+def _live(pod: Any) -> bool:
+    return pod.metadata.deletion_timestamp is None and not (pod.status and pod.status.phase in ("Succeeded",
+                                                                                               "Failed"))
+
+
+class SharingOps:
+    """ConfigMap keys, node labels, node and pod reads (sync; the activities and the watcher share it)."""
+
+    def __init__(self, api: client.ApiClient, metrics: PrometheusClient | None) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.metrics = metrics
+
+    # -- the time-slicing ConfigMap ------------------------------------------------------------------------
+    def _read_config_map(self, namespace: str, name: str) -> dict[str, str]:
+        try:
+            cm: Any = self.core.read_namespaced_config_map(name, namespace)
+        except client.ApiException as exc:
+            if exc.status == 403:
+                raise ApplicationError(role_missing(namespace, name), type=SHARING_FORBIDDEN,
+                                       non_retryable=True) from None
+            if exc.status == 404:
+                raise ApplicationError(config_map_missing(namespace, name), type=CONFIG_MAP_MISSING,
+                                       non_retryable=True) from None
+            raise
+        return dict(cm.data or {})
+
+    def _read_annotations(self, namespace: str, name: str) -> dict[str, str]:
+        cm: Any = self.core.read_namespaced_config_map(name, namespace)
+        return dict(cm.metadata.annotations or {})
+
+    def _patch_config_map(self, namespace: str, name: str, data: dict[str, str | None],
+                          annotations: dict[str, str | None] | None = None) -> None:
+        body: dict[str, Any] = {"data": data}
+        if annotations:
+            body["metadata"] = {"annotations": annotations}
+        try:
+            self.core.patch_namespaced_config_map(name, namespace, body)
+        except client.ApiException as exc:
+            if exc.status == 403:
+                raise ApplicationError(role_missing(namespace, name), type=SHARING_FORBIDDEN,
+                                       non_retryable=True) from None
+            raise
+
+    def write_key(self, req: WriteKeyRequest) -> WriteKeyResult:
+        """Add the config's content-addressed key; one already there is left as it is (never edited)."""
+        key = time_slicing_key(req.replicas, req.fail_requests_greater_than_one)
+        body = time_slicing_config(req.replicas, req.fail_requests_greater_than_one)
+        data = self._read_config_map(req.namespace, req.config_map)
+        mark: dict[str, str | None] | None = {pending_annotation(req.node): key} if req.node else None
+        if key in data:
+            if mark:
+                self._patch_config_map(req.namespace, req.config_map, {}, mark)
+            return WriteKeyResult(key=key, written=False)
+        self._patch_config_map(req.namespace, req.config_map, {key: body}, mark)
+        return WriteKeyResult(key=key, written=True)
+
+    def cleanup(self, req: CleanupRequest) -> CleanupResult:
+        """Remove the optimizer's keys no node's label names and no operation is bringing to its node (others'
+        keys are never touched); ``release``: that node's pending mark first."""
+        if req.release:
+            self._patch_config_map(req.namespace, req.config_map, {}, {pending_annotation(req.release): None})
+        data = self._read_config_map(req.namespace, req.config_map)
+        pending = {v for k, v in self._read_annotations(req.namespace, req.config_map).items()
+                   if k.startswith(PENDING_PREFIX)}
+        nodes: list[Any] = self.core.list_node().items
+        named = {(n.metadata.labels or {}).get(CONFIG_LABEL) for n in nodes} | pending
+        unused = sorted(k for k in data if k.startswith(KEY_PREFIX) and k not in named)
+        if unused:
+            self._patch_config_map(req.namespace, req.config_map, dict.fromkeys(unused))
+        return CleanupResult(removed=unused)
+
+    # -- nodes ---------------------------------------------------------------------------------------------
+    def node_config(self, node: str) -> NodeConfig:
+        n: Any = self.core.read_node(node)
+        labels = n.metadata.labels or {}
+        return NodeConfig(node=node, label=labels.get(CONFIG_LABEL), replicas=int(labels.get(REPLICAS_LABEL, "1")),
+                          gpus=int(labels.get(COUNT_LABEL, "0")))
+
+    def set_label(self, req: LabelRequest) -> None:
+        self.core.patch_node(req.node, {"metadata": {"labels": {CONFIG_LABEL: req.key}}})
+
+    def check(self, req: VerifyRequest) -> VerifyResult:
+        n: Any = self.core.read_node(req.node)
+        labels = dict(n.metadata.labels or {})
+        allocatable = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+        shown = {k: labels.get(k, "") for k in (REPLICAS_LABEL, PRODUCT_LABEL, STRATEGY_LABEL)}
+        want = req.gpus * req.replicas
+        problems = []
+        if allocatable != want:
+            problems.append(f"allocatable nvidia.com/gpu is {allocatable}, not {req.gpus} x {req.replicas} = {want}")
+        if shown[REPLICAS_LABEL] != str(req.replicas):
+            problems.append(f"{REPLICAS_LABEL} is {shown[REPLICAS_LABEL] or 'unset'}, not {req.replicas}")
+        shared = shown[PRODUCT_LABEL].endswith("-SHARED")
+        if shared != (req.replicas > 1):
+            problems.append(f"{PRODUCT_LABEL} is {shown[PRODUCT_LABEL]}")
+        strategy = "time-slicing" if req.replicas > 1 else "none"
+        if shown[STRATEGY_LABEL] != strategy:
+            problems.append(f"{STRATEGY_LABEL} is {shown[STRATEGY_LABEL] or 'unset'}, not {strategy}")
+        return VerifyResult(ok=not problems, allocatable=allocatable, labels=shown, reason="; ".join(problems))
+
+    def uncordon(self, node: str) -> None:
+        self.core.patch_node(node, {"spec": {"unschedulable": None}})
+
+    def mig_label(self, node: str) -> tuple[str | None, str | None]:
+        n: Any = self.core.read_node(node)
+        labels = n.metadata.labels or {}
+        return labels.get(MIG_CONFIG_LABEL), labels.get(MIG_STATE_LABEL)
+
+    def set_mig(self, req: MigLabelRequest) -> None:
+        """The geometry label, and the MIG manager's state label cleared in the same patch: a ``success`` read
+        afterwards is the MIG manager's answer to this change, not what it said of the previous one."""
+        self.core.patch_node(req.node, {"metadata": {"labels": {MIG_CONFIG_LABEL: req.geometry,
+                                                                MIG_STATE_LABEL: None}}})
+
+    def mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
+        n: Any = self.core.read_node(req.node)
+        alloc = n.status.allocatable or {}
+        wrong = [f"{k} is {alloc.get(k, '0')}, not {v}" for k, v in sorted(req.expected.items())
+                 if int(alloc.get(k, "0")) != v]
+        return VerifyResult(ok=not wrong, allocatable=sum(int(alloc.get(k, "0")) for k in req.expected),
+                            labels={k: str(alloc.get(k, "0")) for k in req.expected}, reason="; ".join(wrong))
+
+    def unservable(self, req: UnservableRequest) -> UnservableResult:
+        n: Any = self.core.read_node(req.node)
+        allocatable = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+        pods: list[Any] = [p for p in self.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={req.node}").items if _live(p) and gpus_requested(p)]
+        pods.sort(key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
+        requested, over = 0, []
+        for p in pods:
+            requested += gpus_requested(p)
+            if requested > allocatable:
+                over.append(f"{p.metadata.namespace}/{p.metadata.name}")
+        return UnservableResult(allocatable=allocatable, requested=requested, pods=over)
+
+    # -- what the watcher decides from ---------------------------------------------------------------------
+    def list_policies(self) -> list[SharingPolicy]:
+        listed: Any = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)
+        out = []
+        for doc in listed.get("items", []):
+            try:
+                p = parse_policy(doc)
+            except PolicyError:
+                continue
+            if isinstance(p, SharingPolicy):
+                out.append(p)
+        return out
+
+    def patch_status(self, policy: str, status: dict[str, Any]) -> None:
+        try:
+            self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
+                                                           {"status": {STATUS_KEY: status}})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def node_facts(self, match_labels: dict[str, str]) -> list[NodeFacts]:
+        """The selected GPU nodes, their GPU pods, and the pending GPU pods each could take (by nodeSelector)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items() if match_labels else []))
+        nodes: list[Any] = self.core.list_node(label_selector=selector).items
+        pods: list[Any] = self.core.list_pod_for_all_namespaces().items
+        pending = [p for p in pods if _live(p) and not p.spec.node_name and gpus_requested(p)]
+        out = []
+        for n in nodes:
+            labels = n.metadata.labels or {}
+            if COUNT_LABEL not in labels:
+                continue
+            name = str(n.metadata.name)
+            mine = tuple(GpuPod(p.metadata.namespace, p.metadata.name, gpus_requested(p)) for p in pods
+                         if p.spec.node_name == name and _live(p) and gpus_requested(p))
+            waiting = tuple(GpuPod(p.metadata.namespace, p.metadata.name, gpus_requested(p)) for p in pending
+                            if all(labels.get(k) == v for k, v in (p.spec.node_selector or {}).items()))
+            out.append(NodeFacts(
+                name=name, product=base_product(labels.get(PRODUCT_LABEL, "")), gpus=int(labels[COUNT_LABEL]),
+                replicas=int(labels.get(REPLICAS_LABEL, "1")), mig_config=labels.get(MIG_CONFIG_LABEL, "all-disabled"),
+                pods=mine, waiting=waiting))
+        return out
+
+
+class SharingActivities:
+    def __init__(self, ops: SharingOps) -> None:
+        self.ops = ops
+
+    @activity.defn(name="write_time_slicing_key")
+    def write_time_slicing_key(self, req: WriteKeyRequest) -> WriteKeyResult:
+        return self.ops.write_key(req)
+
+    @activity.defn(name="read_node_config")
+    def read_node_config(self, node: str) -> NodeConfig:
+        return self.ops.node_config(node)
+
+    @activity.defn(name="set_device_plugin_config")
+    def set_device_plugin_config(self, req: LabelRequest) -> None:
+        self.ops.set_label(req)
+
+    @activity.defn(name="verify_time_slicing")
+    async def verify_time_slicing(self, req: VerifyRequest) -> VerifyResult:
+        """Until the node shows the config (allocatable and labels) or the timeout; heartbeats."""
+        deadline = time.monotonic() + req.timeout_seconds
+        while True:
+            result = await asyncio.to_thread(self.ops.check, req)
+            activity.heartbeat(result.reason or "verified")
+            if result.ok or time.monotonic() > deadline:
+                return result
+            await asyncio.sleep(1)
+
+    @activity.defn(name="remove_unused_time_slicing_keys")
+    def remove_unused_time_slicing_keys(self, req: CleanupRequest) -> CleanupResult:
+        return self.ops.cleanup(req)
+
+    @activity.defn(name="unservable_pods")
+    def unservable_pods(self, req: UnservableRequest) -> UnservableResult:
+        return self.ops.unservable(req)
+
+    @activity.defn(name="uncordon_node")
+    def uncordon_node(self, node: str) -> None:
+        self.ops.uncordon(node)
+
+    @activity.defn(name="read_mig_config")
+    def read_mig_config(self, node: str) -> MigStateResult:
+        label, state = self.ops.mig_label(node)
+        return MigStateResult(state=state or "", previous=label)
+
+    @activity.defn(name="set_mig_config")
+    def set_mig_config(self, req: MigLabelRequest) -> None:
+        self.ops.set_mig(req)
+
+    @activity.defn(name="wait_mig_state")
+    async def wait_mig_state(self, req: MigStateRequest) -> MigStateResult:
+        """Until the MIG manager reports ``success`` or ``failed`` for the geometry, or the timeout; heartbeats."""
+        deadline = time.monotonic() + req.timeout_seconds
+        while True:
+            label, state = await asyncio.to_thread(self.ops.mig_label, req.node)
+            activity.heartbeat(f"{label}: {state}")
+            if label == req.geometry and state in ("success", "failed"):
+                return MigStateResult(state=state)
+            if time.monotonic() > deadline:
+                return MigStateResult(state=f"timeout (still {state or 'unset'})")
+            await asyncio.sleep(1)
+
+    @activity.defn(name="verify_mig_resources")
+    def verify_mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
+        return self.ops.mig_resources(req)
+
+    def all(self) -> list[Callable[..., Any]]:
+        return [self.write_time_slicing_key, self.read_node_config, self.set_device_plugin_config,
+                self.verify_time_slicing, self.remove_unused_time_slicing_keys, self.unservable_pods,
+                self.uncordon_node, self.read_mig_config, self.set_mig_config, self.wait_mig_state,
+                self.verify_mig_resources]

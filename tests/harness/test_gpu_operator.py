@@ -1,0 +1,244 @@
+"""The GPU Operator stand-in on the real control plane: the config-manager's label-driven time-slicing (with the
+ConfigMap's propagation delay, refusals of missing keys and invalid configs, no reaction to an edited key in use)
+and the MIG manager's state machine, resources and pod deletion. Each pass is driven by ``step(now)`` on a
+virtual clock, so nothing waits."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.harness.gpu_operator import (
+    CONFIG_LABEL,
+    MIG_CONFIG_LABEL,
+    MIG_STATE_LABEL,
+    ConfigRefused,
+    GpuOperator,
+    base_product,
+    geometries,
+    parse_config,
+)
+from tests.harness.kube import Cluster, wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+def ts_config(replicas: int, *, fail_gt_one: bool = True) -> str:
+    return yaml.safe_dump({"version": "v1", "flags": {"migStrategy": "none"}, "sharing": {"timeSlicing": {
+        "failRequestsGreaterThanOne": fail_gt_one, "resources": [{"name": "nvidia.com/gpu", "replicas": replicas}]}}})
+
+
+@pytest.fixture
+def operator(cluster: Cluster, namespace: str) -> GpuOperator:
+    cluster.admin.core.create_namespaced_config_map(namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="time-slicing-config"), data={}))
+    return GpuOperator(cluster.admin.api, namespace=namespace, propagation_delay=0.0, mig_seconds=1.0)
+
+
+@pytest.fixture
+def gpu_node(cluster: Cluster) -> Iterator[Any]:
+    made: list[str] = []
+
+    def make(product: str = "NVIDIA-A100-SXM4-80GB", gpus: int = 4) -> str:
+        name = f"gpuop-{uuid.uuid4().hex[:6]}"
+        cluster.create_kwok_node(name, labels=GpuOperator.gfd_labels(product, gpus), gpus=gpus)
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        cluster.admin.core.delete_node(name)
+
+
+def node(cluster: Cluster, name: str) -> tuple[dict[str, str], dict[str, str]]:
+    n: Any = cluster.admin.core.read_node(name)
+    return dict(n.metadata.labels or {}), {k: v for k, v in (n.status.allocatable or {}).items()
+                                           if k.startswith("nvidia.com/")}
+
+
+def write_key(cluster: Cluster, namespace: str, key: str, body: str | None) -> None:
+    cluster.admin.core.patch_namespaced_config_map("time-slicing-config", namespace, {"data": {key: body}})
+
+
+def label(cluster: Cluster, name: str, key: str, value: str | None) -> None:
+    cluster.admin.core.patch_node(name, {"metadata": {"labels": {key: value}}})
+
+
+def test_time_slicing_follows_the_node_label(cluster: Cluster, namespace: str, operator: GpuOperator,
+                                             gpu_node: Any) -> None:
+    name = gpu_node()
+    operator.step(0)
+    labels, alloc = node(cluster, name)
+    assert alloc == {"nvidia.com/gpu": "4"}
+    assert (labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.sharing-strategy"]) == ("1", "none")
+
+    write_key(cluster, namespace, "ts-2", ts_config(2))
+    label(cluster, name, CONFIG_LABEL, "ts-2")
+    operator.step(1)
+    labels, alloc = node(cluster, name)
+    assert alloc == {"nvidia.com/gpu": "8"}
+    assert cluster.admin.core.read_node(name).status.capacity["nvidia.com/gpu"] == "8"
+    assert labels["nvidia.com/gpu.replicas"] == "2"
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB-SHARED"
+    assert labels["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
+    assert labels["nvidia.com/gpu.count"] == "4"
+
+    # The body of a key in use changes: nothing happens until the label does (the Operator does not watch it).
+    write_key(cluster, namespace, "ts-2", ts_config(4))
+    operator.step(2)
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "8"}
+
+    label(cluster, name, CONFIG_LABEL, None)  # no label, no default: the empty fallback
+    operator.step(3)
+    labels, alloc = node(cluster, name)
+    assert alloc == {"nvidia.com/gpu": "4"}
+    assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.replicas"]) == ("NVIDIA-A100-SXM4-80GB", "1")
+
+
+def test_missing_key_is_refused_until_the_mounted_copy_has_it(cluster: Cluster, namespace: str,
+                                                              operator: GpuOperator, gpu_node: Any) -> None:
+    operator.propagation_delay = 60.0
+    name = gpu_node(gpus=2)
+    operator.step(0)
+    write_key(cluster, namespace, "ts-3", ts_config(3))
+    label(cluster, name, CONFIG_LABEL, "ts-3")
+    operator.step(10)  # written through the API, not yet in the pod's volume
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "2"}
+    assert operator.events_for(name)[-1].endswith("specified config ts-3 does not exist (config-manager exits; "
+                                                  "retried)")
+    operator.step(69)
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "2"}
+    operator.step(71)  # the restarted sidecar finds it once the volume caught up
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "6"}
+
+    label(cluster, name, CONFIG_LABEL, "never-written")
+    for now in (100, 200, 300):
+        operator.step(now)
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "6"}, "a missing key keeps the previous config"
+    assert operator.events_for(name).count(
+        f"{name}: specified config never-written does not exist (config-manager exits; retried)") == 1
+
+    operator.propagation_delay = 0.0
+    write_key(cluster, namespace, "bad", yaml.safe_dump({"version": "v1", "sharing": {"timeSlicing": {
+        "resources": [{"name": "nvidia.com/gpu", "replicas": 1}]}}}))
+    label(cluster, name, CONFIG_LABEL, "bad")
+    operator.step(400)
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "6"}
+    assert operator.events_for(name)[-1] == f"{name}: config bad refused: number of replicas must be >= 2"
+
+
+def test_disconnected_config_manager_ignores_labels(cluster: Cluster, namespace: str, operator: GpuOperator,
+                                                    gpu_node: Any) -> None:
+    name = gpu_node(gpus=1)
+    operator.disconnect()
+    write_key(cluster, namespace, "ts-2", ts_config(2))
+    label(cluster, name, CONFIG_LABEL, "ts-2")
+    operator.step(0)
+    assert node(cluster, name)[1] == {"nvidia.com/gpu": "1"}
+
+
+def gpu_pod(cluster: Cluster, namespace: str, node_name: str, name: str) -> None:
+    cluster.admin.core.create_namespaced_pod(namespace, client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PodSpec(node_name=node_name, containers=[client.V1Container(
+            name="main", image="busybox", resources=client.V1ResourceRequirements(
+                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))])))
+
+
+def test_mig_reconfiguration_deletes_gpu_pods_and_advertises_slices(cluster: Cluster, namespace: str,
+                                                                    operator: GpuOperator, gpu_node: Any) -> None:
+    operator.with_reboot = True
+    name = gpu_node(gpus=2)
+    gpu_pod(cluster, namespace, name, "train-0")
+    gpu_pod(cluster, namespace, name, "train-1")
+    cluster.admin.core.create_namespaced_pod(namespace, client.V1Pod(
+        metadata=client.V1ObjectMeta(name="cpu-only"),
+        spec=client.V1PodSpec(node_name=name, containers=[client.V1Container(name="main", image="busybox")])))
+    operator.step(0)
+    label(cluster, name, MIG_CONFIG_LABEL, "all-1g.10gb")
+    operator.step(1)
+    assert node(cluster, name)[0][MIG_STATE_LABEL] == "pending"
+    wait_for(lambda: {p.metadata.name for p in cluster.admin.core.list_namespaced_pod(namespace).items
+                      if p.metadata.deletion_timestamp is None} == {"cpu-only"},
+             what="the MIG manager deleted the GPU pods, not the CPU one", timeout=30)
+    operator.step(2.5)
+    assert node(cluster, name)[0][MIG_STATE_LABEL] == "rebooting"
+    operator.step(4)
+    labels, alloc = node(cluster, name)
+    assert labels[MIG_STATE_LABEL] == "success"
+    assert alloc == {"nvidia.com/gpu": "0", "nvidia.com/mig-1g.10gb": "14"}
+    assert labels["nvidia.com/mig-1g.10gb.count"] == "14"
+
+    operator.fail_next_mig(name)
+    label(cluster, name, MIG_CONFIG_LABEL, "all-3g.40gb")
+    operator.step(5)
+    operator.step(7)
+    operator.step(9)
+    labels, alloc = node(cluster, name)
+    assert labels[MIG_STATE_LABEL] == "failed"
+    assert alloc == {"nvidia.com/gpu": "0", "nvidia.com/mig-1g.10gb": "14"}, "failed leaves the old slices"
+    for now in (20, 30):
+        operator.step(now)
+    assert node(cluster, name)[0][MIG_STATE_LABEL] == "failed", "a failed geometry is not retried"
+
+    label(cluster, name, MIG_CONFIG_LABEL, "all-disabled")
+    for now in (40, 42, 44):
+        operator.step(now)
+    labels, alloc = node(cluster, name)
+    assert labels[MIG_STATE_LABEL] == "success"
+    assert alloc == {"nvidia.com/gpu": "2"}
+    assert "nvidia.com/mig-1g.10gb.count" not in labels
+
+
+def test_mig_stuck_pending_and_unknown_geometry(cluster: Cluster, namespace: str, operator: GpuOperator,
+                                                gpu_node: Any) -> None:
+    name = gpu_node(product="NVIDIA-A100-SXM4-40GB", gpus=1)
+    operator.step(0)
+    operator.stick_pending(name)
+    label(cluster, name, MIG_CONFIG_LABEL, "all-1g.5gb")
+    for now in (1, 10, 100):
+        operator.step(now)
+    labels, alloc = node(cluster, name)
+    assert labels[MIG_STATE_LABEL] == "pending"
+    assert alloc == {"nvidia.com/gpu": "1"}
+    label(cluster, name, MIG_CONFIG_LABEL, "all-1g.10gb")  # an 80GB profile on a 40GB card
+    for now in (101, 102, 104):
+        operator.step(now)
+    assert node(cluster, name)[0][MIG_STATE_LABEL] == "failed"
+    label(cluster, name, MIG_CONFIG_LABEL, "all-balanced")
+    for now in (105, 106, 108):
+        operator.step(now)
+    labels, alloc = node(cluster, name)
+    assert labels[MIG_STATE_LABEL] == "success"
+    assert alloc == {"nvidia.com/gpu": "0", "nvidia.com/mig-1g.5gb": "2", "nvidia.com/mig-2g.10gb": "1",
+                     "nvidia.com/mig-3g.20gb": "1"}
+
+
+def test_running_thread_applies_a_label(cluster: Cluster, namespace: str, operator: GpuOperator,
+                                        gpu_node: Any) -> None:
+    name = gpu_node(product="NVIDIA-H100-80GB-HBM3", gpus=8)
+    write_key(cluster, namespace, "ts-4", ts_config(4))
+    with operator:
+        label(cluster, name, CONFIG_LABEL, "ts-4")
+        wait_for(lambda: node(cluster, name)[1] == {"nvidia.com/gpu": "32"}, what="32 time-sliced GPUs",
+                 timeout=30)
+
+
+def test_geometries_and_config_validation() -> None:
+    assert geometries("NVIDIA-A100-SXM4-40GB")["all-1g.5gb"] == {"1g.5gb": 7}
+    assert geometries("NVIDIA-A100-SXM4-80GB")["all-balanced"] == {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
+    assert geometries("NVIDIA-H100-80GB-HBM3")["all-1g.10gb"] == {"1g.10gb": 7}
+    assert geometries("NVIDIA-L4") == {}
+    assert base_product("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb-SHARED") == "NVIDIA-A100-SXM4-40GB"
+    assert parse_config(ts_config(2)).replicas == 2
+    assert parse_config("version: v1\nflags: {migStrategy: none}\n").replicas == 1
+    for body, why in [("version: v2", "unknown version"), ("sharing: {timeSlicing: {resources: []}}",
+                                                           "no resources specified"),
+                      ("sharing: {timeSlicing: {resources: [{replicas: 2}]}}", "resource name is required")]:
+        with pytest.raises(ConfigRefused, match=why):
+            parse_config(body)

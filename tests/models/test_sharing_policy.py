@@ -1,0 +1,135 @@
+"""Sharing policies: the model and the CRD schema accept the documented shape (and the example) and refuse
+malformed ones, naming the field; `policy validate` says so too."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from models import policy
+from models.policy import PolicyError, SharingPolicy, parse_policy
+from tests.harness.crd import create_strictly
+from tests.harness.kube import Cluster
+from tests.models.test_scale_policy import apply_case as _apply_on
+from worker.cli import main
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+EXAMPLE = ROOT / "examples/policies/sharing-a100.yaml"
+VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_sharing_policy.yaml").read_text())
+CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_sharing_policies.yaml").read_text())
+
+
+def apply_case(case: dict[str, Any]) -> dict[str, Any]:
+    import tests.models.test_scale_policy as scale
+
+    saved = scale.VALID
+    scale.VALID = VALID
+    try:
+        return _apply_on(case)
+    finally:
+        scale.VALID = saved
+
+
+def test_documented_sharing_policy_is_valid() -> None:
+    p = parse_policy(VALID)
+    assert isinstance(p, SharingPolicy)
+    spec = p.spec
+    assert spec.nodes.match_labels == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert spec.time_slicing is not None and spec.time_slicing.max_replicas == 4
+    assert spec.mig is not None and spec.mig.allowed == ["all-1g.10gb", "all-3g.40gb", "all-balanced"]
+    assert spec.idle.threshold == 0.4 and spec.idle.window_seconds == 7 * 24 * 3600
+    assert spec.usd_per_gpu_hour == 4.1
+
+
+def test_defaults_and_mig_never_automatic_by_default() -> None:
+    doc = {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": "s"},
+           "spec": {"kind": "Sharing", "nodes": {"matchLabels": {"pool": "a100"}}, "mig": {"allowed": ["all-1g.10gb"]}}}
+    spec = parse_policy(doc).spec
+    assert isinstance(spec, policy.SharingSpec)
+    assert spec.time_slicing is None and spec.mig is not None and spec.mig.headroom == 0.1
+    assert spec.idle.window == "168h" and spec.idle.min_coverage == 0.9
+    assert spec.effective_mode("Automatic") == "Automatic"
+    assert spec.mig_mode("Automatic") == "Approve"
+    assert spec.mig_mode("Recommend") == "Recommend"
+    doc["spec"]["mode"] = "Automatic"
+    again = parse_policy(doc).spec
+    assert isinstance(again, policy.SharingSpec) and again.mig_mode("Recommend") == "Automatic"
+
+
+def test_days_get_a_message_that_says_what_to_write() -> None:
+    doc = copy.deepcopy(VALID)
+    doc["spec"]["idle"]["window"] = "7d"
+    with pytest.raises(PolicyError, match="write 168h"):
+        parse_policy(doc)
+
+
+def test_corpus_names_are_unique() -> None:
+    names = [c["name"] for c in CORPUS]
+    assert len(names) >= 15 and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_model_rejects_malformed_sharing_policy_naming_the_field(case: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(apply_case(case))
+    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
+
+
+def test_crd_schema_uses_the_model_patterns() -> None:
+    crd = yaml.safe_load((ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["mig"]["properties"]["allowed"]["items"]["pattern"] == policy.MIG_GEOMETRY_PATTERN
+    assert spec["idle"]["properties"]["window"]["pattern"] == policy.DURATION_PATTERN
+    assert spec["nodes"]["properties"]["matchLabels"]["additionalProperties"]["pattern"] == \
+        policy.LABEL_VALUE_PATTERN
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Max Replicas"] == ".spec.timeSlicing.maxReplicas"
+    assert columns["Sharing Proposals"] == ".status.sharing.proposals"
+
+
+def test_policy_validate_accepts_the_example_and_names_a_bad_field(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "validate", str(EXAMPLE)]) == 0
+    assert "ok: sharing-a100 (Sharing, mode Recommend)" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    doc = copy.deepcopy(VALID)
+    doc["spec"]["timeSlicing"]["maxReplicas"] = 1
+    bad.write_text(yaml.safe_dump(doc))
+    assert main(["policy", "validate", str(bad)]) == 1
+    assert "spec.timeSlicing.maxReplicas: Input should be greater than or equal to 2" in capsys.readouterr().err
+
+
+# --- the same corpus against the real apiserver --------------------------------------------------------------
+
+def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
+    return create_strictly(cluster, doc, "sh")
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_the_documented_sharing_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
+    for doc in (VALID, yaml.safe_load(EXAMPLE.read_text())):
+        created = _create(gpupolicy_crd, doc)
+        try:
+            assert created["spec"] == doc["spec"]
+            assert isinstance(parse_policy(created), SharingPolicy)
+        finally:
+            gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
+                                                                    created["metadata"]["name"])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", [c for c in CORPUS if c.get("refusedBy") != "worker"],
+                         ids=[c["name"] for c in CORPUS if c.get("refusedBy") != "worker"])
+def test_apiserver_rejects_malformed_sharing_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, apply_case(case))
+    assert err.value.status in (400, 422), err.value.body
+    leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
+    assert leaf in err.value.body, err.value.body

@@ -1,0 +1,481 @@
+"""Sharing by time-slicing end to end on the real parts: the control plane (a kwok A100 node, the chart's
+ServiceAccount, ClusterRole and its time-slicing Role in the GPU Operator's namespace), the GPU Operator stand-in
+(config-manager with a propagation delay), a real Prometheus with backfilled DCGM history, the Temporal dev
+server and the worker in-process.
+
+The issue's acceptance: four 1-GPU pods at 5 % on a 4-GPU node and four more pending -> a proposal with
+replicas 2, approved -> allocatable 8, the pending pods run on the same node, no new node; undo -> back to 4 and
+the extra pods named as unservable (still running: never evicted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.sharing import SharingOps
+from models.decisions import Approval
+from models.hub import REPORT_ACTIONS
+from models.policy import API_GROUP, PLURAL
+from models.sharing import (
+    CONFIG_LABEL,
+    KEY_PREFIX,
+    NO_PROMETHEUS,
+    CleanupRequest,
+    MigInput,
+    SharingOutcome,
+    SharingPhase,
+    SharingSettings,
+    SharingView,
+    TimeSlicingInput,
+    UndoRequest,
+    WriteKeyRequest,
+    WriteKeyResult,
+    sharing_workflow_id,
+)
+from tests.harness.burst import BurstStack, build_stack, unique, worker_process
+from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
+from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
+from tests.harness.kube import Cluster, until, wait_for
+from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from worker import ops
+from worker.config import Settings
+from worker.main import worker_services
+from worker.sharing_watcher import SharingWatcher
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.prometheus]
+PRODUCT = "NVIDIA-A100-SXM4-80GB"
+
+
+@dataclass
+class SharingBed:
+    burst: BurstStack
+    operator_ns: str
+    node: str
+    pool: str
+    exporter: DcgmExporter
+    prometheus: Prometheus
+    gpu_operator: GpuOperator
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.burst.cluster
+
+
+def gpu_pod(name: str, pool: str) -> client.V1Pod:
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, labels={"app": "shared"}),
+        spec=client.V1PodSpec(node_selector={"pool": pool}, containers=[client.V1Container(
+            name="main", image="busybox", resources=client.V1ResourceRequirements(
+                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))]))
+
+
+def pods_on(cluster: Cluster, namespace: str, node: str) -> list[str]:
+    found: list[Any] = cluster.admin.core.list_namespaced_pod(namespace).items
+    return sorted(p.metadata.name for p in found if p.spec.node_name == node and p.status.phase == "Running"
+                  and p.metadata.deletion_timestamp is None)
+
+
+def allocatable(cluster: Cluster, node: str) -> str:
+    return str(cluster.admin.core.read_node(node).status.allocatable["nvidia.com/gpu"])
+
+
+@pytest.fixture(scope="module")
+def bed(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharingBed]:
+    workdir = tmp_path_factory.mktemp("sharing")
+    burst = build_stack(cluster, workdir)
+    operator_ns = cluster.create_namespace("gpu-operator")
+    grant_time_slicing_role(cluster, operator_ns)
+    cluster.admin.core.create_namespaced_config_map(operator_ns, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="time-slicing-config"), data={"any": "version: v1\n"}))
+    pool = f"ts-{uuid.uuid4().hex[:6]}"
+    node = f"a100-{pool}"
+    cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 4), "pool": pool}, gpus=4)
+    gpu_operator = GpuOperator(cluster.admin.api, namespace=operator_ns, propagation_delay=1.0).start()
+    exporter = DcgmExporter().start()
+    exporter.add_node(node, gpus=4)
+    prometheus = Prometheus(workdir / "prometheus", targets=[exporter.address])
+    try:
+        yield SharingBed(burst, operator_ns, node, pool, exporter, prometheus, gpu_operator)
+    finally:
+        gpu_operator.stop()
+        prometheus.stop()
+        exporter.stop()
+        cluster.admin.core.delete_node(node)
+        cluster.admin.core.delete_namespace(operator_ns)
+
+
+def create_policy(bed: SharingBed, name: str, mode: str) -> None:
+    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name},
+        "spec": {"kind": "Sharing", "mode": mode, "nodes": {"matchLabels": {"pool": bed.pool}},
+                 "timeSlicing": {"maxReplicas": 4}, "idle": {"threshold": 0.4, "window": "1h"},
+                 "usdPerGpuHour": 4.1}})
+
+
+def sharing_status(bed: SharingBed, policy: str) -> dict[str, Any]:
+    doc: Any = bed.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
+    return dict((doc.get("status") or {}).get("sharing") or {})
+
+
+def settings(bed: SharingBed, env: WorkflowEnvironment, *, prometheus: bool = True) -> Settings:
+    queue = unique("sh")
+    return bed.burst.settings(
+        temporal_address=env.client.service_client.config.target_host, task_queue=queue, locations=[],
+        cluster_name=queue, burst_enabled=False, prometheus_url=bed.prometheus.url if prometheus else "",
+        scale_resync_seconds=1, gpu_operator_namespace=bed.operator_ns, sharing_propagation_seconds=2,
+        sharing_verify_timeout_seconds=30)
+
+
+async def wait_phase(temporal: Client, wf_id: str, *phases: SharingPhase, timeout: float = 90) -> SharingView:
+    deadline = time.monotonic() + timeout
+    last: SharingView | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = await temporal.get_workflow_handle(wf_id).query("state", result_type=SharingView)
+        except Exception:  # not started yet
+            last = None
+        if last is not None and last.phase in phases:
+            return last
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{wf_id} never reached {[p.value for p in phases]}; last: "
+                         f"{last.phase.value if last else None} {last.history if last else ''}")
+
+
+async def test_time_slicing_approved_runs_the_waiting_pods_then_undo_names_the_extra_ones(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    cluster = bed.cluster
+    for i in range(4):
+        cluster.admin.core.create_namespaced_pod(namespace, gpu_pod(f"run-{i}", bed.pool))
+    await until(lambda: len(pods_on(cluster, namespace, bed.node)) == 4, what="four pods running", timeout=60)
+    for i in range(4):
+        bed.exporter.assign(namespace, f"run-{i}", activity=0.05, fb_used_mib=4096)
+    now = time.time()
+    held = [g for g in bed.exporter.snapshot() if g.pod]
+    bed.prometheus.backfill(openmetrics_history([(now - ago, held) for ago in range(70 * 60, 15, -30)],
+                                                extra={"job": SCRAPE_JOB, "instance": bed.exporter.address}))
+    bed.prometheus.start()
+    bed.prometheus.wait_scraped()
+    for i in range(4):
+        cluster.admin.core.create_namespaced_pod(namespace, gpu_pod(f"wait-{i}", bed.pool))
+
+    def unschedulable() -> bool:
+        found: list[Any] = cluster.admin.core.list_namespaced_pod(namespace).items
+        waiting = [p for p in found if p.metadata.name.startswith("wait-")]
+        return len(waiting) == 4 and all(any(c.type == "PodScheduled" and c.reason == "Unschedulable"
+                                             for c in (p.status.conditions or [])) for p in waiting)
+    await until(unschedulable, what="four pods pending: the node's 4 GPUs are taken", timeout=60)
+    nodes_before = len(cluster.admin.core.list_node().items)
+
+    policy = unique("share")
+    create_policy(bed, policy, "Approve")
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, bed.node)
+            view = await wait_phase(temporal, wf_id, SharingPhase.AWAITING_APPROVAL)
+            assert view.replicas == 2 and view.mode == "Approve"
+            status = await until(lambda: sharing_status(bed, policy).get("proposals") and sharing_status(bed, policy),
+                                 what="the proposal in the policy's status")
+            assert status["enforcedMode"] == "Approve"
+            proposal = status["nodes"][0]["proposals"][0]
+            assert (proposal["kind"], proposal["replicas"], proposal["savingUsdPerHour"]) == ("time-slicing", 2, 16.4)
+            assert sorted(proposal["waitingServed"]) == [f"{namespace}/wait-{i}" for i in range(4)]
+            assert "noisy neighbours" in proposal["risk"]
+            assert allocatable(cluster, bed.node) == "4"
+
+            await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=proposal["planId"]))
+            view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.SHARED, view.history
+            assert any("waiting 2s for it to reach the device plugin's mounted ConfigMap" in h for h in view.history)
+            assert allocatable(cluster, bed.node) == "8"
+            labels = cluster.admin.core.read_node(bed.node).metadata.labels
+            assert labels[CONFIG_LABEL] == view.key and view.key.startswith(KEY_PREFIX + "r2-")
+            assert labels["nvidia.com/gpu.product"] == f"{PRODUCT}-SHARED"
+            await until(lambda: len(pods_on(cluster, namespace, bed.node)) == 8,
+                        what="the waiting pods running on the same node", timeout=60)
+            assert len(cluster.admin.core.list_node().items) == nodes_before, "no new node"
+            cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+            assert view.key in cm.data and "any" in cm.data, "the new key beside the admin's, none edited"
+
+            result = await ops.undo(temporal, view.operation, UndoRequest(by="bob", reason="noisy"))
+            assert "restoring node" in result.message
+            view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.UNDONE, view.history
+            assert allocatable(cluster, bed.node) == "4"
+            assert CONFIG_LABEL not in (cluster.admin.core.read_node(bed.node).metadata.labels or {})
+            assert sorted(view.unservable) == [f"{namespace}/wait-{i}" for i in range(4)]
+            assert "cannot be served again here" in view.message
+            assert len(pods_on(cluster, namespace, bed.node)) == 8, "the extra pods are not evicted"
+            cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+            assert not [k for k in cm.data if k.startswith(KEY_PREFIX)], "the unused key removed"
+    finally:
+        bed.burst.delete_policy(policy)
+
+
+def test_without_prometheus_the_policy_is_enforced_as_recommend(bed: SharingBed) -> None:
+    policy = unique("share")
+    create_policy(bed, policy, "Automatic")
+    try:
+        ops_ = SharingOps(bed.cluster.admin.api, None)
+        watcher = SharingWatcher(ops_, None, cluster="c", task_queue="q",  # type: ignore[arg-type]
+                                 default_mode="Recommend", settings=SharingSettings(), namespace=bed.operator_ns,
+                                 config_map="time-slicing-config")
+        assert watcher.evaluate() == []
+        status = wait_for(lambda: sharing_status(bed, policy) or None, what="status.sharing", timeout=10)
+        assert (status["enforcedMode"], status["modeReason"]) == ("Recommend", NO_PROMETHEUS)
+        assert status["conditions"][0] == {"type": "PrometheusConfigured", "status": "False",
+                                           "reason": "NoPrometheusUrl", "message": NO_PROMETHEUS}
+        assert status["proposals"] == 0
+    finally:
+        bed.burst.delete_policy(policy)
+
+
+async def test_a_node_that_never_shows_the_config_gets_its_previous_label_back(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
+    """The ClusterPolicy does not point the device plugin at the ConfigMap (the stand-in ignores the label): the
+    verification times out, the previous label is restored, the operation fails saying why."""
+    cluster = bed.cluster
+    node = f"a100-{uuid.uuid4().hex[:6]}"
+    cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 2), CONFIG_LABEL: "any"}, gpus=2)
+    bed.gpu_operator.disconnect()
+    s = settings(bed, temporal_dev_server).model_copy(update={"sharing_verify_timeout_seconds": 3})
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            handle = await temporal.start_workflow(
+                "TimeSlicing", TimeSlicingInput(cluster=s.cluster, policy="p", node=node, gpus=2, replicas=3,
+                                                mode="Automatic", namespace=bed.operator_ns,
+                                                settings=s.sharing_settings()),
+                id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
+            outcome = SharingOutcome.model_validate(await handle.result())
+            assert outcome.phase == SharingPhase.FAILED
+            assert f"node {node} did not show the config within 3s: allocatable nvidia.com/gpu is 2, not 2 x 3 = 6" \
+                in outcome.message
+            assert "previous config any restored" in outcome.message
+            assert cluster.admin.core.read_node(node).metadata.labels[CONFIG_LABEL] == "any"
+    finally:
+        bed.gpu_operator.disconnect(True)
+        cluster.admin.core.delete_node(node)
+
+
+def backfill(bed: SharingBed, namespace: str, pods: list[str], *, activity: float, fb_used_mib: float) -> None:
+    """The pods hold GPUs of the exporter at these values, with 70 minutes of such history in Prometheus."""
+    for pod in pods:
+        bed.exporter.assign(namespace, pod, activity=activity, fb_used_mib=fb_used_mib)
+    held = [g for g in bed.exporter.snapshot() if (g.namespace, g.pod) in {(namespace, p) for p in pods}]
+    now = time.time()
+    bed.prometheus.stop()
+    bed.prometheus.backfill(openmetrics_history([(now - ago, held) for ago in range(70 * 60, 15, -30)],
+                                                extra={"job": SCRAPE_JOB, "instance": bed.exporter.address}))
+    bed.prometheus.start()
+    bed.prometheus.wait_scraped()
+
+
+def mig_node(bed: SharingBed) -> tuple[str, str]:
+    pool = f"mig-{uuid.uuid4().hex[:6]}"
+    node = f"a100-{pool}"
+    bed.cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 2), "pool": pool}, gpus=2)
+    bed.exporter.add_node(node, gpus=2)
+    return node, pool
+
+
+def unschedulable_node(cluster: Cluster, node: str) -> bool:
+    return bool(cluster.admin.core.read_node(node).spec.unschedulable)
+
+
+async def test_mig_approved_waits_for_the_pdb_then_reconfigures_and_uncordons(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    cluster = bed.cluster
+    node, pool = mig_node(bed)
+    deployment = client.V1Deployment(
+        metadata=client.V1ObjectMeta(name="infer"),
+        spec=client.V1DeploymentSpec(
+            replicas=2, selector=client.V1LabelSelector(match_labels={"app": "infer"}),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels={"app": "infer"}),
+                spec=gpu_pod("x", pool).spec)))
+    cluster.admin.apps.create_namespaced_deployment(namespace, deployment)
+    cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+        metadata=client.V1ObjectMeta(name="infer"),
+        spec=client.V1PodDisruptionBudgetSpec(max_unavailable=0,
+                                              selector=client.V1LabelSelector(match_labels={"app": "infer"}))))
+    await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="two inference pods running", timeout=60)
+    running = pods_on(cluster, namespace, node)
+    backfill(bed, namespace, running, activity=0.05, fb_used_mib=9 * 1024)
+    policy = unique("mig")
+    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+        "spec": {"kind": "Sharing", "mode": "Approve", "nodes": {"matchLabels": {"pool": pool}},
+                 "mig": {"allowed": ["all-1g.10gb", "all-3g.40gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
+                 "usdPerGpuHour": 4.1}})
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, node)
+            view = await wait_phase(temporal, wf_id, SharingPhase.AWAITING_APPROVAL)
+            assert view.key == "all-1g.10gb"
+            await ops.approve(temporal, view.operation, Approval(approver="alice"))
+            view = await wait_phase(temporal, wf_id, SharingPhase.EVICTING)
+
+            async def blocked() -> SharingView | None:
+                v = await temporal.get_workflow_handle(wf_id).query("state", result_type=SharingView)
+                return v if "blocked by PDB infer" in v.message else None
+            deadline = time.monotonic() + 60
+            while (seen := await blocked()) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+            assert seen is not None, "the PDB's wait is shown"
+            assert unschedulable_node(cluster, node)
+            assert len(pods_on(cluster, namespace, node)) == 2, "nothing evicted past the PDB"
+            cluster.admin.policy.patch_namespaced_pod_disruption_budget("infer", namespace,
+                                                                        {"spec": {"maxUnavailable": 2}})
+            view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.SHARED, view.history
+            n: Any = cluster.admin.core.read_node(node)
+            assert n.status.allocatable["nvidia.com/mig-1g.10gb"] == "14"
+            assert n.status.allocatable["nvidia.com/gpu"] == "0"
+            assert n.metadata.labels["nvidia.com/mig.config.state"] == "success"
+            assert not n.spec.unschedulable, "uncordoned"
+            # The owner asks for a slice: its pods run on the node again.
+            cluster.admin.apps.patch_namespaced_deployment("infer", namespace, {"spec": {"template": {"spec": {
+                "containers": [{"name": "main", "resources": {
+                    "limits": {"nvidia.com/gpu": None, "nvidia.com/mig-1g.10gb": "1"},
+                    "requests": {"nvidia.com/gpu": None, "nvidia.com/mig-1g.10gb": "1"}}}]}}}})
+            await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="pods on MIG slices", timeout=60)
+
+            await ops.undo(temporal, view.operation, UndoRequest(by="bob"))
+            view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED)
+            assert view.phase == SharingPhase.UNDONE, view.history
+            n = cluster.admin.core.read_node(node)
+            assert n.status.allocatable["nvidia.com/gpu"] == "2" and not n.spec.unschedulable
+    finally:
+        bed.burst.delete_policy(policy)
+        cluster.admin.core.delete_node(node)
+
+
+async def test_mig_failure_restores_the_previous_config_and_uncordons(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
+    cluster = bed.cluster
+    node, _pool = mig_node(bed)
+    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
+    bed.gpu_operator.fail_next_mig(node)
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            handle = await temporal.start_workflow(
+                "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry="all-1g.10gb",
+                                slices={"1g.10gb": 7}, mode="Automatic"),
+                id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
+            outcome = SharingOutcome.model_validate(await handle.result())
+            assert outcome.phase == SharingPhase.FAILED
+            assert outcome.message.startswith(f"the MIG manager reported failed for all-1g.10gb on {node}")
+            assert "node uncordoned" in outcome.message
+            n: Any = cluster.admin.core.read_node(node)
+            assert not n.spec.unschedulable
+            assert n.status.allocatable["nvidia.com/gpu"] == "2"
+            assert n.metadata.labels.get("nvidia.com/mig.config") is None
+    finally:
+        cluster.admin.core.delete_node(node)
+
+
+async def test_a_worker_killed_while_the_key_propagates_resumes_to_shared(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment, tmp_path: Path) -> None:
+    """SIGKILL of `kubeon-gpu worker` during the propagation wait: the next worker resumes the durable timer, labels
+    the node once and verifies it; one key, one label change, one `shared` audit record."""
+    cluster = bed.cluster
+    node = f"a100-{uuid.uuid4().hex[:6]}"
+    cluster.create_kwok_node(node, labels=GpuOperator.gfd_labels(PRODUCT, 2), gpus=2)
+    s = settings(bed, temporal_dev_server).model_copy(update={"sharing_propagation_seconds": 4})
+    temporal = temporal_dev_server.client
+    procs = [worker_process(s, tmp_path / "worker.log", stack=bed.burst)]
+    try:
+        wf_id = sharing_workflow_id(s.cluster, node)
+        handle = await temporal.start_workflow(
+            "TimeSlicing", TimeSlicingInput(cluster=s.cluster, policy="p", node=node, gpus=2, replicas=2,
+                                            mode="Automatic", namespace=bed.operator_ns,
+                                            settings=s.sharing_settings()),
+            id=wf_id, task_queue=s.task_queue)
+        await wait_phase(temporal, wf_id, SharingPhase.PROPAGATING, timeout=60)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        assert CONFIG_LABEL not in (cluster.admin.core.read_node(node).metadata.labels or {})
+        procs.append(worker_process(s, tmp_path / "worker.log", stack=bed.burst))
+        view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED, timeout=90)
+        assert view.phase == SharingPhase.SHARED, view.history
+        assert allocatable(cluster, node) == "4"
+        assert cluster.admin.core.read_node(node).metadata.labels[CONFIG_LABEL] == view.key
+        assert bed.gpu_operator.events_for(node).count(f"{node}: config {view.key} applied: replicas 2") == 1
+        records = [json.loads(line) for line in (s.state_dir / "audit.jsonl").read_text().splitlines()]
+        mine = [r for r in records if r["operation"] == view.operation]
+        assert [r["key"].rsplit("/", 1)[1] for r in mine].count("shared") == 1
+        assert {r["action"] for r in mine} <= REPORT_ACTIONS, "every action is one the hub takes"
+        await handle.signal("undo")
+        view = await wait_phase(temporal, wf_id, SharingPhase.UNDONE, SharingPhase.FAILED, timeout=60)
+        assert view.phase == SharingPhase.UNDONE and allocatable(cluster, node) == "2"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        cluster.admin.core.delete_node(node)
+
+
+def test_cleanup_keeps_a_key_another_operation_is_bringing_to_its_node(bed: SharingBed) -> None:
+    """As the chart's ServiceAccount: a key written for node A and not yet named by A's label survives node B's
+    cleanup; once A's operation releases it (and no node names it), it goes; the admin's keys are never touched."""
+    from worker.runtime import kube_api
+
+    ops_ = SharingOps(kube_api(bed.burst.optimizer_kubeconfig), None)
+    written = ops_.write_key(WriteKeyRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                             replicas=3, fail_requests_greater_than_one=True, node="node-a"))
+    assert written.written and written.key.startswith(KEY_PREFIX + "r3-")
+    assert ops_.cleanup(CleanupRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                       release="node-b")).removed == []
+    again = ops_.write_key(WriteKeyRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                           replicas=3, fail_requests_greater_than_one=True, node="node-a"))
+    assert again == WriteKeyResult(key=written.key, written=False), "an existing key is never rewritten"
+    assert ops_.cleanup(CleanupRequest(namespace=bed.operator_ns, config_map="time-slicing-config",
+                                       release="node-a")).removed == [written.key]
+    cm = bed.cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+    assert "any" in cm.data and written.key not in cm.data
+    assert not [k for k in (cm.metadata.annotations or {}) if k.startswith("sharing.gpu.kubeon.io/")]
+
+
+async def test_mig_cancelled_while_stuck_pending_is_uncordoned(
+        bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
+    """The MIG manager never leaves ``pending``; the operation is cancelled: the node is uncordoned and its MIG
+    label restored before the operation ends."""
+    cluster = bed.cluster
+    node, _pool = mig_node(bed)
+    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
+    bed.gpu_operator.stick_pending(node)
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, node)
+            handle = await temporal.start_workflow(
+                "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry="all-3g.40gb",
+                                slices={"3g.40gb": 2}, mode="Automatic"), id=wf_id, task_queue=s.task_queue)
+            await wait_phase(temporal, wf_id, SharingPhase.RECONFIGURING)
+            await until(lambda: cluster.admin.core.read_node(node).metadata.labels.get(
+                "nvidia.com/mig.config.state") == "pending", what="stuck pending", timeout=10)
+            assert unschedulable_node(cluster, node)
+            await handle.cancel()
+            view = await wait_phase(temporal, wf_id, SharingPhase.FAILED)
+            assert view.message == "Cancelled; nvidia.com/mig.config removed (it had none); node uncordoned"
+            assert "node uncordoned" in view.message
+            assert not unschedulable_node(cluster, node)
+            assert cluster.admin.core.read_node(node).metadata.labels.get("nvidia.com/mig.config") is None
+    finally:
+        cluster.admin.core.delete_node(node)

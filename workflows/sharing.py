@@ -1,0 +1,560 @@
+"""TimeSlicingWorkflow: propose -> [approve] -> write the config key -> wait for it to propagate -> label the node
+-> verify allocatable and labels -> shared, until undone (restore the previous label, verify, name the pods the
+node can no longer serve, remove keys no node names).
+
+One per node (``sharing/<cluster>/<node>``). The key is content-addressed and never edited once written; the
+previous label lives in this workflow's state. On a verification timeout or mismatch the previous label is set
+back and the operation fails saying why; a crash at any step resumes (every activity is idempotent: the same key,
+the same label)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
+
+from models import search_attributes as sa
+from models.audit import AuditRecord
+from models.converter import Refused
+from models.drain import EvictionResult, NodeRef
+from models.ids import operation_id
+from models.sharing import (
+    CleanupRequest,
+    CleanupResult,
+    LabelRequest,
+    MigInput,
+    MigLabelRequest,
+    MigStateRequest,
+    MigStateResult,
+    MigVerifyRequest,
+    NodeConfig,
+    SharingOutcome,
+    SharingPhase,
+    SharingView,
+    TimeSlicingInput,
+    UndoRequest,
+    UndoResult,
+    UnservableRequest,
+    UnservableResult,
+    VerifyRequest,
+    VerifyResult,
+    WriteKeyRequest,
+    WriteKeyResult,
+)
+from workflows.audit import record_audit
+from workflows.failures import QUICK, RETRY, message
+from workflows.gate import action_gate, wait_until_allowed
+from workflows.operation import Approvable, Proposal
+
+# Short: a cancelled wait learns it at its next heartbeat, which the SDK throttles to 80 % of this.
+HEARTBEAT = timedelta(seconds=5)
+
+
+@workflow.defn(name="TimeSlicing")
+class TimeSlicingWorkflow(Approvable[SharingPhase]):
+    KIND = "Sharing"
+
+    def __init__(self) -> None:
+        super().__init__(SharingPhase.PROPOSED)
+        self.inp: TimeSlicingInput | None = None
+        self.operation = ""
+        self.previous: NodeConfig | None = None
+        self.key = ""
+        self.unservable: list[str] = []
+        self.undo_request: UndoRequest | None = None
+        self.undone_by: str | None = None
+
+    # -- visibility -----------------------------------------------------------------------------------------
+    def _details(self) -> str:
+        assert self.inp is not None
+        inp = self.inp
+        lines = [f"**Sharing** `{self.operation}`: time-slicing {inp.replicas} replicas per GPU on node "
+                 f"`{inp.node}`, policy `{inp.policy}`, mode {inp.mode}",
+                 f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
+                 f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}"]
+        if self.previous is not None:
+            lines.append(f"Previous config label: {self.previous.label or '(none)'} ({self.previous.replicas} "
+                         "replica(s))")
+        if self.phase == SharingPhase.AWAITING_APPROVAL:
+            lines.append(f"Approve: `kubeon-gpu ops approve {self.operation}` or signal `approve`")
+        if self.phase == SharingPhase.SHARED:
+            lines.append(f"Undo: `kubeon-gpu ops undo {self.operation}` or signal `undo`")
+        if self.unservable:
+            lines.append(f"Unservable after undo: {', '.join(self.unservable)}")
+        return "\n".join(lines)
+
+    def _view(self) -> SharingView:
+        inp = self.inp
+        return SharingView(
+            operation=self.operation, workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
+            policy=inp.policy if inp else "", node=inp.node if inp else "", mode=inp.mode if inp else None,
+            phase=self.phase, replicas=inp.replicas if inp else 0,
+            previous_label=self.previous.label if self.previous else None, key=self.key,
+            unservable=list(self.unservable), undone_by=self.undone_by,
+            approver=self.approval.approver if self.approval else None, message=self.message,
+            history=list(self.history))
+
+    @workflow.query(name="state")
+    def state(self) -> SharingView:
+        return self._view()
+
+    def _awaiting(self) -> Proposal | None:
+        if self.phase != SharingPhase.AWAITING_APPROVAL or self.inp is None:
+            return None
+        return Proposal(operation=self.operation, plan_id=self.inp.plan_id, summary=self.inp.summary)
+
+    def _subject(self) -> str:
+        return f"operation {self.operation}"
+
+    @workflow.signal(name="undo")
+    def undo_signal(self, request: UndoRequest | None = None) -> None:
+        if self._undo_problem() is None:
+            self.undo_request = request or UndoRequest()
+
+    @workflow.update(name="undo")
+    def undo_update(self, request: UndoRequest) -> UndoResult:
+        self.undo_request = request
+        label = self.previous.label if self.previous else None
+        return UndoResult(operation=self.operation, phase=self.phase,
+                          message=f"restoring node {self._node()} to config {label or '(none)'}")
+
+    @undo_update.validator
+    def _validate_undo(self, request: UndoRequest) -> None:
+        problem = self._undo_problem()
+        if problem:
+            raise Refused(problem)
+
+    def _undo_problem(self) -> str | None:
+        if self.phase != SharingPhase.SHARED:
+            return f"operation {self.operation} is {self.phase.value}: only a node it shared can be restored"
+        if self.undo_request is not None:
+            return f"operation {self.operation} is already being undone"
+        return None
+
+    def _node(self) -> str:
+        return self.inp.node if self.inp else "?"
+
+    async def _audit(self, action: str, detail: str = "", *, key: str = "") -> None:
+        """An audit record, reported to the hub (R2.8) with its actions' names: a change in force is
+        ``verified``, as is its undo (keyed apart)."""
+        assert self.inp is not None
+        await record_audit(AuditRecord(
+            key=f"{self.operation}/{key or action}", at=workflow.now(), cluster=self.inp.cluster,
+            policy=self.inp.policy, operation=self.operation, action=action,
+            approver=self.approval.approver if self.approval else None,
+            detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    async def _label(self, key: str | None) -> None:
+        await workflow.execute_activity("set_device_plugin_config", LabelRequest(node=self._node(), key=key),
+                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+
+    async def _verify(self, replicas: int) -> VerifyResult:
+        assert self.inp is not None
+        timeout = self.inp.settings.verify_timeout_seconds
+        return await workflow.execute_activity(
+            "verify_time_slicing", VerifyRequest(node=self._node(), replicas=replicas, gpus=self.inp.gpus,
+                                                 timeout_seconds=timeout),
+            result_type=VerifyResult, start_to_close_timeout=timedelta(seconds=timeout + 60),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+
+    async def _cleanup(self) -> None:
+        """Release this node's pending mark, then remove the keys no node names and no operation brings."""
+        assert self.inp is not None
+        done = await workflow.execute_activity(
+            "remove_unused_time_slicing_keys", CleanupRequest(namespace=self.inp.namespace,
+                                                              config_map=self.inp.config_map,
+                                                              release=self.inp.node),
+            result_type=CleanupResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
+        if done.removed:
+            self._log(f"removed unused key(s) {', '.join(done.removed)}")
+
+    async def _restore(self, why: str) -> str:
+        """Compensation: the previous label back on the node; what the node then shows."""
+        if self.previous is None:
+            return ""
+        try:
+            await self._label(self.previous.label)
+            back = await self._verify(self.previous.replicas)
+        except ActivityError as exc:
+            return f"; could not restore config {self.previous.label or '(none)'}: {message(exc)}"
+        shown = "" if back.ok else f" (node does not show it yet: {back.reason})"
+        return f"; previous config {self.previous.label or '(none)'} restored{shown}"
+
+    def _outcome(self) -> SharingOutcome:
+        return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message,
+                              unservable=list(self.unservable))
+
+    # -- the operation --------------------------------------------------------------------------------------
+    @workflow.run
+    async def run(self, inp: TimeSlicingInput) -> SharingOutcome:
+        self.inp = inp
+        info = workflow.info()
+        self.operation = operation_id(info.workflow_id, info.run_id)
+        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
+                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
+        try:
+            return await self._run(inp)
+        except asyncio.CancelledError:
+            # Cancelled (`temporal workflow cancel`): the node gets its previous label back first.
+            note = await self._restore("cancelled") if self.key else ""
+            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
+            await self._audit("cancelled", self.message)
+            raise
+        except (ActivityError, ApplicationError) as exc:
+            reason = message(exc)
+            note = await self._restore(reason) if self.key else ""
+            if self.key:
+                with contextlib.suppress(ActivityError):
+                    await self._cleanup()
+            self._set_phase(SharingPhase.FAILED, reason + note)
+            await self._audit("failed", self.message)
+            return self._outcome()
+
+    async def _run(self, inp: TimeSlicingInput) -> SharingOutcome:
+        proposal = inp.summary
+        await self._audit("proposed", proposal)
+        if inp.mode == "Recommend":
+            self._set_phase(SharingPhase.PROPOSED, proposal + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(lambda: False,
+                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
+            return self._outcome()
+        if inp.mode == "Approve":
+            self._set_phase(SharingPhase.AWAITING_APPROVAL, proposal)
+            try:
+                await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
+                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
+            except TimeoutError:
+                self._set_phase(SharingPhase.EXPIRED,
+                                f"no approval within {inp.settings.approval_timeout_seconds}s")
+                await self._audit("expired")
+                return self._outcome()
+            if self.rejection is not None:
+                self._set_phase(SharingPhase.REJECTED, f"rejected by {self.rejection.approver}"
+                                + (f": {self.rejection.reason}" if self.rejection.reason else ""))
+                await self._audit("rejected", self.rejection.reason)
+                return self._outcome()
+            assert self.approval is not None
+            await self._audit("approved", f"plan {inp.plan_id} by {self.approval.approver}")
+        gate = await action_gate(inp.policy)
+        if gate.held:
+            self._set_phase(SharingPhase.HELD, gate.reason)
+            await self._audit("held", gate.reason)
+            await wait_until_allowed(inp.policy)
+
+        self.previous = await workflow.execute_activity("read_node_config", inp.node, result_type=NodeConfig,
+                                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+        self._set_phase(SharingPhase.WRITING_CONFIG, f"a time-slicing key with {inp.replicas} replicas into "
+                                                     f"ConfigMap {inp.namespace}/{inp.config_map}")
+        written = await workflow.execute_activity(
+            "write_time_slicing_key", WriteKeyRequest(namespace=inp.namespace, config_map=inp.config_map,
+                                                      replicas=inp.replicas, node=inp.node,
+                                                      fail_requests_greater_than_one=inp.fail_requests_greater_than_one),
+            result_type=WriteKeyResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
+        self.key = written.key
+        if written.written:
+            wait = inp.settings.propagation_seconds
+            self._set_phase(SharingPhase.PROPAGATING, (
+                f"key {self.key} written; waiting {wait}s for it to reach the device plugin's mounted ConfigMap "
+                "(kubelet sync period + ConfigMap cache TTL; the optimizer cannot see inside the pod)"))
+            await workflow.sleep(timedelta(seconds=wait))
+        self._set_phase(SharingPhase.LABELLING, f"{inp.node}: nvidia.com/device-plugin.config={self.key} (was "
+                                                f"{self.previous.label or '(none)'})")
+        await self._label(self.key)
+        self._set_phase(SharingPhase.VERIFYING, f"allocatable nvidia.com/gpu = {inp.gpus} x {inp.replicas}, "
+                                                "replicas, -SHARED product and sharing-strategy labels")
+        result = await self._verify(inp.replicas)
+        if not result.ok:
+            why = (f"node {inp.node} did not show the config within {inp.settings.verify_timeout_seconds}s: "
+                   f"{result.reason}")
+            note = await self._restore(why)
+            await self._cleanup()
+            self._set_phase(SharingPhase.FAILED, why + note)
+            await self._audit("failed", self.message)
+            return self._outcome()
+        self._set_phase(SharingPhase.SHARED, f"{inp.node}: {result.allocatable} time-sliced GPUs "
+                                             f"({inp.gpus} x {inp.replicas})")
+        await self._audit("verified", self.message, key="shared")
+        await self._cleanup()
+
+        await workflow.wait_condition(lambda: self.undo_request is not None)
+        assert self.undo_request is not None
+        self.undone_by = self.undo_request.by
+        label = self.previous.label
+        self._set_phase(SharingPhase.RESTORING, f"undo by {self.undone_by}"
+                        + (f" ({self.undo_request.reason})" if self.undo_request.reason else "")
+                        + f": config {label or '(none)'}")
+        await self._label(label)
+        back = await self._verify(self.previous.replicas)
+        if not back.ok:
+            raise ApplicationError(f"undo: node {inp.node} did not show config {label or '(none)'} within "
+                                   f"{inp.settings.verify_timeout_seconds}s: {back.reason}", non_retryable=True)
+        over = await workflow.execute_activity("unservable_pods", UnservableRequest(node=inp.node),
+                                               result_type=UnservableResult, start_to_close_timeout=QUICK,
+                                               retry_policy=RETRY)
+        self.unservable = over.pods
+        await self._cleanup()
+        note = (f"; {len(over.pods)} pod(s) above its {over.allocatable} GPUs keep running but cannot be served "
+                f"again here: {', '.join(over.pods)}" if over.pods else "")
+        self._set_phase(SharingPhase.UNDONE, f"{inp.node} back to {back.allocatable} GPU(s)" + note)
+        await self._audit("verified", f"undo: {self.message}", key="undone")
+        return self._outcome()
+
+
+@workflow.defn(name="Mig")
+class MigWorkflow(Approvable[SharingPhase]):
+    """propose -> [approve] -> cordon -> evict the node's GPU pods (Eviction API, PDBs honoured: a blocked pod is
+    waited for, shown) -> nvidia.com/mig.config -> wait for nvidia.com/mig.config.state success -> verify the
+    nvidia.com/mig-* allocatable -> uncordon; until undone (the previous geometry through the same steps).
+    ``failed`` or a timeout restores the previous geometry and uncordons: the node is never left cordoned."""
+
+    KIND = "Sharing"
+
+    def __init__(self) -> None:
+        super().__init__(SharingPhase.PROPOSED)
+        self.inp: MigInput | None = None
+        self.operation = ""
+        self.previous: str | None = None
+        self.cordoned = False
+        self.blocked: dict[str, str] = {}
+        self.evicted: list[str] = []
+        self.undo_request: UndoRequest | None = None
+        self.undone_by: str | None = None
+
+    def _details(self) -> str:
+        assert self.inp is not None
+        inp = self.inp
+        lines = [f"**Sharing** `{self.operation}`: MIG geometry {inp.geometry} on node `{inp.node}`, policy "
+                 f"`{inp.policy}`, mode {inp.mode}",
+                 f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
+                 f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}"]
+        if self.blocked:
+            lines.append("Waiting on: " + ", ".join(f"{p} ({w})" for p, w in sorted(self.blocked.items())))
+        if self.phase == SharingPhase.AWAITING_APPROVAL:
+            lines.append(f"Approve: `kubeon-gpu ops approve {self.operation}` or signal `approve`")
+        if self.phase == SharingPhase.SHARED:
+            lines.append(f"Undo: `kubeon-gpu ops undo {self.operation}` or signal `undo`")
+        return "\n".join(lines)
+
+    def _view(self) -> SharingView:
+        inp = self.inp
+        return SharingView(
+            operation=self.operation, workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
+            policy=inp.policy if inp else "", node=inp.node if inp else "", mode=inp.mode if inp else None,
+            phase=self.phase, replicas=1, previous_label=self.previous, key=inp.geometry if inp else "",
+            undone_by=self.undone_by, approver=self.approval.approver if self.approval else None,
+            message=self.message, history=list(self.history))
+
+    @workflow.query(name="state")
+    def state(self) -> SharingView:
+        return self._view()
+
+    def _awaiting(self) -> Proposal | None:
+        if self.phase != SharingPhase.AWAITING_APPROVAL or self.inp is None:
+            return None
+        return Proposal(operation=self.operation, plan_id=self.inp.plan_id, summary=self.inp.summary)
+
+    def _subject(self) -> str:
+        return f"operation {self.operation}"
+
+    @workflow.signal(name="undo")
+    def undo_signal(self, request: UndoRequest | None = None) -> None:
+        if self._undo_problem() is None:
+            self.undo_request = request or UndoRequest()
+
+    @workflow.update(name="undo")
+    def undo_update(self, request: UndoRequest) -> UndoResult:
+        self.undo_request = request
+        return UndoResult(operation=self.operation, phase=self.phase,
+                          message=f"restoring node {self.inp.node if self.inp else '?'} to MIG config "
+                                  f"{self.previous or 'all-disabled'}")
+
+    @undo_update.validator
+    def _validate_undo(self, request: UndoRequest) -> None:
+        problem = self._undo_problem()
+        if problem:
+            raise Refused(problem)
+
+    def _undo_problem(self) -> str | None:
+        if self.phase != SharingPhase.SHARED:
+            return f"operation {self.operation} is {self.phase.value}: only a node it reconfigured can be restored"
+        if self.undo_request is not None:
+            return f"operation {self.operation} is already being undone"
+        return None
+
+    async def _audit(self, action: str, detail: str = "", *, key: str = "") -> None:
+        """An audit record, reported to the hub (R2.8) with its actions' names: a change in force is
+        ``verified``, as is its undo (keyed apart)."""
+        assert self.inp is not None
+        await record_audit(AuditRecord(
+            key=f"{self.operation}/{key or action}", at=workflow.now(), cluster=self.inp.cluster,
+            policy=self.inp.policy, operation=self.operation, action=action,
+            approver=self.approval.approver if self.approval else None,
+            detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
+
+    async def _uncordon(self) -> None:
+        assert self.inp is not None
+        if self.cordoned:
+            self._set_phase(SharingPhase.UNCORDONING, self.inp.node)
+            await workflow.execute_activity("uncordon_node", self.inp.node, start_to_close_timeout=QUICK,
+                                            retry_policy=RETRY)
+            self.cordoned = False
+
+    async def _evict(self) -> None:
+        assert self.inp is not None
+        inp = self.inp
+        deadline = workflow.now() + timedelta(seconds=inp.settings.drain_timeout_seconds)
+        backoff = 1.0
+        while True:
+            res = await workflow.execute_activity(
+                "evict_pods", NodeRef(node_name=inp.node, gpu_only=True), result_type=EvictionResult,
+                start_to_close_timeout=QUICK, retry_policy=RETRY,
+                summary=f"evict the GPU pods of {inp.node} (Eviction API, PDBs honoured)")
+            self.evicted += [p for p in res.remaining if p not in res.blocked and p not in self.evicted]
+            self.blocked = dict(res.blocked)
+            if not res.remaining:
+                self.blocked = {}
+                return
+            if res.blocked:
+                self._note(f"{len(res.remaining)} GPU pod(s) left; waiting: "
+                           + ", ".join(f"{p} {w}" for p, w in sorted(res.blocked.items())))
+            else:
+                self._note(f"waiting for {len(res.remaining)} GPU pod(s) to terminate")
+                backoff = 1.0
+            if workflow.now() > deadline:
+                raise ApplicationError(f"eviction of the GPU pods of {inp.node} not finished after "
+                                       f"{inp.settings.drain_timeout_seconds}s: "
+                                       + "; ".join(f"{p} {w}" for p, w in sorted(res.blocked.items())))
+            await workflow.sleep(timedelta(seconds=backoff), summary="before the next eviction round")
+            backoff = min(backoff * 2, 30.0)
+
+    async def _reconfigure(self, geometry: str | None, expected: dict[str, int]) -> None:
+        """Cordon, evict, label, wait for success, verify; raises with the reason (the caller compensates)."""
+        assert self.inp is not None
+        inp = self.inp
+        self._set_phase(SharingPhase.CORDONING, inp.node)
+        await workflow.execute_activity("cordon_node", NodeRef(node_name=inp.node), result_type=bool,
+                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+        self.cordoned = True
+        self._set_phase(SharingPhase.EVICTING, f"the GPU pods of {inp.node}")
+        await self._evict()
+        target = geometry or "all-disabled"
+        self._set_phase(SharingPhase.RECONFIGURING, f"nvidia.com/mig.config={target}; waiting for "
+                                                    "nvidia.com/mig.config.state (pending, rebooting, success)")
+        await workflow.execute_activity("set_mig_config", MigLabelRequest(node=inp.node, geometry=target),
+                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+        state = await workflow.execute_activity(
+            "wait_mig_state", MigStateRequest(node=inp.node, geometry=target,
+                                              timeout_seconds=inp.settings.mig_timeout_seconds),
+            result_type=MigStateResult, start_to_close_timeout=timedelta(seconds=inp.settings.mig_timeout_seconds + 60),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+        if state.state != "success":
+            raise ApplicationError(f"the MIG manager reported {state.state} for {target} on {inp.node}",
+                                   non_retryable=True)
+        self._set_phase(SharingPhase.VERIFYING, ", ".join(f"{k}={v}" for k, v in sorted(expected.items())))
+        verified = await workflow.execute_activity(
+            "verify_mig_resources", MigVerifyRequest(node=inp.node, expected=expected), result_type=VerifyResult,
+            start_to_close_timeout=QUICK, retry_policy=RETRY)
+        if not verified.ok:
+            raise ApplicationError(f"{inp.node} reports {target} but not its resources: {verified.reason}",
+                                   non_retryable=True)
+        await self._uncordon()
+
+    def _expected(self) -> dict[str, int]:
+        assert self.inp is not None
+        return {f"nvidia.com/mig-{p}": n * self.inp.gpus for p, n in self.inp.slices.items()}
+
+    async def _restore(self) -> str:
+        """Compensation: the previous geometry back, the node uncordoned (whatever the restore does)."""
+        assert self.inp is not None
+        inp = self.inp
+        note = ""
+        try:
+            await workflow.execute_activity("set_mig_config", MigLabelRequest(node=inp.node, geometry=self.previous),
+                                            start_to_close_timeout=QUICK, retry_policy=RETRY)
+            if self.previous is not None:
+                state = await workflow.execute_activity(
+                    "wait_mig_state", MigStateRequest(node=inp.node, geometry=self.previous,
+                                                      timeout_seconds=inp.settings.mig_timeout_seconds),
+                    result_type=MigStateResult,
+                    start_to_close_timeout=timedelta(seconds=inp.settings.mig_timeout_seconds + 60),
+                    heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+                note = f"; previous MIG config {self.previous} restored ({state.state})"
+            else:
+                note = "; nvidia.com/mig.config removed (it had none)"
+        except ActivityError as exc:
+            note = f"; could not restore MIG config {self.previous}: {message(exc)}"
+        await self._uncordon()
+        return note + "; node uncordoned"
+
+    @workflow.run
+    async def run(self, inp: MigInput) -> SharingOutcome:
+        self.inp = inp
+        info = workflow.info()
+        self.operation = operation_id(info.workflow_id, info.run_id)
+        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
+                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
+        try:
+            return await self._run(inp)
+        except asyncio.CancelledError:
+            # Cancelled: the previous geometry back and the node uncordoned before the cancellation ends it.
+            note = await self._restore() if self.cordoned else ""
+            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
+            await self._audit("cancelled", self.message)
+            raise
+        except (ActivityError, ApplicationError) as exc:
+            reason = message(exc)
+            note = await self._restore() if self.cordoned else ""
+            self._set_phase(SharingPhase.FAILED, reason + note)
+            await self._audit("failed", self.message)
+            return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
+
+    async def _run(self, inp: MigInput) -> SharingOutcome:
+        await self._audit("proposed", inp.summary)
+        if inp.mode == "Recommend":
+            self._set_phase(SharingPhase.PROPOSED, inp.summary + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(lambda: False,
+                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
+            return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
+        if inp.mode == "Approve":
+            self._set_phase(SharingPhase.AWAITING_APPROVAL, inp.summary)
+            try:
+                await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
+                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
+            except TimeoutError:
+                self._set_phase(SharingPhase.EXPIRED, f"no approval within {inp.settings.approval_timeout_seconds}s")
+                await self._audit("expired")
+                return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
+            if self.rejection is not None:
+                self._set_phase(SharingPhase.REJECTED, f"rejected by {self.rejection.approver}")
+                await self._audit("rejected", self.rejection.reason)
+                return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
+            await self._audit("approved", f"plan {inp.plan_id}")
+        gate = await action_gate(inp.policy)
+        if gate.held:
+            self._set_phase(SharingPhase.HELD, gate.reason)
+            await wait_until_allowed(inp.policy)
+        self.previous = (await workflow.execute_activity(
+            "read_mig_config", inp.node, result_type=MigStateResult, start_to_close_timeout=QUICK,
+            retry_policy=RETRY)).previous
+        await self._reconfigure(inp.geometry, self._expected())
+        self._set_phase(SharingPhase.SHARED, f"{inp.node}: " + ", ".join(
+            f"{v} {k}" for k, v in sorted(self._expected().items())) + f"; evicted {len(self.evicted)} GPU pod(s)")
+        await self._audit("verified", self.message, key="shared")
+
+        await workflow.wait_condition(lambda: self.undo_request is not None)
+        assert self.undo_request is not None
+        self.undone_by = self.undo_request.by
+        back = self.previous or "all-disabled"
+        self._set_phase(SharingPhase.RESTORING, f"undo by {self.undone_by}: MIG config {back}")
+        await self._reconfigure(self.previous, {"nvidia.com/gpu": inp.gpus} if back == "all-disabled" else {})
+        self._set_phase(SharingPhase.UNDONE, f"{inp.node} back to MIG config {self.previous or 'all-disabled'}")
+        await self._audit("verified", f"undo: {self.message}", key="undone")
+        return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
