@@ -15,7 +15,7 @@ from models import policy
 from models.policy import PolicyError, SharingPolicy, parse_policy
 from tests.harness.crd import create_strictly
 from tests.harness.kube import Cluster
-from tests.models.test_scale_policy import apply_case as _apply_on
+from tests.hub.helpers import apply_case as apply_corpus_case
 from worker.cli import main
 
 HERE = Path(__file__).parent
@@ -26,14 +26,7 @@ CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_sharing_policies.
 
 
 def apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    import tests.models.test_scale_policy as scale
-
-    saved = scale.VALID
-    scale.VALID = VALID
-    try:
-        return _apply_on(case)
-    finally:
-        scale.VALID = saved
+    return apply_corpus_case(case, VALID)
 
 
 def test_documented_sharing_policy_is_valid() -> None:
