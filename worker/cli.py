@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -20,6 +21,9 @@ from models.policy import PolicyError, parse_policy
 from models.provisioning import ProvisionView
 from models.scale import ScaleView
 from models.sharing import SharingView
+
+if TYPE_CHECKING:  # the worker's imports stay lazy: `kubeon-gpu node join` starts fast
+    from worker.main import RuntimeFactory
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -52,9 +56,16 @@ def _version(_: argparse.Namespace) -> int:
 
 
 def _worker(_: argparse.Namespace) -> int:
+    return run_worker()
+
+
+def run_worker(build: RuntimeFactory | None = None) -> int:
+    """``kubeon-gpu worker``: logging, tracing, then the worker until SIGTERM; ``build`` makes its runtime (the
+    test harness hands one that holds an in-process gateway)."""
     from worker import telemetry
     from worker.config import ConfigError, load_settings
     from worker.main import serve
+    from worker.runtime import build_runtime
 
     try:
         telemetry.configure_logging()
@@ -63,7 +74,7 @@ def _worker(_: argparse.Namespace) -> int:
         print(f"kubeon-gpu worker: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(load_settings()))
+        asyncio.run(serve(load_settings(), build=build or build_runtime))
     finally:
         if tracing is not None:
             tracing.shutdown()  # flush the spans still queued

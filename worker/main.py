@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -34,6 +34,7 @@ from workflows.scale import ScaleWorkflow
 from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
 
 log = logging.getLogger("kubeon.worker")
+RuntimeFactory = Callable[[Settings], Runtime]
 WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow,
              TimeSlicingWorkflow, MigWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
@@ -76,11 +77,14 @@ async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 @contextlib.asynccontextmanager
-async def worker_services(settings: Settings, runtime: Runtime | None = None,
-                          *, watch: bool = True) -> AsyncIterator[tuple[Client, Runtime, PendingPodWatcher]]:
+async def worker_services(settings: Settings, runtime: Runtime | None = None, *, watch: bool = True,
+                          build: RuntimeFactory = build_runtime,
+                          ) -> AsyncIterator[tuple[Client, Runtime, PendingPodWatcher]]:
+    """The worker's Temporal workers and watchers, around ``runtime`` (else ``build(settings)``: the harness builds
+    one holding an in-process gateway)."""
     temporal = await connect_temporal(settings, runtime=telemetry.temporal_runtime())
     await register_search_attributes(temporal)
-    runtime = runtime or build_runtime(settings)
+    runtime = runtime or build(settings)
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
     runtime_activities = runtime.activities(temporal)
     hub = runtime.hub_activities(temporal)
@@ -124,13 +128,13 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None,
         executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, *, build: RuntimeFactory = build_runtime) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     health = await asyncio.start_server(_health, "0.0.0.0", settings.health_port)
-    async with health, worker_services(settings):
+    async with health, worker_services(settings, build=build):
         log.info("worker started: cluster %s, task queue %s, Temporal %s", settings.cluster, settings.task_queue,
                  settings.temporal_address)
         await stop.wait()

@@ -29,18 +29,14 @@ def inproc_gateway(kubeconfig: Path, ticket_key_file: Path, plan: AddressPlan | 
 
 
 def main() -> None:
-    import worker.main
-    from worker.cli import entry
+    from worker.cli import run_worker
     from worker.runtime import build_runtime
 
     mask = os.environ.get("KUBEON_GATEWAY_NODE_CIDR_MASK")
     gateway = inproc_gateway(Path(os.environ["KUBEON_GATEWAY_KUBECONFIG"]),
                              Path(os.environ["KUBEON_GATEWAY_TICKET_KEY_FILE"]),
                              AddressPlan(node_mask=int(mask)) if mask else None)
-    # worker_services builds the runtime from the settings alone: this one holds the gateway.
-    worker.main.build_runtime = functools.partial(build_runtime, gateway=gateway, redeem=gateway.join)
-    sys.argv = [sys.argv[0], "worker"]
-    entry()
+    sys.exit(run_worker(functools.partial(build_runtime, gateway=gateway, redeem=gateway.join)))
 
 
 if __name__ == "__main__":
