@@ -105,9 +105,14 @@ def test_no_ticket_names_an_existing_node(cluster: Cluster, gateway_api: client.
     # A ticket signed without a reservation (or before the Node existed) does not join as it either.
     assert http_join(gw, redeem_body(files(), gw.sign_ticket(req), req.node_name)) == (409, "node_exists")
     # Names outside the burst scheme (a control-plane or home node's) are never ticketed at all.
-    for name in ("kube-cp-1", "home-gpu-3", "burst-", "burst-UPPER", "burst-" + "a" * 64):
+    for name in ("kube-cp-1", "home-gpu-3", "burst-", "burst-UPPER", "burst-" + "a" * 64, "burst-eu-1",
+                 "burst-op-0123456789a", "burst-op-0123456789abc"):
         with pytest.raises(JoinRefused, match="not a burst node's name"):
             gw.sign_ticket(req.model_copy(update={"node_name": name}))
+    # Nor another operation's node: a ticket names the node of its own operation only.
+    other = ticket_request(nodes)
+    with pytest.raises(JoinRefused, match="a ticket names its own operation's node only"):
+        gw.sign_ticket(req.model_copy(update={"node_name": other.node_name}))
 
 
 def test_removal_refuses_a_node_without_a_slot_of_the_operation(cluster: Cluster, gateway_api: client.ApiClient,
