@@ -3,7 +3,8 @@ them (so a SIGKILLed worker never takes its cloud down) and the control client t
 
 Control endpoints (never called by the product) live under ``/_fake/``: ``GET requests`` (every request the
 cloud API received, in order), ``POST faults`` (a JSON object merged into the faults), ``POST reset``,
-``GET state`` (the instances, with their user data).
+``GET state`` (the instances, with their user data), ``POST seed`` (resources a test starts from that the product
+never creates: GKE clusters and node pools, AKS managed clusters and agent pools).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class FakeCloud:
     def server_error(self, status: int) -> ApiError:
         raise NotImplementedError
 
+    def seed(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise ApiError(404, {"error": "this cloud has nothing to seed"})
+
     # -- shared --------------------------------------------------------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         request = Request(environ)
@@ -107,6 +111,11 @@ class FakeCloud:
                 return json_response({})
             if request.path == "/_fake/state":
                 return json_response(self.state())
+            if request.path == "/_fake/seed" and request.method == "POST":
+                try:
+                    return json_response(self.seed(body or {}))
+                except ApiError as err:
+                    return json_response(err.body, err.status)
         return json_response({"error": "no such control endpoint"}, 404)
 
     def slow_create(self) -> None:
@@ -182,6 +191,9 @@ class FakeServer:
 
     def state(self) -> dict[str, Any]:
         return dict(self._control("GET", "state"))
+
+    def seed(self, **body: Any) -> dict[str, Any]:
+        return dict(self._control("POST", "seed", body))
 
     def stop(self) -> None:
         if self._proc:
