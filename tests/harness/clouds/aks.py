@@ -5,7 +5,7 @@ parses (shared notes capacity.md §8).
 Under ``/subscriptions/{s}/resourceGroups/{rg}/providers/Microsoft.ContainerService/managedClusters/{c}``:
 
 * ``GET agentPools``, ``GET agentPools/{p}``: ``properties.count``, ``mode`` System|User, ``vmSize``,
-  ``nodeLabels``, ``provisioningState``; an ``etag`` in the body and the ``ETag`` header, new on every change.
+  ``nodeLabels``, ``provisioningState``; ``properties.eTag`` and the ``ETag`` header, new on every change.
 * ``PUT agentPools/{p}`` (``begin_create_or_update``): the whole properties; ``If-Match`` with a stale ETag is a
   412 ``PreconditionFailed``; a count change is a long-running operation (201 + ``Azure-AsyncOperation``, polled
   at ``.../Microsoft.ContainerService/locations/{loc}/operations/{id}``, then the final GET of the pool); a shrink
@@ -158,7 +158,7 @@ class AgentPools:
 
     def _aks_public(self, pool: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in pool.items() if not k.startswith("_")}
-        return {**out, "properties": dict(pool["properties"], etag=pool["_etag"])} | {"etag": pool["_etag"]}
+        return {**out, "properties": dict(pool["properties"], eTag=pool["_etag"])}
 
     def _aks_busy(self, ckey: tuple[str, str, str]) -> None:
         if self.faults.pop("aks_concurrent", None) or any(
@@ -208,7 +208,7 @@ class AgentPools:
                             f"{count}. A {mode} agent pool must have between {1 if mode == 'System' else 0} and "
                             "1000 nodes.")
         keep = {k: pool["properties"][k] for k in ("provisioningState", "powerState")}
-        pool["properties"] = {**pool["properties"], **{k: v for k, v in props.items() if k != "etag"}, **keep}
+        pool["properties"] = {**pool["properties"], **{k: v for k, v in props.items() if k != "eTag"}, **keep}
         pool["properties"]["count"] = len(self.machines[key])  # the new count once the operation is done
         pool["properties"]["provisioningState"] = "Updating" if count != len(self.machines[key]) else "Succeeded"
         pool["_etag"] = uuid.uuid4().hex
