@@ -19,7 +19,8 @@ Under ``/subscriptions/{s}/resourceGroups/{rg}/providers/Microsoft.ContainerServ
 * One operation per managed cluster at a time: another mutation while one runs is a 409 ``OperationNotAllowed``
   (AKS: "another operation is in progress").
 
-Faults: ``aks_operation_error`` ({"code", "message"}: the next AKS operation ends Failed with that error and
+Faults: ``slow_remove_seconds`` (deleteMachines has started; its answer waits: a caller killed meanwhile),
+``aks_operation_error`` ({"code", "message"}: the next AKS operation ends Failed with that error and
 changes nothing), ``aks_429`` (N: the next N AKS requests answer 429 with ``Retry-After``), ``aks_concurrent``
 (true: the next AKS mutation finds another operation running: 409), plus ``operation_seconds``/``retry_after``.
 
@@ -237,6 +238,7 @@ class AgentPools:
         pool["properties"]["provisioningState"] = "Deleting"
         headers = self._aks_operation_headers(key, apply, base, request)
         headers["Location"] = headers["Azure-AsyncOperation"]
+        self.slow_answer("slow_remove_seconds")  # type: ignore[attr-defined]  # FakeCloud's
         return Response(status=202, headers=headers)
 
 

@@ -42,7 +42,9 @@ class FakeCloud:
 
     Faults: ``fail_nth`` ({"n": N, "status": 500}: the Nth cloud API request from now on fails, once),
     ``slow_create_seconds`` (a create is done at once but its answer comes this much later: the window in which a
-    worker is killed), ``operation_seconds`` (how long a create or delete operation runs), per-cloud others.
+    worker is killed), ``slow_remove_seconds`` (the same for removing one node of a managed group: GKE
+    deleteInstances, AKS deleteMachines), ``operation_seconds`` (how long a create or delete operation runs),
+    per-cloud others.
     """
 
     def __init__(self) -> None:
@@ -123,6 +125,17 @@ class FakeCloud:
         delay = float(self.faults.get("slow_create_seconds", 0))
         if delay:
             time.sleep(delay)
+
+    def slow_answer(self, fault: str) -> None:
+        """Like ``slow_create`` for another fault (``slow_remove_seconds``: a node group removal has started; its
+        answer waits). Called holding the lock once: it releases it while waiting."""
+        delay = float(self.faults.get(fault, 0))
+        if delay:
+            self.lock.release()
+            try:
+                time.sleep(delay)
+            finally:
+                self.lock.acquire()
 
 
 @dataclass

@@ -22,7 +22,8 @@ down by their number, each is DELETING until the zone operation is DONE, then go
 ``via: "resize"``). Their instances are ordinary compute instances (``instances.get``/``list`` show them), with the
 labels GKE puts on its VMs (``goog-k8s-cluster-name``, ``goog-k8s-node-pool-name``).
 
-Faults: ``gke_operation_error`` ({"message": ...}: the next container operation ends DONE with that error and
+Faults: ``slow_remove_seconds`` (deleteInstances has started; its answer waits: a caller killed meanwhile),
+``gke_operation_error`` ({"message": ...}: the next container operation ends DONE with that error and
 changes nothing), ``gke_429`` (N: the next N container mutations answer 429 RESOURCE_EXHAUSTED, "concurrent
 operations quota"), plus ``operation_seconds`` (how long an operation runs) and the shared ones.
 
@@ -206,7 +207,9 @@ class NodePools:
                         self.deleted.append({"zone": zone, "instance": v, "via": "deleteInstances"})
 
             op = self.mig_operation(project, zone, "compute.instanceGroupManagers.deleteInstances", name, gone)
-            return json_response({k: v for k, v in op.items() if not k.startswith("_")})
+            answer = {k: v for k, v in op.items() if not k.startswith("_")}
+            self.slow_answer("slow_remove_seconds")  # type: ignore[attr-defined]  # FakeCloud's
+            return json_response(answer)
         if verb == "resize" and request.method == "POST":
             size = int(request.args.get("size", -1))
             if size < 0:

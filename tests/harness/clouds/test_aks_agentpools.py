@@ -4,12 +4,16 @@ HTTPS (the per-run certificate) with azure-identity's ManagedIdentityCredential:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from azure.core import MatchConditions
-from azure.core.exceptions import HttpResponseError, ResourceExistsError, ResourceModifiedError
+from azure.core.exceptions import (
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceModifiedError,
+    ServiceResponseTimeoutError,
+)
 from azure.identity import ManagedIdentityCredential
 from azure.mgmt.containerservice import ContainerServiceClient
 from azure.mgmt.containerservice.models import AgentPoolDeleteMachinesParameter
@@ -18,16 +22,15 @@ from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
-from tests.harness.clouds.nodes import NodeReconciler, aks_listing
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.kube import wait_for
 
 RG, CLUSTER = "ml-prod", "train"
 
 
 @pytest.fixture(scope="module")
-def nodes(azure_server: FakeServer, cluster: Cluster) -> Iterator[NodeReconciler]:
-    with NodeReconciler(cluster.admin, f"aks-{id(azure_server)}", aks_listing(azure_server)) as reconciler:
-        yield reconciler
+def nodes(aks_nodes: NodeReconciler) -> NodeReconciler:
+    return aks_nodes
 
 
 @pytest.fixture
@@ -160,3 +163,17 @@ def test_a_concurrent_operation_is_a_409(aks: Any, azure_server: FakeServer) -> 
             machine_names=[victim]))
     assert not running.done()
     assert [d["via"] for d in azure_server.state()["machineDeleted"]] == []
+
+
+def test_a_caller_gone_before_the_answer_still_removed_exactly_one(aks: Any, azure_server: FakeServer) -> None:
+    """slow_remove_seconds: deleteMachines has started when the caller stops waiting (a SIGKILLed worker's window)."""
+    victim = sorted(m.name for m in aks.machines.list(RG, CLUSTER, "gpu"))[0]
+    azure_server.fault(slow_remove_seconds=3)
+    with pytest.raises(ServiceResponseTimeoutError):  # the caller stopped waiting
+        aks.agent_pools.begin_delete_machines(RG, CLUSTER, "gpu", AgentPoolDeleteMachinesParameter(
+            machine_names=[victim]), read_timeout=0.5)
+    azure_server.fault(slow_remove_seconds=0)
+    wait_for(lambda: azure_server.state()["machineDeleted"] == [
+        {"pool": "gpu", "machine": victim, "via": "deleteMachines"}], timeout=20, what=f"{victim} removed, only it")
+    left = [m.name for m in aks.machines.list(RG, CLUSTER, "gpu")]
+    assert len(left) == 1 and victim not in left

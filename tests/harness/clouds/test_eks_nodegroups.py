@@ -4,28 +4,25 @@ eks and autoscaling clients: scaling both ways, removing one named instance, the
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.harness.clouds.eks import EksNodeGroups
-from tests.harness.clouds.moto_server import MotoServer
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.aws
 
 
 @pytest.fixture(scope="module")
-def groups(moto_server: MotoServer) -> EksNodeGroups:
-    return EksNodeGroups(moto_server.endpoint)
+def groups(eks_nodegroups: EksNodeGroups) -> EksNodeGroups:
+    return eks_nodegroups
 
 
 @pytest.fixture(scope="module")
-def nodes(groups: EksNodeGroups, cluster: Cluster) -> Iterator[NodeReconciler]:
-    with NodeReconciler(cluster.admin, f"eks-{uuid.uuid4().hex[:8]}", groups.listing) as reconciler:
-        yield reconciler
+def nodes(eks_nodes: NodeReconciler) -> NodeReconciler:
+    return eks_nodes
 
 
 @pytest.fixture

@@ -3,17 +3,17 @@ setSize, operations) and google-cloud-compute (the pools' managed instance group
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import requests
 from google.api_core import exceptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, container_v1
 
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.nodes import NodeReconciler, gke_listing
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.kube import wait_for
 
 PROJECT, LOCATION, CLUSTER = "acme-ml", "europe-west4", "train"
 ZONES = ["europe-west4-a", "europe-west4-b"]
@@ -21,9 +21,8 @@ POOL = f"projects/{PROJECT}/locations/{LOCATION}/clusters/{CLUSTER}/nodePools/gp
 
 
 @pytest.fixture(scope="module")
-def nodes(gcp_server: FakeServer, cluster: Cluster) -> Iterator[NodeReconciler]:
-    with NodeReconciler(cluster.admin, f"gke-{id(gcp_server)}", gke_listing(gcp_server)) as reconciler:
-        yield reconciler
+def nodes(gke_nodes: NodeReconciler) -> NodeReconciler:
+    return gke_nodes
 
 
 @pytest.fixture
@@ -160,3 +159,21 @@ def test_a_429_then_the_retry_succeeds(gke: dict[str, Any], gcp_server: FakeServ
     with pytest.raises(exceptions.TooManyRequests, match="concurrent operations quota"):
         gke["container"].set_node_pool_size(request=request, retry=None)
     assert not _done(gke, gke["container"].set_node_pool_size(request=request)).error.message
+
+
+def test_a_caller_gone_before_the_answer_still_removed_exactly_one(gke: dict[str, Any],
+                                                                   gcp_server: FakeServer) -> None:
+    """slow_remove_seconds: the removal has started when the caller stops waiting (a SIGKILLed worker's window)."""
+    zone, mig = _mig(gke["container"].get_node_pool(name=POOL).instance_group_urls[0])
+    _done(gke, gke["container"].set_node_pool_size(request=container_v1.SetNodePoolSizeRequest(
+        name=POOL, node_count=2)))
+    victim = _members(gke, zone, mig)[0].name
+    gcp_server.fault(slow_remove_seconds=3)
+    with pytest.raises(requests.exceptions.ReadTimeout):  # the caller stopped waiting
+        gke["migs"].delete_instances_unary(
+            project=PROJECT, zone=zone, instance_group_manager=mig, timeout=0.5, retry=None,
+            instance_group_managers_delete_instances_request_resource=compute_v1.
+            InstanceGroupManagersDeleteInstancesRequest(instances=[f"zones/{zone}/instances/{victim}"]))
+    wait_for(lambda: gcp_server.state()["deleted"] == [{"zone": zone, "instance": victim, "via": "deleteInstances"}],
+             timeout=20, what=f"{victim} removed, and only it")
+    assert len(_members(gke, zone, mig)) == 1
