@@ -22,7 +22,7 @@ from models import search_attributes
 from models.converter import DATA_CONVERTER
 from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.clouds import local
-from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.moto_server import MotoServer
 from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
@@ -170,3 +170,10 @@ def eks_nodes(eks_nodegroups: EksNodeGroups, cluster: Cluster) -> Iterator[NodeR
     """The module's EKS node groups' instances as Nodes; each pass also keeps node group and ASG consistent."""
     with NodeReconciler(cluster.admin, unique("eks"), eks_nodegroups.listing) as reconciler:
         yield reconciler
+
+
+@pytest.fixture(scope="module")
+def eks_api(moto_server: MotoServer) -> Iterator[MotoRecorder]:
+    """Where the product's boto3 clients point for EKS/ASG (``.url``): moto, every request recorded."""
+    with MotoRecorder(moto_server.endpoint) as recorder:
+        yield recorder

@@ -86,9 +86,11 @@ class EksNodeGroups:
             LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"], "Version": "$Latest"},
             VPCZoneIdentifier=",".join(subnet_ids),
             Tags=[{"Key": k, "Value": v, "PropagateAtLaunch": True} for k, v in tags.items()])
+        members = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]["Instances"]
         with self._lock:
             self._last[(cluster, nodegroup)] = (min_size, max_size, desired)
-        return str(name)
+            self._members[(cluster, nodegroup)] = {i["InstanceId"] for i in members}  # so a removal before the
+        return str(name)  # first sync is recorded too
 
     # -- EKS keeping the node group and its ASG consistent ------------------------------------------------
     def sync(self) -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]:
@@ -150,3 +152,83 @@ class EksNodeGroups:
                 out.append(CloudNode(inst["PrivateDnsName"], f"aws:///{zone}/{inst['InstanceId']}", labels,
                                      gpus.get(inst["InstanceType"], 0)))
         return out
+
+
+class MotoRecorder:
+    """A loopback HTTP forwarder in front of moto that records every AWS request the product sends (moto keeps no
+    request log): ``requests()`` -> [{service, action, params, time}], the action being the Query protocol's
+    ``Action`` (autoscaling, ec2, sts) or ``METHOD path`` for REST-JSON (eks). Fault ``slow_remove_seconds``:
+    a ``TerminateInstanceInAutoScalingGroup`` is forwarded (moto terminates the instance) and its answer then
+    waits this long, the window in which a worker is killed. Point the product's ``endpoint_url`` here; the
+    harness's own calls (``EksNodeGroups``) go to moto directly and are not recorded."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.url = ""
+        self.faults: dict[str, float] = {}
+        self._log: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._server: Any = None
+
+    def __enter__(self) -> MotoRecorder:
+        from werkzeug.serving import make_server
+
+        self._server = make_server("127.0.0.1", 0, self._app, threaded=True)
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+
+    def requests(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._log)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._log.clear()
+            self.faults.clear()
+
+    def _app(self, environ: dict[str, Any], start_response: Any) -> Any:
+        import http.client
+        import time
+        import urllib.parse
+
+        from werkzeug.wrappers import Request, Response
+
+        request = Request(environ)
+        body = request.get_data()
+        auth = request.headers.get("Authorization", "")
+        scope = auth.split("Credential=", 1)[1].split(",", 1)[0].split("/") if "Credential=" in auth else []
+        service = scope[3] if len(scope) > 3 else ""
+        params: dict[str, Any] = {}
+        if request.mimetype == "application/x-www-form-urlencoded":
+            params = dict(urllib.parse.parse_qsl(body.decode()))
+            action = params.pop("Action", "")
+            params.pop("Version", None)
+        else:
+            action = f"{request.method} {request.path}"
+            if body:
+                import json
+
+                try:
+                    params = json.loads(body)
+                except ValueError:
+                    params = {}
+        with self._lock:
+            self._log.append({"service": service, "action": action, "params": params, "time": time.time()})
+        host, port = self.target.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        path = request.full_path.rstrip("?") if request.query_string else request.path
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        conn.request(request.method, path, body=body, headers=headers)
+        upstream = conn.getresponse()
+        data = upstream.read()
+        out_headers = [(k, v) for k, v in upstream.getheaders()
+                       if k.lower() not in ("transfer-encoding", "connection", "content-length")]
+        conn.close()
+        if action == "TerminateInstanceInAutoScalingGroup" and self.faults.get("slow_remove_seconds"):
+            time.sleep(self.faults["slow_remove_seconds"])
+        return Response(data, status=upstream.status, headers=out_headers)(environ, start_response)

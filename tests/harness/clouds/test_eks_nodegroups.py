@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import wait_for
 
@@ -114,3 +114,44 @@ def test_moto_does_not_validate_desired_against_max(group: dict[str, Any]) -> No
     group["eks"].update_nodegroup_config(clusterName=group["cluster"], nodegroupName="gpu",
                                          scalingConfig={"minSize": 1, "maxSize": 4, "desiredSize": 9})
     assert _scaling(group) == {"minSize": 1, "maxSize": 4, "desiredSize": 9}
+
+
+def _through(recorder: MotoRecorder, service: str, **config: Any) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(service, region_name="eu-central-1", endpoint_url=recorder.url,
+                        aws_access_key_id="testing", aws_secret_access_key="testing",
+                        config=Config(retries={"total_max_attempts": 1}, **config))
+
+
+def test_the_recorder_names_each_call_the_product_sends(group: dict[str, Any], eks_api: MotoRecorder) -> None:
+    eks_api.clear()
+    eks, autoscaling = _through(eks_api, "eks"), _through(eks_api, "autoscaling")
+    eks.update_nodegroup_config(clusterName=group["cluster"], nodegroupName="gpu",
+                                scalingConfig={"minSize": 1, "maxSize": 4, "desiredSize": 3})
+    victim = sorted(i["InstanceId"] for i in _asg(group)["Instances"])[0]
+    autoscaling.terminate_instance_in_auto_scaling_group(InstanceId=victim, ShouldDecrementDesiredCapacity=True)
+    calls = [(r["service"], r["action"], r["params"]) for r in eks_api.requests()]
+    assert calls == [
+        ("eks", f"POST /clusters/{group['cluster']}/node-groups/gpu/update-config",
+         {"scalingConfig": {"minSize": 1, "maxSize": 4, "desiredSize": 3}, "clientRequestToken": calls[0][2].get(
+             "clientRequestToken")}),
+        ("autoscaling", "TerminateInstanceInAutoScalingGroup",
+         {"InstanceId": victim, "ShouldDecrementDesiredCapacity": "true"})]
+
+
+def test_a_caller_gone_before_the_terminate_answer_still_removed_exactly_one(
+        group: dict[str, Any], groups: EksNodeGroups, eks_api: MotoRecorder) -> None:
+    from botocore.exceptions import ReadTimeoutError
+
+    ids = sorted(i["InstanceId"] for i in _asg(group)["Instances"])
+    eks_api.clear()
+    eks_api.faults["slow_remove_seconds"] = 1.5
+    impatient = _through(eks_api, "autoscaling", read_timeout=0.3)
+    with pytest.raises(ReadTimeoutError):
+        impatient.terminate_instance_in_auto_scaling_group(InstanceId=ids[0], ShouldDecrementDesiredCapacity=True)
+    assert {i["InstanceId"] for i in _asg(group)["Instances"]} == set(ids[1:])
+    wait_for(lambda: _scaling(group)["desiredSize"] == 1, timeout=20, what="the node group's desiredSize at 1")
+    assert [r for r in groups.removed if r["instance"] in ids] == [{"nodegroup": "gpu", "instance": ids[0]}]
+    assert [r["action"] for r in eks_api.requests()] == ["TerminateInstanceInAutoScalingGroup"]
