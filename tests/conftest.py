@@ -168,7 +168,7 @@ def eks_nodegroups(moto_server: MotoServer) -> EksNodeGroups:
 @pytest.fixture(scope="module")
 def eks_nodes(eks_nodegroups: EksNodeGroups, cluster: Cluster) -> Iterator[NodeReconciler]:
     """The module's EKS node groups' instances as Nodes; each pass also keeps node group and ASG consistent."""
-    with NodeReconciler(cluster.admin, unique("eks"), eks_nodegroups.listing) as reconciler:
+    with NodeReconciler(cluster.admin, unique("eks"), eks_nodegroups.listing, interval=0.3) as reconciler:
         yield reconciler
 
 

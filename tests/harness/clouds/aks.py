@@ -7,7 +7,7 @@ Under ``/subscriptions/{s}/resourceGroups/{rg}/providers/Microsoft.ContainerServ
 * ``GET agentPools``, ``GET agentPools/{p}``: ``properties.count``, ``mode`` System|User, ``vmSize``,
   ``nodeLabels``, ``provisioningState``; ``properties.eTag`` and the ``ETag`` header, new on every change.
 * ``PUT agentPools/{p}`` (``begin_create_or_update``): the whole properties; ``If-Match`` with a stale ETag is a
-  412 ``PreconditionFailed``; a count change is a long-running operation (201 + ``Azure-AsyncOperation``, polled
+  412 ``PreconditionFailed``; a count change is a long-running operation (200 + ``Azure-AsyncOperation``, polled
   at ``.../Microsoft.ContainerService/locations/{loc}/operations/{id}``, then the final GET of the pool); a shrink
   removes the newest machines (the cloud chooses), recorded with ``via: "scale"``.
 * ``POST agentPools/{p}/deleteMachines {"machineNames": [...]}``: 202 with ``Azure-AsyncOperation`` and

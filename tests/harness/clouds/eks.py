@@ -92,6 +92,18 @@ class EksNodeGroups:
             self._members[(cluster, nodegroup)] = {i["InstanceId"] for i in members}  # so a removal before the
         return str(name)  # first sync is recorded too
 
+    def delete(self, cluster: str, nodegroup: str) -> None:
+        """The node group and its ASG (its instances terminate, so their Nodes go); no longer synced."""
+        eks, asg = self.client("eks"), self.client("autoscaling")
+        with self._lock:
+            self._last.pop((cluster, nodegroup), None)
+            self._members.pop((cluster, nodegroup), None)
+            self._seen.pop((cluster, nodegroup), None)
+        group = eks.describe_nodegroup(clusterName=cluster, nodegroupName=nodegroup)["nodegroup"]
+        asg.delete_auto_scaling_group(AutoScalingGroupName=group["resources"]["autoScalingGroups"][0]["name"],
+                                      ForceDelete=True)
+        eks.delete_nodegroup(clusterName=cluster, nodegroupName=nodegroup)
+
     # -- EKS keeping the node group and its ASG consistent ------------------------------------------------
     def sync(self) -> list[tuple[str, str, dict[str, Any], list[dict[str, Any]]]]:
         """One pass: (cluster, nodegroup, the node group, its ASG's instances) of every node group we created."""

@@ -5,7 +5,7 @@ when the instance does.
 One ``NodeReconciler`` per server (started by a fixture): a daemon thread that every ``interval`` seconds reads
 the instances (``listing``) and creates or deletes Nodes to match. It owns only the Nodes it made (label
 ``kubeon.io/test-cloud=<owner>``), so reconcilers of other tests never touch each other's. Tests wait on the
-Nodes with ``wait_for`` (a bound, no fixed sleep); ``synced()`` waits for one full pass after a change.
+Nodes with ``wait_for`` (a bound, no fixed sleep); ``errors`` keeps the last failed passes' reasons.
 
     eks   eks.amazonaws.com/nodegroup=<ng>       aws:///<az>/<i-id>                     node name: the private DNS name
     gke   cloud.google.com/gke-nodepool=<pool>    gce://<project>/<zone>/<instance>      node name: the instance name
@@ -16,7 +16,6 @@ Nodes with ``wait_for`` (a bound, no fixed sleep); ``synced()`` waits for one fu
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +47,6 @@ class NodeReconciler(Background):
     interval: float = 0.2
     passes: int = 0
     errors: list[str] = field(default_factory=list)
-    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def __post_init__(self) -> None:
         Background.__init__(self)
@@ -61,13 +59,6 @@ class NodeReconciler(Background):
         found = self.kube.core.list_node(label_selector=f"{OWNER}={self.owner}").items
         return {str(n.metadata.name): n for n in found}
 
-    def synced(self, timeout: float = 30.0) -> None:
-        """Wait until two passes started after this call (so the current cloud state is reflected)."""
-        with self._cond:
-            target = self.passes + 2
-            if not self._cond.wait_for(lambda: self.passes >= target, timeout=timeout):
-                raise AssertionError(f"node reconciler {self.owner}: no pass within {timeout}s; {self.errors[-3:]}")
-
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -75,9 +66,7 @@ class NodeReconciler(Background):
             except Exception as exc:  # the cloud restarting, the API server busy: next pass
                 self.errors.append(repr(exc))
                 del self.errors[:-20]
-            with self._cond:
-                self.passes += 1
-                self._cond.notify_all()
+            self.passes += 1
             self._stop.wait(self.interval)
 
     def _pass(self) -> None:

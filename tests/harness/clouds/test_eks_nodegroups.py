@@ -4,6 +4,7 @@ eks and autoscaling clients: scaling both ways, removing one named instance, the
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,12 +27,13 @@ def nodes(eks_nodes: NodeReconciler) -> NodeReconciler:
 
 
 @pytest.fixture
-def group(groups: EksNodeGroups, nodes: NodeReconciler) -> dict[str, Any]:
+def group(groups: EksNodeGroups, nodes: NodeReconciler) -> Iterator[dict[str, Any]]:
     cluster, ng = f"train-{uuid.uuid4().hex[:6]}", "gpu"
     asg = groups.create(cluster, ng, instance_type="g6.12xlarge", min_size=1, max_size=4, desired=2,
                         labels={"kubeon.io/pool": "home"})
-    return {"cluster": cluster, "ng": ng, "asg": asg, "eks": groups.client("eks"),
-            "autoscaling": groups.client("autoscaling"), "ec2": groups.client("ec2")}
+    yield {"cluster": cluster, "ng": ng, "asg": asg, "eks": groups.client("eks"),
+           "autoscaling": groups.client("autoscaling"), "ec2": groups.client("ec2")}
+    groups.delete(cluster, ng)
 
 
 def _asg(g: dict[str, Any]) -> dict[str, Any]:
