@@ -25,7 +25,8 @@ changes nothing), ``aks_429`` (N: the next N AKS requests answer 429 with ``Retr
 (true: the next AKS mutation finds another operation running: 409), plus ``operation_seconds``/``retry_after``.
 
 Seeding (``FakeServer.seed``): ``{"aks": {"subscription", "resourceGroup", "cluster", "location", "agentPools":
-[{"name", "vmSize", "count", "mode", "nodeLabels"}]}}``.
+[{"name", "vmSize", "count", "mode", "nodeLabels", "nodeTaints": ["k=v:NoSchedule"], "enableAutoScaling",
+"minCount", "maxCount"}]}}``.
 
 Not here: managed cluster CRUD, autoscaler, upgrades, surge, Deallocate scale-down mode, the Node objects (the
 harness's reconciler plays the cloud controller manager: clouds/nodes.py).
@@ -75,8 +76,10 @@ class AgentPools:
             key = (*ckey, ap["name"].lower())
             props = {"count": int(ap.get("count", 1)), "vmSize": ap["vmSize"], "mode": ap.get("mode", "User"),
                      "osType": "Linux", "type": "VirtualMachineScaleSets", "nodeLabels": ap.get("nodeLabels", {}),
-                     "enableAutoScaling": False, "scaleDownMode": "Delete", "provisioningState": "Succeeded",
-                     "powerState": {"code": "Running"}, "orchestratorVersion": "1.33.2"}
+                     "nodeTaints": ap.get("nodeTaints", []), "enableAutoScaling": bool(ap.get("enableAutoScaling")),
+                     **{k: ap[k] for k in ("minCount", "maxCount") if k in ap}, "scaleDownMode": "Delete",
+                     "provisioningState": "Succeeded", "powerState": {"code": "Running"},
+                     "orchestratorVersion": "1.33.2"}
             self.agent_pools[key] = {
                 "id": f"/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.ContainerService/"
                       f"managedClusters/{cluster}/agentPools/{ap['name']}",

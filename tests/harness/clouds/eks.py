@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.harness.clouds.nodes import CloudNode
+from tests.harness.clouds.nodes import EFFECTS, CloudNode
 
 REGION = "eu-central-1"
 ACCOUNT_ROLE = "arn:aws:iam::123456789012:role/"
@@ -60,7 +60,7 @@ class EksNodeGroups:
                             aws_access_key_id="testing", aws_secret_access_key="testing")
 
     def create(self, cluster: str, nodegroup: str, *, instance_type: str, min_size: int, max_size: int,
-               desired: int, labels: dict[str, str] | None = None) -> str:
+               desired: int, labels: dict[str, str] | None = None, taints: list[dict[str, str]] | None = None) -> str:
         """The node group and its ASG; returns the ASG's name (the one describe_nodegroup reports)."""
         eks, ec2, asg = self.client("eks"), self.client("ec2"), self.client("autoscaling")
         if not self._account:  # moto's default VPC subnets and an image: read once (moto lists images slowly)
@@ -74,7 +74,7 @@ class EksNodeGroups:
         eks.create_nodegroup(clusterName=cluster, nodegroupName=nodegroup, subnets=subnet_ids,
                              nodeRole=ACCOUNT_ROLE + "eks-node", instanceTypes=[instance_type],
                              scalingConfig={"minSize": min_size, "maxSize": max_size, "desiredSize": desired},
-                             labels=labels or {}, capacityType="ON_DEMAND")
+                             labels=labels or {}, taints=taints or [], capacityType="ON_DEMAND")
         described = eks.describe_nodegroup(clusterName=cluster, nodegroupName=nodegroup)["nodegroup"]
         name = described["resources"]["autoScalingGroups"][0]["name"]
         template = ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
@@ -161,8 +161,9 @@ class EksNodeGroups:
                 labels = {"eks.amazonaws.com/nodegroup": ng, "eks.amazonaws.com/capacityType":
                           group.get("capacityType", "ON_DEMAND"), "node.kubernetes.io/instance-type":
                           inst["InstanceType"], "topology.kubernetes.io/zone": zone, **group.get("labels", {})}
+                taints = tuple((t["key"], t.get("value", ""), EFFECTS[t["effect"]]) for t in group.get("taints", []))
                 out.append(CloudNode(inst["PrivateDnsName"], f"aws:///{zone}/{inst['InstanceId']}", labels,
-                                     gpus.get(inst["InstanceType"], 0)))
+                                     gpus.get(inst["InstanceType"], 0), taints=taints))
         return out
 
 

@@ -28,7 +28,8 @@ changes nothing), ``gke_429`` (N: the next N container mutations answer 429 RESO
 operations quota"), plus ``operation_seconds`` (how long an operation runs) and the shared ones.
 
 Seeding (``FakeServer.seed``, what a test starts from): ``{"gke": {"project", "location", "cluster", "nodePools":
-[{"name", "machineType", "zones": [...], "nodeCount": per zone, "labels": {...}}]}}``.
+[{"name", "machineType", "zones": [...], "nodeCount": per zone, "labels": {...}, "taints": [{"key", "value",
+"effect": "NO_SCHEDULE"}], "autoscaling": {"enabled": ...}}]}}``.
 
 What real GKE does that this does not: node pool create/delete/update, autoscaling, upgrades, surge; the node
 objects themselves (the harness's reconciler plays the cloud controller manager: clouds/nodes.py).
@@ -101,7 +102,9 @@ class NodePools:
                 urls.append(self.migs[(project, zone, mig)]["selfLink"])
                 self._resize_mig((project, zone, mig), int(np.get("nodeCount", 0)), "seed", running=True)
             self.pools[(project, location, cluster, name)] = {
-                "name": name, "config": {"machineType": np["machineType"], "labels": np.get("labels", {})},
+                "name": name, "config": {"machineType": np["machineType"], "labels": np.get("labels", {}),
+                                         "taints": np.get("taints", [])},
+                **({"autoscaling": np["autoscaling"]} if "autoscaling" in np else {}),
                 "initialNodeCount": int(np.get("nodeCount", 0)), "locations": list(np["zones"]),
                 "instanceGroupUrls": urls, "status": "RUNNING", "version": "1.33.5-gke.1000",
                 "selfLink": f"{GKE}/projects/{project}/locations/{location}/clusters/{cluster}/nodePools/{name}"}

@@ -37,6 +37,7 @@ class CloudNode:
     gpus: int
     cpu: str = "32"
     memory: str = "256Gi"
+    taints: tuple[tuple[str, str, str], ...] = ()  # (key, value, Kubernetes effect): the group's taints
 
 
 @dataclass
@@ -89,7 +90,8 @@ class NodeReconciler(Background):
                 name=cn.name, annotations={KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
                 labels={"kubernetes.io/hostname": cn.name, "kubernetes.io/os": "linux", "type": "kwok",
                         OWNER: self.owner, **cn.labels}),
-            spec=client.V1NodeSpec(provider_id=cn.provider_id),
+            spec=client.V1NodeSpec(provider_id=cn.provider_id, taints=[
+                client.V1Taint(key=k, value=v or None, effect=e) for k, v, e in cn.taints] or None),
             status=client.V1NodeStatus(allocatable=res, capacity=res))
 
     def _delete_all(self) -> None:
@@ -102,6 +104,23 @@ class NodeReconciler(Background):
         wait_for(lambda: not self.nodes(), timeout=30, what=f"nodes of {self.owner} deleted")
 
 
+def group_taints(node: client.V1Node) -> list[tuple[str, str | None, str]]:
+    """A Node's taints less the ones Kubernetes' controllers add (``node.kubernetes.io/not-ready`` until kwok
+    marks it Ready)."""
+    return [(t.key, t.value, t.effect) for t in node.spec.taints or [] if not t.key.startswith("node.kubernetes.io/")]
+
+
+# EKS and GKE spell taint effects NO_SCHEDULE | NO_EXECUTE | PREFER_NO_SCHEDULE; Nodes carry Kubernetes' spelling.
+EFFECTS = {"NO_SCHEDULE": "NoSchedule", "NO_EXECUTE": "NoExecute", "PREFER_NO_SCHEDULE": "PreferNoSchedule"}
+
+
+def _aks_taint(text: str) -> tuple[str, str, str]:
+    """AKS ``nodeTaints``: ``key=value:Effect``."""
+    kv, _, effect = text.rpartition(":")
+    key, _, value = kv.partition("=")
+    return key, value, effect
+
+
 # -- what each cloud's controller manager makes of its instances --------------------------------------------
 def gke_listing(server: Any) -> Callable[[], list[CloudNode]]:
     """The running (or deleting) VMs of the GKE node pools' MIGs on the local Compute Engine server."""
@@ -109,17 +128,23 @@ def gke_listing(server: Any) -> Callable[[], list[CloudNode]]:
 
     def listing() -> list[CloudNode]:
         out = []
-        for inst in server.state()["instances"]:
+        state = server.state()
+        pools = {(p["cluster"], p["name"]): p for p in state["nodePools"]}
+        for inst in state["instances"]:
             pool = inst.get("labels", {}).get("goog-k8s-node-pool-name")
             if not pool or inst["status"] not in ("RUNNING", "STOPPING"):
                 continue
+            config = pools.get((inst["labels"].get("goog-k8s-cluster-name"), pool), {}).get("config", {})
+            taints = tuple((t["key"], t.get("value", ""), EFFECTS[t["effect"]]) for t in config.get("taints", []))
             cpus, mem, accelerator, gpus = MACHINE_TYPES[inst["machineType"].rsplit("/", 1)[-1]]
             project, _, zone, _, name = inst["selfLink"].split("/projects/", 1)[1].split("/")
             labels = {"cloud.google.com/gke-nodepool": pool, "topology.kubernetes.io/zone": zone,
                       "node.kubernetes.io/instance-type": inst["machineType"].rsplit("/", 1)[-1]}
             if accelerator:
                 labels["cloud.google.com/gke-accelerator"] = accelerator
-            out.append(CloudNode(name, f"gce://{project}/{zone}/{name}", labels, gpus, str(cpus), f"{mem}Mi"))
+            labels.update(config.get("labels", {}))
+            out.append(CloudNode(name, f"gce://{project}/{zone}/{name}", labels, gpus, str(cpus), f"{mem}Mi",
+                                 taints))
         return out
 
     return listing
@@ -139,11 +164,13 @@ def aks_listing(server: Any) -> Callable[[], list[CloudNode]]:
                       **pool["properties"].get("nodeLabels", {})}
             if gpus:
                 labels["kubernetes.azure.com/accelerator"] = "nvidia"
+            taints = tuple(_aks_taint(t) for t in pool["properties"].get("nodeTaints", []))
             for machine in pool["machines"]:
                 # The kubelet's providerID: the VMSS VM's id, its resource group lowercased (as AKS nodes show it).
                 rid = re.sub(r"(?<=/resourceGroups/)[^/]+", lambda m: m.group(0).lower(),
                              machine["properties"]["resourceId"])
-                out.append(CloudNode(machine["name"], f"azure://{rid}", labels, gpus, str(cpus), f"{mem}Gi"))
+                out.append(CloudNode(machine["name"], f"azure://{rid}", labels, gpus, str(cpus), f"{mem}Gi",
+                                     taints))
         return out
 
     return listing

@@ -22,7 +22,7 @@ from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
-from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import NodeReconciler, group_taints
 from tests.harness.kube import wait_for
 
 RG, CLUSTER = "ml-prod", "train"
@@ -39,7 +39,8 @@ def aks(azure_server: FakeServer, nodes: NodeReconciler, monkeypatch: pytest.Mon
     azure_server.fault(operation_seconds=0.3, retry_after=0)
     azure_server.seed(aks={"subscription": SUB, "resourceGroup": RG, "cluster": CLUSTER, "location": "westeurope",
                            "agentPools": [
-                               {"name": "gpu", "vmSize": "Standard_NC64as_T4_v3", "count": 2, "mode": "User"},
+                               {"name": "gpu", "vmSize": "Standard_NC64as_T4_v3", "count": 2, "mode": "User",
+                                "nodeTaints": ["sku=gpu:NoSchedule"]},
                                {"name": "system", "vmSize": "Standard_D4s_v5", "count": 1, "mode": "System"}]})
     monkeypatch.setenv("IDENTITY_ENDPOINT", azure_server.identity_url)
     monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_HEADER)
@@ -73,6 +74,8 @@ def test_pools_and_machines_are_listed_and_the_machines_are_gpu_nodes(aks: Any, 
     assert f"/resourcegroups/mc_{RG}_{CLUSTER}_westeurope/" in node.spec.provider_id.lower()
     assert node.status.capacity["nvidia.com/gpu"] == "4"
     assert node.metadata.labels["kubernetes.azure.com/accelerator"] == "nvidia"
+    assert group_taints(node) == [("sku", "gpu", "NoSchedule")]
+    assert pools["gpu"].properties.node_taints == ["sku=gpu:NoSchedule"]
     arm = [r for r in azure_server.requests() if r["path"].startswith("/subscriptions/")]
     assert arm and all(r["authorization"].startswith("Bearer token-") for r in arm)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
-from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import NodeReconciler, group_taints
 from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.aws
@@ -30,7 +30,8 @@ def nodes(eks_nodes: NodeReconciler) -> NodeReconciler:
 def group(groups: EksNodeGroups, nodes: NodeReconciler) -> Iterator[dict[str, Any]]:
     cluster, ng = f"train-{uuid.uuid4().hex[:6]}", "gpu"
     asg = groups.create(cluster, ng, instance_type="g6.12xlarge", min_size=1, max_size=4, desired=2,
-                        labels={"kubeon.io/pool": "home"})
+                        labels={"kubeon.io/pool": "home"},
+                        taints=[{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}])
     yield {"cluster": cluster, "ng": ng, "asg": asg, "eks": groups.client("eks"),
            "autoscaling": groups.client("autoscaling"), "ec2": groups.client("ec2")}
     groups.delete(cluster, ng)
@@ -67,6 +68,7 @@ def test_the_node_group_has_its_asg_and_its_instances_are_gpu_nodes(group: dict[
     assert node.spec.provider_id == f"aws:///{labels['topology.kubernetes.io/zone']}/" \
                                     f"{node.spec.provider_id.rsplit('/', 1)[1]}"
     assert node.status.capacity["nvidia.com/gpu"] == "4"
+    assert group_taints(node) == [("nvidia.com/gpu", "true", "NoSchedule")]
     assert node.metadata.name.startswith("ip-") and node.metadata.name.endswith(".internal")  # its private DNS name
 
 

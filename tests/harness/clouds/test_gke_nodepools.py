@@ -12,7 +12,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1, container_v1
 
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import NodeReconciler, group_taints
 from tests.harness.kube import wait_for
 
 PROJECT, LOCATION, CLUSTER = "acme-ml", "europe-west4", "train"
@@ -30,7 +30,8 @@ def gke(gcp_server: FakeServer, nodes: NodeReconciler) -> dict[str, Any]:
     gcp_server.reset()
     gcp_server.fault(operation_seconds=0.3)
     gcp_server.seed(gke={"project": PROJECT, "location": LOCATION, "cluster": CLUSTER, "nodePools": [
-        {"name": "gpu", "machineType": "g2-standard-48", "zones": ZONES, "nodeCount": 1},
+        {"name": "gpu", "machineType": "g2-standard-48", "zones": ZONES, "nodeCount": 1,
+         "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}]},
         {"name": "system", "machineType": "e2-standard-4", "zones": ZONES[:1], "nodeCount": 1}]})
     creds, options = AnonymousCredentials(), {"api_endpoint": gcp_server.url}
     return {"container": container_v1.ClusterManagerClient(credentials=creds, transport="rest",
@@ -80,6 +81,8 @@ def test_pool_lists_one_mig_per_zone_and_its_vms_are_gpu_nodes(gke: dict[str, An
     assert node.spec.provider_id == f"gce://{PROJECT}/{zone}/{node.metadata.name}"
     assert node.status.capacity["nvidia.com/gpu"] == "4"
     assert node.metadata.labels["cloud.google.com/gke-accelerator"] == "nvidia-l4"
+    assert group_taints(node) == [("nvidia.com/gpu", "present", "NoSchedule")]
+    assert pool.config.taints[0].effect == container_v1.NodeTaint.Effect.NO_SCHEDULE
 
 
 def test_set_size_is_per_zone_and_an_operation_polled_until_done(gke: dict[str, Any], nodes: NodeReconciler,
