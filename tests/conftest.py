@@ -22,8 +22,10 @@ from models import search_attributes
 from models.converter import DATA_CONVERTER
 from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.clouds import local
+from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.moto_server import MotoServer
+from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
 from tests.harness.console import console_server, ui_dev_server
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
@@ -140,3 +142,38 @@ def stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, request: p
 def product() -> str:
     """A GPU type of this test alone, so its pods fit no other test's nodes."""
     return unique("NVIDIA-T")
+
+
+# -- managed node groups (issue 24): each local cloud's groups, their instances as kwok Nodes ------------------
+@pytest.fixture(scope="module")
+def gke_nodes(gcp_server: FakeServer, cluster: Cluster) -> Iterator[NodeReconciler]:
+    """The module's GKE node pools' VMs (seed them with ``gcp_server.seed(gke=...)``) as Nodes, as GKE's CCM."""
+    with NodeReconciler(cluster.admin, unique("gke"), gke_listing(gcp_server)) as reconciler:
+        yield reconciler
+
+
+@pytest.fixture(scope="module")
+def aks_nodes(azure_server: FakeServer, cluster: Cluster) -> Iterator[NodeReconciler]:
+    """The module's AKS agent pools' machines (``azure_server.seed(aks=...)``) as Nodes, as AKS's CCM."""
+    with NodeReconciler(cluster.admin, unique("aks"), aks_listing(azure_server)) as reconciler:
+        yield reconciler
+
+
+@pytest.fixture(scope="module")
+def eks_nodegroups(moto_server: MotoServer) -> EksNodeGroups:
+    """EKS node groups on the session's moto with the ASG behind each (``.create(...)``)."""
+    return EksNodeGroups(moto_server.endpoint)
+
+
+@pytest.fixture(scope="module")
+def eks_nodes(eks_nodegroups: EksNodeGroups, cluster: Cluster) -> Iterator[NodeReconciler]:
+    """The module's EKS node groups' instances as Nodes; each pass also keeps node group and ASG consistent."""
+    with NodeReconciler(cluster.admin, unique("eks"), eks_nodegroups.listing, interval=0.3) as reconciler:
+        yield reconciler
+
+
+@pytest.fixture(scope="module")
+def eks_api(moto_server: MotoServer) -> Iterator[MotoRecorder]:
+    """Where the product's boto3 clients point for EKS/ASG (``.url``): moto, every request recorded."""
+    with MotoRecorder(moto_server.endpoint) as recorder:
+        yield recorder

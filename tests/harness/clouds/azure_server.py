@@ -16,6 +16,8 @@ the create's operation fails with ZonalAllocationFailed, the VM stays, Failed, a
 shared ones (fake.py). A VM "boots" when its create operation succeeds: PowerState/running, its customData
 is what the booter joins with.
 
+AKS agent pools and their machines live here too (Microsoft.ContainerService): see aks.py.
+
     python -m tests.harness.clouds.azure_server --port 8471 --identity-port 8472 --tls-dir .kubeon/dev/azure
 """
 
@@ -31,6 +33,7 @@ from typing import Any
 
 from werkzeug.wrappers import Request, Response
 
+from tests.harness.clouds.aks import AKS, AgentPools
 from tests.harness.clouds.fake import ApiError, FakeCloud, json_response
 
 IDENTITY_HEADER = "kubeon-dev-identity"
@@ -50,8 +53,8 @@ SIZES: dict[str, tuple[str, int, int, int]] = {  # name -> (family, vCPUs, memor
 LOCATIONS = {"westeurope": ["1", "2", "3"], "eastus": ["1", "2", "3"], "northeurope": ["1", "2", "3"]}
 RG = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft\.Compute/"
                 r"virtualMachines(/(?P<vm>[^/]+))?(?P<view>/instanceView)?$", re.I)
-OPS = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/Microsoft\.Compute/locations/(?P<loc>[^/]+)/"
-                 r"operations/(?P<op>[^/]+)$", re.I)
+OPS = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/Microsoft\.(Compute|ContainerService)/"
+                 r"locations/(?P<loc>[^/]+)/operations/(?P<op>[^/]+)$", re.I)
 SKUS = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/providers/Microsoft\.Compute/skus$", re.I)
 
 
@@ -63,7 +66,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-class ResourceManager(FakeCloud):
+class ResourceManager(AgentPools, FakeCloud):
     def reset(self) -> None:
         super().reset()
         with self.lock:
@@ -73,6 +76,7 @@ class ResourceManager(FakeCloud):
             self.custom_data: dict[str, str] = {}  # vmId -> decoded customData
             self.operations: dict[str, dict[str, Any]] = {}
             self.tokens: dict[str, str] = {}  # token -> client id
+            self.reset_aks()
 
     def server_error(self, status: int) -> ApiError:
         return arm_error(status, "InternalServerError", "Encountered internal server error. Diagnostic information: "
@@ -82,7 +86,15 @@ class ResourceManager(FakeCloud):
         with self.lock:
             self._advance()
             return {"vms": [dict(vm, customDataDecoded=self.custom_data.get(vm["properties"]["vmId"], ""))
-                            for vm in self.vms.values()], "tokens": sorted(set(self.tokens.values()))}
+                            for vm in self.vms.values()], "tokens": sorted(set(self.tokens.values())),
+                    "agentPools": [dict(self._aks_public(pool), cluster=k[2], resourceGroup=k[1],
+                                        machines=[self.machines[k][m] for m in sorted(self.machines[k])])
+                                   for k, pool in self.agent_pools.items()],
+                    "machineDeleted": list(self.machine_deleted)}
+
+    def seed(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            return self.seed_aks(body["aks"])
 
     # -- identity endpoint --------------------------------------------------------------------------------------
     def identity(self, environ: dict[str, Any], start_response: Any) -> Any:
@@ -108,6 +120,9 @@ class ResourceManager(FakeCloud):
             if op["status"] != "InProgress" or op["_done_at"] > now:
                 continue
             op["endTime"] = _now()
+            if op["_kind"] == "aks":  # an agent pool's operation (aks.py)
+                self.advance_aks(op)
+                continue
             vm = self.vms.get(op["_vm"])
             if op.get("_error"):
                 op["status"], op["error"] = "Failed", op.pop("_error")
@@ -154,6 +169,8 @@ class ResourceManager(FakeCloud):
                 return json_response({k: v for k, v in op.items() if not k.startswith("_")})
             if m := SKUS.match(path):
                 return json_response({"value": self._skus(request.args.get("$filter", ""))})
+            if m := AKS.match(path):
+                return self.route_aks(m, request, body, base)
             if not (m := RG.match(path)):
                 raise arm_error(404, "InvalidResourceType", f"The resource type could not be found for {path}.")
             sub, rg, name = m.group("sub"), m.group("rg"), m.group("vm")

@@ -31,7 +31,7 @@ class DevClouds:
     gcp: FakeServer | None = None
     azure: FakeServer | None = None
     locations: list[dict[str, Any]] = field(default_factory=list)
-    endpoints: dict[str, dict[str, str]] = field(default_factory=dict)
+    endpoints: dict[str, dict[str, Any]] = field(default_factory=dict)
     _booters: list[Any] = field(default_factory=list)
     popen: Callable[..., Any] = field(default=subprocess.Popen, repr=False)  # `make dev`'s registry's
 
@@ -46,12 +46,7 @@ class DevClouds:
             local.gcp_location("europe-west4"),
             local.azure_location("westeurope"),
         ]
-        self.endpoints = {
-            "aws": {"url": self.moto.endpoint, "region": AWS_REGION},
-            "gcp": {"url": self.gcp.url, "project": local.GCP_PROJECT},
-            "azure": {"url": self.azure.url, "subscription": local.AZURE_SUBSCRIPTION,
-                      "resourceGroup": local.azure_resource_group("westeurope"), "ca": str(self.azure.ca_file)},
-        }
+        self.endpoints = endpoints(self.moto, self.gcp, self.azure)
         self.endpoints_file.write_text(json.dumps(self.endpoints, indent=2) + "\n")
         return self
 
@@ -104,6 +99,25 @@ class DevClouds:
         with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
             iam.create_instance_profile(InstanceProfileName="kubeon-burst-node")
         return str(self._ec2().describe_images()["Images"][0]["ImageId"])
+
+
+def endpoints(moto: MotoServer, gcp: FakeServer, azure: FakeServer) -> dict[str, dict[str, Any]]:
+    """``endpoints.json``: each emulator's address and how its official SDK authenticates to it (``env``: what to
+    export; docs/development.md shows each in use)."""
+    return {
+        # moto accepts any key pair; these are the ones make dev's worker uses (AWS_ENDPOINT_URL: boto3 >= 1.28).
+        "aws": {"url": moto.endpoint, "region": AWS_REGION, "accessKeyId": "testing", "secretAccessKey": "testing",
+                "env": {"AWS_ENDPOINT_URL": moto.endpoint, "AWS_DEFAULT_REGION": AWS_REGION,
+                        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}},
+        # The local Compute Engine / Kubernetes Engine server checks no token: google.auth AnonymousCredentials.
+        "gcp": {"url": gcp.url, "project": local.GCP_PROJECT, "credentials": "anonymous"},
+        # ARM over HTTPS (trust "ca") takes only bearer tokens its managed-identity endpoint issued:
+        # ManagedIdentityCredential / DefaultAzureCredential read IDENTITY_ENDPOINT and IDENTITY_HEADER.
+        "azure": {"url": azure.url, "subscription": local.AZURE_SUBSCRIPTION,
+                  "resourceGroup": local.azure_resource_group("westeurope"), "ca": str(azure.ca_file),
+                  "identityEndpoint": azure.identity_url, "clientId": local.AZURE_CLIENT_ID,
+                  "env": {**local.azure_identity_env(azure), "AZURE_CLIENT_ID": local.AZURE_CLIENT_ID}},
+    }
 
 
 class _AwsBooter:

@@ -3,7 +3,8 @@ them (so a SIGKILLed worker never takes its cloud down) and the control client t
 
 Control endpoints (never called by the product) live under ``/_fake/``: ``GET requests`` (every request the
 cloud API received, in order), ``POST faults`` (a JSON object merged into the faults), ``POST reset``,
-``GET state`` (the instances, with their user data).
+``GET state`` (the instances, with their user data), ``POST seed`` (resources a test starts from that the product
+never creates: GKE clusters and node pools, AKS managed clusters and agent pools).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class FakeCloud:
 
     Faults: ``fail_nth`` ({"n": N, "status": 500}: the Nth cloud API request from now on fails, once),
     ``slow_create_seconds`` (a create is done at once but its answer comes this much later: the window in which a
-    worker is killed), ``operation_seconds`` (how long a create or delete operation runs), per-cloud others.
+    worker is killed), ``slow_remove_seconds`` (the same for removing one node of a managed group: GKE
+    deleteInstances, AKS deleteMachines), ``operation_seconds`` (how long a create or delete operation runs),
+    per-cloud others.
     """
 
     def __init__(self) -> None:
@@ -63,6 +66,9 @@ class FakeCloud:
 
     def server_error(self, status: int) -> ApiError:
         raise NotImplementedError
+
+    def seed(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise ApiError(404, {"error": "this cloud has nothing to seed"})
 
     # -- shared --------------------------------------------------------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -107,6 +113,11 @@ class FakeCloud:
                 return json_response({})
             if request.path == "/_fake/state":
                 return json_response(self.state())
+            if request.path == "/_fake/seed" and request.method == "POST":
+                try:
+                    return json_response(self.seed(body or {}))
+                except ApiError as err:
+                    return json_response(err.body, err.status)
         return json_response({"error": "no such control endpoint"}, 404)
 
     def slow_create(self) -> None:
@@ -114,6 +125,17 @@ class FakeCloud:
         delay = float(self.faults.get("slow_create_seconds", 0))
         if delay:
             time.sleep(delay)
+
+    def slow_answer(self, fault: str) -> None:
+        """Like ``slow_create`` for another fault (``slow_remove_seconds``: a node group removal has started; its
+        answer waits). Called holding the lock once: it releases it while waiting."""
+        delay = float(self.faults.get(fault, 0))
+        if delay:
+            self.lock.release()
+            try:
+                time.sleep(delay)
+            finally:
+                self.lock.acquire()
 
 
 @dataclass
@@ -182,6 +204,9 @@ class FakeServer:
 
     def state(self) -> dict[str, Any]:
         return dict(self._control("GET", "state"))
+
+    def seed(self, **body: Any) -> dict[str, Any]:
+        return dict(self._control("POST", "seed", body))
 
     def stop(self) -> None:
         if self._proc:

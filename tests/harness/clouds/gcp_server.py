@@ -10,6 +10,9 @@ operation ends DONE with only ``error`` set: no httpErrorStatusCode), plus the s
 An instance "boots" when its insert operation is done: it is RUNNING and its ``user-data`` metadata is what the
 booter (tests/harness/clouds/boot.py) joins the cluster with.
 
+GKE node pools and their managed instance groups live here too (the Kubernetes Engine API under ``/v1/``, the
+MIGs under compute): see gke.py.
+
     python -m tests.harness.clouds.gcp_server --port 8470
 """
 
@@ -25,6 +28,7 @@ from typing import Any
 from werkzeug.wrappers import Request, Response
 
 from tests.harness.clouds.fake import ApiError, FakeCloud, json_response, serve
+from tests.harness.clouds.gke import MIG, NodePools
 
 GCE = "https://www.googleapis.com/compute/v1"
 ZONES = {
@@ -137,7 +141,7 @@ def page(items: list[Any], args: Any) -> tuple[list[Any], str | None]:
     return items[start:nxt], (str(nxt) if nxt < len(items) else None)
 
 
-class ComputeEngine(FakeCloud):
+class ComputeEngine(NodePools, FakeCloud):
     def reset(self) -> None:
         super().reset()
         with self.lock:
@@ -146,6 +150,7 @@ class ComputeEngine(FakeCloud):
             self.operations: dict[str, dict[str, Any]] = {}
             self.request_ids: dict[str, str] = {}
             self._ids = itertools.count(4_000_000_000_000_000_001)
+            self.reset_gke()
 
     def server_error(self, status: int) -> ApiError:
         return error(status, "backendError", "Internal error. Please try again or contact Google Support.")
@@ -154,7 +159,13 @@ class ComputeEngine(FakeCloud):
         with self.lock:
             self._advance()
             return {"instances": [dict(inst, userData=self.user_data.get(inst["id"], ""))
-                                  for inst in self.instances.values()]}
+                                  for inst in self.instances.values()],
+                    "nodePools": [dict(pool, cluster=k[2], project=k[0]) for k, pool in self.pools.items()],
+                    "deleted": list(self.deleted)}
+
+    def seed(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            return self.seed_gke(body["gke"])
 
     # -- time passes: operations finish ------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -164,13 +175,16 @@ class ComputeEngine(FakeCloud):
                 continue
             op["status"], op["progress"], op["endTime"] = "DONE", 100, _now()
             key = op["_instance"]
-            if op.get("_fail"):
+            if op.get("_apply"):  # a managed instance group's operation (gke.py)
+                op.pop("_apply")()
+            elif op.get("_fail"):
                 op.update(op.pop("_fail"))
                 self.instances.pop(key, None)
             elif op["operationType"] == "insert" and key in self.instances:
                 self.instances[key]["status"] = "RUNNING"
             elif op["operationType"] == "delete":
                 self.instances.pop(key, None)
+        self.advance_gke(now)
 
     def _operation(self, project: str, zone: str, kind: str, key: tuple[str, str, str],
                    fail: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -196,6 +210,10 @@ class ComputeEngine(FakeCloud):
 
     # -- routes ----------------------------------------------------------------------------------------------
     def route(self, request: Request, body: Any) -> Response:
+        if request.path.startswith("/v1/"):  # the Kubernetes Engine API (gke.py)
+            with self.lock:
+                self._advance()
+                return self.route_container(request, body)
         m = PATH.match(request.path)
         if not m:
             raise error(404, "notFound", f"The requested URL {request.path} was not found on this server.")
@@ -209,6 +227,8 @@ class ComputeEngine(FakeCloud):
                 return self._aggregated(project, request.args, "machineTypes", self._machine_types(project))
             if m2 := re.fullmatch(r"regions/([^/]+)", rest):
                 return json_response(self._region(project, m2.group(1)))
+            if mig := MIG.fullmatch(rest):
+                return self.route_mig(project, mig, request, body)
             if not (mz := re.fullmatch(r"zones/(?P<zone>[^/]+)/(?P<kind>[a-zA-Z]+)(/(?P<name>[^/]+))?(?P<wait>/wait)?",
                                        rest)):
                 raise error(404, "notFound", f"The requested URL {request.path} was not found on this server.")
