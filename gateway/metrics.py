@@ -21,7 +21,7 @@ GATEWAY_ROUTES = ("/v1/join", "/v1/tickets", "/healthz", "/readyz", "/metrics")
 
 def _gateway_route(path: str) -> str:
     if path.startswith("/v1/nodes/"):
-        return "/v1/nodes/{name}"
+        return "/v1/nodes/{name}/transfer" if path.endswith("/transfer") else "/v1/nodes/{name}"
     return path if path in GATEWAY_ROUTES else "other"
 
 
