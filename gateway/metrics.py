@@ -16,6 +16,13 @@ GATEWAY_REQUESTS = Counter("kubeon_gateway_requests", "Requests to the burst gat
 GATEWAY_JOINS = Counter("kubeon_gateway_joins", "Join attempts of burst nodes by outcome (admitted, refused, "
                         "invalid, error)", ["outcome"])
 
+# Bytes burst nodes moved through the tunnel, measured at the gateway's WireGuard interface (gateway.transfer), by the
+# node's location (its ticket's location label) and direction: ``egress`` node -> home (leaving the remote cloud,
+# what it charges for), ``ingress`` home -> node. Added as each node's slot record is written.
+BURST_TRANSFER = Counter("kubeon_burst_transfer_bytes", "Bytes burst nodes moved through the tunnel, measured at the "
+                         "gateway: direction egress (node -> home, leaving the remote cloud) or ingress (home -> "
+                         "node)", ["location", "direction"])
+
 GATEWAY_ROUTES = ("/v1/join", "/v1/tickets", "/healthz", "/readyz", "/metrics")
 
 

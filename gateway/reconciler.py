@@ -15,10 +15,17 @@ from kubernetes import client
 from kubernetes.utils import parse_quantity
 
 from common.kube import read_or_none
+from gateway.metrics import BURST_TRANSFER
 from gateway.slots import RecordStore, Slot
 from gateway.transfer import accumulate, restarted
 from gateway.tunnel_end import GatewayTunnel
-from models.labels import GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT
+from models.labels import (
+    GPU_RESOURCE,
+    JOIN_REFUSED_ANNOTATION,
+    JOIN_REFUSED_TAINT,
+    JOINING_TAINT,
+    LABEL_LOCATION,
+)
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")
@@ -139,6 +146,9 @@ class Reconciler:
             due = now - old.measured_at >= self._transfer_seconds
             if (fresh or reset or force or due) and self._records.record_transfer(slot, moved):
                 written.append(slot.node)
+                location = slot.labels.get(LABEL_LOCATION, "") or "unknown"
+                BURST_TRANSFER.labels(location=location, direction="egress").inc(moved.rx_bytes - old.rx_bytes)
+                BURST_TRANSFER.labels(location=location, direction="ingress").inc(moved.tx_bytes - old.tx_bytes)
         return written
 
     def flush_transfer(self) -> list[str]:

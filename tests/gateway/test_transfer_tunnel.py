@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import math
 import signal
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
 from models.errors import TicketError
@@ -163,6 +166,18 @@ def test_egress_is_measured_at_the_gateway_and_survives_its_restart(
     # The direction: home -> node carried the ACKs only, a few % of it.
     assert 0 < tx < 0.05 * rx
     assert after.rx_bytes >= restarted.rx_bytes
+
+    # The restarted gateway's metric: what its own process counted (the second half at least), by the node's
+    # location and direction; a Prometheus counter, so it starts again at 0 with the process.
+    def egress() -> dict[str, float]:
+        text = httpx.get(f"{gateway.url}/metrics", verify=ssl.create_default_context(cafile=str(gateway.ca_file)),
+                         timeout=5).text
+        return {s.labels["direction"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "kubeon_burst_transfer_bytes_total" and s.labels.get("location") == "tunnel.test"}
+    counted = wait_for(lambda: (m := egress()) and m.get("egress", 0) >= expected_rx(HALF, mss, mtu, timestamps)
+                       and m, timeout=10, what="the second half in kubeon_burst_transfer_bytes_total")
+    assert counted["egress"] <= after.rx_bytes - first.rx_bytes
+    assert 0 < counted["ingress"] <= tx
 
 
 def test_transfer_of_another_operations_node_or_an_unknown_one_is_refused(
