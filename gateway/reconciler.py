@@ -17,7 +17,7 @@ from kubernetes.utils import parse_quantity
 from common.kube import read_or_none
 from gateway.metrics import BURST_TRANSFER
 from gateway.slots import RecordStore, Slot
-from gateway.transfer import accumulate, restarted
+from gateway.transfer import Transfer, accumulate, restarted
 from gateway.tunnel_end import GatewayTunnel
 from models.labels import (
     GPU_RESOURCE,
@@ -146,10 +146,15 @@ class Reconciler:
             due = now - old.measured_at >= self._transfer_seconds
             if (fresh or reset or force or due) and self._records.record_transfer(slot, moved):
                 written.append(slot.node)
-                location = slot.labels.get(LABEL_LOCATION, "") or "unknown"
-                BURST_TRANSFER.labels(location=location, direction="egress").inc(moved.rx_bytes - old.rx_bytes)
-                BURST_TRANSFER.labels(location=location, direction="ingress").inc(moved.tx_bytes - old.tx_bytes)
+                self._count(slot, old, moved)
         return written
+
+    @staticmethod
+    def _count(slot: Slot, old: Transfer, new: Transfer) -> None:
+        """The bytes accounted from ``old`` to ``new`` in ``kubeon_burst_transfer_bytes_total``."""
+        location = slot.labels.get(LABEL_LOCATION, "") or "unknown"
+        BURST_TRANSFER.labels(location=location, direction="egress").inc(max(0, new.rx_bytes - old.rx_bytes))
+        BURST_TRANSFER.labels(location=location, direction="ingress").inc(max(0, new.tx_bytes - old.tx_bytes))
 
     def flush_transfer(self) -> list[str]:
         """Write every joined node's counters now (the gateway stops: its interface and counters go with it)."""
@@ -220,12 +225,20 @@ class Reconciler:
         """Free a slot whose node is gone: its peer removed, every ticket it was issued for tombstoned (refused
         for good, its name watched for the certificate's lifetime), the record deleted if unchanged since read;
         False if it changed (read again)."""
+        final = slot.transfer
         if self._tunnel is not None and slot.wireguard_key:
             with contextlib.suppress(UapiError):
+                raw = self._tunnel.counters().get(slot.wireguard_key)
+                if raw is not None:  # its last bytes, read before the peer (and its counters) goes
+                    final = accumulate(final, raw[0], raw[1], self._clock())
+            with contextlib.suppress(UapiError):
                 self._tunnel.uapi.remove_peer(slot.wireguard_key)
+        if final != slot.transfer:
+            self._count(slot, slot.transfer, final)
         keep_until = max(slot.expires_at, self._clock() + self._tombstone_seconds)
         for nonce in slot.nonces:
-            self._records.release_ticket(nonce, node=slot.node, operation=slot.operation, keep_until=keep_until)
+            self._records.release_ticket(nonce, node=slot.node, operation=slot.operation, keep_until=keep_until,
+                                         transfer=final if nonce == slot.nonce and not slot.reserved else None)
         return self._records.delete_unchanged(slot)
 
     def start(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:

@@ -23,7 +23,7 @@ from gateway.reconciler import Reconciler
 from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
 from gateway.slots import AddressPlan, RecordStore, SlotBook
 from gateway.tickets import JoinTicket, TicketSigner
-from gateway.transfer import accumulate
+from gateway.transfer import Transfer, accumulate
 from gateway.tunnel_end import GatewayTunnel
 from models.errors import JoinRefused, TicketError
 from models.join import (
@@ -210,25 +210,32 @@ class KubeGateway:
     # -- transfer --------------------------------------------------------------------------------------------
     def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
         """The bytes ``node_name`` of ``operation`` moved through the tunnel so far: its slot's accounted totals
-        plus what its peer's counters moved since (read now, nothing written). ``TicketError`` (``not_owned``)
-        when the gateway holds a slot of that name for another operation only, ``JoinRefused`` 404 when none."""
+        plus what its peer's counters moved since (read now, nothing written); once removed, its final counters
+        (kept in its ticket's tombstone, as long as that stands). ``measured_at`` 0: never measured (no tunnel at
+        this gateway, or the node never joined). ``TicketError`` (``not_owned``) when the gateway holds that name
+        for another operation only, ``JoinRefused`` 404 when it holds nothing of that name."""
         slots = [s for s in self._records.slots() if s.node == node_name]
         mine = [s for s in slots if s.operation == operation]
-        if not mine:
-            if slots:
-                raise TicketError(f"node {node_name} has no address slot of operation {operation} at the gateway "
-                                  "(it belongs to another operation)", code="not_owned")
-            raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}: never "
-                              "ticketed, or removed (its counters went with its slot)", status=404)
-        slot = mine[0]
-        now = self._clock()
-        counted = slot.transfer
-        if self._tunnel is not None and not slot.reserved:
-            raw = self._tunnel.counters().get(slot.wireguard_key)
-            if raw is not None:
-                counted = accumulate(counted, raw[0], raw[1], now)
-        return NodeTransfer(rx_bytes=counted.rx_bytes, tx_bytes=counted.tx_bytes,
-                            measured_at=counted.measured_at or now)
+        if mine:
+            slot = mine[0]
+            counted = slot.transfer
+            if self._tunnel is not None and not slot.reserved:
+                raw = self._tunnel.counters().get(slot.wireguard_key)
+                if raw is not None:
+                    counted = accumulate(counted, raw[0], raw[1], self._clock())
+        else:
+            # Removed: its final counters are in the tombstone of the ticket it joined with (while it stands).
+            released = [r.data or {} for r in self._records.tickets()
+                        if (r.data or {}).get("node") == node_name and (r.data or {}).get("transfer")]
+            owned = [d for d in released if d.get("operation") == operation]
+            if not owned:
+                if slots or released:
+                    raise TicketError(f"node {node_name} has no address slot of operation {operation} at the "
+                                      "gateway (it belongs to another operation)", code="not_owned")
+                raise JoinRefused("unknown_node", f"the gateway holds no address slot nor a removed node's record "
+                                  f"for node {node_name}", status=404)
+            counted = Transfer.loads(owned[0]["transfer"])
+        return NodeTransfer(rx_bytes=counted.rx_bytes, tx_bytes=counted.tx_bytes, measured_at=counted.measured_at)
 
     # -- node removal ----------------------------------------------------------------------------------------
     def remove_node(self, node_name: str, *, operation: str) -> bool:

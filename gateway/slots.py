@@ -187,11 +187,14 @@ class RecordStore:
         existing = self.core.read_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace)
         return dict(existing.data or {})
 
-    def release_ticket(self, nonce: str, *, node: str, operation: str, keep_until: float) -> None:
+    def release_ticket(self, nonce: str, *, node: str, operation: str, keep_until: float,
+                       transfer: Transfer | None = None) -> None:
         """Mark a ticket released for good: its record (created now as a tombstone if the ticket was never
         redeemed: a compensated launch) refuses every later redemption, and names its node until ``keep_until``
         (the node's certificate may outlive its removal: a Node re-created under that name is revoked)."""
         data = {"state": "released", "node": node, "operation": operation, "keepUntil": repr(keep_until)}
+        if transfer is not None:  # the node's final tunnel traffic, still answered after its slot is gone
+            data["transfer"] = transfer.dumps()
         for _ in range(3):
             try:
                 self.core.patch_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace, {"data": data})

@@ -200,3 +200,15 @@ def test_the_record_keeps_the_totals_in_the_slot(cluster: Cluster, joined: Joine
     live = optimizer.transfer(joined.name, operation=joined.operation)
     assert 0 < stored.rx_bytes <= live.rx_bytes and stored.measured_at > 0
 
+
+
+def test_the_final_counters_outlive_the_node(cluster: Cluster, joined: Joined, optimizer: HttpGatewayClient) -> None:
+    """Removal reads the peer's last counters before the peer goes; the optimizer still gets them afterwards."""
+    live = optimizer.transfer(joined.name, operation=joined.operation)
+    assert optimizer.remove_node(joined.name, operation=joined.operation) is True
+    gone = optimizer.transfer(joined.name, operation=joined.operation)
+    assert gone.rx_bytes >= live.rx_bytes > 0 and gone.tx_bytes >= live.tx_bytes > 0
+    assert gone.measured_at >= live.measured_at
+    assert optimizer.transfer(joined.name, operation=joined.operation) == gone  # nothing counts any more
+    with pytest.raises(TicketError, match="another operation"):
+        optimizer.transfer(joined.name, operation="op-000000000000")
