@@ -181,12 +181,17 @@ def test_egress_is_measured_at_the_gateway_and_survives_its_restart(
 
 
 def test_transfer_of_another_operations_node_or_an_unknown_one_is_refused(
-        joined: Joined, optimizer: HttpGatewayClient) -> None:
+        gateway: Gateway, joined: Joined, optimizer: HttpGatewayClient) -> None:
     with pytest.raises(TicketError, match="another operation"):
         optimizer.transfer(joined.name, operation="op-000000000000")
     with pytest.raises(GatewayRefused) as refused:
         optimizer.transfer("burst-op-ffffffffffff", operation="op-ffffffffffff")
     assert refused.value.status == 404
+    # The optimizer's endpoint: no answer without its token.
+    anonymous = httpx.get(f"{optimizer.base_url}/v1/nodes/{joined.name}/transfer",
+                          params={"operation": joined.operation}, timeout=5,
+                          verify=ssl.create_default_context(cafile=str(gateway.ca_file)))
+    assert anonymous.status_code == 401 and "rxBytes" not in anonymous.text
 
 
 def test_the_record_keeps_the_totals_in_the_slot(cluster: Cluster, joined: Joined,
