@@ -14,6 +14,10 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   the ``nodes`` holding them; the optimizer plans no more new nodes than are free.
 - ``DELETE /v1/nodes/{name}?operation=op-...`` (the optimizer): remove a burst Node of that operation; 409 for a
   Node of another operation.
+- ``GET /v1/nodes/{name}/transfer?operation=op-...`` (the optimizer): the bytes the node moved through its tunnel
+  (``models.join.NodeTransfer``: ``rxBytes`` node -> home, the remote cloud's egress; ``txBytes`` home -> node),
+  kept across gateway restarts in its slot record (``gateway.transfer``); 409 for a node of another operation, 404
+  for one the gateway holds no slot for.
 - ``POST /v1/join`` (a booting burst node; the ticket is its only credential): redeem the ticket with the node's
   WireGuard public key and kubelet CSR (``models.join.JoinRedeem``); the answer (``JoinAnswer``) carries the
   signed kubelet certificate, the tunnel's parameters, the pod CIDR and the API server address. The gateway creates
@@ -65,6 +69,7 @@ from gateway.settings import MAX_BODY_BYTES
 from models.errors import JoinRefused, TicketError
 from models.join import CertRenewal, JoinRedeem, JoinTicketRequest
 from models.labels import LABEL_OPERATION
+from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")
 
@@ -346,6 +351,21 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         log.info("node %s of operation %s: %s (asked by %s)", name, operation,
                  "removed" if removed else "already gone", caller)
         return {"removed": removed}
+
+    @app.get("/v1/nodes/{name}/transfer")
+    def node_transfer(name: str, caller: Caller,
+                      operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
+        try:
+            counted = gateway.transfer(name, operation=operation)
+        except TicketError as exc:
+            raise GatewayHTTPError(409, "not_owned", str(exc)) from None
+        except JoinRefused as exc:
+            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
+        except client.ApiException as exc:
+            raise _kube_error(exc, f"reading the transfer of node {name}") from None
+        except UapiError as exc:
+            raise GatewayHTTPError(503, "tunnel_unavailable", str(exc)) from None
+        return counted.model_dump(mode="json", by_alias=True)
 
     @app.post("/v1/join")
     def join(body: JoinRedeem, request: Request) -> dict[str, object]:

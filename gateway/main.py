@@ -72,7 +72,8 @@ def serve(settings: GatewaySettings) -> int:
                               f"pod with a ServiceAccount ({exc})") from None
         tunnel = build_tunnel(cfg)
         gateway = KubeGateway(api, key, public_url=cfg.public_url, service=cfg.service, namespace=cfg.namespace,
-                              plan=cfg.plan, tunnel=tunnel, cert_seconds=cfg.cert_seconds)
+                              plan=cfg.plan, tunnel=tunnel, cert_seconds=cfg.cert_seconds,
+                              transfer_seconds=cfg.transfer_seconds)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
         return 2

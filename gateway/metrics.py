@@ -16,12 +16,19 @@ GATEWAY_REQUESTS = Counter("kubeon_gateway_requests", "Requests to the burst gat
 GATEWAY_JOINS = Counter("kubeon_gateway_joins", "Join attempts of burst nodes by outcome (admitted, refused, "
                         "invalid, error)", ["outcome"])
 
+# Bytes burst nodes moved through the tunnel, measured at the gateway's WireGuard interface (gateway.transfer), by the
+# node's location (its ticket's location label) and direction: ``egress`` node -> home (leaving the remote cloud,
+# what it charges for), ``ingress`` home -> node. Added as each node's slot record is written.
+BURST_TRANSFER = Counter("kubeon_burst_transfer_bytes", "Bytes burst nodes moved through the tunnel, measured at the "
+                         "gateway: direction egress (node -> home, leaving the remote cloud) or ingress (home -> "
+                         "node)", ["location", "direction"])
+
 GATEWAY_ROUTES = ("/v1/join", "/v1/tickets", "/healthz", "/readyz", "/metrics")
 
 
 def _gateway_route(path: str) -> str:
     if path.startswith("/v1/nodes/"):
-        return "/v1/nodes/{name}"
+        return "/v1/nodes/{name}/transfer" if path.endswith("/transfer") else "/v1/nodes/{name}"
     return path if path in GATEWAY_ROUTES else "other"
 
 

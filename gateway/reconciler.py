@@ -15,9 +15,17 @@ from kubernetes import client
 from kubernetes.utils import parse_quantity
 
 from common.kube import read_or_none
+from gateway.metrics import BURST_TRANSFER
 from gateway.slots import RecordStore, Slot
+from gateway.transfer import Transfer, accumulate, restarted
 from gateway.tunnel_end import GatewayTunnel
-from models.labels import GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT
+from models.labels import (
+    GPU_RESOURCE,
+    JOIN_REFUSED_ANNOTATION,
+    JOIN_REFUSED_TAINT,
+    JOINING_TAINT,
+    LABEL_LOCATION,
+)
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")
@@ -34,8 +42,10 @@ class Reconciler:
     is still under its joining taint (the loop runs faster then)."""
 
     def __init__(self, core: client.CoreV1Api, records: RecordStore, tunnel: GatewayTunnel | None,
-                 clock: Callable[[], float], *, tombstone_seconds: float = 24 * 3600) -> None:
+                 clock: Callable[[], float], *, tombstone_seconds: float = 24 * 3600,
+                 transfer_seconds: float = 10.0) -> None:
         self._core = core
+        self._transfer_seconds = transfer_seconds
         self._tombstone_seconds = tombstone_seconds
         self._records = records
         self._tunnel = tunnel
@@ -103,13 +113,54 @@ class Reconciler:
                 report["revoked"].append(name)
         self.joining = any(not s.registered_uid or s.node in report["labelled"] for s in live)
         if self._tunnel is not None:
-            self._tunnel.sync(live)
+            synced = self._tunnel.sync(live)
+            self.account(live, new=set(synced.get("new", ())))
         for record in tickets:
             data = record.data or {}
             keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
             if keep_until + TICKET_RECORD_GRACE_SECONDS < now:
                 self._records.delete(str(record.metadata.name))
         return report
+
+    def account(self, slots: list[Slot], *, new: set[str] | None = None, force: bool = False) -> list[str]:
+        """Add to each joined slot's record what its peer's raw counters moved since the record's last reading
+        (``gateway.transfer``); ``new``: peers just added, whose counters start at 0. Written when a peer is new or
+        its counters went down (a reset: the record must know before they climb past the old value), else at
+        most every ``transfer_seconds`` (``force``: now, at shutdown), so a restart loses at most what moved
+        since the last write. The nodes whose record was written."""
+        if self._tunnel is None:
+            return []
+        counters = self._tunnel.counters()
+        now = self._clock()
+        written = []
+        for slot in slots:
+            raw = counters.get(slot.wireguard_key) if not slot.reserved else None
+            if raw is None:
+                continue
+            old = slot.transfer
+            fresh = slot.wireguard_key in (new or ())
+            moved = accumulate(restarted(old) if fresh else old, raw[0], raw[1], now)
+            if (moved.last_rx, moved.last_tx) == (old.last_rx, old.last_tx) and not fresh:
+                continue  # nothing moved since the record's reading
+            reset = raw[0] < old.last_rx or raw[1] < old.last_tx
+            due = now - old.measured_at >= self._transfer_seconds
+            if (fresh or reset or force or due) and self._records.record_transfer(slot, moved):
+                written.append(slot.node)
+                self._count(slot, old, moved)
+        return written
+
+    @staticmethod
+    def _count(slot: Slot, old: Transfer, new: Transfer) -> None:
+        """The bytes accounted from ``old`` to ``new`` in ``kubeon_burst_transfer_bytes_total``."""
+        location = slot.labels.get(LABEL_LOCATION, "") or "unknown"
+        BURST_TRANSFER.labels(location=location, direction="egress").inc(max(0, new.rx_bytes - old.rx_bytes))
+        BURST_TRANSFER.labels(location=location, direction="ingress").inc(max(0, new.tx_bytes - old.tx_bytes))
+
+    def flush_transfer(self) -> list[str]:
+        """Write every joined node's counters now (the gateway stops: its interface and counters go with it)."""
+        if self._tunnel is None:
+            return []
+        return self.account([s for s in self._records.slots() if not s.reserved], force=True)
 
     def _node_gone(self, name: str) -> bool:
         return read_or_none(lambda: self._core.read_node(name)) is None
@@ -174,12 +225,20 @@ class Reconciler:
         """Free a slot whose node is gone: its peer removed, every ticket it was issued for tombstoned (refused
         for good, its name watched for the certificate's lifetime), the record deleted if unchanged since read;
         False if it changed (read again)."""
+        final = slot.transfer
         if self._tunnel is not None and slot.wireguard_key:
             with contextlib.suppress(UapiError):
+                raw = self._tunnel.counters().get(slot.wireguard_key)
+                if raw is not None:  # its last bytes, read before the peer (and its counters) goes
+                    final = accumulate(final, raw[0], raw[1], self._clock())
+            with contextlib.suppress(UapiError):
                 self._tunnel.uapi.remove_peer(slot.wireguard_key)
+        if final != slot.transfer:
+            self._count(slot, slot.transfer, final)
         keep_until = max(slot.expires_at, self._clock() + self._tombstone_seconds)
         for nonce in slot.nonces:
-            self._records.release_ticket(nonce, node=slot.node, operation=slot.operation, keep_until=keep_until)
+            self._records.release_ticket(nonce, node=slot.node, operation=slot.operation, keep_until=keep_until,
+                                         transfer=final if nonce == slot.nonce and not slot.reserved else None)
         return self._records.delete_unchanged(slot)
 
     def start(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:

@@ -11,6 +11,7 @@ gateway's credentials, never the optimizer's. It composes one collaborator per j
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -22,6 +23,7 @@ from gateway.reconciler import Reconciler
 from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
 from gateway.slots import AddressPlan, RecordStore, SlotBook
 from gateway.tickets import JoinTicket, TicketSigner
+from gateway.transfer import Transfer, accumulate
 from gateway.tunnel_end import GatewayTunnel
 from models.errors import JoinRefused, TicketError
 from models.join import (
@@ -31,9 +33,13 @@ from models.join import (
     JoinAnswer,
     JoinRedeem,
     JoinTicketRequest,
+    NodeTransfer,
     TicketGrant,
     url_host,
 )
+from tunnel.uapi import UapiError
+
+log = logging.getLogger("kubeon.gateway")
 
 
 class GatewayAddressPending(Exception):
@@ -77,7 +83,8 @@ class KubeGateway:
     def __init__(self, api: client.ApiClient, signing_key: bytes, *, clock: Any = time.time,
                  public_url: str = "", service: ServiceRef | None = None, namespace: str = "kubeon-gpu",
                  plan: AddressPlan | None = None, tunnel: GatewayTunnel | None = None,
-                 cert_seconds: int = DEFAULT_CERT_SECONDS, sign_timeout: float = 30.0) -> None:
+                 cert_seconds: int = DEFAULT_CERT_SECONDS, sign_timeout: float = 30.0,
+                 transfer_seconds: float = 10.0) -> None:
         self._tickets = TicketSigner(signing_key, clock)
         self._clock = clock
         self._core = client.CoreV1Api(api)
@@ -87,7 +94,8 @@ class KubeGateway:
         self._plan = tunnel.plan if tunnel is not None else (plan or AddressPlan())
         self._records = RecordStore(self._core, namespace)
         self._slots = SlotBook(self._records, self._plan)
-        self._reconciler = Reconciler(self._core, self._records, tunnel, clock, tombstone_seconds=cert_seconds)
+        self._reconciler = Reconciler(self._core, self._records, tunnel, clock, tombstone_seconds=cert_seconds,
+                                      transfer_seconds=transfer_seconds)
         self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
                                     endpoint=self.endpoint, on_join=self._joined, cert_seconds=cert_seconds,
                                     sign_timeout=sign_timeout, tombstoned=self._tombstoned)
@@ -191,7 +199,43 @@ class KubeGateway:
         self._reconciler.start(interval, joining_interval)
 
     def stop(self) -> None:
+        """Stop the reconciler, then write every node's transfer counters (the interface goes with the gateway)."""
         self._reconciler.stop()
+        try:
+            self._reconciler.flush_transfer()
+        except (client.ApiException, UapiError, OSError) as exc:
+            log.warning("cannot write the tunnel transfer counters at shutdown (%s): up to %s lost",
+                        type(exc).__name__, "what moved since the last write")
+
+    # -- transfer --------------------------------------------------------------------------------------------
+    def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
+        """The bytes ``node_name`` of ``operation`` moved through the tunnel so far: its slot's accounted totals
+        plus what its peer's counters moved since (read now, nothing written); once removed, its final counters
+        (kept in its ticket's tombstone, as long as that stands). ``measured_at`` 0: never measured (no tunnel at
+        this gateway, or the node never joined). ``TicketError`` (``not_owned``) when the gateway holds that name
+        for another operation only, ``JoinRefused`` 404 when it holds nothing of that name."""
+        slots = [s for s in self._records.slots() if s.node == node_name]
+        mine = [s for s in slots if s.operation == operation]
+        if mine:
+            slot = mine[0]
+            counted = slot.transfer
+            if self._tunnel is not None and not slot.reserved:
+                raw = self._tunnel.counters().get(slot.wireguard_key)
+                if raw is not None:
+                    counted = accumulate(counted, raw[0], raw[1], self._clock())
+        else:
+            # Removed: its final counters are in the tombstone of the ticket it joined with (while it stands).
+            released = [r.data or {} for r in self._records.tickets()
+                        if (r.data or {}).get("node") == node_name and (r.data or {}).get("transfer")]
+            owned = [d for d in released if d.get("operation") == operation]
+            if not owned:
+                if slots or released:
+                    raise TicketError(f"node {node_name} has no address slot of operation {operation} at the "
+                                      "gateway (it belongs to another operation)", code="not_owned")
+                raise JoinRefused("unknown_node", f"the gateway holds no address slot nor a removed node's record "
+                                  f"for node {node_name}", status=404)
+            counted = Transfer.loads(owned[0]["transfer"])
+        return NodeTransfer(rx_bytes=counted.rx_bytes, tx_bytes=counted.tx_bytes, measured_at=counted.measured_at)
 
     # -- node removal ----------------------------------------------------------------------------------------
     def remove_node(self, node_name: str, *, operation: str) -> bool:

@@ -85,6 +85,9 @@ class GatewaySettings(BaseModel):
     # at most this long after its removal; joined nodes renew at two thirds of it (POST /v1/renew). The API
     # server's minimum is 10 minutes.
     gateway_cert_seconds: int = Field(default=DEFAULT_CERT_SECONDS, ge=600, le=7 * 24 * 3600)
+    # How often at most each node's tunnel transfer counters are written to its slot record (issue 27): a gateway
+    # that dies without stopping loses at most what moved since (a stopping gateway writes them first).
+    gateway_transfer_seconds: float = Field(default=10.0, ge=0.5, le=300)
 
     @field_validator("gateway_public_url")
     @classmethod
@@ -182,6 +185,7 @@ class GatewayServerConfig:
     proxy_max_per_peer: int = 64
     proxy_max_connections: int = 1024
     cert_seconds: int = DEFAULT_CERT_SECONDS
+    transfer_seconds: float = 10.0
 
     @property
     def tls(self) -> bool:
@@ -239,7 +243,7 @@ class GatewayServerConfig:
             auth_failures_per_minute=settings.gateway_auth_failures_per_minute,
             proxy_max_per_peer=settings.gateway_proxy_max_per_peer,
             proxy_max_connections=settings.gateway_proxy_max_connections,
-            cert_seconds=settings.gateway_cert_seconds,
+            cert_seconds=settings.gateway_cert_seconds, transfer_seconds=settings.gateway_transfer_seconds,
             host=host, port=port, health_port=settings.health_port, ticket_key_file=settings.gateway_ticket_key_file,
             kubeconfig=kubeconfig, tls_cert_file=cert, tls_key_file=key, allowed_clients=clients,
             token_audiences=tuple(a.strip() for a in audiences.split(",") if a.strip()),

@@ -22,6 +22,7 @@ from typing import Final, Protocol
 
 from kubernetes import client
 
+from gateway.transfer import Transfer
 from models.errors import AddressesExhausted, JoinRefused
 from models.labels import Taint
 
@@ -125,6 +126,8 @@ class Slot:
     previous: list[str] = field(default_factory=list)
     # Why the gateway refused the node that registered on this slot (kept here, where the node cannot write).
     refused: str = ""
+    # The node's tunnel traffic as accounted so far (gateway.transfer): survives the gateway's restarts.
+    transfer: Transfer = field(default_factory=Transfer)
 
     @property
     def nonces(self) -> list[str]:
@@ -145,6 +148,7 @@ class Slot:
             "node": self.node, "wireguardPublicKey": self.wireguard_key, "tunnelIP": self.tunnel_ip,
             "podCIDR": self.pod_cidr, "operation": self.operation, "registeredUID": self.registered_uid,
             "previousTickets": json.dumps(self.previous), "refused": self.refused, **_ticket_data(self),
+            "transfer": self.transfer.dumps(),
         }
 
     @classmethod
@@ -158,6 +162,7 @@ class Slot:
             gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
             registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
             previous=list(json.loads(d.get("previousTickets", "[]"))), refused=d.get("refused", ""),
+            transfer=Transfer.loads(d.get("transfer", "")),
         )
 
 @dataclass
@@ -182,11 +187,14 @@ class RecordStore:
         existing = self.core.read_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace)
         return dict(existing.data or {})
 
-    def release_ticket(self, nonce: str, *, node: str, operation: str, keep_until: float) -> None:
+    def release_ticket(self, nonce: str, *, node: str, operation: str, keep_until: float,
+                       transfer: Transfer | None = None) -> None:
         """Mark a ticket released for good: its record (created now as a tombstone if the ticket was never
         redeemed: a compensated launch) refuses every later redemption, and names its node until ``keep_until``
         (the node's certificate may outlive its removal: a Node re-created under that name is revoked)."""
         data = {"state": "released", "node": node, "operation": operation, "keepUntil": repr(keep_until)}
+        if transfer is not None:  # the node's final tunnel traffic, still answered after its slot is gone
+            data["transfer"] = transfer.dumps()
         for _ in range(3):
             try:
                 self.core.patch_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace, {"data": data})
@@ -284,6 +292,16 @@ class RecordStore:
     def mark_refused(self, slot: Slot, reason: str) -> bool:
         """Record the gateway's refusal of the slot's node in the slot (where the node cannot write)."""
         return self._mark(slot, "refused", "refused", reason)
+
+    def record_transfer(self, slot: Slot, transfer: Transfer) -> bool:
+        """Store the node's accounted traffic in its slot, only if the slot is as read; False if it changed (the
+        next pass accounts from the record as it is then)."""
+        cm = self._patch_unchanged(slot, {"transfer": transfer.dumps()})
+        if cm is None:
+            return False
+        slot.transfer = transfer
+        slot.resource_version = str(cm.metadata.resource_version or "")
+        return True
 
     def _mark(self, slot: Slot, key: str, attribute: str, value: str) -> bool:
         cm = self._patch_unchanged(slot, {key: value})

@@ -65,17 +65,23 @@ class GatewayTunnel:
             self.configure()
         # Reservations (tickets not redeemed yet) have no key and no peer.
         want = {s.wireguard_key: sorted([f"{s.tunnel_ip}/32", s.pod_cidr]) for s in slots if not s.reserved}
-        added, removed = [], []
+        added, removed, new = [], [], []
         for key, ips in want.items():
             peer = device.peers.get(key)
             if peer is None or sorted(peer.allowed_ips) != ips:
                 uapi.set_peer(key, ips)
                 added.append(key)
+                if peer is None:  # a new peer: its transfer counters start at 0
+                    new.append(key)
         for key in device.peers:
             if key not in want:
                 uapi.remove_peer(key)
                 removed.append(key)
-        return {"added": added, "removed": removed}
+        return {"added": added, "removed": removed, "new": new}
+
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """Each peer's raw ``(rx_bytes, tx_bytes)`` as wireguard-go counts them now (``gateway.transfer``)."""
+        return {key: (peer.rx_bytes, peer.tx_bytes) for key, peer in self.uapi.get().peers.items()}
 
 
 def build_tunnel(cfg: GatewayServerConfig) -> GatewayTunnel | None:

@@ -149,6 +149,19 @@ class TicketGrant(BaseModel):
     server_name: str = ""
 
 
+class NodeTransfer(_Wire):
+    """``GET /v1/nodes/{name}/transfer``: what a burst node moved through its tunnel so far, measured at the
+    gateway's WireGuard interface (encrypted UDP payload: the inner IP packets plus WireGuard's 32 bytes each, and
+    its padding). ``rxBytes``: received by the gateway from the node, i.e. node -> home, the traffic LEAVING the
+    remote cloud (what it charges egress for); ``txBytes``: home -> node. Kept across gateway restarts, and after the
+    node's removal while its ticket's tombstone stands (``KUBEON_GATEWAY_CERT_SECONDS``)."""
+
+    rx_bytes: int = Field(alias="rxBytes", ge=0, description="node -> home (egress of the node's cloud)")
+    tx_bytes: int = Field(alias="txBytes", ge=0, description="home -> node (ingress of the node's cloud)")
+    measured_at: float = Field(alias="measuredAt", description="epoch seconds of the counters read; 0: never "
+                               "measured (no tunnel at this gateway, or the node never joined)")
+
+
 class GatewayCapacity(BaseModel):
     """The gateway's address slots: how many there are, and the nodes holding one (joined, or reserved by a
     ticket not redeemed yet). Every burst node needs one, so the free ones cap how many new nodes may launch."""

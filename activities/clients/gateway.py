@@ -26,7 +26,7 @@ import httpx
 
 from activities.telemetry.tracing import http_call
 from models.errors import ADDRESSES_EXHAUSTED, AddressesExhausted, TicketError
-from models.join import GatewayCapacity, JoinTicketRequest, TicketGrant
+from models.join import GatewayCapacity, JoinTicketRequest, NodeTransfer, TicketGrant
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
@@ -42,6 +42,12 @@ class GatewayClient(Protocol):
     def capacity(self) -> GatewayCapacity: ...
 
     def remove_node(self, node_name: str, *, operation: str) -> bool: ...
+
+    def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
+        """Bytes the node moved through its tunnel so far (``rx``: node -> home, its cloud's egress); read it
+        before ``remove_node``: the counters go with the node's slot. ``TicketError`` for another operation's
+        node, ``GatewayRefused`` (404) for one the gateway holds no slot for."""
+        ...
 
 
 class GatewayError(Exception):
@@ -95,7 +101,9 @@ TransportFactory = Callable[[ssl.SSLContext | bool], httpx.BaseTransport]
 
 def _route(path: str) -> str:
     """The path template of a gateway request, for its span and metric (no node name)."""
-    return "/v1/nodes/{name}" if path.startswith("/v1/nodes/") else path
+    if path.startswith("/v1/nodes/"):
+        return "/v1/nodes/{name}/transfer" if path.endswith("/transfer") else "/v1/nodes/{name}"
+    return path
 
 
 def _send(client: httpx.Client, what: str, url: str, request: httpx.Request) -> httpx.Response:
@@ -210,3 +218,17 @@ class HttpGatewayClient:
         if response.status_code != 200:
             raise self._refused(response, what)
         return bool(_json(response, self.base_url, what, "removed"))
+
+    def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
+        what = f"the transfer of node {node_name} ({operation})"
+        response = self._request("GET", f"/v1/nodes/{quote(node_name, safe='')}/transfer", what,
+                                 params={"operation": operation})
+        if response.status_code == 409:
+            raise TicketError(error_message(response))
+        if response.status_code != 200:
+            raise self._refused(response, what)
+        try:
+            return NodeTransfer.model_validate(response.json())
+        except ValueError:
+            raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer is not "
+                                     "{rxBytes, txBytes, measuredAt}") from None
