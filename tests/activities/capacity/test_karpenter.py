@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -21,8 +22,8 @@ from tests.harness.rbac import OPTIMIZER_RULES, grant
 
 pytestmark = pytest.mark.cluster
 
-USER_BUDGETS = [{"nodes": "1", "reasons": ["Drifted"]}, {"nodes": "0", "schedule": "0 9 * * mon-fri",
-                                                          "duration": "8h"}]
+USER_BUDGETS: list[dict[str, Any]] = [{"nodes": "1", "reasons": ["Drifted"]},
+                                     {"nodes": "0", "schedule": "0 9 * * mon-fri", "duration": "8h"}]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_groups_freeze_shield_limits_and_removal(cluster: Cluster, karpenter: Ka
     assert group.provider == "karpenter" and group.gpu_products == [L4]
     assert group.gpu_limit == 8 and group.at_gpu_limit and group.replicas is None
     assert group.budgets == USER_BUDGETS and group.frozen_by is None
-    assert sorted(n.name for n in group.nodes) == sorted(p.spec.node_name for p in pods)
+    assert sorted(n.name for n in group.nodes) == sorted(str(p.spec.node_name) for p in pods)
     for n in group.nodes:
         assert (n.instance_type, n.gpus, n.gpus_used, n.gpu_product) == ("g6.12xlarge", 4, 3, L4)
         assert n.usd_per_hour == 4.6016 and n.nodeclaim and n.ready and not n.cordoned
@@ -156,7 +157,7 @@ def test_static_pool_removal_decrements_replicas_once(cluster: Cluster, karpente
 
         wait_for(initialized, timeout=60, what="the static pool's two NodeClaims initialized")
         nodes = karpenter.nodes(name)
-        victim = nodes[0].metadata.name
+        victim = str(nodes[0].metadata.name)
         assert capacity.get_group(name).replicas == 2
         capacity.remove_node(name, victim)
         capacity.remove_node(name, victim)  # retried: decremented once
