@@ -4,11 +4,13 @@ boundaries."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Final
 
 from pydantic import Field
 
 from models.base import Model
+from models.provisioning import NodeRequirement
 
 # Karpenter's keys (karpenter.sh/v1; sigs.k8s.io/karpenter pkg/apis/v1/labels.go).
 NODEPOOL_LABEL: Final = "karpenter.sh/nodepool"
@@ -36,6 +38,16 @@ class GroupNode(Model):
     cordoned: bool = False
 
 
+class LaunchingClaim(Model):
+    """A NodeClaim of the group whose node is not initialized yet (Karpenter is launching it)."""
+
+    name: str
+    created_at: datetime | None = None
+    registered: bool = False
+    # Launched=False with its reason and message (e.g. InsufficientCapacity): the launch failed.
+    failed: str = ""
+
+
 class HomeNodeGroup(Model):
     """A group of home GPU nodes (a Karpenter NodePool with GPU requirements)."""
 
@@ -53,6 +65,11 @@ class HomeNodeGroup(Model):
     # The operation holding the group's disruption frozen, if any.
     frozen_by: str | None = None
     nodes: list[GroupNode] = Field(default_factory=list)
+    # What a node of the group would be: the template's requirements and the keys of its NoSchedule/NoExecute
+    # taints (a pod must tolerate them all).
+    requirements: list[NodeRequirement] = Field(default_factory=list)
+    taints: list[str] = Field(default_factory=list)
+    launching: list[LaunchingClaim] = Field(default_factory=list)
 
     @property
     def at_gpu_limit(self) -> bool:

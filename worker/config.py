@@ -74,6 +74,10 @@ class Settings(BaseModel):
     prometheus_url: str = ""
     # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
     capacity_provider: str = "karpenter"
+    # Burst defers to home capacity (capacity.provider karpenter): a pod a home NodePool could serve is not burst
+    # for this long after it became Unschedulable; a home NodeClaim unregistered this long no longer holds it back.
+    capacity_launch_grace_seconds: float = 60.0
+    capacity_register_seconds: float = 300.0
     gpu_operator_namespace: str = "gpu-operator"
     scale_resync_seconds: float = 60.0
     scale_observe_seconds: int = 60

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, Final, TypeVar, cast
 
 from kubernetes import client
@@ -37,8 +38,10 @@ from models.capacity import (
     NODEPOOL_LABEL,
     GroupNode,
     HomeNodeGroup,
+    LaunchingClaim,
 )
 from models.labels import GPU_RESOURCE
+from models.provisioning import NodeRequirement
 
 GROUP, VERSION = "karpenter.sh", "v1"
 # Requirement keys that make a NodePool a GPU pool (NVIDIA GPU feature discovery, the kwok provider's labels, the
@@ -123,7 +126,12 @@ class KarpenterCapacity:
         return list(cast(dict[str, Any], found).get("items") or [])
 
     def list_groups(self) -> list[HomeNodeGroup]:
-        pools = cast(dict[str, Any], self.custom.list_cluster_custom_object(GROUP, VERSION, "nodepools"))
+        try:
+            pools = cast(dict[str, Any], self.custom.list_cluster_custom_object(GROUP, VERSION, "nodepools"))
+        except client.ApiException as exc:
+            if _status(exc) == 404:
+                return []  # Karpenter's CRDs are not installed: no home groups
+            raise CapacityError(f"listing NodePools: {exc.status} {_reason(exc)}") from exc
         gpu_pools = [p for p in pools.get("items") or [] if is_gpu_pool(p)]
         if not gpu_pools:
             return []
@@ -157,12 +165,25 @@ class KarpenterCapacity:
         products = sorted({v for r in template.get("requirements") or []
                            if r.get("key") == PRODUCT_KEY and r.get("operator") == "In" for v in r.get("values") or []})
         claim_of = {}
+        launching: list[LaunchingClaim] = []
         for c in claims:
             if (c.get("metadata", {}).get("labels") or {}).get(NODEPOOL_LABEL) != name:
                 continue
             node_name = (c.get("status") or {}).get("nodeName")
             if node_name:
                 claim_of[node_name] = c["metadata"]["name"]
+            conditions = {k.get("type"): k for k in (c.get("status") or {}).get("conditions") or []}
+            if (conditions.get("Initialized") or {}).get("status") == "True" or c["metadata"].get("deletionTimestamp"):
+                continue
+            launched = conditions.get("Launched") or {}
+            failed = (f"{launched.get('reason', '')}: {launched.get('message', '')}".strip(": ")
+                      if launched.get("status") == "False" and launched.get("reason") not in (None, "", "Unknown")
+                      else "")
+            created = c["metadata"].get("creationTimestamp")
+            launching.append(LaunchingClaim(
+                name=c["metadata"]["name"], created_at=datetime.fromisoformat(created.replace("Z", "+00:00"))
+                if created else None, registered=(conditions.get("Registered") or {}).get("status") == "True",
+                failed=failed))
         members: list[GroupNode] = []
         for node in nodes:
             labels = node.metadata.labels or {}
@@ -193,7 +214,12 @@ class KarpenterCapacity:
             gpu_limit=_quantity_int((spec.get("limits") or {}).get(GPU_RESOURCE)),
             gpus=_quantity_int(resources.get(GPU_RESOURCE)) or sum(m.gpus for m in members),
             replicas=spec.get("replicas"), budgets=list((spec.get("disruption") or {}).get("budgets") or []),
-            frozen_by=annotations.get(FROZEN_BY_ANNOTATION), nodes=sorted(members, key=lambda m: m.name))
+            frozen_by=annotations.get(FROZEN_BY_ANNOTATION), nodes=sorted(members, key=lambda m: m.name),
+            requirements=[NodeRequirement(key=r["key"], operator=r["operator"], values=list(r.get("values") or []))
+                          for r in template.get("requirements") or []],
+            taints=sorted({t["key"] for t in template.get("taints") or []
+                           if t.get("effect") in ("NoSchedule", "NoExecute")}),
+            launching=launching)
 
     # -- changing --------------------------------------------------------------------------------------------------
     def _patch_pool(self, group: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> dict[str, Any]:
