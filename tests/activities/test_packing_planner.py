@@ -14,14 +14,14 @@ L4, A100 = "NVIDIA-L4", "NVIDIA-A100-SXM4-40GB"
 
 def _node(name: str, *, gpus: int = 4, price: float = 4.6016, product: str = L4, **kw: object) -> PackNode:
     return PackNode(name=name, group="gpu", gpus=gpus, gpu_product=product, usd_per_hour=price,
-                    taints=["nvidia.com/gpu"], **kw)  # type: ignore[arg-type]
+                    taints=["nvidia.com/gpu"], **kw)
 
 
 def _pod(name: str, node: str, *, gpus: int = 1, owner: str = "ReplicaSet", selector: dict[str, str] | None = None,
          **kw: object) -> PackPod:
     return PackPod(pod=PendingPod(namespace="ml", name=name, gpus=gpus, node_selector=selector or {},
                                   tolerations=["nvidia.com/gpu"]), node=node, owner_kind=owner,
-                   **kw)  # type: ignore[arg-type]
+                   **kw)
 
 
 def test_six_pods_spread_over_nodes_are_packed() -> None:
