@@ -43,7 +43,8 @@ from models.capacity import (
 from models.labels import GPU_RESOURCE
 from models.provisioning import NodeRequirement
 
-GROUP, VERSION = "karpenter.sh", "v1"
+GROUP = "karpenter.sh"
+VERSION = "v1"
 # Requirement keys that make a NodePool a GPU pool (NVIDIA GPU feature discovery, the kwok provider's labels, the
 # AWS/EKS Auto Mode/Azure/GKE providers' GPU keys).
 GPU_REQUIREMENT_KEYS: Final = frozenset({
@@ -117,12 +118,17 @@ class KarpenterCapacity:
         except client.ApiException as exc:
             if _status(exc) == 404:
                 raise GroupNotFoundError(f"NodePool {group} does not exist") from exc
-            raise CapacityError(f"reading NodePool {group}: {exc.status} {exc.reason}") from exc
+            raise CapacityError(f"reading NodePool {group}: {exc.status} {exc.reason}",
+                                retryable=_status(exc) not in (401, 403)) from exc
         return pool
 
     def _claims(self, group: str) -> list[dict[str, Any]]:
-        found = self.custom.list_cluster_custom_object(GROUP, VERSION, "nodeclaims",
-                                                       label_selector=f"{NODEPOOL_LABEL}={group}")
+        try:
+            found = self.custom.list_cluster_custom_object(GROUP, VERSION, "nodeclaims",
+                                                           label_selector=f"{NODEPOOL_LABEL}={group}")
+        except client.ApiException as exc:
+            raise CapacityError(f"listing NodeClaims of NodePool {group}: {exc.status} {_reason(exc)}",
+                                retryable=_status(exc) not in (401, 403)) from exc
         return list(cast(dict[str, Any], found).get("items") or [])
 
     def list_groups(self) -> list[HomeNodeGroup]:
@@ -131,11 +137,16 @@ class KarpenterCapacity:
         except client.ApiException as exc:
             if _status(exc) == 404:
                 return []  # Karpenter's CRDs are not installed: no home groups
-            raise CapacityError(f"listing NodePools: {exc.status} {_reason(exc)}") from exc
+            raise CapacityError(f"listing NodePools: {exc.status} {_reason(exc)}",
+                                retryable=_status(exc) not in (401, 403)) from exc
         gpu_pools = [p for p in pools.get("items") or [] if is_gpu_pool(p)]
         if not gpu_pools:
             return []
-        claims = cast(dict[str, Any], self.custom.list_cluster_custom_object(GROUP, VERSION, "nodeclaims"))
+        try:
+            claims = cast(dict[str, Any], self.custom.list_cluster_custom_object(GROUP, VERSION, "nodeclaims"))
+        except client.ApiException as exc:
+            raise CapacityError(f"listing NodeClaims: {exc.status} {_reason(exc)}",
+                                retryable=_status(exc) not in (401, 403)) from exc
         nodes = self.core.list_node(label_selector=NODEPOOL_LABEL).items
         used = self._gpus_used({str(n.metadata.name) for n in nodes})
         return [self._group(p, list(claims.get("items") or []), nodes, used) for p in gpu_pools]
@@ -288,7 +299,7 @@ class KarpenterCapacity:
         except client.ApiException as exc:
             if _status(exc) != 404:
                 raise CapacityError(f"deleting NodeClaim {claim['metadata']['name']} of node {node}: "
-                                    f"{exc.status} {_reason(exc)}") from exc
+                                    f"{exc.status} {_reason(exc)}", retryable=_status(exc) not in (401, 403)) from exc
 
     def node_gone(self, group: str, node: str) -> bool:
         return self._node(node) is None and self._claim_for(group, node, None) is None
@@ -311,7 +322,8 @@ class KarpenterCapacity:
             self.core.patch_node(node, {"metadata": {"annotations": patch}})
         except client.ApiException as exc:
             if _status(exc) != 404:
-                raise CapacityError(f"patching node {node}: {exc.status} {_reason(exc)}") from exc
+                raise CapacityError(f"patching node {node}: {exc.status} {_reason(exc)}",
+                                    retryable=_status(exc) not in (401, 403)) from exc
 
     def freeze(self, group: str, operation: str) -> None:
         def add(pool: dict[str, Any]) -> dict[str, Any] | None:
