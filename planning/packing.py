@@ -158,5 +158,6 @@ def plan_packing(nodes: list[PackNode], pods: list[PackPod], *, now: datetime, p
             wait = next((b for b in p.pdbs if pdb_allowed.get(b, 1) < 1), "")
             moves.append(PackMove(pod=p.pod.key, source=c.name, target=placement[p.pod.key], gpus=p.pod.gpus,
                                   waits_for_pdb=wait))
-    return PackPlan(empty=sorted(c.name for c in chosen), moves=moves, usd_per_hour_saved=saving, kept=kept,
+    return PackPlan(empty=sorted(c.name for c in chosen), group_of={c.name: c.group for c in chosen}, moves=moves,
+                    usd_per_hour_saved=saving, kept=kept,
                     exact=exact)
