@@ -4,6 +4,7 @@ kwok Node with the GPU type's labels and GPUs, on which the pod runs."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 
@@ -41,9 +42,14 @@ def test_a_pending_gpu_pod_gets_a_karpenter_node_with_its_gpu_type(
                                       for p in pods)
 
         wait_for(running_on_it, timeout=60, what="the pod running on the Karpenter node")
-        claim = karpenter.nodeclaim(claim["metadata"]["name"])
-        conditions = {c["type"]: c["status"] for c in claim["status"]["conditions"]}
-        assert conditions.get("Registered") == "True" and conditions.get("Initialized") == "True", conditions
+        name = claim["metadata"]["name"]
+
+        def registered_and_initialized() -> dict[str, Any] | None:
+            found = karpenter.nodeclaim(name)
+            conditions = {c["type"]: c["status"] for c in found["status"].get("conditions") or []}
+            return found if conditions.get("Registered") == conditions.get("Initialized") == "True" else None
+
+        claim = wait_for(registered_and_initialized, timeout=30, what="the NodeClaim registered and initialized")
         assert claim["status"]["nodeName"] == node.metadata.name
     finally:
         cluster.admin.apps.delete_namespaced_deployment("infer", namespace)
