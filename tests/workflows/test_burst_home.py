@@ -68,7 +68,8 @@ async def test_home_nodepool_first_then_burst_at_its_limit(
         view = await provision_state(temporal, settings.cluster, policy)
         assert not [b for b in view.batches if b.plan.new_nodes], [b.plan.home for b in view.batches] + view.history
         assert not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items
-        await until(lambda: capacity.get_group(name).gpus == 2, timeout=30, what="the pool counting 2 of 2 GPUs")
+        await until(lambda: (g := capacity.get_group(name)).gpus == 2 and not g.launching, timeout=30,
+                    what="the pool counting 2 of 2 GPUs, its NodeClaims initialized")
 
         # The same pod with the NodePool at its limit: burst, and the plan says why.
         apps.create_namespaced_deployment(namespace, gpu_workload("more", taint=taint,
