@@ -6,6 +6,7 @@ that cannot be re-placed stops the round with its node uncordoned and nothing el
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -32,15 +33,21 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 USER_BUDGETS: list[dict[str, Any]] = [{"nodes": "1"}, {"nodes": "0", "reasons": ["Drifted"]}]
 
 
-@pytest.fixture
-async def pack_worker(cluster: Cluster, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
+@contextlib.asynccontextmanager
+async def _worker(cluster: Cluster, temporal: Client, queue: str) -> AsyncIterator[None]:
     optimizer = grant(cluster, "kubeon-pack-test", OPTIMIZER_RULES)
     acts = PackActivities(KubeOps(optimizer.api), KarpenterCapacity(optimizer.api))
-    queue = f"pack-{uuid.uuid4().hex[:6]}"
     with ThreadPoolExecutor(8) as executor:
-        async with Worker(temporal_dev_server.client, task_queue=queue, workflows=[PackWorkflow],
-                          activities=acts.all(), activity_executor=executor, workflow_runner=workflow_runner()):
-            yield temporal_dev_server.client, queue
+        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow], activities=acts.all(),
+                          activity_executor=executor, workflow_runner=workflow_runner()):
+            yield
+
+
+@pytest.fixture
+async def pack_worker(cluster: Cluster, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
+    queue = f"pack-{uuid.uuid4().hex[:6]}"
+    async with _worker(cluster, temporal_dev_server.client, queue):
+        yield temporal_dev_server.client, queue
 
 
 @pytest.fixture
@@ -158,3 +165,30 @@ async def until_async(check: Any, *, what: str, timeout: float = 30) -> None:
     while not await check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.2)
+
+
+async def test_worker_gone_mid_round_the_round_resumes(cluster: Cluster, karpenter: Karpenter, namespace: str,
+                                                       temporal_dev_server: WorkflowEnvironment,
+                                                       fragmented: tuple[str, dict[str, int]]) -> None:
+    pool, spread = fragmented
+    temporal, queue = temporal_dev_server.client, f"pack-{uuid.uuid4().hex[:6]}"
+    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    async with _worker(cluster, temporal, queue):
+        handle = await temporal.start_workflow(
+            PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
+                                        settings=FAST), id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+        async def first_eviction() -> bool:
+            return any(": evicted " in line for line in (await handle.query(PackWorkflow.state)).history)
+
+        await until_async(first_eviction, what="the round's first eviction")
+    # The worker is gone with the round cordoned and frozen; a new one picks the round up where it was.
+    assert any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    async with _worker(cluster, temporal, queue):
+        state = await handle.result()
+    assert state.phase == "Done", state
+    [removed] = state.removed
+    assert len(state.moved) == spread[removed]
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} < claims_before
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
