@@ -22,6 +22,7 @@ from temporalio.worker import Worker
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.kube import KubeOps
 from activities.packing import PackActivities
+from models.decisions import Approval
 from models.packing import PackInput, PackSettings, PackView
 from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, until
@@ -95,16 +96,27 @@ FAST = PackSettings(pdb_retry_seconds=1, poll_seconds=0.5, replacement_timeout_s
                     removal_timeout_seconds=60)
 
 
-async def test_round_empties_one_node_of_three(pack_worker: tuple[Client, str], cluster: Cluster,
+async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Client, str], cluster: Cluster,
                                                karpenter: Karpenter, namespace: str,
                                                fragmented: tuple[str, dict[str, int]]) -> None:
     temporal, queue = pack_worker
     pool, spread = fragmented
     claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
-    view: PackView = await temporal.execute_workflow(
-        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=2,
+    handle = await temporal.start_workflow(
+        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Approve", max_nodes=2,
                                     settings=FAST),
         id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+    async def proposed() -> bool:
+        return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
+
+    await until_async(proposed, what="the round's proposal")
+    proposal = await handle.query(PackWorkflow.state)
+    assert proposal.plan is not None and len(proposal.plan.empty) == 1 and not proposal.moved
+    assert "saves $4.60/h" in proposal.message and len(proposal.plan.moves) == spread[proposal.plan.empty[0]]
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before  # nothing done yet
+    await handle.signal("approve", Approval(approver="test"))
+    view: PackView = await handle.result()
     assert view.phase == "Done", view
     [removed] = view.removed
     assert removed in spread and len(view.moved) == spread[removed]
