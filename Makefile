@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-# etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kwok and helm from the Go module proxy,
+# etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kwok, helm and Karpenter (kwok provider) from the
+# Go module proxy,
 # cached in ~/.cache/kubeon-gpu/bin keyed by the versions in tests/harness/versions.env.
 binaries:
 	bash tests/harness/build-binaries.sh

@@ -12,10 +12,11 @@ from typing import Any
 from temporalio.client import Client
 
 from activities.audit import AuditActivities
+from activities.capacity import CapacityProvider
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
 from activities.clients.kube import KubeOps
-from activities.context import BurstContext, ReportSink
+from activities.context import BurstContext, HomeSettings, ReportSink
 from activities.drain import DrainActivities
 from activities.gate import GateActivities
 from activities.join import JoinActivities
@@ -41,12 +42,14 @@ class BurstActivities:
         task_queue: str = "kubeon-gpu",
         clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
         report_sink: ReportSink | None = None,
+        capacity: CapacityProvider | None = None,
+        home: HomeSettings | None = None,
     ) -> None:
         # The one seam where every provider, present or future, gets its cloud-call spans and metrics.
         self.context = BurstContext(
             kube=kube, providers={name: traced(provider) for name, provider in providers.items()}, gateway=gateway,
             config=config, audit_log=audit, temporal=temporal, task_queue=task_queue, clock=clock,
-            report_sink=report_sink)
+            report_sink=report_sink, capacity=capacity, home=home or HomeSettings())
         self.provisioning = ProvisioningActivities(self.context)
         self.launch = LaunchActivities(self.context)
         self.join = JoinActivities(self.context)

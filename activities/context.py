@@ -16,6 +16,7 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
+from activities.capacity import CapacityProvider
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
 from activities.clients.kube import KubeOps
@@ -39,6 +40,15 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+@dataclass(frozen=True)
+class HomeSettings:
+    # A pod Karpenter could serve is not burst for this long after it became Unschedulable (Karpenter batches pods
+    # before it creates a NodeClaim); past it with no NodeClaim, it is burst.
+    launch_grace_seconds: float = 60.0
+    # A home NodeClaim still unregistered after this long no longer holds a pod back from burst.
+    register_seconds: float = 300.0
+
+
 @dataclass
 class BurstContext:
     kube: KubeOps
@@ -51,6 +61,9 @@ class BurstContext:
     task_queue: str = "kubeon-gpu"
     clock: Callable[[], dt.datetime] = field(default=_now)
     report_sink: ReportSink | None = None
+    # capacity.provider (karpenter): home capacity a waiting pod is served by before it is burst; None: none.
+    capacity: CapacityProvider | None = None
+    home: HomeSettings = field(default_factory=lambda: HomeSettings())
 
     def provider(self, location: str) -> Provider:
         name = location.split("/", 1)[0]

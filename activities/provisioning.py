@@ -5,11 +5,21 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.capacity import CapacityError
 from activities.context import PhaseActivities
 from activities.providers.errors import ProviderError
 from models.errors import POLICY_GONE
-from models.provisioning import BatchPlan, BatchPlanRequest, LoadPolicyRequest, Offering, PolicySnapshot
+from models.provisioning import (
+    BatchPlan,
+    BatchPlanRequest,
+    LoadPolicyRequest,
+    Offering,
+    PendingPod,
+    PolicySnapshot,
+    Unplaced,
+)
 from planning.burst import AddressSlots, Room, node_labels, plan_pods
+from planning.home import home_verdict
 
 
 class ProvisioningActivities(PhaseActivities):
@@ -55,6 +65,8 @@ class ProvisioningActivities(PhaseActivities):
         its locations priced now; then the pure planner (planning.burst)."""
         still = self.kube.waiting_uids({p.uid for p in req.pods})
         waiting = [p for p in req.pods if p.uid in still]
+        at_home, home = self._home(waiting)
+        waiting = [p for p in waiting if p.key not in at_home]
         used = self.kube.gpus_on_nodes({n.node_name for n in req.nodes})
         rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
                       free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
@@ -67,9 +79,29 @@ class ProvisioningActivities(PhaseActivities):
                          max_gpu_hour=p.max_gpu_hour, max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes,
                          preferred=preferred, address_slots=slots)
         plan.gone = [pod.uid for pod in req.pods if pod.uid not in still]
+        plan.unplaced = [Unplaced(pod=k, why=why) for k, why in sorted(at_home.items())] + plan.unplaced
+        plan.home = home
         plan.refused = unavailable + plan.refused
         plan.planned_at = self.clock()
         return plan
+
+    def _home(self, pods: list[PendingPod]) -> tuple[dict[str, str], dict[str, str]]:
+        """capacity.provider: (pods home capacity is serving, pods it cannot serve), each pod -> why."""
+        capacity = self.context.capacity
+        if capacity is None or not pods:
+            return {}, {}
+        try:
+            groups = capacity.list_groups()
+        except CapacityError as exc:  # home unknown: burst as without a provider, and say so
+            return {}, {p.key: f"home capacity unknown ({exc})" for p in pods}
+        now, s = self.clock(), self.context.home
+        at_home: dict[str, str] = {}
+        home: dict[str, str] = {}
+        for pod in pods:
+            verdict = home_verdict(pod, groups, now, grace_seconds=s.launch_grace_seconds,
+                                   register_seconds=s.register_seconds)
+            (at_home if verdict.at_home else home)[pod.key] = verdict.why
+        return at_home, home
 
     def _free_slots(self, req: BatchPlanRequest) -> AddressSlots:
         """The gateway's address slots free for new nodes: every provider's node joins with a ticket, which

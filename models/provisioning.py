@@ -164,6 +164,9 @@ class BatchPlan(Model):
     gone: list[str] = Field(default_factory=list)
     # Offerings seen but refused, with why (outside the policy, over maxGpuHour, location unavailable).
     refused: list[str] = Field(default_factory=list)
+    # capacity.provider karpenter: pod -> why home capacity cannot serve it (so it is burst), e.g. "home NodePool
+    # gpu at its limit (8 of 8 GPUs)". Pods home capacity is serving are among ``unplaced``, with why.
+    home: dict[str, str] = Field(default_factory=dict)
     planned_at: datetime | None = None
 
     @property
@@ -185,6 +188,8 @@ class BatchPlan(Model):
                 parts.append(f"{len(self.on_existing)} pod(s) on nodes already there")
         if self.unplaced:
             parts.append(f"{len(self.unplaced)} pod(s) not placed ({self.unplaced[0].why})")
+        if self.home:
+            parts.append(f"burst because {sorted(self.home.values())[0]}")
         return "; ".join(parts)
 
     def lines(self) -> list[str]:
@@ -194,6 +199,7 @@ class BatchPlan(Model):
             out.append(f"- node {i}: {n.offering.describe()}; pods: {', '.join(n.pods)}")
         out += [f"- {pod} on {node} (already there)" for pod, node in sorted(self.on_existing.items())]
         out += [f"- not placed: {u.pod}: {u.why}" for u in self.unplaced]
+        out += [f"- {pod} burst: {why}" for pod, why in sorted(self.home.items())]
         return out
 
 

@@ -28,6 +28,7 @@ from tests.harness.clouds.moto_server import MotoServer
 from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
 from tests.harness.console import console_server, ui_dev_server
 from tests.harness.controlplane import ControlPlane
+from tests.harness.karpenter import Karpenter
 from tests.harness.kube import Cluster, Kube
 from tests.harness.temporal import dev_server_path, time_skipping_server_path
 from worker.runtime import register_search_attributes
@@ -50,6 +51,18 @@ def cluster(session_dir: Path) -> Iterator[Cluster]:
         yield Cluster(plane=plane, admin=admin)
     finally:
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def karpenter(cluster: Cluster, session_dir: Path) -> Iterator[Karpenter]:
+    """The real Karpenter (kwok provider, the harness's GPU instance types) on the session's control plane. Each
+    test's NodePool carries a taint of its own (``gpu_nodepool(taint=...)``), so it serves that test's pods only."""
+    controller = Karpenter(cluster.plane, session_dir / "karpenter", cluster.admin)
+    try:
+        controller.start()
+        yield controller
+    finally:
+        controller.stop()
 
 
 @pytest.fixture

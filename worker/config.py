@@ -75,6 +75,10 @@ class Settings(BaseModel):
     prometheus_url: str = ""
     # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
     capacity_provider: str = "karpenter"
+    # Burst defers to home capacity (capacity.provider karpenter): a pod a home NodePool could serve is not burst
+    # for this long after it became Unschedulable; a home NodeClaim unregistered this long no longer holds it back.
+    capacity_launch_grace_seconds: float = 60.0
+    capacity_register_seconds: float = 300.0
     gpu_operator_namespace: str = "gpu-operator"
     # Sharing (time-slicing through the GPU Operator): the chart's gpuOperator.timeSlicingConfigMap, the wait for a
     # new key to reach the device plugin's mounted copy, and how long a node gets to show the change.

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from kubernetes import client
 
+from activities.capacity.karpenter import is_gpu_pool
 from activities.clients.prometheus import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
 
 log = logging.getLogger("kubeon.prerequisites")
@@ -168,8 +169,10 @@ def check_capacity(api: client.ApiClient, provider: str) -> Prerequisite:
         if exc.status == 404:
             return Prerequisite("Karpenter", "missing", "no karpenter.sh/v1 NodePool CRD", disables, fix)
         raise
-    return Prerequisite("Karpenter", "found", f"karpenter.sh/v1 NodePools: {len(pools.get('items') or [])}",
-                        disables, fix)
+    items = pools.get("items") or []
+    gpu = sorted(p["metadata"]["name"] for p in items if is_gpu_pool(p))
+    detail = f"karpenter.sh/v1 NodePools: {len(items)}, with GPUs: {len(gpu)}" + (f" ({', '.join(gpu)})" if gpu else "")
+    return Prerequisite("Karpenter", "found", detail, disables, fix)
 
 
 def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:

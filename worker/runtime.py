@@ -11,13 +11,15 @@ from temporalio.runtime import Runtime as TemporalRuntime
 from temporalio.service import RPCError, TLSConfig
 
 from activities.burst import BurstActivities
+from activities.capacity import CapacityProvider
+from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
 from activities.clients.hub import HubClient
 from activities.clients.kube import KubeOps
 from activities.clients.policies import PolicySyncer
 from activities.clients.prometheus import PrometheusClient
-from activities.context import ReportSink
+from activities.context import HomeSettings, ReportSink
 from activities.hub import HubActivities
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
@@ -85,7 +87,16 @@ class Runtime:
     def activities(self, temporal: Client | None) -> BurstActivities:
         return BurstActivities(kube=self.kube, providers=self.providers, gateway=self.gateway, config=self.burst,
                                audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue,
-                               report_sink=self.report_sink(temporal) if self.hub and temporal else None)
+                               report_sink=self.report_sink(temporal) if self.hub and temporal else None,
+                               capacity=self.capacity(), home=HomeSettings(
+                                   launch_grace_seconds=self.settings.capacity_launch_grace_seconds,
+                                   register_seconds=self.settings.capacity_register_seconds))
+
+    def capacity(self) -> CapacityProvider | None:
+        """Home capacity burst defers to (capacity.provider); managed node groups have no provider yet."""
+        if self.settings.capacity_provider == "karpenter":
+            return KarpenterCapacity(self.kube.api)
+        return None
 
     def scale_ops(self) -> ScaleOps:
         return ScaleOps(self.kube.api, self.metrics)

@@ -66,6 +66,7 @@ def ensure_binaries(components: tuple[str, ...] = ("etcd", "kubernetes", "kwok")
         "kube-scheduler": ("kubernetes", v["KUBERNETES_VERSION"]),
         "kwok": ("kwok", v["KWOK_VERSION"]),
         "helm": ("helm", v["HELM_VERSION"]),
+        "karpenter": ("karpenter", v["KARPENTER_VERSION"]),
     }
     paths = {name: binary_dir() / f"{name}-{version}" for name, (_, version) in wanted.items()}
     missing = sorted({wanted[n][0] for n, p in paths.items() if wanted[n][0] in components and not p.exists()})

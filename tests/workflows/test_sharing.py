@@ -434,7 +434,7 @@ async def test_a_worker_killed_while_the_key_propagates_resumes_to_shared(
 def test_cleanup_keeps_a_key_another_operation_is_bringing_to_its_node(bed: SharingBed) -> None:
     """As the chart's ServiceAccount: a key written for node A and not yet named by A's label survives node B's
     cleanup; once A's operation releases it (and no node names it), it goes; the admin's keys are never touched."""
-    from worker.runtime import kube_api
+    from common.kube import kube_api
 
     ops_ = SharingOps(kube_api(bed.burst.optimizer_kubeconfig), None)
     written = ops_.write_key(WriteKeyRequest(namespace=bed.operator_ns, config_map="time-slicing-config",

@@ -1,0 +1,159 @@
+"""Activities of a packing round: plan it from the cluster, then one node at a time freeze its pool, cordon it,
+evict its pods one by one through the Eviction API (a 429 is a PDB wait, reported), wait for each replacement
+Ready on a kept node, remove the node through the capacity provider and confirm it gone; uncordon and unfreeze as
+compensation. Every activity is idempotent (a retried cordon, freeze, eviction or removal is a no-op)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.capacity import CapacityError, CapacityProvider
+from activities.capacity.facts import gather
+from activities.clients.kube import PDB_PATTERN, KubeOps
+from models.packing import (
+    EvictOutcome,
+    GroupRef,
+    NodeRef2,
+    PackPlan,
+    PackPlanRequest,
+    PodRef,
+    ReplacementCheck,
+    ReplacementState,
+)
+from planning.packing import plan_packing
+
+CAPACITY_REFUSED = "CapacityRefused"
+T = TypeVar("T")
+
+
+def _capacity_call(fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except CapacityError as exc:
+        raise ApplicationError(str(exc), type=CAPACITY_REFUSED, non_retryable=not exc.retryable) from None
+
+
+def _ready(pod: Any) -> bool:
+    return bool(pod.spec.node_name) and any(c.type == "Ready" and c.status == "True"
+                                            for c in (pod.status.conditions if pod.status else None) or [])
+
+
+class PackActivities:
+    def __init__(self, kube: KubeOps, capacity: CapacityProvider,
+                 clock: Callable[[], dt.datetime] | None = None) -> None:
+        self.kube = kube
+        self.capacity = capacity
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+
+    @activity.defn(name="pack_plan", no_thread_cancel_exception=True)
+    def pack_plan(self, req: PackPlanRequest) -> PackPlan:
+        facts = _capacity_call(gather, self.kube.api, self.capacity, req.groups)
+        return plan_packing(facts.nodes, facts.pods, now=self.clock(), pdb_allowed=facts.pdb_allowed,
+                            max_nodes=req.max_nodes, min_savings_usd_per_hour=req.min_savings_usd_per_hour)
+
+    @activity.defn(name="pack_freeze", no_thread_cancel_exception=True)
+    def pack_freeze(self, req: GroupRef) -> None:
+        _capacity_call(self.capacity.freeze, req.group, req.operation)
+
+    @activity.defn(name="pack_unfreeze", no_thread_cancel_exception=True)
+    def pack_unfreeze(self, req: GroupRef) -> None:
+        _capacity_call(self.capacity.unfreeze, req.group, req.operation)
+
+    @activity.defn(name="pack_cordon", no_thread_cancel_exception=True)
+    def pack_cordon(self, req: NodeRef2) -> bool:
+        return self.kube.cordon(req.node)
+
+    @activity.defn(name="pack_uncordon", no_thread_cancel_exception=True)
+    def pack_uncordon(self, req: NodeRef2) -> bool:
+        from kubernetes import client
+
+        try:
+            self.kube.core.patch_node(req.node, {"spec": {"unschedulable": False}})
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    @activity.defn(name="pack_pods_on_node", no_thread_cancel_exception=True)
+    def pack_pods_on_node(self, req: NodeRef2) -> list[PodRef]:
+        """The pods a packing round moves off the node: not DaemonSet, mirror or finished pods."""
+        pods = self.kube.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={req.node}").items
+        return sorted((PodRef(namespace=str(p.metadata.namespace), name=str(p.metadata.name))
+                       for p in self.kube._evictable(pods) if p.metadata.deletion_timestamp is None),
+                      key=lambda r: r.key)
+
+    @activity.defn(name="pack_evict_pod", no_thread_cancel_exception=True)
+    def pack_evict_pod(self, req: PodRef) -> EvictOutcome:
+        from kubernetes import client
+
+        try:
+            pod = self.kube.core.read_namespaced_pod(req.name, req.namespace)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return EvictOutcome(outcome="gone")
+            raise
+        owner = next((r for r in pod.metadata.owner_references or [] if r.controller), None)
+        owner_uid = str(owner.uid) if owner else ""
+        ready = len([p for p in self._siblings(req.namespace, owner_uid) if _ready(p)]) if owner_uid else 0
+        if pod.metadata.deletion_timestamp is not None:
+            return EvictOutcome(outcome="evicted", owner_uid=owner_uid, ready_before=ready)
+        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=req.name, namespace=req.namespace))
+        try:
+            self.kube.core.create_namespaced_pod_eviction(req.name, req.namespace, body)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return EvictOutcome(outcome="gone", owner_uid=owner_uid, ready_before=ready)
+            if exc.status == 429:
+                match = PDB_PATTERN.search(exc.body or "")
+                return EvictOutcome(outcome="blocked", pdb=match.group(1) if match else "(unknown)",
+                                    owner_uid=owner_uid, ready_before=ready)
+            raise
+        return EvictOutcome(outcome="evicted", owner_uid=owner_uid, ready_before=ready)
+
+    def _siblings(self, namespace: str, owner_uid: str) -> list[Any]:
+        return [p for p in self.kube.core.list_namespaced_pod(namespace).items
+                if any(r.uid == owner_uid for r in p.metadata.owner_references or [])
+                and p.metadata.deletion_timestamp is None]
+
+    @activity.defn(name="pack_replacement_ready", no_thread_cancel_exception=True)
+    def pack_replacement_ready(self, req: ReplacementCheck) -> ReplacementState:
+        """Whether the evicted pod is gone and its controller's pods are all Ready again, none on the node."""
+        from kubernetes import client
+
+        try:
+            self.kube.core.read_namespaced_pod(req.pod.name, req.pod.namespace)
+            return ReplacementState(ready=False, detail=f"{req.pod.key} still terminating")
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        if not req.owner_uid:
+            return ReplacementState(ready=True)
+        siblings = self._siblings(req.pod.namespace, req.owner_uid)
+        ready = [p for p in siblings if _ready(p)]
+        if len(ready) >= req.ready_before:
+            return ReplacementState(ready=True)
+        waiting = next((p for p in siblings if not _ready(p)), None)
+        if waiting is None:
+            return ReplacementState(ready=False, detail="its replacement is not created yet")
+        where = ("Pending (no node has room for it)" if not waiting.spec.node_name
+                 else f"not Ready on {waiting.spec.node_name}")
+        return ReplacementState(ready=False, detail=f"replacement {waiting.metadata.name} {where}")
+
+    @activity.defn(name="pack_remove_node", no_thread_cancel_exception=True)
+    def pack_remove_node(self, req: NodeRef2) -> None:
+        _capacity_call(self.capacity.remove_node, req.group, req.node)
+
+    @activity.defn(name="pack_node_gone", no_thread_cancel_exception=True)
+    def pack_node_gone(self, req: NodeRef2) -> bool:
+        return bool(_capacity_call(self.capacity.node_gone, req.group, req.node))
+
+    def all(self) -> list[Callable[..., Any]]:
+        return [self.pack_plan, self.pack_freeze, self.pack_unfreeze, self.pack_cordon, self.pack_uncordon,
+                self.pack_pods_on_node, self.pack_evict_pod, self.pack_replacement_ready, self.pack_remove_node,
+                self.pack_node_gone]

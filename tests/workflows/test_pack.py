@@ -1,0 +1,206 @@
+"""A packing round end to end on the real Karpenter (kwok provider) and the Temporal dev server, with the
+optimizer's own credentials: a pool fragmented in waves (six 1-GPU pods over three 4-GPU nodes) -> one node
+emptied, its pods evicted one at a time (each replacement Ready on a kept node before the next), its NodeClaim
+deleted by us, no node launched by Karpenter during the round, the pool's budgets back as they were; and a pod
+that cannot be re-placed stops the round with its node uncordoned and nothing else evicted."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from kubernetes import client
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from activities.capacity.karpenter import KarpenterCapacity
+from activities.clients.kube import KubeOps
+from activities.packing import PackActivities
+from models.decisions import Approval
+from models.packing import PackInput, PackSettings, PackView
+from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
+from tests.harness.kube import Cluster, until
+from tests.harness.rbac import OPTIMIZER_RULES, grant
+from worker.main import workflow_runner
+from workflows.pack import PackWorkflow
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+USER_BUDGETS: list[dict[str, Any]] = [{"nodes": "1"}, {"nodes": "0", "reasons": ["Drifted"]}]
+
+
+@contextlib.asynccontextmanager
+async def _worker(cluster: Cluster, temporal: Client, queue: str) -> AsyncIterator[None]:
+    optimizer = grant(cluster, "kubeon-pack-test", OPTIMIZER_RULES)
+    acts = PackActivities(KubeOps(optimizer.api), KarpenterCapacity(optimizer.api))
+    with ThreadPoolExecutor(8) as executor:
+        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow], activities=acts.all(),
+                          activity_executor=executor, workflow_runner=workflow_runner()):
+            yield
+
+
+@pytest.fixture
+async def pack_worker(cluster: Cluster, temporal_dev_server: WorkflowEnvironment) -> AsyncIterator[tuple[Client, str]]:
+    queue = f"pack-{uuid.uuid4().hex[:6]}"
+    async with _worker(cluster, temporal_dev_server.client, queue):
+        yield temporal_dev_server.client, queue
+
+
+@pytest.fixture
+def fragmented(cluster: Cluster, karpenter: Karpenter, namespace: str) -> Iterator[tuple[str, dict[str, int]]]:
+    """A pool of three 4-GPU nodes with six 1-GPU pods spread over them by the default scheduler."""
+    taint = uuid.uuid4().hex[:8]
+    pool = f"gpu-{taint}"
+    karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,), budgets=USER_BUDGETS))
+    apps, core = cluster.admin.apps, cluster.admin.core
+    try:
+        apps.create_namespaced_deployment(namespace, gpu_workload("wave", taint=taint, replicas=3, gpus=4))
+        _wait_running(cluster, namespace, "wave", 3)
+        apps.delete_namespaced_deployment("wave", namespace)
+        _wait(lambda: not core.list_namespaced_pod(namespace, label_selector="app=wave").items, "wave 1 gone")
+        apps.create_namespaced_deployment(namespace, gpu_workload("serve", taint=taint, replicas=6))
+        pods = _wait_running(cluster, namespace, "serve", 6)
+        spread = Counter(str(p.spec.node_name) for p in pods)
+        assert len(spread) == 3, spread
+        cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+            metadata=client.V1ObjectMeta(name="serve"),
+            spec=client.V1PodDisruptionBudgetSpec(max_unavailable=1,
+                                                  selector=client.V1LabelSelector(match_labels={"app": "serve"}))))
+        yield pool, dict(spread)
+    finally:
+        apps.delete_namespaced_deployment("serve", namespace)
+        karpenter.delete_nodepool(pool)
+
+
+def _wait(check: Any, what: str, timeout: float = 90) -> Any:
+    from tests.harness.kube import wait_for
+
+    return wait_for(check, timeout=timeout, what=what)
+
+
+def _wait_running(cluster: Cluster, namespace: str, app: str, count: int) -> list[client.V1Pod]:
+    def running() -> list[client.V1Pod]:
+        pods = [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
+                if p.metadata.deletion_timestamp is None]
+        return pods if len(pods) == count and all(p.status.phase == "Running" for p in pods) else []
+
+    return list(_wait(running, f"{count} {app} pods running"))
+
+
+FAST = PackSettings(pdb_retry_seconds=1, poll_seconds=0.5, replacement_timeout_seconds=30,
+                    removal_timeout_seconds=60)
+
+
+async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Client, str], cluster: Cluster,
+                                               karpenter: Karpenter, namespace: str,
+                                               fragmented: tuple[str, dict[str, int]]) -> None:
+    temporal, queue = pack_worker
+    pool, spread = fragmented
+    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    handle = await temporal.start_workflow(
+        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Approve", max_nodes=2,
+                                    settings=FAST),
+        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+    async def proposed() -> bool:
+        return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
+
+    await until_async(proposed, what="the round's proposal")
+    proposal = await handle.query(PackWorkflow.state)
+    assert proposal.plan is not None and len(proposal.plan.empty) == 1 and not proposal.moved
+    assert "saves $4.60/h" in proposal.message and len(proposal.plan.moves) == spread[proposal.plan.empty[0]]
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before  # nothing done yet
+    await handle.signal("approve", Approval(approver="test"))
+    view: PackView = await handle.result()
+    assert view.phase == "Done", view
+    [removed] = view.removed
+    assert removed in spread and len(view.moved) == spread[removed]
+    assert "saves $4.60/h" in view.message
+    # Each pod's replacement was Ready elsewhere before the next eviction.
+    evicted = [i for i, line in enumerate(view.history) if ": evicted " in line]
+    assert len(evicted) == spread[removed]
+    # Karpenter launched nothing during the round; our one NodeClaim is gone; the budgets are the user's again.
+    claims_after = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    assert claims_after < claims_before and len(claims_after) == 2
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+    pods = _wait_running(cluster, namespace, "serve", 6)
+    assert removed not in {p.spec.node_name for p in pods}
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+
+
+async def test_pdb_wait_then_a_pod_that_cannot_be_replaced_stops_the_round(
+        pack_worker: tuple[Client, str], cluster: Cluster, karpenter: Karpenter, namespace: str,
+        fragmented: tuple[str, dict[str, int]]) -> None:
+    temporal, queue = pack_worker
+    pool, _ = fragmented
+    pdbs = cluster.admin.policy
+    pdbs.patch_namespaced_pod_disruption_budget("serve", namespace, {"spec": {"maxUnavailable": 0}})
+    await until(lambda: pdbs.read_namespaced_pod_disruption_budget("serve", namespace).status.disruptions_allowed == 0,
+                timeout=30, what="the PDB allowing no disruption")
+    handle = await temporal.start_workflow(
+        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
+                                    settings=FAST.model_copy(update={"replacement_timeout_seconds": 6})),
+        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+    async def waiting_for_pdb() -> bool:
+        state = await handle.query(PackWorkflow.state)
+        return "waits for PDB serve" in state.message
+
+    await until_async(waiting_for_pdb, what="the round waiting, visibly, on the PDB")
+    # While it waits, the kept nodes fill up (the pool is at its 12-GPU limit: Karpenter cannot add one).
+    cluster.admin.apps.create_namespaced_deployment(
+        namespace, gpu_workload("filler", taint=pool.removeprefix("gpu-"), replicas=2, gpus=2))
+    _wait_running(cluster, namespace, "filler", 2)
+    pdbs.patch_namespaced_pod_disruption_budget("serve", namespace, {"spec": {"maxUnavailable": 1}})
+    await handle.result()
+    state = await handle.query(PackWorkflow.state)
+    assert state.phase == "Stopped", state
+    assert "cannot be re-placed" in state.message and "Pending" in state.message, state.message
+    assert not state.moved and not state.removed
+    # One eviction only, the node uncordoned, the budgets as they were, no NodeClaim removed or added.
+    assert len([line for line in state.history if ": evicted " in line]) == 1
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+    assert len(karpenter.nodeclaims(pool)) == 3
+
+
+async def until_async(check: Any, *, what: str, timeout: float = 30) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_worker_gone_mid_round_the_round_resumes(cluster: Cluster, karpenter: Karpenter, namespace: str,
+                                                       temporal_dev_server: WorkflowEnvironment,
+                                                       fragmented: tuple[str, dict[str, int]]) -> None:
+    pool, spread = fragmented
+    temporal, queue = temporal_dev_server.client, f"pack-{uuid.uuid4().hex[:6]}"
+    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    async with _worker(cluster, temporal, queue):
+        handle = await temporal.start_workflow(
+            PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
+                                        settings=FAST), id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+        async def first_eviction() -> bool:
+            return any(": evicted " in line for line in (await handle.query(PackWorkflow.state)).history)
+
+        await until_async(first_eviction, what="the round's first eviction")
+    # The worker is gone with the round cordoned and frozen; a new one picks the round up where it was.
+    assert any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    async with _worker(cluster, temporal, queue):
+        state = await handle.result()
+    assert state.phase == "Done", state
+    [removed] = state.removed
+    assert len(state.moved) == spread[removed]
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} < claims_before
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
