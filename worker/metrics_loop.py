@@ -26,7 +26,10 @@ class ResyncLoop:
     NAME: ClassVar[str]  # the loop's name in its log lines
     log: ClassVar[logging.Logger]
 
-    def __init__(self, resync_seconds: float) -> None:
+    def __init__(self, temporal: Client, *, cluster: str, task_queue: str, resync_seconds: float) -> None:
+        self.temporal = temporal
+        self.cluster = cluster
+        self.task_queue = task_queue
         self.resync_seconds = resync_seconds
         self.started: list[str] = []  # workflow IDs started, for tests and logs
         self._stop = asyncio.Event()
@@ -50,6 +53,15 @@ class ResyncLoop:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _start_operation(self, workflow: str, arg: Any, *, id: str, summary: str) -> str:
+        """The operation's workflow under ``id``, started unless one runs (then that one is left as it is); its
+        ID."""
+        handle = await self.temporal.start_workflow(
+            workflow, arg, id=id, task_queue=self.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE, static_summary=summary)
+        return handle.id
 
 
 def each_policy(policies: Callable[[], Iterable[P]], evaluate: Callable[[P], list[C]], *, what: str,
@@ -90,12 +102,3 @@ def metrics_condition(problem: str) -> dict[str, str]:
 
 def evaluated_at() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-async def start_operation(temporal: Client, workflow: str, arg: Any, *, id: str, task_queue: str,
-                          summary: str) -> str:
-    """The operation's workflow under ``id``, started unless one runs (then that one is left as it is); its ID."""
-    handle = await temporal.start_workflow(
-        workflow, arg, id=id, task_queue=task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE, static_summary=summary)
-    return handle.id

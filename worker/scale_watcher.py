@@ -30,7 +30,6 @@ from worker.metrics_loop import (
     evaluated_at,
     metrics_condition,
     prometheus_condition,
-    start_operation,
 )
 
 log = logging.getLogger("kubeon.scale")
@@ -57,11 +56,8 @@ class ScaleWatcher(ResyncLoop):
                  default_mode: Callable[[], Mode], settings: ScaleSettings, resync_seconds: float = 60.0,
                  prerequisites: Callable[[], list[Prerequisite]] | None = None,
                  prerequisites_every: float = 600.0) -> None:
-        super().__init__(resync_seconds)
+        super().__init__(temporal, cluster=cluster, task_queue=task_queue, resync_seconds=resync_seconds)
         self.ops = ops
-        self.temporal = temporal
-        self.cluster = cluster
-        self.task_queue = task_queue
         self.default_mode = default_mode
         self.settings = settings
         self.prerequisites = prerequisites
@@ -179,12 +175,12 @@ class ScaleWatcher(ResyncLoop):
         candidates = await asyncio.to_thread(self.evaluate)
         started = []
         for c in candidates:
-            started.append(await start_operation(
-                self.temporal, "ScaleWorkflow",
+            started.append(await self._start_operation(
+                "ScaleWorkflow",
                 ScaleInput(cluster=self.cluster, policy=c.policy, workload=c.workload,
                            default_mode=self.default_mode(), prometheus_configured=self.prometheus_configured,
                            settings=self.settings),
-                id=scale_workflow_id(self.cluster, c.policy, c.workload), task_queue=self.task_queue,
+                id=scale_workflow_id(self.cluster, c.policy, c.workload),
                 summary=f"ScaleToZero {c.workload.key} (policy {c.policy})"))
         self.started += started
         return started

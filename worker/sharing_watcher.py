@@ -34,7 +34,6 @@ from worker.metrics_loop import (
     evaluated_at,
     metrics_condition,
     prometheus_condition,
-    start_operation,
 )
 
 log = logging.getLogger("kubeon.sharing")
@@ -68,12 +67,9 @@ class SharingWatcher(ResyncLoop):
     def __init__(self, ops: SharingOps, temporal: Client, *, cluster: str, task_queue: str,
                  default_mode: Mode, settings: SharingSettings, namespace: str, config_map: str,
                  resync_seconds: float = 60.0, mig_settings: MigSettings | None = None) -> None:
-        super().__init__(resync_seconds)
+        super().__init__(temporal, cluster=cluster, task_queue=task_queue, resync_seconds=resync_seconds)
         self.mig_settings = mig_settings or MigSettings(approval_timeout_seconds=settings.approval_timeout_seconds)
         self.ops = ops
-        self.temporal = temporal
-        self.cluster = cluster
-        self.task_queue = task_queue
         self.default_mode = default_mode
         self.settings = settings
         self.namespace = namespace
@@ -129,23 +125,23 @@ class SharingWatcher(ResyncLoop):
         for c in candidates:
             p = c.proposal
             if p.kind == "mig":
-                started.append(await start_operation(
-                    self.temporal, "Mig",
+                started.append(await self._start_operation(
+                    "Mig",
                     MigInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus, geometry=p.geometry,
                              slices=c.slices or {}, mode=c.mode, mode_reason=c.mode_reason, plan_id=p.plan_id,
                              summary=p.summary(), reason=p.reason, risk=p.risk,
                              saving_usd_per_hour=p.saving_usd_per_hour, settings=self.mig_settings),
-                    id=sharing_workflow_id(self.cluster, p.node), task_queue=self.task_queue,
+                    id=sharing_workflow_id(self.cluster, p.node),
                     summary=f"Sharing: MIG {p.geometry} on {p.node} (policy {c.policy})"))
                 continue
-            started.append(await start_operation(
-                self.temporal, "TimeSlicing",
+            started.append(await self._start_operation(
+                "TimeSlicing",
                 TimeSlicingInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus, replicas=p.replicas,
                                  fail_requests_greater_than_one=c.fail_requests_greater_than_one, mode=c.mode,
                                  mode_reason=c.mode_reason, plan_id=p.plan_id, summary=p.summary(), reason=p.reason,
                                  risk=p.risk, saving_usd_per_hour=p.saving_usd_per_hour, namespace=self.namespace,
                                  config_map=self.config_map, settings=self.settings),
-                id=sharing_workflow_id(self.cluster, p.node), task_queue=self.task_queue,
+                id=sharing_workflow_id(self.cluster, p.node),
                 summary=f"Sharing: time-slicing {p.replicas} on {p.node} (policy {c.policy})"))
         self.started += started
         return started
