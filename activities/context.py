@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from temporalio import activity
 from temporalio.client import Client
@@ -25,6 +27,8 @@ from activities.providers.base import Provider
 from models.hub import ActionReport, GateState
 from models.locations import BurstConfig
 
+T = TypeVar("T")
+
 # Where audit records go for the hub (the worker signals the hub sync workflow); None without a hub.
 ReportSink = Callable[[ActionReport], Awaitable[None]]
 
@@ -34,6 +38,22 @@ def beat(details: str) -> None:
     activity.heartbeat(details)
     if activity.is_cancelled():
         raise asyncio.CancelledError(f"cancelled while {details}")
+
+
+async def poll(read: Callable[[], T], done: Callable[[T], bool], *, timeout_seconds: float,
+               describe: Callable[[T], str]) -> tuple[T, bool]:
+    """``read`` (in a thread) once a second until ``done`` of what it read, or ``timeout_seconds`` have passed;
+    every read heartbeats ``describe`` of it (a killed worker's wait moves on). What was read last, and whether it
+    was done."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        got = await asyncio.to_thread(read)
+        activity.heartbeat(describe(got))
+        if done(got):
+            return got, True
+        if time.monotonic() > deadline:
+            return got, False
+        await asyncio.sleep(1)
 
 
 def _now() -> dt.datetime:

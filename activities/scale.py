@@ -5,8 +5,6 @@ workload had live in the workflow's state and the policy's status, never on the 
 
 from __future__ import annotations
 
-import asyncio
-import time
 import zoneinfo
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -17,6 +15,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.prometheus import MetricsError, PrometheusClient
+from activities.context import poll
 from models.policy import (
     API_GROUP,
     PLURAL,
@@ -321,16 +320,12 @@ class ScaleActivities:
     @activity.defn(name="wait_workload_ready")
     async def wait_workload_ready(self, req: ReadyRequest) -> ReadyResult:
         """Until the workload has ``replicas`` Ready pods; heartbeats, so a killed worker's wait moves on."""
-        deadline = time.monotonic() + req.timeout_seconds
-        while True:
-            ready = await asyncio.to_thread(self.ops.ready, req.workload)
-            activity.heartbeat(f"{ready}/{req.replicas} ready")
-            if ready >= req.replicas:
-                return ReadyResult(ready=ready, replicas=req.replicas)
-            if time.monotonic() > deadline:
-                raise ApplicationError(f"{req.workload.key}: only {ready} of {req.replicas} pod(s) Ready after "
-                                       f"{req.timeout_seconds}s", non_retryable=True)
-            await asyncio.sleep(1)
+        ready, done = await poll(lambda: self.ops.ready(req.workload), lambda n: n >= req.replicas,
+                                 timeout_seconds=req.timeout_seconds, describe=lambda n: f"{n}/{req.replicas} ready")
+        if not done:
+            raise ApplicationError(f"{req.workload.key}: only {ready} of {req.replicas} pod(s) Ready after "
+                                   f"{req.timeout_seconds}s", non_retryable=True)
+        return ReadyResult(ready=ready, replicas=req.replicas)
 
     @activity.defn(name="next_wake_time")
     def next_wake_time(self, req: WakeTimeRequest) -> WakeTime:

@@ -8,8 +8,6 @@ them."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.clients.kube import gpus_requested
 from activities.clients.prometheus import PrometheusClient
+from activities.context import poll
 from models.policy import API_GROUP, PLURAL, PolicyError, SharingPolicy, parse_policy
 from models.sharing import (
     CONFIG_LABEL,
@@ -270,13 +269,9 @@ class SharingActivities:
     @activity.defn(name="verify_time_slicing")
     async def verify_time_slicing(self, req: VerifyRequest) -> VerifyResult:
         """Until the node shows the config (allocatable and labels) or the timeout; heartbeats."""
-        deadline = time.monotonic() + req.timeout_seconds
-        while True:
-            result = await asyncio.to_thread(self.ops.check, req)
-            activity.heartbeat(result.reason or "verified")
-            if result.ok or time.monotonic() > deadline:
-                return result
-            await asyncio.sleep(1)
+        result, _ = await poll(lambda: self.ops.check(req), lambda r: r.ok, timeout_seconds=req.timeout_seconds,
+                               describe=lambda r: r.reason or "verified")
+        return result
 
     @activity.defn(name="remove_unused_time_slicing_keys")
     def remove_unused_time_slicing_keys(self, req: CleanupRequest) -> CleanupResult:
@@ -302,15 +297,11 @@ class SharingActivities:
     @activity.defn(name="wait_mig_state")
     async def wait_mig_state(self, req: MigStateRequest) -> MigStateResult:
         """Until the MIG manager reports ``success`` or ``failed`` for the geometry, or the timeout; heartbeats."""
-        deadline = time.monotonic() + req.timeout_seconds
-        while True:
-            label, state = await asyncio.to_thread(self.ops.mig_label, req.node)
-            activity.heartbeat(f"{label}: {state}")
-            if label == req.geometry and state in ("success", "failed"):
-                return MigStateResult(state=state)
-            if time.monotonic() > deadline:
-                return MigStateResult(state=f"timeout (still {state or 'unset'})")
-            await asyncio.sleep(1)
+        (_, state), reported = await poll(
+            lambda: self.ops.mig_label(req.node),
+            lambda got: got[0] == req.geometry and got[1] in ("success", "failed"),
+            timeout_seconds=req.timeout_seconds, describe=lambda got: f"{got[0]}: {got[1]}")
+        return MigStateResult(state=state if reported else f"timeout (still {state or 'unset'})")
 
     @activity.defn(name="verify_mig_resources")
     def verify_mig_resources(self, req: MigVerifyRequest) -> VerifyResult:

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
-from activities.clients.prometheus import PrometheusClient
+from bench.prometheus import backfilled
 from planning.idle import judge_idle
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from tests.harness.dcgm_exporter import DcgmExporter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,32 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history-minutes", type=int, default=40)
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp:
-        exporter = DcgmExporter().start()
-        prom: Prometheus | None = None
-        try:
-            nodes = (args.pods + 7) // 8
-            for n in range(nodes):
-                exporter.add_node(f"gpu-{n:04d}", gpus=8)
-            pods = []
-            for i in range(args.pods):
-                ns = f"ns-{i % args.namespaces}"
-                # Every tenth pod busy: the verdicts are not all the same.
-                exporter.assign(ns, f"pod-{i:05d}", activity=0.5 if i % 10 == 0 else 0.01, fb_used_mib=4096)
-                pods.append((ns, f"pod-{i:05d}"))
-            now = time.time()
-            gpus = exporter.snapshot()
-            t0 = time.monotonic()
-            history = openmetrics_history([(now - ago, gpus) for ago in range(args.history_minutes * 60, 10, -60)],
-                                          extra={"job": SCRAPE_JOB, "instance": exporter.address})
-            prom = Prometheus(Path(tmp) / "prom", targets=[exporter.address], scrape_interval="15s")
-            prom.backfill(history)
-            backfill_s = time.monotonic() - t0
-            prom.start()
-            prom.wait_scraped(timeout=60)
-            client = PrometheusClient(prom.url, timeout=60)
-            namespaces = sorted({ns for ns, _ in pods})
-            client.detect()
+    exporter = DcgmExporter().start()
+    try:
+        nodes = (args.pods + 7) // 8
+        for n in range(nodes):
+            exporter.add_node(f"gpu-{n:04d}", gpus=8)
+        pods = []
+        for i in range(args.pods):
+            ns = f"ns-{i % args.namespaces}"
+            # Every tenth pod busy: the verdicts are not all the same.
+            exporter.assign(ns, f"pod-{i:05d}", activity=0.5 if i % 10 == 0 else 0.01, fb_used_mib=4096)
+            pods.append((ns, f"pod-{i:05d}"))
+        namespaces = sorted({ns for ns, _ in pods})
+        with backfilled(exporter, args.history_minutes) as (client, backfill_s):
             times, queries, idle = [], [], 0
             for _ in range(args.rounds):
                 before = client.queries
@@ -64,11 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                                            min_coverage=0.9).idle
                 times.append(time.monotonic() - t0)
                 queries.append(client.queries - before)
-            client.close()
-        finally:
-            if prom is not None:
-                prom.stop()
-            exporter.stop()
+    finally:
+        exporter.stop()
     print(f"scale decision cost: {args.pods} GPU pods in {args.namespaces} namespaces, 30m window, "
           f"{args.history_minutes}m history (backfill {backfill_s:.1f}s)")
     print(f"  per resync: median {statistics.median(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms, "

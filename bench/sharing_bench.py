@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
-from activities.clients.prometheus import PrometheusClient
+from bench.prometheus import backfilled
 from planning.sharing import GpuPod, NodeFacts, Rule, decide
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from tests.harness.dcgm_exporter import DcgmExporter
 
 RULE = Rule(threshold=0.4, min_coverage=0.9, window="1h", max_replicas=4,
             mig_allowed=("all-1g.10gb", "all-3g.40gb", "all-balanced"), usd_per_gpu_hour=4.1)
@@ -29,31 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history-minutes", type=int, default=70)
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="sharing-bench-") as tmp:
-        exporter = DcgmExporter().start()
-        prom: Prometheus | None = None
-        try:
-            nodes = []
-            for n in range(args.nodes):
-                host = f"gpu-{n:04d}"
-                exporter.add_node(host, gpus=4)
-                pods = tuple(GpuPod(f"ns-{n % 10}", f"{host}-p{i}", 1) for i in range(4))
-                for p in pods:
-                    exporter.assign(p.namespace, p.name, activity=0.6 if n % 5 == 0 else 0.05, fb_used_mib=8192)
-                nodes.append(NodeFacts(name=host, product="NVIDIA-A100-SXM4-80GB", gpus=4, pods=pods,
-                                       waiting=tuple(GpuPod("ns-w", f"{host}-w{i}", 1) for i in range(4))))
-            now = time.time()
-            gpus = exporter.snapshot()
-            t0 = time.monotonic()
-            history = openmetrics_history([(now - ago, gpus) for ago in range(args.history_minutes * 60, 10, -60)],
-                                          extra={"job": SCRAPE_JOB, "instance": exporter.address})
-            prom = Prometheus(Path(tmp) / "prom", targets=[exporter.address], scrape_interval="15s")
-            prom.backfill(history)
-            backfill_s = time.monotonic() - t0
-            prom.start()
-            prom.wait_scraped(timeout=60)
-            client = PrometheusClient(prom.url, timeout=60)
-            client.detect()
+    exporter = DcgmExporter().start()
+    try:
+        nodes = []
+        for n in range(args.nodes):
+            host = f"gpu-{n:04d}"
+            exporter.add_node(host, gpus=4)
+            pods = tuple(GpuPod(f"ns-{n % 10}", f"{host}-p{i}", 1) for i in range(4))
+            for p in pods:
+                exporter.assign(p.namespace, p.name, activity=0.6 if n % 5 == 0 else 0.05, fb_used_mib=8192)
+            nodes.append(NodeFacts(name=host, product="NVIDIA-A100-SXM4-80GB", gpus=4, pods=pods,
+                                   waiting=tuple(GpuPod("ns-w", f"{host}-w{i}", 1) for i in range(4))))
+        with backfilled(exporter, args.history_minutes) as (client, backfill_s):
             measure, decide_s, queries, proposed = [], [], [], 0
             for _ in range(args.rounds):
                 before = client.queries
@@ -66,11 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                 decide_s.append(t2 - t1)
                 queries.append(client.queries - before)
                 proposed = sum(1 for v in verdicts if v.proposals)
-            client.close()
-        finally:
-            if prom is not None:
-                prom.stop()
-            exporter.stop()
+    finally:
+        exporter.stop()
     print(f"sharing decision cost: {args.nodes} nodes x 4 GPUs ({args.nodes * 4} pods), 1h window, "
           f"{args.history_minutes}m history (backfill {backfill_s:.1f}s)")
     print(f"  per resync: Prometheus {statistics.median(measure) * 1000:.0f} ms median / {max(measure) * 1000:.0f} ms "

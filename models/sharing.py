@@ -1,5 +1,5 @@
-"""Inputs, outputs and state of Sharing operations (one ``TimeSlicingWorkflow`` per node whose time-slicing config
-changes). One model per workflow/activity argument; new fields need defaults."""
+"""Inputs, outputs and state of Sharing operations (one ``TimeSlicingWorkflow`` or ``MigWorkflow`` per node whose
+time-slicing or MIG config changes). One model per workflow/activity argument; new fields need defaults."""
 
 from __future__ import annotations
 
@@ -69,8 +69,11 @@ def sharing_workflow_id(cluster: str, node: str) -> str:
     return f"sharing/{cluster}/{node}"
 
 
-class SharingSettings(Model):
+class SharingSettingsBase(Model):
     approval_timeout_seconds: int = 3600
+
+
+class SharingSettings(SharingSettingsBase):
     # How long a new ConfigMap key takes to reach the device plugin's mounted volume (kubelet sync period + the
     # ConfigMap cache TTL, 60-90 s by default): waited before the node label names it.
     propagation_seconds: int = 90
@@ -78,13 +81,14 @@ class SharingSettings(Model):
     verify_timeout_seconds: int = 300
 
 
-class TimeSlicingInput(Model):
+class SharingInputBase(Model):
+    """What every sharing operation's input says: the node, the proposal and why (the workflows' shared steps read
+    these)."""
+
     cluster: str
     policy: str
     node: str
     gpus: int
-    replicas: int
-    fail_requests_greater_than_one: bool = True
     mode: Mode = "Recommend"
     mode_reason: str = ""
     plan_id: str = ""
@@ -92,6 +96,12 @@ class TimeSlicingInput(Model):
     reason: str = ""
     risk: str = ""
     saving_usd_per_hour: float = 0.0
+    settings: SharingSettingsBase = Field(default_factory=SharingSettingsBase)
+
+
+class TimeSlicingInput(SharingInputBase):
+    replicas: int
+    fail_requests_greater_than_one: bool = True
     namespace: str = "gpu-operator"
     config_map: str = "time-slicing-config"
     settings: SharingSettings = Field(default_factory=SharingSettings)
@@ -185,27 +195,16 @@ class SharingView(OperationViewBase):
 MIG_STATE_LABEL: Final = "nvidia.com/mig.config.state"
 
 
-class MigSettings(Model):
-    approval_timeout_seconds: int = 3600
+class MigSettings(SharingSettingsBase):
     # Evicting the node's GPU pods (PDBs honoured) and the MIG manager's reconfiguration (it may reboot the node).
     drain_timeout_seconds: int = 1800
     mig_timeout_seconds: int = 1800
 
 
-class MigInput(Model):
-    cluster: str
-    policy: str
-    node: str
-    gpus: int
+class MigInput(SharingInputBase):
     geometry: str
     slices: dict[str, int] = Field(default_factory=dict)  # per GPU: profile -> count
     mode: Mode = "Approve"
-    mode_reason: str = ""
-    plan_id: str = ""
-    summary: str = ""
-    reason: str = ""
-    risk: str = ""
-    saving_usd_per_hour: float = 0.0
     settings: MigSettings = Field(default_factory=MigSettings)
 
 

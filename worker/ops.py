@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes import client
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
@@ -23,6 +23,8 @@ from models.sharing import SharingView, UndoRequest, UndoResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
            "show", "undo", "wake"]
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -96,32 +98,28 @@ async def show(temporal: Client, operation: str) -> OperationView | ProvisionVie
 
 async def wake(temporal: Client, operation: str, request: WakeRequest) -> WakeResult:
     """Wake a workload a ScaleToZero operation scaled to zero: back to its replicas, then verified Ready."""
-    handle = await resolve(temporal, operation)
-    if not handle.id.startswith("scale/"):
-        raise DecisionRefused(f"operation {operation} is not a ScaleToZero operation")
-    desc = await handle.describe()
-    if desc.status != WorkflowExecutionStatus.RUNNING:
-        raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
-    try:
-        result: WakeResult = await handle.execute_update("wake", request, result_type=WakeResult)
-    except WorkflowUpdateFailedError as exc:
-        raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
-    return result
+    return await _update_running(temporal, operation, "scale/", "ScaleToZero", "wake", request, WakeResult)
 
 
 async def undo(temporal: Client, operation: str, request: UndoRequest) -> UndoResult:
     """Restore the config a Sharing operation replaced on its node (through the same label, then verified)."""
+    return await _update_running(temporal, operation, "sharing/", "Sharing", "undo", request, UndoResult)
+
+
+async def _update_running(temporal: Client, operation: str, prefix: str, kind: str, update: str, request: Any,
+                          result_type: type[R]) -> R:
+    """The ``update`` of a running ``kind`` operation (its workflow ID starts with ``prefix``); refused with the
+    reason when it is another kind, not running, or its validator refuses."""
     handle = await resolve(temporal, operation)
-    if not handle.id.startswith("sharing/"):
-        raise DecisionRefused(f"operation {operation} is not a Sharing operation")
+    if not handle.id.startswith(prefix):
+        raise DecisionRefused(f"operation {operation} is not a {kind} operation")
     desc = await handle.describe()
     if desc.status != WorkflowExecutionStatus.RUNNING:
         raise DecisionRefused(f"operation {operation} is not running ({desc.status.name if desc.status else '?'})")
     try:
-        result: UndoResult = await handle.execute_update("undo", request, result_type=UndoResult)
+        return await handle.execute_update(update, request, result_type=result_type)
     except WorkflowUpdateFailedError as exc:
         raise DecisionRefused(str(getattr(exc.cause, "message", None) or exc)) from None
-    return result
 
 
 async def approve(temporal: Client, operation: str, approval: Approval) -> DecisionResult:

@@ -8,25 +8,29 @@ recommendations in ``status.gpuTypeFit`` (no action is taken)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from kubernetes.client import ApiException
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from activities.clients.kube import gpus_requested
 from activities.clients.prometheus import MetricsError, PrometheusClient
 from activities.scale import ScaleOps, scale_role_missing
-from models.policy import GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
+from models.policy import AnyPolicy, GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
 from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
 from planning.fit import FitRecommendation, recommend
 from planning.idle import PodActivity, PodMemory, judge_idle
 from worker.doctor import Prerequisite, PrerequisiteLog
+from worker.metrics_loop import (
+    ResyncLoop,
+    condition,
+    each_policy,
+    evaluated_at,
+    metrics_condition,
+    prometheus_condition,
+)
 
 log = logging.getLogger("kubeon.scale")
 M = TypeVar("M")
@@ -44,24 +48,18 @@ class Candidate:
     reason: str
 
 
-def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+class ScaleWatcher(ResyncLoop):
+    NAME = "ScaleToZero"
+    log = log
 
-
-class ScaleWatcher:
     def __init__(self, ops: ScaleOps, temporal: Client, *, cluster: str, task_queue: str,
                  default_mode: Callable[[], Mode], settings: ScaleSettings, resync_seconds: float = 60.0,
                  prerequisites: Callable[[], list[Prerequisite]] | None = None,
                  prerequisites_every: float = 600.0) -> None:
+        super().__init__(temporal, cluster=cluster, task_queue=task_queue, resync_seconds=resync_seconds)
         self.ops = ops
-        self.temporal = temporal
-        self.cluster = cluster
-        self.task_queue = task_queue
         self.default_mode = default_mode
         self.settings = settings
-        self.resync_seconds = resync_seconds
-        self.started: list[str] = []  # workflow IDs started, for tests and logs
-        self._stop = asyncio.Event()
         self.prerequisites = prerequisites
         self.prerequisites_every = prerequisites_every
         self._prereq_log = PrerequisiteLog()
@@ -86,23 +84,15 @@ class ScaleWatcher:
 
     # -- evaluation (blocking: runs in a thread) ------------------------------------------------------------
     def evaluate(self) -> list[Candidate]:
-        out: list[Candidate] = []
-        try:
-            policies = self.ops.list_all_policies()
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            log.debug("no GpuPolicy CRD yet: nothing to measure")
-            return out
-        for policy in policies:
-            try:
-                if isinstance(policy, ScaleToZeroPolicy):
-                    out += self.evaluate_policy(policy)
-                elif isinstance(policy, GpuTypeFitPolicy):
-                    self.evaluate_fit(policy)
-            except Exception:  # one policy's failure never stops the others
-                log.exception("policy %s: evaluation failed", policy.name)
-        return out
+        return each_policy(self.ops.list_all_policies, self._evaluate_any, what="policy", log=log)
+
+    def _evaluate_any(self, policy: AnyPolicy) -> list[Candidate]:
+        """ScaleToZero: its candidates; GpuTypeFit: its recommendations written (no candidates); others: none."""
+        if isinstance(policy, ScaleToZeroPolicy):
+            return self.evaluate_policy(policy)
+        if isinstance(policy, GpuTypeFitPolicy):
+            self.evaluate_fit(policy)
+        return []
 
     def evaluate_fit(self, policy: GpuTypeFitPolicy) -> list[FitRecommendation]:
         spec, rule = policy.spec, policy.spec.fit
@@ -125,9 +115,8 @@ class ScaleWatcher:
         recs.sort(key=lambda r: (-r.saving_usd_per_month, r.workload))
         self.ops.patch_status(policy.name, {
             "enforcedMode": "Recommend",
-            "conditions": [_condition("GpuMetrics", not problem, "Measured" if not problem else "NotMeasured",
-                                      problem or "DCGM series found")],
-            "evaluatedAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "conditions": [metrics_condition(problem)],
+            "evaluatedAt": evaluated_at(),
             "savingUsdPerMonth": round(sum(r.saving_usd_per_month for r in recs), 2),
             "recommendations": [r.status() for r in recs[:MAX_DECISIONS]]}, key=FIT_STATUS_KEY)
         return recs
@@ -169,18 +158,14 @@ class ScaleWatcher:
                 candidates.append(Candidate(policy=policy.name, workload=ref, reason=verdict.reason))
         decisions.sort(key=lambda d: (not d["idle"], d["workload"]))
         conditions = [
-            _condition("PrometheusConfigured", self.prometheus_configured,
-                       "Configured" if self.prometheus_configured else "NoPrometheusUrl",
-                       "prometheus.url is set" if self.prometheus_configured else NO_PROMETHEUS),
-            _condition("ScaleRolePresent", not refused, "AllNamespaces" if not refused else "ScaleRoleMissing",
-                       "; ".join(scale_role_missing(ns) for ns in refused) or
-                       f"may scale in {', '.join(permitted)}"),
-            _condition("GpuMetrics", not metrics_problem, "Measured" if not metrics_problem else "NotMeasured",
-                       metrics_problem or "DCGM series found"),
+            prometheus_condition(self.prometheus_configured, NO_PROMETHEUS),
+            condition("ScaleRolePresent", not refused, "AllNamespaces" if not refused else "ScaleRoleMissing",
+                      "; ".join(scale_role_missing(ns) for ns in refused) or f"may scale in {', '.join(permitted)}"),
+            metrics_condition(metrics_problem),
         ]
         self.ops.patch_status(policy.name, {
             "enforcedMode": mode, "modeReason": mode_reason, "conditions": conditions,
-            "refusedNamespaces": refused, "evaluatedAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "refusedNamespaces": refused, "evaluatedAt": evaluated_at(),
             "idleWorkloads": len(candidates), "decisions": decisions[:MAX_DECISIONS]})
         return candidates
 
@@ -190,16 +175,13 @@ class ScaleWatcher:
         candidates = await asyncio.to_thread(self.evaluate)
         started = []
         for c in candidates:
-            wf_id = scale_workflow_id(self.cluster, c.policy, c.workload)
-            handle = await self.temporal.start_workflow(
+            started.append(await self._start_operation(
                 "ScaleWorkflow",
                 ScaleInput(cluster=self.cluster, policy=c.policy, workload=c.workload,
                            default_mode=self.default_mode(), prometheus_configured=self.prometheus_configured,
                            settings=self.settings),
-                id=wf_id, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-                static_summary=f"ScaleToZero {c.workload.key} (policy {c.policy})")
-            started.append(handle.id)
+                id=scale_workflow_id(self.cluster, c.policy, c.workload),
+                summary=f"ScaleToZero {c.workload.key} (policy {c.policy})"))
         self.started += started
         return started
 
@@ -211,16 +193,6 @@ class ScaleWatcher:
         self._prereq_checked = now
         self._prereq_log.report(await asyncio.to_thread(self.prerequisites))
 
-    async def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.check_prerequisites()
-                await self.resync()
-            except Exception:
-                log.exception("ScaleToZero resync failed; retrying in %gs", self.resync_seconds)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.resync_seconds):
-                    await self._stop.wait()
-
-    def stop(self) -> None:
-        self._stop.set()
+    async def _round(self) -> None:
+        await self.check_prerequisites()
+        await self.resync()

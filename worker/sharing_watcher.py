@@ -9,15 +9,11 @@ evicts every GPU pod of the node)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes.client import ApiException
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 
 from activities.clients.prometheus import MetricsError
 from activities.sharing import SharingOps
@@ -32,6 +28,13 @@ from models.sharing import (
 )
 from planning.idle import PodMemory
 from planning.sharing import Proposal, Rule, decide, mig_geometries
+from worker.metrics_loop import (
+    ResyncLoop,
+    each_policy,
+    evaluated_at,
+    metrics_condition,
+    prometheus_condition,
+)
 
 log = logging.getLogger("kubeon.sharing")
 
@@ -47,10 +50,6 @@ class Candidate:
     slices: dict[str, int] | None = None  # MIG: per GPU
 
 
-def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
-    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
-
-
 def rule_of(policy: SharingPolicy) -> Rule:
     spec = policy.spec
     return Rule(threshold=spec.idle.threshold, min_coverage=spec.idle.min_coverage, window=spec.idle.window,
@@ -61,37 +60,23 @@ def rule_of(policy: SharingPolicy) -> Rule:
                 mig_headroom=spec.mig.headroom if spec.mig else 0.1, usd_per_gpu_hour=spec.usd_per_gpu_hour)
 
 
-class SharingWatcher:
+class SharingWatcher(ResyncLoop):
+    NAME = "Sharing"
+    log = log
+
     def __init__(self, ops: SharingOps, temporal: Client, *, cluster: str, task_queue: str,
                  default_mode: Mode, settings: SharingSettings, namespace: str, config_map: str,
                  resync_seconds: float = 60.0, mig_settings: MigSettings | None = None) -> None:
+        super().__init__(temporal, cluster=cluster, task_queue=task_queue, resync_seconds=resync_seconds)
         self.mig_settings = mig_settings or MigSettings(approval_timeout_seconds=settings.approval_timeout_seconds)
         self.ops = ops
-        self.temporal = temporal
-        self.cluster = cluster
-        self.task_queue = task_queue
         self.default_mode = default_mode
         self.settings = settings
         self.namespace = namespace
         self.config_map = config_map
-        self.resync_seconds = resync_seconds
-        self.started: list[str] = []
-        self._stop = asyncio.Event()
 
     def evaluate(self) -> list[Candidate]:
-        try:
-            policies = self.ops.list_policies()
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            return []
-        out: list[Candidate] = []
-        for policy in policies:
-            try:
-                out += self.evaluate_policy(policy)
-            except Exception:  # one policy's failure never stops the others
-                log.exception("Sharing policy %s: evaluation failed", policy.name)
-        return out
+        return each_policy(self.ops.list_policies, self.evaluate_policy, what="Sharing policy", log=log)
 
     def evaluate_policy(self, policy: SharingPolicy) -> list[Candidate]:
         spec = policy.spec
@@ -127,12 +112,8 @@ class SharingWatcher:
                                                 mig_geometries(node.product).get(p.geometry, {})))
         self.ops.patch_status(policy.name, {
             "enforcedMode": mode, "modeReason": reason,
-            "conditions": [
-                _condition("PrometheusConfigured", measured, "Configured" if measured else "NoPrometheusUrl",
-                           "prometheus.url is set" if measured else NO_PROMETHEUS),
-                _condition("GpuMetrics", not problem, "Measured" if not problem else "NotMeasured",
-                           problem or "DCGM series found")],
-            "evaluatedAt": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "conditions": [prometheus_condition(measured, NO_PROMETHEUS), metrics_condition(problem)],
+            "evaluatedAt": evaluated_at(),
             "proposals": sum(len(e["proposals"]) for e in entries),
             "savingUsdPerHour": round(sum(p["savingUsdPerHour"] for e in entries for p in e["proposals"]), 2),
             "nodes": entries[:100]})
@@ -144,42 +125,23 @@ class SharingWatcher:
         for c in candidates:
             p = c.proposal
             if p.kind == "mig":
-                handle = await self.temporal.start_workflow(
-                    "Mig", MigInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus,
-                                    geometry=p.geometry, slices=c.slices or {}, mode=c.mode,
-                                    mode_reason=c.mode_reason, plan_id=p.plan_id,
-                                    summary=p.summary(), reason=p.reason, risk=p.risk,
-                                    saving_usd_per_hour=p.saving_usd_per_hour, settings=self.mig_settings),
-                    id=sharing_workflow_id(self.cluster, p.node), task_queue=self.task_queue,
-                    id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                    id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-                    static_summary=f"Sharing: MIG {p.geometry} on {p.node} (policy {c.policy})")
-                started.append(handle.id)
+                started.append(await self._start_operation(
+                    "Mig",
+                    MigInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus, geometry=p.geometry,
+                             slices=c.slices or {}, mode=c.mode, mode_reason=c.mode_reason, plan_id=p.plan_id,
+                             summary=p.summary(), reason=p.reason, risk=p.risk,
+                             saving_usd_per_hour=p.saving_usd_per_hour, settings=self.mig_settings),
+                    id=sharing_workflow_id(self.cluster, p.node),
+                    summary=f"Sharing: MIG {p.geometry} on {p.node} (policy {c.policy})"))
                 continue
-            handle = await self.temporal.start_workflow(
+            started.append(await self._start_operation(
                 "TimeSlicing",
                 TimeSlicingInput(cluster=self.cluster, policy=c.policy, node=p.node, gpus=c.gpus, replicas=p.replicas,
                                  fail_requests_greater_than_one=c.fail_requests_greater_than_one, mode=c.mode,
                                  mode_reason=c.mode_reason, plan_id=p.plan_id, summary=p.summary(), reason=p.reason,
                                  risk=p.risk, saving_usd_per_hour=p.saving_usd_per_hour, namespace=self.namespace,
                                  config_map=self.config_map, settings=self.settings),
-                id=sharing_workflow_id(self.cluster, p.node), task_queue=self.task_queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
-                static_summary=f"Sharing: time-slicing {p.replicas} on {p.node} (policy {c.policy})")
-            started.append(handle.id)
+                id=sharing_workflow_id(self.cluster, p.node),
+                summary=f"Sharing: time-slicing {p.replicas} on {p.node} (policy {c.policy})"))
         self.started += started
         return started
-
-    async def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.resync()
-            except Exception:
-                log.exception("Sharing resync failed; retrying in %gs", self.resync_seconds)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.resync_seconds):
-                    await self._stop.wait()
-
-    def stop(self) -> None:
-        self._stop.set()

@@ -1,17 +1,21 @@
-"""TimeSlicingWorkflow: propose -> [approve] -> write the config key -> wait for it to propagate -> label the node
--> verify allocatable and labels -> shared, until undone (restore the previous label, verify, name the pods the
-node can no longer serve, remove keys no node names).
+"""The Sharing operations, one per node (``sharing/<cluster>/<node>``), over one base (:class:`SharingOperation`:
+the proposal, approval and policy gate, the undo signal/update, audit records, the run's compensation on a failure
+or a cancellation):
 
-One per node (``sharing/<cluster>/<node>``). The key is content-addressed and never edited once written; the
-previous label lives in this workflow's state. On a verification timeout or mismatch the previous label is set
-back and the operation fails saying why; a crash at any step resumes (every activity is idempotent: the same key,
-the same label)."""
+- :class:`TimeSlicingWorkflow`: propose -> [approve] -> write the config key -> wait for it to propagate -> label
+  the node -> verify allocatable and labels -> shared, until undone (restore the previous label, verify, name the
+  pods the node can no longer serve, remove keys no node names). The key is content-addressed and never edited
+  once written; the previous label lives in this workflow's state. On a verification timeout or mismatch the
+  previous label is set back and the operation fails saying why; a crash at any step resumes (every activity is
+  idempotent: the same key, the same label).
+- :class:`MigWorkflow`: see its docstring."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from datetime import timedelta
+from typing import Any, ClassVar, Generic, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
@@ -31,6 +35,7 @@ from models.sharing import (
     MigStateResult,
     MigVerifyRequest,
     NodeConfig,
+    SharingInputBase,
     SharingOutcome,
     SharingPhase,
     SharingView,
@@ -52,50 +57,76 @@ from workflows.operation import Approvable, Proposal
 # Short: a cancelled wait learns it at its next heartbeat, which the SDK throttles to 80 % of this.
 HEARTBEAT = timedelta(seconds=5)
 
+InputT = TypeVar("InputT", bound=SharingInputBase)
 
-@workflow.defn(name="TimeSlicing")
-class TimeSlicingWorkflow(Approvable[SharingPhase]):
+
+class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
+    """What the two sharing workflows do alike. A workflow gives what it changes (:meth:`_what`,
+    :meth:`_view_fields`, :meth:`_undo_message`, the lines of its details), its steps (:meth:`_apply`) and its
+    compensation (:meth:`_compensate`); its ``@workflow.run`` calls :meth:`_operate`."""
+
     KIND = "Sharing"
+    CHANGED: ClassVar[str] = "shared"  # "only a node it <CHANGED> can be restored"
 
     def __init__(self) -> None:
         super().__init__(SharingPhase.PROPOSED)
-        self.inp: TimeSlicingInput | None = None
+        self.inp: InputT | None = None
         self.operation = ""
-        self.previous: NodeConfig | None = None
-        self.key = ""
         self.unservable: list[str] = []
         self.undo_request: UndoRequest | None = None
         self.undone_by: str | None = None
+
+    # -- what subclasses give -------------------------------------------------------------------------------
+    def _what(self) -> str:
+        """What the operation does to its node, for the details' first line."""
+        raise NotImplementedError
+
+    def _progress_lines(self) -> list[str]:
+        """Details lines after the saving and risk (what the operation learnt on the way)."""
+        return []
+
+    def _closing_lines(self) -> list[str]:
+        """Details lines after the approve/undo hints."""
+        return []
+
+    def _view_fields(self) -> dict[str, Any]:
+        """The :class:`SharingView` fields this workflow fills (replicas, previous_label, key)."""
+        raise NotImplementedError
+
+    def _undo_message(self) -> str:
+        raise NotImplementedError
+
+    async def _apply(self, inp: InputT) -> SharingOutcome:
+        """After the proposal was approved (or needs none) and the gate let it go: the change, and its undo."""
+        raise NotImplementedError
+
+    async def _compensate(self, why: str, *, cancelled: bool) -> str:
+        """On a failure or a cancellation: put back what was changed; a note on how that went (or "")."""
+        raise NotImplementedError
 
     # -- visibility -----------------------------------------------------------------------------------------
     def _details(self) -> str:
         assert self.inp is not None
         inp = self.inp
-        lines = [f"**Sharing** `{self.operation}`: time-slicing {inp.replicas} replicas per GPU on node "
-                 f"`{inp.node}`, policy `{inp.policy}`, mode {inp.mode}",
+        lines = [f"**Sharing** `{self.operation}`: {self._what()} on node `{inp.node}`, policy `{inp.policy}`, "
+                 f"mode {inp.mode}",
                  f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
-                 f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}"]
-        if self.previous is not None:
-            lines.append(f"Previous config label: {self.previous.label or '(none)'} ({self.previous.replicas} "
-                         "replica(s))")
+                 f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}",
+                 *self._progress_lines()]
         if self.phase == SharingPhase.AWAITING_APPROVAL:
             lines.append(f"Approve: `kubeon-gpu ops approve {self.operation}` or signal `approve`")
         if self.phase == SharingPhase.SHARED:
             lines.append(f"Undo: `kubeon-gpu ops undo {self.operation}` or signal `undo`")
-        if self.unservable:
-            lines.append(f"Unservable after undo: {', '.join(self.unservable)}")
-        return "\n".join(lines)
+        return "\n".join(lines + self._closing_lines())
 
     def _view(self) -> SharingView:
         inp = self.inp
         return SharingView(
             operation=self.operation, workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
             policy=inp.policy if inp else "", node=inp.node if inp else "", mode=inp.mode if inp else None,
-            phase=self.phase, replicas=inp.replicas if inp else 0,
-            previous_label=self.previous.label if self.previous else None, key=self.key,
-            unservable=list(self.unservable), undone_by=self.undone_by,
+            phase=self.phase, unservable=list(self.unservable), undone_by=self.undone_by,
             approver=self.approval.approver if self.approval else None, message=self.message,
-            history=list(self.history))
+            history=list(self.history), **self._view_fields())
 
     @workflow.query(name="state")
     def state(self) -> SharingView:
@@ -117,9 +148,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
     @workflow.update(name="undo")
     def undo_update(self, request: UndoRequest) -> UndoResult:
         self.undo_request = request
-        label = self.previous.label if self.previous else None
-        return UndoResult(operation=self.operation, phase=self.phase,
-                          message=f"restoring node {self._node()} to config {label or '(none)'}")
+        return UndoResult(operation=self.operation, phase=self.phase, message=self._undo_message())
 
     @undo_update.validator
     def _validate_undo(self, request: UndoRequest) -> None:
@@ -129,7 +158,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
 
     def _undo_problem(self) -> str | None:
         if self.phase != SharingPhase.SHARED:
-            return f"operation {self.operation} is {self.phase.value}: only a node it shared can be restored"
+            return f"operation {self.operation} is {self.phase.value}: only a node it {self.CHANGED} can be restored"
         if self.undo_request is not None:
             return f"operation {self.operation} is already being undone"
         return None
@@ -146,6 +175,104 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
             policy=self.inp.policy, operation=self.operation, action=action,
             approver=self.approval.approver if self.approval else None,
             detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
+
+    def _outcome(self) -> SharingOutcome:
+        return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message,
+                              unservable=list(self.unservable))
+
+    async def _wait_undo(self) -> UndoRequest:
+        """Shared until an undo is asked for (signal or update): who asked."""
+        await workflow.wait_condition(lambda: self.undo_request is not None)
+        assert self.undo_request is not None
+        self.undone_by = self.undo_request.by
+        return self.undo_request
+
+    # -- the operation --------------------------------------------------------------------------------------
+    async def _operate(self, inp: InputT) -> SharingOutcome:
+        """The whole run: search attributes, then :meth:`_run`; a failure or a cancellation compensates."""
+        self.inp = inp
+        info = workflow.info()
+        self.operation = operation_id(info.workflow_id, info.run_id)
+        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
+                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
+        try:
+            return await self._run(inp)
+        except asyncio.CancelledError:
+            # Cancelled (`temporal workflow cancel`): what was changed is put back first.
+            note = await self._compensate("cancelled", cancelled=True)
+            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
+            await self._audit("cancelled", self.message)
+            raise
+        except (ActivityError, ApplicationError) as exc:
+            reason = message(exc)
+            note = await self._compensate(reason, cancelled=False)
+            self._set_phase(SharingPhase.FAILED, reason + note)
+            await self._audit("failed", self.message)
+            return self._outcome()
+
+    async def _run(self, inp: InputT) -> SharingOutcome:
+        """Propose; in Approve mode wait for the decision; wait while the policy's gate holds; then apply."""
+        await self._audit("proposed", inp.summary)
+        timeout = inp.settings.approval_timeout_seconds
+        if inp.mode == "Recommend":
+            self._set_phase(SharingPhase.PROPOSED, inp.summary + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(lambda: False, timeout=timedelta(seconds=timeout))
+            return self._outcome()
+        if inp.mode == "Approve":
+            self._set_phase(SharingPhase.AWAITING_APPROVAL, inp.summary)
+            try:
+                await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
+                                              timeout=timedelta(seconds=timeout))
+            except TimeoutError:
+                self._set_phase(SharingPhase.EXPIRED, f"no approval within {timeout}s")
+                await self._audit("expired")
+                return self._outcome()
+            if self.rejection is not None:
+                self._set_phase(SharingPhase.REJECTED, f"rejected by {self.rejection.approver}"
+                                + (f": {self.rejection.reason}" if self.rejection.reason else ""))
+                await self._audit("rejected", self.rejection.reason)
+                return self._outcome()
+            assert self.approval is not None
+            await self._audit("approved", f"plan {inp.plan_id} by {self.approval.approver}")
+        gate = await action_gate(inp.policy)
+        if gate.held:
+            self._set_phase(SharingPhase.HELD, gate.reason)
+            await self._audit("held", gate.reason)
+            await wait_until_allowed(inp.policy)
+        return await self._apply(inp)
+
+
+@workflow.defn(name="TimeSlicing")
+class TimeSlicingWorkflow(SharingOperation[TimeSlicingInput]):
+    """Time-slicing on one node (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.previous: NodeConfig | None = None
+        self.key = ""
+
+    # -- visibility -----------------------------------------------------------------------------------------
+    def _what(self) -> str:
+        assert self.inp is not None
+        return f"time-slicing {self.inp.replicas} replicas per GPU"
+
+    def _progress_lines(self) -> list[str]:
+        if self.previous is None:
+            return []
+        return [f"Previous config label: {self.previous.label or '(none)'} ({self.previous.replicas} replica(s))"]
+
+    def _closing_lines(self) -> list[str]:
+        return [f"Unservable after undo: {', '.join(self.unservable)}"] if self.unservable else []
+
+    def _view_fields(self) -> dict[str, Any]:
+        return {"replicas": self.inp.replicas if self.inp else 0,
+                "previous_label": self.previous.label if self.previous else None, "key": self.key}
+
+    def _undo_message(self) -> str:
+        label = self.previous.label if self.previous else None
+        return f"restoring node {self._node()} to config {label or '(none)'}"
 
     # -- steps ----------------------------------------------------------------------------------------------
     async def _label(self, key: str | None) -> None:
@@ -172,7 +299,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
         if done.removed:
             self._log(f"removed unused key(s) {', '.join(done.removed)}")
 
-    async def _restore(self, why: str) -> str:
+    async def _restore(self) -> str:
         """Compensation: the previous label back on the node; what the node then shows."""
         if self.previous is None:
             return ""
@@ -184,69 +311,22 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
         shown = "" if back.ok else f" (node does not show it yet: {back.reason})"
         return f"; previous config {self.previous.label or '(none)'} restored{shown}"
 
-    def _outcome(self) -> SharingOutcome:
-        return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message,
-                              unservable=list(self.unservable))
+    async def _compensate(self, why: str, *, cancelled: bool) -> str:
+        """Once a key was written: the node gets its previous label back (and, on a failure, unused keys go)."""
+        if not self.key:
+            return ""
+        note = await self._restore()
+        if not cancelled:
+            with contextlib.suppress(ActivityError):
+                await self._cleanup()
+        return note
 
     # -- the operation --------------------------------------------------------------------------------------
     @workflow.run
     async def run(self, inp: TimeSlicingInput) -> SharingOutcome:
-        self.inp = inp
-        info = workflow.info()
-        self.operation = operation_id(info.workflow_id, info.run_id)
-        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
-                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
-        try:
-            return await self._run(inp)
-        except asyncio.CancelledError:
-            # Cancelled (`temporal workflow cancel`): the node gets its previous label back first.
-            note = await self._restore("cancelled") if self.key else ""
-            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
-            await self._audit("cancelled", self.message)
-            raise
-        except (ActivityError, ApplicationError) as exc:
-            reason = message(exc)
-            note = await self._restore(reason) if self.key else ""
-            if self.key:
-                with contextlib.suppress(ActivityError):
-                    await self._cleanup()
-            self._set_phase(SharingPhase.FAILED, reason + note)
-            await self._audit("failed", self.message)
-            return self._outcome()
+        return await self._operate(inp)
 
-    async def _run(self, inp: TimeSlicingInput) -> SharingOutcome:
-        proposal = inp.summary
-        await self._audit("proposed", proposal)
-        if inp.mode == "Recommend":
-            self._set_phase(SharingPhase.PROPOSED, proposal + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(lambda: False,
-                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
-            return self._outcome()
-        if inp.mode == "Approve":
-            self._set_phase(SharingPhase.AWAITING_APPROVAL, proposal)
-            try:
-                await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
-                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
-            except TimeoutError:
-                self._set_phase(SharingPhase.EXPIRED,
-                                f"no approval within {inp.settings.approval_timeout_seconds}s")
-                await self._audit("expired")
-                return self._outcome()
-            if self.rejection is not None:
-                self._set_phase(SharingPhase.REJECTED, f"rejected by {self.rejection.approver}"
-                                + (f": {self.rejection.reason}" if self.rejection.reason else ""))
-                await self._audit("rejected", self.rejection.reason)
-                return self._outcome()
-            assert self.approval is not None
-            await self._audit("approved", f"plan {inp.plan_id} by {self.approval.approver}")
-        gate = await action_gate(inp.policy)
-        if gate.held:
-            self._set_phase(SharingPhase.HELD, gate.reason)
-            await self._audit("held", gate.reason)
-            await wait_until_allowed(inp.policy)
-
+    async def _apply(self, inp: TimeSlicingInput) -> SharingOutcome:
         self.previous = await workflow.execute_activity("read_node_config", inp.node, result_type=NodeConfig,
                                                         start_to_close_timeout=QUICK, retry_policy=RETRY)
         self._set_phase(SharingPhase.WRITING_CONFIG, f"a time-slicing key with {inp.replicas} replicas into "
@@ -272,7 +352,7 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
         if not result.ok:
             why = (f"node {inp.node} did not show the config within {inp.settings.verify_timeout_seconds}s: "
                    f"{result.reason}")
-            note = await self._restore(why)
+            note = await self._restore()
             await self._cleanup()
             self._set_phase(SharingPhase.FAILED, why + note)
             await self._audit("failed", self.message)
@@ -282,13 +362,10 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
         await self._audit("verified", self.message, key="shared")
         await self._cleanup()
 
-        await workflow.wait_condition(lambda: self.undo_request is not None)
-        assert self.undo_request is not None
-        self.undone_by = self.undo_request.by
+        undo = await self._wait_undo()
         label = self.previous.label
         self._set_phase(SharingPhase.RESTORING, f"undo by {self.undone_by}"
-                        + (f" ({self.undo_request.reason})" if self.undo_request.reason else "")
-                        + f": config {label or '(none)'}")
+                        + (f" ({undo.reason})" if undo.reason else "") + f": config {label or '(none)'}")
         await self._label(label)
         back = await self._verify(self.previous.replicas)
         if not back.ok:
@@ -307,96 +384,38 @@ class TimeSlicingWorkflow(Approvable[SharingPhase]):
 
 
 @workflow.defn(name="Mig")
-class MigWorkflow(Approvable[SharingPhase]):
+class MigWorkflow(SharingOperation[MigInput]):
     """propose -> [approve] -> cordon -> evict the node's GPU pods (Eviction API, PDBs honoured: a blocked pod is
     waited for, shown) -> nvidia.com/mig.config -> wait for nvidia.com/mig.config.state success -> verify the
     nvidia.com/mig-* allocatable -> uncordon; until undone (the previous geometry through the same steps).
     ``failed`` or a timeout restores the previous geometry and uncordons: the node is never left cordoned."""
 
-    KIND = "Sharing"
+    CHANGED = "reconfigured"
 
     def __init__(self) -> None:
-        super().__init__(SharingPhase.PROPOSED)
-        self.inp: MigInput | None = None
-        self.operation = ""
+        super().__init__()
         self.previous: str | None = None
         self.cordoned = False
         self.blocked: dict[str, str] = {}
         self.evicted: list[str] = []
-        self.undo_request: UndoRequest | None = None
-        self.undone_by: str | None = None
 
-    def _details(self) -> str:
+    # -- visibility -----------------------------------------------------------------------------------------
+    def _what(self) -> str:
         assert self.inp is not None
-        inp = self.inp
-        lines = [f"**Sharing** `{self.operation}`: MIG geometry {inp.geometry} on node `{inp.node}`, policy "
-                 f"`{inp.policy}`, mode {inp.mode}",
-                 f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
-                 f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}"]
-        if self.blocked:
-            lines.append("Waiting on: " + ", ".join(f"{p} ({w})" for p, w in sorted(self.blocked.items())))
-        if self.phase == SharingPhase.AWAITING_APPROVAL:
-            lines.append(f"Approve: `kubeon-gpu ops approve {self.operation}` or signal `approve`")
-        if self.phase == SharingPhase.SHARED:
-            lines.append(f"Undo: `kubeon-gpu ops undo {self.operation}` or signal `undo`")
-        return "\n".join(lines)
+        return f"MIG geometry {self.inp.geometry}"
 
-    def _view(self) -> SharingView:
-        inp = self.inp
-        return SharingView(
-            operation=self.operation, workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
-            policy=inp.policy if inp else "", node=inp.node if inp else "", mode=inp.mode if inp else None,
-            phase=self.phase, replicas=1, previous_label=self.previous, key=inp.geometry if inp else "",
-            undone_by=self.undone_by, approver=self.approval.approver if self.approval else None,
-            message=self.message, history=list(self.history))
+    def _progress_lines(self) -> list[str]:
+        if not self.blocked:
+            return []
+        return ["Waiting on: " + ", ".join(f"{p} ({w})" for p, w in sorted(self.blocked.items()))]
 
-    @workflow.query(name="state")
-    def state(self) -> SharingView:
-        return self._view()
+    def _view_fields(self) -> dict[str, Any]:
+        return {"replicas": 1, "previous_label": self.previous, "key": self.inp.geometry if self.inp else ""}
 
-    def _awaiting(self) -> Proposal | None:
-        if self.phase != SharingPhase.AWAITING_APPROVAL or self.inp is None:
-            return None
-        return Proposal(operation=self.operation, plan_id=self.inp.plan_id, summary=self.inp.summary)
+    def _undo_message(self) -> str:
+        return f"restoring node {self._node()} to MIG config {self.previous or 'all-disabled'}"
 
-    def _subject(self) -> str:
-        return f"operation {self.operation}"
-
-    @workflow.signal(name="undo")
-    def undo_signal(self, request: UndoRequest | None = None) -> None:
-        if self._undo_problem() is None:
-            self.undo_request = request or UndoRequest()
-
-    @workflow.update(name="undo")
-    def undo_update(self, request: UndoRequest) -> UndoResult:
-        self.undo_request = request
-        return UndoResult(operation=self.operation, phase=self.phase,
-                          message=f"restoring node {self.inp.node if self.inp else '?'} to MIG config "
-                                  f"{self.previous or 'all-disabled'}")
-
-    @undo_update.validator
-    def _validate_undo(self, request: UndoRequest) -> None:
-        problem = self._undo_problem()
-        if problem:
-            raise Refused(problem)
-
-    def _undo_problem(self) -> str | None:
-        if self.phase != SharingPhase.SHARED:
-            return f"operation {self.operation} is {self.phase.value}: only a node it reconfigured can be restored"
-        if self.undo_request is not None:
-            return f"operation {self.operation} is already being undone"
-        return None
-
-    async def _audit(self, action: str, detail: str = "", *, key: str = "") -> None:
-        """An audit record, reported to the hub (R2.8) with its actions' names: a change in force is
-        ``verified``, as is its undo (keyed apart)."""
-        assert self.inp is not None
-        await record_audit(AuditRecord(
-            key=f"{self.operation}/{key or action}", at=workflow.now(), cluster=self.inp.cluster,
-            policy=self.inp.policy, operation=self.operation, action=action,
-            approver=self.approval.approver if self.approval else None,
-            detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
-
+    # -- steps ----------------------------------------------------------------------------------------------
     async def _uncordon(self) -> None:
         assert self.inp is not None
         if self.cordoned:
@@ -433,6 +452,21 @@ class MigWorkflow(Approvable[SharingPhase]):
             await workflow.sleep(timedelta(seconds=backoff), summary="before the next eviction round")
             backoff = min(backoff * 2, 30.0)
 
+    async def _set_geometry(self, geometry: str | None) -> MigStateResult | None:
+        """nvidia.com/mig.config set to ``geometry`` (None removes it); unless removed, what the MIG manager then
+        reports in nvidia.com/mig.config.state (success, failed, timeout)."""
+        assert self.inp is not None
+        inp = self.inp
+        await workflow.execute_activity("set_mig_config", MigLabelRequest(node=inp.node, geometry=geometry),
+                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
+        if geometry is None:
+            return None
+        return await workflow.execute_activity(
+            "wait_mig_state", MigStateRequest(node=inp.node, geometry=geometry,
+                                              timeout_seconds=inp.settings.mig_timeout_seconds),
+            result_type=MigStateResult, start_to_close_timeout=timedelta(seconds=inp.settings.mig_timeout_seconds + 60),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+
     async def _reconfigure(self, geometry: str | None, expected: dict[str, int]) -> None:
         """Cordon, evict, label, wait for success, verify; raises with the reason (the caller compensates)."""
         assert self.inp is not None
@@ -446,13 +480,8 @@ class MigWorkflow(Approvable[SharingPhase]):
         target = geometry or "all-disabled"
         self._set_phase(SharingPhase.RECONFIGURING, f"nvidia.com/mig.config={target}; waiting for "
                                                     "nvidia.com/mig.config.state (pending, rebooting, success)")
-        await workflow.execute_activity("set_mig_config", MigLabelRequest(node=inp.node, geometry=target),
-                                        start_to_close_timeout=QUICK, retry_policy=RETRY)
-        state = await workflow.execute_activity(
-            "wait_mig_state", MigStateRequest(node=inp.node, geometry=target,
-                                              timeout_seconds=inp.settings.mig_timeout_seconds),
-            result_type=MigStateResult, start_to_close_timeout=timedelta(seconds=inp.settings.mig_timeout_seconds + 60),
-            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+        state = await self._set_geometry(target)
+        assert state is not None
         if state.state != "success":
             raise ApplicationError(f"the MIG manager reported {state.state} for {target} on {inp.node}",
                                    non_retryable=True)
@@ -471,19 +500,9 @@ class MigWorkflow(Approvable[SharingPhase]):
 
     async def _restore(self) -> str:
         """Compensation: the previous geometry back, the node uncordoned (whatever the restore does)."""
-        assert self.inp is not None
-        inp = self.inp
-        note = ""
         try:
-            await workflow.execute_activity("set_mig_config", MigLabelRequest(node=inp.node, geometry=self.previous),
-                                            start_to_close_timeout=QUICK, retry_policy=RETRY)
-            if self.previous is not None:
-                state = await workflow.execute_activity(
-                    "wait_mig_state", MigStateRequest(node=inp.node, geometry=self.previous,
-                                                      timeout_seconds=inp.settings.mig_timeout_seconds),
-                    result_type=MigStateResult,
-                    start_to_close_timeout=timedelta(seconds=inp.settings.mig_timeout_seconds + 60),
-                    heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+            state = await self._set_geometry(self.previous)
+            if state is not None:
                 note = f"; previous MIG config {self.previous} restored ({state.state})"
             else:
                 note = "; nvidia.com/mig.config removed (it had none)"
@@ -492,55 +511,16 @@ class MigWorkflow(Approvable[SharingPhase]):
         await self._uncordon()
         return note + "; node uncordoned"
 
+    async def _compensate(self, why: str, *, cancelled: bool) -> str:
+        """Once the node was cordoned: the previous geometry back and the node uncordoned."""
+        return await self._restore() if self.cordoned else ""
+
+    # -- the operation --------------------------------------------------------------------------------------
     @workflow.run
     async def run(self, inp: MigInput) -> SharingOutcome:
-        self.inp = inp
-        info = workflow.info()
-        self.operation = operation_id(info.workflow_id, info.run_id)
-        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
-                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
-        try:
-            return await self._run(inp)
-        except asyncio.CancelledError:
-            # Cancelled: the previous geometry back and the node uncordoned before the cancellation ends it.
-            note = await self._restore() if self.cordoned else ""
-            self._set_phase(SharingPhase.FAILED, "cancelled" + note)
-            await self._audit("cancelled", self.message)
-            raise
-        except (ActivityError, ApplicationError) as exc:
-            reason = message(exc)
-            note = await self._restore() if self.cordoned else ""
-            self._set_phase(SharingPhase.FAILED, reason + note)
-            await self._audit("failed", self.message)
-            return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
+        return await self._operate(inp)
 
-    async def _run(self, inp: MigInput) -> SharingOutcome:
-        await self._audit("proposed", inp.summary)
-        if inp.mode == "Recommend":
-            self._set_phase(SharingPhase.PROPOSED, inp.summary + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(lambda: False,
-                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
-            return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
-        if inp.mode == "Approve":
-            self._set_phase(SharingPhase.AWAITING_APPROVAL, inp.summary)
-            try:
-                await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,
-                                              timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
-            except TimeoutError:
-                self._set_phase(SharingPhase.EXPIRED, f"no approval within {inp.settings.approval_timeout_seconds}s")
-                await self._audit("expired")
-                return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
-            if self.rejection is not None:
-                self._set_phase(SharingPhase.REJECTED, f"rejected by {self.rejection.approver}")
-                await self._audit("rejected", self.rejection.reason)
-                return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
-            await self._audit("approved", f"plan {inp.plan_id}")
-        gate = await action_gate(inp.policy)
-        if gate.held:
-            self._set_phase(SharingPhase.HELD, gate.reason)
-            await wait_until_allowed(inp.policy)
+    async def _apply(self, inp: MigInput) -> SharingOutcome:
         self.previous = (await workflow.execute_activity(
             "read_mig_config", inp.node, result_type=MigStateResult, start_to_close_timeout=QUICK,
             retry_policy=RETRY)).previous
@@ -549,12 +529,10 @@ class MigWorkflow(Approvable[SharingPhase]):
             f"{v} {k}" for k, v in sorted(self._expected().items())) + f"; evicted {len(self.evicted)} GPU pod(s)")
         await self._audit("verified", self.message, key="shared")
 
-        await workflow.wait_condition(lambda: self.undo_request is not None)
-        assert self.undo_request is not None
-        self.undone_by = self.undo_request.by
+        await self._wait_undo()
         back = self.previous or "all-disabled"
         self._set_phase(SharingPhase.RESTORING, f"undo by {self.undone_by}: MIG config {back}")
         await self._reconfigure(self.previous, {"nvidia.com/gpu": inp.gpus} if back == "all-disabled" else {})
         self._set_phase(SharingPhase.UNDONE, f"{inp.node} back to MIG config {self.previous or 'all-disabled'}")
         await self._audit("verified", f"undo: {self.message}", key="undone")
-        return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message)
+        return self._outcome()

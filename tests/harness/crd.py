@@ -7,10 +7,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from kubernetes import client
 
-from models.policy import API_GROUP, PLURAL
+from models.policy import API_GROUP, PLURAL, parse_policy
 from tests.harness.kube import Cluster, wait_for
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
@@ -38,6 +39,27 @@ def create_strictly(cluster: Cluster, doc: dict[str, Any], prefix: str) -> dict[
     doc["metadata"]["name"] = f"{prefix}-{uuid.uuid4().hex[:10]}"
     return cluster.admin.custom.create_cluster_custom_object(  # type: ignore[return-value]
         API_GROUP, "v1", PLURAL, doc, field_validation="Strict")
+
+
+def assert_accepted(cluster: Cluster, doc: dict[str, Any], prefix: str, kind: type) -> None:
+    """``doc``, created strictly, comes back with its spec as written and parses as ``kind``; deleted after
+    (policies are cluster-scoped: a leftover one would claim later tests' pods)."""
+    created = create_strictly(cluster, doc, prefix)
+    try:
+        assert created["spec"] == doc["spec"]
+        assert isinstance(parse_policy(created), kind)
+    finally:
+        cluster.admin.custom.delete_cluster_custom_object(API_GROUP, "v1", PLURAL, created["metadata"]["name"])
+
+
+def assert_refused(cluster: Cluster, doc: dict[str, Any], prefix: str, case: dict[str, Any]) -> None:
+    """``doc`` (a corpus ``case`` applied) is refused by the apiserver (400/422), naming the case's field (its
+    ``leaf``, else the last part of its ``field``: the apiserver's paths drop list indexes and the leading spec)."""
+    with pytest.raises(client.ApiException) as err:
+        create_strictly(cluster, doc, prefix)
+    assert err.value.status in (400, 422), err.value.body
+    leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
+    assert leaf in err.value.body, err.value.body
 
 
 def read_gpupolicy(cluster: Cluster, name: str) -> dict[str, Any] | None:

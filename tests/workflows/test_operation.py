@@ -30,7 +30,7 @@ from workflows.hub_sync import HubSyncWorkflow
 from workflows.operation import Approvable, Proposal
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
-from workflows.sharing import TimeSlicingWorkflow
+from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
 
 
 class ToyPhase(StrEnum):
@@ -101,6 +101,9 @@ def test_every_name_a_running_history_may_hold_is_still_registered() -> None:
                                        "queries": {"status"}, "updates": set()}
     assert _names(TimeSlicingWorkflow) == {
         "type": "TimeSlicing", "signals": {"undo", *decisions}, "queries": {"state"},
+        "updates": {"approve_plan", "reject_plan", "undo"}}
+    assert _names(MigWorkflow) == {
+        "type": "Mig", "signals": {"undo", *decisions}, "queries": {"state"},
         "updates": {"approve_plan", "reject_plan", "undo"}}
     assert {_Definition.must_from_class(w).name for w in WORKFLOWS} == {
         "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig"}

@@ -10,19 +10,20 @@ the extra pods named as unservable (still running: never evicted)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.sharing import SharingOps
@@ -291,6 +292,30 @@ def mig_node(bed: SharingBed) -> tuple[str, str]:
     return node, pool
 
 
+@contextlib.asynccontextmanager
+async def mig_services(bed: SharingBed, temporal_dev_server: WorkflowEnvironment,
+                       fault: Callable[[str], None]) -> AsyncIterator[tuple[Client, Settings, str]]:
+    """A fresh MIG-capable node (see :func:`mig_node`) the GPU Operator stand-in sees, told ``fault`` first; the
+    worker's services running (its client, its settings, the node); the node deleted after."""
+    node, _pool = mig_node(bed)
+    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
+    fault(node)
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            yield temporal, s, node
+    finally:
+        bed.cluster.admin.core.delete_node(node)
+
+
+async def start_mig(temporal: Client, s: Settings, node: str, geometry: str,
+                    slices: dict[str, int]) -> WorkflowHandle[Any, Any]:
+    """An Automatic MigWorkflow on ``node`` under its sharing workflow ID; its handle."""
+    return await temporal.start_workflow(
+        "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry=geometry, slices=slices,
+                        mode="Automatic"), id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
+
+
 def unschedulable_node(cluster: Cluster, node: str) -> bool:
     return bool(cluster.admin.core.read_node(node).spec.unschedulable)
 
@@ -367,26 +392,16 @@ async def test_mig_approved_waits_for_the_pdb_then_reconfigures_and_uncordons(
 async def test_mig_failure_restores_the_previous_config_and_uncordons(
         bed: SharingBed, temporal_dev_server: WorkflowEnvironment) -> None:
     cluster = bed.cluster
-    node, _pool = mig_node(bed)
-    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
-    bed.gpu_operator.fail_next_mig(node)
-    s = settings(bed, temporal_dev_server)
-    try:
-        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
-            handle = await temporal.start_workflow(
-                "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry="all-1g.10gb",
-                                slices={"1g.10gb": 7}, mode="Automatic"),
-                id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
-            outcome = SharingOutcome.model_validate(await handle.result())
-            assert outcome.phase == SharingPhase.FAILED
-            assert outcome.message.startswith(f"the MIG manager reported failed for all-1g.10gb on {node}")
-            assert "node uncordoned" in outcome.message
-            n: Any = cluster.admin.core.read_node(node)
-            assert not n.spec.unschedulable
-            assert n.status.allocatable["nvidia.com/gpu"] == "2"
-            assert n.metadata.labels.get("nvidia.com/mig.config") is None
-    finally:
-        cluster.admin.core.delete_node(node)
+    async with mig_services(bed, temporal_dev_server, bed.gpu_operator.fail_next_mig) as (temporal, s, node):
+        handle = await start_mig(temporal, s, node, "all-1g.10gb", {"1g.10gb": 7})
+        outcome = SharingOutcome.model_validate(await handle.result())
+        assert outcome.phase == SharingPhase.FAILED
+        assert outcome.message.startswith(f"the MIG manager reported failed for all-1g.10gb on {node}")
+        assert "node uncordoned" in outcome.message
+        n: Any = cluster.admin.core.read_node(node)
+        assert not n.spec.unschedulable
+        assert n.status.allocatable["nvidia.com/gpu"] == "2"
+        assert n.metadata.labels.get("nvidia.com/mig.config") is None
 
 
 async def test_a_worker_killed_while_the_key_propagates_resumes_to_shared(
@@ -457,25 +472,16 @@ async def test_mig_cancelled_while_stuck_pending_is_uncordoned(
     """The MIG manager never leaves ``pending``; the operation is cancelled: the node is uncordoned and its MIG
     label restored before the operation ends."""
     cluster = bed.cluster
-    node, _pool = mig_node(bed)
-    await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
-    bed.gpu_operator.stick_pending(node)
-    s = settings(bed, temporal_dev_server)
-    try:
-        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
-            wf_id = sharing_workflow_id(s.cluster, node)
-            handle = await temporal.start_workflow(
-                "Mig", MigInput(cluster=s.cluster, policy="p", node=node, gpus=2, geometry="all-3g.40gb",
-                                slices={"3g.40gb": 2}, mode="Automatic"), id=wf_id, task_queue=s.task_queue)
-            await wait_phase(temporal, wf_id, SharingPhase.RECONFIGURING)
-            await until(lambda: cluster.admin.core.read_node(node).metadata.labels.get(
-                "nvidia.com/mig.config.state") == "pending", what="stuck pending", timeout=10)
-            assert unschedulable_node(cluster, node)
-            await handle.cancel()
-            view = await wait_phase(temporal, wf_id, SharingPhase.FAILED)
-            assert view.message == "Cancelled; nvidia.com/mig.config removed (it had none); node uncordoned"
-            assert "node uncordoned" in view.message
-            assert not unschedulable_node(cluster, node)
-            assert cluster.admin.core.read_node(node).metadata.labels.get("nvidia.com/mig.config") is None
-    finally:
-        cluster.admin.core.delete_node(node)
+    async with mig_services(bed, temporal_dev_server, bed.gpu_operator.stick_pending) as (temporal, s, node):
+        wf_id = sharing_workflow_id(s.cluster, node)
+        handle = await start_mig(temporal, s, node, "all-3g.40gb", {"3g.40gb": 2})
+        await wait_phase(temporal, wf_id, SharingPhase.RECONFIGURING)
+        await until(lambda: cluster.admin.core.read_node(node).metadata.labels.get(
+            "nvidia.com/mig.config.state") == "pending", what="stuck pending", timeout=10)
+        assert unschedulable_node(cluster, node)
+        await handle.cancel()
+        view = await wait_phase(temporal, wf_id, SharingPhase.FAILED)
+        assert view.message == "Cancelled; nvidia.com/mig.config removed (it had none); node uncordoned"
+        assert "node uncordoned" in view.message
+        assert not unschedulable_node(cluster, node)
+        assert cluster.admin.core.read_node(node).metadata.labels.get("nvidia.com/mig.config") is None
