@@ -243,8 +243,8 @@ def _exhaustive(case: dict[str, Any]) -> tuple[int, float]:
     return best
 
 
-# 2,500 random batches a run (about 12 s on an idle 2-core machine; 10,000 took 45-110 s of CI's budget): hypothesis
-# keeps the failing examples it finds in .hypothesis/ and tries them first, and each CI run draws new ones.
+# 2,500 random batches a run (10,000 took 45-110 s of CI's budget on 2 cores); on a developer machine hypothesis
+# keeps the failing examples it found in .hypothesis/ and tries them first; each CI run draws new ones.
 @settings(max_examples=2_500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_planner_properties(case: dict[str, Any]) -> None:
