@@ -48,7 +48,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Final
@@ -169,6 +169,22 @@ def _service_error(exc: client.ApiException, gateway: KubeGateway) -> GatewayHTT
     if exc.status == 404:
         return GatewayHTTPError(503, "kubernetes_api_error", f"{what}: it does not exist")
     return _kube_error(exc, what)
+
+
+@contextlib.contextmanager
+def _node_errors(what: str) -> Iterator[None]:
+    """The answers of the optimizer's calls about one node: another operation's node 409 ``not_owned``, the
+    gateway's refusals as they are, a Kubernetes API error named, the tunnel's UAPI down 503."""
+    try:
+        yield
+    except TicketError as exc:
+        raise GatewayHTTPError(409, "not_owned", str(exc)) from None
+    except JoinRefused as exc:
+        raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
+    except client.ApiException as exc:
+        raise _kube_error(exc, what) from None
+    except UapiError as exc:
+        raise GatewayHTTPError(503, "tunnel_unavailable", str(exc)) from None
 
 
 def _refusal(status: int, code: str, message: str) -> JSONResponse:
@@ -340,14 +356,8 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     @app.delete("/v1/nodes/{name}")
     def remove_node(name: str, caller: Caller,
                     operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, bool]:
-        try:
+        with _node_errors(f"removing node {name}"):
             removed = gateway.remove_node(name, operation=operation)
-        except TicketError as exc:
-            raise GatewayHTTPError(409, "not_owned", str(exc)) from None
-        except JoinRefused as exc:
-            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
-        except client.ApiException as exc:
-            raise _kube_error(exc, f"removing node {name}") from None
         log.info("node %s of operation %s: %s (asked by %s)", name, operation,
                  "removed" if removed else "already gone", caller)
         return {"removed": removed}
@@ -355,16 +365,8 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
     @app.get("/v1/nodes/{name}/transfer")
     def node_transfer(name: str, caller: Caller,
                       operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
-        try:
+        with _node_errors(f"reading the transfer of node {name}"):
             counted = gateway.transfer(name, operation=operation)
-        except TicketError as exc:
-            raise GatewayHTTPError(409, "not_owned", str(exc)) from None
-        except JoinRefused as exc:
-            raise GatewayHTTPError(exc.status, exc.code, str(exc)) from None
-        except client.ApiException as exc:
-            raise _kube_error(exc, f"reading the transfer of node {name}") from None
-        except UapiError as exc:
-            raise GatewayHTTPError(503, "tunnel_unavailable", str(exc)) from None
         return counted.model_dump(mode="json", by_alias=True)
 
     @app.post("/v1/join")

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.recording import CallRecorder
 from models.capacity import FREEZE_BUDGET, HomeNodeGroup
 
 
 @dataclass
-class FakeCapacity:
+class FakeCapacity(CallRecorder):
     name: str = "fake"
     groups: dict[str, HomeNodeGroup] = field(default_factory=dict)
     shielded: set[str] = field(default_factory=set)
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    # method -> exceptions raised by the next calls of that method, in order
-    failures: dict[str, list[Exception]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail_next(self, method: str, *errors: Exception) -> None:
-        self.failures.setdefault(method, []).extend(errors)
-
-    def _record(self, method: str, arg: str) -> None:
-        with self._lock:
-            self.calls.append((method, arg))
-            pending = self.failures.get(method)
-            if pending:
-                raise pending.pop(0)
 
     def _group(self, group: str) -> HomeNodeGroup:
         try:

@@ -30,6 +30,7 @@ from activities.capacity import (
     GroupNotFoundError,
     NodeNotInGroupError,
 )
+from activities.clients.kube import gpus_requested
 from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
 from models.capacity import (
     DO_NOT_DISRUPT,
@@ -90,17 +91,6 @@ def _quantity_int(value: Any) -> int | None:
         if text.endswith("k"):
             return int(text[:-1]) * 1000
         raise CapacityError(f"GPU quantity {text!r} is not a whole number", retryable=False) from None
-
-
-def _pod_gpus(pod: client.V1Pod) -> int:
-    total = 0
-    for c in pod.spec.containers or []:
-        res = c.resources
-        for source in ((res.limits or {}), (res.requests or {})) if res else ():
-            if GPU_RESOURCE in source:
-                total += int(source[GPU_RESOURCE])
-                break
-    return total
 
 
 class KarpenterCapacity:
@@ -165,7 +155,7 @@ class KarpenterCapacity:
         for pod in self.core.list_pod_for_all_namespaces(
                 field_selector="status.phase!=Succeeded,status.phase!=Failed").items:
             if pod.spec.node_name and pod.spec.node_name in node_names:
-                used[str(pod.spec.node_name)] += _pod_gpus(pod)
+                used[str(pod.spec.node_name)] += gpus_requested(pod)
         return used
 
     def _group(self, pool: dict[str, Any], claims: list[dict[str, Any]], nodes: list[client.V1Node],

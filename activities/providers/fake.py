@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import builtins
 import itertools
-import threading
 from dataclasses import dataclass, field
 
+from activities.recording import CallRecorder
 from models.labels import TAG_BURST, TAG_OPERATION
 from models.node import Instance, LaunchRequest
 from models.provisioning import Offering
@@ -16,26 +16,12 @@ from .errors import InstanceNotFoundError, NotOwnedError
 
 
 @dataclass
-class FakeProvider:
+class FakeProvider(CallRecorder):
     name: str = "fake"
     offerings: dict[str, list[Offering]] = field(default_factory=dict)
     instances: dict[str, Instance] = field(default_factory=dict)
     user_data: dict[str, str] = field(default_factory=dict)
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    # method -> exceptions raised by the next calls of that method, in order
-    failures: dict[str, list[Exception]] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def fail_next(self, method: str, *errors: Exception) -> None:
-        self.failures.setdefault(method, []).extend(errors)
-
-    def _record(self, method: str, arg: str) -> None:
-        with self._lock:
-            self.calls.append((method, arg))
-            pending = self.failures.get(method)
-            if pending:
-                raise pending.pop(0)
 
     def price_offerings(self, location: str) -> list[Offering]:
         self._record("price_offerings", location)
