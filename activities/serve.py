@@ -4,13 +4,14 @@ the gateway meanwhile (issue 27)."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import time
 
 from temporalio import activity
 
 from activities.context import BurstContext, PhaseActivities
-from models.cost import TransferReading
+from models.cost import TransferReading, actual_cost
 from models.locations import transfer_usd_per_gb
 from models.node import ServeCheckRequest, ServeCheckResult, TransferRequest
 
@@ -49,6 +50,12 @@ class ServeActivities(PhaseActivities):
             if req.transfer_check_seconds > 0 and req.operation and time.monotonic() >= next_read:
                 reading = await self._read(req, reading)
                 next_read = time.monotonic() + req.transfer_check_seconds
+                over = over_budget(req, reading)
+                if over:
+                    log.warning("%s: %s", req.node_name, over)
+                    drain = req.on_over_budget == "Drain"
+                    return ServeCheckResult(done=drain, reason=over if drain else "", over_budget=over,
+                                            transfer=reading)
             result = await asyncio.to_thread(self.kube.check_serving, req)
             activity.heartbeat(f"{result.pods_on_node} pod(s) on {req.node_name}",
                                reading.model_dump(mode="json") if reading else None)
@@ -65,6 +72,20 @@ class ServeActivities(PhaseActivities):
             log.warning("transfer of %s not read (tried again in %gs): %s", req.node_name,
                         req.transfer_check_seconds, exc)
             return (last or TransferReading()).model_copy(update={"error": str(exc)[:300]})
+
+
+def over_budget(req: ServeCheckRequest, reading: TransferReading | None) -> str:
+    """Why the node's cost on actuals so far is over the policy's maxGpuHour, or "" (not measured, not over, or a
+    Report already made)."""
+    if (reading is None or not reading.measured or req.offering is None or req.launched_at is None
+            or req.max_gpu_hour <= 0 or (req.over_budget_reported and req.on_over_budget != "Drain")):
+        return ""
+    cost = actual_cost(req.offering, req.launched_at, dt.datetime.now(dt.UTC), reading)
+    if cost.usd_per_gpu_hour <= req.max_gpu_hour:
+        return ""
+    return (f"over budget on actuals: ${cost.usd_per_gpu_hour:.4f}/GPU-h > maxGpuHour ${req.max_gpu_hour:.4f} "
+            f"(measured transfer ${cost.transfer_usd:.4f} over {cost.compute_hours:.3f} h; "
+            f"onOverBudget {req.on_over_budget})")
 
 
 def _last_reading() -> TransferReading | None:

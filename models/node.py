@@ -101,6 +101,13 @@ class ServeCheckRequest(Model):
     operation: str = ""
     location: str = ""
     transfer_check_seconds: float = 0
+    # The budget on actuals: a reading that puts the node's cost per GPU-hour over max_gpu_hour ends the serve
+    # (on_over_budget Drain) or is returned once to be recorded (Report; over_budget_reported: done already).
+    offering: Offering | None = None
+    launched_at: datetime | None = None
+    max_gpu_hour: float = 0
+    on_over_budget: str = "Report"
+    over_budget_reported: bool = False
 
 
 class ServeCheckResult(Model):
@@ -108,6 +115,7 @@ class ServeCheckResult(Model):
     reason: str = ""
     pods_on_node: int = 0
     transfer: TransferReading | None = None  # the last reading while serving
+    over_budget: str = ""  # why the cost on actuals is over maxGpuHour (empty: it is not)
 
 
 class TransferRequest(Model):
@@ -129,6 +137,7 @@ class OperationView(OperationViewBase):
     node_name: str | None = None
     # Cost on actuals (compute hours, measured egress) beside the proposal's estimate; None before launch.
     cost: ActualCost | None = None
+    over_budget: str = ""  # the cost on actuals went over maxGpuHour: when, by how much, what was done
 
 
 class BurstResult(Model):

@@ -214,6 +214,7 @@ class PolicySnapshot(Model):
     max_nodes: int
     max_gpu_hour: float
     return_home: bool
+    on_over_budget: str = "Report"  # issue 27: Report | Drain, when the cost on actuals exceeds max_gpu_hour
 
 
 class LoadPolicyRequest(Model):

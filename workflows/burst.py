@@ -77,6 +77,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self.launched_at: datetime | None = None
         self.ended_at: datetime | None = None
         self.transfer: TransferReading | None = None
+        self.over_budget = ""
 
     # -- visibility (the phase bookkeeping is Operation's) -----------------------------------------------------
     def _details(self) -> str:
@@ -99,6 +100,8 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         if cost is not None:
             d.para(f"**Cost{'' if cost.final else ' so far'}:** {md(cost.describe())}"
                    + ("" if cost.transfer_measured else " (transfer estimated: not measured at the gateway)"))
+        if self.over_budget:
+            d.para(f"**Over budget:** {md(self.over_budget)}")
         return d.render()
 
     def _cost(self) -> ActualCost | None:
@@ -121,7 +124,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             phase=self.phase, node=inp.node if inp else None,
             location=self.instance.location if self.instance else None, instance=self.instance,
             node_name=self.node_name or None, message=self.message, history=list(self.history),
-            cost=self._cost(),
+            cost=self._cost(), over_budget=self.over_budget,
         )
 
     async def _audit(self, action: str, detail: str = "") -> None:
@@ -236,18 +239,29 @@ class BurstNodeWorkflow(Operation[NodePhase]):
 
         self.serving = True
         self._set_phase(NodePhase.SERVING, f"{len(verified.pods_on_node)} pod(s) on {self.node_name}")
-        served = await workflow.execute_activity(
-            "serve_until_done",
-            ServeCheckRequest(node_name=self.node_name, return_home=self.policy.return_home,
-                              check_seconds=s.serve_check_seconds, taint_key=self.policy.tolerate,
-                              node_selector={LABEL_GPU_PRODUCT: self._offering().gpu_product},
-                              operation=self.operation, location=self.instance.location,
-                              transfer_check_seconds=s.transfer_check_seconds),
-            task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
-            result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
-            heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
-
-        self._took_transfer(served.transfer)
+        while True:
+            served = await workflow.execute_activity(
+                "serve_until_done",
+                ServeCheckRequest(node_name=self.node_name, return_home=self.policy.return_home,
+                                  check_seconds=s.serve_check_seconds, taint_key=self.policy.tolerate,
+                                  node_selector={LABEL_GPU_PRODUCT: self._offering().gpu_product},
+                                  operation=self.operation, location=self.instance.location,
+                                  transfer_check_seconds=s.transfer_check_seconds, offering=self._offering(),
+                                  launched_at=self.launched_at, max_gpu_hour=self.policy.max_gpu_hour,
+                                  on_over_budget=self.policy.on_over_budget,
+                                  over_budget_reported=bool(self.over_budget)),
+                task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
+                result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
+                heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
+            self._took_transfer(served.transfer)
+            if served.over_budget:  # issue 27: recorded in the operation; Drain ends the serve with it
+                first = not self.over_budget
+                self.over_budget = served.over_budget + (": draining" if served.done else ": reported")
+                if first or served.done:
+                    self._log(self.over_budget)
+                self._show()
+            if served.done:
+                break
         await self._return_home(served.reason)
         self._set_phase(NodePhase.COMPLETED, f"returned home: {served.reason}")
         return self._result()
@@ -336,7 +350,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self.ended_at = drained.terminated_at or workflow.now()
         cost = self._cost()
         await self._audit("drained", reason)
-        await self._audit("removed", cost.describe() if cost else "")
+        await self._audit("removed", "; ".join(p for p in (cost.describe() if cost else "", self.over_budget) if p))
 
     async def _compensate(self, reason: str) -> None:
         """Undo in reverse: drain a serving node (pods leave through the Eviction API), then terminate anything

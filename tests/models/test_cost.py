@@ -56,3 +56,14 @@ def test_the_rate_is_the_one_the_estimate_uses() -> None:
     own = LocationConfig.model_validate({"name": "sim/x", "transfer": {"usdPerGb": 0.05}})
     assert transfer_usd_per_gb("aws/us-east-1", own) == 0.05
     assert transfer_usd_per_gb("aws/us-east-1", LocationConfig(name="onprem/dc1")) == 0.0
+
+
+def test_on_over_budget_defaults_to_report_and_refuses_anything_but_report_or_drain() -> None:
+    from pydantic import ValidationError
+
+    from models.policy import Limits
+
+    assert Limits.model_validate({"maxNodes": 1, "maxGpuHour": 2.0}).on_over_budget == "Report"
+    assert Limits.model_validate({"maxNodes": 1, "maxGpuHour": 2.0, "onOverBudget": "Drain"}).on_over_budget == "Drain"
+    with pytest.raises(ValidationError, match="onOverBudget"):
+        Limits.model_validate({"maxNodes": 1, "maxGpuHour": 2.0, "onOverBudget": "Terminate"})

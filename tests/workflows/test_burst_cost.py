@@ -10,6 +10,7 @@ and worker. The counting itself is the gateway's, tested on real WireGuard in ``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -25,8 +26,18 @@ from activities.clients.gateway import GatewayUnavailable
 from gateway.service import KubeGateway
 from models.cost import BYTES_PER_GB
 from models.join import GatewayCapacity, JoinTicketRequest, NodeTransfer, TicketGrant
+from models.labels import LABEL_POLICY
 from models.node import NodePhase, OperationView
-from tests.harness.burst import BurstStack, gpu_deployment, node_for, result, unique, wait_phase
+from tests.harness.burst import (
+    BurstStack,
+    gpu_deployment,
+    node_for,
+    node_workflows,
+    provision_state,
+    result,
+    unique,
+    wait_phase,
+)
 from tests.harness.kube import until
 from worker import ops
 from worker.cli import _render_view as render_view
@@ -50,6 +61,9 @@ class MeteredGateway:
         self.stack = stack
         self.calls: list[int] = []  # rx handed out (0: the failed call)
         self.cordoned: list[bool] = []  # whether the Node was cordoned (draining) at each call
+
+    def stop(self) -> None:  # the runtime's close stops the gateway's reconciler
+        self.gateway.stop()
 
     def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
         return self.gateway.issue_ticket(request)
@@ -137,3 +151,57 @@ async def test_a_served_node_shows_its_actual_cost_beside_the_estimate(
 
 def _audit(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _set_over_budget(stack: BurstStack, policy: str, action: str) -> None:
+    from models.policy import API_GROUP, PLURAL
+
+    stack.cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, policy,
+                                                           {"spec": {"limits": {"onOverBudget": action}}})
+
+
+async def test_over_budget_on_actuals_reported_then_drained(
+        stack: BurstStack, metered: tuple[Client, str, MeteredGateway, Path], namespace: str, policy: str) -> None:
+    """maxGpuHour 1.5 admits the offering (estimated $1.00/GPU-h) but not GBs of egress within seconds: Report
+    (the default) records it and the node serves on; switched to Drain, the next node drains with the reason."""
+    temporal, cluster, _gateway, _audit_file = metered
+    stack.create_policy(policy, mode="Automatic", locations=[LOCATION], max_nodes=1, max_gpu_hour=1.5)
+    deploy = unique("over")
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+    handle = await node_for(temporal, cluster, policy, f"{namespace}/{deploy}-")
+
+    async def reported() -> OperationView:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            view = await handle.query("state", result_type=OperationView)
+            if view.over_budget:
+                return view
+            await asyncio.sleep(0.5)
+        raise AssertionError("no over-budget report within 60 s")
+
+    view = await reported()
+    assert view.phase == NodePhase.SERVING and view.over_budget.endswith(": reported"), view.over_budget
+    assert "maxGpuHour $1.5000" in view.over_budget and "onOverBudget Report" in view.over_budget
+    assert sum("over budget on actuals" in h for h in view.history) == 1  # reported once, not every reading
+
+    # Drain: the node goes home with the reason, through the drain (cordon, Eviction API), while its pod still runs.
+    _set_over_budget(stack, policy, "Drain")
+    stack.cluster.admin.apps.patch_namespaced_deployment(deploy, namespace, {"spec": {"replicas": 0}})
+    done = await result(handle)
+    assert done.phase == NodePhase.COMPLETED
+    stack.cluster.admin.apps.patch_namespaced_deployment(deploy, namespace, {"spec": {"replicas": 1}})
+    second = await node_for_other(temporal, cluster, policy, f"{namespace}/{deploy}-", handle.id)
+    drained = await result(second)
+    assert drained.phase == NodePhase.COMPLETED and "over budget on actuals" in drained.message, drained.message
+    state = await second.query("state", result_type=OperationView)
+    assert state.over_budget.endswith(": draining") and "onOverBudget Drain" in state.over_budget
+    assert state.cost is not None and state.cost.usd_per_gpu_hour > 1.5
+    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    await until(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
+                timeout=120, what="every burst node of the policy gone")
+
+
+async def node_for_other(temporal: Client, cluster: str, policy: str, pod_prefix: str, not_id: str) -> Any:
+    view = await provision_state(temporal, cluster, policy,
+                                 lambda v: [w for w in node_workflows(v, pod_prefix) if w != not_id])
+    return temporal.get_workflow_handle(next(w for w in node_workflows(view, pod_prefix) if w != not_id))
