@@ -137,6 +137,7 @@ class OperationView(OperationViewBase):
     node_name: str | None = None
     # Cost on actuals (compute hours, measured egress) beside the proposal's estimate; None before launch.
     cost: ActualCost | None = None
+    launched_at: datetime | None = None  # when the launch returned (the workflow's clock)
     over_budget: str = ""  # the cost on actuals went over maxGpuHour: when, by how much, what was done
 
 

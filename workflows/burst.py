@@ -124,7 +124,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             phase=self.phase, node=inp.node if inp else None,
             location=self.instance.location if self.instance else None, instance=self.instance,
             node_name=self.node_name or None, message=self.message, history=list(self.history),
-            cost=self._cost(), over_budget=self.over_budget,
+            cost=self._cost(), over_budget=self.over_budget, launched_at=self.launched_at,
         )
 
     async def _audit(self, action: str, detail: str = "") -> None:

@@ -118,6 +118,10 @@ async def test_a_served_node_shows_its_actual_cost_beside_the_estimate(
     # While serving the failed read did not end the serve and a later one succeeded.
     await until(lambda: len(gateway.calls) >= 3, timeout=30, what="transfer read while serving")
     assert gateway.calls[0] == 0
+    # `ops show` prices the serve's newest reading (in its heartbeat) while the node serves.
+    live = await ops.show(temporal, serving.operation)
+    assert isinstance(live, OperationView) and live.cost is not None and not live.cost.final
+    assert live.cost.transfer_measured and live.cost.egress_bytes >= 2 * BYTES_PER_GB, live.cost
 
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     done = await result(handle)
