@@ -70,6 +70,7 @@ class BurstActivities:
             self.join.wait_for_node, self.verify.verify_node, self.drain.cordon_node, self.drain.evict_pods,
             self.drain.terminate_instance, self.drain.remove_node, self.drain.confirm_gone,
             self.drain.cleanup_operation, self.audit.record_audit, self.gate.action_gate,
+            self.drain.read_transfer, self.drain.count_burst_cost,
         ]
 
     def held_long(self) -> list[Callable[..., Any]]:

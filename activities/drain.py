@@ -6,15 +6,44 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.clients.gateway import GatewayRefused
 from activities.context import PhaseActivities
 from activities.providers.errors import InstanceNotFoundError, NotOwnedError
+from activities.serve import read_transfer
+from activities.telemetry import metrics as pm
+from models.cost import CostCount, TransferReading
 from models.drain import EvictionResult, GoneCheck, NodeRef, NodeRemoval
-from models.errors import NOT_OWNED
-from models.node import CleanupRequest, CleanupResult, InstanceRef
+from models.errors import NOT_OWNED, JoinRefused, TicketError
+from models.node import CleanupRequest, CleanupResult, InstanceRef, TransferRequest
+
+_COUNTED: dict[str, None] = {}  # operations whose cost this process counted (bounded, oldest dropped)
 
 
 class DrainActivities(PhaseActivities):
-    """cordon_node, evict_pods, terminate_instance, remove_node, confirm_gone, cleanup_operation"""
+    """cordon_node, evict_pods, read_transfer, terminate_instance, remove_node, confirm_gone, cleanup_operation,
+    count_burst_cost"""
+
+    @activity.defn(name="read_transfer", no_thread_cancel_exception=True)
+    def read_transfer(self, req: TransferRequest) -> TransferReading:
+        """The node's last transfer reading before its removal. An unreachable gateway fails the attempt (retried);
+        one that holds nothing of this node's operation (404, another operation's node) is not asked again."""
+        try:
+            return read_transfer(self.context, req)
+        except (TicketError, JoinRefused, GatewayRefused) as exc:
+            raise ApplicationError(f"transfer of {req.node_name}: {exc}", type="TransferUnknown",
+                                   non_retryable=True) from None
+
+    @activity.defn(name="count_burst_cost", no_thread_cancel_exception=True)
+    def count_burst_cost(self, cost: CostCount) -> None:
+        """Add a finished node's actual cost to ``kubeon_burst_cost_usd_total`` (once per operation in this
+        process: a retry of a counted one adds nothing)."""
+        if cost.operation in _COUNTED:
+            return
+        _COUNTED[cost.operation] = None
+        while len(_COUNTED) > 10000:
+            _COUNTED.pop(next(iter(_COUNTED)))
+        pm.BURST_COST_USD.labels(location=cost.location, kind="compute").inc(cost.compute_usd)
+        pm.BURST_COST_USD.labels(location=cost.location, kind="transfer").inc(cost.transfer_usd)
 
     @activity.defn(name="cordon_node", no_thread_cancel_exception=True)
     def cordon_node(self, req: NodeRef) -> bool:

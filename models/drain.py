@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 
 from pydantic import Field
 
 from models.base import Model
+from models.cost import TransferReading
 from models.node import InstanceRef
 from models.provisioning import OperationSettings
 
@@ -44,6 +46,8 @@ class DrainResult(Model):
     evicted: int
     instance_terminated: bool
     node_removed: bool
+    transfer: TransferReading | None = None  # read just before the Node's removal (None: not read)
+    terminated_at: datetime | None = None  # when the instance's termination was done (workflow time)
 
 
 class NodeRemoval(Model):

@@ -202,7 +202,9 @@ class BurstConfig(_Camel):
         raise KeyError(f"location {name} is not configured in burst.locations (configured: {configured})")
 
 
-def transfer_usd_per_gpu_hour(home: str, location: LocationConfig) -> float:
+def transfer_usd_per_gb(home: str, location: LocationConfig) -> float:
+    """What the location's cloud charges per GB of data leaving it towards home (the estimate's rate, and the one
+    the measured egress is priced at): the location's ``transfer.usdPerGb``, or the provider's usual rate."""
     rate = location.transfer.usd_per_gb
     if rate is None:
         home_provider = home.split("/", 1)[0]
@@ -214,4 +216,8 @@ def transfer_usd_per_gpu_hour(home: str, location: LocationConfig) -> float:
             rate = 0.01
         else:
             rate = 0.09
-    return round(location.transfer.egress_gb_per_gpu_hour * rate, 4)
+    return rate
+
+
+def transfer_usd_per_gpu_hour(home: str, location: LocationConfig) -> float:
+    return round(location.transfer.egress_gb_per_gpu_hour * transfer_usd_per_gb(home, location), 4)

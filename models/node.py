@@ -8,6 +8,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from models.base import Model, OperationViewBase
+from models.cost import ActualCost, TransferReading
 from models.labels import Taint
 from models.policy import Mode
 from models.provisioning import Offering, OperationSettings, PendingPod, PlannedNode
@@ -96,12 +97,33 @@ class ServeCheckRequest(Model):
     taint_key: str = ""
     # What home nodes must carry to take the node's pods back (returnHome).
     node_selector: dict[str, str] = Field(default_factory=dict)
+    # The node's tunnel transfer is read from the gateway this often while it serves (0: never; issue 27).
+    operation: str = ""
+    location: str = ""
+    transfer_check_seconds: float = 0
+    # The budget on actuals: a reading that puts the node's cost per GPU-hour over max_gpu_hour ends the serve
+    # (on_over_budget Drain) or is returned once to be recorded (Report; over_budget_reported: done already).
+    offering: Offering | None = None
+    launched_at: datetime | None = None
+    max_gpu_hour: float = 0
+    on_over_budget: str = "Report"
+    over_budget_reported: bool = False
 
 
 class ServeCheckResult(Model):
     done: bool
     reason: str = ""
     pods_on_node: int = 0
+    transfer: TransferReading | None = None  # the last reading while serving
+    over_budget: str = ""  # why the cost on actuals is over maxGpuHour (empty: it is not)
+
+
+class TransferRequest(Model):
+    """Read a burst node's tunnel transfer from the gateway, priced by its location's egress rate."""
+
+    node_name: str
+    operation: str
+    location: str
 
 
 class OperationView(OperationViewBase):
@@ -113,6 +135,10 @@ class OperationView(OperationViewBase):
     location: str | None = None
     instance: Instance | None = None
     node_name: str | None = None
+    # Cost on actuals (compute hours, measured egress) beside the proposal's estimate; None before launch.
+    cost: ActualCost | None = None
+    launched_at: datetime | None = None  # when the launch returned (the workflow's clock)
+    over_budget: str = ""  # the cost on actuals went over maxGpuHour: when, by how much, what was done
 
 
 class BurstResult(Model):

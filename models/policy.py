@@ -69,6 +69,8 @@ class Limits(_Spec):
     max_nodes: Annotated[StrictInt, Field(ge=1, le=1000)]
     # USD per GPU-hour, data transfer included (R4.8).
     max_gpu_hour: Annotated[StrictFloat, Field(gt=0, le=10000)]  # strict float takes ints, not strings
+    # issue 27: a node whose cost on actuals exceeds maxGpuHour is reported (Report) or also drained (Drain).
+    on_over_budget: Literal["Report", "Drain"] = "Report"
 
 
 class Location(str):

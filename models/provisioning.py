@@ -69,6 +69,8 @@ class OperationSettings(Model):
     join_timeout_seconds: int = 900
     verify_timeout_seconds: int = 300
     serve_check_seconds: int = 30
+    # A serving burst node's tunnel transfer is read from the gateway this often (issue 27).
+    transfer_check_seconds: int = 300
     drain_timeout_seconds: int = 3600
     # Batching: a policy's waiting pods are planned together once no new one arrived for the idle window (0: at
     # once; pods arriving meanwhile go into the next plan), and at the latest this long after the first arrived.
@@ -212,6 +214,7 @@ class PolicySnapshot(Model):
     max_nodes: int
     max_gpu_hour: float
     return_home: bool
+    on_over_budget: str = "Report"  # issue 27: Report | Drain, when the cost on actuals exceeds max_gpu_hour
 
 
 class LoadPolicyRequest(Model):

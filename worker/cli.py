@@ -310,6 +310,14 @@ def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView) 
                      f"{view.instance.location}")
     if view.node_name:
         lines.append(f"node       {view.node_name}")
+    if view.cost:  # issue 27: cost on actuals beside the proposal's estimate
+        c = view.cost
+        lines.append(f"cost       ${c.total_usd:.4f}{'' if c.final else ' so far'} = compute {c.compute_hours:.3f} h "
+                     f"${c.compute_usd:.4f} + transfer ${c.transfer_usd:.4f} "
+                     + (f"(measured: {c.egress_bytes} B egress, {c.ingress_bytes} B ingress)" if c.transfer_measured
+                        else "(estimated: not measured at the gateway)"))
+        lines.append(f"per GPU-h  ${c.usd_per_gpu_hour:.4f} actual, ${c.estimated_usd_per_gpu_hour:.4f} estimated "
+                     f"at the proposal (${c.estimated_usd:.4f} for the same hours)")
     lines.append("history")
     lines += [f"  {h}" for h in view.history]
     return "\n".join(lines)

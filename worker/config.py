@@ -71,6 +71,8 @@ class Settings(BaseModel):
     approval_timeout_seconds: int = 3600
     join_timeout_seconds: int = 900
     serve_check_seconds: int = 30
+    # issue 27: how often a serving burst node's transfer is read from the gateway.
+    transfer_check_seconds: int = 300
     # The chart's prometheus.url: DCGM metrics for ScaleToZero (without it, those policies only recommend, R1.3).
     prometheus_url: str = ""
     # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
@@ -165,6 +167,7 @@ class Settings(BaseModel):
         return OperationSettings(approval_timeout_seconds=self.approval_timeout_seconds,
                                  join_timeout_seconds=self.join_timeout_seconds,
                                  serve_check_seconds=self.serve_check_seconds,
+                                 transfer_check_seconds=self.transfer_check_seconds,
                                  batch_idle_seconds=self.batch_idle_seconds,
                                  batch_load_idle_seconds=self.batch_load_idle_seconds,
                                  batch_load_max_seconds=self.batch_load_max_seconds,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from kubernetes import client
@@ -13,9 +13,10 @@ from temporalio.service import RPCError
 
 from activities.clients.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
+from models.cost import TransferReading, actual_cost
 from models.decisions import Approval, DecisionResult, Rejection
 from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.node import OperationView
+from models.node import NodePhase, OperationView
 from models.policy import API_GROUP, PLURAL
 from models.provisioning import ProvisionView
 from models.scale import ScaleView, WakeRequest, WakeResult
@@ -93,7 +94,32 @@ async def show(temporal: Client, operation: str) -> OperationView | ProvisionVie
         view: ProvisionView = await handle.query("state", result_type=ProvisionView)
         return view
     result: OperationView = await handle.query("state", result_type=OperationView)
+    if result.phase == NodePhase.SERVING:
+        await _live_cost(temporal, desc, result)
     return result
+
+
+async def _live_cost(temporal: Client, desc: Any, view: OperationView) -> None:
+    """While a node serves, its newest transfer reading is in the serving activity's heartbeat (the operation gets
+    it when the serve ends): price that one, to now, when it is newer than what the operation holds."""
+    if view.launched_at is None or view.node is None or view.instance is None:
+        return
+    for pending in desc.raw_description.pending_activities:
+        if pending.activity_type.name != "serve_until_done" or not pending.heartbeat_details.payloads:
+            continue
+        try:
+            details = await temporal.data_converter.decode(pending.heartbeat_details.payloads)
+            reading = TransferReading.model_validate(details[-1])
+        except (ValueError, IndexError, TypeError):
+            return
+        if not reading.measured or (view.cost and view.cost.transfer_measured
+                                    and view.cost.egress_bytes > reading.rx_bytes):
+            return
+        offering = next((o for o in (view.node.offering, *view.node.alternatives)
+                         if (o.location, o.instance_type) == (view.instance.location, view.instance.instance_type)),
+                        view.node.offering)
+        view.cost = actual_cost(offering, view.launched_at, datetime.now(UTC), reading)
+        return
 
 
 async def wake(temporal: Client, operation: str, request: WakeRequest) -> WakeResult:

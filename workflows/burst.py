@@ -9,7 +9,7 @@ holds ``maxNodes`` and plans the pods the node was for again if they still wait.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -17,7 +17,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.drain import DrainInput
+from models.cost import ActualCost, CostCount, TransferReading, actual_cost
+from models.drain import DrainInput, DrainResult
 from models.ids import SERVE_QUEUE_SUFFIX, operation_id
 from models.join import burst_node_name
 from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
@@ -71,6 +72,12 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self.offering: Offering | None = None
         self.launch_attempted = False
         self.serving = False
+        # Cost on actuals (issue 27): the workflow's own clock from the launch to the termination, and the
+        # node's tunnel transfer as last read from the gateway.
+        self.launched_at: datetime | None = None
+        self.ended_at: datetime | None = None
+        self.transfer: TransferReading | None = None
+        self.over_budget = ""
 
     # -- visibility (the phase bookkeeping is Operation's) -----------------------------------------------------
     def _details(self) -> str:
@@ -89,7 +96,25 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         if self.instance:
             d.para(f"**Instance** {code(self.instance.instance_id)} ({md(self.instance.instance_type)}) in "
                    f"{md(self.instance.location)}")
+        cost = self._cost()
+        if cost is not None:
+            d.para(f"**Cost{'' if cost.final else ' so far'}:** {md(cost.describe())}"
+                   + ("" if cost.transfer_measured else " (transfer estimated: not measured at the gateway)"))
+        if self.over_budget:
+            d.para(f"**Over budget:** {md(self.over_budget)}")
         return d.render()
+
+    def _cost(self) -> ActualCost | None:
+        """Compute hours (launch to termination, or to now while it runs) and the measured transfer, priced."""
+        if self.launched_at is None or self.instance is None:
+            return None
+        return actual_cost(self._offering(), self.launched_at, self.ended_at or workflow.now(), self.transfer,
+                           final=self.ended_at is not None)
+
+    def _took_transfer(self, reading: TransferReading | None) -> None:
+        """Keep a new reading if it measured something (a failed read keeps the last good one's numbers)."""
+        if reading is not None and (reading.measured or self.transfer is None):
+            self.transfer = reading
 
     def _view(self) -> OperationView:
         inp = self.inp
@@ -99,6 +124,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             phase=self.phase, node=inp.node if inp else None,
             location=self.instance.location if self.instance else None, instance=self.instance,
             node_name=self.node_name or None, message=self.message, history=list(self.history),
+            cost=self._cost(), over_budget=self.over_budget, launched_at=self.launched_at,
         )
 
     async def _audit(self, action: str, detail: str = "") -> None:
@@ -159,6 +185,14 @@ class BurstNodeWorkflow(Operation[NodePhase]):
     async def _finished(self) -> None:
         """Tell the provisioning workflow (by ID: its current run, across continue-as-new) the node is done."""
         assert self.inp is not None
+        if self.launched_at is not None and self.ended_at is None:
+            self.ended_at = workflow.now()
+        cost = self._cost()
+        if cost is not None and workflow.patched("burst-actual-cost"):
+            await workflow.execute_local_activity(
+                "count_burst_cost", CostCount(operation=self.operation, location=self._offering().location,
+                                              compute_usd=cost.compute_usd, transfer_usd=cost.transfer_usd),
+                start_to_close_timeout=timedelta(seconds=10), retry_policy=RETRY, summary="count the node's cost")
         try:
             await workflow.get_external_workflow_handle(self.inp.provision_workflow_id).signal(
                 "node_finished", NodeFinished(workflow_id=workflow.info().workflow_id, phase=self.phase,
@@ -205,15 +239,29 @@ class BurstNodeWorkflow(Operation[NodePhase]):
 
         self.serving = True
         self._set_phase(NodePhase.SERVING, f"{len(verified.pods_on_node)} pod(s) on {self.node_name}")
-        served = await workflow.execute_activity(
-            "serve_until_done",
-            ServeCheckRequest(node_name=self.node_name, return_home=self.policy.return_home,
-                              check_seconds=s.serve_check_seconds, taint_key=self.policy.tolerate,
-                              node_selector={LABEL_GPU_PRODUCT: self._offering().gpu_product}),
-            task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
-            result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
-            heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
-
+        while True:
+            served = await workflow.execute_activity(
+                "serve_until_done",
+                ServeCheckRequest(node_name=self.node_name, return_home=self.policy.return_home,
+                                  check_seconds=s.serve_check_seconds, taint_key=self.policy.tolerate,
+                                  node_selector={LABEL_GPU_PRODUCT: self._offering().gpu_product},
+                                  operation=self.operation, location=self.instance.location,
+                                  transfer_check_seconds=s.transfer_check_seconds, offering=self._offering(),
+                                  launched_at=self.launched_at, max_gpu_hour=self.policy.max_gpu_hour,
+                                  on_over_budget=self.policy.on_over_budget,
+                                  over_budget_reported=bool(self.over_budget)),
+                task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
+                result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
+                heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
+            self._took_transfer(served.transfer)
+            if served.over_budget:  # issue 27: recorded in the operation; Drain ends the serve with it
+                first = not self.over_budget
+                self.over_budget = served.over_budget + (": draining" if served.done else ": reported")
+                if first or served.done:
+                    self._log(self.over_budget)
+                self._show()
+            if served.done:
+                break
         await self._return_home(served.reason)
         self._set_phase(NodePhase.COMPLETED, f"returned home: {served.reason}")
         return self._result()
@@ -281,6 +329,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
                     continue
                 raise
             self.offering = offering
+            self.launched_at = workflow.now()
             await self._audit("launched", offering.describe())
             return
         raise ApplicationError("no capacity in any eligible location: " + "; ".join(tried), non_retryable=True)
@@ -288,7 +337,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
     async def _return_home(self, reason: str) -> None:
         assert self.inp is not None and self.instance is not None
         self._set_phase(NodePhase.DRAINING, reason)
-        await workflow.execute_child_workflow(
+        drained: DrainResult = await workflow.execute_child_workflow(
             DrainWorkflow.run,
             DrainInput(cluster=self.inp.cluster, policy=self.inp.policy, operation=self.operation,
                        node_name=self.node_name, reason=reason, settings=self.inp.settings,
@@ -297,8 +346,11 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             id=f"drain/{workflow.info().workflow_id}/{self.operation}",
             static_summary=f"Drain {self.node_name} ({reason})",
         )
+        self._took_transfer(drained.transfer)
+        self.ended_at = drained.terminated_at or workflow.now()
+        cost = self._cost()
         await self._audit("drained", reason)
-        await self._audit("removed")
+        await self._audit("removed", "; ".join(p for p in (cost.describe() if cost else "", self.over_budget) if p))
 
     async def _compensate(self, reason: str) -> None:
         """Undo in reverse: drain a serving node (pods leave through the Eviction API), then terminate anything

@@ -5,12 +5,14 @@ Started as a child of BurstNodeWorkflow, or alone (``kubeon-gpu ops drain``)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from models import search_attributes as sa
+from models.cost import TransferReading
 from models.drain import (
     DrainInput,
     DrainPhase,
@@ -21,8 +23,9 @@ from models.drain import (
     NodeRef,
     NodeRemoval,
 )
+from models.node import TransferRequest
 from models.ui_text import Details, code, md
-from workflows.failures import QUICK, RETRY
+from workflows.failures import QUICK, RETRY, message
 from workflows.gate import action_gate, wait_until_allowed
 from workflows.operation import Operation
 
@@ -45,6 +48,8 @@ class DrainWorkflow(Operation[DrainPhase]):
         self.terminated: str | None = None
         self.node_removed = False
         self.inp: DrainInput | None = None
+        self.transfer: TransferReading | None = None
+        self.terminated_at: datetime | None = None
 
     @workflow.query(name="status", description=(
         "What the drain did so far: cordoned, pods evicted (in order), pods a PodDisruptionBudget holds and how "
@@ -111,6 +116,8 @@ class DrainWorkflow(Operation[DrainPhase]):
                 "terminate_instance", inp.instance, start_to_close_timeout=QUICK, retry_policy=RETRY,
                 summary=f"terminate {inp.instance.instance_id} in {inp.instance.location}")
             self.terminated = inp.instance.instance_id
+            self.terminated_at = workflow.now()
+        await self._read_transfer(inp)
         self._set(inp, "removing node")
         removed = await workflow.execute_activity(
             "remove_node", NodeRemoval(node_name=inp.node_name, operation=inp.operation), result_type=bool,
@@ -129,7 +136,23 @@ class DrainWorkflow(Operation[DrainPhase]):
         self._set_phase(DrainPhase.COMPLETED, "done: node drained, instance terminated, Node removed"
                         if inp.instance else "done: node drained and removed")
         return DrainResult(node_name=inp.node_name, evicted=len(self.evicted),
-                           instance_terminated=inp.instance is not None, node_removed=removed)
+                           instance_terminated=inp.instance is not None, node_removed=removed,
+                           transfer=self.transfer, terminated_at=self.terminated_at)
+
+    async def _read_transfer(self, inp: DrainInput) -> None:
+        """The node's transfer a last time before its slot at the gateway goes (issue 27). A gateway that cannot
+        answer after a few tries does not hold the drain up: the reading made while serving stands, said so."""
+        if inp.instance is None or not workflow.patched("drain-reads-transfer"):
+            return
+        try:
+            self.transfer = await workflow.execute_activity(
+                "read_transfer", TransferRequest(node_name=inp.node_name, operation=inp.operation,
+                                                 location=inp.instance.location),
+                result_type=TransferReading, start_to_close_timeout=QUICK,
+                retry_policy=RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3),
+                summary=f"transfer of {inp.node_name}")
+        except ActivityError as exc:
+            self._log(f"transfer not read before removal: {message(exc)}")
 
     async def _evict_until_empty(self, inp: DrainInput, node: NodeRef) -> None:
         backoff = 1.0

@@ -37,6 +37,9 @@ LAUNCH_SECONDS = Histogram("kubeon_launch_duration_seconds", "From asking for a 
 JOIN_SECONDS = Histogram("kubeon_join_duration_seconds", "From the join wait's start (right after the launch) to "
                          "the Node Ready in the cluster, retries and worker restarts included", ["policy"],
                          buckets=LATENCY_BUCKETS)
+BURST_COST_USD = Counter("kubeon_burst_cost_usd", "What finished burst nodes cost on actuals, USD: compute "
+                         "(instance $/h x hours launch to termination) and transfer (egress measured at the gateway "
+                         "x the location's rate; the estimate where none was measured)", ["location", "kind"])
 HUB_POLLS = Counter("kubeon_hub_polls", "Hub polls by resulting state (connected; anything else is a failure)",
                     ["state"])
 HUB_LAST_SYNC = Gauge("kubeon_hub_last_sync_timestamp_seconds",
