@@ -267,3 +267,41 @@ def test_a_removal_whose_answer_comes_late_retried_removes_exactly_one(
     assert {i["InstanceId"] for i in _asg(group)["Instances"]} == {n.instance for n in found.nodes[1:]}
     assert [r for r in eks_nodegroups.removed if r["nodegroup"] == group["ng"]] == [
         {"nodegroup": group["ng"], "instance": victim.instance}]
+
+
+def test_freeze_shield_and_doctor(group: dict[str, Any], eks_api: MotoRecorder, cluster: Cluster) -> None:
+    from activities.capacity import FrozenByOtherError
+    from activities.capacity.eks import FROZEN_TAG
+    from models.eks import SCALE_DOWN_DISABLED
+    from worker.doctor import check_capacity
+
+    capacity: EksNodeGroupsCapacity = group["capacity"]
+
+    def tags() -> dict[str, str]:
+        return {t["Key"]: t["Value"] for t in _asg(group)["Tags"]}
+
+    capacity.freeze(group["ng"], "op-1")
+    capacity.freeze(group["ng"], "op-1")  # retried: the same holder
+    assert tags()[FROZEN_TAG] == "op-1"
+    with pytest.raises(FrozenByOtherError, match="op-1"):
+        capacity.freeze(group["ng"], "op-2")
+    capacity.unfreeze(group["ng"], "op-2")  # not its freeze
+    assert tags()[FROZEN_TAG] == "op-1"
+    capacity.unfreeze(group["ng"], "op-1")
+    assert FROZEN_TAG not in tags() and tags()["eks:nodegroup-name"] == group["ng"]
+
+    node = capacity.get_group(group["ng"]).nodes[0].name
+    capacity.shield_node(node, True)
+    assert cluster.admin.core.read_node(node).metadata.annotations[SCALE_DOWN_DISABLED] == "true"
+    capacity.shield_node(node, False)
+    assert SCALE_DOWN_DISABLED not in (cluster.admin.core.read_node(node).metadata.annotations or {})
+
+    found = check_capacity(cluster.admin.api, "eks-nodegroups", capacity)
+    assert (found.name, found.status) == ("EKS node groups", "found")
+    assert f"EKS cluster {group['cluster']} in eu-central-1: GPU node groups: 1 ({group['ng']} (1<=2<=4, 2 nodes))" \
+        == found.detail
+    wrong = EksNodeGroupsCapacity(cluster.admin.api, cluster="no-such-cluster", region="eu-central-1",
+                                  endpoint_url=eks_api.url)
+    missing = check_capacity(cluster.admin.api, "eks-nodegroups", wrong)
+    assert missing.status == "missing" and "no-such-cluster" in missing.detail
+    assert _mutations(eks_api) == []
