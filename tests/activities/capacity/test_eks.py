@@ -305,3 +305,23 @@ def test_freeze_shield_and_doctor(group: dict[str, Any], eks_api: MotoRecorder, 
     missing = check_capacity(cluster.admin.api, "eks-nodegroups", wrong)
     assert missing.status == "missing" and "no-such-cluster" in missing.detail
     assert _mutations(eks_api) == []
+
+
+def test_the_worker_runtime_builds_the_provider_from_its_settings() -> None:
+    """capacity.provider eks-nodegroups -> this provider with the cluster, region and AWS endpoint of the settings;
+    burst does not defer to it (nothing scales a node group up for a waiting pod yet)."""
+    from typing import cast
+
+    from activities.clients.kube import KubeOps
+    from worker.config import load_settings
+    from worker.runtime import Runtime
+
+    settings = load_settings({"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "eks-nodegroups",
+                              "KUBEON_CAPACITY_CLUSTER_NAME": "train", "KUBEON_CAPACITY_REGION": "eu-west-1",
+                              "KUBEON_AWS_ENDPOINT_URL": "http://127.0.0.1:5999"})
+    runtime = Runtime(settings=settings, kube=KubeOps(client.ApiClient()), burst=settings.burst_config(),
+                      gateway=cast(Any, None), providers={}, audit=cast(Any, None))
+    capacity = runtime.capacity()
+    assert isinstance(capacity, EksNodeGroupsCapacity)
+    assert (capacity.cluster, capacity.region, capacity.endpoint_url) == ("train", "eu-west-1",
+                                                                          "http://127.0.0.1:5999")
