@@ -46,7 +46,11 @@ def fragmented(cluster: Cluster, namespace: str, eks_nodegroups: EksNodeGroups, 
     eks_cluster, ng = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
     asg = eks_nodegroups.create(eks_cluster, ng, instance_type="g6.12xlarge", min_size=1, max_size=4, desired=3,
                                 taints=[{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}])
-    wait_for(lambda: len(_nodes(eks_nodes, ng)) == 3, timeout=30, what="the node group's 3 nodes")
+    # Ready (kwok lifts the not-ready taint), so the scheduler spreads over all three.
+    wait_for(lambda: len([n for n in _nodes(eks_nodes, ng).values() if any(
+        c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
+        t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]) == 3, timeout=30,
+        what="the node group's 3 nodes Ready")
     apps = cluster.admin.apps
     labels = {"app": "serve"}
     apps.create_namespaced_deployment(namespace, client.V1Deployment(

@@ -325,3 +325,53 @@ def test_the_worker_runtime_builds_the_provider_from_its_settings() -> None:
     assert isinstance(capacity, EksNodeGroupsCapacity)
     assert (capacity.cluster, capacity.region, capacity.endpoint_url) == ("train", "eu-west-1",
                                                                           "http://127.0.0.1:5999")
+
+
+REMOVER = """
+import sys
+from pathlib import Path
+from activities.capacity.eks import EksNodeGroupsCapacity
+from common.kube import kube_api
+kubeconfig, cluster, region, endpoint, group, node = sys.argv[1:]
+EksNodeGroupsCapacity(kube_api(Path(kubeconfig)), cluster=cluster, region=region,
+                      endpoint_url=endpoint).remove_node(group, node)
+print("returned", flush=True)
+"""
+
+
+def test_a_worker_killed_after_the_terminate_is_sent_then_retried_removes_exactly_one(
+        group: dict[str, Any], eks_api: MotoRecorder, eks_nodes: NodeReconciler, eks_nodegroups: EksNodeGroups,
+        cluster: Cluster) -> None:
+    """SIGKILL of the process removing a node after its terminate reached AWS and before the answer: the activity's
+    retry (here: the same call in a new process's place) sends nothing, one instance is removed, desired 3 -> 2."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    found = _three_nodes(group, eks_nodes)
+    victim = found.nodes[2]
+    eks_api.clear()
+    eks_api.faults["slow_remove_seconds"] = 5.0
+    proc = subprocess.Popen([sys.executable, "-c", REMOVER, str(cluster.plane.admin_kubeconfig), group["cluster"],
+                             eks_nodegroups.region, eks_api.url, group["ng"], victim.name],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
+    try:
+        wait_for(lambda: "TerminateInstanceInAutoScalingGroup" in _actions(eks_api), timeout=20,
+                 what="the terminate sent")
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL and b"returned" not in out  # killed before the answer
+    group["capacity"].remove_node(group["ng"], victim.name)  # the retry
+    assert [a for a in _actions(eks_api) if a == "TerminateInstanceInAutoScalingGroup"] == [
+        "TerminateInstanceInAutoScalingGroup"]
+    assert not CLOUD_CHOOSES & set(_actions(eks_api))
+    wait_for(lambda: _desired(group) == 2, timeout=20, what="desiredSize 2 (3 less exactly one)")
+    assert {i["InstanceId"] for i in _asg(group)["Instances"]} == {n.instance for n in found.nodes[:2]}
+    assert [r for r in eks_nodegroups.removed if r["nodegroup"] == group["ng"]] == [
+        {"nodegroup": group["ng"], "instance": victim.instance}]
+    wait_for(lambda: group["capacity"].node_gone(group["ng"], victim.name), timeout=20, what="its node gone")
