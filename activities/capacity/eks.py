@@ -99,7 +99,8 @@ class EksNodeGroupsCapacity:
             code = _code(exc)
             if code == "ResourceNotFoundException":
                 raise GroupNotFoundError(f"{what}: {exc}") from exc
-            raise CapacityError(f"{what}: {exc}", retryable=code not in FINAL_CODES) from exc
+            final = code in FINAL_CODES or type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError")
+            raise CapacityError(f"{what}: {exc}", retryable=not final) from exc
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _describe(self, group: str) -> dict[str, Any]:

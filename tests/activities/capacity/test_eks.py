@@ -53,7 +53,7 @@ def group(eks_nodegroups: EksNodeGroups, eks_nodes: NodeReconciler, eks_api: Mot
                                 labels={"kubeon.io/pool": "home"}, taints=[TAINT])
     g = {"cluster": cluster, "ng": ng, "asg": asg, "eks": eks_nodegroups.client("eks"),
          "autoscaling": eks_nodegroups.client("autoscaling")}
-    wait_for(lambda: len(_nodes(eks_nodes, ng)) == 2, timeout=20, what="the node group's 2 nodes")
+    wait_for(lambda: len(_ready(eks_nodes, ng)) == 2, timeout=30, what="the node group's 2 nodes Ready")
     eks_api.clear()
     g["capacity"] = EksNodeGroupsCapacity(optimizer.api, cluster=cluster, region=eks_nodegroups.region,
                                           endpoint_url=eks_api.url)
@@ -63,6 +63,13 @@ def group(eks_nodegroups: EksNodeGroups, eks_nodes: NodeReconciler, eks_api: Mot
 
 def _nodes(nodes: NodeReconciler, ng: str) -> dict[str, client.V1Node]:
     return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEGROUP_LABEL) == ng}
+
+
+def _ready(nodes: NodeReconciler, ng: str) -> list[client.V1Node]:
+    """The group's Nodes kwok marked Ready with the not-ready taint lifted (the scheduler may use them)."""
+    return [n for n in _nodes(nodes, ng).values()
+            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+            and not any(t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]
 
 
 def _asg(g: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +203,7 @@ def test_desired_outside_min_max_or_below_now_is_refused_by_us(group: dict[str, 
 
 def _three_nodes(group: dict[str, Any], eks_nodes: NodeReconciler) -> HomeNodeGroup:
     group["capacity"].scale_up(group["ng"], 3)
-    wait_for(lambda: len(_nodes(eks_nodes, group["ng"])) == 3, timeout=30, what="3 nodes")
+    wait_for(lambda: len(_ready(eks_nodes, group["ng"])) == 3, timeout=30, what="3 nodes Ready")
     found: HomeNodeGroup = group["capacity"].get_group(group["ng"])
     assert len(found.nodes) == 3
     return found
