@@ -382,3 +382,22 @@ def test_a_worker_killed_after_the_terminate_is_sent_then_retried_removes_exactl
     assert [r for r in eks_nodegroups.removed if r["nodegroup"] == group["ng"]] == [
         {"nodegroup": group["ng"], "instance": victim.instance}]
     wait_for(lambda: group["capacity"].node_gone(group["ng"], victim.name), timeout=20, what="its node gone")
+
+
+def test_kubeon_gpu_doctor_reports_the_node_groups(group: dict[str, Any], eks_api: MotoRecorder, cluster: Cluster,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`kubeon-gpu doctor --json` with capacity.provider eks-nodegroups lists the GPU node groups it finds."""
+    import json
+
+    from worker.cli import main
+
+    for var, value in {"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "eks-nodegroups",
+                       "KUBEON_CAPACITY_CLUSTER_NAME": group["cluster"], "KUBEON_CAPACITY_REGION": "eu-central-1",
+                       "KUBEON_AWS_ENDPOINT_URL": eks_api.url}.items():
+        monkeypatch.setenv(var, value)
+    assert main(["doctor", "--kubeconfig", str(cluster.plane.admin_kubeconfig), "--json"]) == 0
+    [eks] = [r for r in json.loads(capsys.readouterr().out) if r["name"] == "EKS node groups"]
+    assert eks["status"] == "found"
+    assert f"EKS cluster {group['cluster']} in eu-central-1: GPU node groups: 1 ({group['ng']} (1<=2<=4, 2 nodes))" \
+        == eks["detail"]
