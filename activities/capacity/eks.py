@@ -31,7 +31,7 @@ from typing import Any, Final
 from kubernetes import client
 
 from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
-from activities.capacity.karpenter import _pod_gpus
+from activities.clients.kube import gpus_requested
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AWS_GPU_INSTANCES
 from models.capacity import GroupNode, HomeNodeGroup
@@ -165,7 +165,7 @@ class EksNodeGroupsCapacity:
         for pod in self.core.list_pod_for_all_namespaces(
                 field_selector="status.phase!=Succeeded,status.phase!=Failed").items:
             if pod.spec.node_name and pod.spec.node_name in node_names:
-                used[str(pod.spec.node_name)] += _pod_gpus(pod)
+                used[str(pod.spec.node_name)] += gpus_requested(pod)
         return used
 
     def _group(self, d: dict[str, Any], nodes: list[client.V1Node], used: dict[str, int]) -> HomeNodeGroup:
