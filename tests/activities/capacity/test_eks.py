@@ -81,6 +81,11 @@ def _desired(g: dict[str, Any]) -> int:
         "scalingConfig"]["desiredSize"])
 
 
+def g_scaling(g: dict[str, Any]) -> dict[str, int]:
+    return dict(g["eks"].describe_nodegroup(clusterName=g["cluster"], nodegroupName=g["ng"])["nodegroup"][
+        "scalingConfig"])
+
+
 def _actions(recorder: MotoRecorder) -> list[str]:
     return [r["action"] for r in recorder.requests()]
 
@@ -303,6 +308,16 @@ def test_freeze_shield_and_doctor(group: dict[str, Any], eks_api: MotoRecorder, 
     capacity.shield_node(node, False)
     assert SCALE_DOWN_DISABLED not in (cluster.admin.core.read_node(node).metadata.annotations or {})
 
+    # The GPU cap is the node group's maxSize (4 GPUs a node); never below what runs or min, never "open".
+    assert capacity.set_gpu_limit(group["ng"], 12) == 16
+    assert g_scaling(group) == {"minSize": 1, "maxSize": 3, "desiredSize": 2}
+    with pytest.raises(CapacityError, match="4 GPUs \\(1 nodes\\) is below its minSize 1 or desired 2"):
+        capacity.set_gpu_limit(group["ng"], 4)
+    with pytest.raises(CapacityError, match="capped by its maxSize"):
+        capacity.set_gpu_limit(group["ng"], None)
+    assert capacity.set_gpu_limit(group["ng"], 16) == 12
+    assert g_scaling(group)["maxSize"] == 4
+
     found = check_capacity(cluster.admin.api, "eks-nodegroups", capacity)
     assert (found.name, found.status) == ("EKS node groups", "found")
     assert f"EKS cluster {group['cluster']} in eu-central-1: GPU node groups: 1 ({group['ng']} (1<=2<=4, 2 nodes))" \
@@ -311,7 +326,7 @@ def test_freeze_shield_and_doctor(group: dict[str, Any], eks_api: MotoRecorder, 
                                   endpoint_url=eks_api.url)
     missing = check_capacity(cluster.admin.api, "eks-nodegroups", wrong)
     assert missing.status == "missing" and "no-such-cluster" in missing.detail
-    assert _mutations(eks_api) == []
+    assert [r["params"]["scalingConfig"]["maxSize"] for r in _mutations(eks_api)] == [3, 4]  # the cap's two
 
 
 def test_the_worker_runtime_builds_the_provider_from_its_settings() -> None:
