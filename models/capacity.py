@@ -10,6 +10,7 @@ from typing import Any, Final
 from pydantic import Field
 
 from models.base import Model
+from models.eks import GroupScaling
 from models.provisioning import NodeRequirement
 
 # Karpenter's keys (karpenter.sh/v1; sigs.k8s.io/karpenter pkg/apis/v1/labels.go).
@@ -36,6 +37,9 @@ class GroupNode(Model):
     usd_per_hour: float | None = None
     ready: bool = False
     cordoned: bool = False
+    # -- managed node groups (eks-nodegroups) --
+    # The cloud instance behind the node (from its providerID), e.g. i-0abc...; "" for Karpenter's nodes.
+    instance: str = ""
 
 
 class LaunchingClaim(Model):
@@ -70,6 +74,9 @@ class HomeNodeGroup(Model):
     requirements: list[NodeRequirement] = Field(default_factory=list)
     taints: list[str] = Field(default_factory=list)
     launching: list[LaunchingClaim] = Field(default_factory=list)
+    # -- managed node groups (eks-nodegroups) --
+    # The group's scaling config (min <= desired <= max) and what backs it; None for Karpenter NodePools.
+    scaling: GroupScaling | None = None
 
     @property
     def at_gpu_limit(self) -> bool:

@@ -23,6 +23,8 @@ from models.scale import ScaleView
 from models.sharing import SharingView
 
 if TYPE_CHECKING:  # the worker's imports stay lazy: `kubeon-gpu node join` starts fast
+    from activities.capacity.eks import EksNodeGroupsCapacity
+    from worker.config import Settings
     from worker.main import RuntimeFactory
 
 
@@ -99,12 +101,24 @@ def _doctor(args: argparse.Namespace) -> int:
         prereqs = run_checks(kube_api(settings.kubeconfig), metrics,
                              gpu_operator_namespace=settings.gpu_operator_namespace,
                              capacity_provider=settings.capacity_provider,
-                             time_slicing_configmap=settings.time_slicing_configmap)
+                             time_slicing_configmap=settings.time_slicing_configmap,
+                             capacity=_doctor_capacity(settings))
     finally:
         if metrics is not None:
             metrics.close()
     print(json.dumps(as_json(prereqs), indent=2) if args.json else render(prereqs))
     return 0
+
+
+def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | None:
+    """The managed node groups' provider `doctor` lists the groups through (None: checked from the cluster)."""
+    if settings.capacity_provider != "eks-nodegroups":
+        return None
+    from activities.capacity.eks import EksNodeGroupsCapacity
+    from common.kube import kube_api
+
+    return EksNodeGroupsCapacity(kube_api(settings.kubeconfig), cluster=settings.capacity_cluster_name,
+                                 region=settings.capacity_region, endpoint_url=settings.aws_endpoint_url)
 
 
 def _gateway(_: argparse.Namespace) -> int:

@@ -7,8 +7,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from models.eks import AWS_REGIONS
 from models.env import ConfigError, env_names, from_env, url_setting
 from models.locations import BurstConfig
 from models.policy import Mode
@@ -17,6 +18,7 @@ from models.scale import ScaleSettings
 from models.sharing import SharingSettings
 
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
+CAPACITY_PROVIDERS = ("karpenter", "eks-nodegroups", "gke-nodepools", "aks-nodepools")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -81,6 +83,10 @@ class Settings(BaseModel):
     # for this long after it became Unschedulable; a home NodeClaim unregistered this long no longer holds it back.
     capacity_launch_grace_seconds: float = 60.0
     capacity_register_seconds: float = 300.0
+    # -- capacity.provider eks-nodegroups: the EKS cluster and its region (the chart's capacity.eks); the
+    # endpoint is aws_endpoint_url (moto in tests and make dev). Checked at start, naming the variable.
+    capacity_cluster_name: str = Field(default="", validate_default=True)
+    capacity_region: str = Field(default="", validate_default=True)
     gpu_operator_namespace: str = "gpu-operator"
     # Sharing (time-slicing through the GPU Operator): the chart's gpuOperator.timeSlicingConfigMap, the wait for a
     # new key to reach the device plugin's mounted copy, and how long a node gets to show the change.
@@ -113,6 +119,27 @@ class Settings(BaseModel):
     @classmethod
     def _https_url(cls, value: str | None) -> str | None:
         return url_setting(value, https_only=True)
+
+    @field_validator("capacity_provider")
+    @classmethod
+    def _known_capacity_provider(cls, value: str) -> str:
+        if value not in CAPACITY_PROVIDERS:
+            raise ValueError(f"{value!r} is not one of {', '.join(CAPACITY_PROVIDERS)}")
+        return value
+
+    @field_validator("capacity_cluster_name", "capacity_region")
+    @classmethod
+    def _eks_capacity(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("capacity_provider") != "eks-nodegroups":
+            return value
+        if info.field_name == "capacity_cluster_name":
+            if not re.fullmatch(r"[0-9A-Za-z][A-Za-z0-9\-_]{0,99}", value):
+                raise ValueError("is required with capacity.provider eks-nodegroups: the EKS cluster's name "
+                                 f"(1-100 letters, digits, - or _), not {value!r}")
+        elif value not in AWS_REGIONS:
+            raise ValueError(f"{value!r} is not an AWS region (e.g. us-east-1); required with capacity.provider "
+                             "eks-nodegroups")
+        return value
 
     def gateway_node_url(self) -> str:
         """The gateway's URL as burst nodes use it."""

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from kubernetes import client
 
+from activities.capacity import CapacityError, CapacityProvider
 from activities.capacity.karpenter import is_gpu_pool
 from activities.clients.prometheus import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
 
@@ -155,8 +156,10 @@ def check_mig_strategy(api: client.ApiClient) -> Prerequisite:
                         disables, fix)
 
 
-def check_capacity(api: client.ApiClient, provider: str) -> Prerequisite:
+def check_capacity(api: client.ApiClient, provider: str, capacity: CapacityProvider | None = None) -> Prerequisite:
     disables = "autoscaling and packing"
+    if provider == "eks-nodegroups" and capacity is not None:
+        return check_eks(capacity, disables)
     if provider != "karpenter":
         return Prerequisite(f"capacity ({provider})", "unknown",
                             f"capacity.provider is {provider}: its node groups are checked through the cloud API "
@@ -173,6 +176,21 @@ def check_capacity(api: client.ApiClient, provider: str) -> Prerequisite:
     gpu = sorted(p["metadata"]["name"] for p in items if is_gpu_pool(p))
     detail = f"karpenter.sh/v1 NodePools: {len(items)}, with GPUs: {len(gpu)}" + (f" ({', '.join(gpu)})" if gpu else "")
     return Prerequisite("Karpenter", "found", detail, disables, fix)
+
+
+def check_eks(capacity: CapacityProvider, disables: str) -> Prerequisite:
+    """capacity.provider eks-nodegroups: the cluster's GPU node groups as the optimizer's AWS credentials see them."""
+    where = f"EKS cluster {getattr(capacity, 'cluster', '?')} in {getattr(capacity, 'region', '?')}"
+    fix = ("check KUBEON_CAPACITY_CLUSTER_NAME / KUBEON_CAPACITY_REGION and that the worker's IAM role has the "
+           "policy in docs/home-capacity.md (eks:ListNodegroups, eks:DescribeNodegroup, ...)")
+    try:
+        groups = capacity.list_groups()
+    except CapacityError as exc:
+        return Prerequisite("EKS node groups", "missing", f"{where}: {exc}", disables, fix)
+    shown = ", ".join(f"{g.name} ({g.scaling.min_size}<={g.scaling.desired_size}<={g.scaling.max_size}, "
+                      f"{len(g.nodes)} nodes)" if g.scaling else g.name for g in groups)
+    return Prerequisite("EKS node groups", "found" if groups else "missing",
+                        f"{where}: GPU node groups: {len(groups)}" + (f" ({shown})" if shown else ""), disables, fix)
 
 
 def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:
@@ -193,12 +211,13 @@ def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:
 
 
 def run_checks(api: client.ApiClient, metrics: PrometheusClient | None, *, gpu_operator_namespace: str,
-               capacity_provider: str, time_slicing_configmap: str = "time-slicing-config") -> list[Prerequisite]:
+               capacity_provider: str, time_slicing_configmap: str = "time-slicing-config",
+               capacity: CapacityProvider | None = None) -> list[Prerequisite]:
     """Every check; one that fails unexpectedly is reported as unknown, never raised."""
     checks: list[tuple[str, str, Callable[[], Prerequisite]]] = [
         ("KubeOn agent", "the hub's cluster inventory", lambda: check_agent(api)),
         ("NVIDIA GPU Operator", "sharing", lambda: check_gpu_operator(api, gpu_operator_namespace)),
-        ("capacity", "autoscaling and packing", lambda: check_capacity(api, capacity_provider)),
+        ("capacity", "autoscaling and packing", lambda: check_capacity(api, capacity_provider, capacity)),
         ("DCGM exporter + Prometheus", "scale to zero, sharing and GPU type fit", lambda: check_dcgm(metrics)),
     ]
     out = []

@@ -12,6 +12,7 @@ from temporalio.service import RPCError, TLSConfig
 
 from activities.burst import BurstActivities
 from activities.capacity import CapacityProvider
+from activities.capacity.eks import EksNodeGroupsCapacity
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
@@ -88,14 +89,21 @@ class Runtime:
         return BurstActivities(kube=self.kube, providers=self.providers, gateway=self.gateway, config=self.burst,
                                audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue,
                                report_sink=self.report_sink(temporal) if self.hub and temporal else None,
-                               capacity=self.capacity(), home=HomeSettings(
+                               # Burst defers to Karpenter only: nothing scales a managed node group up for a
+                               # waiting pod yet.
+                               capacity=self.capacity() if self.settings.capacity_provider == "karpenter" else None,
+                               home=HomeSettings(
                                    launch_grace_seconds=self.settings.capacity_launch_grace_seconds,
                                    register_seconds=self.settings.capacity_register_seconds))
 
     def capacity(self) -> CapacityProvider | None:
-        """Home capacity burst defers to (capacity.provider); managed node groups have no provider yet."""
+        """Home capacity burst defers to (capacity.provider); GKE and AKS node pools have no provider yet."""
         if self.settings.capacity_provider == "karpenter":
             return KarpenterCapacity(self.kube.api)
+        if self.settings.capacity_provider == "eks-nodegroups":
+            return EksNodeGroupsCapacity(self.kube.api, cluster=self.settings.capacity_cluster_name,
+                                         region=self.settings.capacity_region,
+                                         endpoint_url=self.settings.aws_endpoint_url)
         return None
 
     def scale_ops(self) -> ScaleOps:
@@ -113,6 +121,7 @@ class Runtime:
     def prerequisites(self) -> list[Prerequisite]:
         return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,
                           capacity_provider=self.settings.capacity_provider,
+                          capacity=self.capacity() if self.settings.capacity_provider != "karpenter" else None,
                           time_slicing_configmap=self.settings.time_slicing_configmap)
 
     def hub_activities(self, temporal: Client) -> HubActivities | None:

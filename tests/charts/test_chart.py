@@ -517,7 +517,7 @@ def test_values_defaults_are_the_documented_ones() -> None:
     assert values["hub"]["existingSecret"] == "kubeon-gpu-optimizer-token"
     assert values["hub"]["pollInterval"] == "60s"
     assert values["defaultMode"] == "Recommend"
-    assert values["capacity"] == {"provider": "karpenter"}
+    assert values["capacity"] == {"provider": "karpenter", "eks": {"clusterName": "", "region": ""}}
     assert values["prometheus"] == {"url": ""}
     assert values["gpuOperator"]["namespace"] == "gpu-operator"
     assert values["gpuOperator"]["timeSlicingConfigMap"] == "time-slicing-config"
@@ -589,8 +589,11 @@ def test_documented_values_are_accepted(tmp_path: Path) -> None:
     rendered.get("Role", GATEWAY, NAMESPACE)
     run_helm(["template", RELEASE, CHART, "-f", tmp_path / "values.yaml"])
     run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
-    for provider in ("karpenter", "eks-nodegroups", "aks-nodepools", "gke-nodepools"):
+    for provider in ("karpenter", "aks-nodepools", "gke-nodepools"):
         template("--set", f"capacity.provider={provider}")
+    # eks-nodegroups needs its cluster and region (refused without: bad_values/eks-nodegroups-*.yaml)
+    template("--set", "capacity.provider=eks-nodegroups", "--set", "capacity.eks.clusterName=train",
+             "--set", "capacity.eks.region=us-east-1")
     for mode in ("Recommend", "Approve", "Automatic"):
         template("--set", f"defaultMode={mode}")
     for interval in ("30s", "5m", "1m30s", "1h", "500ms"):
@@ -733,3 +736,14 @@ def test_embedded_temporal_is_reachable_only_by_the_worker() -> None:
                                                                     {"protocol": "TCP", "port": 8234}]}
     external = template("--set", "temporal.mode=external", "--set", "temporal.external.address=t:7233")
     assert not external.all("NetworkPolicy")
+
+
+# --- capacity.provider eks-nodegroups -----------------------------------------------------------------------------
+
+def test_eks_nodegroups_values_reach_the_worker_settings() -> None:
+    rendered = template("--set", "capacity.provider=eks-nodegroups", "--set", "capacity.eks.clusterName=train",
+                        "--set", "capacity.eks.region=eu-central-1")
+    settings = load_settings(env(container(rendered.get("Deployment", OPTIMIZER), "worker")))
+    assert (settings.capacity_provider, settings.capacity_cluster_name, settings.capacity_region) == (
+        "eks-nodegroups", "train", "eu-central-1")
+    assert "KUBEON_CAPACITY_REGION" not in env(container(template().get("Deployment", OPTIMIZER), "worker"))

@@ -98,3 +98,34 @@ def test_bad_cloud_location_is_refused_naming_the_field(tmp_path: Path, location
 def test_cloud_endpoints_need_their_scheme(variable: str, value: str) -> None:
     with pytest.raises(ConfigError, match=variable):
         load_settings({"KUBEON_CLUSTER": "c1", variable: value})
+
+
+# -- capacity.provider eks-nodegroups: cluster name and region checked at start, naming the variable --
+EKS = {"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "eks-nodegroups"}
+
+
+def test_eks_nodegroups_takes_its_cluster_and_region() -> None:
+    settings = load_settings({**EKS, "KUBEON_CAPACITY_CLUSTER_NAME": "train_1", "KUBEON_CAPACITY_REGION": "eu-west-1"})
+    assert (settings.capacity_provider, settings.capacity_cluster_name, settings.capacity_region) == (
+        "eks-nodegroups", "train_1", "eu-west-1")
+
+
+@pytest.mark.parametrize(("environ", "problem"), [
+    ({"KUBEON_CAPACITY_REGION": "eu-west-1"}, "KUBEON_CAPACITY_CLUSTER_NAME: .*required with capacity.provider "
+                                              "eks-nodegroups"),
+    ({"KUBEON_CAPACITY_CLUSTER_NAME": "train", "KUBEON_CAPACITY_REGION": "eu-westeros-1"},
+     "KUBEON_CAPACITY_REGION: .*'eu-westeros-1' is not an AWS region"),
+    ({"KUBEON_CAPACITY_CLUSTER_NAME": "train"}, "KUBEON_CAPACITY_REGION: .*'' is not an AWS region"),
+    ({"KUBEON_CAPACITY_CLUSTER_NAME": "bad name", "KUBEON_CAPACITY_REGION": "eu-west-1"},
+     "KUBEON_CAPACITY_CLUSTER_NAME: .*not 'bad name'"),
+])
+def test_eks_nodegroups_bad_config_is_refused_naming_the_field(environ: dict[str, str], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load_settings({**EKS, **environ})
+
+
+def test_an_unknown_capacity_provider_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"KUBEON_CAPACITY_PROVIDER: .*'eks' is not one of karpenter"):
+        load_settings({"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "eks"})
+    # Other providers need no EKS settings.
+    assert load_settings({"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_REGION": "nowhere"}).capacity_region == "nowhere"
