@@ -72,7 +72,7 @@ def test_model_rejects_malformed_policy_naming_the_field(case: dict[str, Any]) -
 
 def test_planned_kind_is_named_as_not_supported_yet() -> None:
     doc = copy.deepcopy(VALID)
-    doc["spec"]["kind"] = "Packing"
+    doc["spec"]["kind"] = "Autoscaling"
     with pytest.raises(PolicyError, match="not supported yet"):
         parse_policy(doc)
 
