@@ -53,6 +53,10 @@ def proposal_status(plan: PackPlan) -> dict[str, Any]:
                        **({"waitsForPdb": m.waits_for_pdb} if m.waits_for_pdb else {})} for m in plan.moves[:100]]}
 
 
+def _round_status(*, workflow_id: str = "", run_id: str = "", status: str = "", note: str) -> dict[str, str]:
+    return {"workflowId": workflow_id, "runId": run_id, "status": status, "note": note}
+
+
 class PackingWatcher:
     def __init__(self, api: client.ApiClient, capacity: CapacityProvider, temporal: Client, *, cluster: str,
                  task_queue: str, default_mode: Callable[[], Mode], settings: PackSettings | None = None,
@@ -99,8 +103,10 @@ class PackingWatcher:
         spec = policy.spec
         mode = spec.effective_mode(self.default_mode())
         now = self.clock()
+        # Written as a JSON merge patch: every key each time, None removes one (a proposal or round gone); the
+        # lists are replaced whole.
         status: dict[str, Any] = {"enforcedMode": mode, "evaluatedAt": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                                  "proposal": None}
+                                  "proposal": None, "kept": [], "round": None}
         groups = list(spec.node_pools) if spec.node_pools else [g.name for g in self.capacity.list_groups()]
         request = PackPlanRequest(groups=groups, max_nodes=spec.max_nodes_at_once,
                                   min_savings_usd_per_hour=spec.min_savings_usd_per_hour, scope=scope_of(policy))
@@ -116,7 +122,7 @@ class PackingWatcher:
         except Exception as exc:  # an ApplicationError from a refused capacity call, an API error
             status["reason"] = f"cannot plan: {exc}"
             return Round(policy, mode, request, None, status)
-        status["kept"] = dict(list(sorted(plan.kept.items()))[:MAX_KEPT])
+        status["kept"] = [{"node": n, "reason": why} for n, why in sorted(plan.kept.items())][:MAX_KEPT]
         if plan.empty:
             status["proposal"] = proposal_status(plan)
             status["reason"] = ""
@@ -143,14 +149,15 @@ class PackingWatcher:
                 raise
             described = None
         if described is not None:
-            state = {"workflowId": wid, "runId": described.run_id,
+            state = {"workflow_id": wid, "run_id": described.run_id,
                      "status": described.status.name if described.status else "UNKNOWN"}
             if described.status == WorkflowExecutionStatus.RUNNING:
-                return {**state, "note": "a round is running; left as it is"}
+                return _round_status(**state, note="a round is running; left as it is")
             since = (self.clock() - described.start_time).total_seconds()
             if since < r.policy.spec.interval_seconds:
-                return {**state, "note": f"the next round starts {r.policy.spec.interval_seconds - since:.0f}s "
-                                         f"after this one (interval {r.policy.spec.interval})"}
+                return _round_status(**state, note=f"the next round starts in "
+                                                   f"{r.policy.spec.interval_seconds - since:.0f}s (interval "
+                                                   f"{r.policy.spec.interval})")
         handle = await self.temporal.start_workflow(
             "PackWorkflow",
             PackInput(cluster=self.cluster, policy=r.policy.name, groups=r.request.groups, mode=r.mode,
@@ -160,7 +167,7 @@ class PackingWatcher:
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             static_summary=f"Packing: {r.plan.summary() if r.plan else ''} (policy {r.policy.name})")
         self.started.append(wid)
-        return {"workflowId": wid, "runId": handle.result_run_id or "", "status": "RUNNING", "note": "started"}
+        return _round_status(workflow_id=wid, run_id=handle.result_run_id or "", status="RUNNING", note="started")
 
     async def resync(self) -> list[str]:
         rounds = await asyncio.to_thread(self.evaluate)
@@ -170,9 +177,9 @@ class PackingWatcher:
                 try:
                     r.status["round"] = await self._round(r)
                 except RPCError as exc:
-                    r.status["round"] = {"note": f"cannot start the round: {exc}"}
+                    r.status["round"] = _round_status(note=f"cannot start the round: {exc}")
             elif r.mode == "Recommend" and r.plan is not None and r.plan.empty:
-                r.status["round"] = {"note": "Recommend: proposed only, nothing is moved"}
+                r.status["round"] = _round_status(note="Recommend: proposed only, nothing is moved")
             await asyncio.to_thread(self.patch_status, r.policy.name, r.status)
         return self.started[started:]
 

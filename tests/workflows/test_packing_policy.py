@@ -1,0 +1,108 @@
+"""Packing policies end to end on the real Karpenter (kwok provider), the real apiserver with the GpuPolicy CRD
+and the Temporal dev server, with the optimizer's own credentials: over a fragmented pool (six 1-GPU pods on
+three 4-GPU nodes) a Recommend policy only reports (status.packing: the proposal, $/h saved, the pods it moves;
+no round, nothing moved); the same policy in Approve gets one round from the watcher, a second resync leaves it
+as it is, the approval (the ``approve_plan`` update) empties one node (its NodeClaim deleted by us), and a resync
+after it starts no new round before the policy's interval."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.capacity.karpenter import KarpenterCapacity
+from models.decisions import Approval
+from models.packing import packing_workflow_id
+from models.policy import API_GROUP, PLURAL
+from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
+from tests.harness.karpenter import Karpenter
+from tests.harness.kube import Cluster
+from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.workflows.test_pack import FAST, USER_BUDGETS, _worker, until_async
+from tests.workflows.test_pack import fragmented as fragmented  # the fixture
+from worker.packing_watcher import PackingWatcher
+from workflows.pack import PackWorkflow
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+
+@pytest.fixture
+def packing_policy(cluster: Cluster) -> Iterator[str]:
+    install_gpupolicy_crd(cluster)
+    name = f"pack-{uuid.uuid4().hex[:6]}"
+    yield name
+    with contextlib.suppress(Exception):  # already gone
+        cluster.admin.custom.delete_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
+
+
+def _status(cluster: Cluster, name: str) -> dict[str, Any]:
+    doc = read_gpupolicy(cluster, name) or {}
+    return dict((doc.get("status") or {}).get("packing") or {})
+
+
+async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node(
+        cluster: Cluster, karpenter: Karpenter, namespace: str, temporal_dev_server: WorkflowEnvironment,
+        fragmented: tuple[str, dict[str, int]], packing_policy: str) -> None:
+    pool, spread = fragmented
+    temporal: Client = temporal_dev_server.client
+    queue, cluster_name = f"packpol-{uuid.uuid4().hex[:6]}", f"c-{uuid.uuid4().hex[:6]}"
+    cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+        "spec": {"kind": "Packing", "mode": "Recommend", "nodePools": [pool], "maxNodesAtOnce": 2,
+                 "pods": {"namespaces": [namespace]}, "interval": "10m"}})
+    optimizer = grant(cluster, "kubeon-packing-policy-test", OPTIMIZER_RULES)
+    watcher = PackingWatcher(optimizer.api, KarpenterCapacity(optimizer.api), temporal, cluster=cluster_name,
+                             task_queue=queue, default_mode=lambda: "Automatic", settings=FAST, resync_seconds=1)
+    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    wid = packing_workflow_id(cluster_name, packing_policy)
+
+    # Recommend: the proposal is recorded, no round starts, nothing is moved.
+    assert await watcher.resync() == []
+    status = _status(cluster, packing_policy)
+    assert status["enforcedMode"] == "Recommend" and status["nodePools"] == [pool]
+    proposal = status["proposal"]
+    assert proposal["usdPerHourSaved"] == 4.6 and len(proposal["nodes"]) == 1, status
+    [node] = proposal["nodes"]
+    assert len(proposal["moves"]) == spread[node] and all(m["from"] == node for m in proposal["moves"])
+    assert "saves $4.60/h" in proposal["summary"] and "nothing is moved" in status["round"]["note"]
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+
+    # Approve: the watcher starts the policy's round, which awaits one approval; another resync leaves it be.
+    cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, packing_policy,
+                                                     {"spec": {"mode": "Approve"}})
+    async with _worker(cluster, temporal, queue):
+        assert await watcher.resync() == [wid]
+        handle = temporal.get_workflow_handle_for(PackWorkflow.run, wid)
+
+        async def awaiting() -> bool:
+            return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
+
+        await until_async(awaiting, what="the round awaiting approval")
+        assert await watcher.resync() == []
+        status = _status(cluster, packing_policy)
+        assert status["enforcedMode"] == "Approve" and status["round"]["workflowId"] == wid
+        assert "left as it is" in status["round"]["note"], status["round"]
+        assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before  # nothing done yet
+        result = await handle.execute_update("approve_plan", Approval(approver="test", plan_id=wid))
+        assert "approved by test" in str(result)
+        view = await handle.result()
+    assert view.phase == "Done", view
+    [removed] = view.removed
+    assert removed in spread and len(view.moved) == spread[removed]
+    claims_after = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    assert claims_after < claims_before and len(claims_after) == 2
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    # Packed: the next resync proposes nothing more and starts no round; the proposal and round are gone from the
+    # status.
+    assert await watcher.resync() == []
+    status = _status(cluster, packing_policy)
+    assert "proposal" not in status and "round" not in status and status["reason"], status
+    assert status["nodePools"] == [pool]
