@@ -43,8 +43,8 @@ MODES: Final[tuple[str, ...]] = ("Recommend", "Approve", "Automatic")
 
 # R3.2 names these kinds; Burst, ScaleToZero and GpuTypeFit have a spec so far. The others are listed so that an
 # error can say "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
-SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit", "Sharing", "Packing")
-PLANNED_KINDS: Final[tuple[str, ...]] = ("Autoscaling",)
+SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit", "Sharing", "Packing", "Autoscaling")
+PLANNED_KINDS: Final[tuple[str, ...]] = ()
 
 PROVIDERS: Final[tuple[str, ...]] = ("aws", "gcp", "azure", "onprem", "sim")
 
@@ -505,6 +505,35 @@ class PackingSpec(_Spec):
         return duration_seconds(self.interval)
 
 
+# --- Autoscaling (home GPU capacity through the capacity provider's NodePool limits) ---------------------------
+
+NodePoolName = Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]
+
+
+class AutoscalingSpec(_Spec):
+    """Hold each of ``nodePools`` at ``maxGpus`` GPUs (``limits["nvidia.com/gpu"]``): a limit stops new nodes,
+    it never removes one. Automatic holds it; Recommend (and, without a mode, any defaultMode but Automatic) only
+    reports what it would set."""
+
+    kind: StrictStr
+    mode: Literal["Recommend", "Automatic"] | None = None
+    node_pools: Annotated[list[NodePoolName], Field(min_length=1, max_length=32)]
+    max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)]
+
+    @field_validator("kind")
+    @classmethod
+    def _autoscaling_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "Autoscaling")
+
+    @field_validator("node_pools")
+    @classmethod
+    def _unique_pools(cls, pools: list[str]) -> list[str]:
+        return _unique(pools, "NodePool")
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return self.mode or ("Automatic" if default_mode == "Automatic" else "Recommend")
+
+
 class ObjectMeta(BaseModel):
     # Metadata read back from the apiserver carries uid, resourceVersion, managedFields...: keep them all.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -552,7 +581,11 @@ class PackingPolicy(_PolicyEnvelope[PackingSpec]):
     pass
 
 
-AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy | SharingPolicy | PackingPolicy
+class AutoscalingPolicy(_PolicyEnvelope[AutoscalingSpec]):
+    pass
+
+
+AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy | SharingPolicy | PackingPolicy | AutoscalingPolicy
 
 
 class PolicyError(ValueError):
@@ -594,6 +627,8 @@ def parse_policy(document: Any) -> AnyPolicy:
         model = SharingPolicy
     elif isinstance(spec, dict) and spec.get("kind") == "Packing":
         model = PackingPolicy
+    elif isinstance(spec, dict) and spec.get("kind") == "Autoscaling":
+        model = AutoscalingPolicy
     try:
         return model.model_validate(document)
     except ValidationError as exc:
