@@ -1,4 +1,6 @@
-"""The loop for Packing policies (only with ``capacity.provider: karpenter``). Every resync, each Packing policy's
+"""The loop for Packing and Autoscaling policies (only with ``capacity.provider: karpenter``). Autoscaling: each
+resync every NodePool of the policy is held at ``maxGpus`` (``limits["nvidia.com/gpu"]``, Automatic) or the limit
+it would set is reported (Recommend), in ``status.autoscaling``. Packing: every resync, each Packing policy's
 GPU NodePools (``nodePools``, else every GPU NodePool the capacity provider lists) are read and planned
 (planning/packing.py, the same plan the round makes). In Recommend the proposal is only recorded; in Approve and
 Automatic a proposal gets its PackWorkflow, one per policy (a running round is left as it is; a new one starts
@@ -23,10 +25,11 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.capacity import CapacityError, CapacityProvider
 from activities.packing import plan_round
 from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
-from models.policy import API_GROUP, PLURAL, Mode, PackingPolicy, PolicyError, parse_policy
+from models.policy import API_GROUP, PLURAL, AutoscalingPolicy, Mode, PackingPolicy, PolicyError, parse_policy
 
 log = logging.getLogger("kubeon.packing")
 STATUS_KEY = "packing"
+AUTOSCALING_STATUS_KEY = "autoscaling"
 MAX_KEPT = 100
 
 
@@ -53,6 +56,10 @@ def proposal_status(plan: PackPlan) -> dict[str, Any]:
                        **({"waitsForPdb": m.waits_for_pdb} if m.waits_for_pdb else {})} for m in plan.moves[:100]]}
 
 
+def _limit(gpus: int | None) -> str:
+    return "none" if gpus is None else str(gpus)
+
+
 def _round_status(*, workflow_id: str = "", run_id: str = "", status: str = "", note: str) -> dict[str, str]:
     return {"workflowId": workflow_id, "runId": run_id, "status": status, "note": note}
 
@@ -75,6 +82,9 @@ class PackingWatcher:
         self._stop = asyncio.Event()
 
     def list_policies(self) -> list[PackingPolicy]:
+        return [p for p in self.list_all() if isinstance(p, PackingPolicy)]
+
+    def list_all(self) -> list[PackingPolicy | AutoscalingPolicy]:
         try:
             listed: Any = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)
         except client.ApiException as exc:
@@ -87,14 +97,14 @@ class PackingWatcher:
                 p = parse_policy(doc)
             except PolicyError:
                 continue  # never enforced; the hub sync reports it
-            if isinstance(p, PackingPolicy):
+            if isinstance(p, PackingPolicy | AutoscalingPolicy):
                 out.append(p)
         return out
 
-    def patch_status(self, policy: str, status: dict[str, Any]) -> None:
+    def patch_status(self, policy: str, status: dict[str, Any], key: str = STATUS_KEY) -> None:
         try:
             self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
-                                                           {"status": {STATUS_KEY: status}})
+                                                           {"status": {key: status}})
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
@@ -130,13 +140,45 @@ class PackingWatcher:
             status["reason"] = plan.summary()
         return Round(policy, mode, request, plan, status)
 
+    def hold_limits(self, policy: AutoscalingPolicy) -> dict[str, Any]:
+        """Each of the policy's NodePools capped at maxGpus (Automatic), or what would be set (Recommend); a lower
+        limit stops new GPU nodes and removes none."""
+        spec = policy.spec
+        mode = spec.effective_mode(self.default_mode())
+        pools: list[dict[str, Any]] = []
+        for name in spec.node_pools:
+            try:
+                group = self.capacity.get_group(name)
+                entry: dict[str, Any] = {"nodePool": name, "gpus": group.gpus, "limit": group.gpu_limit}
+                if group.gpu_limit == spec.max_gpus:
+                    entry["reason"] = f"held at {spec.max_gpus} GPUs"
+                elif mode == "Automatic":
+                    previous = self.capacity.set_gpu_limit(name, spec.max_gpus)
+                    entry["limit"] = spec.max_gpus
+                    entry["reason"] = f"limit set to {spec.max_gpus} GPUs (was {_limit(previous)})"
+                else:
+                    entry["reason"] = (f"Recommend: would set the limit to {spec.max_gpus} GPUs "
+                                       f"(now {_limit(group.gpu_limit)})")
+                if group.gpus > spec.max_gpus:
+                    entry["reason"] += f"; {group.gpus} GPUs run now: no new GPU node until under it, none removed"
+            except CapacityError as exc:
+                entry = {"nodePool": name, "gpus": None, "limit": None, "reason": str(exc)}
+            pools.append(entry)
+        status = {"enforcedMode": mode, "evaluatedAt": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "nodePools": pools}
+        self.patch_status(policy.name, status, AUTOSCALING_STATUS_KEY)
+        return status
+
     def evaluate(self) -> list[Round]:
         out = []
-        for policy in self.list_policies():
+        for policy in self.list_all():
             try:
-                out.append(self.evaluate_policy(policy))
+                if isinstance(policy, AutoscalingPolicy):
+                    self.hold_limits(policy)
+                else:
+                    out.append(self.evaluate_policy(policy))
             except Exception:  # one policy's failure never stops the others
-                log.exception("Packing policy %s: evaluation failed", policy.name)
+                log.exception("%s policy %s: evaluation failed", policy.spec.kind, policy.name)
         return out
 
     async def _round(self, r: Round) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 and the Temporal dev server, with the optimizer's own credentials: over a fragmented pool (six 1-GPU pods on
 three 4-GPU nodes) a Recommend policy only reports (status.packing: the proposal, $/h saved, the pods it moves;
 no round, nothing moved); the same policy in Approve gets one round from the watcher, a second resync leaves it
-as it is, the approval (the ``approve_plan`` update) empties one node (its NodeClaim deleted by us), and a resync
-after it starts no new round before the policy's interval."""
+as it is, the approval (the ``approve_plan`` update) empties one node (its NodeClaim deleted by us), and the next
+resync proposes and starts nothing. An Autoscaling policy: Recommend reports the limit it would set, Automatic
+sets the NodePool's GPU limit to maxGpus, holds it, and patches it again when maxGpus is lowered."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
 from models.decisions import Approval
-from models.packing import packing_workflow_id
+from models.packing import PackView, packing_workflow_id
 from models.policy import API_GROUP, PLURAL
 from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
-from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import Karpenter, gpu_nodepool
 from tests.harness.kube import Cluster
 from tests.harness.rbac import OPTIMIZER_RULES, grant
 from tests.workflows.test_pack import FAST, USER_BUDGETS, _worker, until_async
@@ -79,7 +80,7 @@ async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node
                                                      {"spec": {"mode": "Approve"}})
     async with _worker(cluster, temporal, queue):
         assert await watcher.resync() == [wid]
-        handle = temporal.get_workflow_handle_for(PackWorkflow.run, wid)
+        handle = temporal.get_workflow_handle(wid, result_type=PackView)
 
         async def awaiting() -> bool:
             return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
@@ -106,3 +107,42 @@ async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node
     status = _status(cluster, packing_policy)
     assert "proposal" not in status and "round" not in status and status["reason"], status
     assert status["nodePools"] == [pool]
+
+
+async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gpus_patches_the_limit(
+        cluster: Cluster, karpenter: Karpenter, temporal_dev_server: WorkflowEnvironment,
+        packing_policy: str) -> None:
+    taint = uuid.uuid4().hex[:8]
+    pool = f"gpu-{taint}"
+    karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,)))
+    try:
+        cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+            "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+            "spec": {"kind": "Autoscaling", "mode": "Recommend", "nodePools": [pool], "maxGpus": 8}})
+        optimizer = grant(cluster, "kubeon-autoscaling-policy-test", OPTIMIZER_RULES)
+        watcher = PackingWatcher(optimizer.api, KarpenterCapacity(optimizer.api), temporal_dev_server.client,
+                                 cluster="c", task_queue="unused", default_mode=lambda: "Automatic")
+
+        def limit() -> str | None:
+            return (karpenter.nodepool(pool)["spec"].get("limits") or {}).get("nvidia.com/gpu")
+
+        def entry() -> dict[str, Any]:
+            doc = read_gpupolicy(cluster, packing_policy) or {}
+            [only] = doc["status"]["autoscaling"]["nodePools"]
+            return dict(only)
+
+        assert await watcher.resync() == []
+        assert limit() == "12" and "would set the limit to 8 GPUs (now 12)" in entry()["reason"]
+        patch = cluster.admin.custom.patch_cluster_custom_object
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"mode": "Automatic"}})
+        await watcher.resync()
+        assert limit() == "8" and "limit set to 8 GPUs (was 12)" in entry()["reason"]
+        await watcher.resync()
+        assert limit() == "8" and entry()["reason"] == "held at 8 GPUs"
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"maxGpus": 4}})
+        await watcher.resync()
+        assert limit() == "4" and "limit set to 4 GPUs (was 8)" in entry()["reason"]
+        # The user's other settings of the pool are as they were.
+        assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
+    finally:
+        karpenter.delete_nodepool(pool)
