@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -19,11 +20,12 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
 from models.decisions import Approval
-from models.packing import PackView, packing_workflow_id
+from models.packing import PackInput, PackView, packing_workflow_id
 from models.policy import API_GROUP, PLURAL
+from tests.harness.burst import BurstStack, StartWorker
 from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
 from tests.harness.karpenter import Karpenter, gpu_nodepool
-from tests.harness.kube import Cluster
+from tests.harness.kube import Cluster, until
 from tests.harness.rbac import OPTIMIZER_RULES, grant
 from tests.workflows.test_pack import FAST, USER_BUDGETS, _worker, until_async
 from tests.workflows.test_pack import fragmented as fragmented  # the fixture
@@ -144,5 +146,31 @@ async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gp
         assert limit() == "4" and "limit set to 4 GPUs (was 8)" in entry()["reason"]
         # The user's other settings of the pool are as they were.
         assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
+    finally:
+        karpenter.delete_nodepool(pool)
+
+
+async def test_the_worker_runs_the_loop_and_packing_rounds_with_capacity_provider_karpenter(
+        stack: BurstStack, start_worker: StartWorker, locations: list[dict[str, Any]], karpenter: Karpenter,
+        packing_policy: str) -> None:
+    """The worker's own wiring (worker/main.py): its loop holds an Autoscaling policy's limit, and its task queue
+    runs PackWorkflow with its activities (a pool with no node: nothing to do)."""
+    taint = uuid.uuid4().hex[:8]
+    pool = f"gpu-{taint}"
+    karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,)))
+    try:
+        stack.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+            "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+            "spec": {"kind": "Autoscaling", "mode": "Automatic", "nodePools": [pool], "maxGpus": 4}})
+        async with start_worker(locations, capacity_provider="karpenter", scale_resync_seconds=1) as (
+                temporal, settings, _runtime):
+            await until(lambda: (karpenter.nodepool(pool)["spec"].get("limits") or {}).get("nvidia.com/gpu") == "4",
+                        timeout=30, what="the worker's loop capping the NodePool at 4 GPUs")
+            view = await temporal.execute_workflow(
+                PackWorkflow.run, PackInput(cluster=settings.cluster, policy=packing_policy, groups=[pool],
+                                            mode="Automatic", settings=FAST),
+                id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=settings.task_queue,
+                execution_timeout=timedelta(seconds=30))
+        assert view.phase == "NothingToDo" and not view.removed, view
     finally:
         karpenter.delete_nodepool(pool)
