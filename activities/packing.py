@@ -43,6 +43,13 @@ def _ready(pod: Any) -> bool:
                                             for c in (pod.status.conditions if pod.status else None) or [])
 
 
+def plan_round(api: Any, capacity: CapacityProvider, req: PackPlanRequest, now: dt.datetime) -> PackPlan:
+    """The round the cluster allows now (the watcher's proposal and the workflow's plan are made the same way)."""
+    facts = _capacity_call(gather, api, capacity, req.groups, req.scope.node_labels)
+    return plan_packing(facts.nodes, facts.pods, now=now, pdb_allowed=facts.pdb_allowed, max_nodes=req.max_nodes,
+                        min_savings_usd_per_hour=req.min_savings_usd_per_hour, scope=req.scope)
+
+
 class PackActivities:
     def __init__(self, kube: KubeOps, capacity: CapacityProvider,
                  clock: Callable[[], dt.datetime] | None = None) -> None:
@@ -52,9 +59,7 @@ class PackActivities:
 
     @activity.defn(name="pack_plan", no_thread_cancel_exception=True)
     def pack_plan(self, req: PackPlanRequest) -> PackPlan:
-        facts = _capacity_call(gather, self.kube.api, self.capacity, req.groups)
-        return plan_packing(facts.nodes, facts.pods, now=self.clock(), pdb_allowed=facts.pdb_allowed,
-                            max_nodes=req.max_nodes, min_savings_usd_per_hour=req.min_savings_usd_per_hour)
+        return plan_round(self.kube.api, self.capacity, req, self.clock())
 
     @activity.defn(name="pack_freeze", no_thread_cancel_exception=True)
     def pack_freeze(self, req: GroupRef) -> None:

@@ -23,6 +23,20 @@ class PackPod(Model):
     started_at: datetime | None = None
     # The PodDisruptionBudgets whose selector covers it.
     pdbs: list[str] = Field(default_factory=list)
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotation_keys: list[str] = Field(default_factory=list)
+
+
+class PackScope(Model):
+    """What a Packing policy lets a round touch: nodes with ``node_labels``; pods of ``namespaces`` (all when
+    empty) with ``pod_labels`` (a node holding another pod is kept); pods younger than ``min_pod_age_seconds`` or
+    carrying one of ``protect_annotations`` hold their node."""
+
+    node_labels: dict[str, str] = Field(default_factory=dict)
+    namespaces: list[str] = Field(default_factory=list)
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    min_pod_age_seconds: float = 0.0
+    protect_annotations: list[str] = Field(default_factory=list)
 
 
 class PackNode(Model):
@@ -88,12 +102,14 @@ class PackInput(Model):
     max_nodes: int = Field(default=1, ge=1)
     min_savings_usd_per_hour: float = 0.0
     settings: PackSettings = Field(default_factory=PackSettings)
+    scope: PackScope = Field(default_factory=PackScope)
 
 
 class PackPlanRequest(Model):
     groups: list[str]
     max_nodes: int = 1
     min_savings_usd_per_hour: float = 0.0
+    scope: PackScope = Field(default_factory=PackScope)
 
 
 class GroupRef(Model):
@@ -147,3 +163,8 @@ class PackView(Model):
     removed: list[str] = Field(default_factory=list)
     moved: list[str] = Field(default_factory=list)
     history: list[str] = Field(default_factory=list)
+
+
+def packing_workflow_id(cluster: str, policy: str) -> str:
+    """One packing round per policy at a time."""
+    return f"packing/{cluster}/{policy}"

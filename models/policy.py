@@ -3,7 +3,8 @@
 One resource, one ``spec`` per kind: ``Burst`` (``GpuPolicy``, ``GpuPolicySpec``), ``ScaleToZero``
 (``ScaleToZeroPolicy``, ``ScaleToZeroSpec``) and ``GpuTypeFit`` (``GpuTypeFitPolicy``, recommendations only).
 ``parse_policy`` picks the model by ``spec.kind``. ``Sharing`` (``SharingPolicy``, ``SharingSpec``): time-slicing
-and MIG through the GPU Operator.
+and MIG through the GPU Operator. ``Packing`` (``PackingPolicy``, ``PackingSpec``): GPU nodes emptied through the
+capacity provider.
 
 The CRD's OpenAPI schema in ``charts/kubeon-gpu-optimizer/crds/`` must accept and reject the same documents as
 these models; ``tests/models/test_policy.py`` applies one corpus to both. Field types are strict (a string is
@@ -42,8 +43,8 @@ MODES: Final[tuple[str, ...]] = ("Recommend", "Approve", "Automatic")
 
 # R3.2 names these kinds; Burst, ScaleToZero and GpuTypeFit have a spec so far. The others are listed so that an
 # error can say "not supported yet" instead of "unknown", and so that adding one is a matter of adding its spec.
-SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit", "Sharing")
-PLANNED_KINDS: Final[tuple[str, ...]] = ("Autoscaling", "Packing")
+SUPPORTED_KINDS: Final[tuple[str, ...]] = ("Burst", "ScaleToZero", "GpuTypeFit", "Sharing", "Packing", "Autoscaling")
+PLANNED_KINDS: Final[tuple[str, ...]] = ()
 
 PROVIDERS: Final[tuple[str, ...]] = ("aws", "gcp", "azure", "onprem", "sim")
 
@@ -443,6 +444,98 @@ class SharingSpec(_Spec):
         return "Approve" if default_mode == "Automatic" else default_mode
 
 
+# --- Packing (GPU nodes emptied through the capacity provider, capacity.provider: karpenter) -------------------
+
+PackingInterval = Annotated[Duration, _duration_between(10, 7 * 24 * 3600)]
+
+
+class PackingPods(_Spec):
+    """Which pods the policy may move: those of ``namespaces`` (all when empty) carrying ``matchLabels``. A node
+    holding any other pod (DaemonSet pods aside) is not emptied."""
+
+    namespaces: Annotated[list[Namespace], Field(max_length=64)] = Field(default_factory=list)
+    match_labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=32)] = Field(default_factory=dict)
+
+    @field_validator("namespaces")
+    @classmethod
+    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
+        return _unique(namespaces, "namespace")
+
+
+class PackingProtect(_Spec):
+    """Pods that hold their node: younger than ``minPodAgeMinutes``, or carrying any of ``annotations`` (keys)."""
+
+    min_pod_age_minutes: Annotated[StrictInt, Field(ge=0, le=7 * 24 * 60)] = 0
+    annotations: Annotated[list[LabelKey], Field(max_length=32)] = Field(default_factory=list)
+
+    @field_validator("annotations")
+    @classmethod
+    def _unique_annotations(cls, keys: list[str]) -> list[str]:
+        return _unique(keys, "annotation")
+
+
+class PackingSpec(_Spec):
+    """Empty GPU nodes whose pods fit on the others' free GPUs: of ``nodePools`` (every GPU NodePool when
+    unset), their nodes matching ``nodeSelector``; a round at most every ``interval``."""
+
+    kind: StrictStr
+    mode: Mode | None = None
+    node_pools: Annotated[list[Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]],
+                          Field(min_length=1, max_length=32)] | None = None
+    node_selector: NodeSelector | None = None
+    pods: PackingPods = Field(default_factory=PackingPods)
+    min_savings_usd_per_hour: Annotated[StrictFloat, Field(ge=0, le=100000)] = 0.0
+    max_nodes_at_once: Annotated[StrictInt, Field(ge=1, le=50)] = 1
+    protect: PackingProtect = Field(default_factory=PackingProtect)
+    interval: PackingInterval = "1h"
+
+    @field_validator("kind")
+    @classmethod
+    def _packing_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "Packing")
+
+    @field_validator("node_pools")
+    @classmethod
+    def _unique_pools(cls, pools: list[str] | None) -> list[str] | None:
+        return _unique(pools, "NodePool") if pools is not None else None
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return self.mode or default_mode
+
+    @property
+    def interval_seconds(self) -> int:
+        return duration_seconds(self.interval)
+
+
+# --- Autoscaling (home GPU capacity through the capacity provider's NodePool limits) ---------------------------
+
+NodePoolName = Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]
+
+
+class AutoscalingSpec(_Spec):
+    """Hold each of ``nodePools`` at ``maxGpus`` GPUs (``limits["nvidia.com/gpu"]``): a limit stops new nodes,
+    it never removes one. Automatic holds it; Recommend (and, without a mode, any defaultMode but Automatic) only
+    reports what it would set."""
+
+    kind: StrictStr
+    mode: Literal["Recommend", "Automatic"] | None = None
+    node_pools: Annotated[list[NodePoolName], Field(min_length=1, max_length=32)]
+    max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)]
+
+    @field_validator("kind")
+    @classmethod
+    def _autoscaling_kind(cls, kind: str) -> str:
+        return _known_kind(kind, "Autoscaling")
+
+    @field_validator("node_pools")
+    @classmethod
+    def _unique_pools(cls, pools: list[str]) -> list[str]:
+        return _unique(pools, "NodePool")
+
+    def effective_mode(self, default_mode: Mode) -> Mode:
+        return self.mode or ("Automatic" if default_mode == "Automatic" else "Recommend")
+
+
 class ObjectMeta(BaseModel):
     # Metadata read back from the apiserver carries uid, resourceVersion, managedFields...: keep them all.
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -486,7 +579,15 @@ class SharingPolicy(_PolicyEnvelope[SharingSpec]):
     pass
 
 
-AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy | SharingPolicy
+class PackingPolicy(_PolicyEnvelope[PackingSpec]):
+    pass
+
+
+class AutoscalingPolicy(_PolicyEnvelope[AutoscalingSpec]):
+    pass
+
+
+AnyPolicy = GpuPolicy | ScaleToZeroPolicy | GpuTypeFitPolicy | SharingPolicy | PackingPolicy | AutoscalingPolicy
 
 
 class PolicyError(ValueError):
@@ -526,6 +627,10 @@ def parse_policy(document: Any) -> AnyPolicy:
         model = GpuTypeFitPolicy
     elif isinstance(spec, dict) and spec.get("kind") == "Sharing":
         model = SharingPolicy
+    elif isinstance(spec, dict) and spec.get("kind") == "Packing":
+        model = PackingPolicy
+    elif isinstance(spec, dict) and spec.get("kind") == "Autoscaling":
+        model = AutoscalingPolicy
     try:
         return model.model_validate(document)
     except ValidationError as exc:

@@ -19,7 +19,7 @@ import itertools
 import re
 from datetime import datetime, timedelta
 
-from models.packing import PackMove, PackNode, PackPlan, PackPod
+from models.packing import PackMove, PackNode, PackPlan, PackPod, PackScope
 from planning.burst import pod_matches
 
 EXACT_CANDIDATES = 12
@@ -35,13 +35,23 @@ def parse_duration(text: str) -> timedelta | None:
     return timedelta(hours=h, minutes=mi, seconds=s)
 
 
-def holds_node(pod: PackPod, now: datetime) -> str | None:
+def holds_node(pod: PackPod, now: datetime, scope: PackScope | None = None) -> str | None:
     """Why this pod keeps its node from being emptied, or None."""
     key = pod.pod.key
     if pod.owner_kind == "DaemonSet":
         return None
     if not pod.owner_kind:
         return f"bare pod {key} (no controller re-creates it)"
+    if scope is not None:
+        if (scope.namespaces and pod.pod.namespace not in scope.namespaces) or any(
+                pod.labels.get(k) != v for k, v in scope.pod_labels.items()):
+            return f"pod {key} is not among the policy's pods"
+        protected = next((a for a in scope.protect_annotations if a in pod.annotation_keys), None)
+        if protected:
+            return f"pod {key} carries the protected annotation {protected}"
+        if scope.min_pod_age_seconds and (pod.started_at is None or
+                                          (now - pod.started_at).total_seconds() < scope.min_pod_age_seconds):
+            return f"pod {key} is younger than {scope.min_pod_age_seconds / 60:g} min"
     if len(pod.pdbs) > 1:
         return f"pod {key} is covered by {len(pod.pdbs)} PodDisruptionBudgets ({', '.join(sorted(pod.pdbs))})"
     value = pod.do_not_disrupt
@@ -89,7 +99,8 @@ def _assign(pods: list[PackPod], targets: list[PackNode], free: dict[str, int], 
 
 
 def plan_packing(nodes: list[PackNode], pods: list[PackPod], *, now: datetime, pdb_allowed: dict[str, int],
-                 max_nodes: int = 1, min_savings_usd_per_hour: float = 0.0) -> PackPlan:
+                 max_nodes: int = 1, min_savings_usd_per_hour: float = 0.0,
+                 scope: PackScope | None = None) -> PackPlan:
     gpu_pods: dict[str, list[PackPod]] = {n.name: [] for n in nodes}
     used: dict[str, int] = {n.name: 0 for n in nodes}
     kept: dict[str, str] = {}
@@ -99,7 +110,7 @@ def plan_packing(nodes: list[PackNode], pods: list[PackPod], *, now: datetime, p
         used[pod.node] += pod.pod.gpus
         if pod.owner_kind != "DaemonSet" and pod.pod.gpus > 0:
             gpu_pods[pod.node].append(pod)
-        why = holds_node(pod, now)
+        why = holds_node(pod, now, scope)
         if why and pod.node not in kept:
             kept[pod.node] = why
     for n in nodes:

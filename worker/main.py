@@ -16,12 +16,14 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
+from activities.packing import PackActivities
 from activities.scale import ScaleActivities
 from activities.sharing import SharingActivities
 from models.ids import SERVE_QUEUE_SUFFIX
 from worker import telemetry
 from worker.background import running
 from worker.config import Settings
+from worker.packing_watcher import PackingWatcher
 from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
 from worker.scale_watcher import ScaleWatcher
 from worker.sharing_watcher import SharingWatcher
@@ -29,6 +31,7 @@ from worker.watcher import PendingPodWatcher
 from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
+from workflows.pack import PackWorkflow
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
 from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
@@ -36,7 +39,7 @@ from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
 log = logging.getLogger("kubeon.worker")
 RuntimeFactory = Callable[[Settings], Runtime]
 WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow,
-             TimeSlicingWorkflow, MigWorkflow]
+             TimeSlicingWorkflow, MigWorkflow, PackWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 
@@ -50,11 +53,12 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
                 executor: ThreadPoolExecutor, hub: HubActivities | None = None,
-                scale: ScaleActivities | None = None, sharing: SharingActivities | None = None) -> Worker:
+                scale: ScaleActivities | None = None, sharing: SharingActivities | None = None,
+                pack: PackActivities | None = None) -> Worker:
     return Worker(
         temporal, task_queue=settings.task_queue, workflows=WORKFLOWS,
         activities=activities.all() + ([hub.hub_poll] if hub else []) + (scale.all() if scale else [])
-        + (sharing.all() if sharing else []),
+        + (sharing.all() if sharing else []) + (pack.all() if pack else []),
         activity_executor=executor, max_concurrent_activities=settings.max_concurrent_activities,
         workflow_runner=workflow_runner(), graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
     )
@@ -89,7 +93,7 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None, *,
     runtime_activities = runtime.activities(temporal)
     hub = runtime.hub_activities(temporal)
     worker = make_worker(temporal, runtime_activities, settings, executor, hub, runtime.scale_activities(),
-                         runtime.sharing_activities())
+                         runtime.sharing_activities(), runtime.pack_activities())
     watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
                                 task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                 settings=settings.operation_settings())
@@ -116,9 +120,20 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None, *,
                                         namespace=settings.gpu_operator_namespace,
                                         config_map=settings.time_slicing_configmap,
                                         resync_seconds=settings.scale_resync_seconds)
-                async with (running(watcher, name="pending-pod-watcher", cancel=True, grace_seconds=5),
-                            running(scaler, name="scale-watcher", cancel=False, grace_seconds=30),
-                            running(sharer, name="sharing-watcher", cancel=False, grace_seconds=30)):
+                capacity = runtime.capacity()
+                packer = PackingWatcher(runtime.kube.api, capacity, temporal, cluster=settings.cluster,
+                                        task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
+                                        resync_seconds=settings.scale_resync_seconds) if capacity else None
+                async with contextlib.AsyncExitStack() as loops:
+                    await loops.enter_async_context(
+                        running(watcher, name="pending-pod-watcher", cancel=True, grace_seconds=5))
+                    await loops.enter_async_context(
+                        running(scaler, name="scale-watcher", cancel=False, grace_seconds=30))
+                    await loops.enter_async_context(
+                        running(sharer, name="sharing-watcher", cancel=False, grace_seconds=30))
+                    if packer is not None:  # capacity.provider: karpenter
+                        await loops.enter_async_context(
+                            running(packer, name="packing-watcher", cancel=False, grace_seconds=30))
                     yield temporal, runtime, watcher
             else:
                 yield temporal, runtime, watcher

@@ -22,6 +22,7 @@ from activities.clients.policies import PolicySyncer
 from activities.clients.prometheus import PrometheusClient
 from activities.context import HomeSettings, ReportSink
 from activities.hub import HubActivities
+from activities.packing import PackActivities
 from activities.providers.base import Provider
 from activities.scale import ScaleActivities, ScaleOps
 from activities.sharing import SharingActivities, SharingOps
@@ -105,6 +106,11 @@ class Runtime:
                                          region=self.settings.capacity_region,
                                          endpoint_url=self.settings.aws_endpoint_url)
         return None
+
+    def pack_activities(self) -> PackActivities | None:
+        """Packing rounds, through the home capacity provider (none without one)."""
+        capacity = self.capacity()
+        return PackActivities(self.kube, capacity) if capacity is not None else None
 
     def scale_ops(self) -> ScaleOps:
         return ScaleOps(self.kube.api, self.metrics)

@@ -90,7 +90,8 @@ class PackWorkflow(Approvable[PackPhase]):
         self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
                     sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(self.phase.value))
         plan = await self._act("pack_plan", PackPlanRequest(groups=inp.groups, max_nodes=inp.max_nodes,
-                                                            min_savings_usd_per_hour=inp.min_savings_usd_per_hour),
+                                                            min_savings_usd_per_hour=inp.min_savings_usd_per_hour,
+                                                            scope=inp.scope),
                                PackPlan, timeout=timedelta(minutes=3))
         assert isinstance(plan, PackPlan)
         self.plan = plan

@@ -47,7 +47,9 @@ def _owner_kind(pod: client.V1Pod) -> str:
     return ""
 
 
-def gather(api: client.ApiClient, capacity: CapacityProvider, groups: list[str]) -> PackFacts:
+def gather(api: client.ApiClient, capacity: CapacityProvider, groups: list[str],
+           node_labels: dict[str, str] | None = None) -> PackFacts:
+    """``node_labels``: only the groups' nodes carrying these labels."""
     core, policy = client.CoreV1Api(api), client.PolicyV1Api(api)
     nodes: list[PackNode] = []
     for name in groups:
@@ -59,6 +61,8 @@ def gather(api: client.ApiClient, capacity: CapacityProvider, groups: list[str])
                 if exc.status == 404:
                     continue
                 raise
+            if any((node.metadata.labels or {}).get(k) != v for k, v in (node_labels or {}).items()):
+                continue
             taints = [t.key for t in (node.spec.taints or []) if t.effect in ("NoSchedule", "NoExecute")]
             nodes.append(PackNode(
                 name=member.name, group=name, gpus=member.gpus, gpu_product=member.gpu_product,
@@ -80,5 +84,6 @@ def gather(api: client.ApiClient, capacity: CapacityProvider, groups: list[str])
         pods.append(PackPod(
             pod=pending_pod(p), node=str(p.spec.node_name), owner_kind=_owner_kind(p),
             do_not_disrupt=(p.metadata.annotations or {}).get(DO_NOT_DISRUPT),
-            started_at=p.status.start_time if p.status else None, pdbs=covering))
+            started_at=p.status.start_time if p.status else None, pdbs=covering, labels=dict(labels),
+            annotation_keys=sorted(p.metadata.annotations or {})))
     return PackFacts(nodes=nodes, pods=pods, pdb_allowed=allowed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from models.packing import PackNode, PackPod
 from models.provisioning import PendingPod
@@ -108,3 +109,30 @@ def test_min_savings_and_nothing_to_do() -> None:
     full = [_pod("x", "a", gpus=4), _pod("y", "b", gpus=4)]
     plan = plan_packing(nodes, full, now=NOW, pdb_allowed={}, max_nodes=2)
     assert not plan.empty and plan.summary() == "no GPU node's pods fit on the others' free GPUs"
+
+
+def test_policy_scope_pods_outside_it_young_or_protected_hold_their_node() -> None:
+    from models.packing import PackScope
+
+    nodes = [_node("a"), _node("b"), _node("c")]
+    old = NOW - timedelta(hours=2)
+
+    def pods(**on_a: Any) -> list[PackPod]:
+        fields: dict[str, Any] = {"started_at": old, "labels": {"tier": "serving"}, **on_a}
+        return [_pod("a1", "a", **fields)] + [
+            _pod(f"{n}1", n, started_at=old, labels={"tier": "serving"}) for n in "bc"]
+
+    scope = PackScope(namespaces=["ml"], pod_labels={"tier": "serving"}, min_pod_age_seconds=1800,
+                      protect_annotations=["example.com/pinned"])
+    assert plan_packing(nodes, pods(), now=NOW, pdb_allowed={}, scope=scope).empty
+    # Each rule, alone, keeps node a out of the round (b or c is emptied instead).
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"labels": {"tier": "batch"}}, "not among the policy's pods"),
+        ({"annotation_keys": ["example.com/pinned"]}, "protected annotation example.com/pinned"),
+        ({"started_at": NOW - timedelta(minutes=10)}, "younger than 30 min")]
+    for on_a, why in cases:
+        plan = plan_packing(nodes, pods(**on_a), now=NOW, pdb_allowed={}, scope=scope)
+        assert why in plan.kept["a"] and "a" not in plan.empty and plan.empty, (why, plan)
+    other_ns = PackScope(namespaces=["other"])
+    plan = plan_packing(nodes, pods(), now=NOW, pdb_allowed={}, scope=other_ns)
+    assert not plan.empty and len(plan.kept) == 3

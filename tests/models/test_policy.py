@@ -70,10 +70,10 @@ def test_model_rejects_malformed_policy_naming_the_field(case: dict[str, Any]) -
     assert case["field"] in str(refused_naming(apply_case(case), case["field"]))
 
 
-def test_planned_kind_is_named_as_not_supported_yet() -> None:
+def test_unknown_kind_is_named_with_the_supported_ones() -> None:
     doc = copy.deepcopy(VALID)
-    doc["spec"]["kind"] = "Packing"
-    with pytest.raises(PolicyError, match="not supported yet"):
+    doc["spec"]["kind"] = "Rebalancing"
+    with pytest.raises(PolicyError, match=r"unknown kind 'Rebalancing' .*Packing, Autoscaling"):
         parse_policy(doc)
 
 

@@ -1,0 +1,122 @@
+"""Packing policies: the model and the CRD schema accept the documented shape (and the example) and refuse
+malformed ones, naming the field; `policy validate` says so too."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from models import policy
+from models.policy import PackingPolicy, PolicyError, parse_policy
+from tests.harness.crd import create_strictly
+from tests.harness.kube import Cluster
+from tests.hub.helpers import apply_case as apply_corpus_case
+from tests.hub.helpers import assert_names_unique
+from worker.cli import main
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+EXAMPLE = ROOT / "examples/policies/packing-l4.yaml"
+CRD_FILE = ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
+VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_packing_policy.yaml").read_text())
+CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_packing_policies.yaml").read_text())
+APISERVER_CASES = [c for c in CORPUS if c.get("refusedBy") != "worker"]
+
+
+def apply_case(case: dict[str, Any]) -> dict[str, Any]:
+    return apply_corpus_case(case, VALID)
+
+
+def test_documented_packing_policy_is_valid() -> None:
+    p = parse_policy(VALID)
+    assert isinstance(p, PackingPolicy)
+    spec = p.spec
+    assert spec.node_pools == ["gpu-l4"]
+    assert spec.node_selector is not None and spec.node_selector.match_labels == {
+        "nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert spec.pods.namespaces == ["inference"] and spec.pods.match_labels == {"tier": "serving"}
+    assert spec.min_savings_usd_per_hour == 1.5 and spec.max_nodes_at_once == 2
+    assert spec.protect.min_pod_age_minutes == 30 and spec.protect.annotations == ["example.com/pinned"]
+    assert spec.interval_seconds == 1800 and spec.effective_mode("Recommend") == "Approve"
+
+
+def test_defaults() -> None:
+    doc = {"apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": "p"},
+           "spec": {"kind": "Packing"}}
+    spec = parse_policy(doc).spec
+    assert isinstance(spec, policy.PackingSpec)
+    assert spec.node_pools is None and spec.node_selector is None and spec.pods.namespaces == []
+    assert spec.max_nodes_at_once == 1 and spec.min_savings_usd_per_hour == 0.0
+    assert spec.protect.min_pod_age_minutes == 0 and spec.interval_seconds == 3600
+    assert spec.effective_mode("Recommend") == "Recommend"
+
+
+def test_corpus_names_are_unique() -> None:
+    assert_names_unique(CORPUS, at_least=20)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_model_rejects_malformed_packing_policy_naming_the_field(case: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(apply_case(case))
+    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
+
+
+def test_crd_schema_uses_the_model_patterns() -> None:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    version = crd["spec"]["versions"][0]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["kind"]["enum"] == list(policy.SUPPORTED_KINDS)
+    assert spec["nodePools"]["items"]["pattern"] == policy.RESOURCE_NAME_PATTERN
+    assert spec["nodeSelector"]["properties"]["matchLabels"]["additionalProperties"]["pattern"] == \
+        policy.LABEL_VALUE_PATTERN
+    assert spec["pods"]["properties"]["namespaces"]["items"]["pattern"] == policy.NAMESPACE_PATTERN
+    assert spec["protect"]["properties"]["annotations"]["items"]["pattern"] == policy.LABEL_KEY_PATTERN
+    assert spec["interval"]["pattern"] == policy.DURATION_PATTERN
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Pack Saving"] == ".status.packing.proposal.usdPerHourSaved"
+
+
+def test_policy_validate_accepts_the_example_and_names_a_bad_field(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policy", "validate", str(EXAMPLE)]) == 0
+    assert "ok: packing-l4 (Packing, mode Approve)" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    doc = copy.deepcopy(VALID)
+    doc["spec"]["maxNodesAtOnce"] = 0
+    bad.write_text(yaml.safe_dump(doc))
+    assert main(["policy", "validate", str(bad)]) == 1
+    assert "spec.maxNodesAtOnce: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+# --- the same corpus against the real apiserver --------------------------------------------------------------
+
+def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
+    return create_strictly(cluster, doc, "pk")
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_the_documented_packing_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
+    for doc in (VALID, yaml.safe_load(EXAMPLE.read_text())):
+        created = _create(gpupolicy_crd, doc)
+        try:
+            assert created["spec"] == doc["spec"]
+            assert isinstance(parse_policy(created), PackingPolicy)
+        finally:
+            gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
+                                                                    created["metadata"]["name"])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", APISERVER_CASES, ids=[c["name"] for c in APISERVER_CASES])
+def test_apiserver_rejects_malformed_packing_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
+    with pytest.raises(client.ApiException) as err:
+        _create(gpupolicy_crd, apply_case(case))
+    assert err.value.status in (400, 422), err.value.body
+    leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
+    assert leaf in err.value.body, err.value.body

@@ -1,0 +1,176 @@
+"""Packing policies end to end on the real Karpenter (kwok provider), the real apiserver with the GpuPolicy CRD
+and the Temporal dev server, with the optimizer's own credentials: over a fragmented pool (six 1-GPU pods on
+three 4-GPU nodes) a Recommend policy only reports (status.packing: the proposal, $/h saved, the pods it moves;
+no round, nothing moved); the same policy in Approve gets one round from the watcher, a second resync leaves it
+as it is, the approval (the ``approve_plan`` update) empties one node (its NodeClaim deleted by us), and the next
+resync proposes and starts nothing. An Autoscaling policy: Recommend reports the limit it would set, Automatic
+sets the NodePool's GPU limit to maxGpus, holds it, and patches it again when maxGpus is lowered."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.capacity.karpenter import KarpenterCapacity
+from models.decisions import Approval
+from models.packing import PackInput, PackView, packing_workflow_id
+from models.policy import API_GROUP, PLURAL
+from tests.harness.burst import BurstStack, StartWorker
+from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
+from tests.harness.karpenter import Karpenter, gpu_nodepool
+from tests.harness.kube import Cluster, until
+from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.workflows.test_pack import FAST, USER_BUDGETS, _worker, until_async
+from tests.workflows.test_pack import fragmented as fragmented  # the fixture
+from worker.packing_watcher import PackingWatcher
+from workflows.pack import PackWorkflow
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+
+@pytest.fixture
+def packing_policy(cluster: Cluster) -> Iterator[str]:
+    install_gpupolicy_crd(cluster)
+    name = f"pack-{uuid.uuid4().hex[:6]}"
+    yield name
+    with contextlib.suppress(Exception):  # already gone
+        cluster.admin.custom.delete_cluster_custom_object(API_GROUP, "v1", PLURAL, name)
+
+
+def _status(cluster: Cluster, name: str) -> dict[str, Any]:
+    doc = read_gpupolicy(cluster, name) or {}
+    return dict((doc.get("status") or {}).get("packing") or {})
+
+
+async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node(
+        cluster: Cluster, karpenter: Karpenter, namespace: str, temporal_dev_server: WorkflowEnvironment,
+        fragmented: tuple[str, dict[str, int]], packing_policy: str) -> None:
+    pool, spread = fragmented
+    temporal: Client = temporal_dev_server.client
+    queue, cluster_name = f"packpol-{uuid.uuid4().hex[:6]}", f"c-{uuid.uuid4().hex[:6]}"
+    cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+        "spec": {"kind": "Packing", "mode": "Recommend", "nodePools": [pool], "maxNodesAtOnce": 2,
+                 "pods": {"namespaces": [namespace]}, "interval": "10m"}})
+    optimizer = grant(cluster, "kubeon-packing-policy-test", OPTIMIZER_RULES)
+    watcher = PackingWatcher(optimizer.api, KarpenterCapacity(optimizer.api), temporal, cluster=cluster_name,
+                             task_queue=queue, default_mode=lambda: "Automatic", settings=FAST, resync_seconds=1)
+    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    wid = packing_workflow_id(cluster_name, packing_policy)
+
+    # Recommend: the proposal is recorded, no round starts, nothing is moved.
+    assert await watcher.resync() == []
+    status = _status(cluster, packing_policy)
+    assert status["enforcedMode"] == "Recommend" and status["nodePools"] == [pool]
+    proposal = status["proposal"]
+    assert proposal["usdPerHourSaved"] == 4.6 and len(proposal["nodes"]) == 1, status
+    [node] = proposal["nodes"]
+    assert len(proposal["moves"]) == spread[node] and all(m["from"] == node for m in proposal["moves"])
+    assert "saves $4.60/h" in proposal["summary"] and "nothing is moved" in status["round"]["note"]
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+
+    # Approve: the watcher starts the policy's round, which awaits one approval; another resync leaves it be.
+    cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, packing_policy,
+                                                     {"spec": {"mode": "Approve"}})
+    async with _worker(cluster, temporal, queue):
+        assert await watcher.resync() == [wid]
+        handle = temporal.get_workflow_handle(wid, result_type=PackView)
+
+        async def awaiting() -> bool:
+            return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
+
+        await until_async(awaiting, what="the round awaiting approval")
+        assert await watcher.resync() == []
+        status = _status(cluster, packing_policy)
+        assert status["enforcedMode"] == "Approve" and status["round"]["workflowId"] == wid
+        assert "left as it is" in status["round"]["note"], status["round"]
+        assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before  # nothing done yet
+        result = await handle.execute_update("approve_plan", Approval(approver="test", plan_id=wid))
+        assert "approved by test" in str(result)
+        view = await handle.result()
+    assert view.phase == "Done", view
+    [removed] = view.removed
+    assert removed in spread and len(view.moved) == spread[removed]
+    claims_after = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    assert claims_after < claims_before and len(claims_after) == 2
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    # Packed: the next resync proposes nothing more and starts no round; the proposal and round are gone from the
+    # status.
+    assert await watcher.resync() == []
+    status = _status(cluster, packing_policy)
+    assert "proposal" not in status and "round" not in status and status["reason"], status
+    assert status["nodePools"] == [pool]
+
+
+async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gpus_patches_the_limit(
+        cluster: Cluster, karpenter: Karpenter, temporal_dev_server: WorkflowEnvironment,
+        packing_policy: str) -> None:
+    taint = uuid.uuid4().hex[:8]
+    pool = f"gpu-{taint}"
+    karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,)))
+    try:
+        cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+            "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+            "spec": {"kind": "Autoscaling", "mode": "Recommend", "nodePools": [pool], "maxGpus": 8}})
+        optimizer = grant(cluster, "kubeon-autoscaling-policy-test", OPTIMIZER_RULES)
+        watcher = PackingWatcher(optimizer.api, KarpenterCapacity(optimizer.api), temporal_dev_server.client,
+                                 cluster="c", task_queue="unused", default_mode=lambda: "Automatic")
+
+        def limit() -> str | None:
+            return (karpenter.nodepool(pool)["spec"].get("limits") or {}).get("nvidia.com/gpu")
+
+        def entry() -> dict[str, Any]:
+            doc = read_gpupolicy(cluster, packing_policy) or {}
+            [only] = doc["status"]["autoscaling"]["nodePools"]
+            return dict(only)
+
+        assert await watcher.resync() == []
+        assert limit() == "12" and "would set the limit to 8 GPUs (now 12)" in entry()["reason"]
+        patch = cluster.admin.custom.patch_cluster_custom_object
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"mode": "Automatic"}})
+        await watcher.resync()
+        assert limit() == "8" and "limit set to 8 GPUs (was 12)" in entry()["reason"]
+        await watcher.resync()
+        assert limit() == "8" and entry()["reason"] == "held at 8 GPUs"
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"maxGpus": 4}})
+        await watcher.resync()
+        assert limit() == "4" and "limit set to 4 GPUs (was 8)" in entry()["reason"]
+        # The user's other settings of the pool are as they were.
+        assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
+    finally:
+        karpenter.delete_nodepool(pool)
+
+
+async def test_the_worker_runs_the_loop_and_packing_rounds_with_capacity_provider_karpenter(
+        stack: BurstStack, start_worker: StartWorker, locations: list[dict[str, Any]], karpenter: Karpenter,
+        packing_policy: str) -> None:
+    """The worker's own wiring (worker/main.py): its loop holds an Autoscaling policy's limit, and its task queue
+    runs PackWorkflow with its activities (a pool with no node: nothing to do)."""
+    taint = uuid.uuid4().hex[:8]
+    pool = f"gpu-{taint}"
+    karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,)))
+    try:
+        stack.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+            "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+            "spec": {"kind": "Autoscaling", "mode": "Automatic", "nodePools": [pool], "maxGpus": 4}})
+        async with start_worker(locations, capacity_provider="karpenter", scale_resync_seconds=1) as (
+                temporal, settings, _runtime):
+            await until(lambda: (karpenter.nodepool(pool)["spec"].get("limits") or {}).get("nvidia.com/gpu") == "4",
+                        timeout=30, what="the worker's loop capping the NodePool at 4 GPUs")
+            view = await temporal.execute_workflow(
+                PackWorkflow.run, PackInput(cluster=settings.cluster, policy=packing_policy, groups=[pool],
+                                            mode="Automatic", settings=FAST),
+                id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=settings.task_queue,
+                execution_timeout=timedelta(seconds=30))
+        assert view.phase == "NothingToDo" and not view.removed, view
+    finally:
+        karpenter.delete_nodepool(pool)

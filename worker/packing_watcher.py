@@ -1,0 +1,239 @@
+"""The loop for Packing and Autoscaling policies (only with ``capacity.provider: karpenter``). Autoscaling: each
+resync every NodePool of the policy is held at ``maxGpus`` (``limits["nvidia.com/gpu"]``, Automatic) or the limit
+it would set is reported (Recommend), in ``status.autoscaling``. Packing: every resync, each Packing policy's
+GPU NodePools (``nodePools``, else every GPU NodePool the capacity provider lists) are read and planned
+(planning/packing.py, the same plan the round makes). In Recommend the proposal is only recorded; in Approve and
+Automatic a proposal gets its PackWorkflow, one per policy (a running round is left as it is; a new one starts
+at most every ``interval`` after the last one started). The policy's ``status.packing`` says the mode enforced,
+the proposal (nodes, $/h saved, the pods it moves) or why there is none, the nodes kept and why, and the round."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from activities.capacity import CapacityError, CapacityProvider
+from activities.packing import plan_round
+from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
+from models.policy import API_GROUP, PLURAL, AutoscalingPolicy, Mode, PackingPolicy, PolicyError, parse_policy
+
+log = logging.getLogger("kubeon.packing")
+STATUS_KEY = "packing"
+AUTOSCALING_STATUS_KEY = "autoscaling"
+MAX_KEPT = 100
+
+
+@dataclass
+class Round:
+    policy: PackingPolicy
+    mode: Mode
+    request: PackPlanRequest
+    plan: PackPlan | None
+    status: dict[str, Any]
+
+
+def scope_of(policy: PackingPolicy) -> PackScope:
+    spec = policy.spec
+    return PackScope(node_labels=dict(spec.node_selector.match_labels) if spec.node_selector else {},
+                     namespaces=list(spec.pods.namespaces), pod_labels=dict(spec.pods.match_labels),
+                     min_pod_age_seconds=spec.protect.min_pod_age_minutes * 60.0,
+                     protect_annotations=list(spec.protect.annotations))
+
+
+def proposal_status(plan: PackPlan) -> dict[str, Any]:
+    return {"nodes": plan.empty, "usdPerHourSaved": round(plan.usd_per_hour_saved, 2), "summary": plan.summary(),
+            "moves": [{"pod": m.pod, "from": m.source, "to": m.target, "gpus": m.gpus,
+                       **({"waitsForPdb": m.waits_for_pdb} if m.waits_for_pdb else {})} for m in plan.moves[:100]]}
+
+
+def _limit(gpus: int | None) -> str:
+    return "none" if gpus is None else str(gpus)
+
+
+def _round_status(*, workflow_id: str = "", run_id: str = "", status: str = "", note: str) -> dict[str, str]:
+    return {"workflowId": workflow_id, "runId": run_id, "status": status, "note": note}
+
+
+class PackingWatcher:
+    def __init__(self, api: client.ApiClient, capacity: CapacityProvider, temporal: Client, *, cluster: str,
+                 task_queue: str, default_mode: Callable[[], Mode], settings: PackSettings | None = None,
+                 resync_seconds: float = 60.0, clock: Callable[[], dt.datetime] | None = None) -> None:
+        self.api = api
+        self.custom = client.CustomObjectsApi(api)
+        self.capacity = capacity
+        self.temporal = temporal
+        self.cluster = cluster
+        self.task_queue = task_queue
+        self.default_mode = default_mode
+        self.settings = settings or PackSettings()
+        self.resync_seconds = resync_seconds
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+        self.started: list[str] = []
+        self._stop = asyncio.Event()
+
+    def list_policies(self) -> list[PackingPolicy]:
+        return [p for p in self.list_all() if isinstance(p, PackingPolicy)]
+
+    def list_all(self) -> list[PackingPolicy | AutoscalingPolicy]:
+        try:
+            listed: Any = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return []
+            raise
+        out = []
+        for doc in listed.get("items", []):
+            try:
+                p = parse_policy(doc)
+            except PolicyError:
+                continue  # never enforced; the hub sync reports it
+            if isinstance(p, PackingPolicy | AutoscalingPolicy):
+                out.append(p)
+        return out
+
+    def patch_status(self, policy: str, status: dict[str, Any], key: str = STATUS_KEY) -> None:
+        try:
+            self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
+                                                           {"status": {key: status}})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def evaluate_policy(self, policy: PackingPolicy) -> Round:
+        spec = policy.spec
+        mode = spec.effective_mode(self.default_mode())
+        now = self.clock()
+        # Written as a JSON merge patch: every key each time, None removes one (a proposal or round gone); the
+        # lists are replaced whole.
+        status: dict[str, Any] = {"enforcedMode": mode, "evaluatedAt": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                  "proposal": None, "kept": [], "round": None}
+        groups = list(spec.node_pools) if spec.node_pools else [g.name for g in self.capacity.list_groups()]
+        request = PackPlanRequest(groups=groups, max_nodes=spec.max_nodes_at_once,
+                                  min_savings_usd_per_hour=spec.min_savings_usd_per_hour, scope=scope_of(policy))
+        status["nodePools"] = groups
+        if not groups:
+            status["reason"] = "no GPU NodePool found"
+            return Round(policy, mode, request, None, status)
+        try:
+            plan = plan_round(self.api, self.capacity, request, now)
+        except CapacityError as exc:
+            status["reason"] = f"cannot read the NodePools: {exc}"
+            return Round(policy, mode, request, None, status)
+        except Exception as exc:  # an ApplicationError from a refused capacity call, an API error
+            status["reason"] = f"cannot plan: {exc}"
+            return Round(policy, mode, request, None, status)
+        status["kept"] = [{"node": n, "reason": why} for n, why in sorted(plan.kept.items())][:MAX_KEPT]
+        if plan.empty:
+            status["proposal"] = proposal_status(plan)
+            status["reason"] = ""
+        else:
+            status["reason"] = plan.summary()
+        return Round(policy, mode, request, plan, status)
+
+    def hold_limits(self, policy: AutoscalingPolicy) -> dict[str, Any]:
+        """Each of the policy's NodePools capped at maxGpus (Automatic), or what would be set (Recommend); a lower
+        limit stops new GPU nodes and removes none."""
+        spec = policy.spec
+        mode = spec.effective_mode(self.default_mode())
+        pools: list[dict[str, Any]] = []
+        for name in spec.node_pools:
+            try:
+                group = self.capacity.get_group(name)
+                entry: dict[str, Any] = {"nodePool": name, "gpus": group.gpus, "limit": group.gpu_limit}
+                if group.gpu_limit == spec.max_gpus:
+                    entry["reason"] = f"held at {spec.max_gpus} GPUs"
+                elif mode == "Automatic":
+                    previous = self.capacity.set_gpu_limit(name, spec.max_gpus)
+                    entry["limit"] = spec.max_gpus
+                    entry["reason"] = f"limit set to {spec.max_gpus} GPUs (was {_limit(previous)})"
+                else:
+                    entry["reason"] = (f"Recommend: would set the limit to {spec.max_gpus} GPUs "
+                                       f"(now {_limit(group.gpu_limit)})")
+                if group.gpus > spec.max_gpus:
+                    entry["reason"] += f"; {group.gpus} GPUs run now: no new GPU node until under it, none removed"
+            except CapacityError as exc:
+                entry = {"nodePool": name, "gpus": None, "limit": None, "reason": str(exc)}
+            pools.append(entry)
+        status = {"enforcedMode": mode, "evaluatedAt": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "nodePools": pools}
+        self.patch_status(policy.name, status, AUTOSCALING_STATUS_KEY)
+        return status
+
+    def evaluate(self) -> list[Round]:
+        out = []
+        for policy in self.list_all():
+            try:
+                if isinstance(policy, AutoscalingPolicy):
+                    self.hold_limits(policy)
+                else:
+                    out.append(self.evaluate_policy(policy))
+            except Exception:  # one policy's failure never stops the others
+                log.exception("%s policy %s: evaluation failed", policy.spec.kind, policy.name)
+        return out
+
+    async def _round(self, r: Round) -> dict[str, Any]:
+        """Start the policy's round unless one runs or the last started less than ``interval`` ago."""
+        wid = packing_workflow_id(self.cluster, r.policy.name)
+        try:
+            described = await self.temporal.get_workflow_handle(wid).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            described = None
+        if described is not None:
+            state = {"workflow_id": wid, "run_id": described.run_id,
+                     "status": described.status.name if described.status else "UNKNOWN"}
+            if described.status == WorkflowExecutionStatus.RUNNING:
+                return _round_status(**state, note="a round is running; left as it is")
+            since = (self.clock() - described.start_time).total_seconds()
+            if since < r.policy.spec.interval_seconds:
+                return _round_status(**state, note=f"the next round starts in "
+                                                   f"{r.policy.spec.interval_seconds - since:.0f}s (interval "
+                                                   f"{r.policy.spec.interval})")
+        handle = await self.temporal.start_workflow(
+            "PackWorkflow",
+            PackInput(cluster=self.cluster, policy=r.policy.name, groups=r.request.groups, mode=r.mode,
+                      max_nodes=r.request.max_nodes, min_savings_usd_per_hour=r.request.min_savings_usd_per_hour,
+                      settings=self.settings, scope=r.request.scope),
+            id=wid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            static_summary=f"Packing: {r.plan.summary() if r.plan else ''} (policy {r.policy.name})")
+        self.started.append(wid)
+        return _round_status(workflow_id=wid, run_id=handle.result_run_id or "", status="RUNNING", note="started")
+
+    async def resync(self) -> list[str]:
+        rounds = await asyncio.to_thread(self.evaluate)
+        started = len(self.started)
+        for r in rounds:
+            if r.plan is not None and r.plan.empty and r.mode != "Recommend":
+                try:
+                    r.status["round"] = await self._round(r)
+                except RPCError as exc:
+                    r.status["round"] = _round_status(note=f"cannot start the round: {exc}")
+            elif r.mode == "Recommend" and r.plan is not None and r.plan.empty:
+                r.status["round"] = _round_status(note="Recommend: proposed only, nothing is moved")
+            await asyncio.to_thread(self.patch_status, r.policy.name, r.status)
+        return self.started[started:]
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.resync()
+            except Exception:
+                log.exception("Packing resync failed; retrying in %gs", self.resync_seconds)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.resync_seconds):
+                    await self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
