@@ -67,7 +67,7 @@ def test_every_karpenter_verb_used_is_needed(cluster: Cluster, karpenter: Karpen
         for call in calls.values():
             call(capacity)
         capacity.unfreeze(pool, "rbac-proof")
-        wait_for(lambda: capacity.node_gone(pool, node), timeout=60, what="the node removed as the chart's SA")
+        wait_for(lambda: capacity.node_gone(pool, node), timeout=180, what="the node removed as the chart's SA")
     finally:
         cluster.admin.apps.delete_namespaced_deployment("one", namespace)
         karpenter.delete_nodepool(pool)

@@ -217,7 +217,7 @@ class Karpenter:
     def nodes(self, nodepool: str) -> list[client.V1Node]:
         return list(self.admin.core.list_node(label_selector=f"karpenter.sh/nodepool={nodepool}").items)
 
-    def delete_nodepool(self, name: str, timeout: float = 60.0) -> None:
+    def delete_nodepool(self, name: str, timeout: float = 180.0) -> None:
         """Delete the pool and wait until its NodeClaims and Nodes are gone (Karpenter drains and removes them)."""
         with contextlib.suppress(client.ApiException):
             self.custom.delete_cluster_custom_object(KARPENTER_GROUP, KARPENTER_VERSION, "nodepools", name)

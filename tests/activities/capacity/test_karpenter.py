@@ -125,7 +125,7 @@ def test_groups_freeze_shield_limits_and_removal(cluster: Cluster, karpenter: Ka
     more_node = next(n.name for n in capacity.get_group(name).nodes if n.name not in (first, second))
     capacity.remove_node(name, more_node)
     capacity.remove_node(name, more_node)
-    wait_for(lambda: capacity.node_gone(name, more_node), timeout=60, what=f"node {more_node} and its NodeClaim gone")
+    wait_for(lambda: capacity.node_gone(name, more_node), timeout=180, what=f"node {more_node} and its NodeClaim gone")
     assert sorted(n.name for n in capacity.get_group(name).nodes) == sorted((first, second))
     capacity.remove_node(name, more_node)  # gone: a no-op
 
