@@ -78,6 +78,13 @@ T = TypeVar("T")
 # How stale the home capacity a serving node's return-home check reads may be: every serving node checks every
 # serve_check_seconds, and one list of the cluster's nodes and pods per second serves them all.
 HOME_VIEW_SECONDS = 1.0
+# Taints of a node that is not capacity yet or any more (registering, being disrupted or removed, not ready): its
+# GPUs are never counted as home capacity that a burst node could go home to.
+NOT_CAPACITY_TAINTS = frozenset({
+    "karpenter.sh/unregistered", "karpenter.sh/disrupted", "ToBeDeletedByClusterAutoscaler",
+    "node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable", "node.kubernetes.io/unschedulable",
+    "node.cloudprovider.kubernetes.io/uninitialized",
+})
 
 
 class RecentRead(Generic[T]):
@@ -290,6 +297,8 @@ class KubeOps:
             labels = meta.get("labels") or {}
             ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
             if LABEL_LOCATION in labels or spec.get("unschedulable") or not ready:
+                continue
+            if any(t.get("key") in NOT_CAPACITY_TAINTS for t in spec.get("taints") or []):
                 continue
             if any(labels.get(k) != v for k, v in node_selector.items()):
                 continue

@@ -48,3 +48,22 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster
     finally:
         for name in (home, burst):
             cluster.admin.core.delete_node(name)
+
+
+def test_a_node_registering_or_being_removed_is_not_home_capacity(cluster: Cluster) -> None:
+    """A Karpenter node still unregistered (or disrupted, or being deleted by an autoscaler) is no home a burst node
+    could go back to, whatever GPUs it shows."""
+    kube = KubeOps(cluster.admin.api)
+    selector = {"nvidia.com/gpu.product": unique("gpu-coming")}
+    node = unique("home")
+    cluster.create_kwok_node(node, gpus=2, labels=selector, taints=[
+        client.V1Taint(key="karpenter.sh/unregistered", effect="NoExecute")])
+    try:
+        wait_for(lambda: cluster.node_ready(node), what="the node Ready")
+        for _ in range(3):
+            assert kube.home_free_gpus(selector) == 0
+        cluster.admin.core.patch_node(node, {"spec": {"taints": None}})  # registered: now it is capacity
+        wait_for(lambda: kube.home_free_gpus(selector) == 2, timeout=HOME_VIEW_SECONDS + 10,
+                 what="the registered node's 2 GPUs free")
+    finally:
+        cluster.admin.core.delete_node(node)

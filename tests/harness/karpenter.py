@@ -217,6 +217,25 @@ class Karpenter:
     def nodes(self, nodepool: str) -> list[client.V1Node]:
         return list(self.admin.core.list_node(label_selector=f"karpenter.sh/nodepool={nodepool}").items)
 
+    def force_delete_nodepool(self, name: str) -> None:
+        """Delete the pool, its NodeClaims and its Nodes at once, finalizers stripped: for a test whose own subject
+        is not Karpenter's removal, so that nothing of its pool is left to other tests however Karpenter fares."""
+        with contextlib.suppress(client.ApiException):
+            self.custom.delete_cluster_custom_object(KARPENTER_GROUP, KARPENTER_VERSION, "nodepools", name)
+        for claim in self.nodeclaims(name):
+            claim_name = claim["metadata"]["name"]
+            with contextlib.suppress(client.ApiException):
+                self.custom.patch_cluster_custom_object(KARPENTER_GROUP, KARPENTER_VERSION, "nodeclaims", claim_name,
+                                                        {"metadata": {"finalizers": None}})
+                self.custom.delete_cluster_custom_object(KARPENTER_GROUP, KARPENTER_VERSION, "nodeclaims", claim_name)
+        for node in self.nodes(name):
+            node_name = str(node.metadata.name)
+            with contextlib.suppress(client.ApiException):
+                self.admin.core.patch_node(node_name, {"metadata": {"finalizers": None}})
+                self.admin.core.delete_node(node_name)
+        wait_for(lambda: not self.nodeclaims(name) and not self.nodes(name), timeout=60,
+                 what=f"NodePool {name}'s NodeClaims and Nodes deleted")
+
     def delete_nodepool(self, name: str, timeout: float = 180.0) -> None:
         """Delete the pool and wait until its NodeClaims and Nodes are gone (Karpenter drains and removes them)."""
         with contextlib.suppress(client.ApiException):
