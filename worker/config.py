@@ -18,7 +18,8 @@ from models.scale import ScaleSettings
 from models.sharing import SharingSettings
 
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
-CAPACITY_PROVIDERS = ("karpenter", "eks-nodegroups", "gke-nodepools", "aks-nodepools")
+# "none": no home autoscaler to defer to (home capacity is what the nodes have free).
+CAPACITY_PROVIDERS = ("karpenter", "eks-nodegroups", "gke-nodepools", "aks-nodepools", "none")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 

@@ -85,6 +85,9 @@ class BurstStack:
             "kubeconfig": self.optimizer_kubeconfig, "burst_enabled": True,
             "burst_locations_file": loc_file, "state_dir": state, "home_location": "aws/us-east-1",
             "serve_check_seconds": 1, "health_port": 0,
+            # No home autoscaler unless a test asks for one (capacity_provider="karpenter"): the session's real
+            # Karpenter, started by the tests that need it, is no home for the other tests' bursts.
+            "capacity_provider": "none",
         }
         values.update(overrides)
         return Settings.model_validate(values)

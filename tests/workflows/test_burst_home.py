@@ -17,7 +17,7 @@ from models.labels import LABEL_POLICY
 from planning.home import home_verdict
 from tests.harness.burst import BURST_TAINT_KEY, BurstStack, StartWorker, provision_state
 from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import until
+from tests.harness.kube import until, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
@@ -25,11 +25,17 @@ BURST_TOLERATION = client.V1Toleration(key=BURST_TAINT_KEY, operator="Exists", e
 
 
 @pytest.fixture
-def pool(karpenter: Karpenter) -> Iterator[tuple[str, str]]:
+def pool(karpenter: Karpenter, stack: BurstStack, namespace: str) -> Iterator[tuple[str, str]]:
     taint = uuid.uuid4().hex[:8]
     name = f"gpu-{taint}"
     karpenter.create_nodepool(gpu_nodepool(name, taint=taint, gpu_limit=2, instance_types=("g6.xlarge",)))
     yield name, taint
+    # The test's workloads go first: drained off the pool's nodes they would come back pending, tolerating the
+    # burst taint, and every burst policy of the tests that follow would plan them.
+    apps, core = stack.cluster.admin.apps, stack.cluster.admin.core
+    for deployment in apps.list_namespaced_deployment(namespace).items:
+        apps.delete_namespaced_deployment(str(deployment.metadata.name), namespace, propagation_policy="Foreground")
+    wait_for(lambda: not core.list_namespaced_pod(namespace).items, timeout=60, what="the test's pods gone")
     karpenter.delete_nodepool(name)
 
 
@@ -84,3 +90,7 @@ async def test_home_nodepool_first_then_burst_at_its_limit(
         assert len(karpenter.nodeclaims(name)) == 2  # Karpenter launched nothing beyond its limit
         await until(lambda: stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
                     timeout=60, what="the burst node of the pod home capacity cannot serve")
+        # Its workload gone, the burst node goes home (and is no node for the next test's burst pods).
+        apps.delete_namespaced_deployment("more", namespace)
+        await until(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
+                    timeout=90, what="the burst node gone home")
