@@ -7,7 +7,8 @@ gone, shielding a node already shielded, freezing a group the same operation fro
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Final, Protocol
 
 from models.capacity import HomeNodeGroup
 
@@ -78,3 +79,20 @@ class CapacityProvider(Protocol):
     def set_gpu_limit(self, group: str, gpus: int | None) -> int | None:
         """Cap (or, with None, open) the group's GPU capacity; returns the previous limit."""
         ...
+
+
+# Marks a shield as the optimizer's: only such a shield is ever lifted by it (a user's own stays theirs).
+SHIELDED_ANNOTATION: Final = "gpu.kubeon.io/shielded"
+
+
+def shield_patch(annotations: Mapping[str, str], key: str, shielded: bool) -> dict[str, str | None] | None:
+    """The node annotations that shield a node from its autoscaler (``key`` set to "true" and marked ours) or lift
+    our shield; None when there is nothing to change (shielded already, or a shield that is not ours)."""
+    if shielded:
+        if annotations.get(key) == "true":
+            return None
+        return {key: "true", SHIELDED_ANNOTATION: "true"}
+    if annotations.get(SHIELDED_ANNOTATION) != "true":
+        return None
+    return {key: None, SHIELDED_ANNOTATION: None}
+

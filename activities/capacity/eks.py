@@ -30,7 +30,13 @@ from typing import Any, Final
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity import (
+    CapacityError,
+    FrozenByOtherError,
+    GroupNotFoundError,
+    NodeNotInGroupError,
+    shield_patch,
+)
 from activities.clients.kube import gpus_requested
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AWS_GPU_INSTANCES
@@ -45,7 +51,6 @@ botocore_config = LazyImport("botocore.config")
 GPU_TYPES: Final = {o.instance_type: o for o in AWS_GPU_INSTANCES}
 PROVIDER_ID: Final = re.compile(r"^aws:///(?P<zone>[^/]+)/(?P<instance>i-[0-9a-f]+)$")
 FROZEN_TAG: Final = "kubeon.io/disruption-frozen-by"
-SHIELDED_ANNOTATION: Final = "gpu.kubeon.io/shielded"
 GONE_STATES: Final = ("Terminating", "Terminating:Wait", "Terminating:Proceed", "Terminated")
 # AWS error codes retrying cannot help with.
 FINAL_CODES: Final = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "InvalidParameterException",
@@ -291,16 +296,9 @@ class EksNodeGroupsCapacity:
         found = self._node(node)
         if found is None:
             return
-        annotations = found.metadata.annotations or {}
-        patch: dict[str, str | None]
-        if shielded:
-            if annotations.get(SCALE_DOWN_DISABLED) == "true":
-                return  # shielded already (by us, or by the user: theirs stays theirs)
-            patch = {SCALE_DOWN_DISABLED: "true", SHIELDED_ANNOTATION: "true"}
-        else:
-            if annotations.get(SHIELDED_ANNOTATION) != "true":
-                return
-            patch = {SCALE_DOWN_DISABLED: None, SHIELDED_ANNOTATION: None}
+        patch = shield_patch(found.metadata.annotations or {}, SCALE_DOWN_DISABLED, shielded)
+        if patch is None:
+            return
         try:
             self.core.patch_node(node, {"metadata": {"annotations": patch}})
         except client.ApiException as exc:

@@ -29,6 +29,7 @@ from activities.capacity import (
     FrozenByOtherError,
     GroupNotFoundError,
     NodeNotInGroupError,
+    shield_patch,
 )
 from activities.clients.kube import gpus_requested
 from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
@@ -59,7 +60,6 @@ PRODUCT_KEY: Final = "nvidia.com/gpu.product"
 # The price the kwok provider (and eks-node-viewer) puts on a node: the offering's $/h.
 PRICE_LABEL: Final = "eks-node-viewer/instance-price"
 # Ours, beside Karpenter's keys: which do-not-disrupt we set, which node a static pool's replicas went down for.
-SHIELDED_ANNOTATION: Final = "gpu.kubeon.io/shielded"
 SCALED_DOWN_FOR_ANNOTATION: Final = "gpu.kubeon.io/replicas-decremented-for"
 CATALOG_PRICES: Final = {s.instance_type: s.usd_per_hour
                          for s in (*AWS_GPU_INSTANCES, *GCP_GPU_INSTANCES.get("us-central1", ()))}
@@ -298,16 +298,9 @@ class KarpenterCapacity:
         found = self._node(node)
         if found is None:
             return
-        annotations = found.metadata.annotations or {}
-        patch: dict[str, str | None]
-        if shielded:
-            if annotations.get(DO_NOT_DISRUPT) == "true":
-                return  # shielded already (by us, or by the user: theirs stays theirs)
-            patch = {DO_NOT_DISRUPT: "true", SHIELDED_ANNOTATION: "true"}
-        else:
-            if annotations.get(SHIELDED_ANNOTATION) != "true":
-                return  # not ours to lift
-            patch = {DO_NOT_DISRUPT: None, SHIELDED_ANNOTATION: None}
+        patch = shield_patch(found.metadata.annotations or {}, DO_NOT_DISRUPT, shielded)
+        if patch is None:
+            return
         try:
             self.core.patch_node(node, {"metadata": {"annotations": patch}})
         except client.ApiException as exc:
