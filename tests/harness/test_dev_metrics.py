@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from activities.clients.prometheus import PrometheusClient
+from activities.clients.prometheus import PrometheusClient, PrometheusUnavailable
 from planning.idle import PodActivity, judge_idle
 from tests.harness.dev_metrics import ACTIVITY, NAMESPACE, NODE, DevMetrics
 from tests.harness.kube import Cluster, wait_for
@@ -36,7 +36,10 @@ def test_example_workload_is_measured_and_can_be_made_idle(cluster: Cluster, dev
     try:
         def pods_measured() -> dict[tuple[str, str], PodActivity] | None:
             dev_metrics.sync()
-            got = client.pod_activity([NAMESPACE], 60)
+            try:
+                got = client.pod_activity([NAMESPACE], 60)
+            except PrometheusUnavailable:  # the background syncer restarts Prometheus to backfill a new pod
+                return None
             return got if len(got) == 2 else None
 
         wait_for(pods_measured, what="both llm pods in Prometheus", timeout=90, interval=1)
@@ -51,7 +54,10 @@ def test_example_workload_is_measured_and_can_be_made_idle(cluster: Cluster, dev
 
         def busy() -> bool:
             dev_metrics.sync()
-            got = client.pod_activity([NAMESPACE], 1800)
+            try:
+                got = client.pod_activity([NAMESPACE], 1800)
+            except PrometheusUnavailable:
+                return False
             return not judge_idle(pods, got, threshold=0.05, idle_for_s=1800, min_coverage=0.9).idle
 
         wait_for(busy, what="the pods busy after the annotation", timeout=60, interval=1)

@@ -28,6 +28,7 @@ from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.hub_sync import HubSyncWorkflow
 from workflows.operation import Approvable, Proposal
+from workflows.pack import PackWorkflow
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
 from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
@@ -105,8 +106,11 @@ def test_every_name_a_running_history_may_hold_is_still_registered() -> None:
     assert _names(MigWorkflow) == {
         "type": "Mig", "signals": {"undo", *decisions}, "queries": {"state"},
         "updates": {"approve_plan", "reject_plan", "undo"}}
+    assert _names(PackWorkflow) == {
+        "type": "PackWorkflow", "signals": set(decisions), "queries": {"state"},
+        "updates": {"approve_plan", "reject_plan"}}
     assert {_Definition.must_from_class(w).name for w in WORKFLOWS} == {
-        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig"}
+        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig", "PackWorkflow"}
 
 
 @pytest.mark.temporal
