@@ -14,6 +14,7 @@ from kubernetes import client
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.clients.policies import enforceable_policies, patch_policy_status
 from activities.clients.prometheus import MetricsError, PrometheusClient
 from activities.context import poll
 from models.policy import (
@@ -240,27 +241,13 @@ class ScaleOps:
         return policy if isinstance(policy, ScaleToZeroPolicy) else None
 
     def list_all_policies(self) -> list[AnyPolicy]:
-        listed: dict[str, Any] = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)  # type: ignore[assignment]
-        out = []
-        for doc in listed.get("items", []):
-            try:
-                out.append(parse_policy(doc))
-            except PolicyError:
-                continue  # never enforced; the hub sync reports it
-        return out
+        return enforceable_policies(self.custom)
 
     def list_policies(self) -> list[ScaleToZeroPolicy]:
         return [p for p in self.list_all_policies() if isinstance(p, ScaleToZeroPolicy)]
 
     def patch_status(self, policy: str, scale_status: dict[str, Any], key: str = STATUS_KEY) -> None:
-        """Merge ``scale_status`` into ``status.<key>`` (a JSON merge patch: other keys, other writers'
-        workloads and the hub sync's conditions stay)."""
-        try:
-            self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
-                                                           {"status": {key: scale_status}})
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
+        patch_policy_status(self.custom, policy, key, scale_status)
 
     def snapshot(self, req: ScalePolicyRequest) -> ScalePolicySnapshot:
         policy = self.read_policy(req.policy)

@@ -16,9 +16,10 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.kube import gpus_requested
+from activities.clients.policies import enforceable_policies, patch_policy_status
 from activities.clients.prometheus import PrometheusClient
 from activities.context import poll
-from models.policy import API_GROUP, PLURAL, PolicyError, SharingPolicy, parse_policy
+from models.policy import SharingPolicy
 from models.sharing import (
     CONFIG_LABEL,
     COUNT_LABEL,
@@ -208,24 +209,10 @@ class SharingOps:
 
     # -- what the watcher decides from ---------------------------------------------------------------------
     def list_policies(self) -> list[SharingPolicy]:
-        listed: Any = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)
-        out = []
-        for doc in listed.get("items", []):
-            try:
-                p = parse_policy(doc)
-            except PolicyError:
-                continue
-            if isinstance(p, SharingPolicy):
-                out.append(p)
-        return out
+        return [p for p in enforceable_policies(self.custom) if isinstance(p, SharingPolicy)]
 
     def patch_status(self, policy: str, status: dict[str, Any]) -> None:
-        try:
-            self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
-                                                           {"status": {STATUS_KEY: status}})
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
+        patch_policy_status(self.custom, policy, STATUS_KEY, status)
 
     def node_facts(self, match_labels: dict[str, str]) -> list[NodeFacts]:
         """The selected GPU nodes, their GPU pods, and the pending GPU pods each could take (by nodeSelector)."""

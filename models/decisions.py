@@ -25,3 +25,18 @@ class DecisionResult(Model):
     # The operation's phase after the decision (a batch's or a scale operation's; the same strings).
     phase: str
     message: str
+
+
+class OperatorRequest(Model):
+    """A person's request to a running operation beyond approving it (wake a workload, undo a sharing change),
+    from the Temporal UI (a signal or an update) or the CLI."""
+
+    by: str = "temporal-ui"
+    reason: str = ""
+
+
+class OperatorResult(Model):
+    """The answer to an ``OperatorRequest``; each operation adds its phase after the request."""
+
+    operation: str
+    message: str

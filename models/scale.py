@@ -11,6 +11,7 @@ from typing import Final, Literal
 from pydantic import Field
 
 from models.base import Model, OperationViewBase
+from models.decisions import OperatorRequest, OperatorResult
 from models.policy import Mode, ScheduleWake
 
 WorkloadKind = Literal["Deployment", "StatefulSet"]
@@ -176,15 +177,12 @@ class ScaleStatusUpdate(Model):
     entry: dict[str, str | int | None] | None = None
 
 
-class WakeRequest(Model):
-    by: str = "temporal-ui"
-    reason: str = ""
+class WakeRequest(OperatorRequest):
+    pass
 
 
-class WakeResult(Model):
-    operation: str
+class WakeResult(OperatorResult):
     phase: ScalePhase
-    message: str
 
 
 class ScaleView(OperationViewBase):

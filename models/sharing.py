@@ -10,6 +10,7 @@ from typing import Final
 from pydantic import Field
 
 from models.base import Model, OperationViewBase
+from models.decisions import OperatorRequest, OperatorResult
 from models.policy import Mode
 
 NO_PROMETHEUS: Final = "prometheus.url is not set: Sharing stays in Recommend mode (R1.3)"
@@ -170,15 +171,12 @@ class UnservableResult(Model):
     pods: list[str] = Field(default_factory=list)
 
 
-class UndoRequest(Model):
-    by: str = "temporal-ui"
-    reason: str = ""
+class UndoRequest(OperatorRequest):
+    pass
 
 
-class UndoResult(Model):
-    operation: str
+class UndoResult(OperatorResult):
     phase: SharingPhase
-    message: str
 
 
 class SharingView(OperationViewBase):

@@ -23,9 +23,10 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.capacity import CapacityError, CapacityProvider
+from activities.clients.policies import enforceable_policies, patch_policy_status
 from activities.packing import plan_round
 from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
-from models.policy import API_GROUP, PLURAL, AutoscalingPolicy, Mode, PackingPolicy, PolicyError, parse_policy
+from models.policy import AutoscalingPolicy, Mode, PackingPolicy
 
 log = logging.getLogger("kubeon.packing")
 STATUS_KEY = "packing"
@@ -85,29 +86,10 @@ class PackingWatcher:
         return [p for p in self.list_all() if isinstance(p, PackingPolicy)]
 
     def list_all(self) -> list[PackingPolicy | AutoscalingPolicy]:
-        try:
-            listed: Any = self.custom.list_cluster_custom_object(API_GROUP, "v1", PLURAL)
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return []
-            raise
-        out = []
-        for doc in listed.get("items", []):
-            try:
-                p = parse_policy(doc)
-            except PolicyError:
-                continue  # never enforced; the hub sync reports it
-            if isinstance(p, PackingPolicy | AutoscalingPolicy):
-                out.append(p)
-        return out
+        return [p for p in enforceable_policies(self.custom) if isinstance(p, PackingPolicy | AutoscalingPolicy)]
 
     def patch_status(self, policy: str, status: dict[str, Any], key: str = STATUS_KEY) -> None:
-        try:
-            self.custom.patch_cluster_custom_object_status(API_GROUP, "v1", PLURAL, policy,
-                                                           {"status": {key: status}})
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise
+        patch_policy_status(self.custom, policy, key, status)
 
     def evaluate_policy(self, policy: PackingPolicy) -> Round:
         spec = policy.spec

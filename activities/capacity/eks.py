@@ -35,8 +35,8 @@ from activities.capacity import (
     FrozenByOtherError,
     GroupNotFoundError,
     NodeNotInGroupError,
-    shield_patch,
 )
+from activities.capacity.nodes import HomeNodes
 from activities.clients.kube import gpus_requested
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AWS_GPU_INSTANCES
@@ -67,8 +67,9 @@ def _code(exc: Exception) -> str:
     return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
 
-class EksNodeGroupsCapacity:
+class EksNodeGroupsCapacity(HomeNodes):
     name = "eks-nodegroups"
+    SHIELD_ANNOTATION = SCALE_DOWN_DISABLED
 
     def __init__(self, api: client.ApiClient, *, cluster: str, region: str, endpoint_url: str | None = None,
                  client_config: dict[str, Any] | None = None,
@@ -248,13 +249,6 @@ class EksNodeGroupsCapacity:
                   scalingConfig={"minSize": low, "maxSize": high, "desiredSize": desired})
         return scaling
 
-    def _node(self, node: str) -> client.V1Node | None:
-        try:
-            return self.core.read_node(node)
-        except client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise CapacityError(f"reading node {node}: {exc.status} {exc.reason}") from exc
 
     def remove_node(self, group: str, node: str) -> None:
         found = self._node(node)
@@ -292,19 +286,6 @@ class EksNodeGroupsCapacity:
     def node_gone(self, group: str, node: str) -> bool:
         return self._node(node) is None
 
-    def shield_node(self, node: str, shielded: bool) -> None:
-        found = self._node(node)
-        if found is None:
-            return
-        patch = shield_patch(found.metadata.annotations or {}, SCALE_DOWN_DISABLED, shielded)
-        if patch is None:
-            return
-        try:
-            self.core.patch_node(node, {"metadata": {"annotations": patch}})
-        except client.ApiException as exc:
-            if exc.status != 404:
-                raise CapacityError(f"patching node {node}: {exc.status} {exc.reason}",
-                                    retryable=exc.status not in (401, 403)) from exc
 
     def _frozen_by(self, group: str) -> tuple[str, str | None]:
         name = self._asg_name(group, self._describe(group))

@@ -29,8 +29,8 @@ from activities.capacity import (
     FrozenByOtherError,
     GroupNotFoundError,
     NodeNotInGroupError,
-    shield_patch,
 )
+from activities.capacity.nodes import HomeNodes
 from activities.clients.kube import gpus_requested
 from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
 from models.capacity import (
@@ -93,8 +93,9 @@ def _quantity_int(value: Any) -> int | None:
         raise CapacityError(f"GPU quantity {text!r} is not a whole number", retryable=False) from None
 
 
-class KarpenterCapacity:
+class KarpenterCapacity(HomeNodes):
     name = "karpenter"
+    SHIELD_ANNOTATION = DO_NOT_DISRUPT
 
     def __init__(self, api: client.ApiClient, *, prices: Callable[[str], float | None] | None = None) -> None:
         self.custom = client.CustomObjectsApi(api)
@@ -244,13 +245,6 @@ class KarpenterCapacity:
                                     retryable=_status(exc) >= 500 or _status(exc) == 429) from exc
         raise ConflictError(f"NodePool {group} kept changing while we patched it ({CONFLICT_RETRIES} tries)")
 
-    def _node(self, node: str) -> client.V1Node | None:
-        try:
-            return self.core.read_node(node)
-        except client.ApiException as exc:
-            if _status(exc) == 404:
-                return None
-            raise CapacityError(f"reading node {node}: {exc.status} {exc.reason}") from exc
 
     def _claim_for(self, group: str, node: str, provider_id: str | None) -> dict[str, Any] | None:
         for c in self._claims(group):
@@ -294,19 +288,6 @@ class KarpenterCapacity:
     def node_gone(self, group: str, node: str) -> bool:
         return self._node(node) is None and self._claim_for(group, node, None) is None
 
-    def shield_node(self, node: str, shielded: bool) -> None:
-        found = self._node(node)
-        if found is None:
-            return
-        patch = shield_patch(found.metadata.annotations or {}, DO_NOT_DISRUPT, shielded)
-        if patch is None:
-            return
-        try:
-            self.core.patch_node(node, {"metadata": {"annotations": patch}})
-        except client.ApiException as exc:
-            if _status(exc) != 404:
-                raise CapacityError(f"patching node {node}: {exc.status} {_reason(exc)}",
-                                    retryable=_status(exc) not in (401, 403)) from exc
 
     def freeze(self, group: str, operation: str) -> None:
         def add(pool: dict[str, Any]) -> dict[str, Any] | None:

@@ -148,6 +148,33 @@ def _is_hub(obj: dict[str, Any]) -> bool:
     return (obj.get("metadata", {}).get("labels") or {}).get(LABEL_SOURCE) == SOURCE_HUB
 
 
+def enforceable_policies(custom: client.CustomObjectsApi) -> list[AnyPolicy]:
+    """Every GpuPolicy that parses; one that does not is never enforced (the hub sync reports it). No CRD: none."""
+    try:
+        listed: Any = custom.list_cluster_custom_object(API_GROUP, VERSION, PLURAL)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return []
+        raise
+    out = []
+    for doc in listed.get("items", []):
+        try:
+            out.append(parse_policy(doc))
+        except PolicyError:
+            continue
+    return out
+
+
+def patch_policy_status(custom: client.CustomObjectsApi, policy: str, key: str, value: dict[str, Any]) -> None:
+    """Merge ``value`` into the policy's ``status.<key>`` (a JSON merge patch: other keys, other writers' entries
+    and the hub sync's conditions stay); a policy deleted meanwhile has nothing to say."""
+    try:
+        custom.patch_cluster_custom_object_status(API_GROUP, VERSION, PLURAL, policy, {"status": {key: value}})
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
 class PolicySyncer:
     """Writes the hub's policies into the cluster with the optimizer's own credentials (R5.1: gpupolicies and
     gpupolicies/status)."""

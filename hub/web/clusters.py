@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from hub import ops, optimizer_clients, routes
 from hub.audit import Role
@@ -24,6 +25,7 @@ from hub.web.common import FormDep, MaybeSignedInDep, SignedInDep, StateDep, red
 from hub.web.forms import Form, read_form
 from hub.web.policies import policy_rows
 from hub.web.render import page
+from hub.web.sessions import SignedIn
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 SECRET_NAME: Final = "kubeon-gpu-optimizer-token"
@@ -168,16 +170,36 @@ def cluster_page(request: Request, who: SignedInDep, session: SessionDep, now: N
                 cluster=row, policies=policies)
 
 
+# What confirming each change of a cluster's tokens says: its button, whether it is destructive, and its text.
+TOKEN_CHANGES: Final = {
+    "rotate": ("Rotate token", False,
+               "A new token is issued for cluster {name} and shown once. The current token keeps working until the "
+               "new one is first used, or for 24 hours, whichever comes first."),
+    "revoke": ("Revoke every token of {name}", True,
+               "The optimizer of cluster {name} stops at once: it can no longer pull policies or approvals and "
+               "takes no further action. The cluster shows as disconnected until you rotate to issue a new token."),
+}
+
+
 @router.get("/clusters/{cluster}/rotate")
 def rotate_confirm(request: Request, who: SignedInDep, session: SessionDep, cluster: ClusterName) -> Response:
-    sessions.require(who, Role.ADMIN, "Rotate token")
+    return _token_change_confirm(request, who, session, cluster, "rotate")
+
+
+@router.get("/clusters/{cluster}/revoke")
+def revoke_confirm(request: Request, who: SignedInDep, session: SessionDep, cluster: ClusterName) -> Response:
+    return _token_change_confirm(request, who, session, cluster, "revoke")
+
+
+def _token_change_confirm(request: Request, who: SignedIn, session: Session, cluster: str,
+                          change: Literal["rotate", "revoke"]) -> Response:
+    button, danger, text = TOKEN_CHANGES[change]
+    sessions.require(who, Role.ADMIN, f"{change.capitalize()} token")
     found = ops.get_cluster(session, cluster)
     session.commit()
-    return page(request, "confirm.html", title=f"Rotate the token of {found.name}?", signed_in=who,
-                section="clusters", action=f"/ui/clusters/{found.name}/rotate", button="Rotate token",
-                danger=False, back=f"/ui/clusters/{found.name}",
-                text=f"A new token is issued for cluster {found.name} and shown once. The current token keeps "
-                "working until the new one is first used, or for 24 hours, whichever comes first.")
+    return page(request, "confirm.html", title=f"{change.capitalize()} the token of {found.name}?", signed_in=who,
+                section="clusters", action=f"/ui/clusters/{found.name}/{change}", button=button.format(name=found.name),
+                danger=danger, back=f"/ui/clusters/{found.name}", text=text.format(name=found.name))
 
 
 @router.post("/clusters/{cluster}/rotate")
@@ -189,19 +211,6 @@ def rotate(request: Request, who: SignedInDep, state: StateDep, session: Session
                 section="clusters", cluster=issued.cluster, token=issued.token, token_id=issued.token_id,
                 rotated=True, expires_at=issued.previous_tokens_expire_at,
                 commands=install_commands(issued.cluster, issued.token, _hub_url(request, state)), status_code=201)
-
-
-@router.get("/clusters/{cluster}/revoke")
-def revoke_confirm(request: Request, who: SignedInDep, session: SessionDep, cluster: ClusterName) -> Response:
-    sessions.require(who, Role.ADMIN, "Revoke token")
-    found = ops.get_cluster(session, cluster)
-    session.commit()
-    return page(request, "confirm.html", title=f"Revoke the token of {found.name}?", signed_in=who,
-                section="clusters", action=f"/ui/clusters/{found.name}/revoke",
-                button=f"Revoke every token of {found.name}", danger=True, back=f"/ui/clusters/{found.name}",
-                text=f"The optimizer of cluster {found.name} stops at once: it can no longer pull policies or "
-                "approvals and takes no further action. The cluster shows as disconnected until you rotate "
-                "to issue a new token.")
 
 
 @router.post("/clusters/{cluster}/revoke")

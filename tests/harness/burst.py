@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 from kubernetes import client
 from temporalio.client import Client
@@ -29,6 +29,7 @@ from models.provisioning import ProvisionView
 from tests.harness.crd import install_gpupolicy_crd
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_SA, install_chart_identities
+from tests.harness.workloads import gpu_pods
 from worker.config import ENV, Settings
 from worker.main import worker_services
 from worker.runtime import Runtime
@@ -175,25 +176,11 @@ async def in_process_worker(stack: BurstStack, temporal: WorkflowEnvironment, lo
 
 def gpu_deployment(name: str, *, replicas: int = 1, gpus: int = 1, gpu_product: str | None = "NVIDIA-L4",
                    tolerate: bool = True) -> client.V1Deployment:
-    labels = {"app": name}
-    selector = {"nvidia.com/gpu.product": gpu_product} if gpu_product else None
-    tolerations = [client.V1Toleration(key=BURST_TAINT_KEY, operator="Exists", effect="NoSchedule")]
-    return client.V1Deployment(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1DeploymentSpec(
-            replicas=replicas, selector=client.V1LabelSelector(match_labels=labels),
-            template=client.V1PodTemplateSpec(
-                metadata=client.V1ObjectMeta(labels=labels),
-                spec=client.V1PodSpec(
-                    containers=[client.V1Container(
-                        name="infer", image="registry.invalid/infer:1",
-                        resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": str(gpus)}))],
-                    tolerations=tolerations if tolerate else None, node_selector=selector,
-                    termination_grace_period_seconds=0,
-                ),
-            ),
-        ),
-    )
+    """GPU pods for burst nodes: they tolerate the burst taint (``tolerate``) and ask for ``gpu_product``."""
+    return gpu_pods(name, replicas=replicas, gpus=gpus,
+                    node_selector={"nvidia.com/gpu.product": gpu_product} if gpu_product else None,
+                    tolerations=[client.V1Toleration(key=BURST_TAINT_KEY, operator="Exists", effect="NoSchedule")]
+                    if tolerate else None)
 
 
 def assert_serves_on_burst_node(stack: BurstStack, view: OperationView, namespace: str, deploy: str,
@@ -212,16 +199,29 @@ def node_gone(stack: BurstStack, name: str | None) -> bool:
     return not stack.cluster.admin.core.list_node(field_selector=f"metadata.name={name}").items
 
 
-async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0) -> OperationView:
+class PhasedView(Protocol):
+    phase: Any
+    history: list[str]
+
+
+V = TypeVar("V", bound=PhasedView)
+
+
+@overload
+async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0) -> OperationView: ...
+@overload
+async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0, view: type[V]) -> V: ...
+async def wait_phase(handle: Any, *phases: str, timeout: float = 90.0, view: type[Any] = OperationView) -> Any:
+    """Query an operation's ``state`` (as ``view``) until its phase is one of ``phases``; fail with its history."""
     import asyncio
     import time
     from datetime import timedelta
 
     deadline = time.monotonic() + timeout
-    last: OperationView | None = None
+    last: Any = None
     while time.monotonic() < deadline:
         try:
-            last = await handle.query("state", result_type=OperationView, rpc_timeout=timedelta(seconds=10))
+            last = await handle.query("state", result_type=view, rpc_timeout=timedelta(seconds=10))
         except Exception:  # not started yet, or the worker is restarting
             last = last
         if last is not None and last.phase in phases:

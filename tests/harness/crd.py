@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,24 +13,33 @@ import yaml
 from kubernetes import client
 
 from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import Cluster, Kube, wait_for
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
 
 
+def install_crds(admin: Kube, files: list[Path], timeout: float = 60.0) -> None:
+    """Create each CRD of ``files`` (there already is fine) and wait until all are established."""
+    names = []
+    for path in files:
+        crd = yaml.safe_load(path.read_text())
+        names.append(crd["metadata"]["name"])
+        try:
+            admin.apiext.create_custom_resource_definition(crd)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+    deadline = time.monotonic() + timeout
+    for name in names:
+        def established(name: str = name) -> bool:
+            got = admin.apiext.read_custom_resource_definition(name)
+            return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
+
+        wait_for(established, timeout=max(1.0, deadline - time.monotonic()), what=f"CRD {name} established")
+
+
 def install_gpupolicy_crd(cluster: Cluster) -> None:
-    crd = yaml.safe_load(CRD_FILE.read_text())
-    try:
-        cluster.admin.apiext.create_custom_resource_definition(crd)
-    except client.ApiException as exc:
-        if exc.status != 409:
-            raise
-
-    def established() -> bool:
-        got = cluster.admin.apiext.read_custom_resource_definition(crd["metadata"]["name"])
-        return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
-
-    wait_for(established, what="GpuPolicy CRD established")
+    install_crds(cluster.admin, [CRD_FILE])
 
 
 def create_strictly(cluster: Cluster, doc: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import yaml
 from kubernetes import client
 
 from tests.harness.controlplane import (
@@ -41,7 +40,9 @@ from tests.harness.controlplane import (
     free_port,
     read_versions,
 )
+from tests.harness.crd import install_crds
 from tests.harness.kube import Kube, wait_for
+from tests.harness.workloads import SMALL_REQUESTS, gpu_pods
 
 INSTANCE_TYPES_FILE = HARNESS_DIR / "karpenter-instance-types.json"
 KARPENTER_GROUP = "karpenter.sh"
@@ -150,21 +151,7 @@ class Karpenter:
         return self
 
     def install_crds(self, deadline: float) -> None:
-        for path in sorted(crd_dir().glob("*.yaml")):
-            crd = yaml.safe_load(path.read_text())
-            try:
-                self.admin.apiext.create_custom_resource_definition(crd)
-            except client.ApiException as exc:
-                if exc.status != 409:
-                    raise
-        for path in sorted(crd_dir().glob("*.yaml")):
-            name = yaml.safe_load(path.read_text())["metadata"]["name"]
-
-            def established(name: str = name) -> bool:
-                crd = self.admin.apiext.read_custom_resource_definition(name)
-                return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
-
-            wait_for(established, timeout=max(1.0, deadline - time.monotonic()), what=f"CRD {name} established")
+        install_crds(self.admin, sorted(crd_dir().glob("*.yaml")), timeout=deadline - time.monotonic())
 
     def _wait_ready(self, deadline: float) -> None:
         last = ""
@@ -248,22 +235,7 @@ def gpu_workload(name: str, *, taint: str, replicas: int = 1, gpus: int = 1, pro
                  extra_tolerations: list[client.V1Toleration] | None = None,
                  pod_annotations: dict[str, str] | None = None) -> client.V1Deployment:
     """A Deployment of GPU pods that only the test's NodePool (``taint``) serves."""
-    labels = {"app": name}
-    return client.V1Deployment(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1DeploymentSpec(
-            replicas=replicas, selector=client.V1LabelSelector(match_labels=labels),
-            template=client.V1PodTemplateSpec(
-                metadata=client.V1ObjectMeta(labels=labels, annotations=pod_annotations),
-                spec=client.V1PodSpec(
-                    containers=[client.V1Container(
-                        name="infer", image="registry.invalid/infer:1",
-                        resources=client.V1ResourceRequirements(
-                            requests={"cpu": "100m", "memory": "128Mi"}, limits={"nvidia.com/gpu": str(gpus)}))],
+    return gpu_pods(name, replicas=replicas, gpus=gpus, requests=SMALL_REQUESTS,
                     tolerations=gpu_tolerations(taint) + (extra_tolerations or []),
                     node_selector={"nvidia.com/gpu.product": product} if product else None,
-                    termination_grace_period_seconds=0,
-                ),
-            ),
-        ),
-    )
+                    pod_annotations=pod_annotations)

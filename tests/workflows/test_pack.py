@@ -10,24 +10,21 @@ import contextlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from activities.capacity.karpenter import KarpenterCapacity
-from activities.clients.kube import KubeOps
-from activities.packing import PackActivities
 from models.decisions import Approval
-from models.packing import PackInput, PackSettings, PackView
+from models.packing import PackInput, PackView
+from tests.harness import packing
 from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, until
+from tests.harness.packing import FAST, proposed_round, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
-from worker.main import workflow_runner
 from workflows.pack import PackWorkflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -37,11 +34,8 @@ USER_BUDGETS: list[dict[str, Any]] = [{"nodes": "1"}, {"nodes": "0", "reasons": 
 @contextlib.asynccontextmanager
 async def _worker(cluster: Cluster, temporal: Client, queue: str) -> AsyncIterator[None]:
     optimizer = grant(cluster, "kubeon-pack-test", OPTIMIZER_RULES)
-    acts = PackActivities(KubeOps(optimizer.api), KarpenterCapacity(optimizer.api))
-    with ThreadPoolExecutor(8) as executor:
-        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow], activities=acts.all(),
-                          activity_executor=executor, workflow_runner=workflow_runner()):
-            yield
+    async with packing.pack_worker(temporal, queue, optimizer.api, KarpenterCapacity(optimizer.api)):
+        yield
 
 
 @pytest.fixture
@@ -92,26 +86,13 @@ def _wait_running(cluster: Cluster, namespace: str, app: str, count: int) -> lis
     return list(_wait(running, f"{count} {app} pods running"))
 
 
-FAST = PackSettings(pdb_retry_seconds=1, poll_seconds=0.5, replacement_timeout_seconds=30,
-                    removal_timeout_seconds=60)
-
-
 async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Client, str], cluster: Cluster,
                                                karpenter: Karpenter, namespace: str,
                                                fragmented: tuple[str, dict[str, int]]) -> None:
     temporal, queue = pack_worker
     pool, spread = fragmented
     claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
-    handle = await temporal.start_workflow(
-        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Approve", max_nodes=2,
-                                    settings=FAST),
-        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
-
-    async def proposed() -> bool:
-        return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
-
-    await until_async(proposed, what="the round's proposal")
-    proposal = await handle.query(PackWorkflow.state)
+    handle, proposal = await proposed_round(temporal, queue, [pool])
     assert proposal.plan is not None and len(proposal.plan.empty) == 1 and not proposal.moved
     assert "saves $4.60/h" in proposal.message and len(proposal.plan.moves) == spread[proposal.plan.empty[0]]
     assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before  # nothing done yet
@@ -167,16 +148,6 @@ async def test_pdb_wait_then_a_pod_that_cannot_be_replaced_stops_the_round(
     assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
     assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
     assert len(karpenter.nodeclaims(pool)) == 3
-
-
-async def until_async(check: Any, *, what: str, timeout: float = 30) -> None:
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)
 
 
 async def test_worker_gone_mid_round_the_round_resumes(cluster: Cluster, karpenter: Karpenter, namespace: str,

@@ -9,32 +9,25 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from activities.capacity.eks import EksNodeGroupsCapacity
-from activities.clients.kube import KubeOps
-from activities.packing import PackActivities
 from models.decisions import Approval
 from models.eks import NODEGROUP_LABEL
-from models.packing import PackInput, PackSettings, PackView
+from models.packing import PackView
+from tests.harness import packing
 from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.workflows.test_pack import until_async
-from worker.main import workflow_runner
-from workflows.pack import PackWorkflow
+from tests.harness.workloads import node_group_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
 CLOUD_CHOOSES = {"SetDesiredCapacity", "UpdateAutoScalingGroup", "DetachInstances"}
-FAST = PackSettings(pdb_retry_seconds=1, poll_seconds=0.5, replacement_timeout_seconds=30,
-                    removal_timeout_seconds=60)
 
 
 @pytest.fixture
@@ -53,18 +46,7 @@ def fragmented(cluster: Cluster, namespace: str, eks_nodegroups: EksNodeGroups, 
         what="the node group's 3 nodes Ready")
     apps = cluster.admin.apps
     labels = {"app": "serve"}
-    apps.create_namespaced_deployment(namespace, client.V1Deployment(
-        metadata=client.V1ObjectMeta(name="serve"),
-        spec=client.V1DeploymentSpec(
-            replicas=6, selector=client.V1LabelSelector(match_labels=labels),
-            template=client.V1PodTemplateSpec(
-                metadata=client.V1ObjectMeta(labels=labels),
-                spec=client.V1PodSpec(
-                    containers=[client.V1Container(
-                        name="infer", image="registry.invalid/infer:1", resources=client.V1ResourceRequirements(
-                            requests={"cpu": "100m", "memory": "128Mi"}, limits={"nvidia.com/gpu": "1"}))],
-                    tolerations=[client.V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
-                    node_selector={NODEGROUP_LABEL: ng}, termination_grace_period_seconds=0)))))
+    apps.create_namespaced_deployment(namespace, node_group_pods("serve", NODEGROUP_LABEL, ng, 6))
     try:
         pods = _running(cluster, namespace, 6)
         spread = Counter(str(p.spec.node_name) for p in pods)
@@ -99,12 +81,9 @@ async def pack_worker(cluster: Cluster, temporal_dev_server: WorkflowEnvironment
     optimizer = grant(cluster, "kubeon-pack-eks-test", OPTIMIZER_RULES)
     capacity = EksNodeGroupsCapacity(optimizer.api, cluster=fragmented["cluster"], region="eu-central-1",
                                      endpoint_url=eks_api.url)
-    acts = PackActivities(KubeOps(optimizer.api), capacity)
     queue = f"pack-eks-{uuid.uuid4().hex[:6]}"
-    with ThreadPoolExecutor(8) as executor:
-        async with Worker(temporal_dev_server.client, task_queue=queue, workflows=[PackWorkflow],
-                          activities=acts.all(), activity_executor=executor, workflow_runner=workflow_runner()):
-            yield queue
+    async with packing.pack_worker(temporal_dev_server.client, queue, optimizer.api, capacity):
+        yield queue
 
 
 async def test_approved_round_removes_exactly_the_planned_node(
@@ -114,16 +93,7 @@ async def test_approved_round_removes_exactly_the_planned_node(
     temporal, ng, spread = temporal_dev_server.client, fragmented["ng"], fragmented["spread"]
     instance_of = {name: n.spec.provider_id.rsplit("/", 1)[1] for name, n in _nodes(eks_nodes, ng).items()}
     eks_api.clear()
-    handle = await temporal.start_workflow(
-        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[ng], mode="Approve", max_nodes=2,
-                                    settings=FAST),
-        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=pack_worker)
-
-    async def proposed() -> bool:
-        return (await handle.query(PackWorkflow.state)).phase == "AwaitingApproval"
-
-    await until_async(proposed, what="the round's proposal")
-    proposal = await handle.query(PackWorkflow.state)
+    handle, proposal = await packing.proposed_round(temporal, pack_worker, [ng])
     assert proposal.plan is not None and len(proposal.plan.empty) == 1
     [planned] = proposal.plan.empty
     assert not [r for r in eks_api.requests() if r["action"] == "TerminateInstanceInAutoScalingGroup"]

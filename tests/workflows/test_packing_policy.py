@@ -26,8 +26,9 @@ from tests.harness.burst import BurstStack, StartWorker
 from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
 from tests.harness.karpenter import Karpenter, gpu_nodepool
 from tests.harness.kube import Cluster, until
+from tests.harness.packing import FAST, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.workflows.test_pack import FAST, USER_BUDGETS, _worker, until_async
+from tests.workflows.test_pack import USER_BUDGETS, _worker
 from tests.workflows.test_pack import fragmented as fragmented  # the fixture
 from worker.packing_watcher import PackingWatcher
 from workflows.pack import PackWorkflow

@@ -46,6 +46,7 @@ from models.sharing import (
     WriteKeyResult,
     sharing_workflow_id,
 )
+from tests.harness import burst
 from tests.harness.burst import BurstStack, build_stack, unique, worker_process
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
 from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
@@ -141,18 +142,7 @@ def settings(bed: SharingBed, env: WorkflowEnvironment, *, prometheus: bool = Tr
 
 
 async def wait_phase(temporal: Client, wf_id: str, *phases: SharingPhase, timeout: float = 90) -> SharingView:
-    deadline = time.monotonic() + timeout
-    last: SharingView | None = None
-    while time.monotonic() < deadline:
-        try:
-            last = await temporal.get_workflow_handle(wf_id).query("state", result_type=SharingView)
-        except Exception:  # not started yet
-            last = None
-        if last is not None and last.phase in phases:
-            return last
-        await asyncio.sleep(0.3)
-    raise AssertionError(f"{wf_id} never reached {[p.value for p in phases]}; last: "
-                         f"{last.phase.value if last else None} {last.history if last else ''}")
+    return await burst.wait_phase(temporal.get_workflow_handle(wf_id), *phases, timeout=timeout, view=SharingView)
 
 
 async def test_time_slicing_approved_runs_the_waiting_pods_then_undo_names_the_extra_ones(

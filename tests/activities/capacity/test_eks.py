@@ -22,6 +22,7 @@ from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.workloads import node_group_pods
 
 pytestmark = [pytest.mark.aws, pytest.mark.cluster]
 
@@ -128,22 +129,6 @@ def test_lists_the_gpu_node_groups_with_their_nodes(group: dict[str, Any], eks_n
         eks_nodegroups.delete(group["cluster"], cpu)
 
 
-def _gpu_pods(name: str, ng: str, replicas: int) -> client.V1Deployment:
-    labels = {"app": name}
-    return client.V1Deployment(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1DeploymentSpec(
-            replicas=replicas, selector=client.V1LabelSelector(match_labels=labels),
-            template=client.V1PodTemplateSpec(
-                metadata=client.V1ObjectMeta(labels=labels),
-                spec=client.V1PodSpec(
-                    containers=[client.V1Container(
-                        name="infer", image="registry.invalid/infer:1", resources=client.V1ResourceRequirements(
-                            requests={"cpu": "100m", "memory": "128Mi"}, limits={"nvidia.com/gpu": "1"}))],
-                    tolerations=[client.V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")],
-                    node_selector={NODEGROUP_LABEL: ng}, termination_grace_period_seconds=0))))
-
-
 def _pods(cluster: Cluster, namespace: str, app: str) -> list[client.V1Pod]:
     return [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
             if p.metadata.deletion_timestamp is None]
@@ -153,7 +138,8 @@ def test_scale_up_for_the_pending_gpu_pods(group: dict[str, Any], cluster: Clust
                                            eks_api: MotoRecorder, eks_nodes: NodeReconciler) -> None:
     capacity: EksNodeGroupsCapacity = group["capacity"]
     # 11 one-GPU pods on 2 four-GPU nodes: 8 run, 3 wait.
-    cluster.admin.apps.create_namespaced_deployment(namespace, _gpu_pods("infer", group["ng"], 11))
+    cluster.admin.apps.create_namespaced_deployment(
+        namespace, node_group_pods("infer", NODEGROUP_LABEL, group["ng"], 11))
 
     def settled() -> list[client.V1Pod]:
         pods = _pods(cluster, namespace, "infer")

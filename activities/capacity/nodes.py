@@ -1,0 +1,40 @@
+"""The Node calls every capacity provider makes alike: read one node, shield one from its autoscaler. Each provider
+names its autoscaler's shield annotation (Karpenter's do-not-disrupt, the cluster-autoscaler's scale-down-disabled)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from kubernetes import client
+
+from activities.capacity import CapacityError, shield_patch
+
+
+class HomeNodes:
+    """Mixed into a capacity provider that sets ``core`` (a ``CoreV1Api``) and names its ``SHIELD_ANNOTATION``."""
+
+    SHIELD_ANNOTATION: ClassVar[str]
+    core: client.CoreV1Api
+
+    def _node(self, node: str) -> client.V1Node | None:
+        try:
+            return self.core.read_node(node)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise CapacityError(f"reading node {node}: {exc.status} {exc.reason}") from exc
+
+    def shield_node(self, node: str, shielded: bool) -> None:
+        found = self._node(node)
+        if found is None:
+            return
+        annotations = (found.metadata.annotations if found.metadata else None) or {}
+        patch = shield_patch(annotations, self.SHIELD_ANNOTATION, shielded)
+        if patch is None:
+            return
+        try:
+            self.core.patch_node(node, {"metadata": {"annotations": patch}})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise CapacityError(f"patching node {node}: {exc.status} {exc.reason}",
+                                    retryable=exc.status not in (401, 403)) from exc

@@ -1,0 +1,34 @@
+"""The GPU Deployments tests create: one builder, so every test's pods differ only in what the test is about."""
+
+from __future__ import annotations
+
+from kubernetes import client
+
+# Requests as small as a kwok node's allocatable CPU and memory hold many of.
+SMALL_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
+GPU_TAINT_TOLERATION = client.V1Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+
+
+def gpu_pods(name: str, *, replicas: int = 1, gpus: int = 1, node_selector: dict[str, str] | None = None,
+             tolerations: list[client.V1Toleration] | None = None, requests: dict[str, str] | None = None,
+             pod_annotations: dict[str, str] | None = None) -> client.V1Deployment:
+    """A Deployment of ``replicas`` pods labelled ``app=<name>``, each asking for ``gpus`` nvidia.com/gpu, gone at
+    once when deleted (grace 0)."""
+    labels = {"app": name}
+    return client.V1Deployment(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1DeploymentSpec(
+            replicas=replicas, selector=client.V1LabelSelector(match_labels=labels),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels=labels, annotations=pod_annotations),
+                spec=client.V1PodSpec(
+                    containers=[client.V1Container(
+                        name="infer", image="registry.invalid/infer:1", resources=client.V1ResourceRequirements(
+                            requests=requests, limits={"nvidia.com/gpu": str(gpus)}))],
+                    tolerations=tolerations, node_selector=node_selector, termination_grace_period_seconds=0))))
+
+
+def node_group_pods(name: str, group_label: str, group: str, replicas: int) -> client.V1Deployment:
+    """1-GPU pods that only one managed node group serves (its label) and that tolerate its GPU taint."""
+    return gpu_pods(name, replicas=replicas, node_selector={group_label: group},
+                    tolerations=[GPU_TAINT_TOLERATION], requests=SMALL_REQUESTS)
