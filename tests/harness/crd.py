@@ -72,6 +72,19 @@ def assert_refused(cluster: Cluster, doc: dict[str, Any], prefix: str, case: dic
     assert leaf in err.value.body, err.value.body
 
 
+def assert_cli_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str], example: Path, ok: str,
+                         bad: dict[str, Any], error: str) -> None:
+    """`kubeon-gpu policy validate` accepts ``example`` (printing ``ok``) and refuses ``bad`` naming ``error``."""
+    from worker.cli import main
+
+    assert main(["policy", "validate", str(example)]) == 0
+    assert ok in capsys.readouterr().out
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["policy", "validate", str(path)]) == 1
+    assert error in capsys.readouterr().err
+
+
 def read_gpupolicy(cluster: Cluster, name: str) -> dict[str, Any] | None:
     """The GpuPolicy ``name`` as the API server has it now, None when there is none."""
     try:

@@ -9,15 +9,13 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
 
 from models import policy
 from models.policy import PackingPolicy, PolicyError, parse_policy
-from tests.harness.crd import create_strictly
+from tests.harness.crd import assert_accepted, assert_cli_validates, assert_refused
 from tests.harness.kube import Cluster
 from tests.hub.helpers import apply_case as apply_corpus_case
 from tests.hub.helpers import assert_names_unique
-from worker.cli import main
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -84,39 +82,21 @@ def test_crd_schema_uses_the_model_patterns() -> None:
 
 def test_policy_validate_accepts_the_example_and_names_a_bad_field(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["policy", "validate", str(EXAMPLE)]) == 0
-    assert "ok: packing-l4 (Packing, mode Approve)" in capsys.readouterr().out
-    bad = tmp_path / "bad.yaml"
     doc = copy.deepcopy(VALID)
     doc["spec"]["maxNodesAtOnce"] = 0
-    bad.write_text(yaml.safe_dump(doc))
-    assert main(["policy", "validate", str(bad)]) == 1
-    assert "spec.maxNodesAtOnce: Input should be greater than or equal to 1" in capsys.readouterr().err
+    assert_cli_validates(tmp_path, capsys, EXAMPLE, "ok: packing-l4 (Packing, mode Approve)", doc,
+                         "spec.maxNodesAtOnce: Input should be greater than or equal to 1")
 
 
 # --- the same corpus against the real apiserver --------------------------------------------------------------
 
-def _create(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
-    return create_strictly(cluster, doc, "pk")
-
-
 @pytest.mark.cluster
 def test_apiserver_accepts_the_documented_packing_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
     for doc in (VALID, yaml.safe_load(EXAMPLE.read_text())):
-        created = _create(gpupolicy_crd, doc)
-        try:
-            assert created["spec"] == doc["spec"]
-            assert isinstance(parse_policy(created), PackingPolicy)
-        finally:
-            gpupolicy_crd.admin.custom.delete_cluster_custom_object(policy.API_GROUP, "v1", policy.PLURAL,
-                                                                    created["metadata"]["name"])
+        assert_accepted(gpupolicy_crd, doc, "pk", PackingPolicy)
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("case", APISERVER_CASES, ids=[c["name"] for c in APISERVER_CASES])
 def test_apiserver_rejects_malformed_packing_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
-    with pytest.raises(client.ApiException) as err:
-        _create(gpupolicy_crd, apply_case(case))
-    assert err.value.status in (400, 422), err.value.body
-    leaf = case.get("leaf") or case["field"].split(".")[-1].split("[")[0]
-    assert leaf in err.value.body, err.value.body
+    assert_refused(gpupolicy_crd, apply_case(case), "pk", case)

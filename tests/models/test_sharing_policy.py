@@ -12,10 +12,9 @@ import yaml
 
 from models import policy
 from models.policy import PolicyError, SharingPolicy, parse_policy
-from tests.harness.crd import assert_accepted, assert_refused
+from tests.harness.crd import assert_accepted, assert_cli_validates, assert_refused
 from tests.harness.kube import Cluster
 from tests.hub.helpers import apply_case as apply_corpus_case
-from worker.cli import main
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -88,14 +87,10 @@ def test_crd_schema_uses_the_model_patterns() -> None:
 
 def test_policy_validate_accepts_the_example_and_names_a_bad_field(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["policy", "validate", str(EXAMPLE)]) == 0
-    assert "ok: sharing-a100 (Sharing, mode Recommend)" in capsys.readouterr().out
-    bad = tmp_path / "bad.yaml"
     doc = copy.deepcopy(VALID)
     doc["spec"]["timeSlicing"]["maxReplicas"] = 1
-    bad.write_text(yaml.safe_dump(doc))
-    assert main(["policy", "validate", str(bad)]) == 1
-    assert "spec.timeSlicing.maxReplicas: Input should be greater than or equal to 2" in capsys.readouterr().err
+    assert_cli_validates(tmp_path, capsys, EXAMPLE, "ok: sharing-a100 (Sharing, mode Recommend)", doc,
+                         "spec.timeSlicing.maxReplicas: Input should be greater than or equal to 2")
 
 
 # --- the same corpus against the real apiserver --------------------------------------------------------------
