@@ -62,6 +62,18 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
 
+class _KindSpec(_Spec):
+    """A policy's spec: its ``kind`` must be the spec's ``KIND`` (a planned or unknown kind named as such)."""
+
+    KIND: ClassVar[str]
+    kind: StrictStr
+
+    @field_validator("kind")
+    @classmethod
+    def _policy_kind(cls, kind: str) -> str:
+        return _known_kind(kind, cls.KIND)
+
+
 class Workloads(_Spec):
     tolerate: Annotated[StrictStr, Field(pattern=TAINT_KEY_PATTERN, max_length=316)]
 
@@ -104,28 +116,18 @@ def _check_location(value: str) -> str:
 LocationName = Annotated[StrictStr, Field(max_length=80), AfterValidator(_check_location)]
 
 
-class GpuPolicySpec(_Spec):
-    kind: StrictStr
+class GpuPolicySpec(_KindSpec):
+    KIND = "Burst"
     mode: Mode | None = None
     workloads: Workloads
     locations: Annotated[list[LocationName], Field(min_length=1, max_length=64)]
     limits: Limits
     return_home: StrictBool = False
 
-    @field_validator("kind")
-    @classmethod
-    def _known_kind(cls, kind: str) -> str:
-        return _known_kind(kind, "Burst")
-
     @field_validator("locations")
     @classmethod
     def _unique_locations(cls, locations: list[str]) -> list[str]:
-        seen: set[str] = set()
-        for loc in locations:
-            if loc in seen:
-                raise ValueError(f"duplicate location {loc!r}")
-            seen.add(loc)
-        return locations
+        return _unique(locations, "location")
 
     def effective_mode(self, default_mode: Mode) -> Mode:
         """The mode in force: the policy's own, else the installation's ``defaultMode`` (R1.2)."""
@@ -280,20 +282,13 @@ class Wake(_Spec):
     demand: DemandWake | None = None
 
 
-class WorkloadPolicySpec(_Spec):
+class WorkloadPolicySpec(_KindSpec):
     """What every policy over workloads has: its kind (``KIND``), its namespaces (each once), a selector of the
     workloads in them, and exclusions."""
 
-    KIND: ClassVar[str]
-    kind: StrictStr
     namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
     selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
     exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
-
-    @field_validator("kind")
-    @classmethod
-    def _policy_kind(cls, kind: str) -> str:
-        return _known_kind(kind, cls.KIND)
 
     @field_validator("namespaces")
     @classmethod
@@ -413,8 +408,8 @@ class SharingIdle(_Spec):
         return duration_seconds(self.window)
 
 
-class SharingSpec(_Spec):
-    kind: StrictStr
+class SharingSpec(_KindSpec):
+    KIND = "Sharing"
     mode: Mode | None = None
     nodes: NodeSelector
     time_slicing: TimeSlicingRule | None = None
@@ -422,11 +417,6 @@ class SharingSpec(_Spec):
     idle: SharingIdle = Field(default_factory=SharingIdle)
     # What one GPU-hour of these nodes costs (USD): the saving of a proposal is the GPUs it frees at this price.
     usd_per_gpu_hour: Annotated[StrictFloat, Field(gt=0, le=10000)] | None = None
-
-    @field_validator("kind")
-    @classmethod
-    def _sharing_kind(cls, kind: str) -> str:
-        return _known_kind(kind, "Sharing")
 
     @model_validator(mode="after")
     def _some_sharing(self) -> SharingSpec:
@@ -474,11 +464,11 @@ class PackingProtect(_Spec):
         return _unique(keys, "annotation")
 
 
-class PackingSpec(_Spec):
+class PackingSpec(_KindSpec):
     """Empty GPU nodes whose pods fit on the others' free GPUs: of ``nodePools`` (every GPU NodePool when
     unset), their nodes matching ``nodeSelector``; a round at most every ``interval``."""
 
-    kind: StrictStr
+    KIND = "Packing"
     mode: Mode | None = None
     node_pools: Annotated[list[Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]],
                           Field(min_length=1, max_length=32)] | None = None
@@ -488,11 +478,6 @@ class PackingSpec(_Spec):
     max_nodes_at_once: Annotated[StrictInt, Field(ge=1, le=50)] = 1
     protect: PackingProtect = Field(default_factory=PackingProtect)
     interval: PackingInterval = "1h"
-
-    @field_validator("kind")
-    @classmethod
-    def _packing_kind(cls, kind: str) -> str:
-        return _known_kind(kind, "Packing")
 
     @field_validator("node_pools")
     @classmethod
@@ -512,20 +497,15 @@ class PackingSpec(_Spec):
 NodePoolName = Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]
 
 
-class AutoscalingSpec(_Spec):
+class AutoscalingSpec(_KindSpec):
     """Hold each of ``nodePools`` at ``maxGpus`` GPUs (``limits["nvidia.com/gpu"]``): a limit stops new nodes,
     it never removes one. Automatic holds it; Recommend (and, without a mode, any defaultMode but Automatic) only
     reports what it would set."""
 
-    kind: StrictStr
+    KIND = "Autoscaling"
     mode: Literal["Recommend", "Automatic"] | None = None
     node_pools: Annotated[list[NodePoolName], Field(min_length=1, max_length=32)]
     max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)]
-
-    @field_validator("kind")
-    @classmethod
-    def _autoscaling_kind(cls, kind: str) -> str:
-        return _known_kind(kind, "Autoscaling")
 
     @field_validator("node_pools")
     @classmethod
