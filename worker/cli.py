@@ -17,6 +17,7 @@ import yaml
 
 from models.hub import HubSyncStatus
 from models.node import OperationView
+from models.packing import PackView
 from models.policy import PolicyError, parse_policy
 from models.provisioning import ProvisionView
 from models.scale import ScaleView
@@ -287,9 +288,26 @@ def _render_hub(status: HubSyncStatus) -> str:
     return "\n".join(lines)
 
 
-def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView) -> str:
+def _render_pack(view: PackView) -> str:
+    lines = [f"workflow   {view.workflow_id}", f"policy     {view.policy}", f"phase      {view.phase}"]
+    if view.message:
+        lines.append(f"message    {view.message}")
+    if view.plan is not None:
+        lines.append(f"plan       {view.plan.summary()}")
+        lines += [f"  move     {m.pod} ({m.gpus} GPU) from {m.source} to {m.target}"
+                  f"{f', waits for PDB {m.waits_for_pdb}' if m.waits_for_pdb else ''}" for m in view.plan.moves]
+    if view.removed:
+        lines.append(f"removed    {', '.join(view.removed)}")
+    if view.moved:
+        lines.append(f"moved      {', '.join(view.moved)}")
+    return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
+
+
+def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView | PackView) -> str:
     if isinstance(view, ProvisionView):
         return _render_provision(view)
+    if isinstance(view, PackView):
+        return _render_pack(view)
     if isinstance(view, SharingView):
         lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
                  f"node       {view.node}", f"mode       {view.mode}", f"phase      {view.phase.value}",

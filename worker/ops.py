@@ -17,6 +17,7 @@ from models.cost import TransferReading, actual_cost
 from models.decisions import Approval, DecisionResult, Rejection
 from models.hub import HubSyncStatus, hub_sync_workflow_id
 from models.node import NodePhase, OperationView
+from models.packing import PackView
 from models.policy import API_GROUP, PLURAL
 from models.provisioning import ProvisionView
 from models.scale import ScaleView, WakeRequest, WakeResult
@@ -52,7 +53,7 @@ class OperationRow:
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
     """Provisioning workflows (one per policy; OPERATION is its open or latest batch), their batches' nodes
     (BATCH), drains and scale operations."""
-    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain', 'Scale', 'Sharing')"
+    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain', 'Scale', 'Sharing', 'Pack')"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []
@@ -79,9 +80,9 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView | ProvisionView | ScaleView | SharingView:
-    """A node (launch ... return home), a policy's provisioning (its open proposal, plan, batches, nodes) or a
-    ScaleToZero operation."""
+async def show(temporal: Client, operation: str) -> OperationView | ProvisionView | ScaleView | SharingView | PackView:
+    """A node (launch ... return home), a policy's provisioning (its open proposal, plan, batches, nodes), a
+    ScaleToZero, Sharing or packing operation."""
     handle = await resolve(temporal, operation)
     if handle.id.startswith("scale/"):
         scale: ScaleView = await handle.query("state", result_type=ScaleView)
@@ -90,6 +91,9 @@ async def show(temporal: Client, operation: str) -> OperationView | ProvisionVie
         shared: SharingView = await handle.query("state", result_type=SharingView)
         return shared
     desc = await handle.describe()
+    if desc.workflow_type == "PackWorkflow":
+        packing: PackView = await handle.query("state", result_type=PackView)
+        return packing
     if desc.workflow_type == "Provision":
         view: ProvisionView = await handle.query("state", result_type=ProvisionView)
         return view

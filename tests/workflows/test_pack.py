@@ -25,6 +25,8 @@ from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, until
 from tests.harness.packing import FAST, proposed_round, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
+from worker import ops
+from worker.cli import _render_view as render_view
 from workflows.pack import PackWorkflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -100,6 +102,13 @@ async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Clien
     view: PackView = await handle.result()
     assert view.phase == "Done", view
     [removed] = view.removed
+    # `ops list` and `ops show` have the round: its kind, its phase, the node it emptied and the pods it moved.
+    rows = await ops.list_operations(temporal)
+    assert [(r.kind, r.phase) for r in rows if r.workflow_id == handle.id] == [("Pack", "Done")]
+    shown = await ops.show(temporal, handle.id)
+    assert isinstance(shown, PackView) and shown.removed == [removed]
+    rendered = render_view(shown)
+    assert f"removed    {removed}" in rendered and f"from {removed} to " in rendered, rendered
     assert removed in spread and len(view.moved) == spread[removed]
     assert "saves $4.60/h" in view.message
     # Each pod's replacement was Ready elsewhere before the next eviction.
