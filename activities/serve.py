@@ -30,6 +30,9 @@ def read_transfer(context: BurstContext, req: TransferRequest) -> TransferReadin
                            usd_per_gb=rate)
 
 
+HEARTBEAT_EVERY = 1.0
+
+
 class ServeActivities(PhaseActivities):
     """serve_until_done"""
 
@@ -57,12 +60,19 @@ class ServeActivities(PhaseActivities):
                     return ServeCheckResult(done=drain, reason=over if drain else "", over_budget=over,
                                             transfer=reading)
             result = await asyncio.to_thread(self.kube.check_serving, req)
-            activity.heartbeat(f"{result.pods_on_node} pod(s) on {req.node_name}",
-                               reading.model_dump(mode="json") if reading else None)
+            beat = (f"{result.pods_on_node} pod(s) on {req.node_name}", reading.model_dump(mode="json") if reading
+                    else None)
+            activity.heartbeat(*beat)
             if result.done:
                 result.transfer = reading
                 return result
-            await asyncio.sleep(req.check_seconds)  # cancellation arrives here as CancelledError
+            # Between checks, a heartbeat every second (the SDK throttles what it sends to the heartbeat timeout):
+            # the serve's heartbeat timeout is short whatever check_seconds is, so a dead worker's serve is retried
+            # within seconds. Cancellation arrives in the sleep as CancelledError.
+            until = time.monotonic() + req.check_seconds
+            while (left := until - time.monotonic()) > 0:
+                await asyncio.sleep(min(left, HEARTBEAT_EVERY))
+                activity.heartbeat(*beat)
 
     async def _read(self, req: ServeCheckRequest, last: TransferReading | None) -> TransferReading | None:
         try:

@@ -42,6 +42,11 @@ WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflo
              TimeSlicingWorkflow, MigWorkflow, PackWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
+# A workflow task waits this long on the sticky queue of the worker that holds the workflow cached before the
+# server gives it to any worker (which replays the history). The SDK's 10 s cost every workflow whose worker
+# died 10 s at each step (issue 26); 2 s still lets a busy worker take its own tasks, beyond that a task is
+# replayed elsewhere (CPU for the replay and a WorkflowTaskTimedOut event in the history, nothing lost).
+STICKY_TIMEOUT = timedelta(seconds=2)
 
 
 def workflow_runner() -> SandboxedWorkflowRunner:
@@ -61,6 +66,7 @@ def make_worker(temporal: Client, activities: BurstActivities, settings: Setting
         + (sharing.all() if sharing else []) + (pack.all() if pack else []),
         activity_executor=executor, max_concurrent_activities=settings.max_concurrent_activities,
         workflow_runner=workflow_runner(), graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        sticky_queue_schedule_to_start_timeout=STICKY_TIMEOUT,
     )
 
 

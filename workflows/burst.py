@@ -54,6 +54,10 @@ HELD = "Held"
 
 # Short enough that an activity on a killed worker is retried on another within seconds.
 HEARTBEAT = timedelta(seconds=15)
+# The serve activity heartbeats every second (the SDK sends at most one per 0.8 x this); a worker killed while
+# nodes serve is noticed this long after its last heartbeat, so the serve resumes within seconds of a worker
+# being back (issue 26: 60 s before). It costs one heartbeat RPC per serving node per 4 s at Temporal.
+SERVE_HEARTBEAT = timedelta(seconds=5)
 
 
 
@@ -252,7 +256,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
                                   over_budget_reported=bool(self.over_budget)),
                 task_queue=workflow.info().task_queue + SERVE_QUEUE_SUFFIX,
                 result_type=ServeCheckResult, start_to_close_timeout=timedelta(days=365),
-                heartbeat_timeout=timedelta(seconds=max(60, s.serve_check_seconds * 3)), retry_policy=RETRY)
+                heartbeat_timeout=SERVE_HEARTBEAT, retry_policy=RETRY)
             self._took_transfer(served.transfer)
             if served.over_budget:  # issue 27: recorded in the operation; Drain ends the serve with it
                 first = not self.over_budget

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,28 @@ async def test_killed_while_draining(stack: BurstStack, scenario: dict[str, Any]
     finally:
         admin.apps.delete_namespaced_deployment(deploy, namespace)
         admin.core.delete_node(home)
+
+
+async def test_killed_while_serving_drains_within_seconds(stack: BurstStack, scenario: dict[str, Any],
+                                                          namespace: str) -> None:
+    """Issue 26: after a SIGKILL and a restart, a serving node whose workload is deleted starts draining within
+    5 s of the new worker being up (its serve activity's short heartbeat timeout; the short sticky timeout)."""
+    s = scenario
+    s["workers"].start()
+    handle, deploy = await _start_workload(stack, s, namespace)
+    view = await wait_phase(handle, NodePhase.SERVING, timeout=150)
+    s["workers"].kill()
+    log = s["workers"].log
+    started = log.read_text(errors="replace").count("worker started")
+    s["workers"].start()
+    wait_for(lambda: log.read_text(errors="replace").count("worker started") > started, what="worker restarted",
+             timeout=90)
+    t0 = time.monotonic()
+    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    await wait_phase(handle, NodePhase.DRAINING, NodePhase.COMPLETED, timeout=60)
+    took = time.monotonic() - t0
+    print(f"delete -> Draining {took:.2f} s after the worker restart")
+    assert took < 5.0, f"delete -> Draining {took:.1f} s after the worker restart"
+    done = await result(handle, timeout=150)
+    assert done.phase == NodePhase.COMPLETED, done.message
+    _exactly_one_instance_none_left(s, stack, view)
