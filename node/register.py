@@ -7,15 +7,18 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kubernetes import client, config
+if TYPE_CHECKING:  # the Kubernetes client only where a Node is made: `node join` writes its registration without
+    from kubernetes import client
 
-from models.join import JoinAnswer
+    from models.join import JoinAnswer
 
 
 def node_api(kubeconfig: Path) -> client.ApiClient:
     """An API client with the node's kubeconfig (its certificate; ``tls-server-name`` honoured)."""
+    from kubernetes import client, config
+
     cfg = client.Configuration()
     config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
     doc_cluster = _cluster(kubeconfig)
@@ -33,6 +36,8 @@ def _cluster(kubeconfig: Path) -> dict[str, Any]:
 
 
 def node_object(registration: dict[str, Any], *, annotations: dict[str, str] | None = None) -> client.V1Node:
+    from kubernetes import client
+
     name = registration["nodeName"]
     now = dt.datetime.now(dt.UTC)
     capacity = registration.get("capacity") or {}
@@ -58,6 +63,8 @@ def node_object(registration: dict[str, Any], *, annotations: dict[str, str] | N
 def register(api: client.ApiClient, registration: dict[str, Any], *,
              annotations: dict[str, str] | None = None) -> client.V1Node:
     """Create the Node (idempotent: an existing one of this name is returned as it is)."""
+    from kubernetes import client
+
     core = client.CoreV1Api(api)
     try:
         return core.create_node(node_object(registration, annotations=annotations))

@@ -3,34 +3,32 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
-from models.hub import HubSyncStatus
-from models.node import OperationView
-from models.packing import PackView
-from models.policy import PolicyError, parse_policy
-from models.provisioning import ProvisionView
-from models.scale import ScaleView
-from models.sharing import SharingView
-
-if TYPE_CHECKING:  # the worker's imports stay lazy: `kubeon-gpu node join` starts fast
+if TYPE_CHECKING:  # the worker's and the models' imports stay lazy: `kubeon-gpu node join` starts fast
     from activities.capacity.eks import EksNodeGroupsCapacity
+    from models.hub import HubSyncStatus
+    from models.node import OperationView
+    from models.packing import PackView
+    from models.provisioning import ProvisionView
+    from models.scale import ScaleView
+    from models.sharing import SharingView
     from worker.config import Settings
     from worker.main import RuntimeFactory
 
 
 def _validate(args: argparse.Namespace) -> int:
     """Validate GpuPolicy files as the optimizer would; print each problem with its field."""
+    import yaml
+
+    from models.policy import PolicyError, parse_policy
+
     failed = 0
     for path in args.files:
         try:
@@ -54,6 +52,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _version(_: argparse.Namespace) -> int:
+    from importlib import metadata
+
     print(json.dumps({"kubeon-gpu-optimizer": metadata.version("kubeon-gpu-optimizer")}))
     return 0
 
@@ -65,6 +65,8 @@ def _worker(_: argparse.Namespace) -> int:
 def run_worker(build: RuntimeFactory | None = None) -> int:
     """``kubeon-gpu worker``: logging, tracing, then the worker until SIGTERM; ``build`` makes its runtime (the
     test harness hands one that holds an in-process gateway)."""
+    import asyncio
+
     from worker import telemetry
     from worker.config import ConfigError, load_settings
     from worker.main import serve
@@ -170,6 +172,8 @@ def _node_renew(args: argparse.Namespace) -> int:
 
 
 def _ops(args: argparse.Namespace) -> int:
+    import asyncio
+
     from models.decisions import Approval, Rejection
     from worker import ops
     from worker.config import load_settings
@@ -232,6 +236,8 @@ def _ops(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     """``audit verify [FILE] [--hub URL]``: 0 when every chain verifies, 1 naming the first broken record of each
     chain that does not, 2 when a file or the hub cannot be read."""
+    import asyncio
+
     import httpx
 
     from worker import audit_verify as av
@@ -304,6 +310,11 @@ def _render_pack(view: PackView) -> str:
 
 
 def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView | PackView) -> str:
+    from models.packing import PackView
+    from models.provisioning import ProvisionView
+    from models.scale import ScaleView
+    from models.sharing import SharingView
+
     if isinstance(view, ProvisionView):
         return _render_provision(view)
     if isinstance(view, PackView):

@@ -5,6 +5,8 @@ its own credentials, and a gateway that does not answer yet is tried again (a re
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 import stat
 from pathlib import Path
 
@@ -139,3 +141,14 @@ def test_an_unavailable_gateway_is_tried_again_and_a_refusal_is_not(cluster: Clu
     with pytest.raises(TicketError, match="signature is invalid"):
         join(forged, NodeFiles(tmp_path / "p"), redeem=refusing, tunnel=False, retry_seconds=60)
     assert len(refusals) == 1
+
+
+def test_node_join_loads_no_heavy_sdk() -> None:
+    """Issue 26: `kubeon-gpu node join` starts fast on the booting VM: its code path imports neither the
+    Kubernetes client, nor the Temporal SDK, nor a cloud SDK, nor the optimizer's models beyond the join's."""
+    heavy = ["kubernetes", "temporalio", "boto3", "botocore", "google.cloud", "azure", "models.provisioning",
+             "models.hub", "models.policy", "worker.config"]
+    probe = ("import sys; import worker.cli, node.join, node.register; "
+             f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "", f"the node join path imports {loaded}"
