@@ -11,7 +11,7 @@ from models.base import Model, OperationViewBase
 from models.cost import ActualCost, TransferReading
 from models.labels import Taint
 from models.policy import Mode
-from models.provisioning import Offering, OperationSettings, PendingPod, PlannedNode
+from models.provisioning import MeasuredEgress, Offering, OperationSettings, PendingPod, PlannedNode
 
 
 class NodePhase(StrEnum):
@@ -172,3 +172,5 @@ class NodeFinished(Model):
     message: str = ""
     launched: bool = False
     pods: list[str] = Field(default_factory=list)
+    # The egress measured at the gateway over the node's GPU-hours (None: not measured): the estimate learns.
+    egress: MeasuredEgress | None = None

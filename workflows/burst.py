@@ -17,7 +17,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.cost import ActualCost, CostCount, TransferReading, actual_cost
+from models.cost import BYTES_PER_GB, ActualCost, CostCount, TransferReading, actual_cost
 from models.drain import DrainInput, DrainResult
 from models.ids import SERVE_QUEUE_SUFFIX, operation_id
 from models.join import burst_node_name
@@ -40,7 +40,7 @@ from models.node import (
     VerifyResult,
 )
 from models.policy import location_label_value
-from models.provisioning import LoadPolicyRequest, Offering, PolicySnapshot
+from models.provisioning import LoadPolicyRequest, MeasuredEgress, Offering, PolicySnapshot
 from models.ui_text import Details, code, md
 from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
@@ -110,6 +110,14 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             return None
         return actual_cost(self._offering(), self.launched_at, self.ended_at or workflow.now(), self.transfer,
                            final=self.ended_at is not None)
+
+    def _egress(self, cost: ActualCost | None) -> MeasuredEgress | None:
+        """What the node moved out of its location over its GPU-hours, when the gateway measured it."""
+        if cost is None or not cost.transfer_measured or cost.compute_hours <= 0:
+            return None
+        offering = self._offering()
+        return MeasuredEgress(location=offering.location, egress_gb=cost.egress_bytes / BYTES_PER_GB,
+                              gpu_hours=cost.compute_hours * offering.gpus)
 
     def _took_transfer(self, reading: TransferReading | None) -> None:
         """Keep a new reading if it measured something (a failed read keeps the last good one's numbers)."""
@@ -197,7 +205,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             await workflow.get_external_workflow_handle(self.inp.provision_workflow_id).signal(
                 "node_finished", NodeFinished(workflow_id=workflow.info().workflow_id, phase=self.phase,
                                               message=self.message, launched=self.instance is not None,
-                                              pods=list(self.inp.node.pods)))
+                                              pods=list(self.inp.node.pods), egress=self._egress(cost)))
         except Exception as exc:  # no provisioning running: nothing holds a node for this one
             workflow.logger.warning("node_finished of %s not delivered: %s", self.operation, exc)
 
