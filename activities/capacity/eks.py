@@ -24,7 +24,6 @@ a cluster on Karpenter never loads it). Shared notes capacity.md §3, §4, §6.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -37,7 +36,6 @@ from activities.capacity import (
     NodeNotInGroupError,
 )
 from activities.capacity.nodes import HomeNodes
-from activities.clients.kube import gpus_requested
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AWS_GPU_INSTANCES
 from models.capacity import GroupNode, HomeNodeGroup
@@ -163,16 +161,6 @@ class EksNodeGroupsCapacity(HomeNodes):
                                      "labels or taints")
         nodes = self.core.list_node(label_selector=f"{NODEGROUP_LABEL}={group}").items
         return self._group(described, nodes, self._gpus_used({str(n.metadata.name) for n in nodes}))
-
-    def _gpus_used(self, node_names: set[str]) -> dict[str, int]:
-        used: dict[str, int] = defaultdict(int)
-        if not node_names:
-            return used
-        for pod in self.core.list_pod_for_all_namespaces(
-                field_selector="status.phase!=Succeeded,status.phase!=Failed").items:
-            if pod.spec.node_name and pod.spec.node_name in node_names:
-                used[str(pod.spec.node_name)] += gpus_requested(pod)
-        return used
 
     def _group(self, d: dict[str, Any], nodes: list[client.V1Node], used: dict[str, int]) -> HomeNodeGroup:
         name = str(d["nodegroupName"])

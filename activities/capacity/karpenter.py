@@ -16,7 +16,6 @@ retried (a few times, then ``ConflictError``).
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Final, TypeVar, cast
@@ -31,7 +30,6 @@ from activities.capacity import (
     NodeNotInGroupError,
 )
 from activities.capacity.nodes import HomeNodes
-from activities.clients.kube import gpus_requested
 from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
 from models.capacity import (
     DO_NOT_DISRUPT,
@@ -148,16 +146,6 @@ class KarpenterCapacity(HomeNodes):
             raise GroupNotFoundError(f"NodePool {group} has no GPU requirements, limits or taints")
         nodes = self.core.list_node(label_selector=f"{NODEPOOL_LABEL}={group}").items
         return self._group(pool, self._claims(group), nodes, self._gpus_used({str(n.metadata.name) for n in nodes}))
-
-    def _gpus_used(self, node_names: set[str]) -> dict[str, int]:
-        used: dict[str, int] = defaultdict(int)
-        if not node_names:
-            return used
-        for pod in self.core.list_pod_for_all_namespaces(
-                field_selector="status.phase!=Succeeded,status.phase!=Failed").items:
-            if pod.spec.node_name and pod.spec.node_name in node_names:
-                used[str(pod.spec.node_name)] += gpus_requested(pod)
-        return used
 
     def _group(self, pool: dict[str, Any], claims: list[dict[str, Any]], nodes: list[client.V1Node],
                used: dict[str, int]) -> HomeNodeGroup:

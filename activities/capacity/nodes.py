@@ -3,11 +3,13 @@ names its autoscaler's shield annotation (Karpenter's do-not-disrupt, the cluste
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import ClassVar
 
 from kubernetes import client
 
 from activities.capacity import CapacityError, shield_patch
+from activities.clients.kube import gpus_requested
 
 
 class HomeNodes:
@@ -23,6 +25,17 @@ class HomeNodes:
             if exc.status == 404:
                 return None
             raise CapacityError(f"reading node {node}: {exc.status} {exc.reason}") from exc
+
+    def _gpus_used(self, node_names: set[str]) -> dict[str, int]:
+        """The GPUs that the pods bound to each of ``node_names`` request (pods that ended hold none)."""
+        used: dict[str, int] = defaultdict(int)
+        if not node_names:
+            return used
+        for pod in self.core.list_pod_for_all_namespaces(
+                field_selector="status.phase!=Succeeded,status.phase!=Failed").items:
+            if pod.spec is not None and pod.spec.node_name and pod.spec.node_name in node_names:
+                used[str(pod.spec.node_name)] += gpus_requested(pod)
+        return used
 
     def shield_node(self, node: str, shielded: bool) -> None:
         found = self._node(node)
