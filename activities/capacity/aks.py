@@ -276,8 +276,10 @@ class AksNodePoolsCapacity(HomeNodes):
             p.count = count
             return True
 
-        self._update(group, f"scaling to {count}", change)
-        return self.get_group(group).scaling or GroupScaling(min_size=0, max_size=0, desired_size=count)
+        p = self._update(group, f"scaling to {count}", change).properties  # the pool the operation left
+        low, high, _ = self._bounds(p)
+        return GroupScaling(min_size=low, max_size=high, desired_size=int(p.count or 0),
+                            auto_scaling_group=_text(p.mode), status=_text(p.provisioning_state))
 
     def _machine(self, group: str, node: client.V1Node) -> str | None:
         """The pool's machine behind the node (its VMSS VM is the node's providerID), or None when gone."""
