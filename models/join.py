@@ -59,13 +59,29 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+class Attestation(_Wire):
+    """The node's signed instance identity, as its cloud's metadata service gave it (``gateway.attestation``
+    verifies it): ``aws`` the instance identity document (``document``, JSON) and its base64 RSA-SHA256
+    ``signature``; ``gcp`` the instance identity token (``document``, a JWT whose audience is the gateway); ``azure``
+    the attested data (``document``, JSON) and its base64 ``signature``; ``onprem`` nothing (the server's join
+    credential is the proof); ``none``: no identity (sim nodes). ``certificate``: the signer's certificate (PEM),
+    when the metadata service hands it out; it must be a trust root or issued by one."""
+
+    method: str = Field(default="none", pattern="^(none|aws|gcp|azure|onprem)$")
+    document: str = Field(default="", max_length=16 * 1024)
+    signature: str = Field(default="", max_length=8 * 1024)
+    certificate: str = Field(default="", max_length=8 * 1024)
+
+
 class JoinRedeem(_Wire):
-    """What a booting burst node sends: the ticket from its user data and the public halves of its keys."""
+    """What a booting burst node sends: the ticket from its user data, the public halves of its keys and its
+    cloud's signed identity (``attestation``; absent: method ``none``)."""
 
     ticket: str = Field(min_length=1, max_length=16 * 1024)
     wireguard_public_key: str = Field(alias="wireguardPublicKey", min_length=1, max_length=64)
     csr: str = Field(min_length=1, max_length=16 * 1024, description="PEM CERTIFICATE REQUEST of the kubelet key")
     usages: list[str] = Field(default_factory=lambda: list(KUBELET_CLIENT_USAGES), max_length=8)
+    attestation: Attestation = Field(default_factory=Attestation)
 
 
 class CertRenewal(_Wire):
