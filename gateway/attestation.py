@@ -13,7 +13,8 @@ its instance, account or project and region/zone checked against the ticket's lo
   Azure's own attested document carries no location: a document without ``location`` is refused where the
   location is required (the local server's carries it).
 - ``onprem``: no cloud identity; the server's join credential (the pool claim the hub signed, checked by the HTTP
-  API) is the proof; accepted for ``onprem`` tickets only.
+  API before the admission) is the proof; an ``onprem`` ticket is recorded as method ``onprem`` (sent as ``none``
+  or ``onprem``), and method ``onprem`` is refused for any other ticket.
 - ``none``: no identity; accepted only where the ticket's provider has no trust roots configured (``sim`` always:
   it has none). A provider with trust roots requires its method: a real-cloud ticket is never redeemed with
   ``none`` once its roots are configured.
@@ -98,15 +99,15 @@ class AttestationVerifier:
     def verify(self, attestation: Attestation, location: str) -> AttestedIdentity:
         provider, region = split_location(location)
         method = attestation.method
+        if provider == "onprem" and method in ("none", "onprem"):
+            # The server's join credential is the proof: POST /v1/join checks the pool claim the hub signed for it
+            # (gateway.pool_tokens) before the admission; the location is its pool.
+            return AttestedIdentity(method="onprem", verified=True, region=region)
         if method == "none":
             if self.required(provider):
                 raise _refuse("attestation_required", f"the ticket is for {location}: a {provider} node must "
                               "present its signed instance identity")
             return AttestedIdentity(method="none", verified=False)
-        if method == "onprem":
-            if provider != "onprem":
-                raise _refuse("attestation_invalid", f"method onprem for a ticket of {location}")
-            return AttestedIdentity(method="onprem", verified=True, region=region)
         if method != provider:
             raise _refuse("attestation_invalid", f"method {method} for a ticket of {location}")
         roots = list(self.roots.get(provider, []))

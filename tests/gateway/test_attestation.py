@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from kubernetes import client
 
-from gateway.attestation import AttestationVerifier
+from gateway.attestation import AttestationVerifier, verifier_from
+from gateway.settings import ConfigError, GatewayServerConfig, load_settings
 from models.errors import JoinRefused
 from models.join import Attestation
 from node.join import NodeFiles
@@ -92,8 +94,24 @@ def test_method_none_only_where_no_trust_roots_are_configured(ca: IdentityCA) ->
     # Sim never requires one, even with roots named for it; a gateway without roots accepts none (as before).
     assert not AttestationVerifier(roots={"sim": [ca.ca]}).required("sim")
     assert AttestationVerifier().verify(Attestation(), "aws/eu-central-1").method == "none"
-    onprem = v.verify(Attestation(method="onprem"), "onprem/rack-1")
-    assert (onprem.method, onprem.verified, onprem.region) == ("onprem", True, "rack-1")
+    for sent in ("onprem", "none"):  # on-prem: its server credential (the pool claim) is the proof
+        onprem = v.verify(Attestation(method=sent), "onprem/rack-1")
+        assert (onprem.method, onprem.verified, onprem.region) == ("onprem", True, "rack-1")
+
+
+def test_the_trust_roots_and_accounts_come_from_the_gateway_settings(ca: IdentityCA, tmp_path: Path) -> None:
+    (tmp_path / "aws.pem").write_text(ca.root_pem)
+    key = tmp_path / "ticket.key"
+    key.write_bytes(b"k" * 32)
+    cfg = GatewayServerConfig.from_settings(load_settings({
+        "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key), "KUBEON_GATEWAY_ATTESTATION_ROOTS_DIR": str(tmp_path),
+        "KUBEON_GATEWAY_ATTESTATION_ACCOUNTS": "aws=123456789012", "KUBEON_GATEWAY_PUBLIC_URL": AUDIENCE}))
+    v = verifier_from(cfg.attestation_roots, cfg.attestation_accounts, cfg.attestation_audience)
+    assert (v.required("aws"), v.required("gcp"), v.audience) == (True, False, AUDIENCE)
+    assert v.verify(ca.aws(region="eu-central-1"), "aws/eu-central-1").account == "123456789012"
+    with pytest.raises(ConfigError, match="KUBEON_GATEWAY_ATTESTATION_ACCOUNTS"):
+        GatewayServerConfig.from_settings(load_settings({
+            "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key), "KUBEON_GATEWAY_ATTESTATION_ACCOUNTS": "ibm=1"}))
 
 
 @pytest.mark.cluster

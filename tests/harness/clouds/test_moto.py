@@ -23,3 +23,34 @@ def test_moto_server_runs_tagged_instances(moto_server: MotoServer) -> None:
     ids = [i["InstanceId"] for r in found["Reservations"] for i in r["Instances"]]
     assert instance_id in ids
     assert moto_server.endpoint.startswith("http://127.0.0.1:")
+
+
+def test_an_instance_reads_its_signed_identity_document_from_imds(moto_server: MotoServer) -> None:
+    """Issue 27: a moto instance's identity document and signature from the local IMDSv2, verified by the gateway's
+    own code against the test CA; a us-east-1 instance redeeming an eu-central-1 ticket is refused."""
+    from gateway.attestation import AttestationVerifier
+    from models.errors import JoinRefused
+    from node.identity import fetch_attestation
+    from tests.harness.clouds.aws_metadata import AwsMetadata
+
+    imds = AwsMetadata(moto_server.endpoint).start()
+    try:
+        verifier = AttestationVerifier(roots={"aws": [imds.ca.signer]}, accounts={"aws": "123456789012"})
+        for region in ("eu-central-1", "us-east-1"):
+            ec2 = boto3.client("ec2", region_name=region, endpoint_url=moto_server.endpoint,
+                               aws_access_key_id="testing", aws_secret_access_key="testing")
+            image = ec2.describe_images()["Images"][0]["ImageId"]
+            iid = ec2.run_instances(ImageId=image, InstanceType="g5.xlarge", MinCount=1,
+                                    MaxCount=1)["Instances"][0]["InstanceId"]
+            attestation = fetch_attestation({"attestation": {"method": "aws"},
+                                             "metadataUrl": imds.metadata_url(region, iid)})
+            if region == "eu-central-1":
+                got = verifier.verify(attestation, "aws/eu-central-1")
+                assert (got.region, got.instance_id, got.account) == (region, iid, "123456789012")
+                assert got.zone.startswith(region)
+            else:
+                with pytest.raises(JoinRefused) as err:
+                    verifier.verify(attestation, "aws/eu-central-1")
+                assert err.value.code == "location_mismatch"
+    finally:
+        imds.stop()
