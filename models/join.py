@@ -207,11 +207,13 @@ class UserDataTooLarge(ValueError):
 
 
 def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
-                     taints: list[Taint], ca_bundle: str = "", server_name: str = "") -> str:
+                     taints: list[Taint], ca_bundle: str = "", server_name: str = "",
+                     attestation: dict[str, str] | None = None, metadata_url: str = "") -> str:
     """User data for a burst node: where the gateway is (``gateway``, the endpoint it connects to), the name its
     certificate is verified against (``serverName``; default: the endpoint's host), the CA certificate(s) to
-    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it
-    must register as. At most ``USER_DATA_MAX_BYTES``."""
+    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, what it
+    must register as, and the signed instance identity it sends (``attestation``: ``{"method", "audience"}``, read
+    from ``metadataUrl``, default its cloud's metadata address; ``node.identity``). At most ``USER_DATA_MAX_BYTES``."""
     doc: dict[str, Any] = {
         "gateway": gateway_url,
         "serverName": server_name or url_host(gateway_url),
@@ -222,6 +224,10 @@ def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: d
     }
     if ca_bundle.strip():
         doc["caBundle"] = ca_bundle.strip() + "\n"
+    if attestation:
+        doc["attestation"] = dict(attestation)
+    if metadata_url:
+        doc["metadataUrl"] = metadata_url
     user_data = (
         "#!/bin/bash\n"
         "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"
