@@ -48,6 +48,7 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         await until(lambda: len(_pods(stack, namespace)) == 1, timeout=30, what="the workload's pod")
         (pod,) = _pods(stack, namespace)
+        pod_name = str(pod.metadata.name)
 
         first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
         joined = await wait_phase(first, NodePhase.VERIFYING)
@@ -60,12 +61,12 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
         assert failed.phase == NodePhase.FAILED, failed.message
         assert "burn-in failed" in failed.message and "allocatable nvidia.com/gpu is 0" in failed.message
         assert node_gone(stack, failed.node_name)
-        live = runtime.providers["sim"].list("sim/burn-short", operation=failed.operation)  # type: ignore[attr-defined]
+        live = runtime.providers["sim"].list("sim/burn-short", operation=failed.operation)
         assert [i.state for i in live] == ["terminated"]
 
         # Planned again: a second node passes, loses its joining taint, and the same pod (never bound before) runs.
         def served() -> str | None:
-            p = stack.cluster.admin.core.read_namespaced_pod(pod.metadata.name, namespace)
+            p = stack.cluster.admin.core.read_namespaced_pod(pod_name, namespace)
             return str(p.spec.node_name) if p.spec.node_name else None
 
         await until(served, timeout=60, what="the pod on the replacement node")
