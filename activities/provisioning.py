@@ -45,7 +45,8 @@ class ProvisioningActivities(PhaseActivities):
             name=policy.name, generation=policy.metadata.generation or 0, mode=spec.effective_mode(req.default_mode),
             tolerate=spec.workloads.tolerate, locations=list(spec.locations), max_nodes=spec.limits.max_nodes,
             max_gpu_hour=float(spec.limits.max_gpu_hour), return_home=spec.return_home,
-            on_over_budget=spec.limits.on_over_budget,
+            on_over_budget=spec.limits.on_over_budget, burn_in_checks=list(spec.burn_in.checks),
+            burn_in_timeout_seconds=spec.burn_in.timeout_seconds,
         )
 
     def _offerings(self, locations: list[str], egress_gb_per_gpu_hour: dict[str, float]

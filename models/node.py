@@ -89,6 +89,20 @@ class VerifyResult(Model):
     pods_on_node: list[str]
 
 
+class BurnInRequest(Model):
+    """issue 27: the checks a registered node (still tainted) must pass before it serves."""
+
+    node_name: str
+    gpus: int  # the offering's GPUs: allocatable nvidia.com/gpu must equal it
+    checks: list[str]
+    timeout_seconds: int
+
+
+class BurnInResult(Model):
+    node_name: str
+    passed: list[str]  # one line per check that passed, what it saw
+
+
 class ServeCheckRequest(Model):
     node_name: str
     return_home: bool

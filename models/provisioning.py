@@ -250,6 +250,9 @@ class PolicySnapshot(Model):
     max_gpu_hour: float
     return_home: bool
     on_over_budget: str = "Report"  # issue 27: Report | Drain, when the cost on actuals exceeds max_gpu_hour
+    # issue 27: the burn-in checks a new node must pass before it serves, and how long each may wait.
+    burn_in_checks: list[str] = Field(default_factory=list)
+    burn_in_timeout_seconds: int = 300
 
 
 class LoadPolicyRequest(Model):

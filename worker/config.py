@@ -78,6 +78,8 @@ class Settings(BaseModel):
     max_concurrent_activities: int = 100
     approval_timeout_seconds: int = 3600
     join_timeout_seconds: int = 900
+    # Pods whose burst node failed (e.g. its burn-in) are planned again after this back-off, doubling.
+    node_retry_seconds: float = 30.0
     serve_check_seconds: int = 30
     # issue 27: how often a serving burst node's transfer is read from the gateway.
     transfer_check_seconds: int = 300
@@ -219,7 +221,8 @@ class Settings(BaseModel):
                                  batch_idle_seconds=self.batch_idle_seconds,
                                  batch_load_idle_seconds=self.batch_load_idle_seconds,
                                  batch_load_max_seconds=self.batch_load_max_seconds,
-                                 batch_max_seconds=self.batch_max_seconds)
+                                 batch_max_seconds=self.batch_max_seconds,
+                                 retry_seconds=self.node_retry_seconds)
 
 
 ENV = env_names(Settings)

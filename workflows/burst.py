@@ -21,8 +21,18 @@ from models.cost import BYTES_PER_GB, ActualCost, CostCount, TransferReading, ac
 from models.drain import DrainInput, DrainResult
 from models.ids import SERVE_QUEUE_SUFFIX, operation_id
 from models.join import burst_node_name
-from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.labels import (
+    BURN_IN_LABEL,
+    LABEL_GPU_PRODUCT,
+    LABEL_INSTANCE_TYPE,
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    Taint,
+)
 from models.node import (
+    BurnInRequest,
+    BurnInResult,
     BurstResult,
     CleanupRequest,
     CleanupResult,
@@ -235,6 +245,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             result_type=str, start_to_close_timeout=timedelta(seconds=s.join_timeout_seconds + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
         await self._audit("joined")
+        await self._burn_in(inp)
 
         self._set_phase(NodePhase.VERIFYING, "taint, labels, pods placed")
         verified = await workflow.execute_activity(
@@ -274,6 +285,24 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self._set_phase(NodePhase.COMPLETED, f"returned home: {served.reason}")
         return self._result()
 
+    async def _burn_in(self, inp: NodeInput) -> None:
+        """issue 27: the burn-in gate, while the node still carries its taint (no workload has landed). A failure
+        is non-retryable: run() compensates (terminates the node, removes it) and ends Failed with the reason in
+        the operation and the audit; the provisioning workflow plans the pods again."""
+        assert self.policy is not None
+        checks = self.policy.burn_in_checks
+        if not checks or not workflow.patched("burn-in"):
+            return
+        self._set_phase(NodePhase.VERIFYING, "burn-in: " + ", ".join(checks))
+        burned: BurnInResult = await workflow.execute_activity(
+            "burn_in_node",
+            BurnInRequest(node_name=self.node_name, gpus=self._offering().gpus, checks=checks,
+                          timeout_seconds=self.policy.burn_in_timeout_seconds),
+            result_type=BurnInResult,
+            start_to_close_timeout=timedelta(seconds=self.policy.burn_in_timeout_seconds * len(checks) + 120),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+        await self._audit("burned-in", "; ".join(burned.passed))
+
     def _offering(self) -> Offering:
         assert self.inp is not None
         return self.offering or self.inp.node.offering
@@ -285,6 +314,14 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             LABEL_LOCATION: location_label_value(o.location), LABEL_POLICY: self.inp.policy,
             LABEL_OPERATION: self.operation, LABEL_GPU_PRODUCT: o.gpu_product, LABEL_INSTANCE_TYPE: o.instance_type,
         }
+
+    def _launch_labels(self, offering: Offering) -> dict[str, str]:
+        """The node's labels, and the burn-in label when the policy has burn-in checks: the gateway then keeps the
+        node's joining taint until the checks have passed (issue 27)."""
+        labels = self._labels(offering)
+        if self.policy is not None and self.policy.burn_in_checks:
+            labels[BURN_IN_LABEL] = "required"
+        return labels
 
     async def _go_ahead(self, inp: NodeInput) -> bool:
         """Just before launching: False when the policy was switched to Recommend (R2.7 stops its actions at once,
@@ -321,7 +358,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
                     "launch_instance",
                     LaunchRequest(operation=self.operation, cluster=inp.cluster, policy=inp.policy,
                                   allowed_locations=self.policy.locations, offering=offering,
-                                  node_name=self.node_name, labels=self._labels(offering),
+                                  node_name=self.node_name, labels=self._launch_labels(offering),
                                   taints=[Taint(key=self.policy.tolerate)]),
                     result_type=Instance, start_to_close_timeout=timedelta(minutes=5),
                     heartbeat_timeout=HEARTBEAT, retry_policy=RetryPolicy(
