@@ -103,7 +103,9 @@ class BurnIn(_Spec):
 
     checks: Annotated[list[BurnInCheck], Field(max_length=len(BURN_IN_CHECKS))] = Field(
         default_factory=_every_check)
-    timeout_seconds: Annotated[StrictInt, Field(ge=1, le=3600)] = 300
+    # 15 minutes, as the join: on a fresh node the GPU Operator's driver container installs (minutes) before the device
+    # plugin advertises any GPU; a shorter default would terminate healthy nodes.
+    timeout_seconds: Annotated[StrictInt, Field(ge=1, le=3600)] = 900
 
     @field_validator("checks")
     @classmethod

@@ -62,7 +62,7 @@ def test_mode_defaults_from_configuration() -> None:
 
 def test_burn_in_defaults_to_every_check_and_an_empty_list_skips_the_gate() -> None:
     assert parse_policy(VALID).spec.burn_in.checks == list(policy.BURN_IN_CHECKS)
-    assert parse_policy(VALID).spec.burn_in.timeout_seconds == 300
+    assert parse_policy(VALID).spec.burn_in.timeout_seconds == 900
     doc = copy.deepcopy(VALID)
     doc["spec"]["burnIn"] = {"checks": [], "timeoutSeconds": 30}
     burn_in = parse_policy(doc).spec.burn_in
