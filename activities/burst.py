@@ -67,8 +67,8 @@ class BurstActivities:
         """The activities of the main task queue."""
         return [
             self.provisioning.load_policy, self.provisioning.plan_batch, self.launch.launch_instance,
-            self.join.wait_for_node, self.verify.verify_node, self.drain.cordon_node, self.drain.evict_pods,
-            self.drain.terminate_instance, self.drain.remove_node, self.drain.confirm_gone,
+            self.join.wait_for_node, self.verify.burn_in_node, self.verify.verify_node, self.drain.cordon_node,
+            self.drain.evict_pods, self.drain.terminate_instance, self.drain.remove_node, self.drain.confirm_gone,
             self.drain.cleanup_operation, self.audit.record_audit, self.gate.action_gate,
             self.drain.read_transfer, self.drain.count_burst_cost,
         ]

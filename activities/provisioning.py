@@ -9,6 +9,7 @@ from activities.capacity import CapacityError
 from activities.context import PhaseActivities
 from activities.providers.errors import ProviderError
 from models.errors import POLICY_GONE
+from models.locations import transfer_usd_per_gb
 from models.provisioning import (
     BatchPlan,
     BatchPlanRequest,
@@ -44,16 +45,26 @@ class ProvisioningActivities(PhaseActivities):
             name=policy.name, generation=policy.metadata.generation or 0, mode=spec.effective_mode(req.default_mode),
             tolerate=spec.workloads.tolerate, locations=list(spec.locations), max_nodes=spec.limits.max_nodes,
             max_gpu_hour=float(spec.limits.max_gpu_hour), return_home=spec.return_home,
-            on_over_budget=spec.limits.on_over_budget,
+            on_over_budget=spec.limits.on_over_budget, burn_in_checks=list(spec.burn_in.checks),
+            burn_in_timeout_seconds=spec.burn_in.timeout_seconds,
         )
 
-    def _offerings(self, locations: list[str]) -> tuple[list[Offering], list[str]]:
+    def _offerings(self, locations: list[str], egress_gb_per_gpu_hour: dict[str, float]
+                   ) -> tuple[list[Offering], list[str]]:
+        """Each location's offerings priced now; where the policy's earlier nodes measured their egress, transfer
+        priced at that rate (the location's own USD/GB) instead of the configured estimate."""
         offerings: list[Offering] = []
         unavailable: list[str] = []
         for location in locations:
             try:
-                self.config.location(location)
-                offerings += self.context.provider(location).price_offerings(location)
+                config = self.config.location(location)
+                priced = self.context.provider(location).price_offerings(location)
+                if location in egress_gb_per_gpu_hour:
+                    usd_per_gpu_hour = round(egress_gb_per_gpu_hour[location]
+                                             * transfer_usd_per_gb(self.config.home, config), 4)
+                    priced = [o.model_copy(update={"transfer_usd_per_gpu_hour": usd_per_gpu_hour,
+                                                   "transfer_basis": "measured"}) for o in priced]
+                offerings += priced
             except KeyError as exc:
                 unavailable.append(f"{location}: {exc.args[0]}")
             except (ProviderError, ApplicationError) as exc:
@@ -72,7 +83,8 @@ class ProvisioningActivities(PhaseActivities):
         rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
                       free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
         preferred = {pod: n.node_name for n in req.nodes for pod in n.pods}
-        offerings, unavailable = self._offerings(req.policy.locations) if waiting else ([], [])
+        offerings, unavailable = (self._offerings(req.policy.locations, req.egress_gb_per_gpu_hour) if waiting
+                                  else ([], []))
         slots = self._free_slots(req) if waiting else None
         p = req.policy
         plan = plan_pods(batch=req.batch, policy=p.name, taint_key=p.tolerate, pods=waiting,

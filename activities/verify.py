@@ -1,6 +1,9 @@
-"""Verifying a joined node before it serves: its taint and labels, the gateway's join check, its pods placed."""
+"""Verifying a joined node before it serves: the burn-in gate (issue 27), its taint and labels, the gateway's join
+check, its pods placed."""
 
 from __future__ import annotations
+
+import time
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -8,12 +11,44 @@ from temporalio.exceptions import ApplicationError
 from activities.clients.kube import VerificationFailed
 from activities.context import PhaseActivities, beat
 from models.errors import VERIFICATION_FAILED
-from models.labels import JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT
-from models.node import NodeExpectation, VerifyResult
+from models.labels import BURNED_IN_ANNOTATION, GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT
+from models.node import BurnInRequest, BurnInResult, NodeExpectation, VerifyResult
 
 
 class VerifyActivities(PhaseActivities):
-    """verify_node"""
+    """burn_in_node, verify_node"""
+
+    @activity.defn(name="burn_in_node", no_thread_cancel_exception=True)
+    def burn_in_node(self, req: BurnInRequest) -> BurnInResult:
+        """The burn-in gate: each check the policy chose, on the registered node that still carries its taint (so
+        no workload has landed). Reads only: a retry checks again. A check that does not pass within the timeout
+        fails the node (non-retryable): the workflow terminates it and its pods are planned again."""
+        passed = []
+        for check in req.checks:
+            if check == "Gpus":
+                passed.append(self._allocatable_gpus(req))
+            else:
+                raise ApplicationError(f"unknown burn-in check {check!r}", type=VERIFICATION_FAILED,
+                                       non_retryable=True)
+        # Passed: the gateway lifts the joining taint of a node annotated so (workloads may land from then on).
+        self.kube.core.patch_node(req.node_name, {"metadata": {"annotations": {
+            BURNED_IN_ANNOTATION: "; ".join(passed)}}})
+        return BurnInResult(node_name=req.node_name, passed=passed)
+
+    def _allocatable_gpus(self, req: BurnInRequest) -> str:
+        """Allocatable nvidia.com/gpu equals the offering's GPUs (waiting up to the timeout for the device plugin)."""
+        deadline = time.monotonic() + req.timeout_seconds
+        while True:
+            node = self.kube.core.read_node(req.node_name)
+            have = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
+            if have == req.gpus:
+                return f"Gpus: allocatable {GPU_RESOURCE} {have}"
+            beat(f"burn-in of {req.node_name}: allocatable {GPU_RESOURCE} {have}, want {req.gpus}")
+            if time.monotonic() > deadline:
+                raise ApplicationError(
+                    f"burn-in failed on {req.node_name}: allocatable {GPU_RESOURCE} is {have}, the offering has "
+                    f"{req.gpus} (after {req.timeout_seconds}s)", type=VERIFICATION_FAILED, non_retryable=True)
+            time.sleep(1.0)
 
     @activity.defn(name="verify_node", no_thread_cancel_exception=True)
     def verify_node(self, req: NodeExpectation) -> VerifyResult:

@@ -18,6 +18,7 @@ from cryptography.x509.oid import NameOID
 from kubernetes import client
 
 from common.kube import read_or_none
+from gateway.attestation import AttestationVerifier
 from gateway.settings import DEFAULT_CERT_SECONDS
 from gateway.slots import MANAGED_BY, AddressPlan, RecordStore, SlotBook
 from gateway.tickets import TicketSigner
@@ -103,7 +104,8 @@ class Admission:
     def __init__(self, api: client.ApiClient, tickets: TicketSigner, slots: SlotBook, records: RecordStore,
                  plan: AddressPlan, tunnel: GatewayTunnel | None, *, endpoint: Callable[[], tuple[str, str]],
                  on_join: Callable[[], None], cert_seconds: int = DEFAULT_CERT_SECONDS,
-                 sign_timeout: float = 30.0, tombstoned: Callable[[str], bool] = lambda _: False) -> None:
+                 sign_timeout: float = 30.0, tombstoned: Callable[[str], bool] = lambda _: False,
+                 attestation: AttestationVerifier | None = None) -> None:
         self._api = api
         self._certs = client.CertificatesV1Api(api)
         self._tickets = tickets
@@ -118,6 +120,7 @@ class Admission:
         self._ca_bundle: str | None = None
         self._username: str | None = None
         self._tombstoned = tombstoned
+        self._attestation = attestation or AttestationVerifier()
 
     def join(self, redeem: JoinRedeem) -> JoinAnswer:
         """Redeem a ticket: check it, the node's WireGuard key and its kubelet CSR; record the redemption
@@ -126,6 +129,7 @@ class Admission:
         CSR proves possession of the kubelet key) gets the same answer; anything else with a used ticket is
         refused."""
         ticket = self._tickets.verify(redeem.ticket)
+        attested = self._attestation.verify(redeem.attestation, ticket.location)
         try:
             wg_key = check_key(redeem.wireguard_public_key, "wireguardPublicKey")
         except ValueError as exc:
@@ -159,7 +163,8 @@ class Admission:
                               "hands out an existing node's identity", code="node_exists")
         seen = self._records.create_ticket(ticket.nonce, {
             "node": ticket.node_name, "operation": ticket.operation, "expiresAt": repr(ticket.expires_at),
-            "wireguardPublicKey": wg_key, "csrKey": fingerprint, "state": "redeemed"})
+            "wireguardPublicKey": wg_key, "csrKey": fingerprint, "state": "redeemed",
+            "attestation": attested.model_dump_json(by_alias=True)})
         if seen is not None:
             if seen.get("state") == "released":
                 raise TicketError(f"join ticket for {ticket.node_name} was already used and its node removed; "

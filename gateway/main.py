@@ -20,6 +20,7 @@ from kubernetes import client, config
 
 from common.kube import kube_api
 from gateway.app import HealthState, TokenReviewer, _QuietProbes, create_app, create_health_app
+from gateway.attestation import verifier_from
 from gateway.limits import guarded_h11
 from gateway.service import KubeGateway
 from gateway.settings import ConfigError, GatewayServerConfig, GatewaySettings, check_tls_files, load_settings
@@ -73,7 +74,9 @@ def serve(settings: GatewaySettings) -> int:
         tunnel = build_tunnel(cfg)
         gateway = KubeGateway(api, key, public_url=cfg.public_url, service=cfg.service, namespace=cfg.namespace,
                               plan=cfg.plan, tunnel=tunnel, cert_seconds=cfg.cert_seconds,
-                              transfer_seconds=cfg.transfer_seconds)
+                              transfer_seconds=cfg.transfer_seconds,
+                              attestation=verifier_from(cfg.attestation_roots, cfg.attestation_accounts,
+                                                        cfg.attestation_audience))
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kubeon-gpu gateway: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,8 @@ from gateway.slots import RecordStore, Slot
 from gateway.transfer import Transfer, accumulate, restarted
 from gateway.tunnel_end import GatewayTunnel
 from models.labels import (
+    BURN_IN_LABEL,
+    BURNED_IN_ANNOTATION,
     GPU_RESOURCE,
     JOIN_REFUSED_ANNOTATION,
     JOIN_REFUSED_TAINT,
@@ -179,7 +181,9 @@ class Reconciler:
         have = {(t.key, t.effect) for t in taints}
         wanted = [*slot.taints, *([JOIN_REFUSED_TAINT] if refused else [])]
         missing = [t for t in wanted if (t.key, t.effect) not in have]
-        keep = [t for t in taints if refused or t.key != JOINING_TAINT.key]
+        # A node under burn-in (issue 27) keeps its joining taint until the optimizer has annotated it burned in.
+        burning_in = BURN_IN_LABEL in slot.labels and BURNED_IN_ANNOTATION not in (node.metadata.annotations or {})
+        keep = [t for t in taints if refused or burning_in or t.key != JOINING_TAINT.key]
         spec: dict[str, Any] = {}
         if missing or len(keep) != len(taints):
             spec["taints"] = [{"key": t.key, "value": t.value, "effect": t.effect} for t in keep] + [

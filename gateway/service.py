@@ -19,6 +19,7 @@ from kubernetes import client
 
 from common.kube import read_or_none
 from gateway.admission import Admission
+from gateway.attestation import AttestationVerifier
 from gateway.reconciler import Reconciler
 from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
 from gateway.slots import AddressPlan, RecordStore, SlotBook
@@ -84,7 +85,7 @@ class KubeGateway:
                  public_url: str = "", service: ServiceRef | None = None, namespace: str = "kubeon-gpu",
                  plan: AddressPlan | None = None, tunnel: GatewayTunnel | None = None,
                  cert_seconds: int = DEFAULT_CERT_SECONDS, sign_timeout: float = 30.0,
-                 transfer_seconds: float = 10.0) -> None:
+                 transfer_seconds: float = 10.0, attestation: AttestationVerifier | None = None) -> None:
         self._tickets = TicketSigner(signing_key, clock)
         self._clock = clock
         self._core = client.CoreV1Api(api)
@@ -98,7 +99,8 @@ class KubeGateway:
                                       transfer_seconds=transfer_seconds)
         self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
                                     endpoint=self.endpoint, on_join=self._joined, cert_seconds=cert_seconds,
-                                    sign_timeout=sign_timeout, tombstoned=self._tombstoned)
+                                    sign_timeout=sign_timeout, tombstoned=self._tombstoned,
+                                    attestation=attestation)
 
     @property
     def tunnel(self) -> GatewayTunnel | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from cryptography import x509
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
@@ -88,6 +89,13 @@ class GatewaySettings(BaseModel):
     # How often at most each node's tunnel transfer counters are written to its slot record (issue 27): a gateway
     # that dies without stopping loses at most what moved since (a stopping gateway writes them first).
     gateway_transfer_seconds: float = Field(default=10.0, ge=0.5, le=300)
+    # Location attested at join (issue 27): a directory of trust roots, <provider>.pem (aws, gcp, azure: the cloud's
+    # published signing certificates or a CA issuing them); a provider with a file there requires its nodes'
+    # signed identity. The accounts nodes must be in ("aws=123456789012,gcp=my-project,azure=<subscription>"), and
+    # the audience of GCP identity tokens (empty: the public URL).
+    gateway_attestation_roots_dir: Path | None = None
+    gateway_attestation_accounts: str = ""
+    gateway_attestation_audience: str = ""
 
     @field_validator("gateway_public_url")
     @classmethod
@@ -186,6 +194,9 @@ class GatewayServerConfig:
     proxy_max_connections: int = 1024
     cert_seconds: int = DEFAULT_CERT_SECONDS
     transfer_seconds: float = 10.0
+    attestation_roots: tuple[tuple[str, str], ...] = ()  # (provider, PEM)
+    attestation_accounts: tuple[tuple[str, str], ...] = ()
+    attestation_audience: str = ""
 
     @property
     def tls(self) -> bool:
@@ -252,7 +263,39 @@ class GatewayServerConfig:
             tunnel_interface=settings.gateway_tunnel_interface, wireguard_key_file=settings.gateway_wireguard_key_file,
             udp_port=settings.gateway_udp_port, tunnel_endpoint=settings.gateway_tunnel_endpoint,
             mtu=settings.gateway_tunnel_mtu, api_upstream=settings.gateway_api_upstream,
+            attestation_roots=_attestation_roots(settings.gateway_attestation_roots_dir),
+            attestation_accounts=_pairs(settings.gateway_attestation_accounts, "KUBEON_GATEWAY_ATTESTATION_ACCOUNTS"),
+            attestation_audience=settings.gateway_attestation_audience or settings.gateway_public_url,
         )
+
+
+ATTESTED_PROVIDERS = ("aws", "gcp", "azure")
+
+
+def _attestation_roots(directory: Path | None) -> tuple[tuple[str, str], ...]:
+    if directory is None:
+        return ()
+    roots = []
+    for provider in ATTESTED_PROVIDERS:
+        path = directory / f"{provider}.pem"
+        if path.exists():
+            pem = path.read_text()
+            try:
+                x509.load_pem_x509_certificates(pem.encode())
+            except ValueError as exc:
+                raise ConfigError(f"KUBEON_GATEWAY_ATTESTATION_ROOTS_DIR: {path}: {exc}") from None
+            roots.append((provider, pem))
+    return tuple(roots)
+
+
+def _pairs(value: str, var: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in (i.strip() for i in value.split(",") if i.strip()):
+        key, sep, val = item.partition("=")
+        if not sep or key.strip() not in ATTESTED_PROVIDERS or not val.strip():
+            raise ConfigError(f"{var}: {item!r} is not <aws|gcp|azure>=<account>")
+        out.append((key.strip(), val.strip()))
+    return tuple(out)
 
 
 def check_tls_files(cfg: GatewayServerConfig) -> None:

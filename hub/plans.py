@@ -36,6 +36,8 @@ class PlannedNode(_Lenient):
     gpu_product: Short = ""
     compute_usd_per_hour: Dollars = 0.0
     transfer_usd_per_hour: Dollars = 0.0
+    # "measured": priced at the egress the policy's earlier nodes measured there; else the configured estimate.
+    transfer_basis: Short = "estimate"
     pods: Annotated[list[Short], Field(max_length=1000)] = Field(default_factory=list)
 
     @property

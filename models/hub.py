@@ -76,6 +76,7 @@ def proposal_detail(plan: BatchPlan, batch: str) -> str:
                        "gpus": n.offering.gpus, "gpu_product": n.offering.gpu_product,
                        "compute_usd_per_hour": n.offering.instance_usd_per_hour,
                        "transfer_usd_per_hour": round(n.offering.transfer_usd_per_hour, 6),
+                       "transfer_basis": n.offering.transfer_basis,
                        "pods": n.pods[:pods_each]} for n in plan.new_nodes[:nodes]],
         }, separators=(",", ":"))
 

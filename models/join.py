@@ -59,13 +59,29 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+class Attestation(_Wire):
+    """The node's signed instance identity, as its cloud's metadata service gave it (``gateway.attestation``
+    verifies it): ``aws`` the instance identity document (``document``, JSON) and its base64 RSA-SHA256
+    ``signature``; ``gcp`` the instance identity token (``document``, a JWT whose audience is the gateway); ``azure``
+    the attested data (``document``, JSON) and its base64 ``signature``; ``onprem`` nothing (the server's join
+    credential is the proof); ``none``: no identity (sim nodes). ``certificate``: the signer's certificate (PEM),
+    when the metadata service hands it out; it must be a trust root or issued by one."""
+
+    method: str = Field(default="none", pattern="^(none|aws|gcp|azure|onprem)$")
+    document: str = Field(default="", max_length=16 * 1024)
+    signature: str = Field(default="", max_length=8 * 1024)
+    certificate: str = Field(default="", max_length=8 * 1024)
+
+
 class JoinRedeem(_Wire):
-    """What a booting burst node sends: the ticket from its user data and the public halves of its keys."""
+    """What a booting burst node sends: the ticket from its user data, the public halves of its keys and its
+    cloud's signed identity (``attestation``; absent: method ``none``)."""
 
     ticket: str = Field(min_length=1, max_length=16 * 1024)
     wireguard_public_key: str = Field(alias="wireguardPublicKey", min_length=1, max_length=64)
     csr: str = Field(min_length=1, max_length=16 * 1024, description="PEM CERTIFICATE REQUEST of the kubelet key")
     usages: list[str] = Field(default_factory=lambda: list(KUBELET_CLIENT_USAGES), max_length=8)
+    attestation: Attestation = Field(default_factory=Attestation)
 
 
 class CertRenewal(_Wire):
@@ -191,11 +207,13 @@ class UserDataTooLarge(ValueError):
 
 
 def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: dict[str, str],
-                     taints: list[Taint], ca_bundle: str = "", server_name: str = "") -> str:
+                     taints: list[Taint], ca_bundle: str = "", server_name: str = "",
+                     attestation: dict[str, str] | None = None, metadata_url: str = "") -> str:
     """User data for a burst node: where the gateway is (``gateway``, the endpoint it connects to), the name its
     certificate is verified against (``serverName``; default: the endpoint's host), the CA certificate(s) to
-    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, and what it
-    must register as. At most ``USER_DATA_MAX_BYTES``."""
+    verify it with (``caBundle``, PEM; absent: the node's system trust store), its one-time ticket, what it
+    must register as, and the signed instance identity it sends (``attestation``: ``{"method", "audience"}``, read
+    from ``metadataUrl``, default its cloud's metadata address; ``node.identity``). At most ``USER_DATA_MAX_BYTES``."""
     doc: dict[str, Any] = {
         "gateway": gateway_url,
         "serverName": server_name or url_host(gateway_url),
@@ -206,6 +224,10 @@ def render_user_data(*, gateway_url: str, ticket: str, node_name: str, labels: d
     }
     if ca_bundle.strip():
         doc["caBundle"] = ca_bundle.strip() + "\n"
+    if attestation:
+        doc["attestation"] = dict(attestation)
+    if metadata_url:
+        doc["metadataUrl"] = metadata_url
     user_data = (
         "#!/bin/bash\n"
         "# KubeOn burst node bootstrap: open the tunnel to the gateway, then register through it.\n"

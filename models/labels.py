@@ -41,3 +41,8 @@ JOIN_REFUSED_TAINT = Taint(key="gpu.kubeon.io/join-refused", value="true", effec
 # Nodes register with this taint too; the gateway lifts it once it has checked the registered Node against its
 # ticket (labels, taints, capacity), so no pod lands before. A node cannot lift a taint itself (NodeRestriction).
 JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSchedule")
+
+# issue 27, the burn-in gate: a node launched with this label (its ticket's) keeps its joining taint until the
+# optimizer has annotated it burned in (the annotation's value says what passed); one that fails is terminated.
+BURN_IN_LABEL: Final = "gpu.kubeon.io/burn-in"
+BURNED_IN_ANNOTATION: Final = "gpu.kubeon.io/burned-in"

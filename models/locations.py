@@ -126,6 +126,9 @@ class SimSettings(_Camel):
     # Fault injection for crash tests: the worker process is killed (SIGKILL) right after the simulated cloud
     # has started an instance, before the launch call can report it. Once per instance.
     kill_worker_after_launch: bool = False
+    # Fault injection for burn-in tests (issue 27): the first this many instances launched in the location register
+    # one GPU fewer allocatable than their offering has (as a node whose device plugin misses a GPU).
+    short_gpus_first: Annotated[int, Field(ge=0)] = 0
 
 
 class LocationConfig(_Camel):

@@ -11,7 +11,7 @@ from models.base import Model, OperationViewBase
 from models.cost import ActualCost, TransferReading
 from models.labels import Taint
 from models.policy import Mode
-from models.provisioning import Offering, OperationSettings, PendingPod, PlannedNode
+from models.provisioning import MeasuredEgress, Offering, OperationSettings, PendingPod, PlannedNode
 
 
 class NodePhase(StrEnum):
@@ -87,6 +87,20 @@ class NodeExpectation(Model):
 class VerifyResult(Model):
     node_name: str
     pods_on_node: list[str]
+
+
+class BurnInRequest(Model):
+    """issue 27: the checks a registered node (still tainted) must pass before it serves."""
+
+    node_name: str
+    gpus: int  # the offering's GPUs: allocatable nvidia.com/gpu must equal it
+    checks: list[str]
+    timeout_seconds: int
+
+
+class BurnInResult(Model):
+    node_name: str
+    passed: list[str]  # one line per check that passed, what it saw
 
 
 class ServeCheckRequest(Model):
@@ -172,3 +186,5 @@ class NodeFinished(Model):
     message: str = ""
     launched: bool = False
     pods: list[str] = Field(default_factory=list)
+    # The egress measured at the gateway over the node's GPU-hours (None: not measured): the estimate learns.
+    egress: MeasuredEgress | None = None

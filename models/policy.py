@@ -86,6 +86,33 @@ class Limits(_Spec):
     on_over_budget: Literal["Report", "Drain"] = "Report"
 
 
+# issue 27: what a burst node must pass after it registers and before any workload lands (it keeps its taint).
+# Gpus: allocatable nvidia.com/gpu equals the offering's GPUs. (The tunnel MTU probe and the GPU health check are
+# not built yet: only the checks listed here exist.)
+BURN_IN_CHECKS = ("Gpus",)
+BurnInCheck = Literal["Gpus"]
+
+
+def _every_check() -> list[BurnInCheck]:
+    return ["Gpus"]
+
+
+class BurnIn(_Spec):
+    """The burn-in gate: which checks run (empty: none, the node serves once verified) and how long a check may
+    wait for the node to show what it must (a device plugin takes a while to advertise the GPUs)."""
+
+    checks: Annotated[list[BurnInCheck], Field(max_length=len(BURN_IN_CHECKS))] = Field(
+        default_factory=_every_check)
+    # 15 minutes, as the join: on a fresh node the GPU Operator's driver container installs (minutes) before the device
+    # plugin advertises any GPU; a shorter default would terminate healthy nodes.
+    timeout_seconds: Annotated[StrictInt, Field(ge=1, le=3600)] = 900
+
+    @field_validator("checks")
+    @classmethod
+    def _unique_checks(cls, checks: list[str]) -> list[str]:
+        return _unique(checks, "burn-in check")
+
+
 class Location(str):
     """``<provider>/<region or pool>``; the label form replaces ``/`` with ``.`` (label values cannot hold ``/``)."""
 
@@ -123,6 +150,7 @@ class GpuPolicySpec(_KindSpec):
     locations: Annotated[list[LocationName], Field(min_length=1, max_length=64)]
     limits: Limits
     return_home: StrictBool = False
+    burn_in: BurnIn = Field(default_factory=BurnIn)
 
     @field_validator("locations")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Final, Literal
 
 from pydantic import Field
 
@@ -103,6 +104,9 @@ class Offering(Model):
     gpu_product: str
     instance_usd_per_hour: float
     transfer_usd_per_gpu_hour: float
+    # "estimate": the location's configured egress GB per GPU-hour; "measured": what this policy's earlier nodes
+    # there measured at the gateway (``LearnedEgress``), so a plan says which it priced.
+    transfer_basis: Literal["estimate", "measured"] = "estimate"
 
     @property
     def compute_usd_per_gpu_hour(self) -> float:
@@ -122,9 +126,40 @@ class Offering(Model):
         return round(self.instance_usd_per_hour + self.transfer_usd_per_hour, 6)
 
     def describe(self) -> str:
+        basis = "measured transfer" if self.transfer_basis == "measured" else "est. transfer"
         return (f"{self.instance_type} ({self.gpus}x {self.gpu_product}) in {self.location} at "
-                f"${self.usd_per_hour:.2f}/h (compute ${self.instance_usd_per_hour:.2f} + est. transfer "
+                f"${self.usd_per_hour:.2f}/h (compute ${self.instance_usd_per_hour:.2f} + {basis} "
                 f"${self.transfer_usd_per_hour:.2f})")
+
+
+# Each finished node's measurement weighs in at full weight, the earlier ones at this fraction of theirs: the
+# estimate follows a workload whose traffic changes within a few nodes, and one odd node does not rule it.
+EGRESS_DECAY: Final = 0.7
+
+
+class MeasuredEgress(Model):
+    """What one finished burst node moved out of its location (the gateway's rx bytes) over its GPU-hours."""
+
+    location: str
+    egress_gb: float = Field(ge=0)
+    gpu_hours: float = Field(gt=0)
+
+
+class LearnedEgress(Model):
+    """A policy's egress per GPU-hour in one location as its finished nodes measured it, decayed (EGRESS_DECAY):
+    the next plan prices transfer at ``gb_per_gpu_hour`` instead of the location's configured estimate."""
+
+    egress_gb: float = 0.0
+    gpu_hours: float = 0.0
+    nodes: int = 0
+
+    @property
+    def gb_per_gpu_hour(self) -> float:
+        return self.egress_gb / self.gpu_hours if self.gpu_hours > 0 else 0.0
+
+    def learn(self, measured: MeasuredEgress) -> LearnedEgress:
+        return LearnedEgress(egress_gb=self.egress_gb * EGRESS_DECAY + measured.egress_gb,
+                             gpu_hours=self.gpu_hours * EGRESS_DECAY + measured.gpu_hours, nodes=self.nodes + 1)
 
 
 class NodeRecord(Model):
@@ -215,6 +250,9 @@ class PolicySnapshot(Model):
     max_gpu_hour: float
     return_home: bool
     on_over_budget: str = "Report"  # issue 27: Report | Drain, when the cost on actuals exceeds max_gpu_hour
+    # issue 27: the burn-in checks a new node must pass before it serves, and how long each may wait.
+    burn_in_checks: list[str] = Field(default_factory=list)
+    burn_in_timeout_seconds: int = 300
 
 
 class LoadPolicyRequest(Model):
@@ -294,6 +332,8 @@ class ProvisionInput(Model):
     not_before: dict[str, str] = Field(default_factory=dict)
     failures: dict[str, int] = Field(default_factory=dict)
     batches: list[BatchRecord] = Field(default_factory=list)
+    # location -> the egress this policy's finished nodes measured there (issue 27: the estimate learns).
+    learned_egress: dict[str, LearnedEgress] = Field(default_factory=dict)
     # History stays short: the workflow continues as new after this many events.
     continue_after_events: int = 4000
 
@@ -304,6 +344,8 @@ class BatchPlanRequest(Model):
     pods: list[PendingPod]
     nodes: list[NodeRecord]
     max_new_nodes: int
+    # location -> measured egress GB per GPU-hour: priced instead of the location's configured estimate.
+    egress_gb_per_gpu_hour: dict[str, float] = Field(default_factory=dict)
 
 
 class ProvisionView(Model):
@@ -320,4 +362,5 @@ class ProvisionView(Model):
     nodes: list[NodeRecord] = Field(default_factory=list)
     max_nodes: int = 0
     batches: list[BatchRecord] = Field(default_factory=list)
+    learned_egress: dict[str, LearnedEgress] = Field(default_factory=dict)
     history: list[str] = Field(default_factory=list)

@@ -51,6 +51,7 @@ from models.join import (
     JoinRedeem,
     TunnelAnswer,
 )
+from node.identity import IdentityUnavailable, fetch_attestation
 from tunnel import keys, link
 from tunnel.uapi import Uapi
 
@@ -307,8 +308,12 @@ def join(doc: dict[str, Any], files: NodeFiles, *, redeem: Redeemer | None = Non
             # key it joined with proves the node to the gateway, which renews while the node holds its slot.
             answer = renew(files, renewer=renewer, force=True)
     if answer is None:
+        try:
+            attestation = fetch_attestation(doc)
+        except IdentityUnavailable as exc:
+            raise JoinError(f"reading the instance identity: {exc}") from None
         request = JoinRedeem(ticket=str(doc["ticket"]), wireguard_public_key=keys.public_key(wg_key),
-                             csr=kubelet_csr(key, node_name))
+                             csr=kubelet_csr(key, node_name), attestation=attestation)
         answer = redeem_retrying(redeem or redeem_over_https(doc), request, retry_seconds=retry_seconds)
         if answer.node_name != node_name:
             raise JoinError(f"the gateway answered for node {answer.node_name}, this node is {node_name}")

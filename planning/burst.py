@@ -105,7 +105,9 @@ def eligible_offerings(offerings: Iterable[Offering], locations: list[str], max_
         elif o.gpus < 1:
             refused.append((o, f"{what}: no GPU"))
         elif o.usd_per_gpu_hour > max_gpu_hour:
-            refused.append((o, f"{what}: ${o.usd_per_gpu_hour:.2f}/GPU-h over maxGpuHour ${max_gpu_hour:.2f}"))
+            measured = " with measured transfer" if o.transfer_basis == "measured" else ""
+            refused.append((o, f"{what}: ${o.usd_per_gpu_hour:.2f}/GPU-h{measured} over maxGpuHour "
+                               f"${max_gpu_hour:.2f}"))
         else:
             eligible.append(o)
     eligible.sort(key=lambda o: (o.usd_per_hour, o.gpus, o.location, o.instance_type))
@@ -136,7 +138,7 @@ def plan_pods(*, batch: str, policy: str, taint_key: str, pods: list[PendingPod]
                 mask |= 1 << i
         ok_rooms = [j for j, r in enumerate(rooms) if r.free >= pod.gpus and pod_matches(pod, r.labels)]
         if not mask and not ok_rooms:
-            unplaced.append(Unplaced(pod=pod.key, why=_why_not(pod, eligible, labels)))
+            unplaced.append(Unplaced(pod=pod.key, why=_why_not(pod, eligible, labels, refused, policy)))
             continue
         placeable.append(pod)
         offer_mask.append(mask)
@@ -193,9 +195,12 @@ def _refusals_that_matter(refused: list[tuple[Offering, str]], pods: list[Pendin
     return shown
 
 
-def _why_not(pod: PendingPod, eligible: list[Offering], labels: list[dict[str, str]]) -> str:
+def _why_not(pod: PendingPod, eligible: list[Offering], labels: list[dict[str, str]],
+             refused: list[tuple[Offering, str]], policy: str) -> str:
     if not eligible:
-        return "no eligible offering in the policy's locations (see refused)"
+        # The refusals that could have served this pod, so its line says why without the plan beside it.
+        reasons = _refusals_that_matter(refused, [pod], policy)
+        return "no eligible offering in the policy's locations" + (f": {'; '.join(reasons[:3])}" if reasons else "")
     largest = max(o.gpus for o in eligible)
     matching = [o for o, lab in zip(eligible, labels, strict=True) if pod_matches(pod, lab)]
     if not matching:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the worker's and the models' imports stay lazy: `kubeon-gpu node join` starts fast
+    from activities.capacity.aks import AksNodePoolsCapacity
     from activities.capacity.eks import EksNodeGroupsCapacity
     from models.hub import HubSyncStatus
     from models.node import OperationView
@@ -113,12 +114,17 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | None:
+def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | AksNodePoolsCapacity | None:
     """The managed node groups' provider `doctor` lists the groups through (None: checked from the cluster)."""
+    from common.kube import kube_api
+
+    if settings.capacity_provider == "aks-nodepools":
+        from worker.config import aks_capacity
+
+        return aks_capacity(kube_api(settings.kubeconfig), settings)
     if settings.capacity_provider != "eks-nodegroups":
         return None
     from activities.capacity.eks import EksNodeGroupsCapacity
-    from common.kube import kube_api
 
     return EksNodeGroupsCapacity(kube_api(settings.kubeconfig), cluster=settings.capacity_cluster_name,
                                  region=settings.capacity_region, endpoint_url=settings.aws_endpoint_url)

@@ -6,9 +6,11 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from models.aks import aks_setting_error
 from models.eks import AWS_REGIONS
 from models.env import ConfigError, env_names, from_env, url_setting
 from models.locations import BurstConfig
@@ -16,6 +18,9 @@ from models.policy import Mode
 from models.provisioning import OperationSettings
 from models.scale import ScaleSettings
 from models.sharing import SharingSettings
+
+if TYPE_CHECKING:
+    from activities.capacity.aks import AksNodePoolsCapacity
 
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
 # "none": no home autoscaler to defer to (home capacity is what the nodes have free).
@@ -73,6 +78,8 @@ class Settings(BaseModel):
     max_concurrent_activities: int = 100
     approval_timeout_seconds: int = 3600
     join_timeout_seconds: int = 900
+    # Pods whose burst node failed (e.g. its burn-in) are planned again after this back-off, doubling.
+    node_retry_seconds: float = 30.0
     serve_check_seconds: int = 30
     # issue 27: how often a serving burst node's transfer is read from the gateway.
     transfer_check_seconds: int = 300
@@ -88,6 +95,10 @@ class Settings(BaseModel):
     # endpoint is aws_endpoint_url (moto in tests and make dev). Checked at start, naming the variable.
     capacity_cluster_name: str = Field(default="", validate_default=True)
     capacity_region: str = Field(default="", validate_default=True)
+    # -- capacity.provider aks-nodepools: the AKS cluster (capacity_cluster_name), its subscription and resource
+    # group (the chart's capacity.aks); the endpoint is azure_endpoint_url, TLS verified with azure_ca_file.
+    capacity_subscription: str = Field(default="", validate_default=True)
+    capacity_resource_group: str = Field(default="", validate_default=True)
     gpu_operator_namespace: str = "gpu-operator"
     # Sharing (time-slicing through the GPU Operator): the chart's gpuOperator.timeSlicingConfigMap, the wait for a
     # new key to reach the device plugin's mounted copy, and how long a node gets to show the change.
@@ -140,6 +151,17 @@ class Settings(BaseModel):
         elif value not in AWS_REGIONS:
             raise ValueError(f"{value!r} is not an AWS region (e.g. us-east-1); required with capacity.provider "
                              "eks-nodegroups")
+        return value
+
+    @field_validator("capacity_cluster_name", "capacity_subscription", "capacity_resource_group")
+    @classmethod
+    def _aks_capacity(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("capacity_provider") != "aks-nodepools":
+            return value
+        field = {"capacity_cluster_name": "clusterName", "capacity_subscription": "subscription",
+                 "capacity_resource_group": "resourceGroup"}[str(info.field_name)]
+        if (error := aks_setting_error(field, value)) is not None:
+            raise ValueError(error)
         return value
 
     def gateway_node_url(self) -> str:
@@ -199,10 +221,21 @@ class Settings(BaseModel):
                                  batch_idle_seconds=self.batch_idle_seconds,
                                  batch_load_idle_seconds=self.batch_load_idle_seconds,
                                  batch_load_max_seconds=self.batch_load_max_seconds,
-                                 batch_max_seconds=self.batch_max_seconds)
+                                 batch_max_seconds=self.batch_max_seconds,
+                                 retry_seconds=self.node_retry_seconds)
 
 
 ENV = env_names(Settings)
+
+
+def aks_capacity(api: Any, settings: Settings) -> AksNodePoolsCapacity:
+    """capacity.provider aks-nodepools: the provider the worker and ``doctor`` use (Azure SDK loaded lazily)."""
+    from activities.capacity.aks import AksNodePoolsCapacity
+
+    return AksNodePoolsCapacity(api, subscription=settings.capacity_subscription,
+                                resource_group=settings.capacity_resource_group,
+                                cluster=settings.capacity_cluster_name, endpoint_url=settings.azure_endpoint_url,
+                                ca_file=str(settings.azure_ca_file) if settings.azure_ca_file else None)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:

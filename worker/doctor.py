@@ -20,6 +20,7 @@ from kubernetes import client
 from activities.capacity import CapacityError, CapacityProvider
 from activities.capacity.karpenter import is_gpu_pool
 from activities.clients.prometheus import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
+from models.eks import GroupScaling
 
 log = logging.getLogger("kubeon.prerequisites")
 Status = Literal["found", "missing", "unknown"]
@@ -160,6 +161,8 @@ def check_capacity(api: client.ApiClient, provider: str, capacity: CapacityProvi
     disables = "autoscaling and packing"
     if provider == "eks-nodegroups" and capacity is not None:
         return check_eks(capacity, disables)
+    if provider == "aks-nodepools" and capacity is not None:
+        return check_aks(capacity, disables)
     if provider != "karpenter":
         return Prerequisite(f"capacity ({provider})", "unknown",
                             f"capacity.provider is {provider}: its node groups are checked through the cloud API "
@@ -183,14 +186,33 @@ def check_eks(capacity: CapacityProvider, disables: str) -> Prerequisite:
     where = f"EKS cluster {getattr(capacity, 'cluster', '?')} in {getattr(capacity, 'region', '?')}"
     fix = ("check KUBEON_CAPACITY_CLUSTER_NAME / KUBEON_CAPACITY_REGION and that the worker's IAM role has the "
            "policy in docs/home-capacity.md (eks:ListNodegroups, eks:DescribeNodegroup, ...)")
+    return _check_groups("EKS node groups", where, fix, capacity, disables, lambda s: (
+        f"{s.min_size}<={s.desired_size}<={s.max_size}"))
+
+
+def check_aks(capacity: CapacityProvider, disables: str) -> Prerequisite:
+    """capacity.provider aks-nodepools: the cluster's GPU agent pools as the optimizer's Azure identity sees them."""
+    where = (f"AKS cluster {getattr(capacity, 'cluster', '?')} in resource group "
+             f"{getattr(capacity, 'resource_group', '?')}")
+    fix = ("check KUBEON_CAPACITY_SUBSCRIPTION / KUBEON_CAPACITY_RESOURCE_GROUP / KUBEON_CAPACITY_CLUSTER_NAME and "
+           "that the worker's identity holds the role in docs/home-capacity.md (agentPools read/write, "
+           "deleteMachines, machines read)")
+    return _check_groups("AKS agent pools", where, fix, capacity, disables, lambda s: (
+        f"{s.auto_scaling_group}, count {s.desired_size}"))
+
+
+def _check_groups(name: str, where: str, fix: str, capacity: CapacityProvider, disables: str,
+                  scaling: Callable[[GroupScaling], str]) -> Prerequisite:
+    """A managed provider's GPU groups listed through its cloud API, each with its ``scaling`` and nodes."""
     try:
         groups = capacity.list_groups()
     except CapacityError as exc:
-        return Prerequisite("EKS node groups", "missing", f"{where}: {exc}", disables, fix)
-    shown = ", ".join(f"{g.name} ({g.scaling.min_size}<={g.scaling.desired_size}<={g.scaling.max_size}, "
-                      f"{len(g.nodes)} nodes)" if g.scaling else g.name for g in groups)
-    return Prerequisite("EKS node groups", "found" if groups else "missing",
-                        f"{where}: GPU node groups: {len(groups)}" + (f" ({shown})" if shown else ""), disables, fix)
+        return Prerequisite(name, "missing", f"{where}: {exc}", disables, fix)
+    shown = ", ".join(f"{g.name} ({scaling(g.scaling)}, {len(g.nodes)} nodes)" if g.scaling else g.name
+                      for g in groups)
+    kind = name.split(" ", 1)[1]
+    return Prerequisite(name, "found" if groups else "missing",
+                        f"{where}: GPU {kind}: {len(groups)}" + (f" ({shown})" if shown else ""), disables, fix)
 
 
 def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:

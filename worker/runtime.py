@@ -34,7 +34,7 @@ from models.locations import BurstConfig
 from models.node import Instance
 from node.join import Redeemer
 from worker import telemetry
-from worker.config import ConfigError, Settings
+from worker.config import ConfigError, Settings, aks_capacity
 from worker.doctor import Prerequisite, run_checks
 from workflows.hub_sync import HubSyncWorkflow
 
@@ -105,6 +105,8 @@ class Runtime:
             return EksNodeGroupsCapacity(self.kube.api, cluster=self.settings.capacity_cluster_name,
                                          region=self.settings.capacity_region,
                                          endpoint_url=self.settings.aws_endpoint_url)
+        if self.settings.capacity_provider == "aks-nodepools":
+            return aks_capacity(self.kube.api, self.settings)
         return None
 
     def pack_activities(self) -> PackActivities | None:

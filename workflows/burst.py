@@ -17,12 +17,22 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.cost import ActualCost, CostCount, TransferReading, actual_cost
+from models.cost import BYTES_PER_GB, ActualCost, CostCount, TransferReading, actual_cost
 from models.drain import DrainInput, DrainResult
 from models.ids import SERVE_QUEUE_SUFFIX, operation_id
 from models.join import burst_node_name
-from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.labels import (
+    BURN_IN_LABEL,
+    LABEL_GPU_PRODUCT,
+    LABEL_INSTANCE_TYPE,
+    LABEL_LOCATION,
+    LABEL_OPERATION,
+    LABEL_POLICY,
+    Taint,
+)
 from models.node import (
+    BurnInRequest,
+    BurnInResult,
     BurstResult,
     CleanupRequest,
     CleanupResult,
@@ -40,7 +50,7 @@ from models.node import (
     VerifyResult,
 )
 from models.policy import location_label_value
-from models.provisioning import LoadPolicyRequest, Offering, PolicySnapshot
+from models.provisioning import LoadPolicyRequest, MeasuredEgress, Offering, PolicySnapshot
 from models.ui_text import Details, code, md
 from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
@@ -114,6 +124,14 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             return None
         return actual_cost(self._offering(), self.launched_at, self.ended_at or workflow.now(), self.transfer,
                            final=self.ended_at is not None)
+
+    def _egress(self, cost: ActualCost | None) -> MeasuredEgress | None:
+        """What the node moved out of its location over its GPU-hours, when the gateway measured it."""
+        if cost is None or not cost.transfer_measured or cost.compute_hours <= 0:
+            return None
+        offering = self._offering()
+        return MeasuredEgress(location=offering.location, egress_gb=cost.egress_bytes / BYTES_PER_GB,
+                              gpu_hours=cost.compute_hours * offering.gpus)
 
     def _took_transfer(self, reading: TransferReading | None) -> None:
         """Keep a new reading if it measured something (a failed read keeps the last good one's numbers)."""
@@ -201,7 +219,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             await workflow.get_external_workflow_handle(self.inp.provision_workflow_id).signal(
                 "node_finished", NodeFinished(workflow_id=workflow.info().workflow_id, phase=self.phase,
                                               message=self.message, launched=self.instance is not None,
-                                              pods=list(self.inp.node.pods)))
+                                              pods=list(self.inp.node.pods), egress=self._egress(cost)))
         except Exception as exc:  # no provisioning running: nothing holds a node for this one
             workflow.logger.warning("node_finished of %s not delivered: %s", self.operation, exc)
 
@@ -231,6 +249,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             result_type=str, start_to_close_timeout=timedelta(seconds=s.join_timeout_seconds + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
         await self._audit("joined")
+        await self._burn_in(inp)
 
         self._set_phase(NodePhase.VERIFYING, "taint, labels, pods placed")
         verified = await workflow.execute_activity(
@@ -270,6 +289,24 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self._set_phase(NodePhase.COMPLETED, f"returned home: {served.reason}")
         return self._result()
 
+    async def _burn_in(self, inp: NodeInput) -> None:
+        """issue 27: the burn-in gate, while the node still carries its taint (no workload has landed). A failure
+        is non-retryable: run() compensates (terminates the node, removes it) and ends Failed with the reason in
+        the operation and the audit; the provisioning workflow plans the pods again."""
+        assert self.policy is not None
+        checks = self.policy.burn_in_checks
+        if not checks or not workflow.patched("burn-in"):
+            return
+        self._set_phase(NodePhase.VERIFYING, "burn-in: " + ", ".join(checks))
+        burned: BurnInResult = await workflow.execute_activity(
+            "burn_in_node",
+            BurnInRequest(node_name=self.node_name, gpus=self._offering().gpus, checks=checks,
+                          timeout_seconds=self.policy.burn_in_timeout_seconds),
+            result_type=BurnInResult,
+            start_to_close_timeout=timedelta(seconds=self.policy.burn_in_timeout_seconds * len(checks) + 120),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
+        await self._audit("burned-in", "; ".join(burned.passed))
+
     def _offering(self) -> Offering:
         assert self.inp is not None
         return self.offering or self.inp.node.offering
@@ -281,6 +318,14 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             LABEL_LOCATION: location_label_value(o.location), LABEL_POLICY: self.inp.policy,
             LABEL_OPERATION: self.operation, LABEL_GPU_PRODUCT: o.gpu_product, LABEL_INSTANCE_TYPE: o.instance_type,
         }
+
+    def _launch_labels(self, offering: Offering) -> dict[str, str]:
+        """The node's labels, and the burn-in label when the policy has burn-in checks: the gateway then keeps the
+        node's joining taint until the checks have passed (issue 27)."""
+        labels = self._labels(offering)
+        if self.policy is not None and self.policy.burn_in_checks:
+            labels[BURN_IN_LABEL] = "required"
+        return labels
 
     async def _go_ahead(self, inp: NodeInput) -> bool:
         """Just before launching: False when the policy was switched to Recommend (R2.7 stops its actions at once,
@@ -317,7 +362,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
                     "launch_instance",
                     LaunchRequest(operation=self.operation, cluster=inp.cluster, policy=inp.policy,
                                   allowed_locations=self.policy.locations, offering=offering,
-                                  node_name=self.node_name, labels=self._labels(offering),
+                                  node_name=self.node_name, labels=self._launch_labels(offering),
                                   taints=[Taint(key=self.policy.tolerate)]),
                     result_type=Instance, start_to_close_timeout=timedelta(minutes=5),
                     heartbeat_timeout=HEARTBEAT, retry_policy=RetryPolicy(

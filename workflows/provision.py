@@ -35,6 +35,7 @@ from models.provisioning import (
     BatchPlan,
     BatchPlanRequest,
     BatchRecord,
+    LearnedEgress,
     LoadPolicyRequest,
     NodeRecord,
     PodsGone,
@@ -72,6 +73,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         self.not_before = dict(inp.not_before)
         self.failures = dict(inp.failures)
         self.batches = list(inp.batches)
+        self.learned_egress = dict(inp.learned_egress)
         self.seq = inp.seq
         self.chain = inp.chain
         self.dirty = bool(self.waiting)
@@ -123,6 +125,11 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         record = self.nodes.pop(msg.workflow_id, None)
         if record is None:
             return
+        if msg.egress is not None:
+            learned = self.learned_egress.get(msg.egress.location, LearnedEgress()).learn(msg.egress)
+            self.learned_egress[msg.egress.location] = learned
+            self._log(f"egress in {msg.egress.location}: {learned.gb_per_gpu_hour:.3f} GB/GPU-h measured over "
+                      f"{learned.nodes} node(s); the next plans price transfer at it")
         self._log(f"node {msg.workflow_id} {msg.phase.value}" + (f": {msg.message}" if msg.message else ""))
         batch = next((b for b in reversed(self.batches) if b.batch == record.batch), None)
         if batch is not None and batch.node_ended(msg.workflow_id, msg.phase.value):
@@ -159,7 +166,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             mode=self.policy.mode if self.policy else None, phase=self.phase, message=self._message(),
             proposal=self.proposal, waiting=self._waiting_lines(), nodes=list(self.nodes.values()),
             max_nodes=self.policy.max_nodes if self.policy else 0, batches=list(self.batches),
-            history=list(self.history))
+            learned_egress=dict(self.learned_egress), history=list(self.history))
 
     def _waiting_lines(self) -> list[str]:
         return sorted(f"{p.key}" + (f": {self.unplaced[p.key]}" if p.key in self.unplaced else "")
@@ -250,7 +257,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                 workflow.continue_as_new(inp.model_copy(update={
                     "chain": self.chain, "seq": self.seq, "waiting": list(self.waiting.values()),
                     "nodes": list(self.nodes.values()), "not_before": self.not_before, "failures": self.failures,
-                    "batches": self.batches[-KEEP_BATCHES:]}))
+                    "batches": self.batches[-KEEP_BATCHES:], "learned_egress": self.learned_egress}))
             try:
                 await workflow.wait_condition(lambda: self.dirty or self._should_continue(),
                                               timeout=self._timeout())
@@ -315,7 +322,8 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             "plan_batch",
             BatchPlanRequest(policy=policy, batch=batch, pods=[self.waiting[u] for u in due],
                              nodes=list(self.nodes.values()),
-                             max_new_nodes=max(0, policy.max_nodes - len(self.nodes))),
+                             max_new_nodes=max(0, policy.max_nodes - len(self.nodes)),
+                             egress_gb_per_gpu_hour={loc: e.gb_per_gpu_hour for loc, e in self.learned_egress.items()}),
             result_type=BatchPlan, start_to_close_timeout=timedelta(minutes=3), retry_policy=RETRY)
         for uid in plan.gone:
             self._forget(uid)

@@ -517,7 +517,8 @@ def test_values_defaults_are_the_documented_ones() -> None:
     assert values["hub"]["existingSecret"] == "kubeon-gpu-optimizer-token"
     assert values["hub"]["pollInterval"] == "60s"
     assert values["defaultMode"] == "Recommend"
-    assert values["capacity"] == {"provider": "karpenter", "eks": {"clusterName": "", "region": ""}}
+    assert values["capacity"] == {"provider": "karpenter", "eks": {"clusterName": "", "region": ""},
+                                  "aks": {"subscription": "", "resourceGroup": "", "clusterName": ""}}
     assert values["prometheus"] == {"url": ""}
     assert values["gpuOperator"]["namespace"] == "gpu-operator"
     assert values["gpuOperator"]["timeSlicingConfigMap"] == "time-slicing-config"
@@ -589,8 +590,10 @@ def test_documented_values_are_accepted(tmp_path: Path) -> None:
     rendered.get("Role", GATEWAY, NAMESPACE)
     run_helm(["template", RELEASE, CHART, "-f", tmp_path / "values.yaml"])
     run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
-    for provider in ("karpenter", "aks-nodepools", "gke-nodepools"):
+    for provider in ("karpenter", "gke-nodepools"):
         template("--set", f"capacity.provider={provider}")
+    # aks-nodepools needs its subscription, resource group and cluster (bad_values/aks-nodepools-*.yaml)
+    template(*AKS_VALUES)
     # eks-nodegroups needs its cluster and region (refused without: bad_values/eks-nodegroups-*.yaml)
     template("--set", "capacity.provider=eks-nodegroups", "--set", "capacity.eks.clusterName=train",
              "--set", "capacity.eks.region=us-east-1")
@@ -747,3 +750,17 @@ def test_eks_nodegroups_values_reach_the_worker_settings() -> None:
     assert (settings.capacity_provider, settings.capacity_cluster_name, settings.capacity_region) == (
         "eks-nodegroups", "train", "eu-central-1")
     assert "KUBEON_CAPACITY_REGION" not in env(container(template().get("Deployment", OPTIMIZER), "worker"))
+
+
+# --- capacity.provider aks-nodepools ------------------------------------------------------------------------------
+AKS_VALUES = ("--set", "capacity.provider=aks-nodepools", "--set",
+              "capacity.aks.subscription=11111111-2222-3333-4444-555555555555", "--set",
+              "capacity.aks.resourceGroup=ml-prod", "--set", "capacity.aks.clusterName=train")
+
+
+def test_aks_nodepools_values_reach_the_worker_settings() -> None:
+    settings = load_settings(env(container(template(*AKS_VALUES).get("Deployment", OPTIMIZER), "worker")))
+    assert (settings.capacity_provider, settings.capacity_subscription, settings.capacity_resource_group,
+            settings.capacity_cluster_name) == ("aks-nodepools", "11111111-2222-3333-4444-555555555555", "ml-prod",
+                                                "train")
+    assert "KUBEON_CAPACITY_RESOURCE_GROUP" not in env(container(template().get("Deployment", OPTIMIZER), "worker"))

@@ -117,6 +117,17 @@ def test_a_refused_burst_node_cannot_uncordon_itself(cluster: Cluster) -> None:
         assert cluster.admin.core.read_node(name).spec.unschedulable is True
 
 
+def test_a_burst_node_cannot_mark_itself_burned_in(cluster: Cluster) -> None:
+    name = "burst-op-burnin0001"
+    with registered_burst_node(cluster, name) as api:
+        refused(lambda: api.patch_node(name, {"metadata": {"annotations": {"gpu.kubeon.io/burned-in": "Gpus"}}}))
+        cluster.admin.core.patch_node(name, {"metadata": {"annotations": {"gpu.kubeon.io/burned-in": "Gpus: 1"}}})
+        refused(lambda: api.patch_node(name, {"metadata": {"annotations": {"gpu.kubeon.io/burned-in": "all"}}}))
+        api.patch_node(name, {"metadata": {"labels": {"example.com/rack": "r12"}}})  # anything else stays its own
+        annotations = cluster.admin.core.read_node(name).metadata.annotations
+        assert annotations["gpu.kubeon.io/burned-in"] == "Gpus: 1"
+
+
 def _kubelet_csr(name: str, node: str) -> client.V1CertificateSigningRequest:
     """What the kubelet's client certificate rotation sends for ``node``."""
     from cryptography import x509

@@ -114,11 +114,14 @@ class BurstStack:
                 "KUBEON_GATEWAY_TICKET_KEY_FILE": str(self.ticket_key_file)}
 
     def create_policy(self, name: str, *, mode: str | None, locations: list[str], max_nodes: int = 4,
-                      max_gpu_hour: float = 4.5, return_home: bool = True) -> None:
+                      max_gpu_hour: float = 4.5, return_home: bool = True,
+                      burn_in: dict[str, Any] | None = None) -> None:
         spec: dict[str, Any] = {
             "kind": "Burst", "workloads": {"tolerate": BURST_TAINT_KEY}, "locations": locations,
             "limits": {"maxNodes": max_nodes, "maxGpuHour": max_gpu_hour}, "returnHome": return_home,
         }
+        if burn_in is not None:
+            spec["burnIn"] = burn_in
         if mode:
             spec["mode"] = mode
         self.cluster.admin.custom.create_cluster_custom_object(

@@ -41,3 +41,24 @@ def answers_ok(proc: subprocess.Popen[Any], url: str, *, name: str, log: Callabl
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def killed_once(code: str, args: list[str], sent: Callable[[], bool], *, what: str, timeout: float = 30) -> None:
+    """Run ``code`` (a Python snippet printing ``returned`` when its call returns) with ``args`` in a process of
+    its own and SIGKILL it as soon as ``sent`` is true (its request reached the cloud, the answer not yet back):
+    a worker killed mid-call. Fails unless it was killed before the call returned."""
+    import sys
+
+    from tests.harness.kube import wait_for
+
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ})
+    try:
+        wait_for(sent, timeout=timeout, what=what)
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL and b"returned" not in out, out  # killed before the answer

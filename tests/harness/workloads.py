@@ -32,3 +32,19 @@ def node_group_pods(name: str, group_label: str, group: str, replicas: int) -> c
     """1-GPU pods that only one managed node group serves (its label) and that tolerate its GPU taint."""
     return gpu_pods(name, replicas=replicas, node_selector={group_label: group},
                     tolerations=[GPU_TAINT_TOLERATION], requests=SMALL_REQUESTS)
+
+
+def live_pods(core: client.CoreV1Api, namespace: str, app: str) -> list[client.V1Pod]:
+    """The pods of Deployment ``app`` that are not being deleted."""
+    return [p for p in core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
+            if p.metadata is not None and p.metadata.deletion_timestamp is None]
+
+
+def unschedulable_once_settled(core: client.CoreV1Api, namespace: str, app: str, total: int,
+                               running: int) -> list[client.V1Pod]:
+    """The pods the scheduler found no node for, once ``running`` of ``total`` run and the rest wait (else [])."""
+    pods = live_pods(core, namespace, app)
+    up = [p for p in pods if p.status is not None and p.status.phase == "Running"]
+    waiting = [p for p in pods if any(c.type == "PodScheduled" and c.reason == "Unschedulable"
+                                      for c in (p.status.conditions if p.status else None) or [])]
+    return waiting if len(pods) == total and len(up) == running and len(waiting) == total - running else []

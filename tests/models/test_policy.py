@@ -60,6 +60,15 @@ def test_mode_defaults_from_configuration() -> None:
     assert parse_policy(VALID).spec.effective_mode("Recommend") == "Approve"
 
 
+def test_burn_in_defaults_to_every_check_and_an_empty_list_skips_the_gate() -> None:
+    assert parse_policy(VALID).spec.burn_in.checks == list(policy.BURN_IN_CHECKS)
+    assert parse_policy(VALID).spec.burn_in.timeout_seconds == 900
+    doc = copy.deepcopy(VALID)
+    doc["spec"]["burnIn"] = {"checks": [], "timeoutSeconds": 30}
+    burn_in = parse_policy(doc).spec.burn_in
+    assert (burn_in.checks, burn_in.timeout_seconds) == ([], 30)
+
+
 def test_corpus_is_large_enough_and_names_are_unique() -> None:
     assert_names_unique(CORPUS, at_least=25)
 

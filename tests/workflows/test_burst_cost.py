@@ -28,6 +28,7 @@ from models.cost import BYTES_PER_GB
 from models.join import GatewayCapacity, JoinTicketRequest, NodeTransfer, TicketGrant
 from models.labels import LABEL_POLICY
 from models.node import NodePhase, OperationView
+from models.provisioning import ProvisionView
 from tests.harness.burst import (
     BurstStack,
     gpu_deployment,
@@ -47,9 +48,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 LOCATION = "sim/cost-west"
 RATE = 0.05  # USD/GB, the location's transfer.usdPerGb
+OTHER = "sim/cost-east"  # the same offering elsewhere: where a policy's next node goes once one location is dear
 LOCATIONS: list[dict[str, Any]] = [{
-    "name": LOCATION, "sim": {"bootSeconds": 0.3}, "transfer": {"usdPerGb": RATE, "egressGbPerGpuHour": 2},
-    "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.9}]}]
+    "name": name, "sim": {"bootSeconds": 0.3}, "transfer": {"usdPerGb": RATE, "egressGbPerGpuHour": 2},
+    "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.9}]}
+    for name in (LOCATION, OTHER)]
 
 
 class MeteredGateway:
@@ -152,6 +155,22 @@ async def test_a_served_node_shows_its_actual_cost_beside_the_estimate(
     assert _counted("compute") - before["compute"] == pytest.approx(cost.compute_usd)
     assert _counted("transfer") - before["transfer"] == pytest.approx(cost.transfer_usd)
 
+    # The estimate learns: the provisioning keeps the egress per GPU-hour the node measured in its location, and
+    # the policy's next plan prices transfer at it (so many GB in seconds: over maxGpuHour), saying so.
+    view_p = await provision_state(temporal, cluster, policy, lambda v: LOCATION in v.learned_egress)
+    learned = view_p.learned_egress[LOCATION]
+    assert learned.nodes == 1
+    assert learned.gb_per_gpu_hour == pytest.approx(last / BYTES_PER_GB / cost.compute_hours, rel=1e-3)
+    again = unique("egress")
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(again))
+    expected = f"${learned.gb_per_gpu_hour * RATE + 0.9:.2f}/GPU-h with measured transfer over maxGpuHour"
+
+    def refused_on_measured(v: ProvisionView) -> bool:
+        return any(line.startswith(f"{namespace}/{again}-") and expected in line for line in v.waiting)
+
+    await provision_state(temporal, cluster, policy, refused_on_measured)
+    stack.cluster.admin.apps.delete_namespaced_deployment(again, namespace)
+
 
 def _audit(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -167,9 +186,10 @@ def _set_over_budget(stack: BurstStack, policy: str, action: str) -> None:
 async def test_over_budget_on_actuals_reported_then_drained(
         stack: BurstStack, metered: tuple[Client, str, MeteredGateway, Path], namespace: str, policy: str) -> None:
     """maxGpuHour 1.5 admits the offering (estimated $1.00/GPU-h) but not GBs of egress within seconds: Report
-    (the default) records it and the node serves on; switched to Drain, the next node drains with the reason."""
+    (the default) records it and the node serves on; switched to Drain, the next node drains with the reason. That
+    next node is in the other location: the first one's measured egress priced its own location over the limit."""
     temporal, cluster, _gateway, _audit_file = metered
-    stack.create_policy(policy, mode="Automatic", locations=[LOCATION], max_nodes=1, max_gpu_hour=1.5)
+    stack.create_policy(policy, mode="Automatic", locations=[LOCATION, OTHER], max_nodes=1, max_gpu_hour=1.5)
     deploy = unique("over")
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
     handle = await node_for(temporal, cluster, policy, f"{namespace}/{deploy}-")
@@ -199,6 +219,8 @@ async def test_over_budget_on_actuals_reported_then_drained(
     assert drained.phase == NodePhase.COMPLETED and "over budget on actuals" in drained.message, drained.message
     state = await second.query("state", result_type=OperationView)
     assert state.over_budget.endswith(": draining") and "onOverBudget Drain" in state.over_budget
+    assert view.instance is not None and state.instance is not None
+    assert {view.instance.location, state.instance.location} == {LOCATION, OTHER}
     assert state.cost is not None and state.cost.usd_per_gpu_hour > 1.5
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     await until(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,

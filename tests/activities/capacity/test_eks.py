@@ -22,7 +22,7 @@ from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import live_pods, node_group_pods, unschedulable_once_settled
 
 pytestmark = [pytest.mark.aws, pytest.mark.cluster]
 
@@ -129,11 +129,6 @@ def test_lists_the_gpu_node_groups_with_their_nodes(group: dict[str, Any], eks_n
         eks_nodegroups.delete(group["cluster"], cpu)
 
 
-def _pods(cluster: Cluster, namespace: str, app: str) -> list[client.V1Pod]:
-    return [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
-            if p.metadata.deletion_timestamp is None]
-
-
 def test_scale_up_for_the_pending_gpu_pods(group: dict[str, Any], cluster: Cluster, namespace: str,
                                            eks_api: MotoRecorder, eks_nodes: NodeReconciler) -> None:
     capacity: EksNodeGroupsCapacity = group["capacity"]
@@ -141,14 +136,8 @@ def test_scale_up_for_the_pending_gpu_pods(group: dict[str, Any], cluster: Clust
     cluster.admin.apps.create_namespaced_deployment(
         namespace, node_group_pods("infer", NODEGROUP_LABEL, group["ng"], 11))
 
-    def settled() -> list[client.V1Pod]:
-        pods = _pods(cluster, namespace, "infer")
-        running = [p for p in pods if p.status.phase == "Running"]
-        waiting = [p for p in pods if any(c.type == "PodScheduled" and c.reason == "Unschedulable"
-                                          for c in p.status.conditions or [])]
-        return waiting if len(pods) == 11 and len(running) == 8 and len(waiting) == 3 else []
-
-    waiting = wait_for(settled, timeout=30, what="8 pods running, 3 unschedulable")
+    waiting = wait_for(lambda: unschedulable_once_settled(cluster.admin.core, namespace, "infer", 11, 8), timeout=30,
+                       what="8 pods running, 3 unschedulable")
     found = capacity.get_group(group["ng"])
     assert found.scaling is not None and sum(n.gpus_used for n in found.nodes) == 8
     per_node = max(n.gpus for n in found.nodes)
@@ -162,8 +151,8 @@ def test_scale_up_for_the_pending_gpu_pods(group: dict[str, Any], cluster: Clust
         (f"POST /clusters/{group['cluster']}/node-groups/{group['ng']}/update-config",
          {"minSize": 1, "maxSize": 4, "desiredSize": 3})]
     wait_for(lambda: len(_nodes(eks_nodes, group["ng"])) == 3, timeout=30, what="the third node")
-    wait_for(lambda: all(p.status.phase == "Running" for p in _pods(cluster, namespace, "infer")), timeout=30,
-             what="all 11 pods running")
+    wait_for(lambda: all(p.status.phase == "Running" for p in live_pods(cluster.admin.core, namespace, "infer")),
+             timeout=30, what="all 11 pods running")
     assert _asg(group)["DesiredCapacity"] == 3 and _desired(group) == 3
 
 
@@ -352,28 +341,16 @@ def test_a_worker_killed_after_the_terminate_is_sent_then_retried_removes_exactl
         cluster: Cluster) -> None:
     """SIGKILL of the process removing a node after its terminate reached AWS and before the answer: the activity's
     retry (here: the same call in a new process's place) sends nothing, one instance is removed, desired 3 -> 2."""
-    import os
-    import signal
-    import subprocess
-    import sys
+    from tests.harness.processes import killed_once
 
     found = _three_nodes(group, eks_nodes)
     victim = found.nodes[2]
     eks_api.clear()
     eks_api.faults["slow_remove_seconds"] = 5.0
-    proc = subprocess.Popen([sys.executable, "-c", REMOVER, str(cluster.plane.admin_kubeconfig), group["cluster"],
-                             eks_nodegroups.region, eks_api.url, group["ng"], victim.name],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
-    try:
-        wait_for(lambda: "TerminateInstanceInAutoScalingGroup" in _actions(eks_api), timeout=20,
-                 what="the terminate sent")
-        proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == -signal.SIGKILL and b"returned" not in out  # killed before the answer
+    killed_once(REMOVER, [str(cluster.plane.admin_kubeconfig), group["cluster"], eks_nodegroups.region, eks_api.url,
+                          group["ng"], victim.name],
+                lambda: "TerminateInstanceInAutoScalingGroup" in _actions(eks_api), what="the terminate sent",
+                timeout=20)
     group["capacity"].remove_node(group["ng"], victim.name)  # the retry
     assert [a for a in _actions(eks_api) if a == "TerminateInstanceInAutoScalingGroup"] == [
         "TerminateInstanceInAutoScalingGroup"]

@@ -96,9 +96,24 @@ class ResourceManager(AgentPools, FakeCloud):
         with self.lock:
             return self.seed_aks(body["aks"])
 
+    def metadata(self, instance: str, path: str, request: Request) -> Response:
+        """IMDS attested data of the VM ``instance`` (vmId): signed with the test CA, carrying its location."""
+        if path != "/metadata/attested/document":
+            raise ApiError(404, {"error": "not_found", "error_description": f"no metadata at {path}"})
+        if request.headers.get("Metadata") != "true":
+            raise ApiError(400, {"error": "bad_request", "error_description": "Required metadata header not specified"})
+        vm = next((v for v in self.vms.values() if v["properties"]["vmId"] == instance), None)
+        if vm is None:
+            raise ApiError(404, {"error": "not_found", "error_description": f"no VM {instance}"})
+        got = self.identity_ca.azure(location=vm["location"], vm_id=instance, subscription=vm["id"].split("/")[2])
+        return json_response({"encoding": "kubeon-test-rsa-sha256", "document": got.document,
+                              "signature": got.signature, "certificate": got.certificate})
+
     # -- identity endpoint --------------------------------------------------------------------------------------
     def identity(self, environ: dict[str, Any], start_response: Any) -> Any:
         request = Request(environ)
+        if request.path.startswith("/_fake/metadata/"):  # IMDS is plain HTTP, like the managed identity
+            return self.handle(request)(environ, start_response)
         with self.lock:
             self.requests.append({"method": request.method, "path": request.path, "query": dict(request.args.items()),
                                   "body": None, "authorization": "", "time": time.time()})

@@ -1,10 +1,13 @@
 """What the local Google Cloud and Azure servers share: the request log, fault injection, the process that runs
 them (so a SIGKILLed worker never takes its cloud down) and the control client tests use.
 
-Control endpoints (never called by the product) live under ``/_fake/``: ``GET requests`` (every request the
+Control endpoints (never called by the product's cloud code) live under ``/_fake/``: ``GET requests`` (every request the
 cloud API received, in order), ``POST faults`` (a JSON object merged into the faults), ``POST reset``,
 ``GET state`` (the instances, with their user data), ``POST seed`` (resources a test starts from that the product
-never creates: GKE clusters and node pools, AKS managed clusters and agent pools).
+never creates: GKE clusters and node pools, AKS managed clusters and agent pools), ``GET identity-ca`` (the
+trust root and signer certificate of the instance identities this cloud signs: ``{"root", "signer"}``, PEM) and
+``GET metadata/<instance id>/<metadata path>``: that instance's metadata service (its signed identity, issue 27),
+the ``metadataUrl`` a local instance's node joins with.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from werkzeug.wrappers import Request, Response
 
 from tests.harness.controlplane import free_port
+from tests.harness.identity import IdentityCA
 from tests.harness.processes import stop_process
 
 
@@ -49,7 +53,15 @@ class FakeCloud:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self._identity_ca: IdentityCA | None = None
         self.reset()
+
+    @property
+    def identity_ca(self) -> IdentityCA:
+        """The CA this cloud signs its instances' identities with (made at first use, kept across resets)."""
+        if self._identity_ca is None:
+            self._identity_ca = IdentityCA(name=f"{type(self).__name__} test identity CA")
+        return self._identity_ca
 
     def reset(self) -> None:
         with self.lock:
@@ -69,6 +81,10 @@ class FakeCloud:
 
     def seed(self, body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(404, {"error": "this cloud has nothing to seed"})
+
+    def metadata(self, instance: str, path: str, request: Request) -> Response:
+        """What the metadata service answers ``instance`` at ``path`` (its signed identity)."""
+        raise ApiError(404, {"error": "this cloud has no metadata service"})
 
     # -- shared --------------------------------------------------------------------------------------------
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -113,6 +129,14 @@ class FakeCloud:
                 return json_response({})
             if request.path == "/_fake/state":
                 return json_response(self.state())
+            if request.path == "/_fake/identity-ca":
+                return json_response({"root": self.identity_ca.root_pem, "signer": self.identity_ca.signer_pem})
+            if request.path.startswith("/_fake/metadata/"):
+                instance, _, path = request.path.removeprefix("/_fake/metadata/").partition("/")
+                try:
+                    return self.metadata(instance, f"/{path}", request)
+                except ApiError as err:
+                    return json_response(err.body, err.status)
             if request.path == "/_fake/seed" and request.method == "POST":
                 try:
                     return json_response(self.seed(body or {}))
@@ -207,6 +231,10 @@ class FakeServer:
 
     def seed(self, **body: Any) -> dict[str, Any]:
         return dict(self._control("POST", "seed", body))
+
+    def identity_ca(self) -> dict[str, str]:
+        """The trust root and signer certificate (PEM) of the instance identities this cloud signs."""
+        return dict(self._control("GET", "identity-ca"))
 
     def stop(self) -> None:
         if self._proc:

@@ -167,6 +167,20 @@ class ComputeEngine(NodePools, FakeCloud):
         with self.lock:
             return self.seed_gke(body["gke"])
 
+    def metadata(self, instance: str, path: str, request: Request) -> Response:
+        """The GCE metadata server's instance identity token for ``instance`` (its project, zone, ID and name)."""
+        if path != "/computeMetadata/v1/instance/service-accounts/default/identity":
+            raise error(404, "notFound", f"no metadata at {path}")
+        if request.headers.get("Metadata-Flavor") != "Google":
+            raise error(403, "forbidden", "Missing Metadata-Flavor:Google header.")
+        inst = next((i for i in self.instances.values() if i["id"] == instance), None)
+        if inst is None:
+            raise error(404, "notFound", f"no instance {instance}")
+        project, _, zone, _, name = inst["selfLink"].split("/projects/", 1)[1].split("/")
+        token = self.identity_ca.gcp(zone=zone, audience=request.args.get("audience", ""), project=project,
+                                     instance_id=instance, instance_name=name).document
+        return Response(token, content_type="text/plain")
+
     # -- time passes: operations finish ------------------------------------------------------------------------
     def _advance(self) -> None:
         now = time.time()

@@ -143,3 +143,23 @@ def test_put_on_an_existing_vm_is_an_update_not_a_second_vm(compute: Any, server
     assert [v["tags"] for v in server.state()["vms"]] == [{"kubeon.io/burst": "q"}]
     with pytest.raises(ResourceExistsError):  # a zone cannot change: another zone is another VM name
         compute.virtual_machines.begin_create_or_update(RG, "vm-u", vm(zone="2"))
+
+
+def test_a_vm_reads_its_attested_data_from_imds(compute: Any, server: FakeServer) -> None:
+    """Issue 27: the VM's attested data (its location, vmId, subscription), from the plain-HTTP IMDS, verified by the
+    gateway's own code against the server's CA; another location's ticket is refused."""
+    from gateway.attestation import AttestationVerifier, load_roots
+    from models.errors import JoinRefused
+    from node.identity import fetch_attestation
+
+    compute.virtual_machines.begin_create_or_update(RG, "attested-1", vm()).result()
+    vm_id = compute.virtual_machines.get(RG, "attested-1").vm_id
+    imds = server.identity_url.removesuffix("/msi/token")
+    attestation = fetch_attestation({"attestation": {"method": "azure"},
+                                     "metadataUrl": f"{imds}/_fake/metadata/{vm_id}"})
+    verifier = AttestationVerifier(roots={"azure": load_roots(server.identity_ca()["root"])}, accounts={"azure": SUB})
+    got = verifier.verify(attestation, "azure/westeurope")
+    assert (got.region, got.instance_id, got.account) == ("westeurope", vm_id, SUB)
+    with pytest.raises(JoinRefused) as err:
+        verifier.verify(attestation, "azure/eastus")
+    assert err.value.code == "location_mismatch"

@@ -133,3 +133,25 @@ def test_unparsable_filter_is_a_400(gcp: dict[str, Any]) -> None:
     with pytest.raises(exceptions.BadRequest, match="filter"):
         list(gcp["instances"].list(request=compute_v1.ListInstancesRequest(
             project=PROJECT, zone=ZONE, filter="labels.x = (")))
+
+
+def test_an_instance_reads_its_signed_identity_from_the_metadata_server(gcp: dict[str, Any],
+                                                                        server: FakeServer) -> None:
+    """Issue 27: the node's identity token (the gateway as audience), verified by the gateway's own code against
+    the server's CA; its zone's region is the ticket's or the join is refused."""
+    from gateway.attestation import AttestationVerifier, load_roots
+    from models.errors import JoinRefused
+    from node.identity import fetch_attestation
+
+    _done(gcp, _insert(gcp, "attested-1"))
+    iid = gcp["instances"].get(project=PROJECT, zone=ZONE, instance="attested-1").id
+    doc = {"attestation": {"method": "gcp", "audience": "https://gw.test"},
+           "metadataUrl": f"{server.url}/_fake/metadata/{iid}"}
+    attestation = fetch_attestation(doc)
+    verifier = AttestationVerifier(roots={"gcp": load_roots(server.identity_ca()["signer"])},
+                                   accounts={"gcp": PROJECT}, audience="https://gw.test")
+    got = verifier.verify(attestation, "gcp/europe-west4")
+    assert (got.zone, got.instance_id, got.account) == (ZONE, str(iid), PROJECT)
+    with pytest.raises(JoinRefused) as err:
+        verifier.verify(attestation, "gcp/us-central1")
+    assert err.value.code == "location_mismatch"

@@ -1,0 +1,89 @@
+"""The burn-in gate (issue 27, part 4) with the sim provider: a node that registers with fewer allocatable GPUs than
+its offering keeps its joining taint, is terminated before any workload lands, and its pod is planned again onto a
+node that passes; the reason is in the node's operation, the provisioning workflow's history and the audit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_POLICY
+from models.node import NodePhase
+from tests.harness.burst import (
+    BurstStack,
+    StartWorker,
+    gpu_deployment,
+    node_for,
+    node_gone,
+    provision_state,
+    result,
+    unique,
+    wait_phase,
+)
+from tests.harness.kube import until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+
+# The first instance launched here registers one GPU fewer than its offering (the sim's fault injection); the
+# next is whole.
+LOCATIONS: list[dict[str, Any]] = [
+    {"name": "sim/burn-short", "sim": {"bootSeconds": 0.3, "shortGpusFirst": 1},
+     "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.9}]},
+]
+
+
+def _pods(stack: BurstStack, namespace: str) -> list[client.V1Pod]:
+    return [p for p in stack.cluster.admin.core.list_namespaced_pod(namespace).items
+            if p.metadata.deletion_timestamp is None]
+
+
+async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_replaced(
+        stack: BurstStack, start_worker: StartWorker, namespace: str, policy: str) -> None:
+    async with start_worker(LOCATIONS, node_retry_seconds=1) as (temporal, settings, runtime):
+        stack.create_policy(policy, mode="Automatic", locations=["sim/burn-short"], max_nodes=1,
+                            burn_in={"checks": ["Gpus"], "timeoutSeconds": 5})
+        deploy = unique("burn")
+        stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        await until(lambda: len(_pods(stack, namespace)) == 1, timeout=30, what="the workload's pod")
+        (pod,) = _pods(stack, namespace)
+        pod_name = str(pod.metadata.name)
+
+        first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
+        joined = await wait_phase(first, NodePhase.VERIFYING)
+        # Under burn-in the gateway keeps the joining taint: nothing can land on the node.
+        await until(lambda: stack.cluster.admin.core.read_node(str(joined.node_name)).status.allocatable
+                    is not None, timeout=30, what="the short node registered")
+        node = stack.cluster.admin.core.read_node(str(joined.node_name))
+        assert any(t.key == JOINING_TAINT.key for t in node.spec.taints or []), node.spec.taints
+        failed = await result(first)
+        assert failed.phase == NodePhase.FAILED, failed.message
+        assert "burn-in failed" in failed.message and "allocatable nvidia.com/gpu is 0" in failed.message
+        assert node_gone(stack, failed.node_name)
+        live = runtime.providers["sim"].list("sim/burn-short", operation=failed.operation)
+        assert [i.state for i in live] == ["terminated"]
+
+        # Planned again: a second node passes, loses its joining taint, and the same pod (never bound before) runs.
+        def served() -> str | None:
+            p = stack.cluster.admin.core.read_namespaced_pod(pod_name, namespace)
+            return str(p.spec.node_name) if p.spec.node_name else None
+
+        await until(served, timeout=60, what="the pod on the replacement node")
+        replacement = stack.cluster.admin.core.read_node(str(served()))
+        assert replacement.metadata.name != failed.node_name
+        assert replacement.metadata.labels[LABEL_POLICY] == policy
+        assert replacement.metadata.annotations[BURNED_IN_ANNOTATION].startswith("Gpus: allocatable")
+        assert [p.metadata.uid for p in _pods(stack, namespace)] == [pod.metadata.uid]
+
+        view = await provision_state(temporal, settings.cluster, policy)
+        assert any("burn-in failed" in line for line in view.history), view.history
+        records = runtime.audit.read()
+        mine = [(r.action, r.detail) for r in records if r.operation == failed.operation]
+        assert any(a == "failed" and "burn-in failed" in d for a, d in mine), mine
+        assert not any(a in ("burned-in", "verified") for a, _ in mine), mine
+        assert any(r.action == "burned-in" and r.node_name == replacement.metadata.name for r in records)
+
+        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        await until(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
+                    timeout=120, what="the burst node home")
