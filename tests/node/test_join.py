@@ -5,9 +5,9 @@ its own credentials, and a gateway that does not answer yet is tried again (a re
 from __future__ import annotations
 
 import secrets
+import stat
 import subprocess
 import sys
-import stat
 from pathlib import Path
 
 import pytest
