@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the worker's and the models' imports stay lazy: `kubeon-gpu node join` starts fast
     from activities.capacity.aks import AksNodePoolsCapacity
     from activities.capacity.eks import EksNodeGroupsCapacity
+    from activities.capacity.gke import GkeNodePoolsCapacity
     from models.hub import HubSyncStatus
     from models.node import OperationView
     from models.packing import PackView
@@ -114,7 +115,7 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | AksNodePoolsCapacity | None:
+def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | AksNodePoolsCapacity | GkeNodePoolsCapacity | None:
     """The managed node groups' provider `doctor` lists the groups through (None: checked from the cluster)."""
     from common.kube import kube_api
 
@@ -122,6 +123,10 @@ def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | AksNodePools
         from worker.config import aks_capacity
 
         return aks_capacity(kube_api(settings.kubeconfig), settings)
+    if settings.capacity_provider == "gke-nodepools":
+        from worker.config import gke_capacity
+
+        return gke_capacity(kube_api(settings.kubeconfig), settings)
     if settings.capacity_provider != "eks-nodegroups":
         return None
     from activities.capacity.eks import EksNodeGroupsCapacity

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from models.aks import aks_setting_error
 from models.eks import AWS_REGIONS
 from models.env import ConfigError, env_names, from_env, url_setting
+from models.gke import gke_setting_error
 from models.locations import BurstConfig
 from models.policy import Mode
 from models.provisioning import OperationSettings
@@ -21,7 +22,17 @@ from models.sharing import SharingSettings
 
 if TYPE_CHECKING:
     from activities.capacity.aks import AksNodePoolsCapacity
+    from activities.capacity.gke import GkeNodePoolsCapacity
 
+# The managed providers whose settings are checked by one function: (check(field, value) -> error, the Settings
+# field -> the chart's field under capacity.aks / capacity.gke).
+MANAGED_SETTINGS: dict[str, tuple[Callable[[str, str], str | None], dict[str, str]]] = {
+    "aks-nodepools": (aks_setting_error, {"capacity_cluster_name": "clusterName",
+                                          "capacity_subscription": "subscription",
+                                          "capacity_resource_group": "resourceGroup"}),
+    "gke-nodepools": (gke_setting_error, {"capacity_cluster_name": "clusterName", "capacity_project": "project",
+                                          "capacity_location": "location"}),
+}
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
 # "none": no home autoscaler to defer to (home capacity is what the nodes have free).
 CAPACITY_PROVIDERS = ("karpenter", "eks-nodegroups", "gke-nodepools", "aks-nodepools", "none")
@@ -99,6 +110,10 @@ class Settings(BaseModel):
     # group (the chart's capacity.aks); the endpoint is azure_endpoint_url, TLS verified with azure_ca_file.
     capacity_subscription: str = Field(default="", validate_default=True)
     capacity_resource_group: str = Field(default="", validate_default=True)
+    # -- capacity.provider gke-nodepools: the GKE cluster (capacity_cluster_name), its project and location (the
+    # chart's capacity.gke); the endpoint is gcp_endpoint_url (the local GKE server in tests and make dev).
+    capacity_project: str = Field(default="", validate_default=True)
+    capacity_location: str = Field(default="", validate_default=True)
     gpu_operator_namespace: str = "gpu-operator"
     # Sharing (time-slicing through the GPU Operator): the chart's gpuOperator.timeSlicingConfigMap, the wait for a
     # new key to reach the device plugin's mounted copy, and how long a node gets to show the change.
@@ -153,14 +168,14 @@ class Settings(BaseModel):
                              "eks-nodegroups")
         return value
 
-    @field_validator("capacity_cluster_name", "capacity_subscription", "capacity_resource_group")
+    @field_validator("capacity_cluster_name", "capacity_subscription", "capacity_resource_group",
+                     "capacity_project", "capacity_location")
     @classmethod
-    def _aks_capacity(cls, value: str, info: ValidationInfo) -> str:
-        if info.data.get("capacity_provider") != "aks-nodepools":
-            return value
-        field = {"capacity_cluster_name": "clusterName", "capacity_subscription": "subscription",
-                 "capacity_resource_group": "resourceGroup"}[str(info.field_name)]
-        if (error := aks_setting_error(field, value)) is not None:
+    def _managed_capacity(cls, value: str, info: ValidationInfo) -> str:
+        """capacity.aks / capacity.gke: each field its provider needs, checked naming the chart's field."""
+        check, fields = MANAGED_SETTINGS.get(str(info.data.get("capacity_provider")), (None, {}))
+        field = fields.get(str(info.field_name))
+        if check is not None and field is not None and (error := check(field, value)) is not None:
             raise ValueError(error)
         return value
 
@@ -236,6 +251,13 @@ def aks_capacity(api: Any, settings: Settings) -> AksNodePoolsCapacity:
                                 resource_group=settings.capacity_resource_group,
                                 cluster=settings.capacity_cluster_name, endpoint_url=settings.azure_endpoint_url,
                                 ca_file=str(settings.azure_ca_file) if settings.azure_ca_file else None)
+
+def gke_capacity(api: Any, settings: Settings) -> GkeNodePoolsCapacity:
+    """capacity.provider gke-nodepools: the provider the worker and ``doctor`` use (Google SDKs loaded lazily)."""
+    from activities.capacity.gke import GkeNodePoolsCapacity
+
+    return GkeNodePoolsCapacity(api, project=settings.capacity_project, location=settings.capacity_location,
+                                cluster=settings.capacity_cluster_name, endpoint_url=settings.gcp_endpoint_url)
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:

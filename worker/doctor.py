@@ -163,6 +163,8 @@ def check_capacity(api: client.ApiClient, provider: str, capacity: CapacityProvi
         return check_eks(capacity, disables)
     if provider == "aks-nodepools" and capacity is not None:
         return check_aks(capacity, disables)
+    if provider == "gke-nodepools" and capacity is not None:
+        return check_gke(capacity, disables)
     if provider != "karpenter":
         return Prerequisite(f"capacity ({provider})", "unknown",
                             f"capacity.provider is {provider}: its node groups are checked through the cloud API "
@@ -213,6 +215,17 @@ def _check_groups(name: str, where: str, fix: str, capacity: CapacityProvider, d
     kind = name.split(" ", 1)[1]
     return Prerequisite(name, "found" if groups else "missing",
                         f"{where}: GPU {kind}: {len(groups)}" + (f" ({shown})" if shown else ""), disables, fix)
+
+
+def check_gke(capacity: CapacityProvider, disables: str) -> Prerequisite:
+    """capacity.provider gke-nodepools: the cluster's GPU node pools (sizes per zone) as the optimizer's Google
+    service account sees them."""
+    where = (f"GKE cluster {getattr(capacity, 'cluster', '?')} in {getattr(capacity, 'project', '?')}/"
+             f"{getattr(capacity, 'location', '?')}")
+    fix = ("check KUBEON_CAPACITY_PROJECT / KUBEON_CAPACITY_LOCATION / KUBEON_CAPACITY_CLUSTER_NAME and that the "
+           "worker's service account has the role in docs/home-capacity.md (container.nodePools get/list/update, "
+           "container.operations.get, compute.instanceGroupManagers get/update)")
+    return _check_groups("GKE node pools", where, fix, capacity, disables, lambda s: s.auto_scaling_group)
 
 
 def check_dcgm(metrics: PrometheusClient | None) -> Prerequisite:

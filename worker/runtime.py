@@ -34,7 +34,7 @@ from models.locations import BurstConfig
 from models.node import Instance
 from node.join import Redeemer
 from worker import telemetry
-from worker.config import ConfigError, Settings, aks_capacity
+from worker.config import ConfigError, Settings, aks_capacity, gke_capacity
 from worker.doctor import Prerequisite, run_checks
 from workflows.hub_sync import HubSyncWorkflow
 
@@ -107,6 +107,8 @@ class Runtime:
                                          endpoint_url=self.settings.aws_endpoint_url)
         if self.settings.capacity_provider == "aks-nodepools":
             return aks_capacity(self.kube.api, self.settings)
+        if self.settings.capacity_provider == "gke-nodepools":
+            return gke_capacity(self.kube.api, self.settings)
         return None
 
     def pack_activities(self) -> PackActivities | None:

@@ -1,0 +1,251 @@
+"""The gke-nodepools capacity provider with the official google-cloud-container / google-cloud-compute REST clients
+against the local GKE server (tests/harness/clouds/gke.py: node pools and their per-zone MIGs), the MIGs' VMs kwok
+Nodes on the real control plane, read with the optimizer's own credentials (R5.1). Every request the provider sends
+is recorded by the server (``gcp_server.requests()``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import container_v1
+from kubernetes import client
+
+from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity.gke import GkeNodePoolsCapacity
+from activities.providers.catalog import GCP_GPU_INSTANCES
+from models.gke import FROZEN_BY_ANNOTATION, NODEPOOL_LABEL
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.kube import Cluster, Kube, wait_for
+from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.workloads import node_group_pods
+
+pytestmark = [pytest.mark.cluster]
+
+PROJECT, LOCATION = "acme-ml", "europe-west4"
+ZONES = ["europe-west4-a", "europe-west4-b"]
+PRICE = next(s.usd_per_hour for s in GCP_GPU_INSTANCES[LOCATION] if s.instance_type == "g2-standard-48")
+TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}
+
+
+@pytest.fixture(scope="module")
+def optimizer(cluster: Cluster) -> Kube:
+    return grant(cluster, "kubeon-gke-capacity-test", OPTIMIZER_RULES)
+
+
+@pytest.fixture
+def pool(gcp_server: FakeServer, gke_nodes: NodeReconciler, optimizer: Kube) -> Iterator[dict[str, Any]]:
+    """A 4-GPU L4 pool (g2-standard-48) over two zones, one node per zone, plus a CPU pool; its 2 Nodes Ready."""
+    gcp_server.reset()
+    gcp_server.fault(operation_seconds=0.3)
+    cluster, name = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
+    gcp_server.seed(gke={"project": PROJECT, "location": LOCATION, "cluster": cluster, "nodePools": [
+        {"name": name, "machineType": "g2-standard-48", "zones": ZONES, "nodeCount": 1,
+         "labels": {"kubeon.io/pool": "home"}, "taints": [TAINT]},
+        {"name": "system", "machineType": "e2-standard-4", "zones": ZONES[:1], "nodeCount": 1}]})
+    wait_for(lambda: len(ready(gke_nodes, name)) == 2, timeout=30, what="the pool's 2 nodes Ready")
+    capacity = GkeNodePoolsCapacity(optimizer.api, project=PROJECT, location=LOCATION, cluster=cluster,
+                                    endpoint_url=gcp_server.url, backoff=(0.2, 1.0), poll_seconds=0.1)
+    yield {"cluster": cluster, "name": name, "capacity": capacity,
+           "path": f"projects/{PROJECT}/locations/{LOCATION}/clusters/{cluster}/nodePools/{name}"}
+    gcp_server.reset()
+    wait_for(lambda: not pool_nodes(gke_nodes, name), timeout=30, what="the pool's nodes gone")
+
+
+def pool_nodes(nodes: NodeReconciler, name: str) -> dict[str, client.V1Node]:
+    return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEPOOL_LABEL) == name}
+
+
+def ready(nodes: NodeReconciler, name: str) -> list[client.V1Node]:
+    """The pool's Nodes kwok marked Ready with the not-ready taint lifted (the scheduler may use them)."""
+    return [n for n in pool_nodes(nodes, name).values()
+            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+            and not any(t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]
+
+
+def mutations(server: FakeServer) -> list[tuple[str, Any]]:
+    """The provider's changing requests: setSize, deleteInstances and the MIG resize that lets the cloud choose."""
+    return [(r["path"].rsplit("/", 1)[-1], r["body"]) for r in server.requests() if r["method"] == "POST" and (
+        r["path"].endswith((":setSize", "/deleteInstances", "/resize")))]
+
+
+def deleted(server: FakeServer) -> list[dict[str, Any]]:
+    return [d for d in server.state()["deleted"] if d["via"] != "seed"]
+
+
+def test_lists_the_gpu_pools_with_their_nodes_per_zone(pool: dict[str, Any], gke_nodes: NodeReconciler,
+                                                       gcp_server: FakeServer) -> None:
+    capacity: GkeNodePoolsCapacity = pool["capacity"]
+    groups = capacity.list_groups()
+    assert [g.name for g in groups] == [pool["name"]]  # the CPU pool is no GPU pool
+    [found] = groups
+    assert found.provider == "gke-nodepools" and found.gpu_products == ["NVIDIA-L4"]
+    assert found.gpus == 8 and found.taints == ["nvidia.com/gpu"] and found.gpu_limit is None
+    assert found.scaling is not None and found.scaling.desired_size == 2
+    assert found.scaling.auto_scaling_group == f"{ZONES[0]}=1,{ZONES[1]}=1"  # per zone
+    registered = pool_nodes(gke_nodes, pool["name"])
+    assert sorted(n.name for n in found.nodes) == sorted(registered)
+    for n in found.nodes:
+        assert registered[n.name].spec.provider_id.endswith("/" + n.instance) and n.instance == n.name
+        assert (n.instance_type, n.gpus, n.gpu_product, n.ready) == ("g2-standard-48", 4, "NVIDIA-L4", True)
+        assert n.usd_per_hour == PRICE and PRICE > 4.0016  # the catalogue's europe-west4 price, above us-central1
+    assert capacity.get_group(pool["name"]).nodes == found.nodes
+    with pytest.raises(GroupNotFoundError, match="system"):
+        capacity.get_group("system")
+    with pytest.raises(GroupNotFoundError):
+        capacity.get_group("missing")
+    assert mutations(gcp_server) == []
+
+
+def test_scale_up_for_the_pending_gpu_pods(pool: dict[str, Any], cluster: Cluster, namespace: str,
+                                           gcp_server: FakeServer, gke_nodes: NodeReconciler) -> None:
+    capacity: GkeNodePoolsCapacity = pool["capacity"]
+    # 11 one-GPU pods on 2 four-GPU nodes: 8 run, 3 wait; one more node per zone serves them.
+    cluster.admin.apps.create_namespaced_deployment(namespace, node_group_pods("infer", NODEPOOL_LABEL,
+                                                                               pool["name"], 11))
+
+    def pods() -> list[client.V1Pod]:
+        return [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector="app=infer").items
+                if p.metadata.deletion_timestamp is None]
+
+    wait_for(lambda: len([p for p in pods() if p.status.phase == "Running"]) == 8 and len(pods()) == 11,
+             timeout=30, what="8 pods running, 3 waiting")
+    assert sum(n.gpus_used for n in capacity.get_group(pool["name"]).nodes) == 8
+    after = capacity.scale_up(pool["name"], 3)  # 3 nodes over 2 zones: 2 per zone, one setSize
+    capacity.scale_up(pool["name"], 3)  # a retried activity: the same size, nothing sent
+    assert after.desired_size == 4
+    assert mutations(gcp_server) == [(f"{pool['name']}:setSize", {"nodeCount": 2})]
+    wait_for(lambda: len(pool_nodes(gke_nodes, pool["name"])) == 4, timeout=30, what="4 nodes")
+    wait_for(lambda: all(p.status.phase == "Running" for p in pods()), timeout=30, what="all 11 pods running")
+    found = capacity.get_group(pool["name"])
+    assert found.scaling is not None and found.scaling.auto_scaling_group == f"{ZONES[0]}=2,{ZONES[1]}=2"
+    assert capacity.scale_up(pool["name"], 1).desired_size == 4  # never shrinks: nothing sent
+    assert len(mutations(gcp_server)) == 1
+    assert deleted(gcp_server) == []
+
+
+def test_a_concurrent_operation_is_retried_after_back_off_one_at_a_time(pool: dict[str, Any],
+                                                                        gcp_server: FakeServer) -> None:
+    """Another client's operation runs on the cluster: GKE refuses ours (CLUSTER_ALREADY_HAS_OPERATION); the
+    provider backs off and sends it again once that operation is done; a 429 is backed off alike."""
+    capacity: GkeNodePoolsCapacity = pool["capacity"]
+    other = container_v1.ClusterManagerClient(credentials=AnonymousCredentials(), transport="rest",
+                                              client_options={"api_endpoint": gcp_server.url})
+    gcp_server.fault(operation_seconds=1.5)
+    system = pool["path"].rsplit("/", 1)[0] + "/system"
+    first = other.set_node_pool_size(request=container_v1.SetNodePoolSizeRequest(name=system, node_count=1))
+    capacity.scale_up(pool["name"], 4)
+    sizes = [r for r in gcp_server.requests() if r["path"].endswith(":setSize")]
+    ours = [r for r in sizes if r["path"] == f"/v1/{pool['path']}:setSize"]
+    assert len(ours) >= 2 and all(r["body"] == {"nodeCount": 2} for r in ours)
+    # The accepted one came after the other operation ended; every earlier one was refused while it ran.
+    started = sizes[0]["time"]
+    assert ours[-1]["time"] >= started + 1.5 - 0.1, (started, [r["time"] for r in ours])
+    gaps = [b["time"] - a["time"] for a, b in zip(ours, ours[1:], strict=False)]
+    assert all(g >= 0.2 for g in gaps), gaps  # backed off, never hammered
+    assert sizes[0]["path"] == f"/v1/{system}:setSize" and first.name  # the other client's came first
+    # A 429 (concurrent operations quota): backed off, then sent again.
+    gcp_server.fault(gke_429=2, operation_seconds=0.2)
+    capacity.scale_up(pool["name"], 6)
+    ours = [r for r in gcp_server.requests() if r["path"] == f"/v1/{pool['path']}:setSize"]
+    assert [r["body"] for r in ours[-3:]] == [{"nodeCount": 3}] * 3
+    assert capacity.get_group(pool["name"]).scaling.desired_size == 6  # type: ignore[union-attr]
+
+
+def test_a_failed_operation_is_an_error_and_changes_nothing(pool: dict[str, Any], gcp_server: FakeServer) -> None:
+    gcp_server.fault(gke_operation_error={"message": "Insufficient regional quota: resource \"NVIDIA_L4_GPUS\"."})
+    with pytest.raises(CapacityError, match="NVIDIA_L4_GPUS"):
+        pool["capacity"].scale_up(pool["name"], 4)
+    assert pool["capacity"].get_group(pool["name"]).scaling.desired_size == 2
+
+
+def test_removes_exactly_the_named_node_and_never_lets_the_cloud_choose(
+        pool: dict[str, Any], gcp_server: FakeServer, gke_nodes: NodeReconciler) -> None:
+    capacity: GkeNodePoolsCapacity = pool["capacity"]
+    capacity.scale_up(pool["name"], 4)
+    wait_for(lambda: len(ready(gke_nodes, pool["name"])) == 4, timeout=30, what="4 nodes Ready")
+    found = capacity.get_group(pool["name"])
+    victim = found.nodes[1]
+    zone = pool_nodes(gke_nodes, pool["name"])[victim.name].metadata.labels["topology.kubernetes.io/zone"]
+    capacity.remove_node(pool["name"], victim.name)
+    capacity.remove_node(pool["name"], victim.name)  # retried while it is deleting: nothing sent
+    removals = [m for m in mutations(gcp_server) if m[0] != f"{pool['name']}:setSize"]
+    assert removals == [("deleteInstances", {"instances": [f"zones/{zone}/instances/{victim.name}"],
+                                             "skipInstancesOnValidationError": True})]
+    wait_for(lambda: capacity.node_gone(pool["name"], victim.name), timeout=20, what=f"node {victim.name} gone")
+    assert deleted(gcp_server) == [{"zone": zone, "instance": victim.name, "via": "deleteInstances"}]
+    assert set(pool_nodes(gke_nodes, pool["name"])) == {n.name for n in found.nodes} - {victim.name}
+    left = capacity.get_group(pool["name"]).scaling
+    assert left is not None and left.desired_size == 3
+    # Scaling up again never sends a setSize below the zone that kept 2: nothing shrinks behind our back.
+    capacity.scale_up(pool["name"], 3)
+    assert len([m for m in mutations(gcp_server) if m[0].endswith(":setSize")]) == 1
+    capacity.scale_up(pool["name"], 4)
+    assert [m for m in mutations(gcp_server) if m[0].endswith(":setSize")][-1][1] == {"nodeCount": 2}
+    assert deleted(gcp_server) == [{"zone": zone, "instance": victim.name, "via": "deleteInstances"}]
+    assert not [m for m in mutations(gcp_server) if m[0] == "resize"]
+    with pytest.raises(NodeNotInGroupError, match=found.nodes[0].name):
+        capacity.remove_node("system", found.nodes[0].name)
+
+
+def test_freeze_shield_and_doctor(pool: dict[str, Any], cluster: Cluster) -> None:
+    from models.eks import SCALE_DOWN_DISABLED
+    from worker.doctor import check_capacity
+
+    capacity: GkeNodePoolsCapacity = pool["capacity"]
+    capacity.freeze(pool["name"], "op-1")
+    capacity.freeze(pool["name"], "op-1")  # retried: the same holder
+    assert capacity.get_group(pool["name"]).frozen_by == "op-1"
+    with pytest.raises(FrozenByOtherError, match="op-1"):
+        capacity.freeze(pool["name"], "op-2")
+    capacity.unfreeze(pool["name"], "op-2")  # not its freeze
+    assert capacity.get_group(pool["name"]).frozen_by == "op-1"
+    capacity.unfreeze(pool["name"], "op-1")
+    found = capacity.get_group(pool["name"])
+    assert found.frozen_by is None
+    assert all(FROZEN_BY_ANNOTATION not in (cluster.admin.core.read_node(n.name).metadata.annotations or {})
+               for n in found.nodes)
+    node = found.nodes[0].name
+    capacity.shield_node(node, True)
+    assert cluster.admin.core.read_node(node).metadata.annotations[SCALE_DOWN_DISABLED] == "true"
+    capacity.shield_node(node, False)
+    assert SCALE_DOWN_DISABLED not in (cluster.admin.core.read_node(node).metadata.annotations or {})
+
+    seen = check_capacity(cluster.admin.api, "gke-nodepools", capacity)
+    assert (seen.name, seen.status) == ("GKE node pools", "found")
+    assert seen.detail == (f"GKE cluster {pool['cluster']} in {PROJECT}/{LOCATION}: GPU node pools: 1 "
+                           f"({pool['name']} ({ZONES[0]}=1,{ZONES[1]}=1, 2 nodes))")
+    wrong = GkeNodePoolsCapacity(cluster.admin.api, project=PROJECT, location=LOCATION, cluster="no-such-cluster",
+                                 endpoint_url=capacity.endpoint_url)
+    missing = check_capacity(cluster.admin.api, "gke-nodepools", wrong)
+    assert missing.status == "missing" and "no-such-cluster" in missing.detail
+
+
+def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field() -> None:
+    from typing import cast
+
+    from activities.clients.kube import KubeOps
+    from models.env import ConfigError
+    from worker.config import load_settings
+    from worker.runtime import Runtime
+
+    env = {"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "gke-nodepools", "KUBEON_CAPACITY_PROJECT": PROJECT,
+           "KUBEON_CAPACITY_LOCATION": LOCATION, "KUBEON_CAPACITY_CLUSTER_NAME": "train",
+           "KUBEON_GCP_ENDPOINT_URL": "http://127.0.0.1:5998"}
+    settings = load_settings(env)
+    runtime = Runtime(settings=settings, kube=KubeOps(client.ApiClient()), burst=settings.burst_config(),
+                      gateway=cast(Any, None), providers={}, audit=cast(Any, None))
+    capacity = runtime.capacity()
+    assert isinstance(capacity, GkeNodePoolsCapacity)
+    assert (capacity.project, capacity.location, capacity.cluster, capacity.endpoint_url) == (
+        PROJECT, LOCATION, "train", "http://127.0.0.1:5998")
+    with pytest.raises(ConfigError, match="KUBEON_CAPACITY_CLUSTER_NAME.*capacity.gke.clusterName"):
+        load_settings({k: v for k, v in env.items() if k != "KUBEON_CAPACITY_CLUSTER_NAME"})
+    with pytest.raises(ConfigError, match="KUBEON_CAPACITY_LOCATION.*capacity.gke.location.*'Europe West 4'"):
+        load_settings({**env, "KUBEON_CAPACITY_LOCATION": "Europe West 4"})
+    with pytest.raises(ConfigError, match="KUBEON_CAPACITY_PROJECT.*capacity.gke.project"):
+        load_settings({**env, "KUBEON_CAPACITY_PROJECT": "projects/acme-ml"})
