@@ -1,0 +1,120 @@
+"""A packing round on a GKE node pool (capacity.provider gke-nodepools): the local GKE server (node pools and their
+MIGs), its VMs kwok Nodes on the real control plane, the Temporal dev server and the official google-cloud-container
+/ google-cloud-compute clients inside the provider. Six 1-GPU pods over three 4-GPU nodes -> the node planned
+emptied (its pods evicted one at a time, PDB honoured, re-placed first) and exactly its VM deleted from its MIG:
+no resize that lets the cloud choose (setSize down, MIG resize) is ever sent."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
+from typing import Any
+
+import pytest
+from kubernetes import client
+from temporalio.testing import WorkflowEnvironment
+
+from activities.capacity.gke import GkeNodePoolsCapacity
+from models.decisions import Approval
+from models.gke import FROZEN_BY_ANNOTATION, NODEPOOL_LABEL
+from models.packing import PackView
+from tests.harness import packing
+from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.kube import Cluster, wait_for
+from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.workloads import node_group_pods
+
+pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
+PROJECT, LOCATION, ZONE = "acme-ml", "europe-west4", "europe-west4-a"
+
+
+def _nodes(nodes: NodeReconciler, pool: str) -> dict[str, client.V1Node]:
+    return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEPOOL_LABEL) == pool}
+
+
+def _running(cluster: Cluster, namespace: str, count: int) -> list[client.V1Pod]:
+    def running() -> list[client.V1Pod]:
+        pods = [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector="app=serve").items
+                if p.metadata.deletion_timestamp is None]
+        return pods if len(pods) == count and all(p.status.phase == "Running" for p in pods) else []
+
+    return list(wait_for(running, timeout=60, what=f"{count} serve pods running"))
+
+
+@pytest.fixture
+def fragmented(cluster: Cluster, namespace: str, gcp_server: FakeServer,
+               gke_nodes: NodeReconciler) -> Iterator[dict[str, Any]]:
+    """A node pool of three 4-GPU nodes (one zone) with six 1-GPU pods spread over them by the default scheduler."""
+    gcp_server.reset()
+    gcp_server.fault(operation_seconds=0.2)
+    gke_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
+    gcp_server.seed(gke={"project": PROJECT, "location": LOCATION, "cluster": gke_cluster, "nodePools": [
+        {"name": pool, "machineType": "g2-standard-48", "zones": [ZONE], "nodeCount": 3,
+         "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}]}]})
+    wait_for(lambda: len([n for n in _nodes(gke_nodes, pool).values() if any(
+        c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
+        t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]) == 3, timeout=30,
+        what="the pool's 3 nodes Ready")
+    apps = cluster.admin.apps
+    apps.create_namespaced_deployment(namespace, node_group_pods("serve", NODEPOOL_LABEL, pool, 6))
+    try:
+        spread = Counter(str(p.spec.node_name) for p in _running(cluster, namespace, 6))
+        assert len(spread) == 3, spread
+        cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+            metadata=client.V1ObjectMeta(name="serve"),
+            spec=client.V1PodDisruptionBudgetSpec(max_unavailable=1, selector=client.V1LabelSelector(
+                match_labels={"app": "serve"}))))
+        yield {"cluster": gke_cluster, "pool": pool, "spread": dict(spread)}
+    finally:
+        apps.delete_namespaced_deployment("serve", namespace)
+        gcp_server.reset()
+        wait_for(lambda: not _nodes(gke_nodes, pool), timeout=30, what="the pool's nodes gone")
+
+
+@pytest.fixture
+async def pack_worker(cluster: Cluster, temporal_dev_server: WorkflowEnvironment, gcp_server: FakeServer,
+                      fragmented: dict[str, Any]) -> AsyncIterator[str]:
+    optimizer = grant(cluster, "kubeon-pack-gke-test", OPTIMIZER_RULES)
+    capacity = GkeNodePoolsCapacity(optimizer.api, project=PROJECT, location=LOCATION,
+                                    cluster=fragmented["cluster"], endpoint_url=gcp_server.url, poll_seconds=0.2)
+    queue = f"pack-gke-{uuid.uuid4().hex[:6]}"
+    async with packing.pack_worker(temporal_dev_server.client, queue, optimizer.api, capacity):
+        yield queue
+
+
+async def test_approved_round_removes_exactly_the_planned_node(
+        pack_worker: str, temporal_dev_server: WorkflowEnvironment, cluster: Cluster, namespace: str,
+        fragmented: dict[str, Any], gcp_server: FakeServer, gke_nodes: NodeReconciler) -> None:
+    pool, spread = fragmented["pool"], fragmented["spread"]
+    before = set(_nodes(gke_nodes, pool))
+    original = {p.metadata.name for p in _running(cluster, namespace, 6)}
+    handle, proposal = await packing.proposed_round(temporal_dev_server.client, pack_worker, [pool])
+    assert proposal.plan is not None and len(proposal.plan.empty) == 1  # 6 GPUs need two 4-GPU nodes
+    [planned] = proposal.plan.empty
+    assert not [r for r in gcp_server.requests() if r["path"].endswith("/deleteInstances")]
+    await handle.signal("approve", Approval(approver="test"))
+    view: PackView = await handle.result()
+    assert view.phase == "Done", view
+    assert view.removed == [planned] and len(view.moved) == spread[planned]
+    # The server removed exactly the planned VM, through deleteInstances; nothing let the cloud choose.
+    assert [d for d in gcp_server.state()["deleted"] if d["via"] != "seed"] == [
+        {"zone": ZONE, "instance": planned, "via": "deleteInstances"}]
+    [removal] = [r for r in gcp_server.requests() if r["path"].endswith("/deleteInstances")]
+    assert removal["body"] == {"instances": [f"zones/{ZONE}/instances/{planned}"],
+                               "skipInstancesOnValidationError": True}
+    assert not [r for r in gcp_server.requests() if r["path"].endswith((":setSize", "/resize"))]
+    pods = _running(cluster, namespace, 6)
+    assert planned not in {p.spec.node_name for p in pods}
+    # Re-placed first: every replacement pod was created before the removal was sent.
+    replacements = [p for p in pods if p.metadata.name not in original]
+    assert len(replacements) == spread[planned]
+    assert all(p.metadata.creation_timestamp <= datetime.fromtimestamp(removal["time"], tz=p.metadata.
+                                                                        creation_timestamp.tzinfo)
+               for p in replacements)
+    wait_for(lambda: set(_nodes(gke_nodes, pool)) == before - {planned}, timeout=30, what=f"node {planned} gone")
+    kept = _nodes(gke_nodes, pool).values()
+    assert not any(n.spec.unschedulable for n in kept)
+    assert not any(FROZEN_BY_ANNOTATION in (n.metadata.annotations or {}) for n in kept)  # unfrozen at the end
