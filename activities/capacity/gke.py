@@ -327,7 +327,7 @@ class GkeNodePoolsCapacity(HomeNodes):
         for node in self.core.list_node(label_selector=f"{NODEPOOL_LABEL}={group}").items:
             if when((node.metadata.annotations or {}).get(FROZEN_BY_ANNOTATION)):
                 try:
-                    self.core.patch_node(node.metadata.name,
+                    self.core.patch_node(str(node.metadata.name),
                                          {"metadata": {"annotations": {FROZEN_BY_ANNOTATION: value}}})
                 except client.ApiException as exc:
                     if exc.status != 404:

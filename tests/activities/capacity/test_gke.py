@@ -5,6 +5,7 @@ is recorded by the server (``gcp_server.requests()``)."""
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -145,7 +146,7 @@ def test_a_concurrent_operation_is_retried_after_back_off_one_at_a_time(pool: di
     # The accepted one came after the other operation ended; every earlier one was refused while it ran.
     started = sizes[0]["time"]
     assert ours[-1]["time"] >= started + 1.5 - 0.1, (started, [r["time"] for r in ours])
-    gaps = [b["time"] - a["time"] for a, b in zip(ours, ours[1:], strict=False)]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(ours)]
     assert all(g >= 0.2 for g in gaps), gaps  # backed off, never hammered
     assert sizes[0]["path"] == f"/v1/{system}:setSize" and first.name  # the other client's came first
     # A 429 (concurrent operations quota): backed off, then sent again.
@@ -153,7 +154,7 @@ def test_a_concurrent_operation_is_retried_after_back_off_one_at_a_time(pool: di
     capacity.scale_up(pool["name"], 6)
     ours = [r for r in gcp_server.requests() if r["path"] == f"/v1/{pool['path']}:setSize"]
     assert [r["body"] for r in ours[-3:]] == [{"nodeCount": 3}] * 3
-    assert capacity.get_group(pool["name"]).scaling.desired_size == 6  # type: ignore[union-attr]
+    assert capacity.get_group(pool["name"]).scaling.desired_size == 6
 
 
 def test_a_failed_operation_is_an_error_and_changes_nothing(pool: dict[str, Any], gcp_server: FakeServer) -> None:
@@ -243,9 +244,9 @@ def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field(
     assert isinstance(capacity, GkeNodePoolsCapacity)
     assert (capacity.project, capacity.location, capacity.cluster, capacity.endpoint_url) == (
         PROJECT, LOCATION, "train", "http://127.0.0.1:5998")
-    with pytest.raises(ConfigError, match="KUBEON_CAPACITY_CLUSTER_NAME.*capacity.gke.clusterName"):
+    with pytest.raises(ConfigError, match=r"KUBEON_CAPACITY_CLUSTER_NAME.*capacity\.gke\.clusterName"):
         load_settings({k: v for k, v in env.items() if k != "KUBEON_CAPACITY_CLUSTER_NAME"})
-    with pytest.raises(ConfigError, match="KUBEON_CAPACITY_LOCATION.*capacity.gke.location.*'Europe West 4'"):
+    with pytest.raises(ConfigError, match=r"KUBEON_CAPACITY_LOCATION.*capacity\.gke\.location.*'Europe West 4'"):
         load_settings({**env, "KUBEON_CAPACITY_LOCATION": "Europe West 4"})
-    with pytest.raises(ConfigError, match="KUBEON_CAPACITY_PROJECT.*capacity.gke.project"):
+    with pytest.raises(ConfigError, match=r"KUBEON_CAPACITY_PROJECT.*capacity\.gke\.project"):
         load_settings({**env, "KUBEON_CAPACITY_PROJECT": "projects/acme-ml"})
