@@ -171,18 +171,13 @@ class AksNodePoolsCapacity(HomeNodes):
     def list_groups(self) -> list[HomeNodeGroup]:
         pools = [p for p in self._call(f"listing agent pools of {self._where()}", lambda: list(
             self._aks().agent_pools.list(self.resource_group, self.cluster))) if self.is_gpu_pool(p)]
-        if not pools:
-            return []
-        nodes = self.core.list_node(label_selector=AGENTPOOL_LABEL).items
-        used = self._gpus_used({str(n.metadata.name) for n in nodes})
-        return [self._group(p, nodes, used) for p in pools]
+        return self._groups_with_nodes(AGENTPOOL_LABEL, pools, self._group)
 
     def get_group(self, group: str) -> HomeNodeGroup:
         pool = self._pool(group)
         if not self.is_gpu_pool(pool):
             raise GroupNotFoundError(f"agent pool {group} of {self._where()} has no GPU VM size, labels or taints")
-        nodes = self.core.list_node(label_selector=f"{AGENTPOOL_LABEL}={group}").items
-        return self._group(pool, nodes, self._gpus_used({str(n.metadata.name) for n in nodes}))
+        return self._groups_with_nodes(AGENTPOOL_LABEL, [pool], self._group, group)[0]
 
     @staticmethod
     def _bounds(p: Any) -> tuple[int, int, int | None]:

@@ -148,19 +148,14 @@ class EksNodeGroupsCapacity(HomeNodes):
             if not token:
                 break
         described = [d for d in (self._describe(n) for n in names) if self.is_gpu_group(d)]
-        if not described:
-            return []
-        nodes = self.core.list_node(label_selector=NODEGROUP_LABEL).items
-        used = self._gpus_used({str(n.metadata.name) for n in nodes})
-        return [self._group(d, nodes, used) for d in described]
+        return self._groups_with_nodes(NODEGROUP_LABEL, described, self._group)
 
     def get_group(self, group: str) -> HomeNodeGroup:
         described = self._describe(group)
         if not self.is_gpu_group(described):
             raise GroupNotFoundError(f"node group {group} of EKS cluster {self.cluster} has no GPU instance types, "
                                      "labels or taints")
-        nodes = self.core.list_node(label_selector=f"{NODEGROUP_LABEL}={group}").items
-        return self._group(described, nodes, self._gpus_used({str(n.metadata.name) for n in nodes}))
+        return self._groups_with_nodes(NODEGROUP_LABEL, [described], self._group, group)[0]
 
     def _group(self, d: dict[str, Any], nodes: list[client.V1Node], used: dict[str, int]) -> HomeNodeGroup:
         name = str(d["nodegroupName"])

@@ -188,19 +188,14 @@ class GkeNodePoolsCapacity(HomeNodes):
         pools = [p for p in self._gcp(f"listing node pools of GKE cluster {self.cluster}",
                                       self._client("container").list_node_pools, parent=self.parent).node_pools
                  if self.is_gpu_pool(p)]
-        if not pools:
-            return []
-        nodes = self.core.list_node(label_selector=NODEPOOL_LABEL).items
-        used = self._gpus_used({str(n.metadata.name) for n in nodes})
-        return [self._group(p, nodes, used) for p in pools]
+        return self._groups_with_nodes(NODEPOOL_LABEL, pools, self._group)
 
     def get_group(self, group: str) -> HomeNodeGroup:
         pool = self._pool(group)
         if not self.is_gpu_pool(pool):
             raise GroupNotFoundError(f"node pool {group} of GKE cluster {self.cluster} has no GPU machine type, "
                                      "accelerators or taints")
-        nodes = self.core.list_node(label_selector=f"{NODEPOOL_LABEL}={group}").items
-        return self._group(pool, nodes, self._gpus_used({str(n.metadata.name) for n in nodes}))
+        return self._groups_with_nodes(NODEPOOL_LABEL, [pool], self._group, group)[0]
 
     def _limits(self, pool: Any, zones: int) -> tuple[int, int | None]:
         """The pool's total (min, max) nodes from its autoscaling (per zone unless total_*), or (0, None)."""

@@ -4,12 +4,17 @@ names its autoscaler's shield annotation (Karpenter's do-not-disrupt, the cluste
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from kubernetes import client
 
 from activities.capacity import CapacityError, shield_patch
 from activities.clients.kube import gpus_requested
+from models.capacity import HomeNodeGroup
+
+# A managed provider's group as its cloud describes it, its Nodes and their GPUs used -> the HomeNodeGroup.
+GroupOf = Callable[[Any, list[client.V1Node], dict[str, int]], HomeNodeGroup]
 
 
 class HomeNodes:
@@ -36,6 +41,16 @@ class HomeNodes:
             if pod.spec is not None and pod.spec.node_name and pod.spec.node_name in node_names:
                 used[str(pod.spec.node_name)] += gpus_requested(pod)
         return used
+
+    def _groups_with_nodes(self, label: str, described: list[Any], make: GroupOf,
+                           group: str | None = None) -> list[HomeNodeGroup]:
+        """Each of the ``described`` groups (as its cloud describes it) made a HomeNodeGroup by ``make`` with its
+        Nodes (labelled ``label``, ``=group`` for one group) and the GPUs their pods use, read once for all."""
+        if not described:
+            return []
+        nodes = self.core.list_node(label_selector=f"{label}={group}" if group else label).items
+        used = self._gpus_used({str(n.metadata.name) for n in nodes if n.metadata is not None})
+        return [make(d, nodes, used) for d in described]
 
     def shield_node(self, node: str, shielded: bool) -> None:
         found = self._node(node)

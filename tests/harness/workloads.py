@@ -40,6 +40,17 @@ def live_pods(core: client.CoreV1Api, namespace: str, app: str) -> list[client.V
             if p.metadata is not None and p.metadata.deletion_timestamp is None]
 
 
+def running_pods(core: client.CoreV1Api, namespace: str, app: str, count: int) -> list[client.V1Pod]:
+    """Deployment ``app``'s ``count`` live pods once all of them run (waited for, bounded)."""
+    from tests.harness.kube import wait_for
+
+    def running() -> list[client.V1Pod]:
+        pods = live_pods(core, namespace, app)
+        return pods if len(pods) == count and all(p.status and p.status.phase == "Running" for p in pods) else []
+
+    return list(wait_for(running, timeout=60, what=f"{count} {app} pods running"))
+
+
 def unschedulable_once_settled(core: client.CoreV1Api, namespace: str, app: str, total: int,
                                running: int) -> list[client.V1Pod]:
     """The pods the scheduler found no node for, once ``running`` of ``total`` run and the rest wait (else [])."""

@@ -24,7 +24,7 @@ from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import node_group_pods, running_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
 CLOUD_CHOOSES = {"SetDesiredCapacity", "UpdateAutoScalingGroup", "DetachInstances"}
@@ -40,15 +40,13 @@ def fragmented(cluster: Cluster, namespace: str, eks_nodegroups: EksNodeGroups, 
     asg = eks_nodegroups.create(eks_cluster, ng, instance_type="g6.12xlarge", min_size=1, max_size=4, desired=3,
                                 taints=[{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}])
     # Ready (kwok lifts the not-ready taint), so the scheduler spreads over all three.
-    wait_for(lambda: len([n for n in _nodes(eks_nodes, ng).values() if any(
-        c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
-        t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]) == 3, timeout=30,
-        what="the node group's 3 nodes Ready")
+    wait_for(lambda: len(eks_nodes.ready(NODEGROUP_LABEL, ng)) == 3, timeout=30,
+             what="the node group's 3 nodes Ready")
     apps = cluster.admin.apps
     labels = {"app": "serve"}
     apps.create_namespaced_deployment(namespace, node_group_pods("serve", NODEGROUP_LABEL, ng, 6))
     try:
-        pods = _running(cluster, namespace, 6)
+        pods = running_pods(cluster.admin.core, namespace, "serve", 6)
         spread = Counter(str(p.spec.node_name) for p in pods)
         assert len(spread) == 3, spread
         cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
@@ -60,19 +58,6 @@ def fragmented(cluster: Cluster, namespace: str, eks_nodegroups: EksNodeGroups, 
     finally:
         apps.delete_namespaced_deployment("serve", namespace)
         eks_nodegroups.delete(eks_cluster, ng)
-
-
-def _nodes(nodes: NodeReconciler, ng: str) -> dict[str, client.V1Node]:
-    return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEGROUP_LABEL) == ng}
-
-
-def _running(cluster: Cluster, namespace: str, count: int) -> list[client.V1Pod]:
-    def running() -> list[client.V1Pod]:
-        pods = [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector="app=serve").items
-                if p.metadata.deletion_timestamp is None]
-        return pods if len(pods) == count and all(p.status.phase == "Running" for p in pods) else []
-
-    return list(wait_for(running, timeout=60, what=f"{count} serve pods running"))
 
 
 @pytest.fixture
@@ -91,7 +76,8 @@ async def test_approved_round_removes_exactly_the_planned_node(
         fragmented: dict[str, Any], eks_api: MotoRecorder, eks_nodes: NodeReconciler,
         eks_nodegroups: EksNodeGroups) -> None:
     temporal, ng, spread = temporal_dev_server.client, fragmented["ng"], fragmented["spread"]
-    instance_of = {name: n.spec.provider_id.rsplit("/", 1)[1] for name, n in _nodes(eks_nodes, ng).items()}
+    instance_of = {name: n.spec.provider_id.rsplit("/", 1)[1]
+                   for name, n in eks_nodes.group(NODEGROUP_LABEL, ng).items()}
     eks_api.clear()
     handle, proposal = await packing.proposed_round(temporal, pack_worker, [ng])
     assert proposal.plan is not None and len(proposal.plan.empty) == 1
@@ -109,10 +95,10 @@ async def test_approved_round_removes_exactly_the_planned_node(
     assert tagging == ["CreateOrUpdateTags", "DeleteTags"]
     assert [r for r in eks_nodegroups.removed if r["nodegroup"] == ng] == [
         {"nodegroup": ng, "instance": instance_of[planned]}]
-    pods = _running(cluster, namespace, 6)
+    pods = running_pods(cluster.admin.core, namespace, "serve", 6)
     assert planned not in {p.spec.node_name for p in pods}
-    assert set(_nodes(eks_nodes, ng)) == set(instance_of) - {planned}
-    assert not any(n.spec.unschedulable for n in _nodes(eks_nodes, ng).values())
+    assert set(eks_nodes.group(NODEGROUP_LABEL, ng)) == set(instance_of) - {planned}
+    assert not any(n.spec.unschedulable for n in eks_nodes.group(NODEGROUP_LABEL, ng).values())
     wait_for(lambda: fragmented["eks"].describe_nodegroup(clusterName=fragmented["cluster"], nodegroupName=ng)[
         "nodegroup"]["scalingConfig"]["desiredSize"] == 2, timeout=20, what="the node group's desiredSize at 2")
     tags = {t["Key"] for t in fragmented["autoscaling"].describe_auto_scaling_groups(

@@ -25,23 +25,10 @@ from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import node_group_pods, running_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 PROJECT, LOCATION, ZONE = "acme-ml", "europe-west4", "europe-west4-a"
-
-
-def _nodes(nodes: NodeReconciler, pool: str) -> dict[str, client.V1Node]:
-    return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEPOOL_LABEL) == pool}
-
-
-def _running(cluster: Cluster, namespace: str, count: int) -> list[client.V1Pod]:
-    def running() -> list[client.V1Pod]:
-        pods = [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector="app=serve").items
-                if p.metadata.deletion_timestamp is None]
-        return pods if len(pods) == count and all(p.status.phase == "Running" for p in pods) else []
-
-    return list(wait_for(running, timeout=60, what=f"{count} serve pods running"))
 
 
 @pytest.fixture
@@ -54,14 +41,11 @@ def fragmented(cluster: Cluster, namespace: str, gcp_server: FakeServer,
     gcp_server.seed(gke={"project": PROJECT, "location": LOCATION, "cluster": gke_cluster, "nodePools": [
         {"name": pool, "machineType": "g2-standard-48", "zones": [ZONE], "nodeCount": 3,
          "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}]}]})
-    wait_for(lambda: len([n for n in _nodes(gke_nodes, pool).values() if any(
-        c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and not any(
-        t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]) == 3, timeout=30,
-        what="the pool's 3 nodes Ready")
+    wait_for(lambda: len(gke_nodes.ready(NODEPOOL_LABEL, pool)) == 3, timeout=30, what="the pool's 3 nodes Ready")
     apps = cluster.admin.apps
     apps.create_namespaced_deployment(namespace, node_group_pods("serve", NODEPOOL_LABEL, pool, 6))
     try:
-        spread = Counter(str(p.spec.node_name) for p in _running(cluster, namespace, 6))
+        spread = Counter(str(p.spec.node_name) for p in running_pods(cluster.admin.core, namespace, "serve", 6))
         assert len(spread) == 3, spread
         cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
             metadata=client.V1ObjectMeta(name="serve"),
@@ -71,7 +55,7 @@ def fragmented(cluster: Cluster, namespace: str, gcp_server: FakeServer,
     finally:
         apps.delete_namespaced_deployment("serve", namespace)
         gcp_server.reset()
-        wait_for(lambda: not _nodes(gke_nodes, pool), timeout=30, what="the pool's nodes gone")
+        wait_for(lambda: not gke_nodes.group(NODEPOOL_LABEL, pool), timeout=30, what="the pool's nodes gone")
 
 
 @pytest.fixture
@@ -89,8 +73,8 @@ async def test_approved_round_removes_exactly_the_planned_node(
         pack_worker: str, temporal_dev_server: WorkflowEnvironment, cluster: Cluster, namespace: str,
         fragmented: dict[str, Any], gcp_server: FakeServer, gke_nodes: NodeReconciler) -> None:
     pool, spread = fragmented["pool"], fragmented["spread"]
-    before = set(_nodes(gke_nodes, pool))
-    original = {p.metadata.name for p in _running(cluster, namespace, 6)}
+    before = set(gke_nodes.group(NODEPOOL_LABEL, pool))
+    original = {p.metadata.name for p in running_pods(cluster.admin.core, namespace, "serve", 6)}
     handle, proposal = await packing.proposed_round(temporal_dev_server.client, pack_worker, [pool])
     assert proposal.plan is not None and len(proposal.plan.empty) == 1  # 6 GPUs need two 4-GPU nodes
     [planned] = proposal.plan.empty
@@ -106,7 +90,7 @@ async def test_approved_round_removes_exactly_the_planned_node(
     assert removal["body"] == {"instances": [f"zones/{ZONE}/instances/{planned}"],
                                "skipInstancesOnValidationError": True}
     assert not [r for r in gcp_server.requests() if r["path"].endswith((":setSize", "/resize"))]
-    pods = _running(cluster, namespace, 6)
+    pods = running_pods(cluster.admin.core, namespace, "serve", 6)
     assert planned not in {p.spec.node_name for p in pods}
     # Re-placed first: every replacement pod was created before the removal was sent.
     replacements = [p for p in pods if p.metadata.name not in original]
@@ -114,7 +98,8 @@ async def test_approved_round_removes_exactly_the_planned_node(
     assert all(p.metadata.creation_timestamp <= datetime.fromtimestamp(removal["time"], tz=p.metadata.
                                                                         creation_timestamp.tzinfo)
                for p in replacements)
-    wait_for(lambda: set(_nodes(gke_nodes, pool)) == before - {planned}, timeout=30, what=f"node {planned} gone")
-    kept = _nodes(gke_nodes, pool).values()
+    wait_for(lambda: set(gke_nodes.group(NODEPOOL_LABEL, pool)) == before - {planned}, timeout=30,
+             what=f"node {planned} gone")
+    kept = gke_nodes.group(NODEPOOL_LABEL, pool).values()
     assert not any(n.spec.unschedulable for n in kept)
     assert not any(FROZEN_BY_ANNOTATION in (n.metadata.annotations or {}) for n in kept)  # unfrozen at the end

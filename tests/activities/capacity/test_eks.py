@@ -63,14 +63,11 @@ def group(eks_nodegroups: EksNodeGroups, eks_nodes: NodeReconciler, eks_api: Mot
 
 
 def _nodes(nodes: NodeReconciler, ng: str) -> dict[str, client.V1Node]:
-    return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEGROUP_LABEL) == ng}
+    return nodes.group(NODEGROUP_LABEL, ng)
 
 
 def _ready(nodes: NodeReconciler, ng: str) -> list[client.V1Node]:
-    """The group's Nodes kwok marked Ready with the not-ready taint lifted (the scheduler may use them)."""
-    return [n for n in _nodes(nodes, ng).values()
-            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
-            and not any(t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]
+    return nodes.ready(NODEGROUP_LABEL, ng)
 
 
 def _asg(g: dict[str, Any]) -> dict[str, Any]:

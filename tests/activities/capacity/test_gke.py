@@ -58,14 +58,11 @@ def pool(gcp_server: FakeServer, gke_nodes: NodeReconciler, optimizer: Kube) -> 
 
 
 def pool_nodes(nodes: NodeReconciler, name: str) -> dict[str, client.V1Node]:
-    return {k: n for k, n in nodes.nodes().items() if (n.metadata.labels or {}).get(NODEPOOL_LABEL) == name}
+    return nodes.group(NODEPOOL_LABEL, name)
 
 
 def ready(nodes: NodeReconciler, name: str) -> list[client.V1Node]:
-    """The pool's Nodes kwok marked Ready with the not-ready taint lifted (the scheduler may use them)."""
-    return [n for n in pool_nodes(nodes, name).values()
-            if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
-            and not any(t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]
+    return nodes.ready(NODEPOOL_LABEL, name)
 
 
 def mutations(server: FakeServer) -> list[tuple[str, Any]]:

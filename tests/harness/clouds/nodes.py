@@ -60,6 +60,17 @@ class NodeReconciler(Background):
         found = self.kube.core.list_node(label_selector=f"{OWNER}={self.owner}").items
         return {str(n.metadata.name): n for n in found}
 
+    def group(self, label: str, name: str) -> dict[str, Any]:
+        """This reconciler's Nodes of one group (``label`` = the provider's group label, e.g.
+        ``cloud.google.com/gke-nodepool``), by name."""
+        return {k: n for k, n in self.nodes().items() if (n.metadata.labels or {}).get(label) == name}
+
+    def ready(self, label: str, name: str) -> list[Any]:
+        """The group's Nodes kwok marked Ready with the not-ready taint lifted (the scheduler may use them)."""
+        return [n for n in self.group(label, name).values()
+                if any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
+                and not any(t.key.startswith("node.kubernetes.io/") for t in n.spec.taints or [])]
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
