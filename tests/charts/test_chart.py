@@ -518,7 +518,8 @@ def test_values_defaults_are_the_documented_ones() -> None:
     assert values["hub"]["pollInterval"] == "60s"
     assert values["defaultMode"] == "Recommend"
     assert values["capacity"] == {"provider": "karpenter", "eks": {"clusterName": "", "region": ""},
-                                  "aks": {"subscription": "", "resourceGroup": "", "clusterName": ""}}
+                                  "aks": {"subscription": "", "resourceGroup": "", "clusterName": ""},
+                                  "gke": {"project": "", "location": "", "clusterName": ""}}
     assert values["prometheus"] == {"url": ""}
     assert values["gpuOperator"]["namespace"] == "gpu-operator"
     assert values["gpuOperator"]["timeSlicingConfigMap"] == "time-slicing-config"
@@ -590,8 +591,9 @@ def test_documented_values_are_accepted(tmp_path: Path) -> None:
     rendered.get("Role", GATEWAY, NAMESPACE)
     run_helm(["template", RELEASE, CHART, "-f", tmp_path / "values.yaml"])
     run_helm(["template", RELEASE, CHART, "-f", BURST_VALUES])
-    for provider in ("karpenter", "gke-nodepools"):
-        template("--set", f"capacity.provider={provider}")
+    template("--set", "capacity.provider=karpenter")
+    # gke-nodepools needs its project, location and cluster (bad_values/gke-nodepools-*.yaml)
+    template(*GKE_VALUES)
     # aks-nodepools needs its subscription, resource group and cluster (bad_values/aks-nodepools-*.yaml)
     template(*AKS_VALUES)
     # eks-nodegroups needs its cluster and region (refused without: bad_values/eks-nodegroups-*.yaml)
@@ -764,3 +766,15 @@ def test_aks_nodepools_values_reach_the_worker_settings() -> None:
             settings.capacity_cluster_name) == ("aks-nodepools", "11111111-2222-3333-4444-555555555555", "ml-prod",
                                                 "train")
     assert "KUBEON_CAPACITY_RESOURCE_GROUP" not in env(container(template().get("Deployment", OPTIMIZER), "worker"))
+
+
+# --- capacity.provider gke-nodepools ------------------------------------------------------------------------------
+GKE_VALUES = ("--set", "capacity.provider=gke-nodepools", "--set", "capacity.gke.project=acme-ml", "--set",
+              "capacity.gke.location=europe-west4", "--set", "capacity.gke.clusterName=train")
+
+
+def test_gke_nodepools_values_reach_the_worker_settings() -> None:
+    settings = load_settings(env(container(template(*GKE_VALUES).get("Deployment", OPTIMIZER), "worker")))
+    assert (settings.capacity_provider, settings.capacity_project, settings.capacity_location,
+            settings.capacity_cluster_name) == ("gke-nodepools", "acme-ml", "europe-west4", "train")
+    assert "KUBEON_CAPACITY_PROJECT" not in env(container(template().get("Deployment", OPTIMIZER), "worker"))
