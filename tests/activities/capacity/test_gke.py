@@ -247,3 +247,37 @@ def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field(
         load_settings({**env, "KUBEON_CAPACITY_LOCATION": "Europe West 4"})
     with pytest.raises(ConfigError, match=r"KUBEON_CAPACITY_PROJECT.*capacity\.gke\.project"):
         load_settings({**env, "KUBEON_CAPACITY_PROJECT": "projects/acme-ml"})
+
+
+REMOVER = """
+import sys
+from pathlib import Path
+from activities.capacity.gke import GkeNodePoolsCapacity
+from common.kube import kube_api
+kubeconfig, project, location, cluster, endpoint, pool, node = sys.argv[1:]
+GkeNodePoolsCapacity(kube_api(Path(kubeconfig)), project=project, location=location, cluster=cluster,
+                     endpoint_url=endpoint, poll_seconds=0.1).remove_node(pool, node)
+print("returned", flush=True)
+"""
+
+
+def test_a_worker_killed_after_delete_instances_is_sent_then_retried_removes_exactly_one(
+        pool: dict[str, Any], gcp_server: FakeServer, gke_nodes: NodeReconciler, cluster: Cluster) -> None:
+    """SIGKILL of the process removing a node after its deleteInstances reached the server and before the answer:
+    the activity's retry reads the MIG, finds the VM deleting or gone, and sends nothing: one VM removed."""
+    from tests.harness.processes import killed_once
+
+    capacity: GkeNodePoolsCapacity = pool["capacity"]
+    victim = capacity.get_group(pool["name"]).nodes[0].name
+    gcp_server.fault(slow_remove_seconds=3)
+    killed_once(REMOVER, [str(cluster.plane.admin_kubeconfig), PROJECT, LOCATION, pool["cluster"], gcp_server.url,
+                          pool["name"], victim],
+                lambda: any(r["path"].endswith("/deleteInstances") for r in gcp_server.requests()),
+                what="the deleteInstances sent")
+    gcp_server.fault(slow_remove_seconds=0)
+    capacity.remove_node(pool["name"], victim)  # the retry
+    assert [m[0] for m in mutations(gcp_server)] == ["deleteInstances"]
+    wait_for(lambda: capacity.node_gone(pool["name"], victim), timeout=20, what="its node gone")
+    assert [d["instance"] for d in deleted(gcp_server)] == [victim]
+    left = capacity.get_group(pool["name"]).scaling
+    assert left is not None and left.desired_size == 1
