@@ -113,7 +113,14 @@ def test_scale_up_for_the_pending_gpu_pods(pool: dict[str, Any], cluster: Cluste
     wait_for(lambda: len([p for p in pods() if p.status.phase == "Running"]) == 8 and len(pods()) == 11,
              timeout=30, what="8 pods running, 3 waiting")
     assert sum(n.gpus_used for n in capacity.get_group(pool["name"]).nodes) == 8
+    seen = len(gcp_server.requests())
     after = capacity.scale_up(pool["name"], 3)  # 3 nodes over 2 zones: 2 per zone, one setSize
+    # The pool, each zone's MIG, setSize, then get_operation until DONE (0.3 s here, polled each 0.1 s).
+    calls = [(r["method"], r["path"].rsplit("/", 1)[-1]) for r in gcp_server.requests()[seen:]]
+    assert calls[:4] == [("GET", pool["name"]), ("GET", calls[1][1]), ("GET", calls[2][1]),
+                         ("POST", f"{pool['name']}:setSize")] and calls[1][1].endswith("-grp")
+    assert len(calls) > 4 and all(c[0] == "GET" and c[1].startswith("operation-") for c in calls[4:])
+    print(f"\nAPI calls for one scale up: {len(calls)} ({len(calls) - 4} operation polls)")
     capacity.scale_up(pool["name"], 3)  # a retried activity: the same size, nothing sent
     assert after.desired_size == 4
     assert mutations(gcp_server) == [(f"{pool['name']}:setSize", {"nodeCount": 2})]
@@ -169,7 +176,12 @@ def test_removes_exactly_the_named_node_and_never_lets_the_cloud_choose(
     found = capacity.get_group(pool["name"])
     victim = found.nodes[1]
     zone = pool_nodes(gke_nodes, pool["name"])[victim.name].metadata.labels["topology.kubernetes.io/zone"]
+    seen = len(gcp_server.requests())
     capacity.remove_node(pool["name"], victim.name)
+    # 4 calls a removal: the pool (its MIGs), the MIG's VMs, deleteInstances, the VMs again (DELETING confirmed).
+    assert [(r["method"], r["path"].rsplit("/", 1)[-1]) for r in gcp_server.requests()[seen:]] == [
+        ("GET", pool["name"]), ("POST", "listManagedInstances"), ("POST", "deleteInstances"),
+        ("POST", "listManagedInstances")]
     capacity.remove_node(pool["name"], victim.name)  # retried while it is deleting: nothing sent
     removals = [m for m in mutations(gcp_server) if m[0] != f"{pool['name']}:setSize"]
     assert removals == [("deleteInstances", {"instances": [f"zones/{zone}/instances/{victim.name}"],
