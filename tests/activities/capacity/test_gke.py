@@ -293,3 +293,23 @@ def test_a_worker_killed_after_delete_instances_is_sent_then_retried_removes_exa
     assert [d["instance"] for d in deleted(gcp_server)] == [victim]
     left = capacity.get_group(pool["name"]).scaling
     assert left is not None and left.desired_size == 1
+
+
+def test_kubeon_gpu_doctor_reports_the_node_pools(pool: dict[str, Any], gcp_server: FakeServer, cluster: Cluster,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`kubeon-gpu doctor --json` with capacity.provider gke-nodepools lists the GPU node pools it finds."""
+    import json
+
+    from worker.cli import main
+
+    for var, value in {"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "gke-nodepools",
+                       "KUBEON_CAPACITY_PROJECT": PROJECT, "KUBEON_CAPACITY_LOCATION": LOCATION,
+                       "KUBEON_CAPACITY_CLUSTER_NAME": pool["cluster"],
+                       "KUBEON_GCP_ENDPOINT_URL": gcp_server.url}.items():
+        monkeypatch.setenv(var, value)
+    assert main(["doctor", "--kubeconfig", str(cluster.plane.admin_kubeconfig), "--json"]) == 0
+    [gke] = [r for r in json.loads(capsys.readouterr().out) if r["name"] == "GKE node pools"]
+    assert gke["status"] == "found"
+    assert gke["detail"] == (f"GKE cluster {pool['cluster']} in {PROJECT}/{LOCATION}: GPU node pools: 1 "
+                             f"({pool['name']} ({ZONES[0]}=1,{ZONES[1]}=1, 2 nodes))")
