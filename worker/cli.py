@@ -118,21 +118,11 @@ def _doctor(args: argparse.Namespace) -> int:
 def _doctor_capacity(settings: Settings) -> EksNodeGroupsCapacity | AksNodePoolsCapacity | GkeNodePoolsCapacity | None:
     """The managed node groups' provider `doctor` lists the groups through (None: checked from the cluster)."""
     from common.kube import kube_api
+    from worker.config import managed_capacity
 
-    if settings.capacity_provider == "aks-nodepools":
-        from worker.config import aks_capacity
-
-        return aks_capacity(kube_api(settings.kubeconfig), settings)
-    if settings.capacity_provider == "gke-nodepools":
-        from worker.config import gke_capacity
-
-        return gke_capacity(kube_api(settings.kubeconfig), settings)
-    if settings.capacity_provider != "eks-nodegroups":
+    if settings.capacity_provider not in ("eks-nodegroups", "aks-nodepools", "gke-nodepools"):
         return None
-    from activities.capacity.eks import EksNodeGroupsCapacity
-
-    return EksNodeGroupsCapacity(kube_api(settings.kubeconfig), cluster=settings.capacity_cluster_name,
-                                 region=settings.capacity_region, endpoint_url=settings.aws_endpoint_url)
+    return managed_capacity(kube_api(settings.kubeconfig), settings)
 
 
 def _gateway(_: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from models.sharing import SharingSettings
 
 if TYPE_CHECKING:
     from activities.capacity.aks import AksNodePoolsCapacity
+    from activities.capacity.eks import EksNodeGroupsCapacity
     from activities.capacity.gke import GkeNodePoolsCapacity
 
 # The managed providers whose settings are checked by one function: (check(field, value) -> error, the Settings
@@ -258,6 +259,26 @@ def gke_capacity(api: Any, settings: Settings) -> GkeNodePoolsCapacity:
 
     return GkeNodePoolsCapacity(api, project=settings.capacity_project, location=settings.capacity_location,
                                 cluster=settings.capacity_cluster_name, endpoint_url=settings.gcp_endpoint_url)
+
+
+def eks_capacity(api: Any, settings: Settings) -> EksNodeGroupsCapacity:
+    """capacity.provider eks-nodegroups: the provider the worker and ``doctor`` use (boto3 loaded lazily)."""
+    from activities.capacity.eks import EksNodeGroupsCapacity
+
+    return EksNodeGroupsCapacity(api, cluster=settings.capacity_cluster_name, region=settings.capacity_region,
+                                 endpoint_url=settings.aws_endpoint_url)
+
+
+def managed_capacity(api: Any, settings: Settings
+                     ) -> EksNodeGroupsCapacity | AksNodePoolsCapacity | GkeNodePoolsCapacity | None:
+    """The managed node groups' provider of capacity.provider (None for karpenter and none)."""
+    if settings.capacity_provider == "eks-nodegroups":
+        return eks_capacity(api, settings)
+    if settings.capacity_provider == "aks-nodepools":
+        return aks_capacity(api, settings)
+    if settings.capacity_provider == "gke-nodepools":
+        return gke_capacity(api, settings)
+    return None
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:

@@ -12,7 +12,6 @@ from temporalio.service import RPCError, TLSConfig
 
 from activities.burst import BurstActivities
 from activities.capacity import CapacityProvider
-from activities.capacity.eks import EksNodeGroupsCapacity
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
@@ -34,7 +33,7 @@ from models.locations import BurstConfig
 from models.node import Instance
 from node.join import Redeemer
 from worker import telemetry
-from worker.config import ConfigError, Settings, aks_capacity, gke_capacity
+from worker.config import ConfigError, Settings, managed_capacity
 from worker.doctor import Prerequisite, run_checks
 from workflows.hub_sync import HubSyncWorkflow
 
@@ -98,18 +97,10 @@ class Runtime:
                                    register_seconds=self.settings.capacity_register_seconds))
 
     def capacity(self) -> CapacityProvider | None:
-        """Home capacity burst defers to (capacity.provider); GKE and AKS node pools have no provider yet."""
+        """The home capacity provider of capacity.provider (none: no home autoscaler)."""
         if self.settings.capacity_provider == "karpenter":
             return KarpenterCapacity(self.kube.api)
-        if self.settings.capacity_provider == "eks-nodegroups":
-            return EksNodeGroupsCapacity(self.kube.api, cluster=self.settings.capacity_cluster_name,
-                                         region=self.settings.capacity_region,
-                                         endpoint_url=self.settings.aws_endpoint_url)
-        if self.settings.capacity_provider == "aks-nodepools":
-            return aks_capacity(self.kube.api, self.settings)
-        if self.settings.capacity_provider == "gke-nodepools":
-            return gke_capacity(self.kube.api, self.settings)
-        return None
+        return managed_capacity(self.kube.api, self.settings)
 
     def pack_activities(self) -> PackActivities | None:
         """Packing rounds, through the home capacity provider (none without one)."""
