@@ -193,22 +193,38 @@ class RecordStore:
         redeemed: a compensated launch) refuses every later redemption, and names its node until ``keep_until``
         (the node's certificate may outlive its removal: a Node re-created under that name is revoked)."""
         data = {"state": "released", "node": node, "operation": operation, "keepUntil": repr(keep_until)}
-        if transfer is not None:  # the node's final tunnel traffic, still answered after its slot is gone
-            data["transfer"] = transfer.dumps()
-        for _ in range(3):
+        name = f"{TICKET_PREFIX}{nonce}"
+        for _ in range(5):
             try:
-                self.core.patch_namespaced_config_map(f"{TICKET_PREFIX}{nonce}", self.namespace, {"data": data})
-                return
+                existing = self.core.read_namespaced_config_map(name, self.namespace)
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
-            try:
-                self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
-                    metadata=self._meta(f"{TICKET_PREFIX}{nonce}", "ticket"),
-                    data={**data, "expiresAt": repr(keep_until)}))
+                existing = None
+            if existing is None:
+                created = {**data, "expiresAt": repr(keep_until)}
+                if transfer is not None:  # the node's final tunnel traffic, still answered after its slot is gone
+                    created["transfer"] = transfer.dumps()
+                try:
+                    self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
+                        metadata=self._meta(name, "ticket"), data=created))
+                    return
+                except client.ApiException as exc:
+                    if exc.status != 409:  # a redemption (or another release) recorded it meanwhile: read again
+                        raise
+                continue
+            patch = dict(data)
+            kept = Transfer.loads((existing.data or {}).get("transfer", ""))
+            # Two releases of one slot race (the reconciler's pass and a removal): the one that read the peer's
+            # counters last wins, never an older reading over a newer one (the node's final cost would shrink).
+            if transfer is not None and transfer.measured_at >= kept.measured_at:
+                patch["transfer"] = transfer.dumps()
+            try:  # only over the version read: a concurrent release's write is read again, not overwritten
+                self.core.patch_namespaced_config_map(name, self.namespace, {
+                    "metadata": {"resourceVersion": existing.metadata.resource_version}, "data": patch})
                 return
             except client.ApiException as exc:
-                if exc.status != 409:  # a redemption recorded it meanwhile: patch that one
+                if exc.status not in (404, 409):
                     raise
         raise RuntimeError(f"ticket record {TICKET_PREFIX}{nonce} kept changing while it was released")
 

@@ -86,6 +86,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self.offering: Offering | None = None
         self.launch_attempted = False
         self.serving = False
+        self.burn_in_passed = ""
         # Cost on actuals (issue 27): the workflow's own clock from the launch to the termination, and the
         # node's tunnel transfer as last read from the gateway.
         self.launched_at: datetime | None = None
@@ -258,7 +259,9 @@ class BurstNodeWorkflow(Operation[NodePhase]):
                             pods=[], timeout_seconds=s.verify_timeout_seconds),
             result_type=VerifyResult, start_to_close_timeout=timedelta(seconds=s.verify_timeout_seconds + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
-        await self._audit("verified", ", ".join(verified.pods_on_node))
+        await self._audit("verified", "; ".join(p for p in (
+            f"burn-in passed: {self.burn_in_passed}" if self.burn_in_passed else "",
+            ", ".join(verified.pods_on_node)) if p))
 
         self.serving = True
         self._set_phase(NodePhase.SERVING, f"{len(verified.pods_on_node)} pod(s) on {self.node_name}")
@@ -305,7 +308,9 @@ class BurstNodeWorkflow(Operation[NodePhase]):
             result_type=BurnInResult,
             start_to_close_timeout=timedelta(seconds=self.policy.burn_in_timeout_seconds * len(checks) + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
-        await self._audit("burned-in", "; ".join(burned.passed))
+        # In the "verified" record that follows (one record per step the hub knows: every record is reported, in
+        # the audit chain's order).
+        self.burn_in_passed = "; ".join(burned.passed)
 
     def _offering(self) -> Offering:
         assert self.inp is not None
