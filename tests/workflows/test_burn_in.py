@@ -82,8 +82,11 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
         mine = [(r.action, r.detail) for r in records if r.operation == failed.operation]
         assert any(a == "failed" and "burn-in failed" in d for a, d in mine), mine
         assert not any(a == "verified" for a, _ in mine), mine
-        assert any(r.action == "verified" and r.node_name == replacement.metadata.name
-                   and r.detail.startswith("burn-in passed: Gpus: allocatable") for r in records), records
+        # The replacement's "verified" record (written once it serves, after the taint was lifted) names the check.
+        await until(lambda: [r for r in runtime.audit.read() if r.action == "verified"
+                             and r.node_name == replacement.metadata.name
+                             and r.detail.startswith("burn-in passed: Gpus: allocatable")],
+                    timeout=30, what="the replacement's verified record with its burn-in")
 
         stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         await until(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
