@@ -4,6 +4,7 @@ node that passes; the reason is in the node's operation, the provisioning workfl
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -46,48 +47,50 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
                             burn_in={"checks": ["Gpus"], "timeoutSeconds": 5})
         deploy = unique("burn")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
-        await until(lambda: len(_pods(stack, namespace)) == 1, timeout=30, what="the workload's pod")
-        (pod,) = _pods(stack, namespace)
-        pod_name = str(pod.metadata.name)
+        try:
+            await until(lambda: len(_pods(stack, namespace)) == 1, timeout=30, what="the workload's pod")
+            (pod,) = _pods(stack, namespace)
+            pod_name = str(pod.metadata.name)
 
-        first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
-        joined = await wait_phase(first, NodePhase.VERIFYING)
-        # Under burn-in the gateway keeps the joining taint: nothing can land on the node.
-        await until(lambda: stack.cluster.admin.core.read_node(str(joined.node_name)).status.allocatable
-                    is not None, timeout=30, what="the short node registered")
-        node = stack.cluster.admin.core.read_node(str(joined.node_name))
-        assert any(t.key == JOINING_TAINT.key for t in node.spec.taints or []), node.spec.taints
-        failed = await result(first)
-        assert failed.phase == NodePhase.FAILED, failed.message
-        assert "burn-in failed" in failed.message and "allocatable nvidia.com/gpu is 0" in failed.message
-        assert node_gone(stack, failed.node_name)
-        live = runtime.providers["sim"].list("sim/burn-short", operation=failed.operation)
-        assert [i.state for i in live] == ["terminated"]
+            first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
+            joined = await wait_phase(first, NodePhase.VERIFYING)
+            # Under burn-in the gateway keeps the joining taint: nothing can land on the node.
+            await until(lambda: stack.cluster.admin.core.read_node(str(joined.node_name)).status.allocatable
+                        is not None, timeout=30, what="the short node registered")
+            node = stack.cluster.admin.core.read_node(str(joined.node_name))
+            assert any(t.key == JOINING_TAINT.key for t in node.spec.taints or []), node.spec.taints
+            failed = await result(first)
+            assert failed.phase == NodePhase.FAILED, failed.message
+            assert "burn-in failed" in failed.message and "allocatable nvidia.com/gpu is 0" in failed.message
+            assert node_gone(stack, failed.node_name)
+            live = runtime.providers["sim"].list("sim/burn-short", operation=failed.operation)
+            assert [i.state for i in live] == ["terminated"]
 
-        # Planned again: a second node passes, loses its joining taint, and the same pod (never bound before) runs.
-        def served() -> str | None:
-            p = stack.cluster.admin.core.read_namespaced_pod(pod_name, namespace)
-            return str(p.spec.node_name) if p.spec.node_name else None
+            # Planned again: a second node passes, loses its joining taint, and the same pod (never bound before) runs.
+            def served() -> str | None:
+                p = stack.cluster.admin.core.read_namespaced_pod(pod_name, namespace)
+                return str(p.spec.node_name) if p.spec.node_name else None
 
-        await until(served, timeout=60, what="the pod on the replacement node")
-        replacement = stack.cluster.admin.core.read_node(str(served()))
-        assert replacement.metadata.name != failed.node_name
-        assert replacement.metadata.labels[LABEL_POLICY] == policy
-        assert replacement.metadata.annotations[BURNED_IN_ANNOTATION].startswith("Gpus: allocatable")
-        assert [p.metadata.uid for p in _pods(stack, namespace)] == [pod.metadata.uid]
+            await until(served, timeout=60, what="the pod on the replacement node")
+            replacement = stack.cluster.admin.core.read_node(str(served()))
+            assert replacement.metadata.name != failed.node_name
+            assert replacement.metadata.labels[LABEL_POLICY] == policy
+            assert replacement.metadata.annotations[BURNED_IN_ANNOTATION].startswith("Gpus: allocatable")
+            assert [p.metadata.uid for p in _pods(stack, namespace)] == [pod.metadata.uid]
 
-        view = await provision_state(temporal, settings.cluster, policy)
-        assert any("burn-in failed" in line for line in view.history), view.history
-        records = runtime.audit.read()
-        mine = [(r.action, r.detail) for r in records if r.operation == failed.operation]
-        assert any(a == "failed" and "burn-in failed" in d for a, d in mine), mine
-        assert not any(a == "verified" for a, _ in mine), mine
-        # The replacement's "verified" record (written once it serves, after the taint was lifted) names the check.
-        await until(lambda: [r for r in runtime.audit.read() if r.action == "verified"
-                             and r.node_name == replacement.metadata.name
-                             and r.detail.startswith("burn-in passed: Gpus: allocatable")],
-                    timeout=30, what="the replacement's verified record with its burn-in")
-
-        stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
-        await until(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
-                    timeout=120, what="the burst node home")
+            view = await provision_state(temporal, settings.cluster, policy)
+            assert any("burn-in failed" in line for line in view.history), view.history
+            records = runtime.audit.read()
+            mine = [(r.action, r.detail) for r in records if r.operation == failed.operation]
+            assert any(a == "failed" and "burn-in failed" in d for a, d in mine), mine
+            assert not any(a == "verified" for a, _ in mine), mine
+            # The replacement's "verified" record (written once it serves, after the taint was lifted) names the check.
+            await until(lambda: [r for r in runtime.audit.read() if r.action == "verified"
+                                 and r.node_name == replacement.metadata.name
+                                 and r.detail.startswith("burn-in passed: Gpus: allocatable")],
+                        timeout=30, what="the replacement's verified record with its burn-in")
+        finally:  # a failed assertion leaves no serving burst node behind for the tests after it
+            with contextlib.suppress(client.ApiException):
+                stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+            await until(lambda: not stack.cluster.admin.core.list_node(
+                label_selector=f"{LABEL_POLICY}={policy}").items, timeout=120, what="the burst node home")
