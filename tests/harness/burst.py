@@ -251,10 +251,27 @@ async def result(handle: Any, timeout: float = 120.0) -> BurstResult:
     try:
         raw = await asyncio.wait_for(started_then_result(), timeout)
     except TimeoutError:
-        view = await handle.query("state", result_type=OperationView)
-        raise AssertionError(f"{handle.id} not done after {timeout}s: {view.phase.value}; "
-                             f"{view.history[-4:]}") from None
+        raise AssertionError(f"{handle.id} not done after {timeout}s: {await why_not_done(handle)}") from None
     return raw if isinstance(raw, BurstResult) else BurstResult.model_validate(raw)
+
+
+async def why_not_done(handle: Any) -> str:
+    """What a stuck workflow is at: its state query, or, when a failed workflow task keeps it from answering one
+    (a non-determinism, a deadlock, an exception in workflow code), the last such failure from its history."""
+    from temporalio.service import RPCError
+
+    try:
+        view = await handle.query("state", result_type=OperationView)
+        return f"{view.phase.value}; {view.history[-4:]}"
+    except RPCError as exc:
+        failures = [event.workflow_task_failed_event_attributes
+                    async for event in handle.fetch_history_events()
+                    if event.HasField("workflow_task_failed_event_attributes")]
+        if not failures:
+            return f"state query failed: {exc}"
+        last = failures[-1]
+        return (f"state query failed ({exc}); {len(failures)} failed workflow task(s), the last: "
+                f"{last.cause} {last.failure.message} {last.failure.stack_trace[-1500:]}")
 
 
 def provisioning(temporal: Any, cluster: str, policy: str) -> Any:
