@@ -272,7 +272,13 @@ def main(argv: list[str] | None = None) -> int:
                                                     extra_env={"KUBEON_HUB_CLAIM_KEYS_FILE": str(claim_keys_file)})
         starting(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
-        from tests.harness.dev_metrics import DevMetrics
+        from tests.harness.dev_metrics import (
+            GPU_OPERATOR_NAMESPACE,
+            NODE,
+            SHARING_PROPAGATION_SECONDS,
+            TIME_SLICING_CONFIGMAP,
+            DevMetrics,
+        )
 
         metrics = DevMetrics(cluster, workdir / "metrics", popen=children.popen).start(
             port=args.prometheus_port, products={"kubeon-worker": f"127.0.0.1:{worker_health_port}",
@@ -280,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         stopping_metrics.append(metrics.stop)
         starting(f"Prometheus on {metrics.url} scraping the DCGM exporter fixture, the worker's /metrics "
                  f"(127.0.0.1:{worker_health_port}) and the gateway's (127.0.0.1:{gateway_port})")
-        hub_settings: dict[str, object] = {"prometheus_url": metrics.url}
+        hub_settings: dict[str, object] = {"prometheus_url": metrics.url,
+                                           "gpu_operator_namespace": GPU_OPERATOR_NAMESPACE,
+                                           "time_slicing_configmap": TIME_SLICING_CONFIGMAP,
+                                           "sharing_propagation_seconds": SHARING_PROPAGATION_SECONDS}
         hub_lines = ""
         locations = DEV_LOCATIONS
         if args.no_hub:
@@ -329,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             f"   or in the hub UI: http://127.0.0.1:{args.hub_port}/ui/approvals)")
         onprem_line = "" if not agents else (
             f", onprem/{ONPREM_POOL} (${ONPREM_USD_PER_GPU_HOUR}/GPU-h, servers {', '.join(ONPREM_SERVERS)})")
+        sharing_mode_change = (
+            f"kubectl --kubeconfig {rel} patch gpupolicy sharing-a100 --type merge -p "
+            "'{\"spec\":{\"mode\":\"Approve\"}}'" if args.no_hub else
+            f"in the hub UI, http://127.0.0.1:{args.hub_port}/ui/clusters/dev/policies/sharing-a100\n"
+            "  (the cluster's policies come from the hub: a kubectl edit is put back)")
         # Started before "ready" is printed: a signal sent by whoever reads "ready" is a stop, not an interruption.
         starting()
         started.set()
@@ -351,8 +365,14 @@ Next:
 Then watch the burst node join: kubectl --kubeconfig {rel} get nodes -L gpu.kubeon.io/location
 
 ScaleToZero (Prometheus {metrics.url}; docs/scale-to-zero.md):
-  kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, with 40m of history)
+  kubectl --kubeconfig {rel} apply -f examples/scale-to-zero-workload.yaml   (idle, 7 days of history)
   kubectl --kubeconfig {rel} get gpupolicy scale-to-zero-inference -o jsonpath='{{.status.scaleToZero.decisions}}'
+
+Sharing (the GPU Operator stand-in on {NODE}; docs/sharing.md), with the workload above applied:
+  kubectl --kubeconfig {rel} get gpupolicy sharing-a100 -o jsonpath='{{.status.sharing.nodes}}'  (proposal, saving)
+  to act on it, set the policy's mode to Approve: {sharing_mode_change}
+  .venv/bin/kubeon-gpu ops list   then   .venv/bin/kubeon-gpu ops approve <OPERATION>   (the Mig operation)
+  kubectl --kubeconfig {rel} get node {NODE} -o jsonpath='{{.status.allocatable}}'
 
 Ctrl-C stops everything.
 ready""", flush=True)

@@ -1,9 +1,11 @@
-"""`make dev`'s GPU metrics: a GPU node pool for ScaleToZero (namespace ``ml-inference`` with the chart's scale
-Role, a kwok node with 4 simulated A100s), the DCGM exporter fixture and a real Prometheus scraping it (and the
-product's own ``/metrics``: ``products`` names their jobs and targets, e.g. the worker's and the gateway's).
+"""`make dev`'s GPU metrics: a GPU node pool for ScaleToZero and Sharing (namespace ``ml-inference`` with the
+chart's scale Role, a kwok node with 4 simulated A100s labelled as GPU Feature Discovery labels one), the GPU
+Operator stand-in acting on that node (namespace ``gpu-operator`` with its time-slicing ConfigMap and the chart's
+time-slicing Role, R5.3), the DCGM exporter fixture and a real Prometheus scraping it (and the product's own
+``/metrics``: ``products`` names their jobs and targets, e.g. the worker's and the gateway's).
 
 A syncer gives each running pod on that node a simulated GPU. Its activity comes from its Deployment's annotation
-``dev.kubeon.io/gpu-activity`` (0-1, default 0.6: busy); ``dev.kubeon.io/idle-history: 40m`` backfills that much
+``dev.kubeon.io/gpu-activity`` (0-1, default 0.6: busy); ``dev.kubeon.io/idle-history: 168h`` backfills that much
 history at that activity for the Deployment's new pods (Prometheus restarts), so "idle for 30 minutes" is seen
 at once instead of after 30 minutes. examples/scale-to-zero-workload.yaml carries both.
 """
@@ -22,6 +24,7 @@ from kubernetes import client
 
 from models.policy import duration_seconds
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
+from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
 from tests.harness.kube import Cluster
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 from tests.harness.scale import scale_role_docs
@@ -31,6 +34,20 @@ NODE = "gpu-inference-1"
 PRODUCT = "NVIDIA-A100-SXM4-80GB"
 ACTIVITY = "dev.kubeon.io/gpu-activity"
 IDLE_HISTORY = "dev.kubeon.io/idle-history"
+GPU_OPERATOR_NAMESPACE = "gpu-operator"
+TIME_SLICING_CONFIGMAP = "time-slicing-config"
+# How long the stand-in's device plugin takes to see a changed ConfigMap (the kubelet's volume sync, seconds on a
+# real node); make dev's worker waits a little longer (SHARING_PROPAGATION_SECONDS) before it labels the node.
+PROPAGATION_DELAY = 2.0
+SHARING_PROPAGATION_SECONDS = 4
+
+
+def backfill_offsets(history_s: int) -> list[int]:
+    """Seconds ago of each backfilled sample: every 30 s (the live scrape's pace) over the last hour, every 4 min
+    before (under Prometheus' 5 min lookback, so every step of a week-long coverage subquery finds one; a week at
+    30 s would be 20,160 samples per series for promtool to write and Prometheus to load)."""
+    recent = min(history_s, 3600)
+    return [*range(history_s, recent, -240), *range(recent, 10, -30)]
 
 
 @dataclass
@@ -39,6 +56,7 @@ class DevMetrics:
     workdir: Path
     exporter: DcgmExporter = field(default_factory=DcgmExporter)
     prometheus: Prometheus | None = None
+    gpu_operator: GpuOperator | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _backfilled: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -55,8 +73,14 @@ class DevMetrics:
                 admin.rbac.create_namespaced_role(NAMESPACE, obj)
             else:
                 admin.rbac.create_namespaced_role_binding(NAMESPACE, obj)
-        self.cluster.create_kwok_node(NODE, gpus=4, labels={"nvidia.com/gpu.product": PRODUCT,
-                                                            "nvidia.com/gpu.memory": "81920"})
+        self.cluster.create_kwok_node(NODE, gpus=4, labels=GpuOperator.gfd_labels(PRODUCT, 4))
+        admin.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=GPU_OPERATOR_NAMESPACE)))
+        admin.core.create_namespaced_config_map(GPU_OPERATOR_NAMESPACE, client.V1ConfigMap(
+            metadata=client.V1ObjectMeta(name=TIME_SLICING_CONFIGMAP), data={}))
+        grant_time_slicing_role(self.cluster, GPU_OPERATOR_NAMESPACE)
+        self.gpu_operator = GpuOperator(admin.api, namespace=GPU_OPERATOR_NAMESPACE,
+                                        config_map=TIME_SLICING_CONFIGMAP, propagation_delay=PROPAGATION_DELAY,
+                                        mig_seconds=2.0, node_selector=f"kubernetes.io/hostname={NODE}").start()
         self.exporter.start()
         self.exporter.add_node(NODE, gpus=4)
         self.prometheus = Prometheus(self.workdir / "prometheus", targets=[self.exporter.address], port=port,
@@ -73,6 +97,8 @@ class DevMetrics:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.gpu_operator is not None:
+            self.gpu_operator.stop()
         if self.prometheus is not None:
             self.prometheus.stop()
         self.exporter.stop()
@@ -113,7 +139,7 @@ class DevMetrics:
             held = [g for g in self.exporter.snapshot() if g.pod in backfill]
             self.prometheus.stop()
             self.prometheus.backfill(openmetrics_history(
-                [(now - ago, held) for ago in range(history_s, 10, -30)],
+                [(now - ago, held) for ago in backfill_offsets(history_s)],
                 extra={"job": SCRAPE_JOB, "instance": self.exporter.address}))
             self.prometheus.start()
             self.prometheus.wait_scraped(jobs=(SCRAPE_JOB,))

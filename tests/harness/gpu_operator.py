@@ -175,6 +175,9 @@ class GpuOperator:
     reboot_seconds: float = 0.3
     mig_strategy: str = "mixed"
     interval: float = 0.2
+    # More labels a managed node must have (a label selector), as a DaemonSet's nodeSelector narrows it: make dev's
+    # stand-in keeps to its own node on a control plane that tests share.
+    node_selector: str = ""
     events: list[str] = field(default_factory=list)
     nodes: dict[str, NodeState] = field(default_factory=dict)
     connected: bool = True
@@ -248,7 +251,8 @@ class GpuOperator:
         """One pass over the managed nodes (the loop calls it every ``interval``)."""
         now = time.monotonic() if now is None else now
         self._observe_config_map(now)
-        nodes: list[Any] = self.core.list_node(label_selector=f"{PRESENT_LABEL}=true").items
+        selector = ",".join(s for s in (f"{PRESENT_LABEL}=true", self.node_selector) if s)
+        nodes: list[Any] = self.core.list_node(label_selector=selector).items
         for node in nodes:
             with self._lock:
                 self._reconcile(node, now)
