@@ -19,6 +19,7 @@ import functools
 import os
 import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from enum import StrEnum
@@ -70,11 +71,12 @@ class Workers:
 
     def start(self) -> None:
         """A new worker, once it serves the task queue (its log says so)."""
-        before = self._started()
+        before, t0 = self._started(), time.monotonic()
         self.procs.append(worker_process(self.settings, self.log))
         wait_for(lambda: self._started() > before or self.procs[-1].poll() is not None, what="the worker started",
                  timeout=60)
         assert self.procs[-1].poll() is None, self.log.read_text(errors="replace")[-3000:]
+        print(f"worker started in {time.monotonic() - t0:.1f} s")
 
     def _started(self) -> int:
         return self.log.read_text(errors="replace").count("worker started") if self.log.exists() else 0
