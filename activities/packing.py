@@ -38,6 +38,11 @@ def _capacity_call(fn: Callable[..., T], *args: Any) -> T:
         raise ApplicationError(str(exc), type=CAPACITY_REFUSED, non_retryable=not exc.retryable) from None
 
 
+def _owner_uid(pod: Any) -> str:
+    owner = next((r for r in pod.metadata.owner_references or [] if r.controller), None)
+    return str(owner.uid) if owner else ""
+
+
 def _ready(pod: Any) -> bool:
     return bool(pod.spec.node_name) and any(c.type == "Ready" and c.status == "True"
                                             for c in (pod.status.conditions if pod.status else None) or [])
@@ -87,27 +92,41 @@ class PackActivities:
 
     @activity.defn(name="pack_pods_on_node", no_thread_cancel_exception=True)
     def pack_pods_on_node(self, req: NodeRef2) -> list[PodRef]:
-        """The pods a packing round moves off the node: not DaemonSet, mirror or finished pods."""
-        pods = self.kube.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={req.node}").items
-        return sorted((PodRef(namespace=str(p.metadata.namespace), name=str(p.metadata.name))
-                       for p in self.kube._evictable(pods) if p.metadata.deletion_timestamp is None),
-                      key=lambda r: r.key)
+        """The pods a packing round moves off the node (not DaemonSet, mirror or finished pods), each with its
+        controller and how many of that controller's pods are Ready now, before any of them is evicted."""
+        pods = [p for p in self.kube._evictable(self.kube.core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={req.node}").items) if p.metadata.deletion_timestamp is None]
+        ready: dict[tuple[str, str], int] = {}
+        refs = []
+        for p in pods:
+            namespace, owner_uid = str(p.metadata.namespace), _owner_uid(p)
+            if owner_uid and (namespace, owner_uid) not in ready:
+                ready[(namespace, owner_uid)] = len([s for s in self._siblings(namespace, owner_uid) if _ready(s)])
+            refs.append(PodRef(namespace=namespace, name=str(p.metadata.name), owner_uid=owner_uid,
+                               ready_before=ready.get((namespace, owner_uid), 0)))
+        return sorted(refs, key=lambda r: r.key)
 
     @activity.defn(name="pack_evict_pod", no_thread_cancel_exception=True)
     def pack_evict_pod(self, req: PodRef) -> EvictOutcome:
+        """Evict the pod through the Eviction API: evicted (with its controller and how many of that controller's
+        pods were Ready before, which its replacement restores), blocked by a PDB (429), or gone. A pod evicted
+        already (a retried activity whose eviction went through before its worker died, or one deleted by someone
+        else) is not evicted again, and its replacement is waited for as the node's listing counted it: the live
+        count no longer holds the pod, and may or may not hold its replacement yet."""
         from kubernetes import client
 
         try:
             pod = self.kube.core.read_namespaced_pod(req.name, req.namespace)
         except client.ApiException as exc:
             if exc.status == 404:
-                return EvictOutcome(outcome="gone")
+                return EvictOutcome(outcome="gone", owner_uid=req.owner_uid, ready_before=req.ready_before)
             raise
-        owner = next((r for r in pod.metadata.owner_references or [] if r.controller), None)
-        owner_uid = str(owner.uid) if owner else ""
+        owner_uid = _owner_uid(pod)
         ready = len([p for p in self._siblings(req.namespace, owner_uid) if _ready(p)]) if owner_uid else 0
         if pod.metadata.deletion_timestamp is not None:
-            return EvictOutcome(outcome="evicted", owner_uid=owner_uid, ready_before=ready)
+            listed = req.owner_uid == owner_uid and req.owner_uid != ""
+            return EvictOutcome(outcome="evicted", owner_uid=owner_uid,
+                                ready_before=req.ready_before if listed else ready)
         body = client.V1Eviction(metadata=client.V1ObjectMeta(name=req.name, namespace=req.namespace))
         try:
             self.kube.core.create_namespaced_pod_eviction(req.name, req.namespace, body)

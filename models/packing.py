@@ -125,6 +125,11 @@ class NodeRef2(Model):
 class PodRef(Model):
     namespace: str
     name: str
+    # As the node's pods were listed (before any of them was evicted): the pod's controller and how many of its
+    # pods were Ready. What a retried eviction of a pod already evicted (terminating or gone) waits for; empty in
+    # histories from before it was recorded.
+    owner_uid: str = ""
+    ready_before: int = 0
 
     @property
     def key(self) -> str:

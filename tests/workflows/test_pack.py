@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import pytest
 from kubernetes import client
@@ -21,16 +19,15 @@ from activities.capacity.karpenter import KarpenterCapacity
 from models.decisions import Approval
 from models.packing import PackInput, PackView
 from tests.harness import packing
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
+from tests.harness.karpenter import Karpenter, gpu_workload
 from tests.harness.kube import Cluster, until
-from tests.harness.packing import FAST, proposed_round, until_async
+from tests.harness.packing import FAST, USER_BUDGETS, proposed_round, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
 from worker import ops
 from worker.cli import _render_view as render_view
 from workflows.pack import PackWorkflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
-USER_BUDGETS: list[dict[str, Any]] = [{"nodes": "1"}, {"nodes": "0", "reasons": ["Drifted"]}]
 
 
 @contextlib.asynccontextmanager
@@ -50,42 +47,12 @@ async def pack_worker(cluster: Cluster, temporal_dev_server: WorkflowEnvironment
 @pytest.fixture
 def fragmented(cluster: Cluster, karpenter: Karpenter, namespace: str) -> Iterator[tuple[str, dict[str, int]]]:
     """A pool of three 4-GPU nodes with six 1-GPU pods spread over them by the default scheduler."""
-    taint = uuid.uuid4().hex[:8]
-    pool = f"gpu-{taint}"
-    karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,), budgets=USER_BUDGETS))
-    apps, core = cluster.admin.apps, cluster.admin.core
-    try:
-        apps.create_namespaced_deployment(namespace, gpu_workload("wave", taint=taint, replicas=3, gpus=4))
-        _wait_running(cluster, namespace, "wave", 3)
-        apps.delete_namespaced_deployment("wave", namespace)
-        _wait(lambda: not core.list_namespaced_pod(namespace, label_selector="app=wave").items, "wave 1 gone")
-        apps.create_namespaced_deployment(namespace, gpu_workload("serve", taint=taint, replicas=6))
-        pods = _wait_running(cluster, namespace, "serve", 6)
-        spread = Counter(str(p.spec.node_name) for p in pods)
-        assert len(spread) == 3, spread
-        cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
-            metadata=client.V1ObjectMeta(name="serve"),
-            spec=client.V1PodDisruptionBudgetSpec(max_unavailable=1,
-                                                  selector=client.V1LabelSelector(match_labels={"app": "serve"}))))
-        yield pool, dict(spread)
-    finally:
-        apps.delete_namespaced_deployment("serve", namespace)
-        karpenter.delete_nodepool(pool)
-
-
-def _wait(check: Any, what: str, timeout: float = 90) -> Any:
-    from tests.harness.kube import wait_for
-
-    return wait_for(check, timeout=timeout, what=what)
+    with packing.fragmented_pool(cluster, karpenter, namespace) as fragmented:
+        yield fragmented
 
 
 def _wait_running(cluster: Cluster, namespace: str, app: str, count: int) -> list[client.V1Pod]:
-    def running() -> list[client.V1Pod]:
-        pods = [p for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
-                if p.metadata.deletion_timestamp is None]
-        return pods if len(pods) == count and all(p.status.phase == "Running" for p in pods) else []
-
-    return list(_wait(running, f"{count} {app} pods running"))
+    return packing.wait_running(cluster, namespace, app, count)
 
 
 async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Client, str], cluster: Cluster,
