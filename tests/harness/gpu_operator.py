@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+import urllib3
 import yaml
 from kubernetes import client, config
 
@@ -187,6 +188,7 @@ class GpuOperator:
     events: list[str] = field(default_factory=list)
     nodes: dict[str, NodeState] = field(default_factory=dict)
     connected: bool = True
+    last_error: str = ""  # what failed the last failed pass (the loop goes on)
     _history: list[tuple[float, dict[str, str]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -267,8 +269,13 @@ class GpuOperator:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(client.ApiException, OSError):
+            try:
                 self.step()
+            except (client.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
+                # The API server failed a pass (a dropped connection, a restart; urllib3's errors are not
+                # OSErrors): the next pass retries, as the real components' informers do. Before, such an error
+                # ended the thread and every later test waited on a node nothing reconciled.
+                self.last_error = f"{type(exc).__name__}: {exc}"
             self._stop.wait(self.interval)
 
     def step(self, now: float | None = None) -> None:

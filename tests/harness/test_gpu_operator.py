@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import urllib3
 import yaml
 from kubernetes import client
 
@@ -264,6 +265,22 @@ def test_running_thread_applies_a_label(cluster: Cluster, namespace: str, operat
         label(cluster, name, CONFIG_LABEL, "ts-4")
         wait_for(lambda: node(cluster, name)[1] == {"nvidia.com/gpu": "32"}, what="32 time-sliced GPUs",
                  timeout=30)
+
+
+def test_the_loop_outlives_a_pass_the_api_server_failed() -> None:
+    """A dropped connection (urllib3's ProtocolError, not an OSError) fails one pass; the next ones run."""
+    operator = GpuOperator(client.ApiClient(), interval=0.01)
+    passes: list[float | None] = []
+
+    def step(now: float | None = None) -> None:
+        passes.append(now)
+        if len(passes) == 1:
+            raise urllib3.exceptions.ProtocolError("Connection aborted.")
+
+    operator.step = step  # type: ignore[method-assign]
+    with operator:
+        wait_for(lambda: len(passes) >= 3, what="passes after the failed one", timeout=10)
+    assert operator.last_error.startswith("ProtocolError")
 
 
 def test_geometries_and_config_validation() -> None:
