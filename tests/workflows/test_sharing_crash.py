@@ -123,6 +123,12 @@ async def phase_is(handle: WorkflowHandle[Any, Any], *phases: SharingPhase) -> b
     return await view_in(handle, *phases) is not None
 
 
+async def on_its_timer(handle: WorkflowHandle[Any, Any]) -> bool:
+    """No activity under way (the eviction loop between rounds): a kill inside a short activity, which does not
+    heartbeat, would cost its 60 s start-to-close timeout before the retry."""
+    return not (await handle.describe()).raw_description.pending_activities
+
+
 def labels_of(bed: SharingBed, node: str) -> dict[str, str]:
     return dict(bed.cluster.admin.core.read_node(node).metadata.labels or {})
 
@@ -340,13 +346,13 @@ async def test_mig_killed_at_a_step_resumes_to_the_same_end(
             if step == "cordoned":
                 async def evicted() -> bool:
                     return cordoned(bed, node) and pod_state(bed, namespace) == "terminating" and (
-                        await phase_is(h, SharingPhase.EVICTING))
+                        await phase_is(h, SharingPhase.EVICTING)) and await on_its_timer(h)
                 await when(evicted, what="cordoned, the pod evicted and terminating")
                 worker.crash(lambda: unhold(bed, namespace))
             elif step == "evicting":
                 async def blocked() -> bool:
                     view = await view_in(h, SharingPhase.EVICTING)
-                    return view is not None and "blocked by PDB infer" in view.message
+                    return view is not None and "blocked by PDB infer" in view.message and await on_its_timer(h)
                 await when(blocked, what="the eviction waiting on the PDB")
                 assert cordoned(bed, node) and pod_state(bed, namespace) == "running"
                 def allow() -> None:
