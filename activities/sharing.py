@@ -8,6 +8,7 @@ them."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from models.sharing import (
     REPLICAS_LABEL,
     STATUS_KEY,
     STRATEGY_LABEL,
+    WRITTEN_PREFIX,
     CleanupRequest,
     CleanupResult,
     LabelRequest,
@@ -68,6 +70,13 @@ def config_map_missing(namespace: str, config_map: str) -> str:
 
 def base_product(label: str) -> str:
     return label.removesuffix("-SHARED")
+
+
+def _parse_time(stamp: str | None) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(stamp) if stamp else None
+    except ValueError:
+        return None
 
 
 def _live(pod: Any) -> bool:
@@ -116,17 +125,22 @@ class SharingOps:
             raise
 
     def write_key(self, req: WriteKeyRequest) -> WriteKeyResult:
-        """Add the config's content-addressed key; one already there is left as it is (never edited)."""
+        """Add the config's content-addressed key, with when it was written (its propagation counts from then); one
+        already there is left as it is (never edited), and when it was written is read back: an earlier attempt
+        cut off by a crash after its write, or another node's operation, may have written it a moment ago."""
         key = time_slicing_key(req.replicas, req.fail_requests_greater_than_one)
         body = time_slicing_config(req.replicas, req.fail_requests_greater_than_one)
         data = self._read_config_map(req.namespace, req.config_map)
-        mark: dict[str, str | None] | None = {pending_annotation(req.node): key} if req.node else None
+        mark: dict[str, str | None] = {pending_annotation(req.node): key} if req.node else {}
         if key in data:
             if mark:
                 self._patch_config_map(req.namespace, req.config_map, {}, mark)
-            return WriteKeyResult(key=key, written=False)
-        self._patch_config_map(req.namespace, req.config_map, {key: body}, mark)
-        return WriteKeyResult(key=key, written=True)
+            stamp = self._read_annotations(req.namespace, req.config_map).get(WRITTEN_PREFIX + key)
+            return WriteKeyResult(key=key, written=False, written_at=_parse_time(stamp))
+        now = dt.datetime.now(dt.UTC)
+        self._patch_config_map(req.namespace, req.config_map, {key: body},
+                               {**mark, WRITTEN_PREFIX + key: now.isoformat()})
+        return WriteKeyResult(key=key, written=True, written_at=now)
 
     def cleanup(self, req: CleanupRequest) -> CleanupResult:
         """Remove the optimizer's keys no node's label names and no operation is bringing to its node (others'
@@ -140,7 +154,8 @@ class SharingOps:
         named = {(n.metadata.labels or {}).get(CONFIG_LABEL) for n in nodes} | pending
         unused = sorted(k for k in data if k.startswith(KEY_PREFIX) and k not in named)
         if unused:
-            self._patch_config_map(req.namespace, req.config_map, dict.fromkeys(unused))
+            self._patch_config_map(req.namespace, req.config_map, dict.fromkeys(unused),
+                                   {WRITTEN_PREFIX + k: None for k in unused})
         return CleanupResult(removed=unused)
 
     # -- nodes ---------------------------------------------------------------------------------------------
@@ -291,8 +306,12 @@ class SharingActivities:
         return MigStateResult(state=state if reported else f"timeout (still {state or 'unset'})")
 
     @activity.defn(name="verify_mig_resources")
-    def verify_mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
-        return self.ops.mig_resources(req)
+    async def verify_mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
+        """Until the node advertises the geometry's resources or the timeout (the device plugin registers them
+        after the MIG manager's success, not with it); heartbeats."""
+        result, _ = await poll(lambda: self.ops.mig_resources(req), lambda r: r.ok,
+                               timeout_seconds=req.timeout_seconds, describe=lambda r: r.reason or "verified")
+        return result
 
     def all(self) -> list[Callable[..., Any]]:
         return [self.write_time_slicing_key, self.read_node_config, self.set_device_plugin_config,

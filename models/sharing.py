@@ -4,6 +4,7 @@ time-slicing or MIG config changes). One model per workflow/activity argument; n
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 from enum import StrEnum
 from typing import Final
 
@@ -26,6 +27,9 @@ KEY_PREFIX: Final = "kubeon-ts-"
 # While an operation brings a key to its node (written, propagating, not yet named by the node's label), the
 # ConfigMap carries the annotation <PENDING_PREFIX><hash of the node>=<key>: no other operation's cleanup removes it.
 PENDING_PREFIX: Final = "sharing.gpu.kubeon.io/pending-"
+# When the optimizer wrote a key (the ConfigMap's annotation <WRITTEN_PREFIX><key>=<ISO time>): its propagation
+# is counted from then, whichever operation (or which attempt of one, cut off by a crash) wrote it.
+WRITTEN_PREFIX: Final = "sharing.gpu.kubeon.io/written-"
 
 
 def pending_annotation(node: str) -> str:
@@ -119,6 +123,9 @@ class WriteKeyRequest(Model):
 class WriteKeyResult(Model):
     key: str
     written: bool  # False: it was there already (never edited)
+    # When the key was written (this call or an earlier one); None: no record of it (an admin's key, or one
+    # written before the record was kept).
+    written_at: datetime | None = None
 
 
 class NodeConfig(Model):
@@ -197,6 +204,8 @@ class MigSettings(SharingSettingsBase):
     # Evicting the node's GPU pods (PDBs honoured) and the MIG manager's reconfiguration (it may reboot the node).
     drain_timeout_seconds: int = 1800
     mig_timeout_seconds: int = 1800
+    # After the MIG manager's success: how long the node gets to advertise the geometry's resources.
+    verify_timeout_seconds: int = 300
 
 
 class MigInput(SharingInputBase):
@@ -225,6 +234,9 @@ class MigStateResult(Model):
 class MigVerifyRequest(Model):
     node: str
     expected: dict[str, int]  # resource name -> count
+    # How long the node gets to advertise them after the MIG manager's success (the device plugin restarts and
+    # registers the new resources after it); 0: one look.
+    timeout_seconds: int = 0
 
 
 class SharingOutcome(Model):

@@ -5,7 +5,8 @@ or a cancellation):
 - :class:`TimeSlicingWorkflow`: propose -> [approve] -> write the config key -> wait for it to propagate -> label
   the node -> verify allocatable and labels -> shared, until undone (restore the previous label, verify, name the
   pods the node can no longer serve, remove keys no node names). The key is content-addressed and never edited
-  once written; the previous label lives in this workflow's state. On a verification timeout or mismatch the
+  once written; its propagation is counted from when it was written (a key found there may be a moment old); the
+  previous label lives in this workflow's state. On a verification timeout or mismatch the
   previous label is set back and the operation fails saying why; a crash at any step resumes (every activity is
   idempotent: the same key, the same label).
 - :class:`MigWorkflow`: see its docstring."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from datetime import timedelta
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -321,6 +323,20 @@ class TimeSlicingWorkflow(SharingOperation[TimeSlicingInput]):
                 await self._cleanup()
         return note
 
+    def _propagation_left(self, written: WriteKeyResult) -> int:
+        """Whole seconds the key still needs to reach the device plugin, counted from when it was written: a key
+        found in the ConfigMap may have been written a moment ago (by this operation's attempt that a crash cut
+        off before it reported, or by another node's operation), and naming it at once would have the
+        config-manager refuse a key its mounted copy lacks. A key without a written time (an admin's, or written
+        before the time was kept; and every result in a history recorded before) is waited for in full only
+        when this call wrote it, as before."""
+        assert self.inp is not None
+        full = self.inp.settings.propagation_seconds
+        if written.written_at is None:
+            return full if written.written else 0
+        left = (written.written_at + timedelta(seconds=full) - workflow.now()).total_seconds()
+        return min(full, max(0, math.ceil(left)))
+
     # -- the operation --------------------------------------------------------------------------------------
     @workflow.run
     async def run(self, inp: TimeSlicingInput) -> SharingOutcome:
@@ -337,8 +353,8 @@ class TimeSlicingWorkflow(SharingOperation[TimeSlicingInput]):
                                                       fail_requests_greater_than_one=inp.fail_requests_greater_than_one),
             result_type=WriteKeyResult, start_to_close_timeout=QUICK, retry_policy=RETRY)
         self.key = written.key
-        if written.written:
-            wait = inp.settings.propagation_seconds
+        wait = self._propagation_left(written)
+        if wait > 0:
             self._set_phase(SharingPhase.PROPAGATING, (
                 f"key {self.key} written; waiting {wait}s for it to reach the device plugin's mounted ConfigMap "
                 "(kubelet sync period + ConfigMap cache TTL; the optimizer cannot see inside the pod)"))
@@ -386,9 +402,10 @@ class TimeSlicingWorkflow(SharingOperation[TimeSlicingInput]):
 @workflow.defn(name="Mig")
 class MigWorkflow(SharingOperation[MigInput]):
     """propose -> [approve] -> cordon -> evict the node's GPU pods (Eviction API, PDBs honoured: a blocked pod is
-    waited for, shown) -> nvidia.com/mig.config -> wait for nvidia.com/mig.config.state success -> verify the
-    nvidia.com/mig-* allocatable -> uncordon; until undone (the previous geometry through the same steps).
-    ``failed`` or a timeout restores the previous geometry and uncordons: the node is never left cordoned."""
+    waited for, shown) -> nvidia.com/mig.config -> wait for nvidia.com/mig.config.state success -> wait for the
+    nvidia.com/mig-* allocatable (the device plugin registers it after the MIG manager's success) -> uncordon;
+    until undone (the previous geometry through the same steps). ``failed`` or a timeout restores the previous
+    geometry and uncordons: the node is never left cordoned."""
 
     CHANGED = "reconfigured"
 
@@ -486,11 +503,14 @@ class MigWorkflow(SharingOperation[MigInput]):
             raise ApplicationError(f"the MIG manager reported {state.state} for {target} on {inp.node}",
                                    non_retryable=True)
         self._set_phase(SharingPhase.VERIFYING, ", ".join(f"{k}={v}" for k, v in sorted(expected.items())))
+        wait = inp.settings.verify_timeout_seconds
         verified = await workflow.execute_activity(
-            "verify_mig_resources", MigVerifyRequest(node=inp.node, expected=expected), result_type=VerifyResult,
-            start_to_close_timeout=QUICK, retry_policy=RETRY)
+            "verify_mig_resources", MigVerifyRequest(node=inp.node, expected=expected, timeout_seconds=wait),
+            result_type=VerifyResult, start_to_close_timeout=timedelta(seconds=wait + 60),
+            heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
         if not verified.ok:
-            raise ApplicationError(f"{inp.node} reports {target} but not its resources: {verified.reason}",
+            raise ApplicationError(f"{inp.node} reports {target} but not its resources within {wait}s: "
+                                   f"{verified.reason}",
                                    non_retryable=True)
         await self._uncordon()
 

@@ -47,7 +47,12 @@ and DCGM exporter during a MIG change; that pause is not played.
 
 Fault injection: ``fail_next_mig(node)`` (the next reconfiguration ends ``failed``), ``stick_pending(node)``
 (the next stays ``pending``), a label naming a missing key (refused as above), ``disconnect()`` (the
-ClusterPolicy does not point the device plugin at this ConfigMap: labels are ignored).
+ClusterPolicy does not point the device plugin at this ConfigMap: labels are ignored). Holds, for tests that act
+at one step of an operation (``release(node)`` lets the node go on): ``hold_config(node)`` (the config-manager
+does not act on the node's label yet: a slow sidecar restart), ``hold_mig(node, geometry)`` (a reconfiguration
+to ``geometry`` stays ``pending``), ``hold_mig_resources(node, geometry)`` (it reports ``success`` but the
+device plugin does not advertise the new resources yet: the plugin restarts after the MIG manager is done, its
+lag unverified).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+import urllib3
 import yaml
 from kubernetes import client, config
 
@@ -159,6 +165,10 @@ class NodeState:
     mig_fail_next: bool = False
     mig_stick_next: bool = False
     mig_label_seen: str | None = ""  # the label value last acted on ("" = never seen); unchanged: nothing to do
+    hold_config: bool = False  # the config-manager does not act on the label until released
+    hold_mig: str | None = None  # a reconfiguration to this geometry stays pending until released
+    hold_resources: str | None = None  # ... reports success, its resources advertised once released
+    unpublished: bool = False  # a geometry in force whose resources are not advertised yet
 
 
 @dataclass
@@ -181,6 +191,7 @@ class GpuOperator:
     events: list[str] = field(default_factory=list)
     nodes: dict[str, NodeState] = field(default_factory=dict)
     connected: bool = True
+    last_error: str = ""  # what failed the last failed pass (the loop goes on)
     _history: list[tuple[float, dict[str, str]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -208,6 +219,24 @@ class GpuOperator:
     def stick_pending(self, node: str) -> None:
         with self._lock:
             self.nodes[node].mig_stick_next = True
+
+    def hold_config(self, node: str) -> None:
+        with self._lock:
+            self.nodes[node].hold_config = True
+
+    def hold_mig(self, node: str, geometry: str) -> None:
+        with self._lock:
+            self.nodes[node].hold_mig = geometry
+
+    def hold_mig_resources(self, node: str, geometry: str) -> None:
+        with self._lock:
+            self.nodes[node].hold_resources = geometry
+
+    def release(self, node: str) -> None:
+        """The node's holds lifted: what was held happens at the next pass."""
+        with self._lock:
+            state = self.nodes[node]
+            state.hold_config, state.hold_mig, state.hold_resources = False, None, None
 
     def disconnect(self, connected: bool = False) -> None:
         """ClusterPolicy ``devicePlugin.config.name`` not (``False``) or again (``True``) this ConfigMap."""
@@ -243,8 +272,13 @@ class GpuOperator:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(client.ApiException, OSError):
+            try:
                 self.step()
+            except (client.ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
+                # The API server failed a pass (a dropped connection, a restart; urllib3's errors are not
+                # OSErrors): the next pass retries, as the real components' informers do. Before, such an error
+                # ended the thread and every later test waited on a node nothing reconciled.
+                self.last_error = f"{type(exc).__name__}: {exc}"
             self._stop.wait(self.interval)
 
     def step(self, now: float | None = None) -> None:
@@ -296,7 +330,7 @@ class GpuOperator:
         self._mig_manager(name, labels, state, now)
 
     def _config_manager(self, name: str, labels: dict[str, str], state: NodeState, now: float) -> None:
-        if not self.connected:
+        if not self.connected or state.hold_config:
             return
         label = labels.get(CONFIG_LABEL)
         if label == state.applied_label:
@@ -322,6 +356,10 @@ class GpuOperator:
 
     def _mig_manager(self, name: str, labels: dict[str, str], state: NodeState, now: float) -> None:
         wanted = labels.get(MIG_CONFIG_LABEL)
+        if state.unpublished and state.hold_resources is None:
+            state.unpublished = False
+            self._publish(name, state)
+            self._event(f"{name}: mig config {state.mig}: resources advertised")
         if state.mig_target is None:
             # Acts on a change of the label only (a failed geometry is not retried until the label changes); a
             # change back to the geometry in force is a reconfiguration too, which succeeds.
@@ -340,7 +378,7 @@ class GpuOperator:
             if wanted != state.mig_target:  # a new label starts over
                 state.mig_target = None
             return
-        if now - state.mig_started < self.mig_seconds:
+        if now - state.mig_started < self.mig_seconds or state.hold_mig == state.mig_target:
             return
         if state.mig_phase == "pending" and self.with_reboot:
             state.mig_phase, state.mig_started = "rebooting", now
@@ -357,7 +395,10 @@ class GpuOperator:
             self._event(f"{name}: mig config {target}: failed")
             return
         state.mig = target
-        self._publish(name, state)
+        if state.hold_resources == target:
+            state.unpublished = True
+        else:
+            self._publish(name, state)
         self._label(name, {MIG_STATE_LABEL: "success"})
         self._event(f"{name}: mig config {target}: success")
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import urllib3
 import yaml
 from kubernetes import client
 
@@ -219,6 +220,43 @@ def test_mig_stuck_pending_and_unknown_geometry(cluster: Cluster, namespace: str
                      "nvidia.com/mig-3g.20gb": "1"}
 
 
+def test_holds_keep_a_node_at_its_step_until_released(cluster: Cluster, namespace: str, operator: GpuOperator,
+                                                      gpu_node: Any) -> None:
+    """What the crash tests hold a node at: the config-manager not acting on a new label; a MIG reconfiguration
+    pending; one reported ``success`` whose resources the device plugin does not advertise yet."""
+    shared, mig = gpu_node(gpus=2), gpu_node(gpus=2)
+    write_key(cluster, namespace, "ts-2", ts_config(2))
+    operator.step(0)
+    operator.hold_config(shared)
+    label(cluster, shared, CONFIG_LABEL, "ts-2")
+    for now in (1, 10):
+        operator.step(now)
+    assert node(cluster, shared)[1] == {"nvidia.com/gpu": "2"}
+    operator.release(shared)
+    operator.step(11)
+    assert node(cluster, shared)[1] == {"nvidia.com/gpu": "4"}
+
+    operator.hold_mig(mig, "all-3g.40gb")
+    label(cluster, mig, MIG_CONFIG_LABEL, "all-3g.40gb")
+    for now in (12, 20, 100):
+        operator.step(now)
+    assert node(cluster, mig)[0][MIG_STATE_LABEL] == "pending"
+    operator.release(mig)
+    operator.step(101)
+    labels, alloc = node(cluster, mig)
+    assert (labels[MIG_STATE_LABEL], alloc) == ("success", {"nvidia.com/gpu": "0", "nvidia.com/mig-3g.40gb": "4"})
+
+    operator.hold_mig_resources(mig, "all-1g.10gb")
+    label(cluster, mig, MIG_CONFIG_LABEL, "all-1g.10gb")
+    for now in (102, 104, 110):
+        operator.step(now)
+    labels, alloc = node(cluster, mig)
+    assert (labels[MIG_STATE_LABEL], alloc) == ("success", {"nvidia.com/gpu": "0", "nvidia.com/mig-3g.40gb": "4"})
+    operator.release(mig)
+    operator.step(111)
+    assert node(cluster, mig)[1] == {"nvidia.com/gpu": "0", "nvidia.com/mig-1g.10gb": "14"}
+
+
 def test_running_thread_applies_a_label(cluster: Cluster, namespace: str, operator: GpuOperator,
                                         gpu_node: Any) -> None:
     name = gpu_node(product="NVIDIA-H100-80GB-HBM3", gpus=8)
@@ -227,6 +265,22 @@ def test_running_thread_applies_a_label(cluster: Cluster, namespace: str, operat
         label(cluster, name, CONFIG_LABEL, "ts-4")
         wait_for(lambda: node(cluster, name)[1] == {"nvidia.com/gpu": "32"}, what="32 time-sliced GPUs",
                  timeout=30)
+
+
+def test_the_loop_outlives_a_pass_the_api_server_failed() -> None:
+    """A dropped connection (urllib3's ProtocolError, not an OSError) fails one pass; the next ones run."""
+    operator = GpuOperator(client.ApiClient(), interval=0.01)
+    passes: list[float | None] = []
+
+    def step(now: float | None = None) -> None:
+        passes.append(now)
+        if len(passes) == 1:
+            raise urllib3.exceptions.ProtocolError("Connection aborted.")
+
+    operator.step = step  # type: ignore[method-assign]
+    with operator:
+        wait_for(lambda: len(passes) >= 3, what="passes after the failed one", timeout=10)
+    assert operator.last_error.startswith("ProtocolError")
 
 
 def test_geometries_and_config_validation() -> None:

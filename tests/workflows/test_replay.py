@@ -5,7 +5,9 @@ workflows without a nondeterminism error: a worker deployed while operations run
 provisioning whose approved node failed and whose pod went, one whose proposal was rejected by signal, that
 node's BurstNode run, a ScaleToZero approved, scaled to zero and woken, and one open in Recommend mode, its
 proposal set again each minute (the case ``PHASE_ON_CHANGE`` keeps: that code upserted KubeonPhase at every set).
-Two of them were still running when written."""
+Two of them were still running when written. ``sharing-*``: TimeSlicing and Mig runs of main at df6e5f1
+(histories/record_sharing.py), a time-slicing key written and one found there, a MIG change undone and one
+failed."""
 
 from __future__ import annotations
 

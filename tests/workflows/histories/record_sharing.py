@@ -1,0 +1,175 @@
+"""How histories/sharing-*.json were written: by the Sharing workflows of main at df6e5f1 (before the MIG
+verification waited and the propagation counted from the key's write), on the dev server with test activities:
+``git show df6e5f1:workflows/sharing.py > DIR/old_sharing.py``, then
+``HISTORIES=<this folder> OLD=DIR python -m tests.workflows.histories.record_sharing``. test_replay replays them on
+today's workflows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from models import search_attributes
+from models.audit import AuditRecord
+from models.converter import DATA_CONVERTER
+from models.drain import EvictionResult, NodeRef
+from models.hub import GateRequest, GateState
+from models.sharing import (
+    CleanupRequest,
+    CleanupResult,
+    LabelRequest,
+    MigInput,
+    MigLabelRequest,
+    MigStateRequest,
+    MigStateResult,
+    MigVerifyRequest,
+    NodeConfig,
+    SharingSettings,
+    TimeSlicingInput,
+    UnservableRequest,
+    UnservableResult,
+    VerifyRequest,
+    VerifyResult,
+    WriteKeyRequest,
+    WriteKeyResult,
+    time_slicing_key,
+)
+from tests.harness.temporal import dev_server_path
+
+OUT = Path(os.environ["HISTORIES"])
+sys.path.insert(0, os.environ["OLD"])
+import old_sharing  # type: ignore[import-not-found]  # noqa: E402
+
+
+def activities(*, written: bool, mig: str) -> list[Any]:
+    @activity.defn(name="record_audit")
+    async def record_audit(record: AuditRecord) -> bool:
+        return True
+
+    @activity.defn(name="action_gate")
+    async def action_gate(req: GateRequest) -> GateState:
+        return GateState(held=False)
+
+    @activity.defn(name="read_node_config")
+    async def read_node_config(node: str) -> NodeConfig:
+        return NodeConfig(node=node, gpus=2)
+
+    @activity.defn(name="write_time_slicing_key")
+    async def write_time_slicing_key(req: WriteKeyRequest) -> WriteKeyResult:
+        return WriteKeyResult(key=time_slicing_key(req.replicas, req.fail_requests_greater_than_one),
+                              written=written)
+
+    @activity.defn(name="set_device_plugin_config")
+    async def set_device_plugin_config(req: LabelRequest) -> None:
+        return None
+
+    @activity.defn(name="verify_time_slicing")
+    async def verify_time_slicing(req: VerifyRequest) -> VerifyResult:
+        return VerifyResult(ok=True, allocatable=req.gpus * req.replicas)
+
+    @activity.defn(name="remove_unused_time_slicing_keys")
+    async def remove_unused_time_slicing_keys(req: CleanupRequest) -> CleanupResult:
+        return CleanupResult()
+
+    @activity.defn(name="unservable_pods")
+    async def unservable_pods(req: UnservableRequest) -> UnservableResult:
+        return UnservableResult(allocatable=2, requested=0)
+
+    @activity.defn(name="read_mig_config")
+    async def read_mig_config(node: str) -> MigStateResult:
+        return MigStateResult(state="")
+
+    @activity.defn(name="cordon_node")
+    async def cordon_node(req: NodeRef) -> bool:
+        return True
+
+    @activity.defn(name="evict_pods")
+    async def evict_pods(req: NodeRef) -> EvictionResult:
+        return EvictionResult(remaining=[])
+
+    @activity.defn(name="set_mig_config")
+    async def set_mig_config(req: MigLabelRequest) -> None:
+        return None
+
+    @activity.defn(name="wait_mig_state")
+    async def wait_mig_state(req: MigStateRequest) -> MigStateResult:
+        return MigStateResult(state=mig if req.geometry != "all-disabled" else "success")
+
+    @activity.defn(name="verify_mig_resources")
+    async def verify_mig_resources(req: MigVerifyRequest) -> VerifyResult:
+        return VerifyResult(ok=True, allocatable=sum(req.expected.values()))
+
+    @activity.defn(name="uncordon_node")
+    async def uncordon_node(node: str) -> None:
+        return None
+
+    return [record_audit, action_gate, read_node_config, write_time_slicing_key, set_device_plugin_config,
+            verify_time_slicing, remove_unused_time_slicing_keys, unservable_pods, read_mig_config, cordon_node,
+            evict_pods, set_mig_config, wait_mig_state, verify_mig_resources, uncordon_node]
+
+
+async def dump(handle: WorkflowHandle[Any, Any], name: str) -> None:
+    history = await handle.fetch_history()
+    (OUT / f"{name}.json").write_text(history.to_json())
+    ids = OUT / "workflow_ids.json"
+    known = json.loads(ids.read_text()) if ids.exists() else {}
+    known[name] = handle.id
+    ids.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
+
+
+async def until_phase(handle: WorkflowHandle[Any, Any], phase: str) -> None:
+    for _ in range(400):
+        if (await handle.query("state"))["phase"] == phase:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{handle.id} never reached {phase}")
+
+
+async def main() -> None:
+    env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(dev_server_path()),
+                                                data_converter=DATA_CONVERTER,
+                                                search_attributes=list(search_attributes.ALL), ui=False)
+    try:
+        client = env.client
+        for name, written, mig in (("sharing-ts-written-undone", True, "success"),
+                                   ("sharing-ts-key-there-undone", False, "success"),
+                                   ("sharing-mig-undone", True, "success"),
+                                   ("sharing-mig-failed", True, "failed")):
+            queue = f"record-{uuid.uuid4().hex[:6]}"
+            async with Worker(client, task_queue=queue, workflows=[old_sharing.TimeSlicingWorkflow,
+                                                                   old_sharing.MigWorkflow],
+                              activities=activities(written=written, mig=mig),
+                              workflow_runner=UnsandboxedWorkflowRunner()):
+                node = f"n-{uuid.uuid4().hex[:6]}"
+                if name.startswith("sharing-ts"):
+                    handle = await client.start_workflow(
+                        "TimeSlicing", TimeSlicingInput(cluster="c", policy="p", node=node, gpus=2, replicas=2,
+                                                        mode="Automatic",
+                                                        settings=SharingSettings(propagation_seconds=1)),
+                        id=f"sharing/c/{node}", task_queue=queue)
+                else:
+                    handle = await client.start_workflow(
+                        "Mig", MigInput(cluster="c", policy="p", node=node, gpus=2, geometry="all-3g.40gb",
+                                        slices={"3g.40gb": 2}, mode="Automatic"),
+                        id=f"sharing/c/{node}", task_queue=queue)
+                if mig != "failed":
+                    await until_phase(handle, "Shared")
+                    await handle.signal("undo")
+                await handle.result()
+                await dump(handle, name)
+    finally:
+        await env.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
