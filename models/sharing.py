@@ -104,6 +104,14 @@ class SharingInputBase(Model):
     settings: SharingSettingsBase = Field(default_factory=SharingSettingsBase)
 
 
+class PolicyModeChange(Model):
+    """The watcher tells a running Recommend operation that its policy now acts (Approve or Automatic), for the
+    proposal it made (``plan_id``): it goes on in that mode instead of waiting out its recommendation."""
+
+    mode: Mode
+    plan_id: str
+
+
 class TimeSlicingInput(SharingInputBase):
     replicas: int
     fail_requests_greater_than_one: bool = True

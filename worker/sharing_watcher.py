@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from activities.clients.prometheus import MetricsError
 from activities.sharing import SharingOps
@@ -22,7 +23,10 @@ from models.sharing import (
     NO_PROMETHEUS,
     MigInput,
     MigSettings,
+    PolicyModeChange,
+    SharingPhase,
     SharingSettings,
+    SharingView,
     TimeSlicingInput,
     sharing_workflow_id,
 )
@@ -124,6 +128,8 @@ class SharingWatcher(ResyncLoop):
         started = []
         for c in candidates:
             p = c.proposal
+            if c.mode != "Recommend":
+                await self._tell_recommendation(sharing_workflow_id(self.cluster, p.node), c.mode, p.plan_id)
             if p.kind == "mig":
                 started.append(await self._start_operation(
                     "Mig",
@@ -145,3 +151,15 @@ class SharingWatcher(ResyncLoop):
                 summary=f"Sharing: time-slicing {p.replicas} on {p.node} (policy {c.policy})"))
         self.started += started
         return started
+
+    async def _tell_recommendation(self, workflow_id: str, mode: Mode, plan_id: str) -> None:
+        """A node's operation still standing as a recommendation of this proposal, while its policy now acts:
+        signal it the mode (it goes on to await approval, or applies). Asked first (a query adds nothing to its
+        history), so operations that already act get no signal each resync."""
+        handle = self.temporal.get_workflow_handle(workflow_id)
+        try:
+            view = await handle.query("state", result_type=SharingView)
+        except RPCError:  # none running (the start that follows makes one), or it cannot answer now: next resync
+            return
+        if view.phase == SharingPhase.PROPOSED and view.mode == "Recommend":
+            await handle.signal("policy_mode", PolicyModeChange(mode=mode, plan_id=plan_id))

@@ -27,6 +27,7 @@ from models.audit import AuditRecord
 from models.converter import Refused
 from models.drain import EvictionResult, NodeRef
 from models.ids import operation_id
+from models.policy import Mode
 from models.sharing import (
     CleanupRequest,
     CleanupResult,
@@ -37,6 +38,7 @@ from models.sharing import (
     MigStateResult,
     MigVerifyRequest,
     NodeConfig,
+    PolicyModeChange,
     SharingInputBase,
     SharingOutcome,
     SharingPhase,
@@ -77,6 +79,7 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
         self.unservable: list[str] = []
         self.undo_request: UndoRequest | None = None
         self.undone_by: str | None = None
+        self.mode_change: PolicyModeChange | None = None  # the policy switched from Recommend while proposed
 
     # -- what subclasses give -------------------------------------------------------------------------------
     def _what(self) -> str:
@@ -111,7 +114,7 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
         assert self.inp is not None
         inp = self.inp
         lines = [f"**Sharing** `{self.operation}`: {self._what()} on node `{inp.node}`, policy `{inp.policy}`, "
-                 f"mode {inp.mode}",
+                 f"mode {self._mode()}",
                  f"**Phase:** {self.phase.value}" + (f" — {self.message}" if self.message else ""),
                  f"Saves ${inp.saving_usd_per_hour:,.2f}/h. Why: {inp.reason}", f"Risk: {inp.risk}",
                  *self._progress_lines()]
@@ -125,7 +128,7 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
         inp = self.inp
         return SharingView(
             operation=self.operation, workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
-            policy=inp.policy if inp else "", node=inp.node if inp else "", mode=inp.mode if inp else None,
+            policy=inp.policy if inp else "", node=inp.node if inp else "", mode=self._mode() if inp else None,
             phase=self.phase, unservable=list(self.unservable), undone_by=self.undone_by,
             approver=self.approval.approver if self.approval else None, message=self.message,
             history=list(self.history), **self._view_fields())
@@ -133,6 +136,19 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
     @workflow.query(name="state")
     def state(self) -> SharingView:
         return self._view()
+
+    def _mode(self) -> Mode:
+        assert self.inp is not None
+        return self.mode_change.mode if self.mode_change else self.inp.mode
+
+    @workflow.signal(name="policy_mode")
+    def policy_mode(self, change: PolicyModeChange) -> None:
+        """Sent by the watcher when this Recommend operation's policy now acts: taken only for the proposal it
+        made, while it is proposed, and only to a mode that acts (a switch back to Recommend changes nothing)."""
+        if (self.inp is not None and self.inp.mode == "Recommend" and self.mode_change is None
+                and self.phase == SharingPhase.PROPOSED and change.plan_id == self.inp.plan_id
+                and change.mode != "Recommend"):
+            self.mode_change = change
 
     def _awaiting(self) -> Proposal | None:
         if self.phase != SharingPhase.AWAITING_APPROVAL or self.inp is None:
@@ -219,10 +235,15 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
         timeout = inp.settings.approval_timeout_seconds
         if inp.mode == "Recommend":
             self._set_phase(SharingPhase.PROPOSED, inp.summary + (f"; {inp.mode_reason}" if inp.mode_reason else ""))
-            with contextlib.suppress(TimeoutError):
-                await workflow.wait_condition(lambda: False, timeout=timedelta(seconds=timeout))
-            return self._outcome()
-        if inp.mode == "Approve":
+            # A recommendation stands until it expires, or until its policy acts (the watcher signals the switch:
+            # a newcomer who reads the proposal and sets the policy to Approve gets it to approve, not a day's
+            # wait for this one to end before the next is started).
+            try:
+                await workflow.wait_condition(lambda: self.mode_change is not None, timeout=timedelta(seconds=timeout))
+            except TimeoutError:
+                return self._outcome()
+            self._log(f"policy {inp.policy} now in {self._mode()}: the proposal goes on in that mode")
+        if self._mode() == "Approve":
             self._set_phase(SharingPhase.AWAITING_APPROVAL, inp.summary)
             try:
                 await workflow.wait_condition(lambda: self.approval is not None or self.rejection is not None,

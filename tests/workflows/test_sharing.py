@@ -24,7 +24,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.sharing import SharingOps
-from models.decisions import Approval
+from models.decisions import Approval, Rejection
 from models.policy import API_GROUP, PLURAL
 from models.sharing import (
     CONFIG_LABEL,
@@ -370,6 +370,45 @@ async def test_mig_approved_waits_for_the_pdb_then_reconfigures_and_uncordons(
             assert view.phase == SharingPhase.UNDONE, view.history
             n = cluster.admin.core.read_node(node)
             assert n.status.allocatable["nvidia.com/gpu"] == "2" and not n.spec.unschedulable
+    finally:
+        bed.burst.delete_policy(policy)
+        cluster.admin.core.delete_node(node)
+
+
+async def test_a_recommendation_goes_on_to_await_approval_once_its_policy_is_set_to_approve(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    """A newcomer reads a Recommend policy's proposal and sets the policy to Approve: the operation standing as the
+    recommendation (it would stand until its approval timeout, a day, holding the node's operation ID) is told by
+    the watcher and awaits approval with the same plan; a rejection ends it with nothing changed."""
+    cluster = bed.cluster
+    node, pool = mig_node(bed)
+    for name in ("a", "b"):
+        pod = gpu_pod(name, pool)
+        cluster.admin.core.create_namespaced_pod(namespace, pod)
+    await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="two pods running", timeout=60)
+    backfill(bed, namespace, ["a", "b"], activity=0.05, fb_used_mib=9 * 1024)
+    policy = unique("rec")
+    cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+        "spec": {"kind": "Sharing", "mode": "Recommend", "nodes": {"matchLabels": {"pool": pool}},
+                 "mig": {"allowed": ["all-1g.10gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
+                 "usdPerGpuHour": 4.1}})
+    s = settings(bed, temporal_dev_server)
+    try:
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            wf_id = sharing_workflow_id(s.cluster, node)
+            proposed = await wait_phase(temporal, wf_id, SharingPhase.PROPOSED)
+            assert proposed.mode == "Recommend" and proposed.key == "all-1g.10gb"
+            cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, policy,
+                                                             {"spec": {"mode": "Approve"}})
+            view = await wait_phase(temporal, wf_id, SharingPhase.AWAITING_APPROVAL)
+            assert view.operation == proposed.operation and view.mode == "Approve"
+            assert any(f"policy {policy} now in Approve" in line for line in view.history), view.history
+            await ops.reject(temporal, view.operation, Rejection(approver="alice", reason="not now"))
+            view = await wait_phase(temporal, wf_id, SharingPhase.REJECTED)
+            n: Any = cluster.admin.core.read_node(node)
+            assert n.metadata.labels.get("nvidia.com/mig.config") is None and not n.spec.unschedulable
+            assert pods_on(cluster, namespace, node) == ["a", "b"]
     finally:
         bed.burst.delete_policy(policy)
         cluster.admin.core.delete_node(node)
