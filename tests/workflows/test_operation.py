@@ -101,10 +101,10 @@ def test_every_name_a_running_history_may_hold_is_still_registered() -> None:
     assert _names(HubSyncWorkflow) == {"type": "HubSync", "signals": {"report", "sync_now", "configure"},
                                        "queries": {"status"}, "updates": set()}
     assert _names(TimeSlicingWorkflow) == {
-        "type": "TimeSlicing", "signals": {"undo", *decisions}, "queries": {"state"},
+        "type": "TimeSlicing", "signals": {"undo", "policy_mode", *decisions}, "queries": {"state"},
         "updates": {"approve_plan", "reject_plan", "undo"}}
     assert _names(MigWorkflow) == {
-        "type": "Mig", "signals": {"undo", *decisions}, "queries": {"state"},
+        "type": "Mig", "signals": {"undo", "policy_mode", *decisions}, "queries": {"state"},
         "updates": {"approve_plan", "reject_plan", "undo"}}
     assert _names(PackWorkflow) == {
         "type": "PackWorkflow", "signals": set(decisions), "queries": {"state"},
