@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import uuid
@@ -351,6 +352,47 @@ def worker_process(settings: Settings, log: Path, env: dict[str, str] | None = N
     argv, more = (INPROC_WORKER_ARGV, stack.gateway_env()) if stack is not None else (WORKER_ARGV, {})
     return subprocess.Popen(argv, env=worker_env(settings, {**more, **(env or {})}), stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+class WorkerProcesses:
+    """`kubeon-gpu worker` processes on one task queue, as crash tests start and SIGKILL them (each in its own
+    process group); :meth:`stop_all` leaves none running. ``stack``: the gateway in the worker's process (see
+    :func:`worker_process`)."""
+
+    def __init__(self, settings: Settings, log: Path, stack: BurstStack | None = None) -> None:
+        self.settings, self.log, self.stack = settings, log, stack
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def started_count(self) -> int:
+        """How many workers said "worker started" in the log (they serve the task queue from then)."""
+        return self.log.read_text(errors="replace").count("worker started") if self.log.exists() else 0
+
+    def start(self, *, wait: bool = False) -> subprocess.Popen[bytes]:
+        """A new worker; with ``wait``, once it serves the task queue (its start time printed)."""
+        import time
+
+        before, t0 = self.started_count(), time.monotonic()
+        proc = worker_process(self.settings, self.log, stack=self.stack)
+        self.procs.append(proc)
+        if wait:
+            wait_for(lambda: self.started_count() > before or proc.poll() is not None, what="the worker started",
+                     timeout=60)
+            assert proc.poll() is None, self.log.read_text(errors="replace")[-3000:]
+            print(f"worker started in {time.monotonic() - t0:.1f} s")
+        return proc
+
+    def kill(self) -> None:
+        """SIGKILL the newest worker, and wait for it to be gone."""
+        proc = self.procs[-1]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert proc.returncode == -signal.SIGKILL
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
 
 
 def gateway_process(stack: BurstStack, log: Path, port: int, *, extra_env: dict[str, str] | None = None,

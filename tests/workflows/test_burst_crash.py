@@ -5,12 +5,9 @@ instance was ever launched for it, and none is left running."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +18,7 @@ from models.labels import TAG_OPERATION
 from models.node import NodePhase, OperationView
 from tests.harness.burst import (
     BurstStack,
+    WorkerProcesses,
     gpu_deployment,
     node_for,
     result,
@@ -28,35 +26,10 @@ from tests.harness.burst import (
     unique,
     wait_for,
     wait_phase,
-    worker_process,
 )
 from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
-
-
-class Workers:
-    """Starts and kills `kubeon-gpu worker` processes; none outlives the test."""
-
-    def __init__(self, settings: Settings, log: Path, stack: BurstStack) -> None:
-        self.settings, self.log, self.stack = settings, log, stack
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> subprocess.Popen[bytes]:
-        proc = worker_process(self.settings, self.log, stack=self.stack)
-        self.procs.append(proc)
-        return proc
-
-    def kill(self) -> None:
-        proc = self.procs[-1]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -70,7 +43,7 @@ def scenario(stack: BurstStack, temporal_dev_server: WorkflowEnvironment, reques
                               task_queue=queue, locations=[location], cluster_name=queue)
     policy = unique("crash")
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], return_home=True)
-    workers = Workers(settings, stack.workdir / f"{queue}.log", stack)
+    workers = WorkerProcesses(settings, stack.workdir / f"{queue}.log", stack)
     try:
         yield {"settings": settings, "policy": policy, "product": product, "workers": workers,
                "temporal": temporal_dev_server.client}
@@ -174,11 +147,7 @@ async def test_killed_while_serving_drains_within_seconds(stack: BurstStack, sce
     handle, deploy = await _start_workload(stack, s, namespace)
     view = await wait_phase(handle, NodePhase.SERVING, timeout=150)
     s["workers"].kill()
-    log = s["workers"].log
-    started = log.read_text(errors="replace").count("worker started")
-    s["workers"].start()
-    wait_for(lambda: log.read_text(errors="replace").count("worker started") > started, what="worker restarted",
-             timeout=90)
+    s["workers"].start(wait=True)
     t0 = time.monotonic()
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     await wait_phase(handle, NodePhase.DRAINING, NodePhase.COMPLETED, timeout=60)

@@ -16,14 +16,9 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-import os
-import signal
-import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,12 +34,11 @@ from models.capacity import FREEZE_BUDGET, FROZEN_BY_ANNOTATION
 from models.decisions import Approval
 from models.packing import GroupRef, NodeRef2, PackPlanRequest, PackView, ReplacementCheck
 from tests.harness import packing
-from tests.harness.burst import BurstStack, unique, worker_process
+from tests.harness.burst import BurstStack, WorkerProcesses, unique
 from tests.harness.karpenter import KARPENTER_GROUP, KARPENTER_VERSION, Karpenter
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.packing import FAST, USER_BUDGETS, proposed_round, until_async
 from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
-from worker.config import Settings
 from workflows.pack import PackWorkflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -62,45 +56,13 @@ class Step(StrEnum):
     REMOVING = "removing"  # the node's NodeClaim deleted by the round, not gone yet
 
 
-class Workers:
-    """Starts and SIGKILLs `kubeon-gpu worker` processes; none outlives the test."""
-
-    def __init__(self, settings: Settings, log: Path) -> None:
-        self.settings, self.log = settings, log
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> None:
-        """A new worker, once it serves the task queue (its log says so)."""
-        before, t0 = self._started(), time.monotonic()
-        self.procs.append(worker_process(self.settings, self.log))
-        wait_for(lambda: self._started() > before or self.procs[-1].poll() is not None, what="the worker started",
-                 timeout=60)
-        assert self.procs[-1].poll() is None, self.log.read_text(errors="replace")[-3000:]
-        print(f"worker started in {time.monotonic() - t0:.1f} s")
-
-    def _started(self) -> int:
-        return self.log.read_text(errors="replace").count("worker started") if self.log.exists() else 0
-
-    def kill(self) -> None:
-        proc = self.procs[-1]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        assert proc.returncode == -signal.SIGKILL
-
-    def stop_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
 @pytest.fixture
-def workers(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) -> Iterator[Workers]:
+def workers(stack: BurstStack, temporal_dev_server: WorkflowEnvironment) -> Iterator[WorkerProcesses]:
     queue = unique("pack-crash")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=[], cluster_name=queue, burst_enabled=False,
                               capacity_provider="karpenter")
-    w = Workers(settings, stack.workdir / f"{queue}.log")
+    w = WorkerProcesses(settings, stack.workdir / f"{queue}.log")
     try:
         yield w
     finally:
@@ -270,13 +232,13 @@ def _serve_pods(cluster: Cluster, namespace: str) -> dict[str, client.V1Pod]:
 @pytest.mark.parametrize("step", list(Step))
 async def test_worker_killed_at_each_step_the_round_resumes_to_the_same_end(
         step: Step, cluster: Cluster, karpenter: Karpenter, stack: BurstStack, namespace: str,
-        temporal_dev_server: WorkflowEnvironment, workers: Workers,
+        temporal_dev_server: WorkflowEnvironment, workers: WorkerProcesses,
         fragmented: tuple[str, dict[str, int]]) -> None:
     pool, spread = fragmented
     temporal: Client = temporal_dev_server.client
     claims_before = {c["metadata"]["name"]: c for c in karpenter.nodeclaims(pool)}
     pods_before = set(_serve_pods(cluster, namespace))
-    workers.start()
+    workers.start(wait=True)
     handle, proposal = await proposed_round(temporal, workers.settings.task_queue, [pool], max_nodes=1,
                                             settings=SETTINGS)
     releases: list[Callable[[], None]] = []
@@ -337,7 +299,7 @@ async def test_worker_killed_at_each_step_the_round_resumes_to_the_same_end(
                      if a.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED]
         print(f"killed at {step}: {seen[-1]}; in flight: {in_flight or 'nothing'}")
 
-        workers.start()
+        workers.start(wait=True)
         while releases:
             releases.pop()()
         view: PackView = await handle.result()

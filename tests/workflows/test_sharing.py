@@ -302,6 +302,14 @@ async def start_mig(temporal: Client, s: Settings, node: str, geometry: str,
                         mode="Automatic"), id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
 
 
+def create_mig_policy(bed: SharingBed, name: str, pool: str, mode: str, allowed: list[str]) -> None:
+    """A Sharing policy of the MIG-capable nodes of ``pool`` (see :func:`mig_node`), these geometries allowed."""
+    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name},
+        "spec": {"kind": "Sharing", "mode": mode, "nodes": {"matchLabels": {"pool": pool}},
+                 "mig": {"allowed": allowed}, "idle": {"threshold": 0.4, "window": "1h"}, "usdPerGpuHour": 4.1}})
+
+
 def unschedulable_node(cluster: Cluster, node: str) -> bool:
     return bool(cluster.admin.core.read_node(node).spec.unschedulable)
 
@@ -326,11 +334,7 @@ async def test_mig_approved_waits_for_the_pdb_then_reconfigures_and_uncordons(
     running = pods_on(cluster, namespace, node)
     backfill(bed, namespace, running, activity=0.05, fb_used_mib=9 * 1024)
     policy = unique("mig")
-    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
-        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
-        "spec": {"kind": "Sharing", "mode": "Approve", "nodes": {"matchLabels": {"pool": pool}},
-                 "mig": {"allowed": ["all-1g.10gb", "all-3g.40gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
-                 "usdPerGpuHour": 4.1}})
+    create_mig_policy(bed, policy, pool, "Approve", ["all-1g.10gb", "all-3g.40gb"])
     s = settings(bed, temporal_dev_server)
     try:
         async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
@@ -388,11 +392,7 @@ async def test_a_recommendation_goes_on_to_await_approval_once_its_policy_is_set
     await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="two pods running", timeout=60)
     backfill(bed, namespace, ["a", "b"], activity=0.05, fb_used_mib=9 * 1024)
     policy = unique("rec")
-    cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
-        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
-        "spec": {"kind": "Sharing", "mode": "Recommend", "nodes": {"matchLabels": {"pool": pool}},
-                 "mig": {"allowed": ["all-1g.10gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
-                 "usdPerGpuHour": 4.1}})
+    create_mig_policy(bed, policy, pool, "Recommend", ["all-1g.10gb"])
     s = settings(bed, temporal_dev_server)
     try:
         async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):

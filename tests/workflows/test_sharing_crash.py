@@ -13,13 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +40,7 @@ from models.sharing import (
     WriteKeyRequest,
     sharing_workflow_id,
 )
-from tests.harness.burst import worker_process
+from tests.harness.burst import WorkerProcesses
 from tests.harness.gpu_operator import GpuOperator
 from tests.harness.kube import until
 from tests.workflows import test_sharing
@@ -57,31 +53,14 @@ bed = test_sharing.bed  # the same module-scoped fixture: this module's own bed,
 HOLD = "gpu.kubeon.io/test-hold"  # a finalizer: an evicted pod stays Terminating until the test removes it
 
 
-@dataclass
-class CrashingWorker:
-    """`kubeon-gpu worker` processes on one task queue: :meth:`crash` SIGKILLs the running one, runs ``meanwhile``
-    (what held the step is let go while no worker runs) and starts the next."""
-
-    settings: Settings
-    log: Path
-    bed: SharingBed
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self) -> None:
-        self.procs.append(worker_process(self.settings, self.log, stack=self.bed.burst))
+class CrashingWorker(WorkerProcesses):
+    """:meth:`crash` SIGKILLs the running worker, runs ``meanwhile`` (what held the step is let go while no worker
+    runs) and starts the next."""
 
     def crash(self, meanwhile: Callable[[], None] = lambda: None) -> None:
-        proc = self.procs[-1]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        self.kill()
         meanwhile()
         self.start()
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
 
     def audit(self, operation: str) -> list[str]:
         """The operation's audit records, as the last part of their keys (``proposed``, ``shared``...)."""
@@ -95,12 +74,12 @@ class CrashingWorker:
 @contextlib.asynccontextmanager
 async def crashing_worker(bed: SharingBed, env: WorkflowEnvironment, log: Path,
                           **overrides: Any) -> AsyncIterator[CrashingWorker]:
-    worker = CrashingWorker(settings(bed, env).model_copy(update=overrides), log, bed)
+    worker = CrashingWorker(settings(bed, env).model_copy(update=overrides), log, bed.burst)
     worker.start()
     try:
         yield worker
     finally:
-        worker.stop()
+        worker.stop_all()
 
 
 async def when(check: Callable[[], Awaitable[bool]], *, what: str, timeout: float = 60) -> None:
