@@ -11,14 +11,17 @@ burst ``stack`` is the root conftest's):
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes.client import ApiException
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
+from models.labels import LABEL_POLICY
 from tests.harness.burst import SIM_LOCATIONS, BurstStack, StartWorker, in_process_worker, unique
 from tests.hub.process import SeededHub, seeded_hub
 from worker.config import Settings
@@ -32,6 +35,13 @@ def policy(stack: BurstStack, request: pytest.FixtureRequest) -> Iterator[str]:
     name = unique(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-"))
     yield name
     stack.delete_policy(name)
+    # A test that failed half-way may leave its burst Nodes (its worker, which would send them home, is gone);
+    # a leftover Node with free GPUs takes later tests' pods, which then never wait, and they fail in turn.
+    left = stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={name}").items
+    for node in left:
+        warnings.warn(f"policy {name} left Node {node.metadata.name}: deleted", stacklevel=1)
+        with contextlib.suppress(ApiException):
+            stack.cluster.admin.core.delete_node(str(node.metadata.name))
 
 
 @pytest.fixture

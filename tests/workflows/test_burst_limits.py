@@ -101,28 +101,37 @@ async def test_max_nodes_holds_across_ten_concurrent_groups(stack: BurstStack, w
         return running()
 
     with NodeCounter(core, policy) as counter:
-        for name in names:
-            apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
         try:
-            served = await asyncio.wait_for(steady(4), 150)
-        except TimeoutError:
-            view = await provision_state(temporal, cluster_name, policy)
-            raise AssertionError(f"nodes {sorted(counter.current)}, running {running()}, {view.history}") from None
-        # The rest wait visibly: the provisioning says how many and why. Its phase is read in the same view:
-        # each recheck round (replan_seconds) shows Planning for a moment before it settles again.
-        view = await provision_state(temporal, cluster_name, policy, lambda v: len(
-            [w for w in v.waiting if "maxNodes 4 reached" in w]) == 6 and len(v.waiting) == 6
-            and v.phase == ProvisionPhase.WAITING_FOR_CAPACITY)
-        assert len(view.nodes) == 4
-        assert counter.peak == 4
+            for name in names:
+                apps.create_namespaced_deployment(namespace, gpu_deployment(name, gpu_product=product))
+            try:
+                served = await asyncio.wait_for(steady(4), 150)
+            except TimeoutError:
+                view = await provision_state(temporal, cluster_name, policy)
+                raise AssertionError(f"nodes {sorted(counter.current)}, running {running()}, {view.history}") from None
+            # The rest wait visibly: the provisioning says how many and why. Its phase is read in the same view:
+            # each recheck round (replan_seconds) shows Planning for a moment before it settles again.
+            view = await provision_state(temporal, cluster_name, policy, lambda v: len(
+                [w for w in v.waiting if "maxNodes 4 reached" in w]) == 6 and len(v.waiting) == 6
+                and v.phase == ProvisionPhase.WAITING_FOR_CAPACITY)
+            assert len(view.nodes) == 4
+            assert counter.peak == 4
 
-        # As served groups leave, their nodes go home and the waiting ones get theirs; the limit still holds.
-        delete(served)
-        second = await asyncio.wait_for(steady(4), 150)
-        delete(second)
-        last = await asyncio.wait_for(steady(2), 150)
-        delete(last)
-        await asyncio.wait_for(steady(0), 150)
+            # As served groups leave, their nodes go home and the waiting ones get theirs; the limit still holds.
+            delete(served)
+            second = await asyncio.wait_for(steady(4), 150)
+            delete(second)
+            last = await asyncio.wait_for(steady(2), 150)
+            delete(last)
+            await asyncio.wait_for(steady(0), 150)
+        finally:
+            # A failure must not leave ten groups and their burst nodes to the next tests: the groups go and
+            # the nodes are sent home while this test's worker still runs (bounded).
+            for name in sorted(set(names) - deleted):
+                with contextlib.suppress(client.ApiException):  # never created
+                    delete([name])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(steady(0), 150)
     assert counter.peak == 4
     assert sorted(served + second + last) == sorted(names)
 
