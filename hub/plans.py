@@ -8,7 +8,8 @@ An optimizer that wants its proposals shown in full sends the report's ``detail`
                 "gpu_product": "NVIDIA-L4", "compute_usd_per_hour": 0.8, "transfer_usd_per_hour": 0.05,
                 "pods": ["ml/infer-0", "ml/infer-1"]}]}
 
-and for a ScaleToZero proposal ``workload``, ``replicas`` and ``idle_evidence`` instead of ``nodes``. Anything
+for a ScaleToZero proposal ``workload``, ``replicas`` and ``idle_evidence`` instead of ``nodes``, and for a Sharing
+proposal ``node``, ``gpus``, ``change``, ``saving_usd_per_hour``, ``reason`` and ``risk``. Anything
 else in ``detail`` is plain text: shown as it is, with no plan id to bind a decision to.
 """
 
@@ -51,10 +52,17 @@ class ProposedPlan(_Lenient):
     summary: Annotated[StrictStr, Field(max_length=2000)] = ""
     nodes: Annotated[list[PlannedNode], Field(max_length=MAX_NODES)] = Field(default_factory=list)
     total_usd_per_hour: Dollars | None = None
-    # ScaleToZero: the workload, its replicas before, and why it counts as idle.
-    workload: Short = ""
+    # ScaleToZero: the workload (namespace/kind/name), its replicas before, and why it counts as idle.
+    workload: Annotated[StrictStr, Field(max_length=600)] = ""
     replicas: Annotated[int, Field(ge=0, le=100_000)] | None = None
     idle_evidence: Annotated[StrictStr, Field(max_length=2000)] = ""
+    # Sharing: the node, the change (time-slicing replicas or a MIG geometry), what it saves and what it risks.
+    node: Short = ""
+    gpus: Annotated[int, Field(ge=0, le=1024)] | None = None
+    change: Short = ""
+    saving_usd_per_hour: Dollars | None = None
+    reason: Annotated[StrictStr, Field(max_length=2000)] = ""
+    risk: Annotated[StrictStr, Field(max_length=2000)] = ""
     console_url: Annotated[StrictStr, Field(max_length=2000, pattern=r"^https?://[^\s]+$")] | None = None
 
     @property

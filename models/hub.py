@@ -87,6 +87,32 @@ def proposal_detail(plan: BatchPlan, batch: str) -> str:
     return report_detail(plan.summary())
 
 
+def _within_limit(doc: dict[str, object], cut: tuple[str, ...], fallback: str) -> str:
+    """``doc`` as one JSON object within the hub's limit: the texts of ``cut`` kept within the hub's 2,000
+    characters each, then shortened in turn (the plan id and the figures stay whole), else the plain summary."""
+    for keep in (2000, 1000, 200, 0):
+        shown = {k: (v[:keep] if k in cut and isinstance(v, str) else v) for k, v in doc.items()}
+        text = json.dumps(shown, separators=(",", ":"))
+        if len(text) <= REPORT_DETAIL_LIMIT:
+            return text
+    return report_detail(fallback)
+
+
+def sharing_proposal_detail(*, plan_id: str, node: str, gpus: int, change: str, summary: str, reason: str,
+                            risk: str, saving_usd_per_hour: float) -> str:
+    """A Sharing proposal as the hub reads it (hub/plans.py): the node, the change (time-slicing replicas or a MIG
+    geometry), what it saves and what it risks, with the plan id a decision binds to."""
+    return _within_limit({"plan_id": plan_id, "summary": summary, "node": node, "gpus": gpus, "change": change,
+                          "saving_usd_per_hour": round(saving_usd_per_hour, 6), "reason": reason, "risk": risk},
+                         cut=("summary", "reason", "risk"), fallback=summary)
+
+
+def scale_proposal_detail(*, plan_id: str, summary: str, workload: str, replicas: int, idle_evidence: str) -> str:
+    """A ScaleToZero proposal as the hub reads it: the workload, its replicas now and why it counts as idle."""
+    return _within_limit({"plan_id": plan_id, "summary": summary, "workload": workload, "replicas": replicas,
+                          "idle_evidence": idle_evidence}, cut=("summary", "idle_evidence"), fallback=summary)
+
+
 class ActionReport(Model):
     """One action of an operation, as the hub's ``POST /v1/cluster/reports`` takes it."""
 

@@ -20,6 +20,7 @@ from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.converter import Refused
 from models.decisions import Approval
+from models.hub import scale_proposal_detail
 from models.ids import operation_id
 from models.scale import (
     DemandRequest,
@@ -92,12 +93,14 @@ class ScaleWorkflow(Approvable[ScalePhase]):
             approver=self.approval.approver if self.approval else None, woken_by=self.woken_by,
             message=self.message, history=list(self.history))
 
-    async def _audit(self, action: str, detail: str = "") -> None:
+    async def _audit(self, action: str, detail: str = "", *, whole: bool = False) -> None:
+        """An audit record, reported to the hub (R2.8). ``whole``: the detail goes as it is (the proposal's plan)."""
         assert self.inp is not None
+        key = self.inp.workload.key
         await record_audit(AuditRecord(
             key=f"{self.operation}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
             operation=self.operation, action=action, approver=self.approval.approver if self.approval else None,
-            detail=f"{self.inp.workload.key}: {detail}" if detail else self.inp.workload.key))
+            detail=detail if whole else f"{key}: {detail}" if detail else key))
 
     async def _status(self, entry: dict[str, str | int | None] | None) -> None:
         assert self.inp is not None
@@ -252,7 +255,10 @@ class ScaleWorkflow(Approvable[ScalePhase]):
             return self._outcome()
         self.replicas_before = obs.replicas
         proposal = f"scale {self._workload()} from {obs.replicas} to 0 replicas ({obs.reason})"
-        await self._audit("proposed", proposal)
+        # The proposal as the hub's Approvals page shows it and binds a decision to (its plan id).
+        await self._audit("proposed", scale_proposal_detail(
+            plan_id=self.plan_id(), summary=proposal, workload=self._workload(), replicas=obs.replicas,
+            idle_evidence=obs.reason), whole=True)
 
         waited = 0
         while policy.mode != "Automatic":

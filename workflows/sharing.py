@@ -26,6 +26,7 @@ from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.converter import Refused
 from models.drain import EvictionResult, NodeRef
+from models.hub import sharing_proposal_detail
 from models.ids import operation_id
 from models.policy import Mode
 from models.sharing import (
@@ -184,15 +185,15 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
     def _node(self) -> str:
         return self.inp.node if self.inp else "?"
 
-    async def _audit(self, action: str, detail: str = "", *, key: str = "") -> None:
+    async def _audit(self, action: str, detail: str = "", *, key: str = "", whole: bool = False) -> None:
         """An audit record, reported to the hub (R2.8) with its actions' names: a change in force is
-        ``verified``, as is its undo (keyed apart)."""
+        ``verified``, as is its undo (keyed apart). ``whole``: the detail goes as it is (the proposal's plan)."""
         assert self.inp is not None
         await record_audit(AuditRecord(
             key=f"{self.operation}/{key or action}", at=workflow.now(), cluster=self.inp.cluster,
             policy=self.inp.policy, operation=self.operation, action=action,
             approver=self.approval.approver if self.approval else None,
-            detail=f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
+            detail=detail if whole else f"node {self.inp.node}: {detail}" if detail else f"node {self.inp.node}"))
 
     def _outcome(self) -> SharingOutcome:
         return SharingOutcome(operation=self.operation, phase=self.phase, message=self.message,
@@ -231,7 +232,10 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
 
     async def _run(self, inp: InputT) -> SharingOutcome:
         """Propose; in Approve mode wait for the decision; wait while the policy's gate holds; then apply."""
-        await self._audit("proposed", inp.summary)
+        # The proposal as the hub's Approvals page shows it and binds a decision to (its plan id).
+        await self._audit("proposed", sharing_proposal_detail(
+            plan_id=inp.plan_id, node=inp.node, gpus=inp.gpus, change=self._what(), summary=inp.summary,
+            reason=inp.reason, risk=inp.risk, saving_usd_per_hour=inp.saving_usd_per_hour), whole=True)
         timeout = inp.settings.approval_timeout_seconds
         if inp.mode == "Recommend":
             self._set_phase(SharingPhase.PROPOSED, inp.summary + (f"; {inp.mode_reason}" if inp.mode_reason else ""))

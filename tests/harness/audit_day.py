@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 
 from activities.clients.audit_log import AuditLog
 from models.audit import AuditRecord
+from models.hub import scale_proposal_detail
 
 CLUSTER = "dev"
 DAY = datetime(2025, 3, 1, tzinfo=UTC)
@@ -92,7 +93,9 @@ def _idle(rng: random.Random, at: datetime, index: int) -> Iterator[AuditRecord]
         return AuditRecord(key=f"{op}/{action}", at=t, cluster=CLUSTER, policy="scale-to-zero-inference",
                            operation=op, action=action, **kw)
 
-    yield rec("proposed", at, detail=f"{workload}: idle for 30 min (GPU util 1%)")
+    yield rec("proposed", at, detail=scale_proposal_detail(
+        plan_id=f"{op}-r2", summary=f"scale {workload} from 2 to 0 replicas", workload=workload, replicas=2,
+        idle_evidence="idle for 30 min (GPU util 1%)"))
     yield rec("approved", at + timedelta(minutes=1), approver="bob", detail=workload)
     yield rec("scaled", at + timedelta(minutes=2), detail=f"{workload}: 2 -> 0 replicas")
     yield rec("woken", at + timedelta(hours=rng.randint(1, 6)), approver="bob", detail=f"{workload}: back to 2")

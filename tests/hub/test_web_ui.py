@@ -17,7 +17,7 @@ from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import Page
 
 from activities.clients.hub import HubClient, HubUnauthorized
-from models.hub import ActionReport
+from models.hub import ActionReport, sharing_proposal_detail
 from tests.hub.conftest import UiHub
 from tests.hub.helpers import policy_document
 from tests.hub.ui import (
@@ -294,6 +294,24 @@ async def test_a_proposal_is_approved_by_its_plan_and_a_tab_with_the_old_plan_is
         assert [(a.operation, a.decision, a.plan_id, a.decided_by, a.reason) for a in page.approvals] == [
             ("op-batch-1", "approve", "plan-bbb222", "user:paula", "capacity for the launch"),
             ("op-scale-1", "reject", "op-scale-1-r3", "user:paula", "serving a demo")]
+
+        # A Sharing proposal, as the optimizer sends it: the node, the change, its saving and risk; approved by plan.
+        share = ActionReport(
+            idempotency_key="op-share-1/proposed", operation="op-share-1", policy="share-a100", action="proposed",
+            occurred_at=ui_hub.now(), detail=sharing_proposal_detail(
+                plan_id="op-share-1-mig", node="gpu-a100-0", gpus=8, change="MIG geometry all-1g.10gb",
+                summary="gpu-a100-0: MIG all-1g.10gb", reason="peak memory 9 GiB fits a 1g.10gb slice",
+                risk="MIG evicts every GPU pod of the node", saving_usd_per_hour=4.1))
+        assert client.report(share)
+        await tab_a.reload()
+        section = tab_a.locator("section.proposal[data-operation='op-share-1']")
+        facts = await section.locator("dl.facts").inner_text()
+        assert all(t in facts for t in ("gpu-a100-0 (8 GPUs)", "MIG geometry all-1g.10gb", "$4.10/h",
+                                        "fits a 1g.10gb slice", "evicts every GPU pod"))
+        await section.get_by_role("button", name="Approve plan op-share-1-mig").click()
+        await tab_a.wait_for_url(re.compile(r".*/ui/approvals$"))
+        assert [(a.operation, a.decision, a.plan_id) for a in client.approvals(0).approvals][-1] == (
+            "op-share-1", "approve", "op-share-1-mig")
 
         # The activity timeline: filtered by operation, with the link to the cluster's Temporal UI.
         assert client.report(proposal("op-other", "plan-ccc333", ui_hub.now(), policy="other-policy"))

@@ -1,9 +1,10 @@
-"""A batch proposal's report detail: the plan as the hub reads it, within the hub's limit."""
+"""Proposals' report details (a burst batch, a ScaleToZero, a Sharing change): the plan as the hub reads it, within
+the hub's limit."""
 
 from __future__ import annotations
 
 from hub.plans import parse_plan
-from models.hub import REPORT_DETAIL_LIMIT, proposal_detail
+from models.hub import REPORT_DETAIL_LIMIT, proposal_detail, scale_proposal_detail, sharing_proposal_detail
 from models.provisioning import BatchPlan, Offering, PlannedNode
 
 
@@ -30,3 +31,34 @@ def test_a_large_plan_keeps_its_plan_id_within_the_limit() -> None:
     read = parse_plan(detail)
     assert read is not None and read.plan_id == plan.plan_id and read.total == plan.total_usd_per_hour
     assert "200 node(s)" in read.summary
+
+
+def test_a_sharing_proposal_names_its_node_change_saving_and_risk() -> None:
+    detail = sharing_proposal_detail(plan_id="op-1-ts-r2", node="gpu-a100-0", gpus=4,
+                                     change="time-slicing 2 replicas per GPU", summary="share gpu-a100-0 2 ways",
+                                     reason="p95 use 5 % < 40 %", risk="noisy neighbours", saving_usd_per_hour=16.4)
+    read = parse_plan(detail)
+    assert read is not None and read.plan_id == "op-1-ts-r2" and read.nodes == []
+    assert (read.node, read.gpus, read.change, read.saving_usd_per_hour) == (
+        "gpu-a100-0", 4, "time-slicing 2 replicas per GPU", 16.4)
+    assert (read.summary, read.reason, read.risk) == ("share gpu-a100-0 2 ways", "p95 use 5 % < 40 %",
+                                                      "noisy neighbours")
+
+
+def test_a_scale_proposal_names_its_workload_replicas_and_idle_evidence() -> None:
+    read = parse_plan(scale_proposal_detail(plan_id="op-2-r3", summary="scale ml/Deployment/infer from 3 to 0",
+                                            workload="ml/Deployment/infer", replicas=3, idle_evidence="0 % for 30m"))
+    assert read is not None and (read.plan_id, read.workload, read.replicas, read.idle_evidence) == (
+        "op-2-r3", "ml/Deployment/infer", 3, "0 % for 30m")
+
+
+def test_long_texts_are_cut_to_what_the_hub_reads_and_the_plan_id_stays() -> None:
+    # The hub reads at most 2,000 characters of each text (a longer one would hide the whole plan), and at most
+    # REPORT_DETAIL_LIMIT of the detail.
+    detail = sharing_proposal_detail(plan_id="op-3-mig", node="n", gpus=8, change="MIG geometry all-1g.10gb",
+                                     summary="s" * 5000, reason="r" * 5000, risk="k" * 5000,
+                                     saving_usd_per_hour=1.5)
+    assert len(detail) <= REPORT_DETAIL_LIMIT
+    read = parse_plan(detail)
+    assert read is not None and read.plan_id == "op-3-mig" and read.saving_usd_per_hour == 1.5
+    assert len(read.summary) == 2000 and len(read.risk) == 2000

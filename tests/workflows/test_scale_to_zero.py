@@ -18,6 +18,7 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.scale import ScaleForbidden, ScaleOps
+from hub.plans import parse_plan
 from models.decisions import Approval
 from models.policy import API_GROUP, PLURAL
 from models.scale import NO_PROMETHEUS, ScalePhase, ScaleRequest, WakeRequest, WorkloadRef, scale_workflow_id
@@ -130,6 +131,12 @@ async def test_approved_idle_deployment_scaled_to_zero_and_woken_manually(
     assert stack.replicas(other_ns, "llm") == (2, 2)
     actions = [r["action"] for r in _audit(settings) if r["operation"] == view.operation]
     assert actions == ["proposed", "approved", "scaled", "woken", "verified"]
+    # The hub is sent the proposal's plan: its Approvals page shows the workload and binds a decision to the plan id.
+    sent = parse_plan(next(r["detail"] for r in _audit(settings)
+                           if r["operation"] == view.operation and r["action"] == "proposed"))
+    assert sent is not None and (sent.plan_id, sent.workload, sent.replicas) == (
+        f"{view.operation}-r2", f"{allowed_ns}/Deployment/llm", 2)
+    assert sent.idle_evidence
     with pytest.raises(ops.DecisionRefused, match="not running"):
         await ops.wake(temporal, view.operation, WakeRequest(by="bob"))
 

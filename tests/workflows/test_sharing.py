@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,6 +25,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.sharing import SharingOps
+from hub.plans import parse_plan
 from models.decisions import Approval, Rejection
 from models.policy import API_GROUP, PLURAL
 from models.sharing import (
@@ -182,6 +184,14 @@ async def test_time_slicing_approved_runs_the_waiting_pods_then_undo_names_the_e
             assert sorted(proposal["waitingServed"]) == [f"{namespace}/wait-{i}" for i in range(4)]
             assert "noisy neighbours" in proposal["risk"]
             assert allocatable(cluster, bed.node) == "4"
+            # The hub is sent the proposal's plan (its Approvals page shows it and binds a decision to the plan id).
+            records = [json.loads(line) for line in (s.state_dir / "audit.jsonl").read_text().splitlines()]
+            sent = parse_plan(next(r["detail"] for r in records
+                                   if r["operation"] == view.operation and r["action"] == "proposed"))
+            assert sent is not None and sent.plan_id == proposal["planId"]
+            assert (sent.node, sent.gpus, sent.change, sent.saving_usd_per_hour) == (
+                bed.node, 4, "time-slicing 2 replicas per GPU", 16.4)
+            assert "noisy neighbours" in sent.risk and sent.summary
 
             await ops.approve(temporal, view.operation, Approval(approver="alice", plan_id=proposal["planId"]))
             view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED)
