@@ -9,7 +9,8 @@ An optimizer that wants its proposals shown in full sends the report's ``detail`
                 "pods": ["ml/infer-0", "ml/infer-1"]}]}
 
 for a ScaleToZero proposal ``workload``, ``replicas`` and ``idle_evidence`` instead of ``nodes``, and for a Sharing
-proposal ``node``, ``gpus``, ``change``, ``saving_usd_per_hour``, ``reason`` and ``risk``. Anything
+proposal ``node``, ``gpus``, ``change``, ``saving_usd_per_hour``, ``reason`` and ``risk``, and for a Packing round
+``remove`` (the nodes it empties), ``moves`` and ``saving_usd_per_hour``. Anything
 else in ``detail`` is plain text: shown as it is, with no plan id to bind a decision to.
 """
 
@@ -56,6 +57,10 @@ class ProposedPlan(_Lenient):
     workload: Annotated[StrictStr, Field(max_length=600)] = ""
     replicas: Annotated[int, Field(ge=0, le=100_000)] | None = None
     idle_evidence: Annotated[StrictStr, Field(max_length=2000)] = ""
+    # Packing: the nodes the round empties and removes, and the pods it moves ("ns/pod: from -> to").
+    remove: Annotated[list[Short], Field(max_length=MAX_NODES)] = Field(default_factory=list)
+    moves: Annotated[list[Annotated[StrictStr, Field(max_length=600)]], Field(max_length=1000)] = Field(
+        default_factory=list)
     # Sharing: the node, the change (time-slicing replicas or a MIG geometry), what it saves and what it risks.
     node: Short = ""
     gpus: Annotated[int, Field(ge=0, le=1024)] | None = None

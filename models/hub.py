@@ -107,6 +107,19 @@ def sharing_proposal_detail(*, plan_id: str, node: str, gpus: int, change: str, 
                          cut=("summary", "reason", "risk"), fallback=summary)
 
 
+def pack_proposal_detail(*, plan_id: str, summary: str, remove: list[str], moves: list[str],
+                         saving_usd_per_hour: float) -> str:
+    """A Packing round's proposal as the hub reads it: the nodes it empties and removes, the pods it moves and
+    what it saves."""
+    doc: dict[str, object] = {"plan_id": plan_id, "summary": summary, "remove": remove[:64], "moves": moves,
+                              "saving_usd_per_hour": round(saving_usd_per_hour, 6)}
+    for shown in (moves, moves[:64], moves[:8], []):
+        text = _within_limit({**doc, "moves": shown}, cut=("summary",), fallback=summary)
+        if text.startswith("{") and len(text) <= REPORT_DETAIL_LIMIT:
+            return text
+    return report_detail(summary)
+
+
 def scale_proposal_detail(*, plan_id: str, summary: str, workload: str, replicas: int, idle_evidence: str) -> str:
     """A ScaleToZero proposal as the hub reads it: the workload, its replicas now and why it counts as idle."""
     return _within_limit({"plan_id": plan_id, "summary": summary, "workload": workload, "replicas": replicas,

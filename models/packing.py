@@ -168,6 +168,8 @@ class PackView(Model):
     removed: list[str] = Field(default_factory=list)
     moved: list[str] = Field(default_factory=list)
     history: list[str] = Field(default_factory=list)
+    # The run's operation ID: its audit records and hub reports name it, and an approval's plan_id is it.
+    operation: str = ""
 
 
 def packing_workflow_id(cluster: str, policy: str) -> str:

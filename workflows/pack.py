@@ -14,6 +14,9 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, CancelledError
 
 from models import search_attributes as sa
+from models.audit import AuditRecord
+from models.hub import pack_proposal_detail
+from models.ids import operation_id
 from models.packing import (
     EvictOutcome,
     GroupRef,
@@ -26,6 +29,7 @@ from models.packing import (
     ReplacementCheck,
     ReplacementState,
 )
+from workflows.audit import record_audit
 from workflows.failures import QUICK, RETRY
 from workflows.operation import Approvable, Proposal
 
@@ -58,6 +62,9 @@ class PackWorkflow(Approvable[PackPhase]):
         self.moved: list[str] = []
         self.cordoned: list[str] = []
         self.frozen: list[str] = []
+        # This run's operation ID (audit records, hub reports and the hub's approvals name it); "" for a run begun
+        # before rounds were audited, which goes on unaudited (its history holds no audit commands).
+        self.operation = ""
 
     def _details(self) -> str:
         lines = [f"**Packing** {self.phase.value}: {self.message}"]
@@ -68,7 +75,9 @@ class PackWorkflow(Approvable[PackPhase]):
     def _awaiting(self) -> Proposal | None:
         if self.phase != PackPhase.AWAITING_APPROVAL or self.plan is None:
             return None
-        return Proposal(operation=workflow.info().workflow_id, plan_id=workflow.info().workflow_id,
+        # The plan ID is this run's: a decision for an earlier round of the policy (the same workflow ID) is stale.
+        plan_id = self.operation or workflow.info().workflow_id
+        return Proposal(operation=self.operation or workflow.info().workflow_id, plan_id=plan_id,
                         summary=self.plan.summary())
 
     @workflow.query(name="state")
@@ -77,7 +86,17 @@ class PackWorkflow(Approvable[PackPhase]):
         return PackView(workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
                         policy=inp.policy if inp else "", phase=self.phase.value, message=self.message,
                         plan=self.plan, removed=list(self.removed), moved=list(self.moved),
-                        history=list(self.history))
+                        history=list(self.history), operation=self.operation)
+
+    async def _audit(self, action: str, detail: str, *, node: str | None = None) -> None:
+        """An audit record, reported to the hub (R2.8): proposed, approved/rejected/expired, each node drained and
+        removed, failed or cancelled."""
+        if not self.operation or self.inp is None:
+            return
+        await record_audit(AuditRecord(
+            key=f"{self.operation}/{action}" + (f"/{node}" if node else ""), at=workflow.now(),
+            cluster=self.inp.cluster, policy=self.inp.policy, operation=self.operation, action=action,
+            node_name=node, approver=self.approval.approver if self.approval else None, detail=detail))
 
     async def _act(self, name: str, arg: object, result_type: type | None = None,
                    timeout: timedelta = QUICK) -> object:
@@ -87,8 +106,15 @@ class PackWorkflow(Approvable[PackPhase]):
     @workflow.run
     async def run(self, inp: PackInput) -> PackView:
         self.inp = inp
-        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-                    sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(self.phase.value))
+        info = workflow.info()
+        if workflow.patched("pack-audit"):
+            self.operation = operation_id(info.workflow_id, info.run_id)
+            self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                        sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
+                        sa.PHASE.value_set(self.phase.value))
+        else:
+            self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
+                        sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(self.phase.value))
         plan = await self._act("pack_plan", PackPlanRequest(groups=inp.groups, max_nodes=inp.max_nodes,
                                                             min_savings_usd_per_hour=inp.min_savings_usd_per_hour,
                                                             scope=inp.scope),
@@ -98,6 +124,11 @@ class PackWorkflow(Approvable[PackPhase]):
         if not plan.empty:
             self._set_phase(PackPhase.NOTHING_TO_DO, plan.summary())
             return self.state()
+        # The proposal as the hub's Approvals page shows it and binds a decision to (this run's plan ID).
+        await self._audit("proposed", pack_proposal_detail(
+            plan_id=self.operation, summary=plan.summary(), remove=plan.empty,
+            saving_usd_per_hour=plan.usd_per_hour_saved,
+            moves=[f"{m.pod}: {m.source} -> {m.target}" for m in plan.moves]))
         if inp.mode == "Recommend":
             self._set_phase(PackPhase.PROPOSED, plan.summary())
             return self.state()
@@ -108,10 +139,13 @@ class PackWorkflow(Approvable[PackPhase]):
                                               timeout=timedelta(seconds=inp.settings.approval_timeout_seconds))
             except TimeoutError:
                 self._set_phase(PackPhase.REJECTED, "the approval timed out; nothing was moved")
+                await self._audit("expired", self.message)
                 return self.state()
             if self.rejection is not None:
                 self._set_phase(PackPhase.REJECTED, f"rejected by {self.rejection.approver}; nothing was moved")
+                await self._audit("rejected", self.rejection.reason or self.message)
                 return self.state()
+            await self._audit("approved", f"plan {self.operation}")
         try:
             for node in plan.empty:
                 await self._pack_node(node, self._group_of(node))
@@ -120,13 +154,16 @@ class PackWorkflow(Approvable[PackPhase]):
         except PodNotReplaced as exc:
             await self._compensate()
             self._set_phase(PackPhase.STOPPED, f"{exc}; stopped, nothing else evicted, node(s) uncordoned")
+            await self._audit("failed", self.message)
         except (ActivityError, CancelledError, TimeoutError) as exc:
             cancelled = isinstance(exc, CancelledError) or isinstance(getattr(exc, "cause", None), CancelledError)
             await self._compensate()
             if cancelled:
                 self._set_phase(PackPhase.CANCELLED, "cancelled; node(s) uncordoned, pool unfrozen")
+                await self._audit("cancelled", self.message)
                 raise
             self._set_phase(PackPhase.STOPPED, f"failed: {getattr(exc, 'cause', None) or exc}; compensated")
+            await self._audit("failed", self.message)
         return self.state()
 
     def _group_of(self, node: str) -> str:
@@ -173,6 +210,8 @@ class PackWorkflow(Approvable[PackPhase]):
                 waited += s.poll_seconds
             self.moved.append(pod.key)
         self._note(f"{node} empty; removing it through the capacity provider")
+        await self._audit("drained", f"node {node}: {len(pods)} pod(s) evicted, each Ready on a kept node",
+                          node=node)
         await self._act("pack_remove_node", NodeRef2(node=node, group=group))
         waited = 0.0
         while not await self._act("pack_node_gone", NodeRef2(node=node, group=group), bool):
@@ -182,6 +221,7 @@ class PackWorkflow(Approvable[PackPhase]):
             waited += s.poll_seconds
         self.cordoned.remove(node)
         self.removed.append(node)
+        await self._audit("removed", f"node {node}: its NodeClaim and Node gone (group {group})", node=node)
         await self._act("pack_unfreeze", GroupRef(group=group, operation=op))
         self.frozen.remove(group)
 

@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
 from activities.capacity import CapacityProvider
+from activities.clients.audit_log import AuditLog
 from activities.clients.kube import KubeOps
 from activities.packing import PackActivities
+from models.audit import AuditRecord
 from models.packing import PackInput, PackSettings, PackView
 from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, wait_for
@@ -43,11 +48,22 @@ async def until_async(check: Callable[[], Awaitable[bool]], *, what: str, timeou
 
 @contextlib.asynccontextmanager
 async def pack_worker(temporal: Client, queue: str, optimizer: client.ApiClient,
-                      capacity: CapacityProvider) -> AsyncIterator[None]:
-    """PackWorkflow and its activities on ``queue``, with the optimizer's credentials and ``capacity``."""
+                      capacity: CapacityProvider, audit_log: AuditLog | None = None) -> AsyncIterator[None]:
+    """PackWorkflow and its activities on ``queue``, with the optimizer's credentials and ``capacity``; its audit
+    records go to ``audit_log`` (the real log; a temporary one when not given), as the worker's record_audit
+    writes them."""
     acts = PackActivities(KubeOps(optimizer), capacity)
-    with ThreadPoolExecutor(8) as executor:
-        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow], activities=acts.all(),
+    with contextlib.ExitStack() as stack:
+        if audit_log is None:
+            audit_log = AuditLog(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "audit.jsonl")
+        log = audit_log
+
+        @activity.defn(name="record_audit")
+        async def record_audit(record: AuditRecord) -> bool:
+            return (await asyncio.to_thread(log.write, record))[1]
+
+        executor = stack.enter_context(ThreadPoolExecutor(8))
+        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow], activities=[*acts.all(), record_audit],
                           activity_executor=executor, workflow_runner=workflow_runner()):
             yield
 

@@ -17,7 +17,7 @@ from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import Page
 
 from activities.clients.hub import HubClient, HubUnauthorized
-from models.hub import ActionReport, sharing_proposal_detail
+from models.hub import ActionReport, pack_proposal_detail, sharing_proposal_detail
 from tests.hub.conftest import UiHub
 from tests.hub.helpers import policy_document
 from tests.hub.ui import (
@@ -310,8 +310,23 @@ async def test_a_proposal_is_approved_by_its_plan_and_a_tab_with_the_old_plan_is
                                         "fits a 1g.10gb slice", "evicts every GPU pod"))
         await section.get_by_role("button", name="Approve plan op-share-1-mig").click()
         await tab_a.wait_for_url(re.compile(r".*/ui/approvals$"))
-        assert [(a.operation, a.decision, a.plan_id) for a in client.approvals(0).approvals][-1] == (
-            "op-share-1", "approve", "op-share-1-mig")
+
+        # A Packing round: the nodes it removes, the pods it moves, what it saves.
+        pack = ActionReport(
+            idempotency_key="op-pack-1/proposed", operation="op-pack-1", policy="pack-l4", action="proposed",
+            occurred_at=ui_hub.now(), detail=pack_proposal_detail(
+                plan_id="op-pack-1", summary="empty 1 node(s) (gpu-l4-2), moving 2 pod(s): saves $4.60/h",
+                remove=["gpu-l4-2"], moves=["ml/infer-4: gpu-l4-2 -> gpu-l4-0", "ml/infer-5: gpu-l4-2 -> gpu-l4-1"],
+                saving_usd_per_hour=4.6))
+        assert client.report(pack)
+        await tab_a.reload()
+        section = tab_a.locator("section.proposal[data-operation='op-pack-1']")
+        facts = await section.locator("dl.facts").inner_text()
+        assert all(t in facts for t in ("gpu-l4-2", "ml/infer-4: gpu-l4-2 -> gpu-l4-0", "$4.60/h"))
+        await section.get_by_role("button", name="Approve plan op-pack-1").click()
+        await tab_a.wait_for_url(re.compile(r".*/ui/approvals$"))
+        assert [(a.operation, a.decision, a.plan_id) for a in client.approvals(0).approvals][-2:] == [
+            ("op-share-1", "approve", "op-share-1-mig"), ("op-pack-1", "approve", "op-pack-1")]
 
         # The activity timeline: filtered by operation, with the link to the cluster's Temporal UI.
         assert client.report(proposal("op-other", "plan-ccc333", ui_hub.now(), policy="other-policy"))

@@ -4,7 +4,13 @@ the hub's limit."""
 from __future__ import annotations
 
 from hub.plans import parse_plan
-from models.hub import REPORT_DETAIL_LIMIT, proposal_detail, scale_proposal_detail, sharing_proposal_detail
+from models.hub import (
+    REPORT_DETAIL_LIMIT,
+    pack_proposal_detail,
+    proposal_detail,
+    scale_proposal_detail,
+    sharing_proposal_detail,
+)
 from models.provisioning import BatchPlan, Offering, PlannedNode
 
 
@@ -62,3 +68,16 @@ def test_long_texts_are_cut_to_what_the_hub_reads_and_the_plan_id_stays() -> Non
     read = parse_plan(detail)
     assert read is not None and read.plan_id == "op-3-mig" and read.saving_usd_per_hour == 1.5
     assert len(read.summary) == 2000 and len(read.risk) == 2000
+
+
+def test_a_packing_proposal_names_the_nodes_removed_and_the_pods_moved_within_the_limit() -> None:
+    moves = [f"ml/infer-{i}-{'x' * 40}: gpu-l4-{i % 50} -> gpu-l4-{50 + i % 50}" for i in range(400)]
+    detail = pack_proposal_detail(plan_id="op-4", summary="empty 50 node(s)", remove=[f"gpu-l4-{i}" for i in range(50)],
+                                  moves=moves, saving_usd_per_hour=230.0)
+    assert len(detail) <= REPORT_DETAIL_LIMIT
+    read = parse_plan(detail)
+    assert read is not None and read.plan_id == "op-4" and len(read.remove) == 50 and read.saving_usd_per_hour == 230
+    assert read.moves and read.moves == moves[:len(read.moves)]  # cut, in order
+    small = parse_plan(pack_proposal_detail(plan_id="op-5", summary="s", remove=["a"], moves=["ml/p: a -> b"],
+                                            saving_usd_per_hour=1.0))
+    assert small is not None and small.moves == ["ml/p: a -> b"]

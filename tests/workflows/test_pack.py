@@ -16,6 +16,7 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
+from activities.clients.audit_log import AuditLog
 from models.decisions import Approval
 from models.packing import PackInput, PackView
 from tests.harness import packing
@@ -31,9 +32,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 
 @contextlib.asynccontextmanager
-async def _worker(cluster: Cluster, temporal: Client, queue: str) -> AsyncIterator[None]:
+async def _worker(cluster: Cluster, temporal: Client, queue: str,
+                  audit_log: AuditLog | None = None) -> AsyncIterator[None]:
     optimizer = grant(cluster, "kubeon-pack-test", OPTIMIZER_RULES)
-    async with packing.pack_worker(temporal, queue, optimizer.api, KarpenterCapacity(optimizer.api)):
+    async with packing.pack_worker(temporal, queue, optimizer.api, KarpenterCapacity(optimizer.api), audit_log):
         yield
 
 

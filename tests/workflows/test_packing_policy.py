@@ -2,9 +2,10 @@
 and the Temporal dev server, with the optimizer's own credentials: over a fragmented pool (six 1-GPU pods on
 three 4-GPU nodes) a Recommend policy only reports (status.packing: the proposal, $/h saved, the pods it moves;
 no round, nothing moved); the same policy in Approve gets one round from the watcher, a second resync leaves it
-as it is, the approval (the ``approve_plan`` update) empties one node (its NodeClaim deleted by us), and the next
-resync proposes and starts nothing. An Autoscaling policy: Recommend reports the limit it would set, Automatic
-sets the NodePool's GPU limit to maxGpus, holds it, and patches it again when maxGpus is lowered."""
+as it is, the approval (the ``approve_plan`` update, bound to the run's plan ID) empties one node (its NodeClaim
+deleted by us), audited from proposal to removal, and the next resync proposes and starts nothing. An
+Autoscaling policy: Recommend reports the limit it would set, Automatic sets the NodePool's GPU limit to maxGpus,
+holds it, and patches it again when maxGpus is lowered."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
+from activities.clients.audit_log import AuditLog
+from hub.plans import parse_plan
 from models.decisions import Approval
 from models.packing import PackInput, PackView, packing_workflow_id
 from models.policy import API_GROUP, PLURAL
@@ -52,7 +56,7 @@ def _status(cluster: Cluster, name: str) -> dict[str, Any]:
 
 async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node(
         cluster: Cluster, karpenter: Karpenter, namespace: str, temporal_dev_server: WorkflowEnvironment,
-        fragmented: tuple[str, dict[str, int]], packing_policy: str) -> None:
+        fragmented: tuple[str, dict[str, int]], packing_policy: str, tmp_path: Path) -> None:
     pool, spread = fragmented
     temporal: Client = temporal_dev_server.client
     queue, cluster_name = f"packpol-{uuid.uuid4().hex[:6]}", f"c-{uuid.uuid4().hex[:6]}"
@@ -81,7 +85,8 @@ async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node
     # Approve: the watcher starts the policy's round, which awaits one approval; another resync leaves it be.
     cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, packing_policy,
                                                      {"spec": {"mode": "Approve"}})
-    async with _worker(cluster, temporal, queue):
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    async with _worker(cluster, temporal, queue, audit):
         assert await watcher.resync() == [wid]
         handle = temporal.get_workflow_handle(wid, result_type=PackView)
 
@@ -94,7 +99,13 @@ async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node
         assert status["enforcedMode"] == "Approve" and status["round"]["workflowId"] == wid
         assert "left as it is" in status["round"]["note"], status["round"]
         assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before  # nothing done yet
-        result = await handle.execute_update("approve_plan", Approval(approver="test", plan_id=wid))
+        proposed = await handle.query(PackWorkflow.state)
+        assert proposed.operation.startswith("op-")
+        # The plan ID is the run's: an approval naming the policy's round in general (its workflow ID, which every
+        # round shares) is refused as stale, never applied to this round.
+        with pytest.raises(WorkflowUpdateFailedError):
+            await handle.execute_update("approve_plan", Approval(approver="test", plan_id=wid))
+        result = await handle.execute_update("approve_plan", Approval(approver="test", plan_id=proposed.operation))
         assert "approved by test" in str(result)
         view = await handle.result()
     assert view.phase == "Done", view
@@ -103,6 +114,15 @@ async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node
     claims_after = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
     assert claims_after < claims_before and len(claims_after) == 2
     assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+    # The round is audited and reported to the hub (R2.8), its proposal with the plan the hub shows and binds to.
+    records = [r for r in audit.read() if r.operation == view.operation]
+    assert [(r.action, r.node_name) for r in records] == [
+        ("proposed", None), ("approved", None), ("drained", removed), ("removed", removed)]
+    assert records[1].approver == "test"
+    sent = parse_plan(records[0].detail)
+    assert sent is not None and (sent.plan_id, sent.remove) == (view.operation, [removed])
+    assert view.plan is not None and sent.saving_usd_per_hour == round(view.plan.usd_per_hour_saved, 6) > 4.5
+    assert len(sent.moves) == spread[removed] and all(f": {removed} -> " in m for m in sent.moves)
     assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
     # Packed: the next resync proposes nothing more and starts no round; the proposal and round are gone from the
     # status.
