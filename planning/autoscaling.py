@@ -2,12 +2,13 @@
 
 - ``maxGpus``: each NodePool at most that many GPUs.
 - ``maxUsdPerHour``: all of the policy's NodePools together, valued at the worst case: a pool's GPUs are priced at
-  the most expensive $/GPU-hour among the instance types it may launch (``HomeNodeGroup.launchable``). The budget
+  the most expensive $/GPU-hour among the instance types it may launch (``HomeNodeGroup.launchable``) and the GPU
+  nodes it runs of other types (their GPUs count in the limit too). The budget
   is shared in equal dollar parts; a pool whose maxGpus costs less than its part takes only that and leaves the
   rest to the others (water-filling). Each pool's dollar limit is the largest GPU count whose worst case stays
   within its part; the smaller of that and maxGpus wins.
 - A pool whose launchable types are unknown (its requirements name no instance type: Karpenter may launch any
-  that fits) or include a type without a price cannot be valued: then the dollar budget cannot be held for the
+  that fits) or include a type without a price, or that runs a GPU node without one, cannot be valued: then the dollar budget cannot be held for the
   policy at all (the other pools' share of it is unknown), and only maxGpus (if any) is applied. ``reason`` names
   the pools and the unpriced types.
 A limit counts the GPUs a pool runs now too: it stops new nodes and removes none, so a pool running above its limit
@@ -52,15 +53,22 @@ class BudgetPlan:
 
 
 def worst_usd_per_gpu_hour(group: HomeNodeGroup) -> tuple[float | None, str]:
-    """The most expensive $/GPU-hour among the types the group may launch, or (None, why it is unknown). A group
-    whose requirements leave no type it can launch costs nothing more: 0."""
+    """The most expensive $/GPU-hour among the types the group may launch and the nodes it runs (a limit counts
+    their GPUs too; a node of a type it no longer launches may cost more), or (None, why it is unknown). A group
+    that can launch no type and runs no GPU node costs nothing more: 0."""
     if group.launchable is None:
         return None, (f"NodePool {group.name} names no instance types (node.kubernetes.io/instance-type In): "
                       "it may launch any type that fits, which cannot be priced")
     if group.unpriced:
         return None, f"NodePool {group.name} may launch instance types without a price: {', '.join(group.unpriced)}"
-    priced = [t for t in group.launchable if t.gpus > 0]
-    return max((t.usd_per_gpu_hour for t in priced), default=0.0), ""
+    known = {t.instance_type for t in group.launchable}
+    running = [n for n in group.nodes if n.gpus > 0 and n.instance_type not in known]
+    unpriced = sorted({n.instance_type or n.name for n in running if n.usd_per_hour is None})
+    if unpriced:
+        return None, f"NodePool {group.name} runs GPU nodes without a price: {', '.join(unpriced)}"
+    per_gpu = [t.usd_per_gpu_hour for t in group.launchable if t.gpus > 0]
+    per_gpu += [(n.usd_per_hour or 0.0) / n.gpus for n in running]
+    return max(per_gpu, default=0.0), ""
 
 
 def _gpus_within(usd: float, per_gpu: float) -> int:

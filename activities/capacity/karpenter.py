@@ -12,9 +12,10 @@ Only what R5.1 grants is used: NodePools and NodeClaims get/list/patch/delete, N
 - The instance types a pool may launch (``HomeNodeGroup.launchable``, for a dollar budget) are known only when its
   requirements name them (``node.kubernetes.io/instance-type In``): otherwise Karpenter may launch any type of its
   cloud that fits, and the catalogue is no complete list of those. Each is priced at the highest the product knows:
-  the catalogue's on-demand list price (the highest of its regions; a spot offering costs less), or more when one of
-  the pool's nodes of that type carries a higher price label; a type the catalogue lacks, at the price an on-demand
-  node of the pool of that type shows. A type without either is ``unpriced``.
+  the catalogue's on-demand list price (GCP: the highest of its regions; the AWS catalogue has one price per type;
+  a spot offering costs less), or more when one of the pool's nodes of that type carries a higher price label; a
+  type the catalogue lacks, at the price an on-demand node of the pool of that type shows. A type without either
+  is ``unpriced``.
 Every change is a merge patch carrying the object's resourceVersion: a concurrent change is a 409, re-read and
 retried (a few times, then ``ConflictError``).
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.capacity import HomeNodeGroup, InstanceTypePrice
+from models.capacity import GroupNode, HomeNodeGroup, InstanceTypePrice
 from planning.autoscaling import plan_limits, worst_usd_per_gpu_hour
 
 L4_1 = InstanceTypePrice(instance_type="g6.xlarge", gpus=1, usd_per_hour=0.805)
@@ -25,6 +25,21 @@ def test_the_worst_case_is_the_most_expensive_gpu_hour_of_the_launchable_types()
     assert none is None and "NodePool a names no instance types" in why
     none, why = worst_usd_per_gpu_hour(_group("a", [L4_4], ("g6.48xlarge", "x9")))
     assert none is None and why == "NodePool a may launch instance types without a price: g6.48xlarge, x9"
+
+
+def test_a_running_node_of_a_type_the_pool_no_longer_launches_counts_at_its_own_price() -> None:
+    # Its GPUs count in the limit: a p4d (4.097 $/GPU-h) left from before the requirement named L4 types only.
+    old = GroupNode(name="n1", instance_type="p4d.24xlarge", gpus=8, usd_per_hour=32.773)
+    assert worst_usd_per_gpu_hour(_group("a", [L4_4], nodes=[old])) == (32.773 / 8, "")
+    # A node of a launchable type is valued with its type (the provider folds its price label in).
+    same = GroupNode(name="n2", instance_type="g6.12xlarge", gpus=4, usd_per_hour=None)
+    assert worst_usd_per_gpu_hour(_group("a", [L4_4], nodes=[same])) == (1.1505, "")
+    unknown = GroupNode(name="n3", instance_type="x9.large", gpus=2, usd_per_hour=None)
+    none, why = worst_usd_per_gpu_hour(_group("a", [L4_4], nodes=[unknown]))
+    assert none is None and why == "NodePool a runs GPU nodes without a price: x9.large"
+    # No GPU on it (a CPU node of the pool): not counted.
+    cpu = GroupNode(name="n4", instance_type="m5.large", gpus=0, usd_per_hour=None)
+    assert worst_usd_per_gpu_hour(_group("a", [L4_4], nodes=[cpu])) == (1.1505, "")
 
 
 def test_one_pool_gets_the_largest_gpu_count_within_the_budget_and_max_gpus_wins_when_smaller() -> None:
