@@ -8,9 +8,9 @@
   rest to the others (water-filling). Each pool's dollar limit is the largest GPU count whose worst case stays
   within its part; the smaller of that and maxGpus wins.
 - A pool whose launchable types are unknown (its requirements name no instance type: Karpenter may launch any
-  that fits) or include a type without a price, or that runs a GPU node without one, cannot be valued: then the dollar budget cannot be held for the
-  policy at all (the other pools' share of it is unknown), and only maxGpus (if any) is applied. ``reason`` names
-  the pools and the unpriced types.
+  that fits) or include a type without a price, or that runs a GPU node without one, cannot be valued: then the
+  dollar budget cannot be held for the policy at all (the other pools' share of it is unknown), and only maxGpus
+  (if any) is applied. ``reason`` names the pools and the unpriced types.
 A limit counts the GPUs a pool runs now too: it stops new nodes and removes none, so a pool running above its limit
 costs more than its part until its own nodes go.
 """
