@@ -56,8 +56,10 @@ def test_groups_freeze_shield_limits_and_removal(cluster: Cluster, karpenter: Ka
     pods = wait_for(lambda: _running(cluster, namespace, "big", 2), timeout=90, what="two pods on two new nodes")
     assert len({p.spec.node_name for p in pods}) == 2
 
-    group = wait_for(lambda: next((g for g in capacity.list_groups() if g.name == name and g.gpus == 8), None),
-                     timeout=30, what="the pool's status counting 8 GPUs")
+    # Karpenter records a NodeClaim's status.nodeName at registration, which may land after the pods run there.
+    group = wait_for(lambda: next((g for g in capacity.list_groups() if g.name == name and g.gpus == 8
+                                   and len(g.nodes) == 2 and all(n.nodeclaim for n in g.nodes)), None),
+                     timeout=30, what="the pool's status counting 8 GPUs and its nodes mapped to their NodeClaims")
     assert group.provider == "karpenter" and group.gpu_products == [L4]
     assert group.gpu_limit == 8 and group.at_gpu_limit and group.replicas is None
     assert group.budgets == USER_BUDGETS and group.frozen_by is None
