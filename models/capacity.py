@@ -88,8 +88,8 @@ class HomeNodeGroup(Model):
     taints: list[str] = Field(default_factory=list)
     launching: list[LaunchingClaim] = Field(default_factory=list)
     # The instance types the group may launch, priced (Karpenter: the types its node.kubernetes.io/instance-type
-    # "In" requirement names, less those its other requirements exclude); None when the group does not name them
-    # (any type of the cloud that fits: the product cannot price what it cannot list).
+    # "In" requirement names, less "NotIn"); None when the group does not name them (any type of the cloud that
+    # fits: the product cannot price what it cannot list).
     launchable: list[InstanceTypePrice] | None = None
     # Types the group may launch that the product has no price (or GPU count) for.
     unpriced: list[str] = Field(default_factory=list)

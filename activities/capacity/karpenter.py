@@ -51,7 +51,6 @@ from models.capacity import (
 from models.labels import GPU_RESOURCE, LABEL_INSTANCE_TYPE
 from models.locations import OfferingSpec
 from models.provisioning import NodeRequirement
-from planning.burst import requirement_holds
 
 GROUP = "karpenter.sh"
 VERSION = "v1"
@@ -71,7 +70,6 @@ PRICE_LABEL: Final = "eks-node-viewer/instance-price"
 SCALED_DOWN_FOR_ANNOTATION: Final = "gpu.kubeon.io/replicas-decremented-for"
 CATALOG_PRICES: Final = {s.instance_type: s.usd_per_hour
                          for s in (*AWS_GPU_INSTANCES, *GCP_GPU_INSTANCES.get("us-central1", ()))}
-GPU_COUNT_KEY: Final = "nvidia.com/gpu.count"
 
 
 def _catalog() -> dict[str, OfferingSpec]:
@@ -241,8 +239,10 @@ class KarpenterCapacity(HomeNodes):
     def _launchable(self, requirements: list[NodeRequirement],
                     members: list[GroupNode]) -> tuple[list[InstanceTypePrice] | None, list[str]]:
         """The instance types the pool's requirements name (None: it names none), priced, and those the product
-        has no price for. A catalogued type the GPU product or count requirements exclude cannot be launched and
-        is left out; the pool's other requirements are not judged (a type kept in excess only lowers the cap)."""
+        has no price for. Its other requirements are not judged: whether a GPU product or count requirement
+        filters instance types depends on the cloud provider's labels (on AWS ``nvidia.com/gpu.product`` is no
+        well-known label, so Karpenter puts it on the node of whatever type it picks); a type kept in excess only
+        lowers the cap, one left out wrongly would understate the worst case."""
         named: set[str] | None = None
         for r in requirements:
             if r.key == LABEL_INSTANCE_TYPE and r.operator == "In":
@@ -252,16 +252,12 @@ class KarpenterCapacity(HomeNodes):
         for r in requirements:
             if r.key == LABEL_INSTANCE_TYPE and r.operator == "NotIn":
                 named -= set(r.values)
-        judged = [r for r in requirements if r.key in (LABEL_INSTANCE_TYPE, PRODUCT_KEY, GPU_COUNT_KEY)]
         priced: list[InstanceTypePrice] = []
         unpriced: list[str] = []
         for name in sorted(named):
             spec = self._catalog.get(name)
             seen = [m for m in members if m.instance_type == name and m.usd_per_hour is not None and m.gpus > 0]
             if spec is not None:
-                labels = {LABEL_INSTANCE_TYPE: name, PRODUCT_KEY: spec.gpu_product, GPU_COUNT_KEY: str(spec.gpus)}
-                if not all(requirement_holds(r, labels) for r in judged):
-                    continue
                 usd = max([spec.usd_per_hour, *(m.usd_per_hour or 0.0 for m in seen)])
                 priced.append(InstanceTypePrice(instance_type=name, gpus=spec.gpus, usd_per_hour=usd))
             elif on_demand := [m for m in seen if m.capacity_type == "on-demand"]:

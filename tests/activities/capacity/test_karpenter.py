@@ -174,23 +174,26 @@ def test_static_pool_removal_decrements_replicas_once(cluster: Cluster, karpente
 
 def test_launchable_instance_types_are_those_the_requirements_name_priced_at_the_highest_known(
         karpenter: Karpenter, optimizer: Kube) -> None:
-    """What a dollar budget values a pool at: the types its instance-type requirement names (less those its GPU
-    product requirement excludes), each at the catalogue's highest list price; an uncatalogued type is unpriced;
-    a pool naming no type may launch any, so none is known."""
+    """What a dollar budget values a pool at: the types its instance-type requirement names (less NotIn; its GPU
+    product requirement is not judged), each at the catalogue's highest list price; an uncatalogued type is
+    unpriced; a pool naming no type may launch any, so none is known."""
     taint = uuid.uuid4().hex[:8]
     named, unpriced, unnamed = f"named-{taint}", f"unpriced-{taint}", f"unnamed-{taint}"
     capacity = KarpenterCapacity(optimizer.api)
     try:
-        karpenter.create_nodepool(gpu_nodepool(named, taint=taint,
-                                               instance_types=("g6.xlarge", "g6.12xlarge", "a2-highgpu-1g")))
+        body = gpu_nodepool(named, taint=taint, instance_types=("g6.xlarge", "g6.12xlarge", "a2-highgpu-1g"))
+        body["spec"]["template"]["spec"]["requirements"].append(
+            {"key": "node.kubernetes.io/instance-type", "operator": "NotIn", "values": ["g6.xlarge"]})
+        karpenter.create_nodepool(body)
         karpenter.create_nodepool(gpu_nodepool(unpriced, taint=taint,
                                                instance_types=("g6.12xlarge", "g6.48xlarge")))
         karpenter.create_nodepool(gpu_nodepool(unnamed, taint=taint, gpu_counts=(4,)))
         group = capacity.get_group(named)
         assert group.launchable is not None and group.unpriced == []
-        # a2-highgpu-1g is an A100 type: the pool's L4 requirement excludes it.
+        # NotIn takes g6.xlarge out; a2-highgpu-1g (an A100 type) stays although the pool requires L4: on a real
+        # cloud that requirement need not filter types. Its price is GCP's highest region's (europe-west4).
         assert [(t.instance_type, t.gpus, t.usd_per_hour) for t in group.launchable] == [
-            ("g6.12xlarge", 4, 4.602), ("g6.xlarge", 1, 0.805)]
+            ("a2-highgpu-1g", 1, 3.856), ("g6.12xlarge", 4, 4.602)]
         group = capacity.get_group(unpriced)
         assert [t.instance_type for t in group.launchable or []] == ["g6.12xlarge"]
         assert group.unpriced == ["g6.48xlarge"]
