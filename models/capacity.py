@@ -52,6 +52,19 @@ class LaunchingClaim(Model):
     failed: str = ""
 
 
+class InstanceTypePrice(Model):
+    """An instance type a group may launch: its GPUs and the highest $/h the product knows for it (the catalogue's
+    on-demand list price, or a higher price one of the group's nodes of that type carries)."""
+
+    instance_type: str
+    gpus: int
+    usd_per_hour: float
+
+    @property
+    def usd_per_gpu_hour(self) -> float:
+        return self.usd_per_hour / self.gpus
+
+
 class HomeNodeGroup(Model):
     """A group of home GPU nodes (a Karpenter NodePool with GPU requirements)."""
 
@@ -74,6 +87,12 @@ class HomeNodeGroup(Model):
     requirements: list[NodeRequirement] = Field(default_factory=list)
     taints: list[str] = Field(default_factory=list)
     launching: list[LaunchingClaim] = Field(default_factory=list)
+    # The instance types the group may launch, priced (Karpenter: the types its node.kubernetes.io/instance-type
+    # "In" requirement names, less "NotIn"); None when the group does not name them (any type of the cloud that
+    # fits: the product cannot price what it cannot list).
+    launchable: list[InstanceTypePrice] | None = None
+    # Types the group may launch that the product has no price (or GPU count) for.
+    unpriced: list[str] = Field(default_factory=list)
     # -- managed node groups (eks-nodegroups) --
     # The group's scaling config (min <= desired <= max) and what backs it; None for Karpenter NodePools.
     scaling: GroupScaling | None = None

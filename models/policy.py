@@ -526,19 +526,30 @@ NodePoolName = Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_
 
 
 class AutoscalingSpec(_KindSpec):
-    """Hold each of ``nodePools`` at ``maxGpus`` GPUs (``limits["nvidia.com/gpu"]``): a limit stops new nodes,
-    it never removes one. Automatic holds it; Recommend (and, without a mode, any defaultMode but Automatic) only
-    reports what it would set."""
+    """Hold each of ``nodePools`` under its GPU budget (``limits["nvidia.com/gpu"]``): at most ``maxGpus`` GPUs
+    each, and all of them together at most ``maxUsdPerHour`` valued at the highest $/GPU-hour each pool may
+    launch (planning/autoscaling.py); at least one of the two. A limit stops new nodes, it never removes one.
+    Automatic holds it; Recommend (and, without a mode, any defaultMode but Automatic) only reports what it would
+    set."""
 
     KIND = "Autoscaling"
     mode: Literal["Recommend", "Automatic"] | None = None
     node_pools: Annotated[list[NodePoolName], Field(min_length=1, max_length=32)]
-    max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)]
+    max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)] | None = None
+    # USD per hour for all of nodePools together (strict float takes ints, not strings).
+    max_usd_per_hour: Annotated[StrictFloat, Field(gt=0, le=1_000_000)] | None = None
 
     @field_validator("node_pools")
     @classmethod
     def _unique_pools(cls, pools: list[str]) -> list[str]:
         return _unique(pools, "NodePool")
+
+    @model_validator(mode="after")
+    def _some_budget(self) -> AutoscalingSpec:
+        if self.max_gpus is None and self.max_usd_per_hour is None:
+            raise PydanticCustomError("autoscaling_budget_missing",
+                                      "spec.maxGpus or spec.maxUsdPerHour is required for kind Autoscaling")
+        return self
 
     def effective_mode(self, default_mode: Mode) -> Mode:
         return self.mode or ("Automatic" if default_mode == "Automatic" else "Recommend")

@@ -1,11 +1,13 @@
 """The loop for Packing and Autoscaling policies (only with ``capacity.provider: karpenter``). Autoscaling: each
-resync every NodePool of the policy is held at ``maxGpus`` (``limits["nvidia.com/gpu"]``, Automatic) or the limit
-it would set is reported (Recommend), in ``status.autoscaling``. Packing: every resync, each Packing policy's
-GPU NodePools (``nodePools``, else every GPU NodePool the capacity provider lists) are read and planned
-(planning/packing.py, the same plan the round makes). In Recommend the proposal is only recorded; in Approve and
-Automatic a proposal gets its PackWorkflow, one per policy (a running round is left as it is; a new one starts
-at most every ``interval`` after the last one started). The policy's ``status.packing`` says the mode enforced,
-the proposal (nodes, $/h saved, the pods it moves) or why there is none, the nodes kept and why, and the round."""
+resync every NodePool of the policy is held at the limit its budgets leave it (``limits["nvidia.com/gpu"]``:
+``maxGpus`` and its part of ``maxUsdPerHour``, planning/autoscaling.py; Automatic) or the limit it would set is
+reported (Recommend), in ``status.autoscaling``; a dollar budget that cannot be held is said so there. Packing:
+every resync, each Packing policy's GPU NodePools (``nodePools``, else every GPU NodePool the capacity provider
+lists) are read and planned (planning/packing.py, the same plan the round makes). In Recommend the proposal is
+only recorded; in Approve and Automatic a proposal gets its PackWorkflow, one per policy (a running round is left
+as it is; a new one starts at most every ``interval`` after the last one started). The policy's ``status.packing``
+says the mode enforced, the proposal (nodes, $/h saved, the pods it moves) or why there is none, the nodes kept and
+why, and the round."""
 
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.capacity import CapacityError, CapacityProvider
 from activities.clients.policies import enforceable_policies, patch_policy_status
 from activities.packing import plan_round
+from models.capacity import HomeNodeGroup
 from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
 from models.policy import AutoscalingPolicy, Mode, PackingPolicy
+from planning.autoscaling import plan_limits, worst_usd_per_gpu_hour
 
 log = logging.getLogger("kubeon.packing")
 STATUS_KEY = "packing"
@@ -123,33 +127,65 @@ class PackingWatcher:
         return Round(policy, mode, request, plan, status)
 
     def hold_limits(self, policy: AutoscalingPolicy) -> dict[str, Any]:
-        """Each of the policy's NodePools capped at maxGpus (Automatic), or what would be set (Recommend); a lower
-        limit stops new GPU nodes and removes none."""
+        """Each of the policy's NodePools capped at the limit its budgets leave it (planning/autoscaling.py:
+        maxGpus, and its part of maxUsdPerHour valued at the worst case), set in Automatic or reported in
+        Recommend; a lower limit stops new GPU nodes and removes none. A dollar budget that cannot be held (a pool
+        that names no instance types, or types without a price) is said so and not acted on."""
         spec = policy.spec
         mode = spec.effective_mode(self.default_mode())
-        pools: list[dict[str, Any]] = []
+        groups: dict[str, HomeNodeGroup | str] = {}
         for name in spec.node_pools:
             try:
-                group = self.capacity.get_group(name)
-                entry: dict[str, Any] = {"nodePool": name, "gpus": group.gpus, "limit": group.gpu_limit}
-                if group.gpu_limit == spec.max_gpus:
-                    entry["reason"] = f"held at {spec.max_gpus} GPUs"
-                elif mode == "Automatic":
-                    previous = self.capacity.set_gpu_limit(name, spec.max_gpus)
-                    entry["limit"] = spec.max_gpus
-                    entry["reason"] = f"limit set to {spec.max_gpus} GPUs (was {_limit(previous)})"
-                else:
-                    entry["reason"] = (f"Recommend: would set the limit to {spec.max_gpus} GPUs "
-                                       f"(now {_limit(group.gpu_limit)})")
-                if group.gpus > spec.max_gpus:
-                    entry["reason"] += f"; {group.gpus} GPUs run now: no new GPU node until under it, none removed"
+                groups[name] = self.capacity.get_group(name)
             except CapacityError as exc:
-                entry = {"nodePool": name, "gpus": None, "limit": None, "reason": str(exc)}
+                groups[name] = str(exc)
+        plan = plan_limits(list(spec.node_pools), groups, max_gpus=spec.max_gpus,
+                           max_usd_per_hour=spec.max_usd_per_hour)
+        pools: list[dict[str, Any]] = []
+        for name in spec.node_pools:
+            group = groups[name]
+            target = plan.pool(name)
+            if not isinstance(group, HomeNodeGroup):
+                pools.append({"nodePool": name, "gpus": None, "limit": None, "reason": group})
+                continue
+            entry: dict[str, Any] = {"nodePool": name, "gpus": group.gpus, "limit": group.gpu_limit}
+            if spec.max_usd_per_hour is not None:
+                entry["usdPerGpuHour"] = (None if target.usd_per_gpu_hour is None
+                                          else round(target.usd_per_gpu_hour, 4))
+                entry["budgetGpus"] = target.budget_gpus
+            try:
+                entry["reason"] = self._hold(name, group, target.limit, mode, entry)
+            except CapacityError as exc:
+                entry["reason"] = str(exc)
+            unknown = worst_usd_per_gpu_hour(group)[1] if spec.max_usd_per_hour is not None else ""
+            if unknown:
+                entry["reason"] += f"; maxUsdPerHour is not held: {unknown}"
             pools.append(entry)
-        status = {"enforcedMode": mode, "evaluatedAt": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
-                  "nodePools": pools}
+        status: dict[str, Any] = {"enforcedMode": mode, "evaluatedAt": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                  "nodePools": pools, "usdPerHour": None}
+        if plan.max_usd_per_hour is not None:
+            status["usdPerHour"] = {"max": plan.max_usd_per_hour, "held": plan.held,
+                                    "worstCase": plan.worst_usd_per_hour,
+                                    "reason": plan.reason or (f"held: the limits cost at most "
+                                                              f"${plan.worst_usd_per_hour:.2f}/h of "
+                                                              f"${plan.max_usd_per_hour:g}/h")}
         self.patch_status(policy.name, status, AUTOSCALING_STATUS_KEY)
         return status
+
+    def _hold(self, name: str, group: HomeNodeGroup, limit: int | None, mode: Mode, entry: dict[str, Any]) -> str:
+        if limit is None:
+            return f"no budget can be held: the limit is left as it is ({_limit(group.gpu_limit)})"
+        if group.gpu_limit == limit:
+            reason = f"held at {limit} GPUs"
+        elif mode == "Automatic":
+            previous = self.capacity.set_gpu_limit(name, limit)
+            entry["limit"] = limit
+            reason = f"limit set to {limit} GPUs (was {_limit(previous)})"
+        else:
+            reason = f"Recommend: would set the limit to {limit} GPUs (now {_limit(group.gpu_limit)})"
+        if group.gpus > limit:
+            reason += f"; {group.gpus} GPUs run now: no new GPU node until under it, none removed"
+        return reason
 
     def evaluate(self) -> list[Round]:
         out = []

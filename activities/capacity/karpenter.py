@@ -9,6 +9,13 @@ Only what R5.1 grants is used: NodePools and NodeClaims get/list/patch/delete, N
 - A pool's disruption is frozen by appending the budget ``{nodes: "0"}`` (behavioural, no drift) and marking the
   pool with the operation; unfreezing removes that one entry, so the user's budgets stay as they were.
 - GPU capacity is capped or opened through ``limits["nvidia.com/gpu"]`` (behavioural, existing nodes untouched).
+- The instance types a pool may launch (``HomeNodeGroup.launchable``, for a dollar budget) are known only when its
+  requirements name them (``node.kubernetes.io/instance-type In``): otherwise Karpenter may launch any type of its
+  cloud that fits, and the catalogue is no complete list of those. Each is priced at the highest the product knows:
+  the catalogue's on-demand list price (GCP: the highest of its regions; the AWS catalogue has one price per type;
+  a spot offering costs less), or more when one of the pool's nodes of that type carries a higher price label; a
+  type the catalogue lacks, at the price an on-demand node of the pool of that type shows. A type without either
+  is ``unpriced``.
 Every change is a merge patch carrying the object's resourceVersion: a concurrent change is a 409, re-read and
 retried (a few times, then ``ConflictError``).
 """
@@ -38,9 +45,11 @@ from models.capacity import (
     NODEPOOL_LABEL,
     GroupNode,
     HomeNodeGroup,
+    InstanceTypePrice,
     LaunchingClaim,
 )
-from models.labels import GPU_RESOURCE
+from models.labels import GPU_RESOURCE, LABEL_INSTANCE_TYPE
+from models.locations import OfferingSpec
 from models.provisioning import NodeRequirement
 
 GROUP = "karpenter.sh"
@@ -61,6 +70,18 @@ PRICE_LABEL: Final = "eks-node-viewer/instance-price"
 SCALED_DOWN_FOR_ANNOTATION: Final = "gpu.kubeon.io/replicas-decremented-for"
 CATALOG_PRICES: Final = {s.instance_type: s.usd_per_hour
                          for s in (*AWS_GPU_INSTANCES, *GCP_GPU_INSTANCES.get("us-central1", ()))}
+
+
+def _catalog() -> dict[str, OfferingSpec]:
+    """Each catalogued GPU instance type at the highest list price of the catalogue's regions (conservative)."""
+    out: dict[str, OfferingSpec] = {}
+    for spec in (*AWS_GPU_INSTANCES, *(s for specs in GCP_GPU_INSTANCES.values() for s in specs)):
+        if spec.instance_type not in out or spec.usd_per_hour > out[spec.instance_type].usd_per_hour:
+            out[spec.instance_type] = spec
+    return out
+
+
+CATALOG: Final = _catalog()
 CONFLICT_RETRIES: Final = 5
 T = TypeVar("T")
 
@@ -95,10 +116,12 @@ class KarpenterCapacity(HomeNodes):
     name = "karpenter"
     SHIELD_ANNOTATION = DO_NOT_DISRUPT
 
-    def __init__(self, api: client.ApiClient, *, prices: Callable[[str], float | None] | None = None) -> None:
+    def __init__(self, api: client.ApiClient, *, prices: Callable[[str], float | None] | None = None,
+                 catalog: dict[str, OfferingSpec] | None = None) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self._price = prices or CATALOG_PRICES.get
+        self._catalog = CATALOG if catalog is None else catalog
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _pool(self, group: str) -> dict[str, Any]:
@@ -199,17 +222,53 @@ class KarpenterCapacity(HomeNodes):
                 cordoned=bool(node.spec and node.spec.unschedulable)))
         resources = (pool.get("status") or {}).get("resources") or {}
         annotations = pool["metadata"].get("annotations") or {}
+        requirements = [NodeRequirement(key=r["key"], operator=r["operator"], values=list(r.get("values") or []))
+                        for r in template.get("requirements") or []]
+        launchable, unpriced = self._launchable(requirements, members)
         return HomeNodeGroup(
             provider=self.name, name=name, gpu_products=products,
             gpu_limit=_quantity_int((spec.get("limits") or {}).get(GPU_RESOURCE)),
             gpus=_quantity_int(resources.get(GPU_RESOURCE)) or sum(m.gpus for m in members),
             replicas=spec.get("replicas"), budgets=list((spec.get("disruption") or {}).get("budgets") or []),
             frozen_by=annotations.get(FROZEN_BY_ANNOTATION), nodes=sorted(members, key=lambda m: m.name),
-            requirements=[NodeRequirement(key=r["key"], operator=r["operator"], values=list(r.get("values") or []))
-                          for r in template.get("requirements") or []],
+            requirements=requirements,
             taints=sorted({t["key"] for t in template.get("taints") or []
                            if t.get("effect") in ("NoSchedule", "NoExecute")}),
-            launching=launching)
+            launching=launching, launchable=launchable, unpriced=unpriced)
+
+    def _launchable(self, requirements: list[NodeRequirement],
+                    members: list[GroupNode]) -> tuple[list[InstanceTypePrice] | None, list[str]]:
+        """The instance types the pool's requirements name (None: it names none), priced, and those the product
+        has no price for. Its other requirements are not judged: whether a GPU product or count requirement
+        filters instance types depends on the cloud provider's labels (on AWS ``nvidia.com/gpu.product`` is no
+        well-known label, so Karpenter puts it on the node of whatever type it picks); a type kept in excess only
+        lowers the cap, one left out wrongly would understate the worst case."""
+        named: set[str] | None = None
+        for r in requirements:
+            if r.key == LABEL_INSTANCE_TYPE and r.operator == "In":
+                named = set(r.values) if named is None else named & set(r.values)
+        if named is None:
+            return None, []
+        for r in requirements:
+            if r.key == LABEL_INSTANCE_TYPE and r.operator == "NotIn":
+                named -= set(r.values)
+        priced: list[InstanceTypePrice] = []
+        unpriced: list[str] = []
+        for name in sorted(named):
+            spec = self._catalog.get(name)
+            seen = [m for m in members if m.instance_type == name and m.usd_per_hour is not None and m.gpus > 0]
+            if spec is not None:
+                usd = max([spec.usd_per_hour, *(m.usd_per_hour or 0.0 for m in seen)])
+                priced.append(InstanceTypePrice(instance_type=name, gpus=spec.gpus, usd_per_hour=usd))
+            elif on_demand := [m for m in seen if m.capacity_type == "on-demand"]:
+                # Not catalogued, but an on-demand node of the pool shows its price (a spot node's would understate
+                # the worst case): the highest $/GPU-hour of those.
+                top = max(on_demand, key=lambda m: (m.usd_per_hour or 0.0) / m.gpus)
+                priced.append(InstanceTypePrice(instance_type=name, gpus=top.gpus,
+                                                usd_per_hour=top.usd_per_hour or 0.0))
+            else:
+                unpriced.append(name)
+        return priced, unpriced
 
     # -- changing --------------------------------------------------------------------------------------------------
     def _patch_pool(self, group: str, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> dict[str, Any]:

@@ -5,7 +5,9 @@ no round, nothing moved); the same policy in Approve gets one round from the wat
 as it is, the approval (the ``approve_plan`` update, bound to the run's plan ID) empties one node (its NodeClaim
 deleted by us), audited from proposal to removal, and the next resync proposes and starts nothing. An
 Autoscaling policy: Recommend reports the limit it would set, Automatic sets the NodePool's GPU limit to maxGpus,
-holds it, and patches it again when maxGpus is lowered."""
+holds it, and patches it again when maxGpus is lowered; with maxUsdPerHour the limit is the GPUs the budget buys
+at the pool's worst $/GPU-hour, patched when the budget is lowered, and a pool without priced instance types is
+reported as not holding the budget (its limit left alone, maxGpus still held)."""
 
 from __future__ import annotations
 
@@ -169,6 +171,102 @@ async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gp
         assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
     finally:
         karpenter.delete_nodepool(pool)
+
+
+def _autoscaling(cluster: Cluster, karpenter: Karpenter, temporal: Client, policy: str,
+                 spec: dict[str, Any]) -> tuple[PackingWatcher, Any, Any]:
+    """The policy created; a watcher with the optimizer's credentials; the limit of a pool and the policy's
+    status.autoscaling read back."""
+    cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+        "spec": {"kind": "Autoscaling", **spec}})
+    optimizer = grant(cluster, "kubeon-autoscaling-policy-test", OPTIMIZER_RULES)
+    watcher = PackingWatcher(optimizer.api, KarpenterCapacity(optimizer.api), temporal, cluster="c",
+                             task_queue="unused", default_mode=lambda: "Automatic")
+
+    def limit(pool: str) -> str | None:
+        return (karpenter.nodepool(pool)["spec"].get("limits") or {}).get("nvidia.com/gpu")
+
+    def status() -> dict[str, Any]:
+        doc = read_gpupolicy(cluster, policy) or {}
+        return dict(doc["status"]["autoscaling"])
+
+    return watcher, limit, status
+
+
+async def test_autoscaling_max_usd_per_hour_recommend_reports_automatic_sets_and_lowering_it_patches_the_limit(
+        cluster: Cluster, karpenter: Karpenter, temporal_dev_server: WorkflowEnvironment,
+        packing_policy: str) -> None:
+    taint = uuid.uuid4().hex[:8]
+    pool = f"gpu-{taint}"
+    try:
+        # L4 types of 1 and 4 GPUs: the worst case is g6.12xlarge's 4.602/4 = 1.1505 $/GPU-hour.
+        karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12,
+                                               instance_types=("g6.xlarge", "g6.12xlarge")))
+        watcher, limit, status = _autoscaling(cluster, karpenter, temporal_dev_server.client, packing_policy,
+                                              {"mode": "Recommend", "nodePools": [pool], "maxUsdPerHour": 10})
+        await watcher.resync()
+        [entry] = status()["nodePools"]
+        assert limit(pool) == "12" and "would set the limit to 8 GPUs (now 12)" in entry["reason"], entry
+        assert entry["usdPerGpuHour"] == 1.1505 and entry["budgetGpus"] == 8
+        assert status()["usdPerHour"] == {"max": 10.0, "held": True, "worstCase": 9.204,
+                                          "reason": "held: the limits cost at most $9.20/h of $10/h"}
+        patch = cluster.admin.custom.patch_cluster_custom_object
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"mode": "Automatic"}})
+        await watcher.resync()
+        [entry] = status()["nodePools"]
+        assert limit(pool) == "8" and "limit set to 8 GPUs (was 12)" in entry["reason"], entry
+        # Lowered: $5/h holds 4 GPUs (4.602).
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"maxUsdPerHour": 5}})
+        await watcher.resync()
+        [entry] = status()["nodePools"]
+        assert limit(pool) == "4" and "limit set to 4 GPUs (was 8)" in entry["reason"], entry
+        assert status()["usdPerHour"]["worstCase"] == 4.602
+        # With maxGpus the smaller wins.
+        patch(API_GROUP, "v1", PLURAL, packing_policy, {"spec": {"maxGpus": 2}})
+        await watcher.resync()
+        assert limit(pool) == "2" and karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
+    finally:
+        karpenter.delete_nodepool(pool)
+
+
+async def test_autoscaling_max_usd_per_hour_cannot_be_held_for_pools_without_priced_instance_types(
+        cluster: Cluster, karpenter: Karpenter, temporal_dev_server: WorkflowEnvironment,
+        packing_policy: str) -> None:
+    taint = uuid.uuid4().hex[:8]
+    unnamed, unpriced = f"gpu-{taint}", f"gpu-u-{taint}"
+    try:
+        # One pool names no instance types (Karpenter may launch any that fits); the other names g6.48xlarge,
+        # which the product has no price for.
+        karpenter.create_nodepool(gpu_nodepool(unnamed, taint=taint, gpu_limit=12, gpu_counts=(4,)))
+        karpenter.create_nodepool(gpu_nodepool(unpriced, taint=taint, gpu_limit=12,
+                                               instance_types=("g6.12xlarge", "g6.48xlarge")))
+        watcher, limit, status = _autoscaling(
+            cluster, karpenter, temporal_dev_server.client, packing_policy,
+            {"mode": "Automatic", "nodePools": [unnamed, unpriced], "maxUsdPerHour": 5})
+        # The dollar budget alone: nothing is set.
+        await watcher.resync()
+        budget = status()["usdPerHour"]
+        assert budget["held"] is False and "worstCase" not in budget, budget  # null: removed by the merge patch
+        assert f"NodePool {unnamed} names no instance types" in budget["reason"]
+        assert f"NodePool {unpriced} may launch instance types without a price: g6.48xlarge" in budget["reason"]
+        assert budget["reason"].endswith("no limit is set for it")
+        assert limit(unnamed) == "12" and limit(unpriced) == "12"
+        first, second = status()["nodePools"]
+        assert "the limit is left as it is (12)" in first["reason"]
+        assert f"maxUsdPerHour is not held: NodePool {unnamed} names no instance types" in first["reason"]
+        assert "without a price: g6.48xlarge" in second["reason"] and second.get("usdPerGpuHour") is None
+        # With maxGpus: that is held, the dollar part still is not.
+        cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, packing_policy,
+                                                         {"spec": {"maxGpus": 10}})
+        await watcher.resync()
+        assert limit(unnamed) == "10" and limit(unpriced) == "10"
+        assert status()["usdPerHour"]["reason"].endswith("only maxGpus (10) is held")
+        assert all("limit set to 10 GPUs (was 12)" in e["reason"] and "maxUsdPerHour is not held" in e["reason"]
+                   for e in status()["nodePools"])
+    finally:
+        karpenter.delete_nodepool(unnamed)
+        karpenter.delete_nodepool(unpriced)
 
 
 async def test_the_worker_runs_the_loop_and_packing_rounds_with_capacity_provider_karpenter(

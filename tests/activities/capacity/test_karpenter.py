@@ -56,8 +56,10 @@ def test_groups_freeze_shield_limits_and_removal(cluster: Cluster, karpenter: Ka
     pods = wait_for(lambda: _running(cluster, namespace, "big", 2), timeout=90, what="two pods on two new nodes")
     assert len({p.spec.node_name for p in pods}) == 2
 
-    group = wait_for(lambda: next((g for g in capacity.list_groups() if g.name == name and g.gpus == 8), None),
-                     timeout=30, what="the pool's status counting 8 GPUs")
+    # Karpenter records a NodeClaim's status.nodeName at registration, which may land after the pods run there.
+    group = wait_for(lambda: next((g for g in capacity.list_groups() if g.name == name and g.gpus == 8
+                                   and len(g.nodes) == 2 and all(n.nodeclaim for n in g.nodes)), None),
+                     timeout=30, what="the pool's status counting 8 GPUs and its nodes mapped to their NodeClaims")
     assert group.provider == "karpenter" and group.gpu_products == [L4]
     assert group.gpu_limit == 8 and group.at_gpu_limit and group.replicas is None
     assert group.budgets == USER_BUDGETS and group.frozen_by is None
@@ -168,3 +170,35 @@ def test_static_pool_removal_decrements_replicas_once(cluster: Cluster, karpente
             capacity.set_gpu_limit(name, 4)
     finally:
         karpenter.delete_nodepool(name)
+
+
+def test_launchable_instance_types_are_those_the_requirements_name_priced_at_the_highest_known(
+        karpenter: Karpenter, optimizer: Kube) -> None:
+    """What a dollar budget values a pool at: the types its instance-type requirement names (less NotIn; its GPU
+    product requirement is not judged), each at the catalogue's highest list price; an uncatalogued type is
+    unpriced; a pool naming no type may launch any, so none is known."""
+    taint = uuid.uuid4().hex[:8]
+    named, unpriced, unnamed = f"named-{taint}", f"unpriced-{taint}", f"unnamed-{taint}"
+    capacity = KarpenterCapacity(optimizer.api)
+    try:
+        body = gpu_nodepool(named, taint=taint, instance_types=("g6.xlarge", "g6.12xlarge", "a2-highgpu-1g"))
+        body["spec"]["template"]["spec"]["requirements"].append(
+            {"key": "node.kubernetes.io/instance-type", "operator": "NotIn", "values": ["g6.xlarge"]})
+        karpenter.create_nodepool(body)
+        karpenter.create_nodepool(gpu_nodepool(unpriced, taint=taint,
+                                               instance_types=("g6.12xlarge", "g6.48xlarge")))
+        karpenter.create_nodepool(gpu_nodepool(unnamed, taint=taint, gpu_counts=(4,)))
+        group = capacity.get_group(named)
+        assert group.launchable is not None and group.unpriced == []
+        # NotIn takes g6.xlarge out; a2-highgpu-1g (an A100 type) stays although the pool requires L4: on a real
+        # cloud that requirement need not filter types. Its price is GCP's highest region's (europe-west4).
+        assert [(t.instance_type, t.gpus, t.usd_per_hour) for t in group.launchable] == [
+            ("a2-highgpu-1g", 1, 3.856), ("g6.12xlarge", 4, 4.602)]
+        group = capacity.get_group(unpriced)
+        assert [t.instance_type for t in group.launchable or []] == ["g6.12xlarge"]
+        assert group.unpriced == ["g6.48xlarge"]
+        group = capacity.get_group(unnamed)
+        assert group.launchable is None and group.unpriced == []
+    finally:
+        for pool in (named, unpriced, unnamed):
+            karpenter.delete_nodepool(pool)
