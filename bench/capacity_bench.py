@@ -1,6 +1,7 @@
 """Cloud API calls per scale up and per node removal of the managed node group capacity providers
-(``eks-nodegroups``, ``gke-nodepools``, ``aks-nodepools``, issue 24), and how long one removal takes from the
-provider's call to the instance gone, against the local clouds the tests use.
+(``eks-nodegroups``, ``gke-nodepools``, ``aks-nodepools``, issue 24), and how long one removal takes, from the
+provider's call and from the approval of a packing round, to the instance gone, against the local clouds the
+tests use.
 
 Each provider is the product's class with the official SDK inside it (boto3; google-cloud-container and
 google-cloud-compute; azure-mgmt-containerservice with azure-identity), built as the worker builds it (its
@@ -15,16 +16,21 @@ Per provider, ``--runs`` times a scale up by one node (``scale_up(group, size + 
 new Node), then ``--runs`` times the removal of one named node (the first by name) as the packing workflow's
 activities do it for a node it emptied (workflows/pack.py): ``freeze``, ``remove_node``, ``node_gone`` until
 true, ``unfreeze`` (cordon and evictions are Kubernetes calls, none of them cloud calls; there are no pods here).
-Each request is named by the SDK operation that sent it and counted per step.
+Each request is named by the SDK operation that sent it and counted per step. Then ``--rounds`` (default
+``--runs``) packing rounds end to end: three nodes, six 1-GPU pods spread over them with a PDB, ``PackWorkflow``
+in Approve mode on the Temporal dev server with the product's activities and default ``PackSettings``, approved
+as soon as it proposes one node; timed from the approval signal to the removal request received by the cloud,
+to the instance gone at the cloud, and to the round Done.
 
-Times (monotonic clock): ``scale_up`` and ``remove_node`` to their return; the removal from ``remove_node``'s
-start to the instance gone *at the cloud* (EKS: out of the ASG or Terminating, read from moto; GKE: the VM
-deleted from its MIG; AKS: the machine deleted from the pool, both from the server's state; polled every 10 ms);
-and to ``node_gone`` true (the Node deleted by the harness's cloud controller, one pass every
-``--reconcile-seconds``: that part is the emulator's). The emulators' own delays are switched off: the GKE and
-AKS servers end operations at once (``operation_seconds`` 0) and AKS answers ``Retry-After: 0`` (azure-core then
-waits its own ``polling_interval``); moto answers at once. What remains is the product's calls and its own
-polling waits (GKE ``poll_seconds`` 1 s, AKS ``polling_interval`` 5 s as the worker builds them).
+Times: ``scale_up`` and ``remove_node`` to their return; the removal from ``remove_node``'s start to the
+instance gone *at the cloud* (EKS: out of the ASG or Terminating, read from moto; GKE: the VM deleted from its
+MIG; AKS: the machine deleted from the pool, both from the server's state; polled every 10 ms), and to
+``node_gone`` true (the Node deleted by the harness's cloud controller, one pass every ``--reconcile-seconds``:
+that part is the emulator's). The emulators' own delays are off: the GKE and AKS servers end operations at once
+(``--operation-seconds`` 0; more shows the polls a longer operation costs) and AKS answers ``Retry-After: 0``;
+moto answers at once. What remains is the product's calls and its own waits (PackSettings' ``poll_seconds``
+2 s between ``node_gone`` checks in a round; the SDKs poll an operation once at once, then every GKE
+``poll_seconds`` 1 s / AKS ``polling_interval`` 5 s or Retry-After, which an operation done at once never waits).
 
     .venv/bin/python -m bench.capacity_bench --runs 5
 """
@@ -32,6 +38,7 @@ polling waits (GKE ``poll_seconds`` 1 s, AKS ``polling_interval`` 5 s as the wor
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
@@ -46,6 +53,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from kubernetes import client
 
 from tests.harness.clouds import local
 from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
@@ -149,6 +158,8 @@ class Group:
     nodes: Callable[[], list[str]]  # the group's Ready Node names
     cloud_gone: Callable[[str], bool]  # a node's instance gone at the cloud
     settings: str
+    label: str  # the Node label naming the group
+    removal: Callable[[dict[str, Any]], bool]  # the request that removes a node
 
 
 @dataclass
@@ -225,7 +236,7 @@ def eks_group(cluster: Cluster, optimizer: Kube, workdir: Path, runs: int, recon
     try:
         groups = EksNodeGroups(moto.endpoint)
         eks_cluster, ng = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
-        asg_name = groups.create(eks_cluster, ng, instance_type="g6.12xlarge", min_size=1, max_size=runs + 1,
+        asg_name = groups.create(eks_cluster, ng, instance_type="g6.12xlarge", min_size=1, max_size=max(runs + 1, 3),
                                  desired=1, taints=[{"key": "nvidia.com/gpu", "value": "true",
                                                      "effect": "NO_SCHEDULE"}])
         autoscaling = groups.client("autoscaling")
@@ -251,7 +262,8 @@ def eks_group(cluster: Cluster, optimizer: Kube, workdir: Path, runs: int, recon
                                              endpoint_url=recorder.url)
             try:
                 yield Group("eks-nodegroups", capacity, ng, recorder.requests, eks_operation, ready, gone,
-                            "boto3 standard retries (3 attempts), terminate sent once")
+                            "boto3 standard retries (3 attempts), terminate sent once", NODEGROUP_LABEL,
+                            lambda r: r["action"] == "TerminateInstanceInAutoScalingGroup")
             finally:
                 groups.delete(eks_cluster, ng)
     finally:
@@ -259,14 +271,14 @@ def eks_group(cluster: Cluster, optimizer: Kube, workdir: Path, runs: int, recon
 
 
 @contextmanager
-def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | None, reconcile: float
-              ) -> Iterator[Group]:
+def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | None, reconcile: float,
+              operation_seconds: float) -> Iterator[Group]:
     from activities.capacity.gke import GkeNodePoolsCapacity
     from models.gke import NODEPOOL_LABEL
 
     server = local.start_gcp(workdir)
     try:
-        server.fault(operation_seconds=0)
+        server.fault(operation_seconds=operation_seconds)
         gke_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
         server.seed(gke={"project": GKE_PROJECT, "location": GKE_LOCATION, "cluster": gke_cluster, "nodePools": [
             {"name": pool, "machineType": "a2-highgpu-8g", "zones": [GKE_ZONE], "nodeCount": 1,
@@ -283,22 +295,23 @@ def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
                                             cluster=gke_cluster, endpoint_url=server.url, **kwargs)
             yield Group("gke-nodepools", capacity, pool, server.requests, gke_operation,
                         _ready(nodes, NODEPOOL_LABEL, pool), gone,
-                        f"poll_seconds {capacity._poll:g}")
+                        f"poll_seconds {capacity._poll:g}", NODEPOOL_LABEL,
+                        lambda r: str(r["path"]).endswith("/deleteInstances"))
             server.reset()  # the pool's VMs go, and with them their Nodes (deleted on the reconciler's exit)
     finally:
         server.stop()
 
 
 @contextmanager
-def aks_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | None, reconcile: float
-              ) -> Iterator[Group]:
+def aks_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | None, reconcile: float,
+              operation_seconds: float) -> Iterator[Group]:
     from activities.capacity.aks import AksNodePoolsCapacity
     from models.aks import AGENTPOOL_LABEL
 
     server = local.start_azure(workdir)
     try:
         os.environ.update(local.azure_identity_env(server))
-        server.fault(operation_seconds=0, retry_after=0)
+        server.fault(operation_seconds=operation_seconds, retry_after=0)
         aks_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", "gpu"
         server.seed(aks={"subscription": local.AZURE_SUBSCRIPTION, "resourceGroup": AKS_RG, "cluster": aks_cluster,
                          "location": "westeurope", "agentPools": [
@@ -319,10 +332,89 @@ def aks_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
                                             ca_file=str(server.ca_file), client_id=local.AZURE_CLIENT_ID, **kwargs)
             yield Group("aks-nodepools", capacity, pool, server.requests, aks_operation,
                         _ready(nodes, AGENTPOOL_LABEL, pool), gone,
-                        f"polling_interval {capacity.polling_interval:g}, Retry-After 0")
+                        f"polling_interval {capacity.polling_interval:g}, Retry-After 0", AGENTPOOL_LABEL,
+                        lambda r: str(r["path"]).endswith("/deleteMachines"))
             server.reset()
     finally:
         server.stop()
+
+
+# -- a packing round end to end: approve -> the planned node's instance gone --------------------------------
+@dataclass
+class Round:
+    provider: str
+    node: str
+    to_sent: float  # approve -> the removal request received by the cloud
+    to_gone: float  # approve -> the instance gone at the cloud
+    to_done: float  # approve -> the round Done (Node gone, group unfrozen)
+    planning: Counter[str]  # cloud calls from the round's start to its proposal
+    approved: Counter[str]  # cloud calls from the approval to Done
+    moved: int
+
+
+async def _until_async(check: Callable[[], bool], what: str, timeout: float, interval: float = 0.01) -> float:
+    """``check`` (run in a thread: it does I/O) until it holds, bounded; the wall-clock time it first held."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(check):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout:.0f}s")
+        await asyncio.sleep(interval)
+    return time.time()
+
+
+async def pack_round(group: Group, cluster: Cluster, optimizer: Kube, temporal: Any, timeout: float) -> Round:
+    """Three nodes of the group (scaled up by the provider, not counted), six 1-GPU pods spread over them by the
+    scheduler with a PDB (maxUnavailable 1) over them; a PackWorkflow in Approve mode with the product's default
+    settings (PackSettings()) over the group, one node at most; approved at once when it proposes."""
+    from models.decisions import Approval
+    from models.packing import PackSettings
+    from tests.harness import packing
+    from tests.harness.workloads import node_group_pods, running_pods
+
+    if len(group.nodes()) < 3:
+        group.capacity.scale_up(group.name, 3)
+    await _until_async(lambda: len(group.nodes()) == 3, f"{group.provider}: 3 nodes Ready", timeout, 0.05)
+    namespace = cluster.create_namespace("pack-bench")
+    admin = cluster.admin
+    try:
+        admin.apps.create_namespaced_deployment(namespace, node_group_pods("serve", group.label, group.name, 6))
+        await asyncio.to_thread(running_pods, admin.core, namespace, "serve", 6)
+        admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+            metadata=client.V1ObjectMeta(name="serve"), spec=client.V1PodDisruptionBudgetSpec(
+                max_unavailable=1, selector=client.V1LabelSelector(match_labels={"app": "serve"}))))
+        queue = f"pack-bench-{uuid.uuid4().hex[:6]}"
+        async with packing.pack_worker(temporal, queue, optimizer.api, group.capacity):
+            start = len(await asyncio.to_thread(group.requests))
+            handle, proposal = await packing.proposed_round(temporal, queue, [group.name], max_nodes=1,
+                                                            settings=PackSettings())
+            assert proposal.plan is not None and len(proposal.plan.empty) == 1, proposal
+            [planned] = proposal.plan.empty
+            mark = len(await asyncio.to_thread(group.requests))
+            approved = time.time()
+            await handle.signal("approve", Approval(approver="bench"))
+            done = asyncio.ensure_future(handle.result())
+            gone = await _until_async(partial(group.cloud_gone, planned), f"{group.provider}: {planned} gone",
+                                      timeout)
+            view = await asyncio.wait_for(done, timeout)
+            finished = time.time()
+            assert view.phase == "Done" and view.removed == [planned], view
+        requests = await asyncio.to_thread(group.requests)
+        sent = [r for r in requests[mark:] if group.removal(r)]
+        assert len(sent) == 1, sent
+        return Round(group.provider, planned, float(sent[0]["time"]) - approved, gone - approved,
+                     finished - approved, Counter(group.operation(r) for r in requests[start:mark]),
+                     Counter(group.operation(r) for r in requests[mark:]), len(view.moved))
+    finally:
+        admin.core.delete_namespace(namespace)
+        await _until_async(lambda: not running_on(admin, group), f"{group.provider}: the round's pods gone",
+                           timeout, 0.1)
+
+
+def running_on(admin: Kube, group: Group) -> bool:
+    """Whether pods are still bound to the group's nodes."""
+    nodes = set(group.nodes())
+    return any(p.spec is not None and str(p.spec.node_name) in nodes
+               for p in admin.core.list_pod_for_all_namespaces().items)
 
 
 # -- printing -----------------------------------------------------------------------------------------------
@@ -353,28 +445,53 @@ def report(results: list[Figures]) -> None:
                 print(f"      {count / f.runs:5.1f}  {op:<54} {PURPOSE.get(op, '')}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.capacity_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="scale ups and removals per provider (5)")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
-    parser.add_argument("--poll-seconds", type=float, default=None,
-                        help="GKE poll_seconds and AKS polling_interval (default: the worker's, 1 s and 5 s)")
-    parser.add_argument("--reconcile-seconds", type=float, default=0.1,
-                        help="the harness cloud controller's pass interval (Nodes made and deleted)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="bound of every wait (s)")
-    args = parser.parse_args(argv)
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # MotoRecorder's access log
+def report_rounds(rounds: list[Round]) -> None:
+    if not rounds:
+        return
+    print(f"\nPackWorkflow end to end (Approve mode, PackSettings() defaults; 6 pods over 3 nodes, PDB "
+          f"maxUnavailable 1, one node planned): median (max) over {len(rounds) // len({r.provider for r in rounds})} "
+          "round(s)")
+    print(f"{'provider':<16} {'approve -> removal sent s':>26} {'approve -> instance gone s':>27} "
+          f"{'approve -> Done s':>18} {'pods moved':>11} {'calls: plan':>12} {'calls: approved':>16}")
+    for provider in dict.fromkeys(r.provider for r in rounds):
+        mine = [r for r in rounds if r.provider == provider]
+
+        def col(values: list[float], width: int) -> str:
+            return f"{statistics.median(values):.2f} ({max(values):.2f})".rjust(width)
+
+        print(f"{provider:<16} {col([r.to_sent for r in mine], 26)} {col([r.to_gone for r in mine], 27)} "
+              f"{col([r.to_done for r in mine], 18)} {statistics.median([r.moved for r in mine]):>11.0f} "
+              f"{sum(sum(r.planning.values()) for r in mine) / len(mine):>12.1f} "
+              f"{sum(sum(r.approved.values()) for r in mine) / len(mine):>16.1f}")
+    for provider in dict.fromkeys(r.provider for r in rounds):
+        mine = [r for r in rounds if r.provider == provider]
+        for what in ("planning", "approved"):
+            calls: Counter[str] = sum((getattr(r, what) for r in mine), Counter())
+            print(f"  {provider} {what}: " + ", ".join(f"{op} {n / len(mine):.1f}" for op, n in
+                                                       sorted(calls.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
+async def run(args: argparse.Namespace) -> tuple[list[Figures], list[Round]]:
+    from temporalio.testing import WorkflowEnvironment
+
+    from models import search_attributes
+    from models.converter import DATA_CONVERTER
+    from tests.harness.temporal import dev_server_path
+
     results: list[Figures] = []
+    rounds: list[Round] = []
     with tempfile.TemporaryDirectory(prefix="kubeon-capacity-bench-") as tmp:
         workdir = Path(tmp)
         plane = ControlPlane(workdir / "controlplane")
+        temporal: WorkflowEnvironment | None = None
         try:
             plane.start()
             cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
             optimizer = grant(cluster, "kubeon-capacity-bench", OPTIMIZER_RULES)
+            if args.rounds:
+                temporal = await WorkflowEnvironment.start_local(
+                    dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER,
+                    search_attributes=list(search_attributes.ALL), ui=False, dev_server_log_level="error")
             for provider in args.providers:
                 folder = workdir / provider
                 folder.mkdir()
@@ -384,14 +501,44 @@ def main(argv: list[str] | None = None) -> int:
                                                               args.reconcile_seconds))
                     elif provider == "gke-nodepools":
                         group = stack.enter_context(gke_group(cluster, optimizer, folder, args.poll_seconds,
-                                                              args.reconcile_seconds))
+                                                              args.reconcile_seconds, args.operation_seconds))
                     else:
                         group = stack.enter_context(aks_group(cluster, optimizer, folder, args.poll_seconds,
-                                                              args.reconcile_seconds))
+                                                              args.reconcile_seconds, args.operation_seconds))
                     results.append(measure(group, args.runs, args.timeout))
+                    for _ in range(args.rounds):
+                        assert temporal is not None
+                        rounds.append(await pack_round(group, cluster, optimizer, temporal.client, args.timeout))
         finally:
+            if temporal is not None:
+                await temporal.shutdown()
             plane.stop()
+    return results, rounds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.capacity_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5, help="scale ups and removals per provider (5)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="packing rounds end to end per provider (default: --runs; 0: none)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    parser.add_argument("--poll-seconds", type=float, default=None,
+                        help="GKE poll_seconds and AKS polling_interval (default: the worker's, 1 s and 5 s)")
+    parser.add_argument("--reconcile-seconds", type=float, default=0.1,
+                        help="the harness cloud controller's pass interval (Nodes made and deleted)")
+    parser.add_argument("--operation-seconds", type=float, default=0.0,
+                        help="how long the GKE/AKS servers run an operation (0: done at once; more shows the polls)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="bound of every wait (s)")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if args.rounds is None:
+        args.rounds = args.runs
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # MotoRecorder's access log
+    results, rounds = asyncio.run(run(args))
     report(results)
+    report_rounds(rounds)
     return 0
 
 
