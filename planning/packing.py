@@ -73,20 +73,50 @@ def _fits(pod: PackPod, node: PackNode) -> bool:
                                                    if node.gpu_product else {})})
 
 
+# Placements one assignment may try before it gives up (its node is then not emptied: a plan not found is safe).
+ASSIGN_STEPS = 20_000
+
+
 def _assign(pods: list[PackPod], targets: list[PackNode], free: dict[str, int], source_product: dict[str, str]
             ) -> dict[str, str] | None:
-    """Every pod onto a target with room (backtracking, biggest pods first); None if impossible."""
+    """Every pod onto a target with room (backtracking, biggest pods first); None if impossible, or if not found
+    within ``ASSIGN_STEPS`` placements.
+
+    Without pruning, an impossible assignment of many alike pods (the 1-GPU pods of one Deployment) tries every
+    permutation: a 50-node pool's greedy pass took minutes of CPU. So: the GPUs asked must fit the free GPUs of the
+    targets the pods may use at all; and at each pod, targets alike for the pods still to place (the same free GPUs,
+    and a target of the same pods) are tried once, since placing the pod on one or the other leaves the same
+    problem."""
     order = sorted(pods, key=lambda p: -p.pod.gpus)
     options = [[t for t in targets if t.gpu_product == source_product[p.node] and _fits(p, t)] for p in order]
+    if any(not o for o in options):
+        return None
+    usable = {t.name for o in options for t in o}
+    if sum(p.pod.gpus for p in order) > sum(max(free[name], 0) for name in usable):
+        return None
+    # Which pods (by their place in ``order``) may go on each target: targets of equal sets are alike.
+    takes: dict[str, list[int]] = {}
+    for i, o in enumerate(options):
+        for t in o:
+            takes.setdefault(t.name, []).append(i)
+    kind = {name: tuple(pods_of) for name, pods_of in takes.items()}
     placed: dict[str, str] = {}
+    steps = 0
 
     def place(i: int) -> bool:
+        nonlocal steps
         if i == len(order):
             return True
         pod = order[i]
+        tried: set[tuple[int, tuple[int, ...]]] = set()
         for t in options[i]:
-            if free[t.name] < pod.pod.gpus:
+            room = free[t.name]
+            if room < pod.pod.gpus or (room, kind[t.name]) in tried:
                 continue
+            tried.add((room, kind[t.name]))
+            steps += 1
+            if steps > ASSIGN_STEPS:
+                return False
             free[t.name] -= pod.pod.gpus
             placed[pod.pod.key] = t.name
             if place(i + 1):

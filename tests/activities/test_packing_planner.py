@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import planning.packing as planning_packing
 from models.packing import PackNode, PackPod
 from models.provisioning import PendingPod
 from planning.packing import plan_packing
@@ -136,3 +137,32 @@ def test_policy_scope_pods_outside_it_young_or_protected_hold_their_node() -> No
     other_ns = PackScope(namespaces=["other"])
     plan = plan_packing(nodes, pods(), now=NOW, pdb_allowed={}, scope=other_ns)
     assert not plan.empty and len(plan.kept) == 3
+
+
+def test_a_fifty_node_pool_of_alike_pods_is_packed_to_the_optimum() -> None:
+    # 100 1-GPU pods of one Deployment spread 2 per node over 50 4-GPU nodes: 25 nodes hold them. Greedy (beyond
+    # EXACT_CANDIDATES), each trial an assignment; once the kept nodes are full, every further trial is impossible,
+    # which backtracking without pruning proved by trying every permutation of the alike pods (minutes of CPU).
+    nodes = [_node(f"n{i:02d}") for i in range(50)]
+    pods = [_pod(f"p{i:03d}", f"n{i // 2:02d}") for i in range(100)]
+    plan = plan_packing(nodes, pods, now=NOW, pdb_allowed={}, max_nodes=50)
+    assert not plan.exact and len(plan.empty) == 25
+    assert plan.usd_per_hour_saved == round(25 * 4.6016, 4)
+    load: dict[str, int] = {}
+    for m in plan.moves:
+        assert m.target not in plan.empty
+        load[m.target] = load.get(m.target, 0) + m.gpus
+    assert all(2 + extra <= 4 for extra in load.values())  # each kept node's 2 pods plus what it takes
+    assert len(plan.moves) == 50
+
+
+def test_an_assignment_gives_up_within_its_step_budget(monkeypatch: Any) -> None:
+    # More GPUs asked than the usable targets have free: refused before any search. A feasible one is found; with a
+    # budget smaller than the placements it needs, the assignment gives up (None: its node is kept, never a guess).
+    targets = [_node(f"t{i}", gpus=1) for i in range(7)]
+    free = {t.name: 1 for t in targets}
+    pods = [_pod(f"p{i}", "src") for i in range(8)]
+    assert planning_packing._assign(pods, targets, dict(free), {"src": L4}) is None
+    assert planning_packing._assign(pods[:7], targets, dict(free), {"src": L4}) is not None
+    monkeypatch.setattr(planning_packing, "ASSIGN_STEPS", 3)
+    assert planning_packing._assign(pods[:7], targets, dict(free), {"src": L4}) is None  # 7 placements > 3
