@@ -1,7 +1,7 @@
 """One packing round (``kind: Packing``) as a durable operation: plan, propose (Recommend records it; Approve waits
-for one approval; Automatic goes on within maxNodesAtOnce), then one node at a time: freeze the pool's disruption,
-cordon, evict its pods one at a time (a PDB refusal is a visible wait), each replacement Ready on a kept node
-before the next eviction, remove the emptied node through the capacity provider, confirm its NodeClaim and Node
+for one approval; Automatic goes on within maxNodesAtOnce), then freeze the pools' disruption and cordon every node
+the round empties (no replacement lands on one of them), then one node at a time: evict its pods one at a time (a
+PDB refusal is a visible wait), each replacement Ready on a kept node before the next eviction, remove the emptied node through the capacity provider, confirm its NodeClaim and Node
 gone. Whatever happens (a failure, a cancel, a pod that cannot be re-placed) the nodes not removed are uncordoned
 and the pool unfrozen; a crash resumes from the history, so no node is left cordoned and no budget left frozen."""
 
@@ -62,6 +62,8 @@ class PackWorkflow(Approvable[PackPhase]):
         self.moved: list[str] = []
         self.cordoned: list[str] = []
         self.frozen: list[str] = []
+        # Every planned node cordoned before the first eviction (False: a run begun before, one node at a time).
+        self.cordon_first = False
         # This run's operation ID (audit records, hub reports and the hub's approvals name it); "" for a run begun
         # before rounds were audited, which goes on unaudited (its history holds no audit commands).
         self.operation = ""
@@ -147,6 +149,14 @@ class PackWorkflow(Approvable[PackPhase]):
                 return self.state()
             await self._audit("approved", f"plan {self.operation}")
         try:
+            # Every node the round empties is cordoned before the first eviction (its pool frozen until its last
+            # planned node is gone): a replacement never lands on a node emptied later, to be evicted again. The plan
+            # holds every moved pod on the kept nodes, so the cordons take no room the pods need.
+            self.cordon_first = workflow.patched("pack-cordon-all")
+            if self.cordon_first:
+                self._set_phase(PackPhase.PACKING, f"cordoning the {len(plan.empty)} node(s) to empty")
+                for node in plan.empty:
+                    await self._hold_node(node, self._group_of(node))
             for node in plan.empty:
                 await self._pack_node(node, self._group_of(node))
             self._set_phase(PackPhase.DONE, f"{len(self.removed)} node(s) removed, {len(self.moved)} pod(s) moved: "
@@ -175,11 +185,8 @@ class PackWorkflow(Approvable[PackPhase]):
         s = self.inp.settings
         op = workflow.info().workflow_id
         self._set_phase(PackPhase.PACKING, f"emptying {node}")
-        if group not in self.frozen:
-            await self._act("pack_freeze", GroupRef(group=group, operation=op))
-            self.frozen.append(group)
-        self.cordoned.append(node)
-        await self._act("pack_cordon", NodeRef2(node=node, group=group))
+        if not self.cordon_first:
+            await self._hold_node(node, group)
         pods = await self._act("pack_pods_on_node", NodeRef2(node=node, group=group), list[PodRef])
         assert isinstance(pods, list)
         for pod in pods:
@@ -222,8 +229,18 @@ class PackWorkflow(Approvable[PackPhase]):
         self.cordoned.remove(node)
         self.removed.append(node)
         await self._audit("removed", f"node {node}: its NodeClaim and Node gone (group {group})", node=node)
+        if self.cordon_first and any(self._group_of(n) == group for n in self.cordoned):
+            return  # the group's other cordoned nodes keep it frozen
         await self._act("pack_unfreeze", GroupRef(group=group, operation=op))
         self.frozen.remove(group)
+
+    async def _hold_node(self, node: str, group: str) -> None:
+        """The node's pool frozen (once) and the node cordoned."""
+        if group not in self.frozen:
+            await self._act("pack_freeze", GroupRef(group=group, operation=workflow.info().workflow_id))
+            self.frozen.append(group)
+        self.cordoned.append(node)
+        await self._act("pack_cordon", NodeRef2(node=node, group=group))
 
     async def _compensate(self) -> None:
         """Uncordon what we cordoned and did not remove, unfreeze what we froze (also when cancelled)."""
