@@ -8,6 +8,12 @@ worker`, with the optimizer's own ServiceAccount; `kubeon-gpu gateway` as its ow
 chart runs them: simulated nodes redeem their tickets there and register with their own certificates), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
 
+``--capacity karpenter|eks-nodegroups|gke-nodepools|aks-nodepools`` (tests/harness/dev_capacity.py): home GPU
+capacity behind that capacity provider, a group gpu-home of two 4-GPU nodes (the real Karpenter with a static
+NodePool, or a managed group on the local EKS/GKE/AKS server), the worker configured for it, its entry
+``capacity`` in endpoints.json and the example Packing policy packing-home in Recommend. The default, none, keeps
+the start as it was: no Karpenter process on the 2 cores, nothing at home to defer bursts to.
+
 No way of ending it leaves a process behind (tests/harness/children.py): every service is started through
 ``Children.start`` (pids in ``<dir>/children.json``, killed by the kernel if the harness dies); Ctrl-C, SIGTERM or
 SIGHUP stop them all, SIGTERM then SIGKILL after a bounded grace (a second Ctrl-C: at once); a new run ends what

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -316,7 +317,8 @@ def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provid
             "default", yaml.safe_load((ROOT / "examples" / "packing-workload.yaml").read_text()))
         deadline = time.monotonic() + 120
         while True:
-            policy = admin.custom.get_cluster_custom_object("gpu.kubeon.io", "v1", "gpupolicies", "packing-home")
+            policy = cast(dict[str, Any], admin.custom.get_cluster_custom_object(
+                "gpu.kubeon.io", "v1", "gpupolicies", "packing-home"))
             packing = (policy.get("status") or {}).get("packing") or {}
             if packing.get("proposal"):
                 break
