@@ -285,10 +285,13 @@ DOCTOR_CHECK = {"karpenter": "Karpenter", "eks-nodegroups": "EKS node groups"}
 def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provider: str, tmp_path: Path) -> None:
     """`make dev ARGS=--capacity X`: the home group gpu-home (two 4-GPU nodes) behind capacity.provider X, named in
     endpoints.json with what the SDK and doctor need, found by `kubeon-gpu doctor` run as the README says, and the
-    README's packing walk-through: the example workload -> packing-home (Recommend) proposes emptying one node."""
+    README's packing walk-through: the example workload -> packing-home (Recommend) proposes emptying one node;
+    the policy set to Approve in the hub -> a round awaiting approval; `ops approve` -> exactly that node removed
+    through the provider, both pods on the kept one."""
     state = tmp_path / "dev"
     started = time.monotonic()
-    proc = start_dev(state, (free_port(), free_port(), free_port()), "--capacity", provider)
+    ports = (free_port(), free_port(), free_port())
+    proc = start_dev(state, ports, "--capacity", provider)
     try:
         banner = _read_until(proc, "ready", timeout=300)
         print(f"make dev --capacity {provider}: ready after {time.monotonic() - started:.0f} s")
@@ -329,6 +332,44 @@ def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provid
         assert set(proposal["nodes"]) <= set(entry["nodes"]) and proposal["usdPerHourSaved"] > 1.0, packing
         assert {p.spec.node_name for p in admin.core.list_namespaced_pod("default", label_selector="app=serve").items
                 } <= set(entry["nodes"])  # Recommend: nothing moved off the group
+        # Approve, as the README does it: the policy put back to the hub in mode Approve, then `ops approve`.
+        doc = yaml.safe_load((ROOT / "examples" / "dev" / "packing-home.yaml").read_text())
+        doc["spec"]["mode"] = "Approve"
+        key = (state / "hub" / "dev.key").read_text().strip()
+        put = httpx.put(f"http://127.0.0.1:{ports[2]}/v1/clusters/dev/policies/packing-home", json=doc, timeout=10,
+                        headers={"Authorization": f"Bearer {key}"})
+        assert put.status_code == 200 and put.json()["changed"], put.text
+        cli_env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBEON_TEMPORAL_ADDRESS": f"127.0.0.1:{ports[0]}"}
+
+        def cli(*argv: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "worker.cli", "ops", *argv], env=cli_env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        round_id = "packing/dev/packing-home"
+        while not any("Pack" in line and "AwaitingApproval" in line for line in cli("list").splitlines()):
+            assert time.monotonic() < deadline + 60, cli("list")
+            time.sleep(1)
+        [planned] = json.loads(cli("show", round_id, "--json"))["plan"]["empty"]
+        assert planned in entry["nodes"]
+        cli("approve", round_id)
+        while (view := json.loads(cli("show", round_id, "--json")))["phase"] != "Done":
+            assert time.monotonic() < deadline + 180 and view["phase"] != "Failed", cli("show", round_id)
+            time.sleep(1)
+        assert view["removed"] == [planned], view
+        kept = set(entry["nodes"]) - {planned}
+
+        def group_nodes() -> set[str]:
+            return {str(n.metadata.name) for n in admin.core.list_node(
+                label_selector="example.com/gpu-group=gpu-home").items}
+
+        while (left := group_nodes()) != kept:  # the node goes once its instance (NodeClaim) has
+            assert time.monotonic() < deadline + 240, left
+            time.sleep(1)
+        pods = admin.core.list_namespaced_pod("default", label_selector="app=serve").items
+        assert len(pods) == 2 and {p.spec.node_name for p in pods} == kept, [(p.metadata.name, p.spec.node_name)
+                                                                              for p in pods]
     finally:
         children = recorded_children(state)
         os.killpg(proc.pid, signal.SIGINT)
