@@ -8,6 +8,12 @@ worker`, with the optimizer's own ServiceAccount; `kubeon-gpu gateway` as its ow
 chart runs them: simulated nodes redeem their tickets there and register with their own certificates), which pulls the
 policies from the hub and syncs them into GpuPolicy resources. Ctrl-C stops everything.
 
+``--capacity karpenter|eks-nodegroups|gke-nodepools|aks-nodepools`` (tests/harness/dev_capacity.py): home GPU
+capacity behind that capacity provider, a group gpu-home of two 4-GPU nodes (the real Karpenter with a static
+NodePool, or a managed group on the local EKS/GKE/AKS server), the worker configured for it, its entry
+``capacity`` in endpoints.json and the example Packing policy packing-home in Recommend. The default, none, keeps
+the start as it was: no Karpenter process on the 2 cores, nothing at home to defer bursts to.
+
 No way of ending it leaves a process behind (tests/harness/children.py): every service is started through
 ``Children.start`` (pids in ``<dir>/children.json``, killed by the kernel if the harness dies); Ctrl-C, SIGTERM or
 SIGHUP stop them all, SIGTERM then SIGKILL after a bounded grace (a second Ctrl-C: at once); a new run ends what
@@ -17,6 +23,7 @@ a killed one left; a second run while one is running fails at once and leaves it
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -35,11 +42,13 @@ from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_p
 from tests.harness.clouds.boot import gateway_join
 from tests.harness.clouds.dev import DevClouds
 from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
+from tests.harness.dev_capacity import PROVIDERS, DevCapacity
 from tests.harness.kube import Kube, wait_for
 from tests.harness.onprem import AgentProcess, claim_keys, register_server, write_gateways
 from tests.harness.temporal import dev_server_path
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKING_EXAMPLE = ROOT / "examples" / "dev" / "packing-home.yaml"  # seeded with --capacity
 DEV_LOCATIONS = [
     {"name": "sim/eu-west", "sim": {"bootSeconds": 3},
      "offerings": [{"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.95},
@@ -72,9 +81,19 @@ def start_temporal(children: Children, workdir: Path, port: int, ui_port: int) -
     return proc
 
 
-def load_policies(admin: Kube, folder: Path) -> list[str]:
+def policy_files(folder: Path, capacity: str) -> list[Path]:
+    """The GpuPolicy files make dev seeds: the folder's; with home capacity, its Packing example is
+    examples/dev/packing-home.yaml instead of packing-l4.yaml (make dev's group gpu-home, in Recommend, fresh pods
+    not protected, so a newcomer's workload shows a proposal at once)."""
+    files = sorted(folder.glob("*.yaml"))
+    if capacity == "none":
+        return files
+    return [*(f for f in files if f.name != "packing-l4.yaml"), PACKING_EXAMPLE]
+
+
+def load_policies(admin: Kube, files: list[Path]) -> list[str]:
     names = []
-    for path in sorted(folder.glob("*.yaml")):
+    for path in files:
         for doc in yaml.safe_load_all(path.read_text()):
             if not doc:
                 continue
@@ -90,12 +109,12 @@ def load_policies(admin: Kube, folder: Path) -> list[str]:
     return names
 
 
-def start_hub(children: Children, workdir: Path, port: int, policies: Path) -> subprocess.Popen[bytes]:
+def start_hub(children: Children, workdir: Path, port: int, policies: list[Path]) -> subprocess.Popen[bytes]:
     """The self-hosted hub, seeded like hub/dev-seed.yaml but with its secrets in the (fresh) work directory."""
     seed = {
         "users": [{"name": "dev", "role": "admin", "keyFile": "hub/dev.key"}],
         "clusters": [{"name": "dev", "description": "make dev", "tokenFile": "hub/dev.token",
-                      "policyFiles": [str(p.resolve()) for p in sorted(policies.glob("*.yaml"))]}],
+                      "policyFiles": [str(p.resolve()) for p in policies]}],
     }
     seed_file = workdir / "hub-seed.yaml"
     seed_file.write_text(yaml.safe_dump(seed))
@@ -195,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prometheus-port", type=int, default=0, help="default: a free port")
     parser.add_argument("--no-hub", action="store_true",
                         help="no hub: create the policies in the cluster directly (kubectl-style)")
+    parser.add_argument("--capacity", choices=PROVIDERS, default="none",
+                        help="the home GPU capacity (capacity.provider): none (default, the fastest start), the real "
+                             "Karpenter with a static GPU NodePool, or a managed node group on the local EKS (moto), "
+                             "GKE or AKS server; each: one group gpu-home of two 4-GPU nodes, and the example "
+                             "Packing policy packing-home in Recommend")
     args = parser.parse_args(argv)
 
     workdir: Path = args.dir.resolve()
@@ -236,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     plane = ControlPlane(workdir / "controlplane", popen=children.popen)
     hub: subprocess.Popen[bytes] | None = None
     devclouds: DevClouds | None = None
+    capacity: DevCapacity | None = None
     agents: list[AgentProcess] = []
     stopping_metrics: list[Callable[[], None]] = []
     try:
@@ -264,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(devclouds.worker_env())  # the worker inherits them
         # Their instances join like the sim nodes: at the gateway process their user data names.
         devclouds.boot(gateway_join(None))
+        if args.capacity != "none":
+            starting(f"home GPU capacity ({args.capacity}): group gpu-home, two 4-GPU nodes")
+            capacity = DevCapacity(args.capacity, cluster, workdir / "capacity", devclouds).start()
+            devclouds.endpoints["capacity"] = capacity.endpoint()
+            devclouds.endpoints_file.write_text(json.dumps(devclouds.endpoints, indent=2) + "\n")
+            starting(f"home GPU group gpu-home ({args.capacity}): nodes {', '.join(capacity.nodes())}")
+        policies = policy_files(args.policies, args.capacity)
         # Home capacity: one GPU node of another type, so the example's L4 pods cannot fit at home.
         cluster.create_kwok_node("home-a10g-1", labels={"nvidia.com/gpu.product": "NVIDIA-A10G"})
         claim_keys_file = workdir / "gateway-hub-claim-keys.pem"
@@ -293,12 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         hub_lines = ""
         locations = DEV_LOCATIONS
         if args.no_hub:
-            names = load_policies(admin, args.policies)
+            names = load_policies(admin, policies)
             starting(f"policies created in the cluster: {', '.join(names)}")
         else:
             hub_url = f"http://127.0.0.1:{args.hub_port}"
             starting(f"starting the hub on {hub_url}")
-            hub = start_hub(children, workdir, args.hub_port, args.policies)
+            hub = start_hub(children, workdir, args.hub_port, policies)
             hub_settings.update({"hub_url": hub_url, "hub_token_file": workdir / "hub" / "dev.token",
                                  "hub_poll_interval": 5})
             admin_key = (workdir / "hub" / "dev.key").read_text().strip()
@@ -316,11 +348,12 @@ def main(argv: list[str] | None = None) -> int:
                                   locations=locations + devclouds.locations, cluster_name="dev",
                                   serve_check_seconds=5, approval_timeout_seconds=86400,
                                   health_port=worker_health_port, **hub_settings,
-                                  **gateway_settings, **devclouds.settings())
+                                  **gateway_settings, **devclouds.settings(),
+                                  **(capacity.settings() if capacity is not None else {}))
         worker = children.start("worker", WORKER_ARGV, env=worker_env(settings), log=workdir / "worker.log")
         starting(f"worker started (log: {workdir / 'worker.log'})")
         if not args.no_hub:
-            seeded = len(list(args.policies.glob("*.yaml")))
+            seeded = len(policies)
 
             def all_synced() -> list[str] | None:  # all: the sync applies them one by one
                 found = [p["metadata"]["name"] for p in admin.custom.list_cluster_custom_object(
@@ -343,6 +376,15 @@ def main(argv: list[str] | None = None) -> int:
             "'{\"spec\":{\"mode\":\"Approve\"}}'" if args.no_hub else
             f"in the hub UI, http://127.0.0.1:{args.hub_port}/ui/clusters/dev/policies/sharing-a100\n"
             "  (the cluster's policies come from the hub: a kubectl edit is put back)")
+        packing_lines = "" if capacity is None else (
+            f"\nPacking (home GPU capacity {args.capacity}: group gpu-home; policy packing-home in Recommend):\n"
+            f"  kubectl --kubeconfig {rel} get nodes -l example.com/gpu-group=gpu-home\n"
+            f"  kubectl --kubeconfig {rel} apply -f examples/packing-workload.yaml   (two 1-GPU pods, one per node)\n"
+            f"  kubectl --kubeconfig {rel} get gpupolicy packing-home -o jsonpath='{{.status.packing.proposal}}'\n"
+            f"  env $(jq -r '.capacity.env | to_entries[] | \"\\(.key)=\\(.value)\"' "
+            f"{os.path.relpath(devclouds.endpoints_file, Path.cwd())}) .venv/bin/kubeon-gpu doctor "
+            f"--kubeconfig {rel} --prometheus-url {metrics.url}   (the group, as the worker's capacity provider "
+            "sees it)\n")
         # Started before "ready" is printed: a signal sent by whoever reads "ready" is a stop, not an interruption.
         starting()
         started.set()
@@ -373,7 +415,7 @@ Sharing (the GPU Operator stand-in on {NODE}; docs/sharing.md), with the workloa
   to act on it, set the policy's mode to Approve: {sharing_mode_change}
   .venv/bin/kubeon-gpu ops list   then   .venv/bin/kubeon-gpu ops approve <OPERATION>   (the Mig operation)
   kubectl --kubeconfig {rel} get node {NODE} -o jsonpath='{{.status.allocatable}}'
-
+{packing_lines}
 Ctrl-C stops everything.
 ready""", flush=True)
         while not stopping.wait(0.5):  # Ctrl-C, or the worker or hub dying, ends the run
@@ -395,6 +437,8 @@ ready""", flush=True)
         stopping.set()
         for agent in agents:
             agent.stop()
+        if capacity is not None:
+            capacity.stop()
         if devclouds is not None:
             devclouds.stop()
         for stop_metrics in stopping_metrics:

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -213,10 +214,10 @@ def assert_all_gone(children: list[Child], how: str, timeout: float = 30) -> Non
         time.sleep(0.2)
 
 
-def start_dev(state: Path, ports: tuple[int, int, int]) -> subprocess.Popen[str]:
+def start_dev(state: Path, ports: tuple[int, int, int], *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.harness.dev", "--dir", str(state), "--temporal-port", str(ports[0]),
-         "--ui-port", str(ports[1]), "--hub-port", str(ports[2]), "--console-port", str(free_port())],
+         "--ui-port", str(ports[1]), "--hub-port", str(ports[2]), "--console-port", str(free_port()), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -273,3 +274,111 @@ def test_make_dev_killed_terminated_or_hung_up_leaves_no_child_and_a_second_one_
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# karpenter and one managed node group provider: each starts a whole make dev (the other two, gke-nodepools and
+# aks-nodepools, go through the same DevCapacity code, their servers and providers tested in their own modules).
+DOCTOR_CHECK = {"karpenter": "Karpenter", "eks-nodegroups": "EKS node groups"}
+
+
+@pytest.mark.parametrize("provider", sorted(DOCTOR_CHECK))
+def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provider: str, tmp_path: Path) -> None:
+    """`make dev ARGS=--capacity X`: the home group gpu-home (two 4-GPU nodes) behind capacity.provider X, named in
+    endpoints.json with what the SDK and doctor need, found by `kubeon-gpu doctor` run as the README says, and the
+    README's packing walk-through: the example workload -> packing-home (Recommend) proposes emptying one node;
+    the policy set to Approve in the hub -> a round awaiting approval; `ops approve` -> exactly that node removed
+    through the provider, both pods on the kept one."""
+    state = tmp_path / "dev"
+    started = time.monotonic()
+    ports = (free_port(), free_port(), free_port())
+    proc = start_dev(state, ports, "--capacity", provider)
+    try:
+        banner = _read_until(proc, "ready", timeout=300)
+        print(f"make dev --capacity {provider}: ready after {time.monotonic() - started:.0f} s")
+        assert "examples/packing-workload.yaml" in banner and "gpupolicy packing-home" in banner
+        endpoints = json.loads((state / "endpoints.json").read_text())
+        entry = endpoints["capacity"]
+        assert entry["provider"] == provider and entry["group"] == "gpu-home" and len(entry["nodes"]) == 2, entry
+        assert entry["env"]["KUBEON_CAPACITY_PROVIDER"] == provider
+        if provider == "eks-nodegroups":
+            assert entry["url"] == endpoints["aws"]["url"] == entry["env"]["KUBEON_AWS_ENDPOINT_URL"]
+            assert entry["eksCluster"] == entry["env"]["KUBEON_CAPACITY_CLUSTER_NAME"]
+            assert entry["env"]["AWS_ACCESS_KEY_ID"] and entry["env"]["AWS_SECRET_ACCESS_KEY"]
+        synced = next(line for line in banner.splitlines() if "policies synced from the hub: " in line)
+        assert "packing-home" in synced.split(": ", 1)[1].split(", "), synced
+        # doctor as the banner and the README run it: with endpoints.json's capacity env.
+        doctor = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "doctor", "--kubeconfig", str(state / "kubeconfig"), "--json"],
+            env={**os.environ, "PYTHONPATH": str(ROOT), **entry["env"]}, cwd=ROOT, capture_output=True, text=True,
+            timeout=120)
+        assert doctor.returncode == 0, doctor.stderr
+        found = {r["name"]: r for r in json.loads(doctor.stdout)}[DOCTOR_CHECK[provider]]
+        assert found["status"] == "found" and "gpu-home" in found["detail"], found
+        # The walk-through: two 1-GPU pods, one per node -> a proposal to empty one of the group's nodes.
+        admin = Kube.from_kubeconfig(state / "kubeconfig")
+        admin.apps.create_namespaced_deployment(
+            "default", yaml.safe_load((ROOT / "examples" / "packing-workload.yaml").read_text()))
+        deadline = time.monotonic() + 120
+        while True:
+            policy = cast(dict[str, Any], admin.custom.get_cluster_custom_object(
+                "gpu.kubeon.io", "v1", "gpupolicies", "packing-home"))
+            packing = (policy.get("status") or {}).get("packing") or {}
+            if packing.get("proposal"):
+                break
+            assert time.monotonic() < deadline, f"no packing proposal: {packing}"
+            time.sleep(1)
+        proposal = packing["proposal"]
+        assert packing["enforcedMode"] == "Recommend" and len(proposal["nodes"]) == 1, packing
+        assert set(proposal["nodes"]) <= set(entry["nodes"]) and proposal["usdPerHourSaved"] > 1.0, packing
+        assert {p.spec.node_name for p in admin.core.list_namespaced_pod("default", label_selector="app=serve").items
+                } <= set(entry["nodes"])  # Recommend: nothing moved off the group
+        # Approve, as the README does it: the policy put back to the hub in mode Approve, then `ops approve`.
+        doc = yaml.safe_load((ROOT / "examples" / "dev" / "packing-home.yaml").read_text())
+        doc["spec"]["mode"] = "Approve"
+        key = (state / "hub" / "dev.key").read_text().strip()
+        put = httpx.put(f"http://127.0.0.1:{ports[2]}/v1/clusters/dev/policies/packing-home", json=doc, timeout=10,
+                        headers={"Authorization": f"Bearer {key}"})
+        assert put.status_code == 200 and put.json()["changed"], put.text
+        cli_env = {**os.environ, "PYTHONPATH": str(ROOT), "KUBEON_TEMPORAL_ADDRESS": f"127.0.0.1:{ports[0]}"}
+
+        def cli(*argv: str) -> str:
+            done = subprocess.run([sys.executable, "-m", "worker.cli", "ops", *argv], env=cli_env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        round_id = "packing/dev/packing-home"
+        while not any("Pack" in line and "AwaitingApproval" in line for line in cli("list").splitlines()):
+            assert time.monotonic() < deadline + 60, cli("list")
+            time.sleep(1)
+        [planned] = json.loads(cli("show", round_id, "--json"))["plan"]["empty"]
+        assert planned in entry["nodes"]
+        cli("approve", round_id)
+        while (view := json.loads(cli("show", round_id, "--json")))["phase"] != "Done":
+            assert time.monotonic() < deadline + 180 and view["phase"] != "Failed", cli("show", round_id)
+            time.sleep(1)
+        assert view["removed"] == [planned], view
+        kept = set(entry["nodes"]) - {planned}
+
+        def group_nodes() -> set[str]:
+            return {str(n.metadata.name) for n in admin.core.list_node(
+                label_selector="example.com/gpu-group=gpu-home").items}
+
+        while (left := group_nodes()) != kept:  # the node goes once its instance (NodeClaim) has
+            assert time.monotonic() < deadline + 240, left
+            time.sleep(1)
+        pods = admin.core.list_namespaced_pod("default", label_selector="app=serve").items
+        assert len(pods) == 2 and {p.spec.node_name for p in pods} == kept, [(p.metadata.name, p.spec.node_name)
+                                                                              for p in pods]
+    finally:
+        children = recorded_children(state)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert proc.returncode == 0
+    if provider == "karpenter":
+        assert any(c.name.startswith("karpenter") for c in children), children
+    assert_all_gone(children, "Ctrl-C")
