@@ -1,9 +1,10 @@
 """One packing round (``kind: Packing``) as a durable operation: plan, propose (Recommend records it; Approve waits
 for one approval; Automatic goes on within maxNodesAtOnce), then freeze the pools' disruption and cordon every node
 the round empties (no replacement lands on one of them), then one node at a time: evict its pods one at a time (a
-PDB refusal is a visible wait), each replacement Ready on a kept node before the next eviction, remove the emptied node through the capacity provider, confirm its NodeClaim and Node
-gone. Whatever happens (a failure, a cancel, a pod that cannot be re-placed) the nodes not removed are uncordoned
-and the pool unfrozen; a crash resumes from the history, so no node is left cordoned and no budget left frozen."""
+PDB refusal is a visible wait), each replacement Ready on a kept node before the next eviction, remove the emptied
+node through the capacity provider, confirm its NodeClaim and Node gone. Whatever happens (a failure, a cancel, a
+pod that cannot be re-placed) the nodes not removed are uncordoned and the pool unfrozen; a crash resumes from the
+history, so no node is left cordoned and no budget left frozen."""
 
 from __future__ import annotations
 
