@@ -479,3 +479,83 @@ async def test_mig_cancelled_while_stuck_pending_is_uncordoned(
         assert "node uncordoned" in view.message
         assert not unschedulable_node(cluster, node)
         assert cluster.admin.core.read_node(node).metadata.labels.get("nvidia.com/mig.config") is None
+
+
+async def test_max_nodes_at_once_changes_one_node_at_a_time_the_others_wait_and_say_so(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    """Three quiet MIG-capable nodes of one Automatic policy with maxNodesAtOnce 1: while the first node's
+    reconfiguration is held pending (cordoned, its pods evicted), the other two get no operation, stay schedulable
+    and their status entries say they wait for the budget; released, the next one starts; all three end shared."""
+    from temporalio.service import RPCError
+
+    cluster = bed.cluster
+    pool = f"bud-{uuid.uuid4().hex[:6]}"
+    nodes = [f"a100-{pool}-{i}" for i in range(3)]
+    pods: list[str] = []
+    for node in nodes:
+        cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 2), "pool": pool, "pin": node},
+                                 gpus=2)
+        bed.exporter.add_node(node, gpus=2)
+    policy = unique("bud")
+    try:
+        for node in nodes:
+            await until(lambda n=node: bed.gpu_operator.nodes.get(n), what="the stand-in sees the node", timeout=10)
+            bed.gpu_operator.hold_mig(node, "all-1g.10gb")
+            for k in range(2):
+                pod = gpu_pod(f"{node}-{k}", pool)
+                pod.spec.node_selector = {"pin": node}
+                cluster.admin.core.create_namespaced_pod(namespace, pod)
+                pods.append(pod.metadata.name)
+        await until(lambda: all(len(pods_on(cluster, namespace, n)) == 2 for n in nodes),
+                    what="two pods running on each node", timeout=60)
+        backfill(bed, namespace, pods, activity=0.05, fb_used_mib=9 * 1024)
+        bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+            "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+            "spec": {"kind": "Sharing", "mode": "Automatic", "nodes": {"matchLabels": {"pool": pool}},
+                     "mig": {"allowed": ["all-1g.10gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
+                     "usdPerGpuHour": 4.1, "maxNodesAtOnce": 1}})
+        s = settings(bed, temporal_dev_server)
+        async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+            async def no_operation(node: str) -> bool:
+                try:
+                    await temporal.get_workflow_handle(sharing_workflow_id(s.cluster, node)).describe()
+                except RPCError:
+                    return True
+                return False
+
+            def budget_says(node: str, rest: list[str]) -> dict[str, Any] | None:
+                """The policy's status once it says ``node`` changes and each of ``rest`` waits."""
+                status = sharing_status(bed, policy)
+                entries = {e["node"]: e for e in status.get("nodes", [])}
+                ok = status.get("changing") == [node] and all(
+                    entries.get(n, {}).get("waiting") == "waiting: 1 of 1 node(s) changing at once "
+                    "(spec.maxNodesAtOnce)" for n in rest)
+                return status if ok else None
+
+            for i, node in enumerate(nodes):
+                view = await wait_phase(temporal, sharing_workflow_id(s.cluster, node), SharingPhase.RECONFIGURING)
+                assert view.key == "all-1g.10gb" and unschedulable_node(cluster, node)
+                rest = nodes[i + 1:]
+                status = await until(lambda node=node, rest=rest: budget_says(node, rest),
+                                     what=f"{node} changing, {rest} waiting, in the policy's status", timeout=30)
+                assert status["maxNodesAtOnce"] == 1
+                budget = next(c for c in status["conditions"] if c["type"] == "DisruptionBudget")
+                if rest:
+                    assert budget["status"] == "False" and budget["reason"] == "NodesWaiting", budget
+                for other in rest:
+                    assert await no_operation(other), f"{other} got an operation while {node} is changing"
+                    assert not unschedulable_node(cluster, other)
+                    assert len(pods_on(cluster, namespace, other)) == 2, f"{other}'s pods evicted"
+                bed.gpu_operator.release(node)
+                view = await wait_phase(temporal, sharing_workflow_id(s.cluster, node), SharingPhase.SHARED,
+                                        SharingPhase.FAILED)
+                assert view.phase == SharingPhase.SHARED, view.history
+            for node in nodes:
+                n: Any = cluster.admin.core.read_node(node)
+                assert n.status.allocatable["nvidia.com/mig-1g.10gb"] == "14" and not n.spec.unschedulable
+    finally:
+        bed.burst.delete_policy(policy)
+        for node in nodes:
+            if node in bed.gpu_operator.nodes:
+                bed.gpu_operator.release(node)
+            cluster.admin.core.delete_node(node)
