@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -499,13 +500,14 @@ async def test_max_nodes_at_once_changes_one_node_at_a_time_the_others_wait_and_
     policy = unique("bud")
     try:
         for node in nodes:
-            await until(lambda n=node: bed.gpu_operator.nodes.get(n), what="the stand-in sees the node", timeout=10)
+            await until(functools.partial(bed.gpu_operator.nodes.get, node), what="the stand-in sees the node",
+                        timeout=10)
             bed.gpu_operator.hold_mig(node, "all-1g.10gb")
             for k in range(2):
                 pod = gpu_pod(f"{node}-{k}", pool)
                 pod.spec.node_selector = {"pin": node}
                 cluster.admin.core.create_namespaced_pod(namespace, pod)
-                pods.append(pod.metadata.name)
+                pods.append(f"{node}-{k}")
         await until(lambda: all(len(pods_on(cluster, namespace, n)) == 2 for n in nodes),
                     what="two pods running on each node", timeout=60)
         backfill(bed, namespace, pods, activity=0.05, fb_used_mib=9 * 1024)
@@ -536,7 +538,7 @@ async def test_max_nodes_at_once_changes_one_node_at_a_time_the_others_wait_and_
                 view = await wait_phase(temporal, sharing_workflow_id(s.cluster, node), SharingPhase.RECONFIGURING)
                 assert view.key == "all-1g.10gb" and unschedulable_node(cluster, node)
                 rest = nodes[i + 1:]
-                status = await until(lambda node=node, rest=rest: budget_says(node, rest),
+                status = await until(functools.partial(budget_says, node, rest),
                                      what=f"{node} changing, {rest} waiting, in the policy's status", timeout=30)
                 assert status["maxNodesAtOnce"] == 1
                 budget = next(c for c in status["conditions"] if c["type"] == "DisruptionBudget")
