@@ -3,6 +3,7 @@ real Prometheus scraping the DCGM exporter fixture with backfilled history. Ever
 every fifth node is busy (60 %), the others quiet (5 %) with 4 pods waiting each; MIG is allowed too.
 
     .venv/bin/python -m bench.sharing_bench                 # --nodes 100 --rounds 5
+    .venv/bin/python -m bench.sharing_bench --rollout 20    # --budget 2: see bench/sharing_rollout.py
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--history-minutes", type=int, default=70)
+    parser.add_argument("--rollout", type=int, default=0, metavar="NODES",
+                        help="instead: a MIG rollout over this many nodes under a disruption budget")
+    parser.add_argument("--budget", type=int, default=2, help="the rollout's spec.maxNodesAtOnce")
     args = parser.parse_args(argv)
+    if args.rollout:
+        from bench.sharing_rollout import main as rollout
+
+        return rollout(["--nodes", str(args.rollout), "--budget", str(args.budget)])
 
     exporter = DcgmExporter().start()
     try:

@@ -445,6 +445,10 @@ class SharingSpec(_KindSpec):
     idle: SharingIdle = Field(default_factory=SharingIdle)
     # What one GPU-hour of these nodes costs (USD): the saving of a proposal is the GPUs it frees at this price.
     usd_per_gpu_hour: Annotated[StrictFloat, Field(gt=0, le=10000)] | None = None
+    # The disruption budget: at most this many of the policy's nodes changing at once (an operation cordoning,
+    # evicting, reconfiguring, labelling, verifying or restoring, or awaiting an approval that would start it);
+    # the others wait, said in status.sharing. MIG evicts every GPU pod of its node: 1 unless raised.
+    max_nodes_at_once: Annotated[StrictInt, Field(ge=1, le=50)] = 1
 
     @model_validator(mode="after")
     def _some_sharing(self) -> SharingSpec:

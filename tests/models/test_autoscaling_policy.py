@@ -35,7 +35,7 @@ CORPUS: list[dict[str, Any]] = [
      "leaf": "nodePools"},
     {"name": "mode-approve", "set": {"spec.mode": "Approve"}, "field": "spec.mode", "leaf": "no Approve"},
     {"name": "packing-field", "set": {"spec.maxNodesAtOnce": 2}, "field": "spec.maxNodesAtOnce",
-     "leaf": "only for kind Packing"},
+     "leaf": "only for kinds Packing and Sharing"},
     {"name": "namespaces-field", "set": {"spec.namespaces": ["ml"]}, "field": "spec.namespaces",
      "leaf": "not for kind Autoscaling"},
 ]

@@ -35,7 +35,7 @@ def test_documented_sharing_policy_is_valid() -> None:
     assert spec.time_slicing is not None and spec.time_slicing.max_replicas == 4
     assert spec.mig is not None and spec.mig.allowed == ["all-1g.10gb", "all-3g.40gb", "all-balanced"]
     assert spec.idle.threshold == 0.4 and spec.idle.window_seconds == 7 * 24 * 3600
-    assert spec.usd_per_gpu_hour == 4.1
+    assert spec.usd_per_gpu_hour == 4.1 and spec.max_nodes_at_once == 2
 
 
 def test_defaults_and_mig_never_automatic_by_default() -> None:
@@ -45,6 +45,7 @@ def test_defaults_and_mig_never_automatic_by_default() -> None:
     assert isinstance(spec, policy.SharingSpec)
     assert spec.time_slicing is None and spec.mig is not None and spec.mig.headroom == 0.1
     assert spec.idle.window == "168h" and spec.idle.min_coverage == 0.9
+    assert spec.max_nodes_at_once == 1, "one node changing at a time unless the policy says more"
     assert spec.effective_mode("Automatic") == "Automatic"
     assert spec.mig_mode("Automatic") == "Approve"
     assert spec.mig_mode("Recommend") == "Recommend"

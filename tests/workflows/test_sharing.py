@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -479,3 +480,140 @@ async def test_mig_cancelled_while_stuck_pending_is_uncordoned(
         assert "node uncordoned" in view.message
         assert not unschedulable_node(cluster, node)
         assert cluster.admin.core.read_node(node).metadata.labels.get("nvidia.com/mig.config") is None
+
+
+@contextlib.asynccontextmanager
+async def quiet_mig_nodes(bed: SharingBed, namespace: str, count: int) -> AsyncIterator[tuple[str, list[str]]]:
+    """``count`` MIG-capable A100 nodes of a fresh pool, each running two 1-GPU pods at 5 % and 9 GiB peak (with
+    history), each node's reconfiguration to all-1g.10gb held pending by the stand-in: (the pool, the nodes), in
+    name order; released and deleted after."""
+    cluster = bed.cluster
+    pool = f"bud-{uuid.uuid4().hex[:6]}"
+    nodes = [f"a100-{pool}-{i}" for i in range(count)]
+    pods: list[str] = []
+    for node in nodes:
+        cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 2), "pool": pool, "pin": node},
+                                 gpus=2)
+        bed.exporter.add_node(node, gpus=2)
+    try:
+        for node in nodes:
+            await until(functools.partial(bed.gpu_operator.nodes.get, node), what="the stand-in sees the node",
+                        timeout=10)
+            bed.gpu_operator.hold_mig(node, "all-1g.10gb")
+            for k in range(2):
+                pod = gpu_pod(f"{node}-{k}", pool)
+                pod.spec.node_selector = {"pin": node}
+                cluster.admin.core.create_namespaced_pod(namespace, pod)
+                pods.append(f"{node}-{k}")
+        await until(lambda: all(len(pods_on(cluster, namespace, n)) == 2 for n in nodes),
+                    what="two pods running on each node", timeout=60)
+        backfill(bed, namespace, pods, activity=0.05, fb_used_mib=9 * 1024)
+        yield pool, nodes
+    finally:
+        for node in nodes:
+            if node in bed.gpu_operator.nodes:
+                bed.gpu_operator.release(node)
+            cluster.admin.core.delete_node(node)
+
+
+def create_budget_policy(bed: SharingBed, name: str, pool: str, mode: str, max_nodes_at_once: int) -> None:
+    bed.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": name},
+        "spec": {"kind": "Sharing", "mode": mode, "nodes": {"matchLabels": {"pool": pool}},
+                 "mig": {"allowed": ["all-1g.10gb"]}, "idle": {"threshold": 0.4, "window": "1h"},
+                 "usdPerGpuHour": 4.1, "maxNodesAtOnce": max_nodes_at_once}})
+
+
+def budget_says(bed: SharingBed, policy: str, changing: list[str], waiting: list[str]) -> dict[str, Any] | None:
+    """The policy's status once it says exactly ``changing`` change and each of ``waiting`` waits (budget 1)."""
+    status = sharing_status(bed, policy)
+    entries = {e["node"]: e for e in status.get("nodes", [])}
+    ok = status.get("changing") == changing and all(
+        entries.get(n, {}).get("waiting") == "waiting: 1 of 1 node(s) changing at once (spec.maxNodesAtOnce)"
+        for n in waiting)
+    return status if ok else None
+
+
+async def no_operation(temporal: Client, wf_id: str) -> bool:
+    from temporalio.service import RPCError
+
+    try:
+        await temporal.get_workflow_handle(wf_id).describe()
+    except RPCError:
+        return True
+    return False
+
+
+async def test_max_nodes_at_once_changes_one_node_at_a_time_the_others_wait_and_say_so(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    """Three quiet MIG-capable nodes of one Automatic policy with maxNodesAtOnce 1: while the first node's
+    reconfiguration is held pending (cordoned, its pods evicted), the other two get no operation, stay schedulable
+    and their status entries say they wait for the budget; released, the next one starts; all three end shared."""
+    cluster = bed.cluster
+    policy = unique("bud")
+    async with quiet_mig_nodes(bed, namespace, 3) as (pool, nodes):
+        try:
+            create_budget_policy(bed, policy, pool, "Automatic", 1)
+            s = settings(bed, temporal_dev_server)
+            async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+                for i, node in enumerate(nodes):
+                    wf_id = sharing_workflow_id(s.cluster, node)
+                    view = await wait_phase(temporal, wf_id, SharingPhase.RECONFIGURING)
+                    assert view.key == "all-1g.10gb" and unschedulable_node(cluster, node)
+                    rest = nodes[i + 1:]
+                    status = await until(functools.partial(budget_says, bed, policy, [node], rest),
+                                         what=f"{node} changing, {rest} waiting, in the policy's status", timeout=30)
+                    assert status["maxNodesAtOnce"] == 1
+                    budget = next(c for c in status["conditions"] if c["type"] == "DisruptionBudget")
+                    if rest:
+                        assert budget["status"] == "False" and budget["reason"] == "NodesWaiting", budget
+                    for other in rest:
+                        assert await no_operation(temporal, sharing_workflow_id(s.cluster, other)), \
+                            f"{other} got an operation while {node} is changing"
+                        assert not unschedulable_node(cluster, other)
+                        assert len(pods_on(cluster, namespace, other)) == 2, f"{other}'s pods evicted"
+                    bed.gpu_operator.release(node)
+                    view = await wait_phase(temporal, wf_id, SharingPhase.SHARED, SharingPhase.FAILED)
+                    assert view.phase == SharingPhase.SHARED, view.history
+                for node in nodes:
+                    n: Any = cluster.admin.core.read_node(node)
+                    assert n.status.allocatable["nvidia.com/mig-1g.10gb"] == "14" and not n.spec.unschedulable
+        finally:
+            bed.burst.delete_policy(policy)
+
+
+async def test_max_nodes_at_once_counts_an_approval_request_and_gates_a_recommendation_told_to_act(
+        bed: SharingBed, namespace: str, temporal_dev_server: WorkflowEnvironment) -> None:
+    """Two quiet MIG nodes, a Recommend policy with maxNodesAtOnce 1: both stand as recommendations (they change
+    nothing: no slot). The policy set to Approve: only the first is told, and awaits approval (an approval would
+    let it evict at once: it holds the slot); the second stays a recommendation and waits in the status. The
+    first approved and shared, the second is told and awaits approval with the same operation."""
+    cluster = bed.cluster
+    policy = unique("bud")
+    async with quiet_mig_nodes(bed, namespace, 2) as (pool, nodes):
+        for node in nodes:
+            bed.gpu_operator.release(node)
+        try:
+            create_budget_policy(bed, policy, pool, "Recommend", 1)
+            s = settings(bed, temporal_dev_server)
+            async with worker_services(s, bed.burst.runtime(s)) as (temporal, _runtime, _watcher):
+                first, second = (sharing_workflow_id(s.cluster, n) for n in nodes)
+                proposed = [await wait_phase(temporal, wf, SharingPhase.PROPOSED) for wf in (first, second)]
+                assert all(v.mode == "Recommend" for v in proposed)
+                await until(functools.partial(budget_says, bed, policy, [], []), what="nothing changing", timeout=30)
+                cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, policy,
+                                                                 {"spec": {"mode": "Approve"}})
+                view = await wait_phase(temporal, first, SharingPhase.AWAITING_APPROVAL)
+                await until(functools.partial(budget_says, bed, policy, [nodes[0]], [nodes[1]]),
+                            what=f"{nodes[1]} waiting while {nodes[0]} awaits approval", timeout=30)
+                again = await temporal.get_workflow_handle(second).query("state", result_type=SharingView)
+                assert (again.phase, again.mode) == (SharingPhase.PROPOSED, "Recommend"), again.history
+                await ops.approve(temporal, view.operation, Approval(approver="alice"))
+                view = await wait_phase(temporal, first, SharingPhase.SHARED, SharingPhase.FAILED)
+                assert view.phase == SharingPhase.SHARED, view.history
+                view = await wait_phase(temporal, second, SharingPhase.AWAITING_APPROVAL)
+                assert view.operation == proposed[1].operation
+                await ops.reject(temporal, view.operation, Rejection(approver="alice", reason="not now"))
+                await wait_phase(temporal, second, SharingPhase.REJECTED)
+        finally:
+            bed.burst.delete_policy(policy)
