@@ -7,7 +7,9 @@ node's BurstNode run, a ScaleToZero approved, scaled to zero and woken, and one 
 proposal set again each minute (the case ``PHASE_ON_CHANGE`` keeps: that code upserted KubeonPhase at every set).
 Two of them were still running when written. ``sharing-*``: TimeSlicing and Mig runs of main at df6e5f1
 (histories/record_sharing.py), a time-slicing key written and one found there, a MIG change undone and one
-failed."""
+failed. ``pack-*``: PackWorkflow rounds of main at 46d06a2 (histories/record_pack.py), before rounds were audited
+and cordoned every planned node first: two nodes emptied, one stopped by a pod not re-placed, one rejected (without
+the pack-cordon-all patch the first two fail with a nondeterminism error)."""
 
 from __future__ import annotations
 

@@ -7,15 +7,12 @@ today's workflows."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 import uuid
-from pathlib import Path
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
@@ -45,10 +42,10 @@ from models.sharing import (
     time_slicing_key,
 )
 from tests.harness.temporal import dev_server_path
+from tests.workflows.histories.recording import dump, until_phase
 
-OUT = Path(os.environ["HISTORIES"])
 sys.path.insert(0, os.environ["OLD"])
-import old_sharing  # type: ignore[import-not-found]  # noqa: E402
+import old_sharing  # type: ignore[import-not-found]
 
 
 def activities(*, written: bool, mig: str) -> list[Any]:
@@ -116,23 +113,6 @@ def activities(*, written: bool, mig: str) -> list[Any]:
     return [record_audit, action_gate, read_node_config, write_time_slicing_key, set_device_plugin_config,
             verify_time_slicing, remove_unused_time_slicing_keys, unservable_pods, read_mig_config, cordon_node,
             evict_pods, set_mig_config, wait_mig_state, verify_mig_resources, uncordon_node]
-
-
-async def dump(handle: WorkflowHandle[Any, Any], name: str) -> None:
-    history = await handle.fetch_history()
-    (OUT / f"{name}.json").write_text(history.to_json())
-    ids = OUT / "workflow_ids.json"
-    known = json.loads(ids.read_text()) if ids.exists() else {}
-    known[name] = handle.id
-    ids.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
-
-
-async def until_phase(handle: WorkflowHandle[Any, Any], phase: str) -> None:
-    for _ in range(400):
-        if (await handle.query("state"))["phase"] == phase:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{handle.id} never reached {phase}")
 
 
 async def main() -> None:

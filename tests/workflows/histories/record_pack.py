@@ -1,0 +1,121 @@
+"""How histories/pack-*.json were written: by PackWorkflow of main at 46d06a2 (before rounds were audited and
+cordoned every planned node first), on the dev server with test activities:
+``git show 46d06a2:workflows/pack.py > DIR/old_pack.py``, then
+``HISTORIES=<this folder> OLD=DIR python -m tests.workflows.histories.record_pack``. test_replay replays them on
+today's workflows: a round approved that empties two nodes of one pool, one stopped by a pod that cannot be
+re-placed (compensated), one rejected."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from typing import Any
+
+from temporalio import activity
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from models import search_attributes
+from models.converter import DATA_CONVERTER
+from models.decisions import Approval, Rejection
+from models.packing import (
+    EvictOutcome,
+    GroupRef,
+    NodeRef2,
+    PackInput,
+    PackMove,
+    PackPlan,
+    PackPlanRequest,
+    PackSettings,
+    PodRef,
+    ReplacementCheck,
+    ReplacementState,
+)
+from tests.harness.temporal import dev_server_path
+from tests.workflows.histories.recording import dump, until_phase
+
+sys.path.insert(0, os.environ["OLD"])
+import old_pack  # type: ignore[import-not-found]
+
+PLAN = PackPlan(empty=["n-b", "n-c"], group_of={"n-b": "gpu", "n-c": "gpu"}, usd_per_hour_saved=9.2032, moves=[
+    PackMove(pod="ml/p-1", source="n-b", target="n-a", gpus=1), PackMove(pod="ml/p-2", source="n-c", target="n-a",
+                                                                        gpus=1)])
+
+
+def activities(*, replaced: bool) -> list[Any]:
+    @activity.defn(name="pack_plan")
+    async def pack_plan(req: PackPlanRequest) -> PackPlan:
+        return PLAN
+
+    @activity.defn(name="pack_freeze")
+    async def pack_freeze(req: GroupRef) -> None:
+        return None
+
+    @activity.defn(name="pack_unfreeze")
+    async def pack_unfreeze(req: GroupRef) -> None:
+        return None
+
+    @activity.defn(name="pack_cordon")
+    async def pack_cordon(req: NodeRef2) -> bool:
+        return True
+
+    @activity.defn(name="pack_uncordon")
+    async def pack_uncordon(req: NodeRef2) -> bool:
+        return True
+
+    @activity.defn(name="pack_pods_on_node")
+    async def pack_pods_on_node(req: NodeRef2) -> list[PodRef]:
+        return [PodRef(namespace="ml", name="p-1" if req.node == "n-b" else "p-2", owner_uid="rs-1", ready_before=2)]
+
+    @activity.defn(name="pack_evict_pod")
+    async def pack_evict_pod(req: PodRef) -> EvictOutcome:
+        return EvictOutcome(outcome="evicted", owner_uid="rs-1", ready_before=2)
+
+    @activity.defn(name="pack_replacement_ready")
+    async def pack_replacement_ready(req: ReplacementCheck) -> ReplacementState:
+        return ReplacementState(ready=replaced, detail="" if replaced else "the replacement Pending")
+
+    @activity.defn(name="pack_remove_node")
+    async def pack_remove_node(req: NodeRef2) -> None:
+        return None
+
+    @activity.defn(name="pack_node_gone")
+    async def pack_node_gone(req: NodeRef2) -> bool:
+        return True
+
+    return [pack_plan, pack_freeze, pack_unfreeze, pack_cordon, pack_uncordon, pack_pods_on_node, pack_evict_pod,
+            pack_replacement_ready, pack_remove_node, pack_node_gone]
+
+
+async def main() -> None:
+    env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(dev_server_path()),
+                                                data_converter=DATA_CONVERTER,
+                                                search_attributes=list(search_attributes.ALL), ui=False)
+    try:
+        client = env.client
+        settings = PackSettings(poll_seconds=0.2, replacement_timeout_seconds=1)
+        for name, replaced, decision in (("pack-approved-done", True, "approve"),
+                                         ("pack-replacement-stopped", False, "approve"),
+                                         ("pack-rejected", True, "reject")):
+            queue = f"record-{uuid.uuid4().hex[:6]}"
+            async with Worker(client, task_queue=queue, workflows=[old_pack.PackWorkflow],
+                              activities=activities(replaced=replaced), workflow_runner=UnsandboxedWorkflowRunner()):
+                wid = f"packing/c/p-{uuid.uuid4().hex[:6]}"
+                handle = await client.start_workflow(
+                    "PackWorkflow", PackInput(cluster="c", policy="p", groups=["gpu"], mode="Approve", max_nodes=2,
+                                              settings=settings), id=wid, task_queue=queue)
+                await until_phase(handle, "AwaitingApproval")
+                if decision == "approve":
+                    await handle.execute_update("approve_plan", Approval(approver="rec", plan_id=wid))
+                else:
+                    await handle.execute_update("reject_plan", Rejection(approver="rec", reason="not now"))
+                await handle.result()
+                await dump(handle, name)
+    finally:
+        await env.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
