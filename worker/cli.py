@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -517,11 +518,21 @@ def entry() -> None:
     teardown. The SDK's Rust threads can call into Python while it finalizes and abort the process ("Fatal Python
     error: PyGILState_Release: thread state ... must be current when releasing", temporalio/sdk-python#300): about
     one `ops list` in 20 exited 134 after printing its answer, which a script takes for a failure. Everything the
-    command wrote is flushed first; the worker has flushed its spans by then."""
-    code = main()
+    command wrote is flushed first; the worker has flushed its spans by then.
+
+    A reader that stops early (``kubeon-gpu ops show OP | grep -q Done``) closes the pipe: that ends the command
+    quietly with 141 (128 + SIGPIPE, as a shell tool ends), not with a BrokenPipeError traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's advice (signal docs, "Note on SIGPIPE"): point stdout at devnull so the exit's flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 141
     if "temporalio.bridge.temporal_sdk_bridge" in sys.modules:
         logging.shutdown()
-        sys.stdout.flush()
+        with contextlib.suppress(BrokenPipeError):
+            sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)

@@ -61,3 +61,15 @@ def test_the_command_prints_its_whole_answer_and_exits_with_its_code(temporal_de
         assert missing.stderr.startswith("kubeon-gpu ops show: ") and "op-000000000000" in missing.stderr, (
             missing.stderr)
         assert "Fatal Python error" not in listed.stderr + missing.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly_with_141() -> None:
+    # `kubeon-gpu ... | grep -q ...`: the reader closes the pipe before the command has written. The command ends as a
+    # shell tool does (128 + SIGPIPE), with no BrokenPipeError traceback on stderr.
+    proc = subprocess.Popen([sys.executable, "-c", "from worker.cli import entry; entry()", "policy", "validate",
+                             "examples/policies/sharing-a100.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err
