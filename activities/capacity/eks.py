@@ -80,6 +80,9 @@ class EksNodeGroupsCapacity(HomeNodes):
         self._config = dict(client_config or {})
         self._price = prices or (lambda t: GPU_TYPES[t].usd_per_hour if t in GPU_TYPES else None)
         self._clients: dict[str, Any] = {}
+        # node group -> its auto scaling group's name, as last described: fixed for the node group's life, so a
+        # removal or a freeze reads the ASG directly (one call, not two); dropped when the ASG is gone (re-created).
+        self._asg_names: dict[str, str] = {}
 
     # -- clients ---------------------------------------------------------------------------------------------------
     def _client(self, service: str, *, once: bool = False) -> Any:
@@ -119,6 +122,18 @@ class EksNodeGroupsCapacity(HomeNodes):
         if not found:
             raise GroupNotFoundError(f"node group {group}: its auto scaling group {name} does not exist")
         return dict(found[0])
+
+    def _group_asg(self, group: str) -> tuple[str, dict[str, Any]]:
+        """The node group's auto scaling group (name, description), its name remembered from the last describe."""
+        name = self._asg_names.get(group)
+        if name is not None:
+            try:
+                return name, self._asg(group, name)
+            except GroupNotFoundError:
+                self._asg_names.pop(group, None)  # the node group was deleted or re-created: describe it again
+        name = self._asg_name(group, self._describe(group))
+        self._asg_names[group] = name
+        return name, self._asg(group, name)
 
     @staticmethod
     def _asg_name(group: str, described: dict[str, Any]) -> str:
@@ -245,8 +260,7 @@ class EksNodeGroupsCapacity(HomeNodes):
         if not instance:
             raise CapacityError(f"node {node} has no EC2 providerID (aws:///<az>/<i-id>): "
                                 f"{found.spec.provider_id if found.spec else None!r}", retryable=False)
-        name = self._asg_name(group, self._describe(group))
-        asg = self._asg(group, name)
+        name, asg = self._group_asg(group)
         member = next((i for i in asg.get("Instances") or [] if i["InstanceId"] == instance), None)
         if member is None or member.get("LifecycleState") in GONE_STATES:
             return  # removed already (a retried removal whose first answer came late)
@@ -271,8 +285,8 @@ class EksNodeGroupsCapacity(HomeNodes):
 
 
     def _frozen_by(self, group: str) -> tuple[str, str | None]:
-        name = self._asg_name(group, self._describe(group))
-        tags = {t["Key"]: t.get("Value") for t in self._asg(group, name).get("Tags") or []}
+        name, asg = self._group_asg(group)
+        tags = {t["Key"]: t.get("Value") for t in asg.get("Tags") or []}
         return name, tags.get(FROZEN_TAG)
 
     def freeze(self, group: str, operation: str) -> None:

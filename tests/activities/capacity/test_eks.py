@@ -301,6 +301,27 @@ def test_freeze_shield_and_doctor(group: dict[str, Any], eks_api: MotoRecorder, 
     assert [r["params"]["scalingConfig"]["maxSize"] for r in _mutations(eks_api)] == [3, 4]  # the cap's two
 
 
+def test_the_auto_scaling_groups_name_is_read_once_and_read_again_when_its_group_is_gone(
+        group: dict[str, Any], eks_api: MotoRecorder) -> None:
+    from activities.capacity.eks import FROZEN_TAG
+
+    capacity: EksNodeGroupsCapacity = group["capacity"]
+    nodegroup = f"GET /clusters/{group['cluster']}/node-groups/{group['ng']}"
+    capacity.freeze(group["ng"], "op-1")
+    capacity.unfreeze(group["ng"], "op-1")
+    # The node group is described once (for its ASG's name); the unfreeze reads the ASG directly.
+    assert _actions(eks_api) == [nodegroup, "DescribeAutoScalingGroups", "CreateOrUpdateTags",
+                                 "DescribeAutoScalingGroups", "DeleteTags"]
+    # A name remembered for an ASG that is gone (the node group deleted and re-created): described again.
+    capacity._asg_names[group["ng"]] = "eks-gone-0000"
+    eks_api.clear()
+    capacity.freeze(group["ng"], "op-2")
+    assert _actions(eks_api) == ["DescribeAutoScalingGroups", nodegroup, "DescribeAutoScalingGroups",
+                                 "CreateOrUpdateTags"]
+    assert {t["Key"]: t["Value"] for t in _asg(group)["Tags"]}[FROZEN_TAG] == "op-2"
+    capacity.unfreeze(group["ng"], "op-2")
+
+
 def test_the_worker_runtime_builds_the_provider_from_its_settings() -> None:
     """capacity.provider eks-nodegroups -> this provider with the cluster, region and AWS endpoint of the settings;
     burst does not defer to it (nothing scales a node group up for a waiting pod yet)."""
