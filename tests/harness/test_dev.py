@@ -82,6 +82,20 @@ def _rest_of_output(proc: subprocess.Popen[str], timeout: float) -> str:
     return rest
 
 
+def interrupt(proc: subprocess.Popen[str], *, twice: bool = False) -> None:
+    """Ctrl-C to `make dev` (``twice``: a second one a second later), then its exit within 90 s (else SIGKILL and
+    fail)."""
+    os.killpg(proc.pid, signal.SIGINT)
+    if twice:
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
 async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -> None:
     port, ui, hub_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
@@ -163,14 +177,7 @@ async def test_dev_environment_shows_a_burst_awaiting_approval(tmp_path: Path) -
     finally:
         children = recorded_children(tmp_path / "dev")
         # Ctrl-C twice (an impatient user): the second kills what has not exited yet.
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(1)
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        interrupt(proc, twice=True)
     assert proc.returncode == 0
     names = {c.name.rsplit("-v", 1)[0] for c in children}  # binaries are named <component>-<version>
     assert {"etcd", "kube-apiserver", "kube-scheduler", "kwok", "temporal", "hub", "worker"} <= names, names
@@ -372,12 +379,7 @@ def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provid
                                                                               for p in pods]
     finally:
         children = recorded_children(state)
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        interrupt(proc)
     assert proc.returncode == 0
     if provider == "karpenter":
         assert any(c.name.startswith("karpenter") for c in children), children
