@@ -37,7 +37,6 @@ from typing import Any
 
 import httpx
 from temporalio.client import Client
-from temporalio.testing import WorkflowEnvironment
 
 from bench.observe import (
     ClusterObserver,
@@ -49,7 +48,6 @@ from bench.observe import (
     utc_now,
 )
 from models import search_attributes as sa
-from models.converter import DATA_CONVERTER
 from models.ids import provision_workflow_id
 from models.locations import transfer_usd_per_gpu_hour
 from models.policy import location_of_label_value
@@ -58,7 +56,7 @@ from tests.harness.burst import build_stack, gpu_deployment, worker_process
 from tests.harness.controlplane import ControlPlane, free_port
 from tests.harness.kube import Cluster, Kube
 from tests.harness.otlp import OtlpReceiver
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from worker.config import Settings
 
 BENCH_LABEL = "kubeon-bench/run"
@@ -522,9 +520,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
         temporal_log = workdir / "temporal.log"
         with output_to(temporal_log):
-            env = await WorkflowEnvironment.start_local(
-                dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER,
-                search_attributes=list(sa.ALL), ui=False, dev_server_log_level="error")
+            env = await start_dev_server()
         stack.push_async_callback(env.shutdown)
         burst = await loop.run_in_executor(pool, build_stack, cluster, workdir / "burst")
         queue = f"bench-{run}"

@@ -474,9 +474,7 @@ def report_rounds(rounds: list[Round]) -> None:
 async def run(args: argparse.Namespace) -> tuple[list[Figures], list[Round]]:
     from temporalio.testing import WorkflowEnvironment
 
-    from models import search_attributes
-    from models.converter import DATA_CONVERTER
-    from tests.harness.temporal import dev_server_path
+    from tests.harness.temporal import start_dev_server
 
     results: list[Figures] = []
     rounds: list[Round] = []
@@ -489,9 +487,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Figures], list[Round]]:
             cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
             optimizer = grant(cluster, "kubeon-capacity-bench", OPTIMIZER_RULES)
             if args.rounds:
-                temporal = await WorkflowEnvironment.start_local(
-                    dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER,
-                    search_attributes=list(search_attributes.ALL), ui=False, dev_server_log_level="error")
+                temporal = await start_dev_server()
             for provider in args.providers:
                 folder = workdir / provider
                 folder.mkdir()

@@ -30,17 +30,14 @@ from typing import Any
 
 import httpx
 from kubernetes import client
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
 from bench.observe import percentile
-from models import search_attributes as sa
 from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import BURST_TAINT_KEY, BurstStack, build_stack, gpu_deployment, unique
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, register_server, write_gateways
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from tests.hub.process import HubProcess
 from worker.main import worker_services
 
@@ -119,9 +116,7 @@ async def run(args: argparse.Namespace) -> None:
         stack.callback(plane.stop)
         await asyncio.to_thread(plane.start)
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
-        env = await WorkflowEnvironment.start_local(
-            dev_server_existing_path=str(dev_server_path()), data_converter=pydantic_data_converter,
-            search_attributes=list(sa.ALL), ui=False, dev_server_log_level="error")
+        env = await start_dev_server()
         stack.push_async_callback(env.shutdown)
         burst = build_stack(cluster, workdir / "stack")
 

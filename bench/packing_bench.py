@@ -34,13 +34,10 @@ from typing import Any
 
 from kubernetes import client
 from temporalio.service import RPCError
-from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import CATALOG_PRICES
 from bench.burst_bench import output_to
 from bench.observe import ProcessSampler, cpu_seconds
-from models import search_attributes as sa
-from models.converter import DATA_CONVERTER
 from models.labels import LABEL_INSTANCE_TYPE
 from models.packing import PackView, packing_workflow_id
 from models.policy import API_GROUP, PLURAL
@@ -48,7 +45,7 @@ from tests.harness.burst import WorkerProcesses, build_stack
 from tests.harness.controlplane import ControlPlane
 from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from workflows.pack import PackWorkflow
 
 NODE_GPUS = 4
@@ -163,9 +160,7 @@ async def main_async(args: argparse.Namespace) -> int:
         stack.callback(karpenter.stop)
         karpenter.start()
         with output_to(workdir / "temporal.log"):
-            env = await WorkflowEnvironment.start_local(
-                dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER,
-                search_attributes=list(sa.ALL), ui=False, dev_server_log_level="error")
+            env = await start_dev_server()
         stack.push_async_callback(env.shutdown)
         log(t0, f"control plane, Karpenter and Temporal up; {os.cpu_count()} CPU(s)")
         burst = build_stack(cluster, workdir / "stack")

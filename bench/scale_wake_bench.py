@@ -14,15 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
-
-from models import search_attributes
 from models.scale import ScalePhase, WakeRequest, WorkloadRef, scale_workflow_id
 from tests.harness.controlplane import ControlPlane
 from tests.harness.kube import Cluster, Kube
 from tests.harness.scale import ScaleStack, build_scale_stack, wait_scale_phase
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from worker import ops
 from worker.main import worker_services
 
@@ -38,9 +34,7 @@ async def no_pods(stack: ScaleStack, ns: str, name: str) -> None:
 async def run(rounds: int, replicas: int, workdir: Path) -> tuple[list[float], list[float]]:
     plane = ControlPlane(workdir / "controlplane")
     plane.start()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(dev_server_path()), data_converter=pydantic_data_converter,
-        search_attributes=list(search_attributes.ALL), ui=False, dev_server_log_level="error")
+    env = await start_dev_server()
     stack = None
     try:
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))

@@ -24,11 +24,8 @@ from typing import Any
 
 from kubernetes import client
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
-from temporalio.testing import WorkflowEnvironment
 
-from models import search_attributes
 from models.policy import API_GROUP, PLURAL
 from models.sharing import SharingPhase, SharingView, sharing_workflow_id
 from tests.harness.burst import build_stack
@@ -37,7 +34,7 @@ from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
 from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from worker.main import worker_services
 from worker.sharing_watcher import changing
 
@@ -66,9 +63,7 @@ async def phases(temporal: Client, cluster: str, nodes: list[str]) -> dict[str, 
 async def rollout(n_nodes: int, budget: int, workdir: Path) -> dict[str, Any]:
     plane = ControlPlane(workdir / "controlplane")
     plane.start()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(dev_server_path()), data_converter=pydantic_data_converter,
-        search_attributes=list(search_attributes.ALL), ui=False, dev_server_log_level="error")
+    env = await start_dev_server()
     operator = exporter = prometheus = None
     try:
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))

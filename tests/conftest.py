@@ -18,7 +18,6 @@ import pytest
 from kubernetes.client import ApiException
 from temporalio.testing import WorkflowEnvironment
 
-from models import search_attributes
 from models.converter import DATA_CONVERTER
 from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.clouds import local
@@ -30,7 +29,7 @@ from tests.harness.console import console_server, ui_dev_server
 from tests.harness.controlplane import ControlPlane
 from tests.harness.karpenter import Karpenter
 from tests.harness.kube import Cluster, Kube
-from tests.harness.temporal import dev_server_path, time_skipping_server_path
+from tests.harness.temporal import start_dev_server, time_skipping_server_path
 from worker.runtime import register_search_attributes
 
 
@@ -93,13 +92,7 @@ async def temporal_time_skipping() -> AsyncIterator[WorkflowEnvironment]:
 
 @pytest.fixture(scope="session")
 async def temporal_dev_server() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(dev_server_path()),
-        data_converter=DATA_CONVERTER,
-        search_attributes=list(search_attributes.ALL),
-        ui=False,
-        dev_server_log_level="error",
-    )
+    env = await start_dev_server()
     try:
         yield env
     finally:

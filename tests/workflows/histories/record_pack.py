@@ -14,11 +14,8 @@ import uuid
 from typing import Any
 
 from temporalio import activity
-from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from models import search_attributes
-from models.converter import DATA_CONVERTER
 from models.decisions import Approval, Rejection
 from models.packing import (
     EvictOutcome,
@@ -33,7 +30,7 @@ from models.packing import (
     ReplacementCheck,
     ReplacementState,
 )
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from tests.workflows.histories.recording import dump, until_phase
 
 sys.path.insert(0, os.environ["OLD"])
@@ -90,9 +87,7 @@ def activities(*, replaced: bool) -> list[Any]:
 
 
 async def main() -> None:
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(dev_server_path()),
-                                                data_converter=DATA_CONVERTER,
-                                                search_attributes=list(search_attributes.ALL), ui=False)
+    env = await start_dev_server()
     try:
         client = env.client
         settings = PackSettings(poll_seconds=0.2, replacement_timeout_seconds=1)

@@ -13,12 +13,9 @@ import uuid
 from typing import Any
 
 from temporalio import activity
-from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from models import search_attributes
 from models.audit import AuditRecord
-from models.converter import DATA_CONVERTER
 from models.drain import EvictionResult, NodeRef
 from models.hub import GateRequest, GateState
 from models.sharing import (
@@ -41,7 +38,7 @@ from models.sharing import (
     WriteKeyResult,
     time_slicing_key,
 )
-from tests.harness.temporal import dev_server_path
+from tests.harness.temporal import start_dev_server
 from tests.workflows.histories.recording import dump, until_phase
 
 sys.path.insert(0, os.environ["OLD"])
@@ -116,9 +113,7 @@ def activities(*, written: bool, mig: str) -> list[Any]:
 
 
 async def main() -> None:
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=str(dev_server_path()),
-                                                data_converter=DATA_CONVERTER,
-                                                search_attributes=list(search_attributes.ALL), ui=False)
+    env = await start_dev_server()
     try:
         client = env.client
         for name, written, mig in (("sharing-ts-written-undone", True, "success"),
