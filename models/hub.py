@@ -110,12 +110,11 @@ def sharing_proposal_detail(*, plan_id: str, node: str, gpus: int, change: str, 
 def pack_proposal_detail(*, plan_id: str, summary: str, remove: list[str], moves: list[str],
                          saving_usd_per_hour: float) -> str:
     """A Packing round's proposal as the hub reads it: the nodes it empties and removes, the pods it moves and
-    what it saves."""
-    doc: dict[str, object] = {"plan_id": plan_id, "summary": summary, "remove": remove[:64], "moves": moves,
-                              "saving_usd_per_hour": round(saving_usd_per_hour, 6)}
+    what it saves. Within the hub's limit the moves are cut first (their count stays in the summary)."""
     for shown in (moves, moves[:64], moves[:8], []):
-        text = _within_limit({**doc, "moves": shown}, cut=("summary",), fallback=summary)
-        if text.startswith("{") and len(text) <= REPORT_DETAIL_LIMIT:
+        text = json.dumps({"plan_id": plan_id, "summary": summary[:2000], "remove": remove[:64], "moves": shown,
+                           "saving_usd_per_hour": round(saving_usd_per_hour, 6)}, separators=(",", ":"))
+        if len(text) <= REPORT_DETAIL_LIMIT:
             return text
     return report_detail(summary)
 

@@ -35,6 +35,8 @@ class PoolLimit:
     usd_per_gpu_hour: float | None = None
     # The GPUs the dollar budget leaves this pool (None: no dollar budget, or it cannot be held).
     budget_gpus: int | None = None
+    # Why this pool cannot be valued (its part of a dollar budget unknown); "" when it can, or without one.
+    unvalued: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,20 +83,21 @@ def plan_limits(pools: list[str], groups: dict[str, HomeNodeGroup | str], *, max
     if max_usd_per_hour is None:
         return BudgetPlan([PoolLimit(p, max_gpus) for p in pools], None, held=False)
     worst: dict[str, float] = {}
-    why: list[str] = []
+    why: dict[str, str] = {}
     for p in pools:
         g = groups.get(p)
         if not isinstance(g, HomeNodeGroup):
-            why.append(f"NodePool {p} cannot be read ({g or 'not listed'})")
+            why[p] = f"NodePool {p} cannot be read ({g or 'not listed'})"
             continue
         w, reason = worst_usd_per_gpu_hour(g)
         if w is None:
-            why.append(reason)
+            why[p] = reason
         else:
             worst[p] = w
     if why:
-        return BudgetPlan([PoolLimit(p, max_gpus, worst.get(p)) for p in pools], max_usd_per_hour, held=False,
-                          reason=(f"the budget of ${max_usd_per_hour:g}/h cannot be held: " + "; ".join(why)
+        return BudgetPlan([PoolLimit(p, max_gpus, worst.get(p), unvalued=why.get(p, "")) for p in pools],
+                          max_usd_per_hour, held=False,
+                          reason=(f"the budget of ${max_usd_per_hour:g}/h cannot be held: " + "; ".join(why.values())
                                   + (f"; only maxGpus ({max_gpus}) is held" if max_gpus is not None
                                      else "; no limit is set for it")))
     # Water-filling in dollars: a pool that launches nothing (worst 0) needs no part.

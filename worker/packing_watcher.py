@@ -30,7 +30,7 @@ from activities.packing import plan_round
 from models.capacity import HomeNodeGroup
 from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
 from models.policy import AutoscalingPolicy, Mode, PackingPolicy
-from planning.autoscaling import plan_limits, worst_usd_per_gpu_hour
+from planning.autoscaling import plan_limits
 
 log = logging.getLogger("kubeon.packing")
 STATUS_KEY = "packing"
@@ -157,9 +157,8 @@ class PackingWatcher:
                 entry["reason"] = self._hold(name, group, target.limit, mode, entry)
             except CapacityError as exc:
                 entry["reason"] = str(exc)
-            unknown = worst_usd_per_gpu_hour(group)[1] if spec.max_usd_per_hour is not None else ""
-            if unknown:
-                entry["reason"] += f"; maxUsdPerHour is not held: {unknown}"
+            if target.unvalued:
+                entry["reason"] += f"; maxUsdPerHour is not held: {target.unvalued}"
             pools.append(entry)
         status: dict[str, Any] = {"enforcedMode": mode, "evaluatedAt": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
                                   "nodePools": pools, "usdPerHour": None}

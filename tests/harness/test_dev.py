@@ -27,7 +27,7 @@ from models.node import OperationView
 from models.provisioning import ProvisionView
 from tests.harness.children import Child, recorded
 from tests.harness.controlplane import free_port
-from tests.harness.kube import Kube
+from tests.harness.kube import Kube, wait_for
 from worker import ops
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -325,15 +325,13 @@ def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provid
         admin = Kube.from_kubeconfig(state / "kubeconfig")
         admin.apps.create_namespaced_deployment(
             "default", yaml.safe_load((ROOT / "examples" / "packing-workload.yaml").read_text()))
-        deadline = time.monotonic() + 120
-        while True:
+        def proposed() -> dict[str, Any] | None:
             policy = cast(dict[str, Any], admin.custom.get_cluster_custom_object(
                 "gpu.kubeon.io", "v1", "gpupolicies", "packing-home"))
             packing = (policy.get("status") or {}).get("packing") or {}
-            if packing.get("proposal"):
-                break
-            assert time.monotonic() < deadline, f"no packing proposal: {packing}"
-            time.sleep(1)
+            return packing if packing.get("proposal") else None
+
+        packing = wait_for(proposed, timeout=120, interval=1, what="the packing proposal")
         proposal = packing["proposal"]
         assert packing["enforcedMode"] == "Recommend" and len(proposal["nodes"]) == 1, packing
         assert set(proposal["nodes"]) <= set(entry["nodes"]) and proposal["usdPerHourSaved"] > 1.0, packing
@@ -355,15 +353,18 @@ def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provid
             return done.stdout
 
         round_id = "packing/dev/packing-home"
-        while not any("Pack" in line and "AwaitingApproval" in line for line in cli("list").splitlines()):
-            assert time.monotonic() < deadline + 60, cli("list")
-            time.sleep(1)
+        wait_for(lambda: any("Pack" in line and "AwaitingApproval" in line for line in cli("list").splitlines()),
+                 timeout=120, interval=1, what="the packing round awaiting approval in ops list")
         [planned] = json.loads(cli("show", round_id, "--json"))["plan"]["empty"]
         assert planned in entry["nodes"]
         cli("approve", round_id)
-        while (view := json.loads(cli("show", round_id, "--json")))["phase"] != "Done":
-            assert time.monotonic() < deadline + 180 and view["phase"] != "Failed", cli("show", round_id)
-            time.sleep(1)
+
+        def done() -> dict[str, Any] | None:
+            view: dict[str, Any] = json.loads(cli("show", round_id, "--json"))
+            assert view["phase"] != "Failed", cli("show", round_id)
+            return view if view["phase"] == "Done" else None
+
+        view = wait_for(done, timeout=180, interval=1, what="the packing round Done")
         assert view["removed"] == [planned], view
         kept = set(entry["nodes"]) - {planned}
 
@@ -371,9 +372,8 @@ def test_make_dev_with_home_capacity_lists_its_group_and_proposes_packing(provid
             return {str(n.metadata.name) for n in admin.core.list_node(
                 label_selector="example.com/gpu-group=gpu-home").items}
 
-        while (left := group_nodes()) != kept:  # the node goes once its instance (NodeClaim) has
-            assert time.monotonic() < deadline + 240, left
-            time.sleep(1)
+        # The node goes once its instance (NodeClaim) has.
+        wait_for(lambda: group_nodes() == kept, timeout=120, interval=1, what=f"only {sorted(kept)} left in gpu-home")
         pods = admin.core.list_namespaced_pod("default", label_selector="app=serve").items
         assert len(pods) == 2 and {p.spec.node_name for p in pods} == kept, [(p.metadata.name, p.spec.node_name)
                                                                               for p in pods]

@@ -20,6 +20,7 @@ import pytest
 import trustme
 import yaml
 
+from models.hub import ActionReport, pack_proposal_detail, sharing_proposal_detail
 from tests.harness.controlplane import free_port
 from tests.hub.conftest import BOOTSTRAP_KEY, UiHub, start_ui_hub
 from tests.hub.helpers import policy_document, wait_until
@@ -258,6 +259,18 @@ async def test_stored_hostile_values_run_no_script_in_the_browser(ui_hub: UiHub,
             "idempotency_key": "op-xss-2/proposed",
             "detail": '{"plan_id": "plan-js", "console_url": "javascript:alert(1)", "summary": "' + IMG + '"}'})
         assert client.report(bad_link)
+        # The Sharing and Packing plans' texts (node, change, reason, risk, nodes removed, pods moved) are the
+        # cluster's words too: shown as text, never markup.
+        assert client.report(ActionReport(
+            idempotency_key="op-xss-3/proposed", operation="op-xss-3", policy="p", action="proposed",
+            occurred_at=ui_hub.now(), detail=sharing_proposal_detail(
+                plan_id="plan-share-xss", node=SVG, gpus=8, change=IMG, summary=SCRIPT, reason=SCRIPT + IMG,
+                risk=SVG, saving_usd_per_hour=1.0)))
+        assert client.report(ActionReport(
+            idempotency_key="op-xss-4/proposed", operation="op-xss-4", policy="p", action="proposed",
+            occurred_at=ui_hub.now(), detail=pack_proposal_detail(
+                plan_id="plan-pack-xss", summary=SCRIPT, remove=[SVG], moves=[IMG + ": a -> b"],
+                saving_usd_per_hour=1.0)))
     finally:
         client.close()
     dialogs = Dialogs()
