@@ -21,9 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.aks import AGENTPOOL_LABEL
+from models.capacity import NODEPOOL_LABEL as KARPENTER_POOL_LABEL
+from models.eks import NODEGROUP_LABEL
+from models.gke import NODEPOOL_LABEL as GKE_POOL_LABEL
 from tests.harness.clouds import local
 from tests.harness.clouds.dev import DevClouds
 from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
+from tests.harness.karpenter import NODE_CLASS, Karpenter
 from tests.harness.kube import Cluster, wait_for
 
 PROVIDERS = ("none", "karpenter", "eks-nodegroups", "gke-nodepools", "aks-nodepools")
@@ -38,8 +43,8 @@ GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true"}
 # 4-GPU nodes of each provider (L4 where the cloud has it; Azure has no L4 VM: 4 T4s).
 MACHINE = {"karpenter": "g6.12xlarge", "eks-nodegroups": "g6.12xlarge", "gke-nodepools": "g2-standard-48",
            "aks-nodepools": "Standard_NC64as_T4_v3"}
-GROUP_LABEL = {"karpenter": "karpenter.sh/nodepool", "eks-nodegroups": "eks.amazonaws.com/nodegroup",
-               "gke-nodepools": "cloud.google.com/gke-nodepool", "aks-nodepools": "kubernetes.azure.com/agentpool"}
+GROUP_LABEL = {"karpenter": KARPENTER_POOL_LABEL, "eks-nodegroups": NODEGROUP_LABEL,
+               "gke-nodepools": GKE_POOL_LABEL, "aks-nodepools": AGENTPOOL_LABEL}
 
 
 def static_nodepool() -> dict[str, Any]:
@@ -49,7 +54,7 @@ def static_nodepool() -> dict[str, Any]:
         "replicas": INSTANCES,
         "limits": {"nodes": str(INSTANCES + 1)},
         "template": {"metadata": {"labels": GROUP_NODE_LABEL}, "spec": {
-            "nodeClassRef": {"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"},
+            "nodeClassRef": NODE_CLASS,
             "requirements": [
                 {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": [MACHINE["karpenter"]]},
                 {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-L4"]},
@@ -72,8 +77,6 @@ class DevCapacity:
 
     def start(self, timeout: float = 120.0) -> DevCapacity:
         if self.provider == "karpenter":
-            from tests.harness.karpenter import Karpenter
-
             self._karpenter = Karpenter(self.cluster.plane, self.workdir / "karpenter", self.cluster.admin).start()
             self._karpenter.create_nodepool(static_nodepool())
         elif self.provider == "eks-nodegroups":
