@@ -96,6 +96,8 @@ class HomeNodeGroup(Model):
     # -- managed node groups (eks-nodegroups) --
     # The group's scaling config (min <= desired <= max) and what backs it; None for Karpenter NodePools.
     scaling: GroupScaling | None = None
+    # GPUs of one node of the group (its instance type's); 0 when unknown. A managed group's nodes are all alike.
+    gpus_per_node: int = 0
 
     @property
     def at_gpu_limit(self) -> bool:

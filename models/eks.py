@@ -3,6 +3,7 @@ chart's ``capacity.eks``), checked at start naming the field."""
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 from pydantic import Field
@@ -33,3 +34,18 @@ class GroupScaling(Model):
     # The auto scaling group behind the node group (``resources.autoScalingGroups[0].name``).
     auto_scaling_group: str = ""
     status: str = ""
+    # What owns the group's size when not the optimizer ("" when nothing does): cluster-autoscaler (EKS, its
+    # Deployment), the node pool's own autoscaling (GKE, AKS). Such a group is never resized by us: burst waits
+    # for it as for Karpenter.
+    autoscaler: str = ""
+    # GKE: the pool's nodes per zone. A resize sets one count for every zone, so the pool grows in steps of its
+    # zones (models the size ``scale_up`` leaves, see ``landed``); empty for EKS and AKS.
+    zone_sizes: dict[str, int] = Field(default_factory=dict)
+
+    def landed(self, desired: int) -> int:
+        """The group's size after a scale up asked for ``desired`` nodes: never below its size now, and on GKE the
+        smallest per-zone count that reaches it, times the zones."""
+        if not self.zone_sizes or self.desired_size >= desired:
+            return max(desired, self.desired_size)
+        per_zone = max(math.ceil(desired / len(self.zone_sizes)), *self.zone_sizes.values())
+        return per_zone * len(self.zone_sizes)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Final, Protocol
 
 from models.capacity import HomeNodeGroup
+from models.eks import GroupScaling
 
 
 class CapacityError(Exception):
@@ -78,6 +79,12 @@ class CapacityProvider(Protocol):
 
     def set_gpu_limit(self, group: str, gpus: int | None) -> int | None:
         """Cap (or, with None, open) the group's GPU capacity; returns the previous limit."""
+        ...
+
+    def scale_up(self, group: str, desired: int) -> GroupScaling:
+        """Grow a managed node group to ``desired`` nodes (absolute, so a retry asks for the same size; never
+        lowers it, never past its maximum, refused where an autoscaler owns its size). Returns its scaling after.
+        Karpenter sizes its NodePools itself: refused."""
         ...
 
 

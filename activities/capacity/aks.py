@@ -225,9 +225,10 @@ class AksNodePoolsCapacity(HomeNodes):
             provider=self.name, name=name, gpu_products=[spec.gpu_product] if spec else [],
             gpu_limit=(limit if limit is not None else high * per_node) if capped and per_node else None,
             gpus=sum(m.gpus for m in members), nodes=sorted(members, key=lambda m: m.name),
-            requirements=requirements, taints=taints, frozen_by=(p.tags or {}).get(FROZEN_TAG),
+            requirements=requirements, taints=taints, frozen_by=(p.tags or {}).get(FROZEN_TAG), gpus_per_node=per_node,
             scaling=GroupScaling(min_size=low, max_size=high, desired_size=int(p.count or 0),
-                                 auto_scaling_group=_text(p.mode), status=_text(p.provisioning_state)))
+                                 auto_scaling_group=_text(p.mode), status=_text(p.provisioning_state),
+                                 autoscaler="AKS cluster autoscaler" if p.enable_auto_scaling else ""))
 
     # -- changing ------------------------------------------------------------------------------------------------
     def _update(self, group: str, what: str, change: Callable[[Any], bool]) -> Any:

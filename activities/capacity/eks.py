@@ -163,14 +163,22 @@ class EksNodeGroupsCapacity(HomeNodes):
             if not token:
                 break
         described = [d for d in (self._describe(n) for n in names) if self.is_gpu_group(d)]
-        return self._groups_with_nodes(NODEGROUP_LABEL, described, self._group)
+        return self._owned(self._groups_with_nodes(NODEGROUP_LABEL, described, self._group))
 
     def get_group(self, group: str) -> HomeNodeGroup:
         described = self._describe(group)
         if not self.is_gpu_group(described):
             raise GroupNotFoundError(f"node group {group} of EKS cluster {self.cluster} has no GPU instance types, "
                                      "labels or taints")
-        return self._groups_with_nodes(NODEGROUP_LABEL, [described], self._group, group)[0]
+        return self._owned(self._groups_with_nodes(NODEGROUP_LABEL, [described], self._group, group))[0]
+
+    def _owned(self, groups: list[HomeNodeGroup]) -> list[HomeNodeGroup]:
+        """The groups with what owns their size: cluster-autoscaler, when it runs, owns every node group's."""
+        autoscaler = self.cluster_autoscaler() if groups else None
+        if not autoscaler:
+            return groups
+        return [g.model_copy(update={"scaling": g.scaling.model_copy(update={
+            "autoscaler": f"cluster-autoscaler {autoscaler}"})}) if g.scaling else g for g in groups]
 
     def _group(self, d: dict[str, Any], nodes: list[client.V1Node], used: dict[str, int]) -> HomeNodeGroup:
         name = str(d["nodegroupName"])
@@ -203,7 +211,7 @@ class EksNodeGroupsCapacity(HomeNodes):
         return HomeNodeGroup(
             provider=self.name, name=name, gpu_products=products,
             gpu_limit=int(sc.get("maxSize", 0)) * per_node if per_node else None,
-            gpus=sum(m.gpus for m in members), nodes=sorted(members, key=lambda m: m.name),
+            gpus=sum(m.gpus for m in members), nodes=sorted(members, key=lambda m: m.name), gpus_per_node=per_node,
             requirements=requirements,
             taints=sorted({t["key"] for t in d.get("taints") or []
                            if t.get("effect") in ("NO_SCHEDULE", "NO_EXECUTE")}),

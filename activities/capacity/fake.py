@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
 from activities.recording import CallRecorder
 from models.capacity import FREEZE_BUDGET, HomeNodeGroup
+from models.eks import GroupScaling
 
 
 @dataclass
@@ -78,3 +79,14 @@ class FakeCapacity(CallRecorder):
         g = self._group(group)
         previous, g.gpu_limit = g.gpu_limit, gpus
         return previous
+
+    def scale_up(self, group: str, desired: int) -> GroupScaling:
+        self._record("scale_up", f"{group}={desired}")
+        g = self._group(group)
+        if g.scaling is None:
+            raise CapacityError(f"NodePool {group}: Karpenter sizes it itself", retryable=False)
+        if desired < g.scaling.desired_size or desired > g.scaling.max_size:
+            raise CapacityError(f"node group {group}: desired {desired} is outside {g.scaling.desired_size} .. "
+                                f"{g.scaling.max_size}", retryable=False)
+        g.scaling = g.scaling.model_copy(update={"desired_size": g.scaling.landed(desired)})
+        return g.scaling

@@ -49,6 +49,8 @@ google_credentials = LazyImport("google.auth.credentials")
 
 PROVIDER_ID: Final = re.compile(r"^gce://(?P<project>[^/]+)/(?P<zone>[^/]+)/(?P<instance>[^/]+)$")
 BUSY: Final = "CLUSTER_ALREADY_HAS_OPERATION"
+# GKE's quota of nodes per node pool per zone: a pool without autoscaling has no maximum of its own.
+MAX_NODES_PER_ZONE: Final = 1000
 # Errors retrying cannot help with (by the api_core exception's class name).
 FINAL: Final = ("PermissionDenied", "Unauthenticated", "Forbidden", "Unauthorized", "InvalidArgument",
                 "MethodNotImplemented", "DefaultCredentialsError")
@@ -236,14 +238,16 @@ class GkeNodePoolsCapacity(HomeNodes):
         return HomeNodeGroup(
             provider=self.name, name=pool.name, gpu_products=[spec.gpu_product] if spec else [],
             gpu_limit=high * per_node if high is not None and per_node else None,
-            gpus=sum(m.gpus for m in members), nodes=sorted(members, key=lambda m: m.name),
+            gpus=sum(m.gpus for m in members), nodes=sorted(members, key=lambda m: m.name), gpus_per_node=per_node,
             requirements=requirements, frozen_by=frozen,
             taints=sorted({t.key for t in pool.config.taints if t.effect in (
                 container_v1.NodeTaint.Effect.NO_SCHEDULE, container_v1.NodeTaint.Effect.NO_EXECUTE)}),
-            scaling=GroupScaling(min_size=low, max_size=high if high is not None else sum(sizes.values()),
+            scaling=GroupScaling(min_size=low, max_size=high if high is not None else MAX_NODES_PER_ZONE * len(sizes),
                                  desired_size=sum(sizes.values()),
                                  auto_scaling_group=",".join(f"{z}={n}" for z, n in sorted(sizes.items())),
-                                 status=container_v1.NodePool.Status(pool.status).name))
+                                 status=container_v1.NodePool.Status(pool.status).name,
+                                 autoscaler="GKE node pool autoscaling" if high is not None else "",
+                                 zone_sizes=sizes))
 
     # -- changing --------------------------------------------------------------------------------------------------
     def scale_up(self, group: str, desired: int) -> GroupScaling:

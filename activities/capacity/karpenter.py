@@ -48,6 +48,7 @@ from models.capacity import (
     InstanceTypePrice,
     LaunchingClaim,
 )
+from models.eks import GroupScaling
 from models.labels import GPU_RESOURCE, LABEL_INSTANCE_TYPE
 from models.locations import OfferingSpec
 from models.provisioning import NodeRequirement
@@ -366,6 +367,10 @@ class KarpenterCapacity(HomeNodes):
             self._patch_pool(group, remove)
         except GroupNotFoundError:
             return  # the pool is gone, and its freeze with it
+
+    def scale_up(self, group: str, desired: int) -> GroupScaling:
+        raise CapacityError(f"NodePool {group}: Karpenter launches its nodes itself; it is never resized by the "
+                            "optimizer", retryable=False)
 
     def set_gpu_limit(self, group: str, gpus: int | None) -> int | None:
         if gpus is not None and gpus < 0:
