@@ -8,11 +8,13 @@ from temporalio.exceptions import ApplicationError
 from activities.capacity import CapacityError
 from activities.context import PhaseActivities
 from activities.providers.errors import ProviderError
+from models.eks import GroupScaling
 from models.errors import POLICY_GONE
 from models.locations import transfer_usd_per_gb
 from models.provisioning import (
     BatchPlan,
     BatchPlanRequest,
+    HomeScaleRequest,
     LoadPolicyRequest,
     Offering,
     PendingPod,
@@ -20,11 +22,11 @@ from models.provisioning import (
     Unplaced,
 )
 from planning.burst import AddressSlots, Room, node_labels, plan_pods
-from planning.home import home_verdict
+from planning.home import HomePlan, plan_home
 
 
 class ProvisioningActivities(PhaseActivities):
-    """load_policy, plan_batch"""
+    """load_policy, plan_batch, scale_home_group"""
 
     @activity.defn(name="load_policy", no_thread_cancel_exception=True)
     def load_policy(self, req: LoadPolicyRequest) -> PolicySnapshot:
@@ -77,8 +79,8 @@ class ProvisioningActivities(PhaseActivities):
         its locations priced now; then the pure planner (planning.burst)."""
         still = self.kube.waiting_uids({p.uid for p in req.pods})
         waiting = [p for p in req.pods if p.uid in still]
-        at_home, home = self._home(waiting)
-        waiting = [p for p in waiting if p.key not in at_home]
+        home = self._home(waiting, req)
+        waiting = [p for p in waiting if p.key not in home.at_home]
         used = self.kube.gpus_on_nodes({n.node_name for n in req.nodes})
         rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
                       free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
@@ -92,29 +94,41 @@ class ProvisioningActivities(PhaseActivities):
                          max_gpu_hour=p.max_gpu_hour, max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes,
                          preferred=preferred, address_slots=slots)
         plan.gone = [pod.uid for pod in req.pods if pod.uid not in still]
-        plan.unplaced = [Unplaced(pod=k, why=why) for k, why in sorted(at_home.items())] + plan.unplaced
-        plan.home = home
+        plan.unplaced = [Unplaced(pod=k, why=why) for k, why in sorted(home.at_home.items())] + plan.unplaced
+        plan.home = home.burst
+        plan.home_scale = home.scale
         plan.refused = unavailable + plan.refused
         plan.planned_at = self.clock()
         return plan
 
-    def _home(self, pods: list[PendingPod]) -> tuple[dict[str, str], dict[str, str]]:
-        """capacity.provider: (pods home capacity is serving, pods it cannot serve), each pod -> why."""
+    def _home(self, pods: list[PendingPod], req: BatchPlanRequest) -> HomePlan:
+        """capacity.provider: the pods home capacity is serving, those it cannot (each with why), and the home
+        managed groups to grow for them (planning.home)."""
         capacity = self.context.capacity
         if capacity is None or not pods:
-            return {}, {}
+            return HomePlan()
         try:
             groups = capacity.list_groups()
         except CapacityError as exc:  # home unknown: burst as without a provider, and say so
-            return {}, {p.key: f"home capacity unknown ({exc})" for p in pods}
-        now, s = self.clock(), self.context.home
-        at_home: dict[str, str] = {}
-        home: dict[str, str] = {}
-        for pod in pods:
-            verdict = home_verdict(pod, groups, now, grace_seconds=s.launch_grace_seconds,
-                                   register_seconds=s.register_seconds)
-            (at_home if verdict.at_home else home)[pod.key] = verdict.why
-        return at_home, home
+            return HomePlan(burst={p.key: f"home capacity unknown ({exc})" for p in pods})
+        s = self.context.home
+        return plan_home(pods, groups, self.clock(), grace_seconds=s.launch_grace_seconds,
+                         register_seconds=s.register_seconds, scaled=req.home_scaled)
+
+    @activity.defn(name="scale_home_group", no_thread_cancel_exception=True)
+    def scale_home_group(self, req: HomeScaleRequest) -> GroupScaling:
+        """Grow a home managed node group to ``req.to_size`` nodes. Idempotent: a group at that size or above
+        already (a retry, or someone else grew it meanwhile) is left as it is; never lowers a group."""
+        capacity = self.context.capacity
+        if capacity is None:
+            raise ApplicationError("no capacity provider: capacity.provider is none", non_retryable=True)
+        try:
+            group = capacity.get_group(req.group)
+            if group.scaling is not None and group.scaling.desired_size >= req.to_size:
+                return group.scaling
+            return capacity.scale_up(req.group, req.to_size)
+        except CapacityError as exc:
+            raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=not exc.retryable) from exc
 
     def _free_slots(self, req: BatchPlanRequest) -> AddressSlots:
         """The gateway's address slots free for new nodes: every provider's node joins with a ticket, which

@@ -187,6 +187,22 @@ class Unplaced(Model):
     waits_for_capacity: bool = False
 
 
+class HomeScale(Model):
+    """A home managed node group grown for waiting pods it can serve (capacity.provider eks-nodegroups,
+    gke-nodepools, aks-nodepools, with nothing else owning its size): part of the batch's plan, approved with it."""
+
+    provider: str
+    group: str
+    from_size: int
+    to_size: int
+    gpus_per_node: int
+    pods: list[str]
+
+    def describe(self) -> str:
+        return (f"home node group {self.group} from {self.from_size} to {self.to_size} node(s) for "
+                f"{len(self.pods)} pod(s)")
+
+
 class BatchPlan(Model):
     """One plan for a policy's waiting pods: onto nodes already there, then the cheapest new nodes."""
 
@@ -204,21 +220,35 @@ class BatchPlan(Model):
     # capacity.provider karpenter: pod -> why home capacity cannot serve it (so it is burst), e.g. "home NodePool
     # gpu at its limit (8 of 8 GPUs)". Pods home capacity is serving are among ``unplaced``, with why.
     home: dict[str, str] = Field(default_factory=dict)
+    # Home managed node groups grown for pods they can serve (those pods are not burst: among ``unplaced``).
+    home_scale: list[HomeScale] = Field(default_factory=list)
     planned_at: datetime | None = None
 
     @property
+    def acts(self) -> bool:
+        """Whether carrying the plan out changes capacity (new burst nodes, a home group grown)."""
+        return bool(self.new_nodes or self.home_scale)
+
+    @property
+    def planned_pods(self) -> set[str]:
+        """The pods the plan gives capacity to: on its new nodes and in the home groups it grows."""
+        return {pod for n in self.new_nodes for pod in n.pods} | {pod for h in self.home_scale for pod in h.pods}
+
+    @property
     def total_usd_per_hour(self) -> float:
-        return round(sum(n.offering.usd_per_hour for n in self.new_nodes), 4)
+        return round(sum((n.offering.usd_per_hour for n in self.new_nodes), 0.0), 4)  # a float with no nodes too
 
     def summary(self) -> str:
+        parts = [h.describe() for h in self.home_scale]
         if not self.new_nodes:
-            parts = [f"no new node: {len(self.on_existing)} pod(s) on nodes already there"]
+            if not self.home_scale:
+                parts = [f"no new node: {len(self.on_existing)} pod(s) on nodes already there"]
         else:
             counts: dict[str, int] = {}
             for n in self.new_nodes:
                 what = f"{n.offering.instance_type} in {n.offering.location}"
                 counts[what] = counts.get(what, 0) + 1
-            parts = [f"{len(self.new_nodes)} node(s) for {sum(len(n.pods) for n in self.new_nodes)} pod(s): "
+            parts += [f"{len(self.new_nodes)} node(s) for {sum(len(n.pods) for n in self.new_nodes)} pod(s): "
                      + ", ".join(f"{c}x {w}" for w, c in counts.items())
                      + f", total ${self.total_usd_per_hour:.2f}/h"]
             if self.on_existing:
@@ -232,6 +262,7 @@ class BatchPlan(Model):
     def lines(self) -> list[str]:
         """The plan in full, as the proposal shows it."""
         out = [f"plan {self.plan_id} (batch {self.batch}): total ${self.total_usd_per_hour:.2f}/h"]
+        out += [f"- {h.describe()}: {', '.join(h.pods)}" for h in self.home_scale]
         for i, n in enumerate(self.new_nodes):
             out.append(f"- node {i}: {n.offering.describe()}; pods: {', '.join(n.pods)}")
         out += [f"- {pod} on {node} (already there)" for pod, node in sorted(self.on_existing.items())]
@@ -334,6 +365,7 @@ class ProvisionInput(Model):
     batches: list[BatchRecord] = Field(default_factory=list)
     # location -> the egress this policy's finished nodes measured there (issue 27: the estimate learns).
     learned_egress: dict[str, LearnedEgress] = Field(default_factory=dict)
+    home_scaled: dict[str, datetime] = Field(default_factory=dict)
     # History stays short: the workflow continues as new after this many events.
     continue_after_events: int = 4000
 
@@ -346,6 +378,16 @@ class BatchPlanRequest(Model):
     max_new_nodes: int
     # location -> measured egress GB per GPU-hour: priced instead of the location's configured estimate.
     egress_gb_per_gpu_hour: dict[str, float] = Field(default_factory=dict)
+    # home node group -> when this provisioning last grew it: its nodes not registered after register_seconds
+    # no longer hold pods back from burst.
+    home_scaled: dict[str, datetime] = Field(default_factory=dict)
+
+
+class HomeScaleRequest(Model):
+    """Grow a home managed node group to ``to_size`` nodes (absolute: a retry asks for the same size)."""
+
+    group: str
+    to_size: int
 
 
 class ProvisionView(Model):

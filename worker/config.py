@@ -99,8 +99,9 @@ class Settings(BaseModel):
     prometheus_url: str = ""
     # The chart's capacity.provider and gpuOperator.namespace (prerequisite checks, R1.6).
     capacity_provider: str = "karpenter"
-    # Burst defers to home capacity (capacity.provider karpenter): a pod a home NodePool could serve is not burst
-    # for this long after it became Unschedulable; a home NodeClaim unregistered this long no longer holds it back.
+    # Burst defers to home capacity: a pod a home NodePool (or a managed group an autoscaler sizes) could serve is
+    # not burst for this long after it became Unschedulable; a home NodeClaim, or a node a managed group was grown
+    # by, unregistered this long no longer holds it back.
     capacity_launch_grace_seconds: float = 60.0
     capacity_register_seconds: float = 300.0
     # -- capacity.provider eks-nodegroups: the EKS cluster and its region (the chart's capacity.eks); the

@@ -89,9 +89,7 @@ class Runtime:
         return BurstActivities(kube=self.kube, providers=self.providers, gateway=self.gateway, config=self.burst,
                                audit=self.audit, temporal=temporal, task_queue=self.settings.task_queue,
                                report_sink=self.report_sink(temporal) if self.hub and temporal else None,
-                               # Burst defers to Karpenter only: nothing scales a managed node group up for a
-                               # waiting pod yet.
-                               capacity=self.capacity() if self.settings.capacity_provider == "karpenter" else None,
+                               capacity=self.capacity(),
                                home=HomeSettings(
                                    launch_grace_seconds=self.settings.capacity_launch_grace_seconds,
                                    register_seconds=self.settings.capacity_register_seconds))

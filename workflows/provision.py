@@ -26,6 +26,7 @@ from temporalio.workflow import ParentClosePolicy
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
+from models.eks import GroupScaling
 from models.hub import proposal_detail
 from models.ids import node_workflow_id, operation_id
 from models.join import burst_node_name
@@ -35,6 +36,7 @@ from models.provisioning import (
     BatchPlan,
     BatchPlanRequest,
     BatchRecord,
+    HomeScaleRequest,
     LearnedEgress,
     LoadPolicyRequest,
     NodeRecord,
@@ -74,6 +76,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         self.failures = dict(inp.failures)
         self.batches = list(inp.batches)
         self.learned_egress = dict(inp.learned_egress)
+        self.home_scaled = dict(inp.home_scaled)  # home node group -> when this provisioning last grew it
         self.seq = inp.seq
         self.chain = inp.chain
         self.dirty = bool(self.waiting)
@@ -135,16 +138,18 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         if batch is not None and batch.node_ended(msg.workflow_id, msg.phase.value):
             self._log(f"batch {batch.batch} {batch.phase.value}: {batch.message}")
         if msg.phase in (NodePhase.FAILED, NodePhase.CANCELLED):
-            # Its pods, if they still wait, are planned again after a back-off that doubles with each failure.
-            s = self.inp.settings
-            mine = set(record.pods)
-            for uid, pod in self.waiting.items():
-                if pod.key in mine:
-                    count = self.failures[uid] = self.failures.get(uid, 0) + 1
-                    wait = min(s.recheck_seconds, s.retry_seconds * 2 ** (count - 1))
-                    self.not_before[uid] = (workflow.now() + timedelta(seconds=wait)).isoformat()
+            self._back_off(set(record.pods))
         self.dirty = bool(self.waiting)  # a node freed up under maxNodes
         self._show()
+
+    def _back_off(self, pods: set[str]) -> None:
+        """The pods, if they still wait, are planned again after a back-off that doubles with each failure."""
+        s = self.inp.settings
+        for uid, pod in self.waiting.items():
+            if pod.key in pods:
+                count = self.failures[uid] = self.failures.get(uid, 0) + 1
+                wait = min(s.recheck_seconds, s.retry_seconds * 2 ** (count - 1))
+                self.not_before[uid] = (workflow.now() + timedelta(seconds=wait)).isoformat()
 
     def _forget(self, uid: str) -> None:
         self.waiting.pop(uid, None)
@@ -199,8 +204,9 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                f"**waiting pods:** {len(self.waiting)}")
         if self.proposal is not None:
             plan_details(d, self.proposal.plan)
+            grows = "".join(f", grows {md(h.describe())}" for h in self.proposal.plan.home_scale)
             d.para(f"**Approving** launches these {len(self.proposal.plan.new_nodes)} node(s) at "
-                   f"{md_usd(self.proposal.plan.total_usd_per_hour, 'h')} in total: signal `approve` (empty "
+                   f"{md_usd(self.proposal.plan.total_usd_per_hour, 'h')} in total{grows}: signal `approve` (empty "
                    f"input), or `kubeon-gpu ops approve {self.proposal.batch}`, or approve in the hub. Signal "
                    "`reject` launches nothing.")
         waiting = {p.key for p in self.waiting.values()}
@@ -214,10 +220,13 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                        for n in self.nodes.values()), limit=10, more="more nodes")
         return d.render()
 
-    async def _audit(self, record: BatchRecord, action: str, detail: str = "", approver: str | None = None) -> None:
+    async def _audit(self, record: BatchRecord, action: str, detail: str = "", approver: str | None = None,
+                     subject: str = "") -> None:
+        """``subject``: what of the batch the record is about when it has several (a home node group)."""
         first = record.plan.new_nodes[0].offering.location if record.plan.new_nodes else None
         await record_audit(AuditRecord(
-            key=f"{record.batch}/{action}", at=workflow.now(), cluster=self.inp.cluster, policy=self.inp.policy,
+            key=f"{record.batch}/{action}" + (f"/{subject}" if subject else ""), at=workflow.now(),
+            cluster=self.inp.cluster, policy=self.inp.policy,
             operation=record.batch, action=action, location=first, approver=approver,
             # A proposal carries its whole plan, as the hub shows it and binds a decision to its plan ID.
             detail=detail or (proposal_detail(record.plan, record.batch) if action == "proposed"
@@ -257,7 +266,8 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                 workflow.continue_as_new(inp.model_copy(update={
                     "chain": self.chain, "seq": self.seq, "waiting": list(self.waiting.values()),
                     "nodes": list(self.nodes.values()), "not_before": self.not_before, "failures": self.failures,
-                    "batches": self.batches[-KEEP_BATCHES:], "learned_egress": self.learned_egress}))
+                    "batches": self.batches[-KEEP_BATCHES:], "learned_egress": self.learned_egress,
+                    "home_scaled": self.home_scaled}))
             try:
                 await workflow.wait_condition(lambda: self.dirty or self._should_continue(),
                                               timeout=self._timeout())
@@ -323,20 +333,21 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             BatchPlanRequest(policy=policy, batch=batch, pods=[self.waiting[u] for u in due],
                              nodes=list(self.nodes.values()),
                              max_new_nodes=max(0, policy.max_nodes - len(self.nodes)),
-                             egress_gb_per_gpu_hour={loc: e.gb_per_gpu_hour for loc, e in self.learned_egress.items()}),
+                             egress_gb_per_gpu_hour={loc: e.gb_per_gpu_hour for loc, e in self.learned_egress.items()},
+                             home_scaled=self.home_scaled),
             result_type=BatchPlan, start_to_close_timeout=timedelta(minutes=3), retry_policy=RETRY)
         for uid in plan.gone:
             self._forget(uid)
         self.unplaced = {u.pod: u.why for u in plan.unplaced}
         self.capacity_waits = {u.pod: u.why for u in plan.unplaced if u.waits_for_capacity}
-        if not plan.new_nodes:
+        if not plan.acts:
             self._settle()
             return
         self.seq += 1
         record = BatchRecord(batch=batch, phase=BatchPhase.PLANNING, plan=plan)
         # The batch's attributes in one upsert, all four, as the histories of running provisionings hold it.
         self._upsert([sa.BATCH.value_set(batch), sa.OPERATION.value_set(batch),
-                      sa.LOCATION.value_set(plan.new_nodes[0].offering.location),
+                      sa.LOCATION.value_set(plan.new_nodes[0].offering.location if plan.new_nodes else "home"),
                       sa.USD_PER_HOUR.value_set(round(plan.total_usd_per_hour, 4))], every=True)
         if policy.mode == "Recommend":
             self._decided(record, BatchPhase.PROPOSED, plan.summary())
@@ -353,7 +364,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         """A batch that launches nothing: its pods are planned again only after recheck_seconds."""
         record.phase, record.message = phase, message
         until = (workflow.now() + timedelta(seconds=self.inp.settings.recheck_seconds)).isoformat()
-        planned = {pod for n in record.plan.new_nodes for pod in n.pods}
+        planned = record.plan.planned_pods
         for uid, pod in self.waiting.items():
             if pod.key in planned:
                 self.not_before[uid] = until
@@ -370,7 +381,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         record.phase = BatchPhase.AWAITING_APPROVAL
         self._set_phase(ProvisionPhase.AWAITING_APPROVAL, f"batch {record.batch}: {record.plan.summary()}")
         await self._audit(record, "proposed")
-        planned = {pod for n in record.plan.new_nodes for pod in n.pods}
+        planned = record.plan.planned_pods
 
         def wanted() -> bool:
             return any(p.key in planned for p in self.waiting.values())
@@ -402,8 +413,35 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         await self._audit(record, "approved", f"plan {record.plan.plan_id}", approver=record.approver)
         return True
 
+    async def _grow_home(self, record: BatchRecord) -> list[str]:
+        """Grow the home node groups the plan grows (their pods still waiting), one after another: what each
+        became. A group that cannot be grown (a cloud error, refused) backs its pods off; the next plan sees it."""
+        waiting = {p.key for p in self.waiting.values()}
+        done: list[str] = []
+        for h in record.plan.home_scale:
+            if not waiting.intersection(h.pods):
+                continue
+            try:
+                scaling = await workflow.execute_activity(
+                    "scale_home_group", HomeScaleRequest(group=h.group, to_size=h.to_size), result_type=GroupScaling,
+                    start_to_close_timeout=timedelta(minutes=10), retry_policy=RETRY,
+                    summary=f"grow home node group {h.group} to {h.to_size} nodes")
+            except ActivityError as exc:
+                why = f"home node group {h.group} not grown to {h.to_size}: {exc.cause or exc}"
+                self._back_off(set(h.pods))
+                await self._audit(record, "home-scale-failed", why, subject=h.group)
+            else:
+                self.home_scaled[h.group] = workflow.now()
+                why = f"home node group {h.group} at {scaling.desired_size} node(s) (from {h.from_size}) for " \
+                      f"{len(h.pods)} pod(s)"
+                await self._audit(record, "home-scaled", why, subject=h.group)
+            self._log(f"batch {record.batch}: {why}")
+            done.append(why)
+        return done
+
     async def _start_nodes(self, record: BatchRecord, policy: PolicySnapshot) -> None:
         inp = self.inp
+        grown = await self._grow_home(record) if record.plan.home_scale else []
         waiting = {p.key for p in self.waiting.values()}
         room = max(0, policy.max_nodes - len(self.nodes))
         starts: list[Awaitable[workflow.ChildWorkflowHandle[Any, Any]]] = []
@@ -425,6 +463,8 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                 static_summary=(f"Burst node: {node.offering.instance_type} in {node.offering.location} for "
                                 f"{len(node.pods)} pod(s) (batch {record.batch})")))
         record.launched()  # Launching until its nodes end (node_finished), then what became of them
+        if grown and not record.nodes:
+            record.message = "; ".join(grown)
         self._keep(record)
         handles = await asyncio.gather(*starts)
         for handle in handles:
@@ -445,6 +485,10 @@ def plan_details(d: Details, plan: BatchPlan) -> None:
            f"{md_usd(plan.total_usd_per_hour, 'h')}** for {len(plan.new_nodes)} new node(s)")
     d.bullets((f"node {i}: {md(n.offering.describe())}; pods: {', '.join(code(p) for p in n.pods)}"
                for i, n in enumerate(plan.new_nodes)), limit=20, more="more nodes")
+    if plan.home_scale:
+        d.para("**Home node groups grown** (their pods are not burst):")
+        d.bullets((f"{md(h.describe())}: {', '.join(code(p) for p in h.pods[:10])}" for h in plan.home_scale),
+                  limit=10, more="more groups")
     if plan.on_existing:
         d.para("**On nodes already there:**")
         d.bullets((f"{code(pod)} on {code(node)}" for pod, node in sorted(plan.on_existing.items())), limit=10,
