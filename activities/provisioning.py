@@ -117,17 +117,21 @@ class ProvisioningActivities(PhaseActivities):
 
     @activity.defn(name="scale_home_group", no_thread_cancel_exception=True)
     def scale_home_group(self, req: HomeScaleRequest) -> GroupScaling:
-        """Grow a home managed node group to ``req.to_size`` nodes. Idempotent: a group at that size or above
-        already (a retry, or someone else grew it meanwhile) is left as it is; never lowers a group."""
+        """Grow a home managed node group to ``req.to_size`` nodes. Idempotent: the target is absolute (a retry
+        sends nothing), and a group someone grew past it meanwhile, which the provider refuses to lower, is left as
+        it is. The group is read only then: a scale up costs the provider's own calls (bench/README.md)."""
         capacity = self.context.capacity
         if capacity is None:
             raise ApplicationError("no capacity provider: capacity.provider is none", non_retryable=True)
         try:
-            group = capacity.get_group(req.group)
-            if group.scaling is not None and group.scaling.desired_size >= req.to_size:
-                return group.scaling
             return capacity.scale_up(req.group, req.to_size)
         except CapacityError as exc:
+            try:
+                scaling = capacity.get_group(req.group).scaling
+            except CapacityError:
+                scaling = None
+            if scaling is not None and scaling.desired_size >= req.to_size:
+                return scaling
             raise ApplicationError(str(exc), type=type(exc).__name__, non_retryable=not exc.retryable) from exc
 
     def _free_slots(self, req: BatchPlanRequest) -> AddressSlots:

@@ -85,7 +85,7 @@ class FakeCapacity(CallRecorder):
         g = self._group(group)
         if g.scaling is None:
             raise CapacityError(f"NodePool {group}: Karpenter sizes it itself", retryable=False)
-        if desired < g.scaling.desired_size or desired > g.scaling.max_size:
+        if desired < g.scaling.desired_size or desired > g.scaling.max_size:  # refused as EKS and AKS refuse
             raise CapacityError(f"node group {group}: desired {desired} is outside {g.scaling.desired_size} .. "
                                 f"{g.scaling.max_size}", retryable=False)
         g.scaling = g.scaling.model_copy(update={"desired_size": g.scaling.landed(desired)})

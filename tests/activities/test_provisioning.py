@@ -1,5 +1,5 @@
 """activities.provisioning.scale_home_group, with the fake capacity provider that records every call: an absolute
-target (a retry, or a group someone grew meanwhile, sends nothing), and a refusal or a cloud error that names the
+target (a retry asks for the same size; a group someone grew past it is done), and a refusal or a cloud error that names the
 group and its cause, non-retryable where retrying cannot help."""
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ def test_grows_to_the_target_once(capacity: FakeCapacity, tmp_path: Path) -> Non
     acts, env = _activities(capacity, tmp_path), ActivityEnvironment()
     assert env.run(acts.scale_home_group, HomeScaleRequest(group="gpu", to_size=2)).desired_size == 2
     assert env.run(acts.scale_home_group, HomeScaleRequest(group="gpu", to_size=2)).desired_size == 2  # a retry
-    assert env.run(acts.scale_home_group, HomeScaleRequest(group="gpu", to_size=1)).desired_size == 2  # never lowers
-    assert [c for c in capacity.calls if c[0] == "scale_up"] == [("scale_up", "gpu=2")]
+    # Grown past the target meanwhile: the provider refuses to lower it, and the group read shows it done.
+    assert env.run(acts.scale_home_group, HomeScaleRequest(group="gpu", to_size=1)).desired_size == 2
+    assert capacity.calls == [("scale_up", "gpu=2"), ("scale_up", "gpu=2"), ("scale_up", "gpu=1"),
+                              ("get_group", "gpu")]
 
 
 def test_a_refusal_or_cloud_error_names_the_group_and_cause(capacity: FakeCapacity, tmp_path: Path) -> None:
