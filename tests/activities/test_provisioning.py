@@ -1,6 +1,6 @@
 """activities.provisioning.scale_home_group, with the fake capacity provider that records every call: an absolute
-target (a retry asks for the same size; a group someone grew past it is done), and a refusal or a cloud error that names the
-group and its cause, non-retryable where retrying cannot help."""
+target (a retry asks for the same size; a group someone grew past it is done), and a refusal or a cloud error
+that names the group and its cause, non-retryable where retrying cannot help."""
 
 from __future__ import annotations
 
