@@ -23,7 +23,7 @@ from tests.activities.capacity.test_aks import GPU_SIZE, RG, TAINT, identity, po
 from tests.harness.burst import BURST_TAINT_KEY, BurstStack, StartWorker, provision_state
 from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.local import AZURE_SUBSCRIPTION
+from tests.harness.clouds.local import AZURE_SUBSCRIPTION, GKE_LOCATION, GKE_PROJECT, seed_gke_gpu_pool
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import until, wait_for
 from tests.harness.workloads import GPU_TAINT_TOLERATION, SMALL_REQUESTS, gpu_pods, live_pods
@@ -32,7 +32,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 
 SIM = {"name": "sim/eu-west", "sim": {"bootSeconds": 0.3}, "offerings": [
     {"instanceType": "sim.l4.1", "gpus": 1, "gpuProduct": "NVIDIA-L4", "usdPerHour": 0.9}]}
-GKE_PROJECT, GKE_LOCATION, GKE_ZONE = "acme-ml", "europe-west4", "europe-west4-a"
 
 
 @dataclass
@@ -69,12 +68,7 @@ def eks_group(eks_nodegroups: EksNodeGroups, eks_nodes: NodeReconciler, eks_api:
 
 @pytest.fixture
 def gke_group(gcp_server: FakeServer, gke_nodes: NodeReconciler) -> Iterator[HomeGroup]:
-    gcp_server.reset()
-    gcp_server.fault(operation_seconds=0.2)
-    gke_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
-    gcp_server.seed(gke={"project": GKE_PROJECT, "location": GKE_LOCATION, "cluster": gke_cluster, "nodePools": [
-        {"name": pool, "machineType": "g2-standard-48", "zones": [GKE_ZONE], "nodeCount": 1,
-         "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}]}]})
+    gke_cluster, pool = seed_gke_gpu_pool(gcp_server, machine_type="g2-standard-48", nodes=1)
 
     def size() -> int:  # the VMs of the pool's instance groups
         return len([i for i in gcp_server.state()["instances"]

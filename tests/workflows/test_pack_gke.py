@@ -23,25 +23,21 @@ from models.gke import FROZEN_BY_ANNOTATION, NODEPOOL_LABEL
 from models.packing import PackView
 from tests.harness import packing
 from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.local import GKE_LOCATION, GKE_PROJECT, GKE_ZONE, seed_gke_gpu_pool
 from tests.harness.clouds.nodes import NodeReconciler
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
 from tests.harness.workloads import node_group_pods, running_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
-PROJECT, LOCATION, ZONE = "acme-ml", "europe-west4", "europe-west4-a"
+PROJECT, LOCATION, ZONE = GKE_PROJECT, GKE_LOCATION, GKE_ZONE
 
 
 @pytest.fixture
 def fragmented(cluster: Cluster, namespace: str, gcp_server: FakeServer,
                gke_nodes: NodeReconciler) -> Iterator[dict[str, Any]]:
     """A node pool of three 8-GPU nodes (one zone) with six 1-GPU pods spread over them by the default scheduler."""
-    gcp_server.reset()
-    gcp_server.fault(operation_seconds=0.2)
-    gke_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
-    gcp_server.seed(gke={"project": PROJECT, "location": LOCATION, "cluster": gke_cluster, "nodePools": [
-        {"name": pool, "machineType": "a2-highgpu-8g", "zones": [ZONE], "nodeCount": 3,
-         "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}]}]})
+    gke_cluster, pool = seed_gke_gpu_pool(gcp_server, machine_type="a2-highgpu-8g", nodes=3)
     wait_for(lambda: len(gke_nodes.ready(NODEPOOL_LABEL, pool)) == 3, timeout=30, what="the pool's 3 nodes Ready")
     apps = cluster.admin.apps
     apps.create_namespaced_deployment(namespace, node_group_pods("serve", NODEPOOL_LABEL, pool, 6))
