@@ -85,21 +85,34 @@ class ProvisioningActivities(PhaseActivities):
         rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
                       free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
         preferred = {pod: n.node_name for n in req.nodes for pod in n.pods}
-        offerings, unavailable = (self._offerings(req.policy.locations, req.egress_gb_per_gpu_hour) if waiting
+        locations, avoided = self._locations(req)
+        offerings, unavailable = (self._offerings(locations, req.egress_gb_per_gpu_hour) if waiting
                                   else ([], []))
         slots = self._free_slots(req) if waiting else None
         p = req.policy
         plan = plan_pods(batch=req.batch, policy=p.name, taint_key=p.tolerate, pods=waiting,
-                         rooms=[r for r in rooms if r.free > 0], offerings=offerings, locations=p.locations,
+                         rooms=[r for r in rooms if r.free > 0], offerings=offerings, locations=locations,
                          max_gpu_hour=p.max_gpu_hour, max_new_nodes=req.max_new_nodes, max_nodes=p.max_nodes,
                          preferred=preferred, address_slots=slots)
         plan.gone = [pod.uid for pod in req.pods if pod.uid not in still]
         plan.unplaced = [Unplaced(pod=k, why=why) for k, why in sorted(home.at_home.items())] + plan.unplaced
         plan.home = home.burst
         plan.home_scale = home.scale
-        plan.refused = unavailable + plan.refused
+        plan.refused = avoided + unavailable + plan.refused
         plan.planned_at = self.clock()
         return plan
+
+    @staticmethod
+    def _locations(req: BatchPlanRequest) -> tuple[list[str], list[str]]:
+        """The policy's locations the plan may use (those the provisioning avoids left out, unless none would be
+        left), and a line for each avoided one."""
+        usable = [loc for loc in req.policy.locations if loc not in req.avoid_locations]
+        avoided = [loc for loc in req.policy.locations if loc in req.avoid_locations]
+        if not usable:
+            return list(req.policy.locations), [
+                f"{loc}: planned again although {req.avoid_locations[loc]} (no other location of the policy)"
+                for loc in avoided]
+        return usable, [f"{loc}: left out, {req.avoid_locations[loc]}" for loc in avoided]
 
     def _home(self, pods: list[PendingPod], req: BatchPlanRequest) -> HomePlan:
         """capacity.provider: the pods home capacity is serving, those it cannot (each with why), and the home

@@ -91,6 +91,9 @@ class OperationSettings(Model):
     # pods whose node failed after a back-off from retry_seconds, doubling, up to this.
     recheck_seconds: float = 600.0
     retry_seconds: float = 30.0
+    # A location whose node failed (launch, join, burn-in) is left out of the plans for this long, while another
+    # of the policy's locations remains: its pods are planned again elsewhere (issue 27).
+    location_avoid_seconds: float = 600.0
     # While pods wait that no plan could serve (maxNodes, no offering), they are planned again this often.
     replan_seconds: float = 30.0
 
@@ -366,8 +369,16 @@ class ProvisionInput(Model):
     # location -> the egress this policy's finished nodes measured there (issue 27: the estimate learns).
     learned_egress: dict[str, LearnedEgress] = Field(default_factory=dict)
     home_scaled: dict[str, datetime] = Field(default_factory=dict)
+    avoided_locations: dict[str, AvoidedLocation] = Field(default_factory=dict)
     # History stays short: the workflow continues as new after this many events.
     continue_after_events: int = 4000
+
+
+class AvoidedLocation(Model):
+    """A location left out of a provisioning's plans until ``until``, and why (its node failed)."""
+
+    until: datetime
+    why: str
 
 
 class BatchPlanRequest(Model):
@@ -381,6 +392,8 @@ class BatchPlanRequest(Model):
     # home node group -> when this provisioning last grew it: its nodes not registered after register_seconds
     # no longer hold pods back from burst.
     home_scaled: dict[str, datetime] = Field(default_factory=dict)
+    # location -> why the plan leaves it out (its node failed), unless it is the only location left.
+    avoid_locations: dict[str, str] = Field(default_factory=dict)
 
 
 class HomeScaleRequest(Model):

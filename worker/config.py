@@ -92,6 +92,8 @@ class Settings(BaseModel):
     join_timeout_seconds: int = 900
     # Pods whose burst node failed (e.g. its burn-in) are planned again after this back-off, doubling.
     node_retry_seconds: float = 30.0
+    # A location whose burst node failed is left out of the policy's plans this long (another location remaining).
+    location_avoid_seconds: float = 600.0
     serve_check_seconds: int = 30
     # issue 27: how often a serving burst node's transfer is read from the gateway.
     transfer_check_seconds: int = 300
@@ -239,7 +241,8 @@ class Settings(BaseModel):
                                  batch_load_idle_seconds=self.batch_load_idle_seconds,
                                  batch_load_max_seconds=self.batch_load_max_seconds,
                                  batch_max_seconds=self.batch_max_seconds,
-                                 retry_seconds=self.node_retry_seconds)
+                                 retry_seconds=self.node_retry_seconds,
+                                 location_avoid_seconds=self.location_avoid_seconds)
 
 
 ENV = env_names(Settings)

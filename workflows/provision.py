@@ -32,6 +32,7 @@ from models.ids import node_workflow_id, operation_id
 from models.join import burst_node_name
 from models.node import NodeFinished, NodeInput, NodePhase
 from models.provisioning import (
+    AvoidedLocation,
     BatchPhase,
     BatchPlan,
     BatchPlanRequest,
@@ -77,6 +78,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         self.batches = list(inp.batches)
         self.learned_egress = dict(inp.learned_egress)
         self.home_scaled = dict(inp.home_scaled)  # home node group -> when this provisioning last grew it
+        self.avoided = dict(inp.avoided_locations)  # location -> until when its plans leave it out, and why
         self.seq = inp.seq
         self.chain = inp.chain
         self.dirty = bool(self.waiting)
@@ -139,6 +141,13 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             self._log(f"batch {batch.batch} {batch.phase.value}: {batch.message}")
         if msg.phase in (NodePhase.FAILED, NodePhase.CANCELLED):
             self._back_off(set(record.pods))
+        if msg.phase == NodePhase.FAILED:
+            # Its pods are planned elsewhere for a while: the next node there may fail the same way.
+            location = record.offering.location
+            until = workflow.now() + timedelta(seconds=self.inp.settings.location_avoid_seconds)
+            self.avoided[location] = AvoidedLocation(until=until, why=f"its node {msg.workflow_id} failed: "
+                                                                      f"{msg.message}"[:300])
+            self._log(f"{location} left out of the plans until {until:%H:%M:%S}: node {msg.workflow_id} failed")
         self.dirty = bool(self.waiting)  # a node freed up under maxNodes
         self._show()
 
@@ -267,7 +276,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                     "chain": self.chain, "seq": self.seq, "waiting": list(self.waiting.values()),
                     "nodes": list(self.nodes.values()), "not_before": self.not_before, "failures": self.failures,
                     "batches": self.batches[-KEEP_BATCHES:], "learned_egress": self.learned_egress,
-                    "home_scaled": self.home_scaled}))
+                    "home_scaled": self.home_scaled, "avoided_locations": self.avoided}))
             try:
                 await workflow.wait_condition(lambda: self.dirty or self._should_continue(),
                                               timeout=self._timeout())
@@ -334,7 +343,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
                              nodes=list(self.nodes.values()),
                              max_new_nodes=max(0, policy.max_nodes - len(self.nodes)),
                              egress_gb_per_gpu_hour={loc: e.gb_per_gpu_hour for loc, e in self.learned_egress.items()},
-                             home_scaled=self.home_scaled),
+                             home_scaled=self.home_scaled, avoid_locations=self._avoid_locations()),
             result_type=BatchPlan, start_to_close_timeout=timedelta(minutes=3), retry_policy=RETRY)
         for uid in plan.gone:
             self._forget(uid)
@@ -359,6 +368,12 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
             return
         await self._start_nodes(record, policy)
         self._settle()
+
+    def _avoid_locations(self) -> dict[str, str]:
+        """The locations the next plan leaves out (their node failed a while ago), with why; the others forgotten."""
+        now = workflow.now()
+        self.avoided = {loc: a for loc, a in self.avoided.items() if a.until > now}
+        return {loc: f"until {a.until:%H:%M:%S} UTC: {a.why}" for loc, a in self.avoided.items()}
 
     def _decided(self, record: BatchRecord, phase: BatchPhase, message: str) -> None:
         """A batch that launches nothing: its pods are planned again only after recheck_seconds."""
