@@ -27,6 +27,8 @@ class VerifyActivities(PhaseActivities):
         for check in req.checks:
             if check == "Gpus":
                 passed.append(self._allocatable_gpus(req))
+            elif check == "Tunnel":
+                passed.append(self._tunnel_mtu(req))
             else:
                 raise ApplicationError(f"unknown burn-in check {check!r}", type=VERIFICATION_FAILED,
                                        non_retryable=True)
@@ -49,6 +51,18 @@ class VerifyActivities(PhaseActivities):
                     f"burn-in failed on {req.node_name}: allocatable {GPU_RESOURCE} is {have}, the offering has "
                     f"{req.gpus} (after {req.timeout_seconds}s)", type=VERIFICATION_FAILED, non_retryable=True)
             time.sleep(1.0)
+
+    def _tunnel_mtu(self, req: BurnInRequest) -> str:
+        """The node's tunnel carries a packet of its full MTU: the gateway's DF probe (gateway/probe.py). Not
+        waited for: the node registered through the tunnel, so it is up; a path that drops big packets stays so."""
+        beat(f"burn-in of {req.node_name}: probing its tunnel at full MTU")
+        probe = self.gateway.probe(req.node_name, operation=req.operation)
+        if not probe.tunnel:
+            return f"Tunnel: none to probe ({probe.detail})"
+        if not probe.answered:
+            raise ApplicationError(f"burn-in failed on {req.node_name}: its tunnel does not carry a full-MTU packet: "
+                                   f"{probe.detail}", type=VERIFICATION_FAILED, non_retryable=True)
+        return f"Tunnel: {probe.mtu}-byte DF probe answered in {probe.rtt_ms} ms"
 
     @activity.defn(name="verify_node", no_thread_cancel_exception=True)
     def verify_node(self, req: NodeExpectation) -> VerifyResult:

@@ -369,6 +369,14 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
             counted = gateway.transfer(name, operation=operation)
         return counted.model_dump(mode="json", by_alias=True)
 
+    @app.post("/v1/nodes/{name}/probe")
+    def probe_node(name: str, caller: Caller,
+                   operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
+        with _node_errors(f"probing the tunnel of node {name}"):
+            probed = gateway.probe(name, operation=operation)
+        log.info("tunnel probe of node %s (operation %s, asked by %s): %s", name, operation, caller, probed.detail)
+        return probed.model_dump(mode="json", by_alias=True)
+
     @app.post("/v1/join")
     def join(body: JoinRedeem, request: Request) -> dict[str, object]:
         try:

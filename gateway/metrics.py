@@ -9,6 +9,8 @@ from fastapi import FastAPI, Response
 from prometheus_client import REGISTRY, Counter, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from models.join import gateway_route
+
 METRICS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 GATEWAY_REQUESTS = Counter("kubeon_gateway_requests", "Requests to the burst gateway by route and status code",
@@ -27,9 +29,8 @@ GATEWAY_ROUTES = ("/v1/join", "/v1/tickets", "/healthz", "/readyz", "/metrics")
 
 
 def _gateway_route(path: str) -> str:
-    if path.startswith("/v1/nodes/"):
-        return "/v1/nodes/{name}/transfer" if path.endswith("/transfer") else "/v1/nodes/{name}"
-    return path if path in GATEWAY_ROUTES else "other"
+    route = gateway_route(path)
+    return route if route in GATEWAY_ROUTES or route.startswith("/v1/nodes/") else "other"
 
 
 def _join_outcome(status: int) -> str:

@@ -20,6 +20,7 @@ from kubernetes import client
 from common.kube import read_or_none
 from gateway.admission import Admission
 from gateway.attestation import AttestationVerifier
+from gateway.probe import probe_mtu
 from gateway.reconciler import Reconciler
 from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
 from gateway.slots import AddressPlan, RecordStore, SlotBook
@@ -34,6 +35,7 @@ from models.join import (
     JoinAnswer,
     JoinRedeem,
     JoinTicketRequest,
+    NodeProbe,
     NodeTransfer,
     TicketGrant,
     url_host,
@@ -238,6 +240,26 @@ class KubeGateway:
                                   f"for node {node_name}", status=404)
             counted = Transfer.loads(owned[0]["transfer"])
         return NodeTransfer(rx_bytes=counted.rx_bytes, tx_bytes=counted.tx_bytes, measured_at=counted.measured_at)
+
+    # -- the burn-in's tunnel probe ---------------------------------------------------------------------------
+    def probe(self, node_name: str, *, operation: str) -> NodeProbe:
+        """Whether ``node_name`` of ``operation``'s tunnel carries a full-MTU packet (gateway.probe); a node
+        without a tunnel here (a sim node, a gateway without one) has nothing to probe. ``TicketError``
+        (``not_owned``) for another operation's node, ``JoinRefused`` 404 for one the gateway holds no slot for:
+        the optimizer probes only the node of the operation it names."""
+        slots = [s for s in self._records.slots() if s.node == node_name]
+        mine = [s for s in slots if s.operation == operation]
+        if not mine:
+            if slots:
+                raise TicketError(f"node {node_name} has no address slot of operation {operation} at the gateway "
+                                  "(it belongs to another operation)", code="not_owned")
+            raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}", status=404)
+        slot = mine[0]
+        if self._tunnel is None or slot.reserved:
+            return NodeProbe(tunnel=False, detail=f"node {node_name} has no tunnel at this gateway")
+        found = probe_mtu(slot.tunnel_ip, self._tunnel.mtu)
+        return NodeProbe(tunnel=True, mtu=self._tunnel.mtu, answered=found.answered, rtt_ms=found.rtt_ms,
+                         detail=found.detail)
 
     # -- node removal ----------------------------------------------------------------------------------------
     def remove_node(self, node_name: str, *, operation: str) -> bool:

@@ -165,6 +165,25 @@ class TicketGrant(BaseModel):
     server_name: str = ""
 
 
+def gateway_route(path: str) -> str:
+    """The path template of a gateway request (its metric label and span name carry no node name)."""
+    if path.startswith("/v1/nodes/"):
+        tail = path.rsplit("/", 1)[-1]
+        return f"/v1/nodes/{{name}}/{tail}" if tail in ("transfer", "probe") else "/v1/nodes/{name}"
+    return path
+
+
+class NodeProbe(_Wire):
+    """``POST /v1/nodes/{name}/probe``: whether the node's tunnel carries a packet of the tunnel's full MTU (an
+    ICMP echo with Don't Fragment from the gateway to the node's tunnel address; the burn-in's ``Tunnel`` check)."""
+
+    tunnel: bool = Field(description="false: the node has no tunnel at this gateway (nothing to probe)")
+    mtu: int = Field(default=0, ge=0, description="the packet's size in bytes, IP header included")
+    answered: bool = False
+    rtt_ms: float | None = Field(default=None, alias="rttMs")
+    detail: str = Field(default="", max_length=500)
+
+
 class NodeTransfer(_Wire):
     """``GET /v1/nodes/{name}/transfer``: what a burst node moved through its tunnel so far, measured at the
     gateway's WireGuard interface (encrypted UDP payload: the inner IP packets plus WireGuard's 32 bytes each, and

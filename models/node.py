@@ -96,6 +96,8 @@ class BurnInRequest(Model):
     gpus: int  # the offering's GPUs: allocatable nvidia.com/gpu must equal it
     checks: list[str]
     timeout_seconds: int
+    # The node's operation: the gateway probes the tunnel of that operation's node only.
+    operation: str = ""
 
 
 class BurnInResult(Model):

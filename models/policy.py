@@ -87,14 +87,15 @@ class Limits(_Spec):
 
 
 # issue 27: what a burst node must pass after it registers and before any workload lands (it keeps its taint).
-# Gpus: allocatable nvidia.com/gpu equals the offering's GPUs. (The tunnel MTU probe and the GPU health check are
-# not built yet: only the checks listed here exist.)
-BURN_IN_CHECKS = ("Gpus",)
-BurnInCheck = Literal["Gpus"]
+# Gpus: allocatable nvidia.com/gpu equals the offering's GPUs. Tunnel: the node's tunnel carries a packet of its full
+# MTU (Don't Fragment, from the gateway; a node without a tunnel passes, saying so). (The GPU health check is not
+# built yet: only the checks listed here exist.)
+BURN_IN_CHECKS = ("Gpus", "Tunnel")
+BurnInCheck = Literal["Gpus", "Tunnel"]
 
 
 def _every_check() -> list[BurnInCheck]:
-    return ["Gpus"]
+    return ["Gpus", "Tunnel"]
 
 
 class BurnIn(_Spec):

@@ -304,7 +304,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         burned: BurnInResult = await workflow.execute_activity(
             "burn_in_node",
             BurnInRequest(node_name=self.node_name, gpus=self._offering().gpus, checks=checks,
-                          timeout_seconds=self.policy.burn_in_timeout_seconds),
+                          timeout_seconds=self.policy.burn_in_timeout_seconds, operation=self.operation),
             result_type=BurnInResult,
             start_to_close_timeout=timedelta(seconds=self.policy.burn_in_timeout_seconds * len(checks) + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)

@@ -19,18 +19,22 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel
 
 from activities.telemetry.tracing import http_call
 from models.errors import ADDRESSES_EXHAUSTED, AddressesExhausted, TicketError
-from models.join import GatewayCapacity, JoinTicketRequest, NodeTransfer, TicketGrant
+from models.join import GatewayCapacity, JoinTicketRequest, NodeProbe, NodeTransfer, TicketGrant, gateway_route
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
 
+
+# A wire model of the gateway's answers.
+M = TypeVar("M", bound=BaseModel)
 
 class GatewayClient(Protocol):
     """What the optimizer's activities may ask of the gateway."""
@@ -47,6 +51,12 @@ class GatewayClient(Protocol):
         """Bytes the node moved through its tunnel so far (``rx``: node -> home, its cloud's egress); read it
         before ``remove_node``: the counters go with the node's slot. ``TicketError`` for another operation's
         node, ``GatewayRefused`` (404) for one the gateway holds no slot for."""
+        ...
+
+    def probe(self, node_name: str, *, operation: str) -> NodeProbe:
+        """Whether the node's tunnel carries a full-MTU packet (the burn-in's ``Tunnel`` check); ``tunnel`` false
+        for a node without one. ``TicketError`` for another operation's node, ``GatewayRefused`` (404) for one
+        the gateway holds no slot for."""
         ...
 
 
@@ -99,15 +109,8 @@ def _verify(ca_file: Path | str | None, ca_bundle: str | None = None) -> ssl.SSL
 TransportFactory = Callable[[ssl.SSLContext | bool], httpx.BaseTransport]
 
 
-def _route(path: str) -> str:
-    """The path template of a gateway request, for its span and metric (no node name)."""
-    if path.startswith("/v1/nodes/"):
-        return "/v1/nodes/{name}/transfer" if path.endswith("/transfer") else "/v1/nodes/{name}"
-    return path
-
-
 def _send(client: httpx.Client, what: str, url: str, request: httpx.Request) -> httpx.Response:
-    with http_call("gateway", request.method, _route(request.url.path)) as call:
+    with http_call("gateway", request.method, gateway_route(request.url.path)) as call:
         response = _send_untraced(client, what, url, request)
         call.response(response.status_code)
         return response
@@ -209,26 +212,34 @@ class HttpGatewayClient:
             raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer is not "
                                      "{total, nodes}") from None
 
-    def remove_node(self, node_name: str, *, operation: str) -> bool:
-        what = f"removing node {node_name} ({operation})"
-        response = self._request("DELETE", f"/v1/nodes/{quote(node_name, safe='')}", what,
-                                 params={"operation": operation})
+    def _node_call(self, method: str, node_name: str, operation: str, tail: str, what: str) -> httpx.Response:
+        """A call about one node of ``operation``: 409 (another operation's node) is ``TicketError``, any other
+        answer but 200 ``GatewayRefused``."""
+        path = f"/v1/nodes/{quote(node_name, safe='')}" + (f"/{tail}" if tail else "")
+        response = self._request(method, path, what, params={"operation": operation})
         if response.status_code == 409:
             raise TicketError(error_message(response))
         if response.status_code != 200:
             raise self._refused(response, what)
+        return response
+
+    def _answer(self, model: type[M], response: httpx.Response, what: str, shape: str) -> M:
+        try:
+            return model.model_validate(response.json())
+        except ValueError:
+            raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer is not {shape}") from None
+
+    def remove_node(self, node_name: str, *, operation: str) -> bool:
+        what = f"removing node {node_name} ({operation})"
+        response = self._node_call("DELETE", node_name, operation, "", what)
         return bool(_json(response, self.base_url, what, "removed"))
+
+    def probe(self, node_name: str, *, operation: str) -> NodeProbe:
+        what = f"the tunnel probe of node {node_name} ({operation})"
+        return self._answer(NodeProbe, self._node_call("POST", node_name, operation, "probe", what), what,
+                            "{tunnel, mtu, answered, rttMs, detail}")
 
     def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
         what = f"the transfer of node {node_name} ({operation})"
-        response = self._request("GET", f"/v1/nodes/{quote(node_name, safe='')}/transfer", what,
-                                 params={"operation": operation})
-        if response.status_code == 409:
-            raise TicketError(error_message(response))
-        if response.status_code != 200:
-            raise self._refused(response, what)
-        try:
-            return NodeTransfer.model_validate(response.json())
-        except ValueError:
-            raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer is not "
-                                     "{rxBytes, txBytes, measuredAt}") from None
+        return self._answer(NodeTransfer, self._node_call("GET", node_name, operation, "transfer", what), what,
+                            "{rxBytes, txBytes, measuredAt}")

@@ -7,23 +7,27 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import ssl
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.clients.audit_log import AuditLog
-from activities.clients.gateway import HttpGatewayClient
+from activities.clients.gateway import GatewayRefused, HttpGatewayClient
 from activities.clients.kube import KubeOps
 from activities.providers.sim import SimProvider
+from models.errors import TicketError
 from models.join import JoinTicketRequest, render_user_data
-from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.node import Instance, NodePhase
 from models.provisioning import BatchPhase
 from tests.gateway.helpers import BURST_TAINT
@@ -33,13 +37,14 @@ from tests.harness.burst import (
     approve_batch,
     build_stack,
     gpu_deployment,
+    node_for,
     provision_state,
     result,
     unique,
     wait_phase,
 )
 from tests.harness.joining import new_burst_node
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import Cluster, until, wait_for
 from tests.harness.netbed import (
     GATEWAY_PUBLIC_IP,
     POD_CIDR,
@@ -75,14 +80,19 @@ def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFact
         gw.stop()
 
 
+def optimizer_token(cluster: Cluster, path: Path) -> Path:
+    """A token of the optimizer's ServiceAccount (the gateway's allowed client) in ``path``."""
+    path.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
+        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    return path
+
+
 def join_node(cluster: Cluster, bed: NetBed, gateway: Gateway, workdir: Path) -> Joined:
     """What launch_instance and the booting VM do: a ticket from the gateway (as the optimizer), user data,
     then `kubeon-gpu node join` in the node's own namespace, which starts the kubelet stand-in."""
     op, name = new_burst_node()
-    token = workdir / f"{name}.token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    token = optimizer_token(cluster, workdir / f"{name}.token")
     labels = {LABEL_OPERATION: op, LABEL_POLICY: "inference-burst", LABEL_LOCATION: "tunnel.test"}
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         grant_ = http.issue_ticket(JoinTicketRequest(
@@ -140,6 +150,38 @@ def test_the_node_registers_itself_through_the_tunnel(cluster: Cluster, gateway:
     rules = sh("nft", "list", "table", "ip", "kubeon_gateway", netns=gateway.bed.gw)
     assert rules.count("tcp option maxseg size set rt mtu") == 2
     assert f"ip daddr {SERVICE_CIDR} masquerade" in rules
+
+
+def test_the_burn_in_probe_finds_a_tunnel_that_drops_full_mtu_packets(cluster: Cluster, gateway: Gateway,
+                                                                       joined: Joined, tmp_path: Path) -> None:
+    token = optimizer_token(cluster, tmp_path / "optimizer.token")
+    with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
+        whole = http.probe(joined.name, operation=joined.operation)
+        assert whole.tunnel and whole.answered and whole.mtu == 1380, whole
+        assert whole.rtt_ms is not None and whole.detail == (
+            f"a 1380-byte packet with DF reached {joined_tunnel_ip(cluster, joined)} and came back")
+        # A path that drops big packets (DROP_FULL_MTU, in the node's namespace).
+        sh("nft", "-f", "-", netns=joined.node.netns, input_text=DROP_FULL_MTU)
+        try:
+            dropped = http.probe(joined.name, operation=joined.operation)
+        finally:
+            sh("nft", "delete", "table", "ip", "kubeon_probe_test", netns=joined.node.netns)
+        assert dropped.tunnel and not dropped.answered, dropped
+        assert dropped.detail.endswith("the path drops full-MTU packets"), dropped.detail
+        assert http.probe(joined.name, operation=joined.operation).answered
+        # The optimizer probes only the node of the operation it names.
+        with pytest.raises(TicketError, match="belongs to another operation"):
+            http.probe(joined.name, operation="op-000000000000")
+        with pytest.raises(GatewayRefused, match="no address slot for node burst-nobody"):
+            http.probe("burst-nobody", operation=joined.operation)
+    # And only the optimizer: no probe without its token.
+    anonymous = httpx.post(f"{gateway.url}/v1/nodes/{joined.name}/probe", params={"operation": joined.operation},
+                           timeout=5, verify=ssl.create_default_context(cafile=str(gateway.ca_file)))
+    assert anonymous.status_code == 401 and "answered" not in anonymous.text
+
+
+def joined_tunnel_ip(cluster: Cluster, joined: Joined) -> str:
+    return str(cluster.admin.core.read_node(joined.name).status.addresses[0].address)
 
 
 @pytest.fixture(scope="module")
@@ -284,27 +326,44 @@ def stack(cluster: Cluster, gateway: Gateway, tmp_path_factory: pytest.TempPathF
     return build_stack(cluster, tmp_path_factory.mktemp("burst-tunnel"))
 
 
+# The rule a test sets in a node's namespace for "its tunnel drops full-MTU packets": ICMP of the tunnel's full MTU
+# arriving through the tunnel is dropped (its TCP, clamped to the MTU, and small packets pass: the node registers).
+DROP_FULL_MTU = ("table ip kubeon_probe_test {\n  chain input {\n    type filter hook input priority 0;\n"
+                 "    iifname != \"lo\" ip protocol icmp meta length >= 1380 drop\n  }\n}\n")
+
+
+@dataclass
+class TunnelWorker:
+    temporal: Client
+    cluster: str
+    booted: dict[str, Joined]  # instance ID -> the node it booted as
+    # How many of the next instances boot into a namespace whose tunnel drops full-MTU packets.
+    dropping: int = 0
+
+
 @pytest.fixture
 async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, temporal_dev_server: WorkflowEnvironment,
-                        tmp_path: Path) -> AsyncIterator[tuple[Client, str, dict[str, Joined]]]:
+                        tmp_path: Path) -> AsyncIterator[TunnelWorker]:
     """The worker as in a cluster (the optimizer's own credentials, the gateway over HTTPS); each simulated
     instance boots as a burst node in a namespace of its own: `kubeon-gpu node join` with its user data, then the
     kubelet stand-in, through the tunnel."""
     queue = unique("q")
-    token = tmp_path / "optimizer.token"
-    token.write_text(str(stack.cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    token = optimizer_token(stack.cluster, tmp_path / "optimizer.token")
     settings = stack.settings(temporal_address=temporal_dev_server.client.service_client.config.target_host,
                               task_queue=queue, locations=SIM_LOCATIONS, cluster_name=queue,
                               gateway_url=gateway.url,
-                              gateway_ca_file=gateway.ca_file)
+                              gateway_ca_file=gateway.ca_file, node_retry_seconds=1)
     http = HttpGatewayClient(settings.gateway_url, token, ca_file=gateway.ca_file)
     booted: dict[str, Joined] = {}
+    worker: TunnelWorker | None = None
 
     def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+        node = bed.add_node()
+        if worker is not None and worker.dropping > 0:
+            worker.dropping -= 1
+            sh("nft", "-f", "-", netns=node.netns, input_text=DROP_FULL_MTU)
         booted[instance.instance_id] = boot_node(bed, user_data, capacity, tmp_path,
-                                                 f"sim://{instance.location}/{instance.instance_id}")
+                                                 f"sim://{instance.location}/{instance.instance_id}", node=node)
 
     burst = settings.burst_config()
     sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
@@ -312,13 +371,13 @@ async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, tempor
                       providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
                       closers=[sim.stop, http.close])
     async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
-        yield temporal, settings.cluster, booted
+        worker = TunnelWorker(temporal=temporal, cluster=settings.cluster, booted=booted)
+        yield worker
 
 
 async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: NetBed, gateway: Gateway,
-                                                     tunnel_worker: tuple[Client, str, dict[str, Joined]],
-                                                     namespace: str) -> None:
-    temporal, cluster_name, booted = tunnel_worker
+                                                     tunnel_worker: TunnelWorker, namespace: str) -> None:
+    temporal, cluster_name, booted = tunnel_worker.temporal, tunnel_worker.cluster, tunnel_worker.booted
     cluster = stack.cluster
     policy = unique("tunnel")
     stack.create_policy(policy, mode="Approve", locations=["sim/eu-west"], max_nodes=1)
@@ -345,6 +404,9 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
         assert node.metadata.labels[LABEL_LOCATION] == "sim.eu-west"
         assert [(t.key, t.effect) for t in node.spec.taints] == [(BURST_TAINT, "NoSchedule")]
         assert joined.public_key in Uapi(bed.gateway_interface).get().peers
+        # Burned in (the default checks): its GPUs, and its tunnel carried a full-MTU packet.
+        burned = node.metadata.annotations[BURNED_IN_ANNOTATION]
+        assert burned.startswith("Gpus: allocatable nvidia.com/gpu 1; Tunnel: 1380-byte DF probe answered in "), burned
         # The pod landed and runs: the cluster side reaches it at its pod IP through the gateway.
         (pod,) = cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
         assert pod.spec.node_name == joined.name
@@ -368,4 +430,43 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
         after = await provision_state(temporal, cluster_name, policy, lambda v: not v.nodes)
         assert after.batches[-1].approver == "alice" and after.batches[-1].nodes == [handle.id]
     finally:
+        stack.delete_policy(policy)
+
+
+async def test_a_node_whose_tunnel_drops_full_mtu_packets_fails_burn_in_and_is_replaced(
+        stack: BurstStack, bed: NetBed, gateway: Gateway, tunnel_worker: TunnelWorker, namespace: str) -> None:
+    cluster, temporal = stack.cluster, tunnel_worker.temporal
+    tunnel_worker.dropping = 1
+    policy = unique("mtu")
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], max_nodes=1,
+                        burn_in={"checks": ["Gpus", "Tunnel"], "timeoutSeconds": 30})
+    deploy = unique("infer")
+    try:
+        cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+        first = await node_for(temporal, tunnel_worker.cluster, policy, f"{namespace}/{deploy}-")
+        failed = await result(first, timeout=120)
+        assert failed.phase == NodePhase.FAILED, failed.message
+        assert "its tunnel does not carry a full-MTU packet" in failed.message, failed.message
+        assert "the path drops full-MTU packets" in failed.message, failed.message
+        await until(lambda: not cluster.admin.core.list_node(
+            field_selector=f"metadata.name={failed.node_name}").items, timeout=30, what="the failed node removed")
+
+        # Planned again: the replacement's tunnel is whole, it serves, and the pod (never bound before) runs there.
+        def served() -> str | None:
+            pods = cluster.admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+            return str(pods[0].spec.node_name) if len(pods) == 1 and pods[0].status.phase == "Running" else None
+
+        replacement = await until(served, timeout=120, what="the pod running on the replacement node")
+        assert replacement != failed.node_name
+        assert "Tunnel: 1380-byte DF probe answered" in cluster.admin.core.read_node(replacement).metadata.annotations[
+            BURNED_IN_ANNOTATION]
+        assert len(tunnel_worker.booted) == 2
+        audit = AuditLog(stack.workdir / f"state-{tunnel_worker.cluster}" / "audit.jsonl").read()
+        assert any(r.action == "failed" and r.operation == failed.operation and "full-MTU" in r.detail
+                   for r in audit), [(r.action, r.detail) for r in audit]
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        await until(lambda: not cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
+                    timeout=120, what="the burst node home")
         stack.delete_policy(policy)

@@ -38,9 +38,9 @@ POD_CIDR = "10.245.0.0/16"
 TUNNEL_CIDR = "10.250.0.0/16"
 
 
-def sh(*argv: str, netns: str | None = None, check: bool = True) -> str:
+def sh(*argv: str, netns: str | None = None, check: bool = True, input_text: str | None = None) -> str:
     cmd = ["ip", "netns", "exec", netns, *argv] if netns else list(argv)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, input=input_text)
     if check and proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
