@@ -23,7 +23,7 @@ from gateway.attestation import AttestationVerifier
 from gateway.probe import probe_mtu
 from gateway.reconciler import Reconciler
 from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
-from gateway.slots import AddressPlan, RecordStore, SlotBook
+from gateway.slots import AddressPlan, RecordStore, Slot, SlotBook
 from gateway.tickets import JoinTicket, TicketSigner
 from gateway.transfer import Transfer, accumulate
 from gateway.tunnel_end import GatewayTunnel
@@ -211,6 +211,17 @@ class KubeGateway:
             log.warning("cannot write the tunnel transfer counters at shutdown (%s): up to %s lost",
                         type(exc).__name__, "what moved since the last write")
 
+    # -- what the optimizer asks about one node of an operation ---------------------------------------------
+    def _slots_of(self, node_name: str, operation: str) -> tuple[list[Slot], Slot | None]:
+        """The address slots held for ``node_name``, and the one of ``operation`` among them (None: none is)."""
+        slots = [s for s in self._records.slots() if s.node == node_name]
+        return slots, next((s for s in slots if s.operation == operation), None)
+
+    @staticmethod
+    def _not_owned(node_name: str, operation: str) -> TicketError:
+        return TicketError(f"node {node_name} has no address slot of operation {operation} at the gateway (it "
+                           "belongs to another operation)", code="not_owned")
+
     # -- transfer --------------------------------------------------------------------------------------------
     def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
         """The bytes ``node_name`` of ``operation`` moved through the tunnel so far: its slot's accounted totals
@@ -218,10 +229,8 @@ class KubeGateway:
         (kept in its ticket's tombstone, as long as that stands). ``measured_at`` 0: never measured (no tunnel at
         this gateway, or the node never joined). ``TicketError`` (``not_owned``) when the gateway holds that name
         for another operation only, ``JoinRefused`` 404 when it holds nothing of that name."""
-        slots = [s for s in self._records.slots() if s.node == node_name]
-        mine = [s for s in slots if s.operation == operation]
-        if mine:
-            slot = mine[0]
+        slots, slot = self._slots_of(node_name, operation)
+        if slot is not None:
             counted = slot.transfer
             if self._tunnel is not None and not slot.reserved:
                 raw = self._tunnel.counters().get(slot.wireguard_key)
@@ -234,8 +243,7 @@ class KubeGateway:
             owned = [d for d in released if d.get("operation") == operation]
             if not owned:
                 if slots or released:
-                    raise TicketError(f"node {node_name} has no address slot of operation {operation} at the "
-                                      "gateway (it belongs to another operation)", code="not_owned")
+                    raise self._not_owned(node_name, operation)
                 raise JoinRefused("unknown_node", f"the gateway holds no address slot nor a removed node's record "
                                   f"for node {node_name}", status=404)
             counted = Transfer.loads(owned[0]["transfer"])
@@ -247,14 +255,11 @@ class KubeGateway:
         without a tunnel here (a sim node, a gateway without one) has nothing to probe. ``TicketError``
         (``not_owned``) for another operation's node, ``JoinRefused`` 404 for one the gateway holds no slot for:
         the optimizer probes only the node of the operation it names."""
-        slots = [s for s in self._records.slots() if s.node == node_name]
-        mine = [s for s in slots if s.operation == operation]
-        if not mine:
+        slots, slot = self._slots_of(node_name, operation)
+        if slot is None:
             if slots:
-                raise TicketError(f"node {node_name} has no address slot of operation {operation} at the gateway "
-                                  "(it belongs to another operation)", code="not_owned")
+                raise self._not_owned(node_name, operation)
             raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}", status=404)
-        slot = mine[0]
         if self._tunnel is None or slot.reserved:
             return NodeProbe(tunnel=False, detail=f"node {node_name} has no tunnel at this gateway")
         found = probe_mtu(slot.tunnel_ip, self._tunnel.mtu)

@@ -194,11 +194,9 @@ class HomeScale(Model):
     """A home managed node group grown for waiting pods it can serve (capacity.provider eks-nodegroups,
     gke-nodepools, aks-nodepools, with nothing else owning its size): part of the batch's plan, approved with it."""
 
-    provider: str
     group: str
     from_size: int
     to_size: int
-    gpus_per_node: int
     pods: list[str]
 
     def describe(self) -> str:
@@ -243,10 +241,9 @@ class BatchPlan(Model):
 
     def summary(self) -> str:
         parts = [h.describe() for h in self.home_scale]
-        if not self.new_nodes:
-            if not self.home_scale:
-                parts = [f"no new node: {len(self.on_existing)} pod(s) on nodes already there"]
-        else:
+        if not self.new_nodes and not parts:
+            parts = [f"no new node: {len(self.on_existing)} pod(s) on nodes already there"]
+        elif self.new_nodes:
             counts: dict[str, int] = {}
             for n in self.new_nodes:
                 what = f"{n.offering.instance_type} in {n.offering.location}"

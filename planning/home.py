@@ -96,7 +96,6 @@ class _Growing:
     each node the plan adds."""
 
     group: HomeNodeGroup
-    size: int
     launching: list[int]
     # Its launching nodes were asked for by this provisioning (timed from then), not by someone else.
     ours: bool
@@ -107,6 +106,12 @@ class _Growing:
     @property
     def name(self) -> str:
         return self.group.name
+
+    @property
+    def size(self) -> int:
+        """The group's size once the nodes the plan adds are there."""
+        assert self.group.scaling is not None
+        return self.group.scaling.desired_size + len(self.grown)
 
 
 def _take(free: list[int], pod: PendingPod) -> bool:
@@ -126,8 +131,8 @@ def _growing(g: HomeNodeGroup, now: datetime, register_seconds: float, scaled: M
     if launching and since is not None and (now - since).total_seconds() > register_seconds:
         stale = (f"home node group {g.name}: {launching} node(s) not registered {register_seconds:.0f}s after it "
                  f"was scaled to {g.scaling.desired_size}")
-    return _Growing(group=g, size=g.scaling.desired_size, launching=[] if stale else [g.gpus_per_node] * launching,
-                    ours=since is not None, stale=stale)
+    return _Growing(group=g, launching=[] if stale else [g.gpus_per_node] * launching, ours=since is not None,
+                    stale=stale)
 
 
 def _usd_per_gpu_hour(g: HomeNodeGroup) -> float:
@@ -161,8 +166,8 @@ def plan_home(pods: list[PendingPod], groups: list[HomeNodeGroup], now: datetime
     for m in managed:
         if m.added:
             assert m.group.scaling is not None
-            h = HomeScale(provider=m.group.provider, group=m.name, from_size=m.group.scaling.desired_size,
-                          to_size=m.size, gpus_per_node=m.group.gpus_per_node, pods=sorted(m.added))
+            h = HomeScale(group=m.name, from_size=m.group.scaling.desired_size, to_size=m.size,
+                          pods=sorted(m.added))
             plan.scale.append(h)
             for pod_key in h.pods:
                 plan.at_home[pod_key] = f"home node group {h.group} scaling from {h.from_size} to {h.to_size} nodes"
@@ -214,7 +219,6 @@ def _grown_for(pod: PendingPod, fitting: list[_Growing], waited: float, grace_se
                            f"{grace_seconds:.0f}s")
             continue
         m.grown += [m.group.gpus_per_node] * (to - m.size)
-        m.size = to
         _take(m.grown, pod)
         m.added.append(pod.key)
         return HomeVerdict(True, "")

@@ -456,7 +456,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
 
     async def _start_nodes(self, record: BatchRecord, policy: PolicySnapshot) -> None:
         inp = self.inp
-        grown = await self._grow_home(record) if record.plan.home_scale else []
+        grown = await self._grow_home(record)
         waiting = {p.key for p in self.waiting.values()}
         room = max(0, policy.max_nodes - len(self.nodes))
         starts: list[Awaitable[workflow.ChildWorkflowHandle[Any, Any]]] = []
