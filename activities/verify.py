@@ -4,14 +4,22 @@ check, its pods placed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+from kubernetes import client
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.kube import VerificationFailed
 from activities.context import PhaseActivities, beat
 from models.errors import VERIFICATION_FAILED
-from models.labels import BURNED_IN_ANNOTATION, GPU_RESOURCE, JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT
+from models.labels import (
+    BURNED_IN_ANNOTATION,
+    GPU_HEALTH_CONDITION,
+    GPU_RESOURCE,
+    JOIN_REFUSED_ANNOTATION,
+    JOIN_REFUSED_TAINT,
+)
 from models.node import BurnInRequest, BurnInResult, NodeExpectation, VerifyResult
 
 
@@ -29,6 +37,8 @@ class VerifyActivities(PhaseActivities):
                 passed.append(self._allocatable_gpus(req))
             elif check == "Tunnel":
                 passed.append(self._tunnel_mtu(req))
+            elif check == "GpuHealth":
+                passed.append(self._gpu_health(req))
             else:
                 raise ApplicationError(f"unknown burn-in check {check!r}", type=VERIFICATION_FAILED,
                                        non_retryable=True)
@@ -37,20 +47,43 @@ class VerifyActivities(PhaseActivities):
             BURNED_IN_ANNOTATION: "; ".join(passed)}}})
         return BurnInResult(node_name=req.node_name, passed=passed)
 
-    def _allocatable_gpus(self, req: BurnInRequest) -> str:
-        """Allocatable nvidia.com/gpu equals the offering's GPUs (waiting up to the timeout for the device plugin)."""
+    def _watch_node(self, req: BurnInRequest, look: Callable[[client.V1Node], tuple[str | None, str]]) -> str:
+        """Read the node each second until ``look`` says it passed (what it saw) or the timeout; ``look`` answers
+        (passed, what it is waiting for) and raises when the node has failed for good."""
         deadline = time.monotonic() + req.timeout_seconds
         while True:
-            node = self.kube.core.read_node(req.node_name)
-            have = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
-            if have == req.gpus:
-                return f"Gpus: allocatable {GPU_RESOURCE} {have}"
-            beat(f"burn-in of {req.node_name}: allocatable {GPU_RESOURCE} {have}, want {req.gpus}")
+            passed, waiting = look(self.kube.core.read_node(req.node_name))
+            if passed is not None:
+                return passed
+            beat(f"burn-in of {req.node_name}: {waiting}")
             if time.monotonic() > deadline:
-                raise ApplicationError(
-                    f"burn-in failed on {req.node_name}: allocatable {GPU_RESOURCE} is {have}, the offering has "
-                    f"{req.gpus} (after {req.timeout_seconds}s)", type=VERIFICATION_FAILED, non_retryable=True)
+                raise ApplicationError(f"burn-in failed on {req.node_name}: {waiting} (after {req.timeout_seconds}s)",
+                                       type=VERIFICATION_FAILED, non_retryable=True)
             time.sleep(1.0)
+
+    def _allocatable_gpus(self, req: BurnInRequest) -> str:
+        """Allocatable nvidia.com/gpu equals the offering's GPUs (waiting up to the timeout for the device plugin)."""
+        def look(node: client.V1Node) -> tuple[str | None, str]:
+            have = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0"))
+            return (f"Gpus: allocatable {GPU_RESOURCE} {have}" if have == req.gpus else None,
+                    f"allocatable {GPU_RESOURCE} is {have}, the offering has {req.gpus}")
+
+        return self._watch_node(req, look)
+
+    def _gpu_health(self, req: BurnInRequest) -> str:
+        """The node's GPU health check passed: the condition its node program posts on its own Node once DCGM's
+        diagnostic has run (node/health.py), waited for up to the timeout (the diagnostic takes about a minute)."""
+        def look(node: client.V1Node) -> tuple[str | None, str]:
+            posted = [c for c in node.status.conditions or [] if c.type == GPU_HEALTH_CONDITION]
+            if posted and posted[0].status != "True":
+                raise ApplicationError(f"burn-in failed on {req.node_name}: its GPU health check failed "
+                                       f"({posted[0].reason}): {posted[0].message}", type=VERIFICATION_FAILED,
+                                       non_retryable=True)
+            return (f"GpuHealth: {posted[0].message}" if posted else None,
+                    f"no GPU health result ({GPU_HEALTH_CONDITION}) posted by the node (its node program runs the "
+                    "DCGM diagnostic and posts it)")
+
+        return self._watch_node(req, look)
 
     def _tunnel_mtu(self, req: BurnInRequest) -> str:
         """The node's tunnel carries a packet of its full MTU: the gateway's DF probe (gateway/probe.py). Not

@@ -73,6 +73,19 @@ class Attestation(_Wire):
     certificate: str = Field(default="", max_length=8 * 1024)
 
 
+class GpuHealth(BaseModel):
+    """The burn-in's GPU health check as the node ran it (``node.health``): posted as the condition
+    ``GPU_HEALTH_CONDITION`` of its own Node (status, reason, message), which the burn-in reads."""
+
+    healthy: bool
+    reason: str  # CamelCase, as a condition's reason: DcgmDiagPassed, DcgmDiagFailed, ...
+    message: str = Field(max_length=1024)
+
+
+# A simulated node has no GPUs to diagnose: it says so, and passes (as its allocatable GPUs are what the sim says).
+SIMULATED_GPU_HEALTH = GpuHealth(healthy=True, reason="Simulated", message="simulated node: no GPUs to diagnose")
+
+
 class JoinRedeem(_Wire):
     """What a booting burst node sends: the ticket from its user data, the public halves of its keys and its
     cloud's signed identity (``attestation``; absent: method ``none``)."""

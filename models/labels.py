@@ -44,5 +44,20 @@ JOINING_TAINT = Taint(key="gpu.kubeon.io/joining", value="true", effect="NoSched
 
 # issue 27, the burn-in gate: a node launched with this label (its ticket's) keeps its joining taint until the
 # optimizer has annotated it burned in (the annotation's value says what passed); one that fails is terminated.
+# Its value names the checks, dot-separated ("Gpus.Tunnel.GpuHealth"): the node program runs the GPU health check
+# only when asked (a DCGM diagnostic takes a minute of the GPUs' time).
 BURN_IN_LABEL: Final = "gpu.kubeon.io/burn-in"
 BURNED_IN_ANNOTATION: Final = "gpu.kubeon.io/burned-in"
+# The GPU health check's result, a condition the node posts on its own Node (node/health.py).
+GPU_HEALTH_CONDITION: Final = "gpu.kubeon.io/GpuHealthy"
+
+
+def burn_in_label(checks: list[str]) -> str:
+    return ".".join(checks)
+
+
+def burn_in_checks(labels: dict[str, str]) -> list[str]:
+    """The checks a node's burn-in label names (none: no burn-in; "required", as nodes launched before the label
+    named its checks were labelled, names none the node itself runs)."""
+    value = labels.get(BURN_IN_LABEL, "")
+    return [c for c in value.split(".") if c and c != "required"]

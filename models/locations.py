@@ -129,6 +129,8 @@ class SimSettings(_Camel):
     # Fault injection for burn-in tests (issue 27): the first this many instances launched in the location register
     # one GPU fewer allocatable than their offering has (as a node whose device plugin misses a GPU).
     short_gpus_first: Annotated[int, Field(ge=0)] = 0
+    # ... and the first this many post a failed GPU health check (as a node whose DCGM diagnostic fails).
+    failing_gpu_health_first: Annotated[int, Field(ge=0)] = 0
 
 
 class LocationConfig(_Camel):

@@ -88,13 +88,14 @@ class Limits(_Spec):
 
 # issue 27: what a burst node must pass after it registers and before any workload lands (it keeps its taint).
 # Gpus: allocatable nvidia.com/gpu equals the offering's GPUs. Tunnel: the node's tunnel carries a packet of its full
-# MTU (Don't Fragment, from the gateway; a node without a tunnel passes, saying so). (The GPU health check is not
-# built yet: only the checks listed here exist.)
-BURN_IN_CHECKS = ("Gpus", "Tunnel")
-BurnInCheck = Literal["Gpus", "Tunnel"]
+# MTU (Don't Fragment, from the gateway; a node without a tunnel passes, saying so). GpuHealth: the node's DCGM
+# diagnostic (`dcgmi diag -r 1`, run by its node program, node/health.py) passed; chosen per policy, not by default:
+# it needs DCGM on the node image, and a node without it fails the check.
+BURN_IN_CHECKS = ("Gpus", "Tunnel", "GpuHealth")
+BurnInCheck = Literal["Gpus", "Tunnel", "GpuHealth"]
 
 
-def _every_check() -> list[BurnInCheck]:
+def _default_checks() -> list[BurnInCheck]:
     return ["Gpus", "Tunnel"]
 
 
@@ -103,7 +104,7 @@ class BurnIn(_Spec):
     wait for the node to show what it must (a device plugin takes a while to advertise the GPUs)."""
 
     checks: Annotated[list[BurnInCheck], Field(max_length=len(BURN_IN_CHECKS))] = Field(
-        default_factory=_every_check)
+        default_factory=_default_checks)
     # 15 minutes, as the join: on a fresh node the GPU Operator's driver container installs (minutes) before the device
     # plugin advertises any GPU; a shorter default would terminate healthy nodes.
     timeout_seconds: Annotated[StrictInt, Field(ge=1, le=3600)] = 900

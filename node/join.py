@@ -47,10 +47,13 @@ from models.join import (
     NODES_GROUP,
     CertRenewal,
     CertRenewalAnswer,
+    GpuHealth,
     JoinAnswer,
     JoinRedeem,
     TunnelAnswer,
 )
+from models.labels import burn_in_checks
+from node.health import DEFAULT_GPU_HEALTH_COMMAND, GpuHealthRun, HealthNotPosted, post_gpu_health
 from node.identity import IdentityUnavailable, fetch_attestation
 from tunnel import keys, link
 from tunnel.uapi import Uapi
@@ -365,7 +368,7 @@ def start_kubelet(files: NodeFiles, command: str) -> subprocess.Popen[bytes] | N
 
 def main_join(config: Path, state_dir: Path, *, interface: str, kubelet_command: str, provider_id: str,
               capacity: dict[str, str], tunnel: bool, retry_seconds: float = RETRY_SECONDS,
-              redeem: Redeemer | None = None) -> int:
+              redeem: Redeemer | None = None, gpu_health_command: str = DEFAULT_GPU_HEALTH_COMMAND) -> int:
     from models.join import parse_user_data
 
     files = NodeFiles(state_dir)
@@ -381,10 +384,28 @@ def main_join(config: Path, state_dir: Path, *, interface: str, kubelet_command:
     if config.exists():
         config.unlink()  # the ticket is redeemed: nothing on disk to replay (issue 21)
     write_registration(files, answer, provider_id=provider_id, capacity=capacity)
+    # The burn-in's GPU health check when the node's label asks for it: started before the kubelet (it needs the
+    # driver only), posted on the Node once the kubelet has registered it.
+    health = GpuHealthRun(gpu_health_command) if "GpuHealth" in burn_in_checks(answer.labels) else None
     start_kubelet(files, kubelet_command)
     print(f"joined as {answer.node_name}: pod CIDR {answer.pod_cidr}, API server {answer.api_server}"
-          + (f", tunnel {answer.tunnel.address} via {answer.tunnel.endpoint}" if answer.tunnel else ""))
+          + (f", tunnel {answer.tunnel.address} via {answer.tunnel.endpoint}" if answer.tunnel else ""), flush=True)
+    if health is not None:
+        report_gpu_health(files, answer.node_name, health.result())
     return 0
+
+
+def report_gpu_health(files: NodeFiles, node_name: str, health: GpuHealth) -> None:
+    from node.register import node_api
+
+    api = node_api(files.kubeconfig)
+    try:
+        post_gpu_health(api, node_name, health)
+    except HealthNotPosted as exc:
+        raise JoinError(f"the GPU health check's result ({health.reason}): {exc}") from None
+    finally:
+        api.close()
+    print(f"GPU health check: {health.reason}: {health.message}", flush=True)
 
 
 def main_renew(state_dir: Path, *, kubelet_command: str, force: bool, renewer: Renewer | None = None) -> int:

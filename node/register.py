@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the Kubernetes client only where a Node is made: `node join` writes its registration without
     from kubernetes import client
 
-    from models.join import JoinAnswer
+    from models.join import GpuHealth, JoinAnswer
 
 
 def node_api(kubeconfig: Path) -> client.ApiClient:
@@ -86,17 +86,25 @@ def load_registration(path: Path) -> dict[str, Any]:
 
 
 def join_simulated(doc: dict[str, Any], state_dir: Path, redeem: Any, *, provider_id: str,
-                   capacity: dict[str, str], annotations: dict[str, str]) -> client.V1Node:
+                   capacity: dict[str, str], annotations: dict[str, str],
+                   gpu_health: GpuHealth | None = None) -> client.V1Node:
     """A simulated burst node at scale: the same join (its own keys and CSR, the ticket redeemed at the
     gateway), no tunnel (the API server over loopback), then it registers its own Node with its own certificate,
-    annotated for kwok, which plays its kubelet."""
+    annotated for kwok, which plays its kubelet. When its burn-in label asks for the GPU health check it posts
+    ``gpu_health`` (default: a simulated node's pass) as a real node posts its diagnostic's result."""
+    from models.join import SIMULATED_GPU_HEALTH
+    from models.labels import burn_in_checks
+    from node.health import post_gpu_health
     from node.join import NodeFiles, join
 
     files = NodeFiles(state_dir)
     answer = join(doc, files, redeem=redeem, tunnel=False)
     api = node_api(files.kubeconfig)
     try:
-        return register(api, registration_from(answer, provider_id=provider_id, capacity=capacity),
+        node = register(api, registration_from(answer, provider_id=provider_id, capacity=capacity),
                         annotations=annotations)
+        if "GpuHealth" in burn_in_checks(answer.labels):
+            post_gpu_health(api, answer.node_name, gpu_health or SIMULATED_GPU_HEALTH)
+        return node
     finally:
         api.close()

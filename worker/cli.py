@@ -155,7 +155,8 @@ def _node_join(args: argparse.Namespace) -> int:
     try:
         return main_join(Path(args.config), Path(args.state_dir), interface=args.interface,
                          kubelet_command=args.kubelet_command, provider_id=args.provider_id, capacity=capacity,
-                         tunnel=not args.no_tunnel, retry_seconds=args.retry_seconds)
+                         tunnel=not args.no_tunnel, retry_seconds=args.retry_seconds,
+                         gpu_health_command=args.gpu_health_command)
     except (JoinError, OSError, ValueError) as exc:
         print(f"kubeon-gpu node join: {exc}", file=sys.stderr)
         return 1
@@ -427,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     joining.add_argument("--interface", default="kubeon0", help="the WireGuard interface")
     joining.add_argument("--kubelet-command", default="systemctl restart kubelet",
                          help="how the kubelet is started (KUBEON_NODE_DIR names the state directory)")
+    joining.add_argument("--gpu-health-command", default="dcgmi diag -r 1",
+                         help="the burn-in's GPU health check, run when the node's burn-in label names GpuHealth "
+                         "(its result is posted as the Node condition gpu.kubeon.io/GpuHealthy)")
     joining.add_argument("--provider-id", default="", help="the Node's spec.providerID")
     joining.add_argument("--capacity", default="", help="capacity the kubelet reports, k=v,... (stand-ins)")
     joining.add_argument("--no-tunnel", action="store_true", help="simulated nodes only: no WireGuard")

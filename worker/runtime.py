@@ -197,11 +197,11 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None,
                                            ca_file=str(settings.azure_ca_file) if settings.azure_ca_file else None)
     if "sim" in kinds:
         from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
-        from models.join import parse_user_data
+        from models.join import GpuHealth, parse_user_data
         from node.join import redeem_over_https
         from node.register import join_simulated
 
-        def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+        def boot(instance: Instance, user_data: str, capacity: dict[str, str], health: GpuHealth) -> None:
             # The simulated instance joins through the same protocol as a real node: its own keys and CSR, the
             # ticket of its user data redeemed at the gateway (over HTTPS at the URL its user data names, verified
             # with the CA bundle it carries; or ``redeem``), then it registers its own Node with its own
@@ -210,7 +210,7 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None,
             join_simulated(doc, settings.state_dir / "sim-nodes" / instance.instance_id,
                            redeem or redeem_over_https(doc, ca_file=settings.gateway_ca_file),
                            provider_id=f"sim://{instance.location}/{instance.instance_id}", capacity=capacity,
-                           annotations=KWOK_ANNOTATIONS)
+                           annotations=KWOK_ANNOTATIONS, gpu_health=health)
 
         sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
         providers["sim"] = sim

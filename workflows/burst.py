@@ -29,6 +29,7 @@ from models.labels import (
     LABEL_OPERATION,
     LABEL_POLICY,
     Taint,
+    burn_in_label,
 )
 from models.node import (
     BurnInRequest,
@@ -329,7 +330,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         node's joining taint until the checks have passed (issue 27)."""
         labels = self._labels(offering)
         if self.policy is not None and self.policy.burn_in_checks:
-            labels[BURN_IN_LABEL] = "required"
+            labels[BURN_IN_LABEL] = burn_in_label(self.policy.burn_in_checks)
         return labels
 
     async def _go_ahead(self, inp: NodeInput) -> bool:

@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from models.join import SIMULATED_GPU_HEALTH, GpuHealth
 from models.labels import GPU_RESOURCE, TAG_BURST, TAG_OPERATION
 from models.locations import BurstConfig, transfer_usd_per_gpu_hour
 from models.node import Instance, LaunchRequest
@@ -32,7 +33,11 @@ LIVE_STATES = ("pending", "running")
 KWOK_ANNOTATIONS = {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}
 
 # Called when a simulated instance has booted: (instance, user_data, capacity) -> None; it joins the cluster.
-BootHook = Callable[[Instance, str, dict[str, str]], None]
+# (the instance, its user data, the capacity its kubelet reports, the result its GPU health check posts).
+BootHook = Callable[[Instance, str, dict[str, str], GpuHealth], None]
+# A failing diagnostic as DCGM reports one (a GPU's memory test), for the sim's fault injection.
+SIMULATED_GPU_HEALTH_FAILURE = GpuHealth(healthy=False, reason="DcgmDiagFailed",
+                                         message="simulated `dcgmi diag -r 1` failed (exit 226): Memory: Fail - GPU: 0")
 
 
 class SimProvider:
@@ -106,6 +111,7 @@ class SimProvider:
                 "tags": {TAG_BURST: request.policy, TAG_OPERATION: request.operation},
                 "node_name": request.node_name, "user_data": user_data, "gpus": request.offering.gpus,
                 "gpus_allocatable": max(0, request.offering.gpus - short),
+                "gpu_health_fails": earlier < loc.sim.failing_gpu_health_first,
                 "launched_at": datetime.now(UTC).isoformat(), "boot_at": time.time() + loc.sim.boot_seconds,
             }
             data[iid] = rec
@@ -168,8 +174,9 @@ class SimProvider:
         if self._on_boot is not None:
             gpus = rec.get("gpus_allocatable", rec["gpus"])  # fewer: the burn-in tests' fault (short_gpus_first)
             capacity = {"cpu": "32", "memory": "256Gi", "pods": "110", GPU_RESOURCE: str(gpus)}
+            health = SIMULATED_GPU_HEALTH_FAILURE if rec.get("gpu_health_fails") else SIMULATED_GPU_HEALTH
             try:
-                self._on_boot(self._instance(iid, rec), rec["user_data"], capacity)
+                self._on_boot(self._instance(iid, rec), rec["user_data"], capacity, health)
             except Exception as exc:  # a node that fails to join stays unjoined, as a real one would
                 raise ProviderError(f"simulated instance {iid} failed to join: {exc}") from exc
 

@@ -42,7 +42,7 @@ from gateway.service import KubeGateway
 from gateway.settings import ConfigError, GatewayServerConfig
 from gateway.settings import load_settings as load_gateway_settings
 from models.errors import AddressesExhausted, TicketError
-from models.join import parse_user_data, render_user_data
+from models.join import GpuHealth, parse_user_data, render_user_data
 from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
 from models.node import Instance, NodePhase
 from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
@@ -914,7 +914,7 @@ async def http_worker(stack: BurstStack, gateway: GatewayProcess, setup: Setup,
                               gateway_url=gateway.url)
     http = HttpGatewayClient(settings.gateway_url, setup.optimizer_token_file)
 
-    def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+    def boot(instance: Instance, user_data: str, capacity: dict[str, str], _health: GpuHealth) -> None:
         join_with_user_data(user_data, capacity, KWOK_ANNOTATIONS, f"sim://{instance.location}/{instance.instance_id}")
 
     burst = settings.burst_config()

@@ -21,8 +21,15 @@ from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.app import TokenReviewer, create_app
 from gateway.service import KubeGateway
 from models.errors import JoinRefused, TicketError
-from models.join import KUBELET_CLIENT_SIGNER, KUBELET_CLIENT_USAGES, CertRenewal, JoinTicketRequest
-from models.labels import JOIN_REFUSED_ANNOTATION, JOIN_REFUSED_TAINT, JOINING_TAINT, LABEL_OPERATION
+from models.join import KUBELET_CLIENT_SIGNER, KUBELET_CLIENT_USAGES, CertRenewal, GpuHealth, JoinTicketRequest
+from models.labels import (
+    GPU_HEALTH_CONDITION,
+    JOIN_REFUSED_ANNOTATION,
+    JOIN_REFUSED_TAINT,
+    JOINING_TAINT,
+    LABEL_OPERATION,
+)
+from node.health import HealthNotPosted, post_gpu_health
 from node.join import NodeFiles, kubelet_csr, kubelet_key, renew
 from node.register import node_api
 from tests.gateway.helpers import gateway, join_and_register, node_absent, ticket_request
@@ -374,3 +381,25 @@ def test_tickets_issued_over_the_wire_still_need_their_name_checked(gateway_api:
                                           node_name="kube-control-plane", labels={LABEL_OPERATION: "op-x"},
                                           taints=[]))
 
+
+
+# -- issue 27: the GPU health result is the node's word about itself only -----------------------------------------
+
+
+def test_a_node_posts_its_gpu_health_on_its_own_node_and_never_on_another(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    """The burn-in trusts the condition only as the word of the node it is on: the node's certificate may post it
+    there (a strategic merge: the kubelet's Ready stays), and the Node authorizer with NodeRestriction refuses it on
+    any other Node, so a node cannot pass (or fail) another's burn-in."""
+    gw = gateway(gateway_api)
+    mine, api = join_and_register(gw, ticket_request(nodes), files())
+    other, _ = join_and_register(gw, ticket_request(nodes), files())
+    healthy = GpuHealth(healthy=True, reason="DcgmDiagPassed", message="`dcgmi diag -r 1`: 9 test(s) passed")
+    post_gpu_health(api, mine.node_name, healthy, wait_seconds=10)
+    conditions = {c.type: c for c in cluster.admin.core.read_node(mine.node_name).status.conditions}
+    assert (conditions[GPU_HEALTH_CONDITION].status, conditions[GPU_HEALTH_CONDITION].reason) == (
+        "True", "DcgmDiagPassed")
+    assert conditions["Ready"].status == "True"
+    with pytest.raises(HealthNotPosted, match="403"):
+        post_gpu_health(api, other.node_name, healthy.model_copy(update={"healthy": False}), wait_seconds=10)
+    assert GPU_HEALTH_CONDITION not in {c.type for c in cluster.admin.core.read_node(other.node_name).status.conditions}

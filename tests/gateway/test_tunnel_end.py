@@ -26,7 +26,7 @@ from activities.clients.gateway import GatewayRefused, HttpGatewayClient
 from activities.clients.kube import KubeOps
 from activities.providers.sim import SimProvider
 from models.errors import TicketError
-from models.join import JoinTicketRequest, render_user_data
+from models.join import GpuHealth, JoinTicketRequest, render_user_data
 from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
 from models.node import Instance, NodePhase
 from models.provisioning import BatchPhase
@@ -339,6 +339,8 @@ class TunnelWorker:
     booted: dict[str, Joined]  # instance ID -> the node it booted as
     # How many of the next instances boot into a namespace whose tunnel drops full-MTU packets.
     dropping: int = 0
+    # How many of the next instances boot with a GPU whose DCGM diagnostic fails (its Inforom test).
+    failing_gpu: int = 0
 
 
 @pytest.fixture
@@ -357,13 +359,18 @@ async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, tempor
     booted: dict[str, Joined] = {}
     worker: TunnelWorker | None = None
 
-    def boot(instance: Instance, user_data: str, capacity: dict[str, str]) -> None:
+    def boot(instance: Instance, user_data: str, capacity: dict[str, str], _health: GpuHealth) -> None:
         node = bed.add_node()
+        failing_gpu_test = ""
         if worker is not None and worker.dropping > 0:
             worker.dropping -= 1
             sh("nft", "-f", "-", netns=node.netns, input_text=DROP_FULL_MTU)
+        if worker is not None and worker.failing_gpu > 0:
+            worker.failing_gpu -= 1
+            failing_gpu_test = "Inforom"
         booted[instance.instance_id] = boot_node(bed, user_data, capacity, tmp_path,
-                                                 f"sim://{instance.location}/{instance.instance_id}", node=node)
+                                                 f"sim://{instance.location}/{instance.instance_id}", node=node,
+                                                 failing_gpu_test=failing_gpu_test)
 
     burst = settings.burst_config()
     sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
@@ -433,21 +440,42 @@ async def test_r4_10_approve_mode_with_a_tunnel_node(stack: BurstStack, bed: Net
         stack.delete_policy(policy)
 
 
-async def test_a_node_whose_tunnel_drops_full_mtu_packets_fails_burn_in_and_is_replaced(
-        stack: BurstStack, bed: NetBed, gateway: Gateway, tunnel_worker: TunnelWorker, namespace: str) -> None:
+@dataclass(frozen=True)
+class NodeFault:
+    """A fault the next booted node has, the burn-in check that finds it, and what is said."""
+
+    fault: str  # the TunnelWorker field counting the nodes to boot with it
+    check: str
+    failure: tuple[str, ...]  # in the failed node's message
+    audited: str  # in its audit record
+    passed: str  # in the replacement's burned-in annotation
+
+
+DROPS_FULL_MTU = NodeFault("dropping", "Tunnel", ("its tunnel does not carry a full-MTU packet",
+                                                  "the path drops full-MTU packets"), "full-MTU",
+                           "Tunnel: 1380-byte DF probe answered")
+# The real node program runs the node image's DCGM (the stand-in) and posts what it said on its own Node.
+FAILS_DCGM_DIAG = NodeFault("failing_gpu", "GpuHealth", ("its GPU health check failed (DcgmDiagFailed)",
+                                                          "` failed (exit 226): Inforom: Fail - GPU: 0"),
+                            "GPU health check failed", "GpuHealth: `")
+
+
+@pytest.mark.parametrize("fault", [DROPS_FULL_MTU, FAILS_DCGM_DIAG], ids=["drops-full-mtu", "fails-dcgm-diag"])
+async def test_a_node_that_fails_a_burn_in_check_is_terminated_and_replaced(
+        stack: BurstStack, bed: NetBed, gateway: Gateway, tunnel_worker: TunnelWorker, namespace: str,
+        fault: NodeFault) -> None:
     cluster, temporal = stack.cluster, tunnel_worker.temporal
-    tunnel_worker.dropping = 1
-    policy = unique("mtu")
+    setattr(tunnel_worker, fault.fault, 1)
+    policy = unique("burn")
     stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], max_nodes=1,
-                        burn_in={"checks": ["Gpus", "Tunnel"], "timeoutSeconds": 30})
+                        burn_in={"checks": ["Gpus", fault.check], "timeoutSeconds": 30})
     deploy = unique("infer")
     try:
         cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         first = await node_for(temporal, tunnel_worker.cluster, policy, f"{namespace}/{deploy}-")
         failed = await result(first, timeout=120)
         assert failed.phase == NodePhase.FAILED, failed.message
-        assert "its tunnel does not carry a full-MTU packet" in failed.message, failed.message
-        assert "the path drops full-MTU packets" in failed.message, failed.message
+        assert all(text in failed.message for text in fault.failure), failed.message
         await until(lambda: not cluster.admin.core.list_node(
             field_selector=f"metadata.name={failed.node_name}").items, timeout=30, what="the failed node removed")
 
@@ -458,11 +486,10 @@ async def test_a_node_whose_tunnel_drops_full_mtu_packets_fails_burn_in_and_is_r
 
         replacement = await until(served, timeout=120, what="the pod running on the replacement node")
         assert replacement != failed.node_name
-        assert "Tunnel: 1380-byte DF probe answered" in cluster.admin.core.read_node(replacement).metadata.annotations[
-            BURNED_IN_ANNOTATION]
+        assert fault.passed in cluster.admin.core.read_node(replacement).metadata.annotations[BURNED_IN_ANNOTATION]
         assert len(tunnel_worker.booted) == 2
         audit = AuditLog(stack.workdir / f"state-{tunnel_worker.cluster}" / "audit.jsonl").read()
-        assert any(r.action == "failed" and r.operation == failed.operation and "full-MTU" in r.detail
+        assert any(r.action == "failed" and r.operation == failed.operation and fault.audited in r.detail
                    for r in audit), [(r.action, r.detail) for r in audit]
     finally:
         with contextlib.suppress(client.ApiException):

@@ -245,10 +245,15 @@ class Joined:
     public_key: str
 
 
+# The node image's DCGM: the dcgmi stand-in (its diagnostic runs when the node's burn-in label names GpuHealth).
+DCGMI = f"{sys.executable} -m tests.harness.dcgmi"
+
+
 def boot_node(bed: NetBed, user_data: str, capacity: dict[str, str], workdir: Path, provider_id: str,
-              node: BedNode | None = None) -> Joined:
+              node: BedNode | None = None, failing_gpu_test: str = "") -> Joined:
     """A booting burst VM: its user data, `kubeon-gpu node join` in a namespace of its own (which starts the
-    kubelet stand-in, and wireguard-go, both left running there until the bed closes)."""
+    kubelet stand-in, and wireguard-go, both left running there until the bed closes). ``failing_gpu_test``: the
+    DCGM deployment test that fails on its GPU (tests/harness/dcgmi.py)."""
     doc = parse_user_data(user_data)
     name = str(doc["nodeName"])
     config = workdir / f"{name}.join"
@@ -258,6 +263,8 @@ def boot_node(bed: NetBed, user_data: str, capacity: dict[str, str], workdir: Pa
     proc = bed.spawn([sys.executable, "-m", "worker.cli", "node", "join", "--config", str(config),
                       "--state-dir", str(state), "--interface", node.interface,
                       "--kubelet-command", f"{sys.executable} -m tests.harness.kubelet", "--provider-id", provider_id,
+                      "--gpu-health-command", f"{DCGMI} diag -r 1" + (f" --fail {failing_gpu_test}" if failing_gpu_test
+                                                                      else ""),
                       "--capacity", ",".join(f"{k}={v}" for k, v in capacity.items())],
                      netns=node.netns, log=workdir / f"{name}.join.log")
     assert proc.wait(timeout=120) == 0, (workdir / f"{name}.join.log").read_text()

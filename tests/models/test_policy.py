@@ -60,8 +60,10 @@ def test_mode_defaults_from_configuration() -> None:
     assert parse_policy(VALID).spec.effective_mode("Recommend") == "Approve"
 
 
-def test_burn_in_defaults_to_every_check_and_an_empty_list_skips_the_gate() -> None:
-    assert parse_policy(VALID).spec.burn_in.checks == list(policy.BURN_IN_CHECKS)
+def test_burn_in_defaults_to_the_gpus_and_tunnel_checks_and_an_empty_list_skips_the_gate() -> None:
+    # GpuHealth only where chosen: it needs DCGM on the node image.
+    assert parse_policy(VALID).spec.burn_in.checks == ["Gpus", "Tunnel"]
+    assert set(policy.BURN_IN_CHECKS) == {"Gpus", "Tunnel", "GpuHealth"}
     assert parse_policy(VALID).spec.burn_in.timeout_seconds == 900
     doc = copy.deepcopy(VALID)
     doc["spec"]["burnIn"] = {"checks": [], "timeoutSeconds": 30}

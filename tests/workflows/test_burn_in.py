@@ -1,18 +1,21 @@
 """The burn-in gate (issue 27, part 4) with the sim provider: a node that registers with fewer allocatable GPUs than
-its offering keeps its joining taint, is terminated before any workload lands, and its pod is planned again onto a
-node that passes (in another of the policy's locations where it has one); the reason is in the node's operation,
-the provisioning workflow's history and the audit."""
+its offering, or whose GPU health check fails, keeps its joining taint, is terminated before any workload lands,
+and its pod is planned again onto a node that passes (in another of the policy's locations where it has one); the
+reason is in the node's operation, the provisioning workflow's history and the audit."""
 
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 
 from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_POLICY
 from models.node import NodePhase
+from tests.harness.background import Background
 from tests.harness.burst import (
     BurstStack,
     StartWorker,
@@ -22,7 +25,6 @@ from tests.harness.burst import (
     provision_state,
     result,
     unique,
-    wait_phase,
 )
 from tests.harness.kube import until
 
@@ -41,11 +43,51 @@ def _pods(stack: BurstStack, namespace: str) -> list[client.V1Pod]:
             if p.metadata.deletion_timestamp is None]
 
 
-async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_replaced(
-        stack: BurstStack, start_worker: StartWorker, namespace: str, policy: str) -> None:
-    async with start_worker(LOCATIONS, node_retry_seconds=1) as (temporal, settings, runtime):
-        stack.create_policy(policy, mode="Automatic", locations=["sim/burn-short"], max_nodes=1,
-                            burn_in={"checks": ["Gpus"], "timeoutSeconds": 5})
+class NodeTaints(Background):
+    """The taint keys of each of a policy's burst Nodes in every state a watch sees it in."""
+
+    def __init__(self, core: client.CoreV1Api, policy: str) -> None:
+        super().__init__()
+        self.core, self.policy = core, policy
+        self.seen: dict[str, list[set[str]]] = defaultdict(list)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for event in watch.Watch().stream(self.core.list_node, label_selector=f"{LABEL_POLICY}={self.policy}",
+                                                  timeout_seconds=2):
+                    node = event["object"]
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self.seen[str(node.metadata.name)].append({t.key for t in node.spec.taints or []})
+            except Exception:  # a broken watch: watch again (a node seen twice adds a state, never hides one)
+                self._stop.wait(0.2)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A node fault the sim injects in its location's first instance, the checks that find it, what they say."""
+
+    location: dict[str, Any]
+    checks: list[str]
+    failure: str  # in the failed node's message
+    passed: str  # the replacement's burned-in annotation starts with it
+
+
+SHORT_OF_GPUS = Fault(LOCATIONS[0], ["Gpus"], "allocatable nvidia.com/gpu is 0", "Gpus: allocatable")
+# Its first node's DCGM diagnostic fails (the sim posts the failure as a real node's program would).
+FAILING_GPU_HEALTH = Fault(
+    {**LOCATIONS[0], "name": "sim/burn-sick", "sim": {"bootSeconds": 0.3, "failingGpuHealthFirst": 1}},
+    ["Gpus", "GpuHealth"], "its GPU health check failed (DcgmDiagFailed): simulated `dcgmi diag -r 1` failed",
+    "Gpus: allocatable nvidia.com/gpu 1; GpuHealth: simulated node: no GPUs to diagnose")
+
+
+@pytest.mark.parametrize("fault", [SHORT_OF_GPUS, FAILING_GPU_HEALTH], ids=["short-of-gpus", "failing-gpu-health"])
+async def test_a_failing_node_is_terminated_before_any_pod_lands_and_replaced(
+        stack: BurstStack, start_worker: StartWorker, namespace: str, policy: str, fault: Fault) -> None:
+    location = str(fault.location["name"])
+    async with start_worker([fault.location], node_retry_seconds=1) as (temporal, settings, runtime):
+        stack.create_policy(policy, mode="Automatic", locations=[location], max_nodes=1,
+                            burn_in={"checks": fault.checks, "timeoutSeconds": 5})
         deploy = unique("burn")
         stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
         try:
@@ -53,18 +95,17 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
             (pod,) = _pods(stack, namespace)
             pod_name = str(pod.metadata.name)
 
-            first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
-            joined = await wait_phase(first, NodePhase.VERIFYING)
-            # Under burn-in the gateway keeps the joining taint: nothing can land on the node.
-            await until(lambda: stack.cluster.admin.core.read_node(str(joined.node_name)).status.allocatable
-                        is not None, timeout=30, what="the short node registered")
-            node = stack.cluster.admin.core.read_node(str(joined.node_name))
-            assert any(t.key == JOINING_TAINT.key for t in node.spec.taints or []), node.spec.taints
-            failed = await result(first)
+            with NodeTaints(stack.cluster.admin.core, policy) as taints:
+                first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
+                failed = await result(first)
             assert failed.phase == NodePhase.FAILED, failed.message
-            assert "burn-in failed" in failed.message and "allocatable nvidia.com/gpu is 0" in failed.message
+            assert "burn-in failed" in failed.message and fault.failure in failed.message, failed.message
             assert node_gone(stack, failed.node_name)
-            live = runtime.providers["sim"].list("sim/burn-short", operation=failed.operation)
+            # Under burn-in the gateway kept the joining taint in every state the failed node was seen in: nothing
+            # could land on it.
+            seen = taints.seen[failed.node_name]
+            assert seen and all(JOINING_TAINT.key in keys for keys in seen), seen
+            live = runtime.providers["sim"].list(location, operation=failed.operation)
             assert [i.state for i in live] == ["terminated"]
 
             # Planned again: a second node passes, loses its joining taint, and the same pod (never bound before) runs.
@@ -76,14 +117,14 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
             replacement = stack.cluster.admin.core.read_node(str(served()))
             assert replacement.metadata.name != failed.node_name
             assert replacement.metadata.labels[LABEL_POLICY] == policy
-            assert replacement.metadata.annotations[BURNED_IN_ANNOTATION].startswith("Gpus: allocatable")
+            assert replacement.metadata.annotations[BURNED_IN_ANNOTATION].startswith(fault.passed)
             assert [p.metadata.uid for p in _pods(stack, namespace)] == [pod.metadata.uid]
 
             view = await provision_state(temporal, settings.cluster, policy)
             assert any("burn-in failed" in line for line in view.history), view.history
             # Its only location: planned there again, and the plan says so.
             replanned = [b.plan for b in view.batches if b.plan.new_nodes][-1]
-            assert replanned.refused[0].startswith("sim/burn-short: planned again although until "), replanned.refused
+            assert replanned.refused[0].startswith(f"{location}: planned again although until "), replanned.refused
             assert replanned.refused[0].endswith("(no other location of the policy)"), replanned.refused
             records = runtime.audit.read()
             mine = [(r.action, r.detail) for r in records if r.operation == failed.operation]
@@ -92,7 +133,7 @@ async def test_a_node_short_of_gpus_is_terminated_before_any_pod_lands_and_repla
             # The replacement's "verified" record (written once it serves, after the taint was lifted) names the check.
             await until(lambda: [r for r in runtime.audit.read() if r.action == "verified"
                                  and r.node_name == replacement.metadata.name
-                                 and r.detail.startswith("burn-in passed: Gpus: allocatable")],
+                                 and r.detail.startswith(f"burn-in passed: {fault.passed}")],
                         timeout=30, what="the replacement's verified record with its burn-in")
         finally:  # a failed assertion leaves no serving burst node behind for the tests after it
             with contextlib.suppress(client.ApiException):
