@@ -32,7 +32,6 @@ from activities.capacity import (
     ConflictError,
     FrozenByOtherError,
     GroupNotFoundError,
-    NodeNotInGroupError,
 )
 from activities.capacity.nodes import HomeNodes
 from activities.providers.adaptors import LazyImport
@@ -289,12 +288,9 @@ class AksNodePoolsCapacity(HomeNodes):
         return None
 
     def remove_node(self, group: str, node: str) -> None:
-        found = self._node(node)
+        found = self._node_in_group(node, group, AGENTPOOL_LABEL, "agent pool")
         if found is None:
             return  # gone, with its machine (the cloud controller deletes the Node after the VM)
-        pool_of = (found.metadata.labels or {}).get(AGENTPOOL_LABEL)
-        if pool_of != group:
-            raise NodeNotInGroupError(f"node {node} is not in agent pool {group} ({AGENTPOOL_LABEL}={pool_of})")
         # The pool first, then its machines: an operation ending between the two reads shows as busy (retried),
         # never as a machine still there in a pool at rest (that would send a second deleteMachines).
         pool = self._pool(group)

@@ -33,7 +33,6 @@ from activities.capacity import (
     CapacityError,
     FrozenByOtherError,
     GroupNotFoundError,
-    NodeNotInGroupError,
 )
 from activities.capacity.nodes import HomeNodes
 from activities.providers.adaptors import LazyImport
@@ -257,13 +256,9 @@ class EksNodeGroupsCapacity(HomeNodes):
 
 
     def remove_node(self, group: str, node: str) -> None:
-        found = self._node(node)
+        found = self._node_in_group(node, group, NODEGROUP_LABEL, "node group")
         if found is None:
             return  # gone, with its instance (the cloud controller deletes the Node after the instance)
-        labels = found.metadata.labels or {}
-        if labels.get(NODEGROUP_LABEL) != group:
-            raise NodeNotInGroupError(f"node {node} is not in node group {group} "
-                                      f"({NODEGROUP_LABEL}={labels.get(NODEGROUP_LABEL)})")
         instance = instance_of(found.spec.provider_id if found.spec else None)
         if not instance:
             raise CapacityError(f"node {node} has no EC2 providerID (aws:///<az>/<i-id>): "

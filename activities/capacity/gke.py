@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Final
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError
 from activities.capacity.nodes import HomeNodes
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import GCP_GPU_INSTANCES
@@ -281,13 +281,9 @@ class GkeNodePoolsCapacity(HomeNodes):
         return {str(m.name or str(m.instance).rsplit("/", 1)[-1]): str(m.current_action) for m in found}
 
     def remove_node(self, group: str, node: str) -> None:
-        found = self._node(node)
+        found = self._node_in_group(node, group, NODEPOOL_LABEL, "node pool")
         if found is None:
             return  # gone, with its VM (the cloud controller deletes the Node after the VM)
-        labels = found.metadata.labels or {}
-        if labels.get(NODEPOOL_LABEL) != group:
-            raise NodeNotInGroupError(f"node {node} is not in node pool {group} "
-                                      f"({NODEPOOL_LABEL}={labels.get(NODEPOOL_LABEL)})")
         zone, vm = vm_of(found.spec.provider_id if found.spec else None)
         if not vm:
             raise CapacityError(f"node {node} has no GCE providerID (gce://<project>/<zone>/<vm>): "

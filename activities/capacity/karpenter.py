@@ -34,7 +34,6 @@ from activities.capacity import (
     ConflictError,
     FrozenByOtherError,
     GroupNotFoundError,
-    NodeNotInGroupError,
 )
 from activities.capacity.nodes import HomeNodes
 from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
@@ -303,10 +302,7 @@ class KarpenterCapacity(HomeNodes):
 
     def remove_node(self, group: str, node: str) -> None:
         pool = self._pool(group)
-        found = self._node(node)
-        if found is not None and (found.metadata.labels or {}).get(NODEPOOL_LABEL) != group:
-            raise NodeNotInGroupError(f"node {node} is not in NodePool {group} "
-                                      f"({NODEPOOL_LABEL}={(found.metadata.labels or {}).get(NODEPOOL_LABEL)})")
+        found = self._node_in_group(node, group, NODEPOOL_LABEL, "NodePool")
         if pool.get("spec", {}).get("replicas") is not None:
             if found is None:
                 return

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, shield_patch
+from activities.capacity import CapacityError, NodeNotInGroupError, shield_patch
 from activities.clients.kube import gpus_requested
 from models.capacity import HomeNodeGroup
 
@@ -30,6 +30,17 @@ class HomeNodes:
             if exc.status == 404:
                 return None
             raise CapacityError(f"reading node {node}: {exc.status} {exc.reason}") from exc
+
+    def _node_in_group(self, node: str, group: str, label: str, kind: str) -> client.V1Node | None:
+        """The Node ``node`` (None: gone), refused with NodeNotInGroupError unless its ``label`` names ``group``
+        (a ``kind``: node group, node pool, ...): a removal never takes a node of another group."""
+        found = self._node(node)
+        if found is None:
+            return None
+        in_group = ((found.metadata.labels if found.metadata else None) or {}).get(label)
+        if in_group != group:
+            raise NodeNotInGroupError(f"node {node} is not in {kind} {group} ({label}={in_group})")
+        return found
 
     def _gpus_used(self, node_names: set[str]) -> dict[str, int]:
         """The GPUs that the pods bound to each of ``node_names`` request (pods that ended hold none)."""
