@@ -33,7 +33,7 @@ from activities.capacity import (
     FrozenByOtherError,
     GroupNotFoundError,
 )
-from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import HomeNodes, group_node, labelled
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AZURE_GPU_INSTANCES
 from models.aks import AGENTPOOL_LABEL
@@ -196,22 +196,14 @@ class AksNodePoolsCapacity(HomeNodes):
         size = str(p.vm_size or "")
         spec = GPU_SIZES.get(size)
         members: list[GroupNode] = []
-        for node in nodes:
-            labels = node.metadata.labels or {}
-            if labels.get(AGENTPOOL_LABEL) != name:
-                continue
+        for node, labels in labelled(nodes, AGENTPOOL_LABEL, name):
             node_size = labels.get("node.kubernetes.io/instance-type", size)
-            allocatable = (node.status.allocatable or {}) if node.status else {}
-            members.append(GroupNode(
-                name=node.metadata.name, instance=vm_id(node.spec.provider_id if node.spec else None),
+            members.append(group_node(
+                node, used, instance=vm_id(node.spec.provider_id if node.spec else None),
                 instance_type=node_size,
                 capacity_type="spot" if _text(p.scale_set_priority) == "Spot" else "on-demand",
                 gpu_product=labels.get("nvidia.com/gpu.product", spec.gpu_product if spec else ""),
-                gpus=int(allocatable.get(GPU_RESOURCE, "0")), gpus_used=used.get(str(node.metadata.name), 0),
-                usd_per_hour=self._price(node_size, labels.get("topology.kubernetes.io/region", "")),
-                ready=any(c.type == "Ready" and c.status == "True"
-                          for c in (node.status.conditions if node.status else None) or []),
-                cordoned=bool(node.spec and node.spec.unschedulable)))
+                usd_per_hour=self._price(node_size, labels.get("topology.kubernetes.io/region", ""))))
         low, high, limit = self._bounds(p)
         per_node = spec.gpus if spec else 0
         capped = p.enable_auto_scaling or limit is not None
