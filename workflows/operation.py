@@ -165,7 +165,7 @@ class Approvable(Operation[P]):
 
     @approve_update.validator
     def _validate_approve(self, approval: Approval) -> None:
-        _refuse(self._decision_problem(approval.plan_id, approval.operation)
+        refuse(self._decision_problem(approval.plan_id, approval.operation)
                 or (None if approval.approver.strip() else "approver must name who approves"))
 
     @workflow.update(name="reject_plan", description=(
@@ -177,7 +177,7 @@ class Approvable(Operation[P]):
 
     @reject_update.validator
     def _validate_reject(self, rejection: Rejection) -> None:
-        _refuse(self._decision_problem(None, rejection.operation))
+        refuse(self._decision_problem(None, rejection.operation))
 
     def _answer(self, message: str, *, with_summary: bool = False) -> DecisionResult:
         proposal = self._awaiting()
@@ -199,7 +199,7 @@ class Approvable(Operation[P]):
         return None
 
 
-def _refuse(problem: str | None) -> None:
+def refuse(problem: str | None) -> None:
     """An update validator's answer: a refusal with the reason (no stack trace), or nothing."""
     if problem:
         raise Refused(problem)

@@ -18,7 +18,6 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.converter import Refused
 from models.decisions import Approval
 from models.hub import scale_proposal_detail
 from models.ids import operation_id
@@ -47,7 +46,7 @@ from models.scale import (
 from workflows.audit import record_audit
 from workflows.failures import QUICK, RETRY, message
 from workflows.gate import action_gate, wait_until_allowed
-from workflows.operation import Approvable, Proposal
+from workflows.operation import Approvable, Proposal, refuse
 
 HEARTBEAT = timedelta(seconds=15)
 WAKEABLE = (ScalePhase.SCALING_DOWN, ScalePhase.SCALED_TO_ZERO)
@@ -135,9 +134,7 @@ class ScaleWorkflow(Approvable[ScalePhase]):
 
     @wake_update.validator
     def _validate_wake(self, request: WakeRequest) -> None:
-        problem = self._wake_problem()
-        if problem:
-            raise Refused(problem)
+        refuse(self._wake_problem())
 
     def _workload(self) -> str:
         return self.inp.workload.key if self.inp else "?"

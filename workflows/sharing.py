@@ -24,7 +24,6 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.converter import Refused
 from models.drain import EvictionResult, NodeRef
 from models.hub import sharing_proposal_detail
 from models.ids import operation_id
@@ -57,7 +56,7 @@ from models.sharing import (
 from workflows.audit import record_audit
 from workflows.failures import QUICK, RETRY, message
 from workflows.gate import action_gate, wait_until_allowed
-from workflows.operation import Approvable, Proposal
+from workflows.operation import Approvable, Proposal, refuse
 
 # Short: a cancelled wait learns it at its next heartbeat, which the SDK throttles to 80 % of this.
 HEARTBEAT = timedelta(seconds=5)
@@ -171,9 +170,7 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
 
     @undo_update.validator
     def _validate_undo(self, request: UndoRequest) -> None:
-        problem = self._undo_problem()
-        if problem:
-            raise Refused(problem)
+        refuse(self._undo_problem())
 
     def _undo_problem(self) -> str | None:
         if self.phase != SharingPhase.SHARED:

@@ -32,9 +32,8 @@ from activities.capacity import (
     ConflictError,
     FrozenByOtherError,
     GroupNotFoundError,
-    NodeNotInGroupError,
 )
-from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import HomeNodes, group_node, labelled
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AZURE_GPU_INSTANCES
 from models.aks import AGENTPOOL_LABEL
@@ -197,22 +196,14 @@ class AksNodePoolsCapacity(HomeNodes):
         size = str(p.vm_size or "")
         spec = GPU_SIZES.get(size)
         members: list[GroupNode] = []
-        for node in nodes:
-            labels = node.metadata.labels or {}
-            if labels.get(AGENTPOOL_LABEL) != name:
-                continue
+        for node, labels in labelled(nodes, AGENTPOOL_LABEL, name):
             node_size = labels.get("node.kubernetes.io/instance-type", size)
-            allocatable = (node.status.allocatable or {}) if node.status else {}
-            members.append(GroupNode(
-                name=node.metadata.name, instance=vm_id(node.spec.provider_id if node.spec else None),
+            members.append(group_node(
+                node, used, instance=vm_id(node.spec.provider_id if node.spec else None),
                 instance_type=node_size,
                 capacity_type="spot" if _text(p.scale_set_priority) == "Spot" else "on-demand",
                 gpu_product=labels.get("nvidia.com/gpu.product", spec.gpu_product if spec else ""),
-                gpus=int(allocatable.get(GPU_RESOURCE, "0")), gpus_used=used.get(str(node.metadata.name), 0),
-                usd_per_hour=self._price(node_size, labels.get("topology.kubernetes.io/region", "")),
-                ready=any(c.type == "Ready" and c.status == "True"
-                          for c in (node.status.conditions if node.status else None) or []),
-                cordoned=bool(node.spec and node.spec.unschedulable)))
+                usd_per_hour=self._price(node_size, labels.get("topology.kubernetes.io/region", ""))))
         low, high, limit = self._bounds(p)
         per_node = spec.gpus if spec else 0
         capped = p.enable_auto_scaling or limit is not None
@@ -289,12 +280,9 @@ class AksNodePoolsCapacity(HomeNodes):
         return None
 
     def remove_node(self, group: str, node: str) -> None:
-        found = self._node(node)
+        found = self._node_in_group(node, group, AGENTPOOL_LABEL, "agent pool")
         if found is None:
             return  # gone, with its machine (the cloud controller deletes the Node after the VM)
-        pool_of = (found.metadata.labels or {}).get(AGENTPOOL_LABEL)
-        if pool_of != group:
-            raise NodeNotInGroupError(f"node {node} is not in agent pool {group} ({AGENTPOOL_LABEL}={pool_of})")
         # The pool first, then its machines: an operation ending between the two reads shows as busy (retried),
         # never as a machine still there in a pool at rest (that would send a second deleteMachines).
         pool = self._pool(group)

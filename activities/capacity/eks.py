@@ -33,9 +33,8 @@ from activities.capacity import (
     CapacityError,
     FrozenByOtherError,
     GroupNotFoundError,
-    NodeNotInGroupError,
 )
-from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import HomeNodes, group_node, labelled
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AWS_GPU_INSTANCES
 from models.capacity import GroupNode, HomeNodeGroup
@@ -184,22 +183,14 @@ class EksNodeGroupsCapacity(HomeNodes):
         name = str(d["nodegroupName"])
         types = list(d.get("instanceTypes") or [])
         members: list[GroupNode] = []
-        for node in nodes:
-            labels = node.metadata.labels or {}
-            if labels.get(NODEGROUP_LABEL) != name:
-                continue
+        for node, labels in labelled(nodes, NODEGROUP_LABEL, name):
             instance_type = labels.get("node.kubernetes.io/instance-type", "")
-            allocatable = (node.status.allocatable or {}) if node.status else {}
             spec = GPU_TYPES.get(instance_type)
-            members.append(GroupNode(
-                name=node.metadata.name, instance=instance_of(node.spec.provider_id if node.spec else None),
+            members.append(group_node(
+                node, used, instance=instance_of(node.spec.provider_id if node.spec else None),
                 instance_type=instance_type, capacity_type=labels.get("eks.amazonaws.com/capacityType", ""),
                 gpu_product=labels.get("nvidia.com/gpu.product", spec.gpu_product if spec else ""),
-                gpus=int(allocatable.get(GPU_RESOURCE, "0")), gpus_used=used.get(str(node.metadata.name), 0),
-                usd_per_hour=self._price(instance_type) if instance_type else None,
-                ready=any(c.type == "Ready" and c.status == "True"
-                          for c in (node.status.conditions if node.status else None) or []),
-                cordoned=bool(node.spec and node.spec.unschedulable)))
+                usd_per_hour=self._price(instance_type) if instance_type else None))
         sc = d.get("scalingConfig") or {}
         per_node = max((GPU_TYPES[t].gpus for t in types if t in GPU_TYPES), default=0)
         products = sorted({GPU_TYPES[t].gpu_product for t in types if t in GPU_TYPES})
@@ -257,13 +248,9 @@ class EksNodeGroupsCapacity(HomeNodes):
 
 
     def remove_node(self, group: str, node: str) -> None:
-        found = self._node(node)
+        found = self._node_in_group(node, group, NODEGROUP_LABEL, "node group")
         if found is None:
             return  # gone, with its instance (the cloud controller deletes the Node after the instance)
-        labels = found.metadata.labels or {}
-        if labels.get(NODEGROUP_LABEL) != group:
-            raise NodeNotInGroupError(f"node {node} is not in node group {group} "
-                                      f"({NODEGROUP_LABEL}={labels.get(NODEGROUP_LABEL)})")
         instance = instance_of(found.spec.provider_id if found.spec else None)
         if not instance:
             raise CapacityError(f"node {node} has no EC2 providerID (aws:///<az>/<i-id>): "

@@ -32,8 +32,8 @@ from typing import Any, ClassVar, Final
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
-from activities.capacity.nodes import HomeNodes
+from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError
+from activities.capacity.nodes import HomeNodes, group_node, labelled
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import GCP_GPU_INSTANCES
 from models.capacity import GroupNode, HomeNodeGroup
@@ -213,22 +213,14 @@ class GkeNodePoolsCapacity(HomeNodes):
         spec = self.gpu_types.get(machine)
         members: list[GroupNode] = []
         frozen: str | None = None
-        for node in nodes:
-            labels = node.metadata.labels or {}
-            if labels.get(NODEPOOL_LABEL) != pool.name:
-                continue
+        for node, labels in labelled(nodes, NODEPOOL_LABEL, pool.name):
             frozen = frozen or (node.metadata.annotations or {}).get(FROZEN_BY_ANNOTATION)
-            allocatable = (node.status.allocatable or {}) if node.status else {}
-            members.append(GroupNode(
-                name=node.metadata.name, instance=vm_of(node.spec.provider_id if node.spec else None)[1],
+            members.append(group_node(
+                node, used, instance=vm_of(node.spec.provider_id if node.spec else None)[1],
                 instance_type=labels.get("node.kubernetes.io/instance-type", machine),
                 capacity_type="SPOT" if labels.get("cloud.google.com/gke-spot") == "true" else "ON_DEMAND",
                 gpu_product=labels.get("nvidia.com/gpu.product", spec.gpu_product if spec else ""),
-                gpus=int(allocatable.get(GPU_RESOURCE, "0")), gpus_used=used.get(str(node.metadata.name), 0),
-                usd_per_hour=self._price(machine),
-                ready=any(c.type == "Ready" and c.status == "True"
-                          for c in (node.status.conditions if node.status else None) or []),
-                cordoned=bool(node.spec and node.spec.unschedulable)))
+                usd_per_hour=self._price(machine)))
         sizes = self._zone_sizes(pool)
         low, high = self._limits(pool, len(sizes))
         requirements = [NodeRequirement(key=k, operator="In", values=[v])
@@ -281,13 +273,9 @@ class GkeNodePoolsCapacity(HomeNodes):
         return {str(m.name or str(m.instance).rsplit("/", 1)[-1]): str(m.current_action) for m in found}
 
     def remove_node(self, group: str, node: str) -> None:
-        found = self._node(node)
+        found = self._node_in_group(node, group, NODEPOOL_LABEL, "node pool")
         if found is None:
             return  # gone, with its VM (the cloud controller deletes the Node after the VM)
-        labels = found.metadata.labels or {}
-        if labels.get(NODEPOOL_LABEL) != group:
-            raise NodeNotInGroupError(f"node {node} is not in node pool {group} "
-                                      f"({NODEPOOL_LABEL}={labels.get(NODEPOOL_LABEL)})")
         zone, vm = vm_of(found.spec.provider_id if found.spec else None)
         if not vm:
             raise CapacityError(f"node {node} has no GCE providerID (gce://<project>/<zone>/<vm>): "

@@ -34,9 +34,8 @@ from activities.capacity import (
     ConflictError,
     FrozenByOtherError,
     GroupNotFoundError,
-    NodeNotInGroupError,
 )
-from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import HomeNodes, group_node, labelled
 from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
 from models.capacity import (
     DO_NOT_DISRUPT,
@@ -199,10 +198,7 @@ class KarpenterCapacity(HomeNodes):
                 if created else None, registered=(conditions.get("Registered") or {}).get("status") == "True",
                 failed=failed))
         members: list[GroupNode] = []
-        for node in nodes:
-            labels = node.metadata.labels or {}
-            if labels.get(NODEPOOL_LABEL) != name:
-                continue
+        for node, labels in labelled(nodes, NODEPOOL_LABEL, name):
             instance_type = labels.get("node.kubernetes.io/instance-type", "")
             price: float | None = None
             if PRICE_LABEL in labels:
@@ -212,15 +208,10 @@ class KarpenterCapacity(HomeNodes):
                     price = None
             if price is None and instance_type:
                 price = self._price(instance_type)
-            allocatable = (node.status.allocatable or {}) if node.status else {}
-            members.append(GroupNode(
-                name=node.metadata.name, nodeclaim=claim_of.get(node.metadata.name, ""), instance_type=instance_type,
-                capacity_type=labels.get("karpenter.sh/capacity-type", ""),
-                gpu_product=labels.get(PRODUCT_KEY, ""), gpus=int(allocatable.get(GPU_RESOURCE, "0")),
-                gpus_used=used.get(str(node.metadata.name), 0), usd_per_hour=price,
-                ready=any(c.type == "Ready" and c.status == "True"
-                          for c in (node.status.conditions if node.status else None) or []),
-                cordoned=bool(node.spec and node.spec.unschedulable)))
+            members.append(group_node(
+                node, used, nodeclaim=claim_of.get(node.metadata.name, ""), instance_type=instance_type,
+                capacity_type=labels.get("karpenter.sh/capacity-type", ""), gpu_product=labels.get(PRODUCT_KEY, ""),
+                usd_per_hour=price))
         resources = (pool.get("status") or {}).get("resources") or {}
         annotations = pool["metadata"].get("annotations") or {}
         requirements = [NodeRequirement(key=r["key"], operator=r["operator"], values=list(r.get("values") or []))
@@ -303,10 +294,7 @@ class KarpenterCapacity(HomeNodes):
 
     def remove_node(self, group: str, node: str) -> None:
         pool = self._pool(group)
-        found = self._node(node)
-        if found is not None and (found.metadata.labels or {}).get(NODEPOOL_LABEL) != group:
-            raise NodeNotInGroupError(f"node {node} is not in NodePool {group} "
-                                      f"({NODEPOOL_LABEL}={(found.metadata.labels or {}).get(NODEPOOL_LABEL)})")
+        found = self._node_in_group(node, group, NODEPOOL_LABEL, "NodePool")
         if pool.get("spec", {}).get("replicas") is not None:
             if found is None:
                 return

@@ -1,20 +1,42 @@
-"""The Node calls every capacity provider makes alike: read one node, shield one from its autoscaler. Each provider
-names its autoscaler's shield annotation (Karpenter's do-not-disrupt, the cluster-autoscaler's scale-down-disabled)."""
+"""The Node calls and reads every capacity provider makes alike: read one node (checking its group before a
+removal), shield one from its autoscaler, a group's Nodes as its members. Each provider names its autoscaler's shield
+annotation (Karpenter's do-not-disrupt, the cluster-autoscaler's scale-down-disabled)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, shield_patch
+from activities.capacity import CapacityError, NodeNotInGroupError, shield_patch
 from activities.clients.kube import gpus_requested
-from models.capacity import HomeNodeGroup
+from models.capacity import GroupNode, HomeNodeGroup
+from models.labels import GPU_RESOURCE
 
 # A managed provider's group as its cloud describes it, its Nodes and their GPUs used -> the HomeNodeGroup.
 GroupOf = Callable[[Any, list[client.V1Node], dict[str, int]], HomeNodeGroup]
+
+
+def labelled(nodes: list[client.V1Node], label: str, group: str) -> Iterator[tuple[client.V1Node, dict[str, str]]]:
+    """Each of ``nodes`` whose ``label`` names ``group``, with its labels."""
+    for node in nodes:
+        labels = node.metadata.labels or {}
+        if labels.get(label) == group:
+            yield node, labels
+
+
+def group_node(node: client.V1Node, used: dict[str, int], **provider: Any) -> GroupNode:
+    """``node`` as a group member: what every provider reads from the Node alike (its name, allocatable GPUs, the
+    GPUs its pods use, Ready, cordoned); ``provider``: the fields each provider reads its own way."""
+    allocatable = (node.status.allocatable or {}) if node.status else {}
+    return GroupNode(
+        name=node.metadata.name, gpus=int(allocatable.get(GPU_RESOURCE, "0")),
+        gpus_used=used.get(str(node.metadata.name), 0),
+        ready=any(c.type == "Ready" and c.status == "True"
+                  for c in (node.status.conditions if node.status else None) or []),
+        cordoned=bool(node.spec and node.spec.unschedulable), **provider)
 
 
 class HomeNodes:
@@ -30,6 +52,17 @@ class HomeNodes:
             if exc.status == 404:
                 return None
             raise CapacityError(f"reading node {node}: {exc.status} {exc.reason}") from exc
+
+    def _node_in_group(self, node: str, group: str, label: str, kind: str) -> client.V1Node | None:
+        """The Node ``node`` (None: gone), refused with NodeNotInGroupError unless its ``label`` names ``group``
+        (a ``kind``: node group, node pool, ...): a removal never takes a node of another group."""
+        found = self._node(node)
+        if found is None:
+            return None
+        in_group = (found.metadata.labels or {}).get(label)
+        if in_group != group:
+            raise NodeNotInGroupError(f"node {node} is not in {kind} {group} ({label}={in_group})")
+        return found
 
     def _gpus_used(self, node_names: set[str]) -> dict[str, int]:
         """The GPUs that the pods bound to each of ``node_names`` request (pods that ended hold none)."""
