@@ -41,7 +41,8 @@ class LaunchActivities(PhaseActivities):
             user_data = render_user_data(gateway_url=grant.endpoint or self.config.gateway_url,
                                          server_name=grant.server_name if grant.endpoint else "",
                                          ticket=grant.ticket, node_name=req.node_name, labels=req.labels,
-                                         taints=req.taints, ca_bundle=self.config.gateway_ca_bundle)
+                                         taints=req.taints, ca_bundle=self.config.gateway_ca_bundle,
+                                         attestation=grant.attestation)
         except UserDataTooLarge as exc:  # configuration (labels, CA bundle): a retry would not shrink it
             raise ApplicationError(str(exc), type=PROVIDER_REJECTED, non_retryable=True) from None
         activity.heartbeat("launching")

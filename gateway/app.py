@@ -323,7 +323,7 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
 
 
     @app.post("/v1/tickets")
-    def issue_ticket(body: JoinTicketRequest, caller: Caller) -> dict[str, str]:
+    def issue_ticket(body: JoinTicketRequest, caller: Caller) -> dict[str, object]:
         check_ticket_request(body)
         try:
             grant = gateway.issue_ticket(body)
@@ -343,7 +343,8 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         log.info("issued a join ticket for node %s (operation %s, location %s) to %s; the node joins at %s as %s",
                  body.node_name, body.operation, body.location, caller, grant.endpoint or "the worker's URL",
                  grant.server_name or "its host")
-        return {"ticket": grant.ticket, "endpoint": grant.endpoint, "serverName": grant.server_name}
+        return {"ticket": grant.ticket, "endpoint": grant.endpoint, "serverName": grant.server_name,
+                "attestation": grant.attestation}
 
     @app.get("/v1/capacity")
     def capacity(caller: Caller) -> dict[str, object]:

@@ -96,6 +96,14 @@ class AttestationVerifier:
     def required(self, provider: str) -> bool:
         return provider != SIM_PROVIDER and bool(self.roots.get(provider))
 
+    def request(self, location: str) -> dict[str, str]:
+        """What a node of ``location`` must be told to send (its user data's ``attestation``): its provider's
+        method, and the audience a GCP identity token is minted for, where that provider's identity is required."""
+        provider, _ = split_location(location)
+        if not self.required(provider):
+            return {}
+        return {"method": provider, **({"audience": self.audience} if self.audience else {})}
+
     def verify(self, attestation: Attestation, location: str) -> AttestedIdentity:
         provider, region = split_location(location)
         method = attestation.method

@@ -89,6 +89,7 @@ class KubeGateway:
                  cert_seconds: int = DEFAULT_CERT_SECONDS, sign_timeout: float = 30.0,
                  transfer_seconds: float = 10.0, attestation: AttestationVerifier | None = None) -> None:
         self._tickets = TicketSigner(signing_key, clock)
+        self._attestation = attestation or AttestationVerifier()
         self._clock = clock
         self._core = client.CoreV1Api(api)
         self._public_url = public_url.rstrip("/")
@@ -102,7 +103,7 @@ class KubeGateway:
         self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
                                     endpoint=self.endpoint, on_join=self._joined, cert_seconds=cert_seconds,
                                     sign_timeout=sign_timeout, tombstoned=self._tombstoned,
-                                    attestation=attestation)
+                                    attestation=self._attestation)
 
     @property
     def tunnel(self) -> GatewayTunnel | None:
@@ -136,12 +137,14 @@ class KubeGateway:
     def issue_ticket(self, request: JoinTicketRequest) -> TicketGrant:
         """A ticket and where to use it (the address first: no ticket while nodes could not reach us), with the
         node's address slot reserved until the ticket expires: ``AddressesExhausted`` when none is free, before
-        any instance is launched for a node that could never join."""
+        any instance is launched for a node that could never join. The grant says which signed identity the node
+        must send (the attestation its join is verified with), so the launch asks the node for it."""
         endpoint, server_name = self.endpoint()
         ticket = self._tickets.new(request, reserved=True)
         self._refuse_unowned_node(ticket.node_name, ticket.operation)
         self._slots.reserve(ticket, ticket.node_name, ticket.operation)
-        return TicketGrant(ticket=self._tickets.encode(ticket), endpoint=endpoint, server_name=server_name)
+        return TicketGrant(ticket=self._tickets.encode(ticket), endpoint=endpoint, server_name=server_name,
+                           attestation=self._attestation.request(ticket.location))
 
     def sign_ticket(self, request: JoinTicketRequest) -> str:
         """A signed ticket without a reservation (its join allocates a slot if one is free)."""

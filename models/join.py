@@ -176,6 +176,9 @@ class TicketGrant(BaseModel):
     ticket: str
     endpoint: str = ""
     server_name: str = ""
+    # What the node must send with its join (``{"method", "audience"}`` for the user data's ``attestation``): its
+    # cloud's signed instance identity where the gateway verifies that provider's; empty: nothing asked.
+    attestation: dict[str, str] = Field(default_factory=dict)
 
 
 def gateway_route(path: str) -> str:

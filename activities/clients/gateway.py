@@ -199,7 +199,11 @@ class HttpGatewayClient:
                 endpoint and not endpoint.startswith(("https://", "http://"))):
             raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer's endpoint "
                                      f"{str(endpoint)[:100]!r} is not an https URL")
-        return TicketGrant(ticket=ticket, endpoint=endpoint, server_name=server_name)
+        attestation = doc.get("attestation") or {}
+        if not isinstance(attestation, dict) or not all(isinstance(v, str) for v in attestation.values()):
+            raise GatewayUnavailable(f"burst gateway {self.base_url}: {what}: the answer's attestation "
+                                     f"{str(attestation)[:100]!r} is not an object of strings")
+        return TicketGrant(ticket=ticket, endpoint=endpoint, server_name=server_name, attestation=attestation)
 
     def capacity(self) -> GatewayCapacity:
         what = "its address slots"

@@ -10,6 +10,7 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -20,6 +21,7 @@ from activities.burst import BurstActivities
 from activities.clients.audit_log import AuditLog
 from activities.clients.kube import KubeOps
 from activities.providers.fake import FakeProvider
+from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from gateway.slots import AddressPlan
 from models.drain import NodeRemoval
@@ -31,6 +33,7 @@ from models.node import LaunchRequest
 from models.provisioning import Offering
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
+from tests.harness.identity import IdentityCA
 from tests.harness.joining import FixedClock, gateway_credentials, redeem_for
 from tests.harness.kube import Cluster
 
@@ -66,17 +69,18 @@ def gateway(gateway_api: client.ApiClient, clock: FixedClock) -> Iterator[KubeGa
 class Launcher:
     """launch_instance as the worker runs it (an activity), with a provider that records every launch."""
 
-    def __init__(self, cluster: Cluster, gateway: KubeGateway, tmp_path: Path) -> None:
-        self.provider = FakeProvider(name="fake")
+    def __init__(self, cluster: Cluster, gateway: KubeGateway, tmp_path: Path, location: str = "fake/eu") -> None:
+        self.provider = FakeProvider(name=location.split("/")[0])
         self.gateway = gateway
-        self.acts = BurstActivities(kube=KubeOps(cluster.admin.api), providers={"fake": self.provider},
+        self.offering = OFFERING.model_copy(update={"location": location})
+        self.acts = BurstActivities(kube=KubeOps(cluster.admin.api), providers={self.provider.name: self.provider},
                                     gateway=gateway, config=BurstConfig(), audit=AuditLog(tmp_path / "audit.jsonl"))
         self.env = ActivityEnvironment()
 
     def request(self, operation: str | None = None) -> LaunchRequest:
         op = operation or f"op-{uuid.uuid4().hex[:12]}"
-        return LaunchRequest(operation=op, cluster="test", policy="slots", allowed_locations=["fake/eu"],
-                             offering=OFFERING, node_name=burst_node_name(op),
+        return LaunchRequest(operation=op, cluster="test", policy="slots", allowed_locations=[self.offering.location],
+                             offering=self.offering, node_name=burst_node_name(op),
                              labels={LABEL_OPERATION: op, LABEL_POLICY: "slots"},
                              taints=[Taint(key="gpu.kubeon.io/burst")])
 
@@ -87,7 +91,10 @@ class Launcher:
         return sum(1 for method, _ in self.provider.calls if method == "launch")
 
     def ticket(self, instance_id: str) -> str:
-        return str(parse_user_data(self.provider.user_data[instance_id])["ticket"])
+        return str(self.join_document(instance_id)["ticket"])
+
+    def join_document(self, instance_id: str) -> dict[str, Any]:
+        return parse_user_data(self.provider.user_data[instance_id])
 
 
 @pytest.fixture
@@ -99,6 +106,23 @@ def launcher(cluster: Cluster, gateway: KubeGateway, tmp_path: Path) -> Launcher
 def files(tmp_path: Path) -> Callable[[], NodeFiles]:
     count = iter(range(100))
     return lambda: NodeFiles(tmp_path / f"node-{next(count)}")
+
+
+def test_the_user_data_asks_for_the_signed_identity_the_gateway_verifies(
+        cluster: Cluster, gateway: KubeGateway, gateway_api: client.ApiClient, tmp_path: Path) -> None:
+    """Issue 27: where the gateway verifies a provider's instance identity (it has that provider's trust roots), its
+    ticket grant says what the node must send and the launch's user data asks the node for it (the method, and the
+    audience a GCP identity token is minted for); where it verifies none (here the sim-like fake provider), nothing
+    is asked. The node program's reading of it and the gateway's verification: tests/harness/clouds/test_moto.py,
+    tests/gateway/test_attestation.py."""
+    verifying = KubeGateway(gateway_api, secrets.token_bytes(32), namespace=NAMESPACE, plan=SMALL, clock=FixedClock(),
+                            attestation=AttestationVerifier(roots={"gcp": [IdentityCA().signer]},
+                                                            audience="https://gateway.kubeon.test"))
+    for location, asked in (("gcp/europe-west4", {"method": "gcp", "audience": "https://gateway.kubeon.test"}),
+                            ("fake/eu", None)):
+        launcher = Launcher(cluster, verifying, tmp_path, location=location)
+        doc = launcher.join_document(launcher.launch(launcher.request()))
+        assert doc.get("attestation") == asked, (location, doc)
 
 
 def fill(launcher: Launcher) -> list[LaunchRequest]:
