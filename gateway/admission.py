@@ -129,7 +129,7 @@ class Admission:
         CSR proves possession of the kubelet key) gets the same answer; anything else with a used ticket is
         refused."""
         ticket = self._tickets.verify(redeem.ticket)
-        attested = self._attestation.verify(redeem.attestation, ticket.location)
+        attested = self._attestation.verify(redeem.attestation, ticket.location, ticket=redeem.ticket)
         try:
             wg_key = check_key(redeem.wireguard_public_key, "wireguardPublicKey")
         except ValueError as exc:

@@ -9,9 +9,13 @@ its instance, account or project and region/zone checked against the ticket's lo
 - ``gcp``: the instance identity token (``/computeMetadata/v1/instance/service-accounts/default/identity?
   audience=...&format=full``), an RS256 JWT; its ``aud`` must be the gateway's audience, its
   ``google.compute_engine`` claims name the project, zone and instance.
-- ``azure``: the attested data (JSON) and its base64 RSA-SHA256 signature by a certificate issued by a trust root.
-  Azure's own attested document carries no location: a document without ``location`` is refused where the
-  location is required (the local server's carries it).
+- ``azure``: the attested data as IMDS gives it, a base64 PKCS7 SignedData (parsed with ``asn1crypto``: the
+  ``cryptography`` package verifies no PKCS7): its signed JSON (vmId, subscriptionId, nonce, timeStamp), its
+  signer's certificate, which must be a trust root or issued by one and be for ``metadata.azure.com`` (or the
+  sovereign clouds' ``metadata.azure.us`` / ``.cn``), the signed attributes' message digest of the JSON and their
+  RSA signature. The nonce must be the ticket's (``models.join.attestation_nonce``: a document fetched for
+  another ticket is refused, ``attestation_replayed``), ``expiresOn`` not past. Azure signs no location into it:
+  the region stays unverified (recorded empty) and the subscription (``accounts``) is what binds the VM.
 - ``onprem``: no cloud identity; the server's join credential (the pool claim the hub signed, checked by the HTTP
   API before the admission) is the proof; an ``onprem`` ticket is recorded as method ``onprem`` (sent as ``none``
   or ``onprem``), and method ``onprem`` is refused for any other ticket.
@@ -38,12 +42,20 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.x509.oid import NameOID
 from pydantic import BaseModel, ConfigDict, Field
 
 from models.errors import JoinRefused
-from models.join import Attestation
+from models.join import Attestation, attestation_nonce
 
 SIM_PROVIDER = "sim"
+# Who signs Azure's attested data: the metadata service's certificate (public cloud, US Government, China).
+AZURE_SIGNER_NAMES = ("metadata.azure.com", "metadata.azure.us", "metadata.azure.cn")
+# Its digest algorithm, as a digest or (as Azure's own PKCS7 names it) the sha*WithRSAEncryption OID.
+_AZURE_DIGESTS: dict[str, hashes.HashAlgorithm] = {
+    "sha256": hashes.SHA256(), "sha384": hashes.SHA384(), "sha512": hashes.SHA512(),
+    "1.2.840.113549.1.1.11": hashes.SHA256(), "1.2.840.113549.1.1.12": hashes.SHA384(),
+    "1.2.840.113549.1.1.13": hashes.SHA512()}
 
 
 class AttestedIdentity(BaseModel):
@@ -104,7 +116,9 @@ class AttestationVerifier:
             return {}
         return {"method": provider, **({"audience": self.audience} if self.audience else {})}
 
-    def verify(self, attestation: Attestation, location: str) -> AttestedIdentity:
+    def verify(self, attestation: Attestation, location: str, *, ticket: str = "") -> AttestedIdentity:
+        """The identity of a node redeeming ``ticket`` (the raw ticket: Azure's nonce is derived from it) for
+        ``location``; refused with a code unless it verifies."""
         provider, region = split_location(location)
         method = attestation.method
         if provider == "onprem" and method in ("none", "onprem"):
@@ -121,8 +135,11 @@ class AttestationVerifier:
         roots = list(self.roots.get(provider, []))
         if not roots:
             raise _refuse("attestation_untrusted", f"no trust roots configured for {provider}")
-        got = self._gcp(attestation, roots) if provider == "gcp" else self._signed_json(attestation, roots)
-        if got.region != region:
+        if provider == "azure":
+            got = self._azure(attestation, roots, ticket)
+        else:
+            got = self._gcp(attestation, roots) if provider == "gcp" else self._aws(attestation, roots)
+        if provider != "azure" and got.region != region:
             raise _refuse("location_mismatch", f"the node's instance is in {got.region or 'no region'}"
                           f"{f' (zone {got.zone})' if got.zone else ''}, the ticket is for {location}: refused")
         want = self.accounts.get(provider, "")
@@ -139,45 +156,91 @@ class AttestationVerifier:
             cert = x509.load_pem_x509_certificate(attestation.certificate.encode())
         except ValueError:
             raise _refuse("attestation_invalid", "certificate: not a PEM certificate") from None
+        return [self._trusted(cert, roots)]
+
+    def _trusted(self, cert: x509.Certificate, roots: list[x509.Certificate]) -> x509.Certificate:
+        """``cert`` if it is in date and a root or directly issued by one."""
         now = dt.datetime.fromtimestamp(self.clock(), dt.UTC)
         if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
             raise _refuse("attestation_forged", "the signer's certificate is not valid now")
         for root in roots:
             if cert == root:
-                return [cert]
+                return cert
             try:
                 cert.verify_directly_issued_by(root)
-                return [cert]
+                return cert
             except (ValueError, TypeError, InvalidSignature):
                 continue
         raise _refuse("attestation_forged", f"the signer's certificate ({cert.subject.rfc4514_string()}) is not "
                       "issued by a trusted root")
 
-    def _check(self, signers: list[x509.Certificate], signature: bytes, data: bytes) -> None:
+    def _check(self, signers: list[x509.Certificate], signature: bytes, data: bytes,
+               digest: hashes.HashAlgorithm | None = None) -> None:
         for cert in signers:
             key = cert.public_key()
             if not isinstance(key, rsa.RSAPublicKey):
                 continue
             try:
-                key.verify(signature, data, padding.PKCS1v15(), hashes.SHA256())
+                key.verify(signature, data, padding.PKCS1v15(), digest or hashes.SHA256())
                 return
             except InvalidSignature:
                 continue
         raise _refuse("attestation_forged", "the signature does not verify with a trusted certificate")
 
-    def _signed_json(self, attestation: Attestation, roots: list[x509.Certificate]) -> AttestedIdentity:
+    def _aws(self, attestation: Attestation, roots: list[x509.Certificate]) -> AttestedIdentity:
         try:
             signature = base64.b64decode(attestation.signature, validate=True)
             doc: dict[str, Any] = json.loads(attestation.document)
         except ValueError:
             raise _refuse("attestation_invalid", "document or signature malformed") from None
         self._check(self._signer(attestation, roots), signature, attestation.document.encode())
-        if attestation.method == "aws":
-            return AttestedIdentity(method="aws", verified=True, region=str(doc.get("region", "")),
-                                    zone=str(doc.get("availabilityZone", "")),
-                                    instance_id=str(doc.get("instanceId", "")), account=str(doc.get("accountId", "")))
-        return AttestedIdentity(method="azure", verified=True, region=str(doc.get("location", "")),
-                                zone=str(doc.get("zone", "")), instance_id=str(doc.get("vmId", "")),
+        return AttestedIdentity(method="aws", verified=True, region=str(doc.get("region", "")),
+                                zone=str(doc.get("availabilityZone", "")),
+                                instance_id=str(doc.get("instanceId", "")), account=str(doc.get("accountId", "")))
+
+    def _azure(self, attestation: Attestation, roots: list[x509.Certificate], ticket: str) -> AttestedIdentity:
+        from asn1crypto import cms
+
+        try:
+            info = cms.ContentInfo.load(base64.b64decode(attestation.signature, validate=True))
+            signed = info["content"]
+            if info["content_type"].native != "signed_data" or len(signed["signer_infos"]) != 1:
+                raise ValueError("not a PKCS7 SignedData with one signer")
+            content: bytes = signed["encap_content_info"]["content"].native
+            doc: dict[str, Any] = json.loads(content)
+            signer = signed["signer_infos"][0]
+            sid = signer["sid"].chosen
+            certs = [c.chosen for c in signed["certificates"] or [] if c.name == "certificate"]
+            der = next(c.dump() for c in certs
+                       if c.issuer == sid["issuer"] and c.serial_number == sid["serial_number"].native)
+            digest = _AZURE_DIGESTS[signer["digest_algorithm"]["algorithm"].native]
+            attrs = signer["signed_attrs"]
+        except (ValueError, TypeError, KeyError, StopIteration, AttributeError) as exc:
+            raise _refuse("attestation_invalid", f"the attested data is not a signed PKCS7 document ({exc})") from None
+        cert = self._trusted(x509.load_der_x509_certificate(der), roots)
+        names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+        if not any(str(n).lstrip("*.").endswith(AZURE_SIGNER_NAMES) for n in names):
+            raise _refuse("attestation_forged", f"the attested data is signed by {cert.subject.rfc4514_string()}, not "
+                          "Azure's metadata service")
+        if len(attrs):  # the signature is over the signed attributes, which carry the content's digest
+            digests = [a["values"][0].native for a in attrs if a["type"].native == "message_digest"]
+            want = hashes.Hash(digest)
+            want.update(content)
+            if digests != [want.finalize()]:
+                raise _refuse("attestation_forged", "the attested data does not match its signed digest")
+            data = b"\x31" + attrs.dump()[1:]  # signed as a SET OF, stored [0] IMPLICIT (RFC 5652 5.4)
+        else:
+            data = content
+        self._check([cert], signer["signature"].native, data, digest)
+        if doc.get("nonce") != attestation_nonce(ticket):
+            raise _refuse("attestation_replayed", "the attested data was not fetched for this ticket (its nonce)")
+        try:
+            expires = dt.datetime.strptime(str(doc["timeStamp"]["expiresOn"]), "%m/%d/%y %H:%M:%S %z")
+        except (KeyError, TypeError, ValueError):
+            raise _refuse("attestation_invalid", "the attested data has no timeStamp.expiresOn") from None
+        if expires.timestamp() < self.clock():
+            raise _refuse("attestation_expired", f"the attested data expired at {expires.isoformat()}")
+        return AttestedIdentity(method="azure", verified=True, instance_id=str(doc.get("vmId", "")),
                                 account=str(doc.get("subscriptionId", "")))
 
     def _gcp(self, attestation: Attestation, roots: list[x509.Certificate]) -> AttestedIdentity:

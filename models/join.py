@@ -6,6 +6,7 @@ The gateway answers with what the node needs to bring the tunnel up and to regis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, Final
@@ -63,13 +64,14 @@ class Attestation(_Wire):
     """The node's signed instance identity, as its cloud's metadata service gave it (``gateway.attestation``
     verifies it): ``aws`` the instance identity document (``document``, JSON) and its base64 RSA-SHA256
     ``signature``; ``gcp`` the instance identity token (``document``, a JWT whose audience is the gateway); ``azure``
-    the attested data (``document``, JSON) and its base64 ``signature``; ``onprem`` nothing (the server's join
+    the attested data, a base64 PKCS7 SignedData (``signature``) holding the signed JSON and the signer's
+    certificates, as IMDS gives it; ``onprem`` nothing (the server's join
     credential is the proof); ``none``: no identity (sim nodes). ``certificate``: the signer's certificate (PEM),
     when the metadata service hands it out; it must be a trust root or issued by one."""
 
     method: str = Field(default="none", pattern="^(none|aws|gcp|azure|onprem)$")
     document: str = Field(default="", max_length=16 * 1024)
-    signature: str = Field(default="", max_length=8 * 1024)
+    signature: str = Field(default="", max_length=16 * 1024)  # Azure's PKCS7 carries its certificate chain
     certificate: str = Field(default="", max_length=8 * 1024)
 
 
@@ -84,6 +86,12 @@ class GpuHealth(BaseModel):
 
 # A simulated node has no GPUs to diagnose: it says so, and passes (as its allocatable GPUs are what the sim says).
 SIMULATED_GPU_HEALTH = GpuHealth(healthy=True, reason="Simulated", message="simulated node: no GPUs to diagnose")
+
+
+def attestation_nonce(ticket: str) -> str:
+    """The nonce a node asks its cloud to sign into its identity (Azure's attested data: up to 32 alphanumeric
+    characters), derived from its ticket: an identity fetched for another ticket does not redeem this one."""
+    return hashlib.sha256(ticket.encode()).hexdigest()[:32]
 
 
 class JoinRedeem(_Wire):

@@ -7,8 +7,9 @@ The join document says which (``attestation``: ``{"method": "aws"|"gcp"|"azure"|
 - aws: IMDSv2 (``PUT /latest/api/token``), then ``/latest/dynamic/instance-identity/document`` and ``.../signature``.
 - gcp: ``/computeMetadata/v1/instance/service-accounts/default/identity?audience=<gateway>&format=full``
   (``Metadata-Flavor: Google``).
-- azure: ``/metadata/attested/document?api-version=2021-02-01`` (``Metadata: true``); the answer's ``signature``
-  (and, from the local server, ``document`` and ``certificate``).
+- azure: ``/metadata/attested/document?api-version=2021-02-01&nonce=<from the ticket>`` (``Metadata: true``); the
+  answer's ``signature`` is a PKCS7 SignedData (``encoding: pkcs7``) holding the signed JSON and its signer's
+  certificate, sent as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from models.join import Attestation
+from models.join import Attestation, attestation_nonce
 
 DEFAULT_METADATA_URLS = {
     "aws": "http://169.254.169.254",
@@ -53,11 +54,13 @@ def fetch_attestation(doc: dict[str, Any], *, timeout: float = TIMEOUT_SECONDS) 
                                      params={"audience": str(spec.get("audience", "")), "format": "full"},
                                      headers={"Metadata-Flavor": "Google"}))
                 return Attestation(method="gcp", document=token.text.strip())
-            got = _ok(http.get("/metadata/attested/document", params={"api-version": "2021-02-01"},
+            got = _ok(http.get("/metadata/attested/document",
+                               params={"api-version": "2021-02-01", "nonce": attestation_nonce(str(doc["ticket"]))},
                                headers={"Metadata": "true"})).json()
-            return Attestation(method="azure", document=str(got.get("document", "")),
-                               signature=str(got.get("signature", "")), certificate=str(got.get("certificate", "")))
-    except (httpx.HTTPError, ValueError) as exc:
+            if got.get("encoding") != "pkcs7":
+                raise ValueError(f"attested data encoded as {got.get('encoding')!r}, not pkcs7")
+            return Attestation(method="azure", signature=str(got.get("signature", "")))
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
         raise IdentityUnavailable(f"the {method} metadata service at {base}: {type(exc).__name__}: {exc}") from None
 
 

@@ -4,6 +4,7 @@ sim nodes join without one, a real-cloud ticket never does once its provider's r
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +34,9 @@ def verifier(ca: IdentityCA, **accounts: str) -> AttestationVerifier:
                                audience=AUDIENCE)
 
 
-def refused(v: AttestationVerifier, attestation: Attestation, location: str) -> str:
+def refused(v: AttestationVerifier, attestation: Attestation, location: str, *, ticket: str = "") -> str:
     with pytest.raises(JoinRefused) as err:
-        v.verify(attestation, location)
+        v.verify(attestation, location, ticket=ticket)
     assert err.value.status == 403
     return err.value.code
 
@@ -48,15 +49,36 @@ def test_the_real_path_is_accepted_for_aws_gcp_and_azure(ca: IdentityCA) -> None
     gcp = v.verify(ca.gcp(zone="europe-west4-b", audience=AUDIENCE, instance_id="42"), "gcp/europe-west4")
     assert (gcp.region, gcp.zone, gcp.instance_id, gcp.account) == ("europe-west4", "europe-west4-b", "42",
                                                                      "kubeon-test")
-    azure = v.verify(ca.azure(location="westeurope", vm_id="vm-1"), "azure/westeurope")
-    assert (azure.region, azure.instance_id) == ("westeurope", "vm-1")
+    azure = v.verify(ca.azure(ticket="t.1", vm_id="vm-1"), "azure/westeurope", ticket="t.1")
+    # Azure signs no location into its attested data: the VM is bound by its subscription and vmId.
+    assert (azure.verified, azure.region, azure.instance_id, azure.account) == (
+        True, "", "vm-1", "00000000-0000-0000-0000-00000000aaaa")
 
 
 def test_an_identity_of_another_region_is_refused_with_location_mismatch(ca: IdentityCA) -> None:
     v = verifier(ca)
     assert refused(v, ca.aws(region="us-east-1"), "aws/eu-central-1") == "location_mismatch"
     assert refused(v, ca.gcp(zone="us-central1-a", audience=AUDIENCE), "gcp/europe-west4") == "location_mismatch"
-    assert refused(v, ca.azure(location="eastus"), "azure/westeurope") == "location_mismatch"
+
+
+def test_azure_attested_data_is_bound_to_its_ticket_its_signer_and_its_subscription(ca: IdentityCA) -> None:
+    """Azure's attested data names no region, so what binds it is checked instead: its nonce (fetched for this
+    ticket, not replayed from another), the metadata service's certificate, the signed digest, expiry, the
+    subscription."""
+    v = verifier(ca, azure="00000000-0000-0000-0000-00000000aaaa")
+    assert refused(v, ca.azure(ticket="t.other"), "azure/westeurope", ticket="t.1") == "attestation_replayed"
+    assert refused(v, ca.azure(ticket="t.1", ttl=-600), "azure/westeurope", ticket="t.1") == "attestation_expired"
+    # Signed by a certificate the trusted CA issued, but not the metadata service's.
+    assert refused(v, ca.azure(ticket="t.1", signer=ca.signer), "azure/westeurope", ticket="t.1") == (
+        "attestation_forged")
+    # The signed JSON edited inside the PKCS7 (another VM's ID of the same length): its digest no longer matches.
+    good = base64.b64decode(ca.azure(ticket="t.1", vm_id="vm-1").signature)
+    edited = Attestation(method="azure", signature=base64.b64encode(good.replace(b'"vm-1"', b'"vm-2"')).decode())
+    assert refused(v, edited, "azure/westeurope", ticket="t.1") == "attestation_forged"
+    assert refused(v, ca.azure(ticket="t.1", subscription="ffff"), "azure/westeurope", ticket="t.1") == (
+        "account_mismatch")
+    assert refused(v, Attestation(method="azure", signature="bm90IHBrY3M3"), "azure/westeurope",
+                   ticket="t.1") == "attestation_invalid"
 
 
 def test_a_forged_signature_is_refused(ca: IdentityCA) -> None:
@@ -71,7 +93,7 @@ def test_a_forged_signature_is_refused(ca: IdentityCA) -> None:
     swapped = other.aws(region="eu-central-1").model_copy(update={"certificate": ca.signer_pem})
     assert refused(v, swapped, "aws/eu-central-1") == "attestation_forged"
     assert refused(v, other.gcp(zone="europe-west4-a", audience=AUDIENCE), "gcp/europe-west4") == "attestation_forged"
-    assert refused(v, other.azure(location="westeurope"), "azure/westeurope") == "attestation_forged"
+    assert refused(v, other.azure(ticket="t.1"), "azure/westeurope", ticket="t.1") == "attestation_forged"
 
 
 def test_audience_expiry_account_and_method_are_checked(ca: IdentityCA) -> None:
@@ -81,7 +103,7 @@ def test_audience_expiry_account_and_method_are_checked(ca: IdentityCA) -> None:
     assert refused(v, ca.gcp(zone="europe-west4-a", audience=AUDIENCE, ttl=-60),
                    "gcp/europe-west4") == "attestation_expired"
     assert refused(v, ca.aws(region="eu-central-1", account="999999999999"), "aws/eu-central-1") == "account_mismatch"
-    assert refused(v, ca.azure(location="eu-central-1"), "aws/eu-central-1") == "attestation_invalid"
+    assert refused(v, ca.azure(ticket="t.1"), "aws/eu-central-1") == "attestation_invalid"
     assert refused(v, Attestation(method="onprem"), "aws/eu-central-1") == "attestation_invalid"
 
 

@@ -1,7 +1,8 @@
 """A test CA that signs instance identities as the clouds do (issue 27, location attested at join): an AWS
 instance identity document and its base64 RSA-SHA256 signature, a GCP instance identity token (RS256 JWT), Azure
-attested data. The gateway verifies them with ``gateway.attestation``, the same code as for the clouds' own
-certificates; the CA is the trust root the test configures."""
+attested data (a PKCS7 SignedData of its JSON by a ``metadata.azure.com`` certificate, as IMDS answers). The
+gateway verifies them with ``gateway.attestation``, the same code as for the clouds' own certificates; the CA is
+the trust root the test configures."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.serialization import pkcs7
 from cryptography.x509.oid import NameOID
 
-from models.join import Attestation
+from models.join import Attestation, attestation_nonce
 
 
 def _cert(subject: str, key: rsa.RSAPrivateKey, issuer: str, issuer_key: rsa.RSAPrivateKey, *,
@@ -47,6 +49,8 @@ class IdentityCA:
     def __post_init__(self) -> None:
         self.ca = _cert(self.name, self.ca_key, self.name, self.ca_key, ca=True)
         self.signer = _cert(f"{self.name} signer", self.key, self.name, self.ca_key, ca=False)
+        # Azure's attested data is signed by its metadata service's certificate, which a verifier checks by name.
+        self.azure_signer = _cert("metadata.azure.com", self.key, self.name, self.ca_key, ca=False)
 
     @property
     def root_pem(self) -> str:
@@ -79,9 +83,25 @@ class IdentityCA:
         sig = _b64url(self._sign(f"{head}.{body}".encode()))
         return Attestation(method="gcp", document=f"{head}.{body}.{sig}")
 
-    def azure(self, *, location: str, vm_id: str = "00000000-0000-0000-0000-000000000001",
-              subscription: str = "00000000-0000-0000-0000-00000000aaaa") -> Attestation:
-        document = json.dumps({"vmId": vm_id, "subscriptionId": subscription, "location": location,
-                               "timeStamp": {"createdOn": dt.datetime.now(dt.UTC).isoformat()}})
-        return Attestation(method="azure", document=document, certificate=self.signer_pem,
-                           signature=base64.b64encode(self._sign(document.encode())).decode())
+    def azure(self, *, ticket: str, vm_id: str = "00000000-0000-0000-0000-000000000001",
+              subscription: str = "00000000-0000-0000-0000-00000000aaaa", ttl: float = 300,
+              signer: x509.Certificate | None = None) -> Attestation:
+        """What a VM sends when it asked IMDS with the nonce of ``ticket``."""
+        return Attestation(method="azure", signature=self.azure_signed(
+            attestation_nonce(ticket), vm_id=vm_id, subscription=subscription, ttl=ttl, signer=signer))
+
+    def azure_signed(self, nonce: str, *, vm_id: str, subscription: str, ttl: float = 300,
+                     signer: x509.Certificate | None = None) -> str:
+        """IMDS's attested data (its ``signature``, base64 DER): the signed JSON carries no location, as Azure's
+        does not."""
+        now = dt.datetime.now(dt.UTC)
+        stamp = "%m/%d/%y %H:%M:%S -0000"
+        content = json.dumps({
+            "licenseType": "", "nonce": nonce, "plan": {"name": "", "product": "", "publisher": ""},
+            "sku": "22_04-lts-gen2", "subscriptionId": subscription, "vmId": vm_id,
+            "timeStamp": {"createdOn": now.strftime(stamp),
+                          "expiresOn": (now + dt.timedelta(seconds=ttl)).strftime(stamp)}}).encode()
+        signed = (pkcs7.PKCS7SignatureBuilder().set_data(content)
+                  .add_signer(signer or self.azure_signer, self.key, hashes.SHA256())
+                  .sign(serialization.Encoding.DER, [pkcs7.PKCS7Options.Binary]))
+        return base64.b64encode(signed).decode()

@@ -97,7 +97,8 @@ class ResourceManager(AgentPools, FakeCloud):
             return self.seed_aks(body["aks"])
 
     def metadata(self, instance: str, path: str, request: Request) -> Response:
-        """IMDS attested data of the VM ``instance`` (vmId): signed with the test CA, carrying its location."""
+        """IMDS attested data of the VM ``instance`` (vmId) for the request's nonce: a PKCS7 SignedData by the test
+        CA's ``metadata.azure.com`` certificate, as Azure's (no location in it)."""
         if path != "/metadata/attested/document":
             raise ApiError(404, {"error": "not_found", "error_description": f"no metadata at {path}"})
         if request.headers.get("Metadata") != "true":
@@ -105,9 +106,9 @@ class ResourceManager(AgentPools, FakeCloud):
         vm = next((v for v in self.vms.values() if v["properties"]["vmId"] == instance), None)
         if vm is None:
             raise ApiError(404, {"error": "not_found", "error_description": f"no VM {instance}"})
-        got = self.identity_ca.azure(location=vm["location"], vm_id=instance, subscription=vm["id"].split("/")[2])
-        return json_response({"encoding": "kubeon-test-rsa-sha256", "document": got.document,
-                              "signature": got.signature, "certificate": got.certificate})
+        got = self.identity_ca.azure_signed(request.args.get("nonce", ""), vm_id=instance,
+                                            subscription=vm["id"].split("/")[2])
+        return json_response({"encoding": "pkcs7", "signature": got})
 
     # -- identity endpoint --------------------------------------------------------------------------------------
     def identity(self, environ: dict[str, Any], start_response: Any) -> Any:

@@ -146,8 +146,9 @@ def test_put_on_an_existing_vm_is_an_update_not_a_second_vm(compute: Any, server
 
 
 def test_a_vm_reads_its_attested_data_from_imds(compute: Any, server: FakeServer) -> None:
-    """Issue 27: the VM's attested data (its location, vmId, subscription), from the plain-HTTP IMDS, verified by the
-    gateway's own code against the server's CA; another location's ticket is refused."""
+    """Issue 27: the VM's attested data (a PKCS7 of its vmId, subscription and the nonce of its ticket), from the
+    plain-HTTP IMDS as `node join` asks for it, verified by the gateway's own code against the server's CA; the same
+    document presented with another ticket is refused."""
     from gateway.attestation import AttestationVerifier, load_roots
     from models.errors import JoinRefused
     from node.identity import fetch_attestation
@@ -155,11 +156,11 @@ def test_a_vm_reads_its_attested_data_from_imds(compute: Any, server: FakeServer
     compute.virtual_machines.begin_create_or_update(RG, "attested-1", vm()).result()
     vm_id = compute.virtual_machines.get(RG, "attested-1").vm_id
     imds = server.identity_url.removesuffix("/msi/token")
-    attestation = fetch_attestation({"attestation": {"method": "azure"},
+    attestation = fetch_attestation({"attestation": {"method": "azure"}, "ticket": "t.azure",
                                      "metadataUrl": f"{imds}/_fake/metadata/{vm_id}"})
     verifier = AttestationVerifier(roots={"azure": load_roots(server.identity_ca()["root"])}, accounts={"azure": SUB})
-    got = verifier.verify(attestation, "azure/westeurope")
-    assert (got.region, got.instance_id, got.account) == ("westeurope", vm_id, SUB)
+    got = verifier.verify(attestation, "azure/westeurope", ticket="t.azure")
+    assert (got.verified, got.instance_id, got.account) == (True, vm_id, SUB)
     with pytest.raises(JoinRefused) as err:
-        verifier.verify(attestation, "azure/eastus")
-    assert err.value.code == "location_mismatch"
+        verifier.verify(attestation, "azure/westeurope", ticket="t.another")
+    assert err.value.code == "attestation_replayed"
