@@ -45,7 +45,7 @@ from models.sharing import (
     WriteKeyResult,
     sharing_workflow_id,
 )
-from tests.harness import burst
+from tests.harness import burst, workloads
 from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
 from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
@@ -76,11 +76,7 @@ class SharingBed:
 
 
 def gpu_pod(name: str, pool: str) -> client.V1Pod:
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, labels={"app": "shared"}),
-        spec=client.V1PodSpec(node_selector={"pool": pool}, containers=[client.V1Container(
-            name="main", image="busybox", resources=client.V1ResourceRequirements(
-                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))]))
+    return workloads.gpu_pod(name, labels={"app": "shared"}, node_selector={"pool": pool})
 
 
 def pods_on(cluster: Cluster, namespace: str, node: str) -> list[str]:
