@@ -22,7 +22,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client
 from temporalio.client import Client
 from temporalio.service import RPCError
 
@@ -31,7 +30,7 @@ from models.sharing import SharingPhase, SharingView, sharing_workflow_id
 from tests.harness.burst import build_stack
 from tests.harness.controlplane import ControlPlane
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
+from tests.harness.gpu_operator import GpuOperator, gpu_operator_namespace
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 from tests.harness.temporal import start_dev_server
@@ -62,10 +61,7 @@ async def rollout(n_nodes: int, budget: int, workdir: Path) -> dict[str, Any]:
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
         stack = build_stack(cluster, workdir / "stack")
         ns = cluster.create_namespace("bench")
-        operator_ns = cluster.create_namespace("gpu-operator")
-        grant_time_slicing_role(cluster, operator_ns)
-        cluster.admin.core.create_namespaced_config_map(operator_ns, client.V1ConfigMap(
-            metadata=client.V1ObjectMeta(name="time-slicing-config"), data={"any": "version: v1\n"}))
+        operator_ns = gpu_operator_namespace(cluster)
         nodes = [f"a100-roll-{i:02d}" for i in range(n_nodes)]
         exporter = DcgmExporter().start()
         for node in nodes:
