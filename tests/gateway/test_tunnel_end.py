@@ -23,8 +23,6 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
-from activities.clients.kube import KubeOps
-from activities.providers.sim import SimProvider
 from models.errors import TicketError
 from models.join import JoinTicketRequest, render_user_data
 from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
@@ -61,7 +59,6 @@ from tests.harness.netbed import (
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 from tunnel.uapi import Uapi
 from worker.main import worker_services
-from worker.runtime import Runtime
 
 pytestmark = pytest.mark.cluster
 
@@ -365,12 +362,7 @@ async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, tempor
         booted[instance.instance_id] = boot_node(bed, user_data, capacity, tmp_path,
                                                  f"sim://{instance.location}/{instance.instance_id}", node=node)
 
-    burst = settings.burst_config()
-    sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
-    runtime = Runtime(settings=settings, kube=KubeOps(stack.optimizer.api), burst=burst, gateway=http,
-                      providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
-                      closers=[sim.stop, http.close])
-    async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.http_runtime(settings, http, boot)) as (temporal, _runtime, _watcher):
         worker = TunnelWorker(temporal=temporal, cluster=settings.cluster, booted=booted)
         yield worker
 
