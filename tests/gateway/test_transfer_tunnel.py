@@ -28,14 +28,10 @@ from models.errors import TicketError
 from models.join import NodeTransfer
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
-    POD_CIDR,
-    SERVICE_CIDR,
-    TUNNEL_CIDR,
     Gateway,
     Joined,
     NetBed,
     sh,
-    start_tunnel_gateway,
 )
 from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 
@@ -82,14 +78,8 @@ print(mss, int(answer))
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
-                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR,
-                              extra_env={"KUBEON_GATEWAY_TRANSFER_SECONDS": "1"})
-    try:
-        yield gw
-    finally:
-        gw.stop()
+def gateway_env() -> dict[str, str]:
+    return {"KUBEON_GATEWAY_TRANSFER_SECONDS": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -45,16 +45,13 @@ from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, until, wait_for
 from tests.harness.netbed import (
     GATEWAY_PUBLIC_IP,
-    POD_CIDR,
     SERVICE_CIDR,
-    TUNNEL_CIDR,
     UDP_PORT,
     Gateway,
     Joined,
     NetBed,
     boot_node,
     sh,
-    start_tunnel_gateway,
 )
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 from tunnel.uapi import Uapi
@@ -65,16 +62,6 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parent.parent.parent
 SERVICE_IP = "10.96.77.77"
 MARKER = f"kubeon-marker-{uuid.uuid4().hex}"
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
-                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
-    try:
-        yield gw
-    finally:
-        gw.stop()
 
 
 def optimizer_token(cluster: Cluster, path: Path) -> Path:
