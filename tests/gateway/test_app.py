@@ -90,10 +90,7 @@ def gateway_rules() -> list[dict[str, list[str]]]:
 
 def mint_token(cluster: Cluster, name: str, audiences: list[str] | None = None) -> str:
     """A ServiceAccount token from the TokenRequest API, as the kubelet projects one into a pod."""
-    return str(cluster.admin.core.create_namespaced_service_account_token(
-        name, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=audiences or [], expiration_seconds=3600)),
-    ).status.token)
+    return cluster.service_account_token(OPTIMIZER_NAMESPACE, name, audiences=audiences)
 
 
 def can(cluster: Cluster, user: str, verb: str, resource: str, group: str = "") -> bool:

@@ -20,7 +20,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
@@ -86,9 +85,7 @@ def gateway_env() -> dict[str, str]:
 def optimizer(cluster: Cluster, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[HttpGatewayClient]:
     token = tmp_path_factory.mktemp("optimizer") / "token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    token.write_text(cluster.service_account_token(OPTIMIZER_NAMESPACE, OPTIMIZER_SA))
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         yield http
 

@@ -66,9 +66,7 @@ MARKER = f"kubeon-marker-{uuid.uuid4().hex}"
 
 def optimizer_token(cluster: Cluster, path: Path) -> Path:
     """A token of the optimizer's ServiceAccount (the gateway's allowed client) in ``path``."""
-    path.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    path.write_text(cluster.service_account_token(OPTIMIZER_NAMESPACE, OPTIMIZER_SA))
     return path
 
 
@@ -238,10 +236,7 @@ def test_a_reserved_slot_has_no_peer_and_the_resync_skips_it(
         cluster: Cluster, gateway: Gateway, joined: Joined, tmp_path: Path) -> None:
     """A ticket not redeemed yet holds its address slot without a WireGuard key: a restarted gateway's full
     resync (and every reconcile after it) leaves it out of the peers and still restores the joined node's."""
-    token = tmp_path / "token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    token = optimizer_token(cluster, tmp_path / "token")
     op, name = new_burst_node()
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         http.issue_ticket(JoinTicketRequest(
@@ -288,10 +283,7 @@ def test_a_restarted_gateway_restores_the_peer_and_the_node_stays_ready(
 
 def test_removing_the_node_removes_its_peer_and_frees_its_addresses(
         cluster: Cluster, gateway: Gateway, joined: Joined, served: client.V1Pod, tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    token = optimizer_token(cluster, tmp_path / "token")
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         assert http.remove_node(joined.name, operation=joined.operation) is True
     wait_for(lambda: not cluster.admin.core.list_node(field_selector=f"metadata.name={joined.name}").items,

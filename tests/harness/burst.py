@@ -418,9 +418,7 @@ def gateway_process(stack: BurstStack, log: Path, port: int, *, extra_env: dict[
     it; no tunnel: sim nodes reach the API server over loopback), on 127.0.0.1:``port``; and the settings a
     worker needs to use it over HTTP with the optimizer's ServiceAccount token."""
     token = stack.workdir / "optimizer.token"
-    token.write_text(str(stack.cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, "kubeon-gpu", client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=86400))).status.token))
+    token.write_text(stack.cluster.service_account_token("kubeon-gpu", OPTIMIZER_SA, seconds=86400))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
     env.update({"KUBEON_CLUSTER": "dev", "KUBEON_GATEWAY_KUBECONFIG": str(stack.gateway_kubeconfig),
                 "KUBEON_GATEWAY_TICKET_KEY_FILE": str(stack.ticket_key_file),
