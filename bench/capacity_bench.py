@@ -66,7 +66,6 @@ from tests.harness.rbac import OPTIMIZER_RULES, grant
 
 PROVIDERS = ("eks-nodegroups", "gke-nodepools", "aks-nodepools")
 STEPS = ("scale_up", "freeze", "remove_node", "node_gone", "unfreeze")
-GKE_PROJECT, GKE_LOCATION, GKE_ZONE = "acme-ml", "europe-west4", "europe-west4-a"
 AKS_RG = "ml-prod"
 
 # What each operation is for (the README's table says the same).
@@ -278,11 +277,8 @@ def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
 
     server = local.start_gcp(workdir)
     try:
-        server.fault(operation_seconds=operation_seconds)
-        gke_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
-        server.seed(gke={"project": GKE_PROJECT, "location": GKE_LOCATION, "cluster": gke_cluster, "nodePools": [
-            {"name": pool, "machineType": "a2-highgpu-8g", "zones": [GKE_ZONE], "nodeCount": 1,
-             "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}]}]})
+        gke_cluster, pool = local.seed_gke_gpu_pool(server, machine_type="a2-highgpu-8g", nodes=1,
+                                                     operation_seconds=operation_seconds)
         with NodeReconciler(cluster.admin, f"gke-{uuid.uuid4().hex[:6]}", gke_listing(server),
                             interval=reconcile) as nodes:
             wait_for(lambda: len(nodes.ready(NODEPOOL_LABEL, pool)) == 1, timeout=60, what="the first node Ready")
@@ -291,7 +287,7 @@ def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
                 return any(d["instance"] == node and d["via"] == "deleteInstances" for d in server.state()["deleted"])
 
             kwargs: dict[str, Any] = {"poll_seconds": poll} if poll is not None else {}
-            capacity = GkeNodePoolsCapacity(optimizer.api, project=GKE_PROJECT, location=GKE_LOCATION,
+            capacity = GkeNodePoolsCapacity(optimizer.api, project=local.GKE_PROJECT, location=local.GKE_LOCATION,
                                             cluster=gke_cluster, endpoint_url=server.url, **kwargs)
             yield Group("gke-nodepools", capacity, pool, server.requests, gke_operation,
                         _ready(nodes, NODEPOOL_LABEL, pool), gone,

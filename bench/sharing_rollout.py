@@ -22,7 +22,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from kubernetes import client
 from temporalio.client import Client
 from temporalio.service import RPCError
 
@@ -31,23 +30,16 @@ from models.sharing import SharingPhase, SharingView, sharing_workflow_id
 from tests.harness.burst import build_stack
 from tests.harness.controlplane import ControlPlane
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
+from tests.harness.gpu_operator import GpuOperator, gpu_operator_namespace
 from tests.harness.kube import Cluster, Kube, wait_for
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 from tests.harness.temporal import start_dev_server
+from tests.harness.workloads import gpu_pod
 from worker.main import worker_services
 from worker.sharing_watcher import changing
 
 PRODUCT = "NVIDIA-A100-SXM4-80GB"
 POLL = 0.25
-
-
-def gpu_pod(name: str, node: str) -> client.V1Pod:
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, labels={"app": "rollout"}),
-        spec=client.V1PodSpec(node_selector={"pin": node}, containers=[client.V1Container(
-            name="main", image="busybox", resources=client.V1ResourceRequirements(
-                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))]))
 
 
 async def phases(temporal: Client, cluster: str, nodes: list[str]) -> dict[str, SharingView | None]:
@@ -69,10 +61,7 @@ async def rollout(n_nodes: int, budget: int, workdir: Path) -> dict[str, Any]:
         cluster = Cluster(plane=plane, admin=Kube.from_kubeconfig(plane.admin_kubeconfig))
         stack = build_stack(cluster, workdir / "stack")
         ns = cluster.create_namespace("bench")
-        operator_ns = cluster.create_namespace("gpu-operator")
-        grant_time_slicing_role(cluster, operator_ns)
-        cluster.admin.core.create_namespaced_config_map(operator_ns, client.V1ConfigMap(
-            metadata=client.V1ObjectMeta(name="time-slicing-config"), data={"any": "version: v1\n"}))
+        operator_ns = gpu_operator_namespace(cluster)
         nodes = [f"a100-roll-{i:02d}" for i in range(n_nodes)]
         exporter = DcgmExporter().start()
         for node in nodes:
@@ -82,7 +71,8 @@ async def rollout(n_nodes: int, budget: int, workdir: Path) -> dict[str, Any]:
         operator = GpuOperator(cluster.admin.api, namespace=operator_ns).start()
         pods = [f"{node}-{k}" for node in nodes for k in range(2)]
         for pod in pods:
-            cluster.admin.core.create_namespaced_pod(ns, gpu_pod(pod, pod.rsplit("-", 1)[0]))
+            cluster.admin.core.create_namespaced_pod(ns, gpu_pod(pod, labels={"app": "rollout"},
+                                                                  node_selector={"pin": pod.rsplit("-", 1)[0]}))
 
         def all_running() -> bool:
             found: list[Any] = cluster.admin.core.list_namespaced_pod(ns).items

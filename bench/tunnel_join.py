@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kubernetes import client, watch
+from kubernetes import watch
 
 from activities.clients.gateway import HttpGatewayClient
 from models.join import JoinTicketRequest, render_user_data
@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = start_tunnel_gateway(cluster, bed, workdir, service_cidr=SERVICE_CIDR, pod_cidr=POD_CIDR,
                                        tunnel_cidr=TUNNEL_CIDR)
         token = workdir / "optimizer.token"
-        granted = cluster.admin.core.create_namespaced_service_account_token(
-            OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)))
-        assert granted.status is not None, "the token request came back without a status"
-        token.write_text(str(granted.status.token))
+        token.write_text(cluster.service_account_token(OPTIMIZER_NAMESPACE, OPTIMIZER_SA))
         user_data = []
         with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
             for _ in range(args.nodes):

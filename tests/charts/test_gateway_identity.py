@@ -60,9 +60,7 @@ def test_the_gateway_allows_the_release_namespaces_optimizer_with_a_gateway_only
 
 
 def mint(cluster: Cluster, namespace: str, audiences: list[str], path: Path) -> Path:
-    path.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER, namespace, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=audiences, expiration_seconds=600))).status.token))
+    path.write_text(cluster.service_account_token(namespace, OPTIMIZER, audiences=audiences, seconds=600))
     return path
 
 

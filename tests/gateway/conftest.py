@@ -1,5 +1,7 @@
-"""Fixtures the gateway's tests share: the gateway's own credentials, Nodes a test creates (deleted after it), and
-node state directories. Helpers: tests/gateway/helpers.py; joins and CSRs: tests/harness/joining.py."""
+"""Fixtures the gateway's tests share: the gateway's own credentials, Nodes a test creates (deleted after it),
+node state directories; for the tunnel modules, the bed, its tunnel gateway (``gateway``, its extra environment
+``gateway_env``, which a module overrides) and a node joined through it. Helpers: tests/gateway/helpers.py; joins
+and CSRs: tests/harness/joining.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from node.join import NodeFiles
 from tests.gateway.helpers import delete_nodes
 from tests.harness.joining import gateway_credentials
 from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import POD_CIDR, SERVICE_CIDR, TUNNEL_CIDR, Gateway, Joined, NetBed
+from tests.harness.netbed import POD_CIDR, SERVICE_CIDR, TUNNEL_CIDR, Gateway, Joined, NetBed, start_tunnel_gateway
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,24 @@ def bed(cluster: Cluster) -> Iterator[NetBed]:
         yield bed
     finally:
         bed.close()
+
+
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    """The tunnel gateway's environment beyond what ``start_tunnel_gateway`` sets (a module overrides this)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster, bed: NetBed, gateway_env: dict[str, str],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The gateway process with its tunnel in the module's ``bed`` (stopped after the module)."""
+    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
+                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR, extra_env=gateway_env)
+    try:
+        yield gw
+    finally:
+        gw.stop()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import (
     IN_CLUSTER_TOKEN_FILE,
     GatewayRefused,
@@ -36,8 +35,7 @@ from activities.clients.gateway import (
     HttpGatewayClient,
     TransportFactory,
 )
-from activities.clients.kube import KubeOps
-from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
+from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
 from gateway.settings import ConfigError, GatewayServerConfig
 from gateway.settings import load_settings as load_gateway_settings
@@ -74,7 +72,7 @@ from tests.harness.rbac import (
 )
 from worker.config import load_settings
 from worker.main import worker_services
-from worker.runtime import Runtime, build_gateway
+from worker.runtime import build_gateway
 
 pytestmark = pytest.mark.cluster
 
@@ -92,10 +90,7 @@ def gateway_rules() -> list[dict[str, list[str]]]:
 
 def mint_token(cluster: Cluster, name: str, audiences: list[str] | None = None) -> str:
     """A ServiceAccount token from the TokenRequest API, as the kubelet projects one into a pod."""
-    return str(cluster.admin.core.create_namespaced_service_account_token(
-        name, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=audiences or [], expiration_seconds=3600)),
-    ).status.token)
+    return cluster.service_account_token(OPTIMIZER_NAMESPACE, name, audiences=audiences)
 
 
 def can(cluster: Cluster, user: str, verb: str, resource: str, group: str = "") -> bool:
@@ -917,12 +912,7 @@ async def http_worker(stack: BurstStack, gateway: GatewayProcess, setup: Setup,
     def boot(instance: Instance, user_data: str, capacity: dict[str, str], _health: GpuHealth) -> None:
         join_with_user_data(user_data, capacity, KWOK_ANNOTATIONS, f"sim://{instance.location}/{instance.instance_id}")
 
-    burst = settings.burst_config()
-    sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
-    runtime = Runtime(settings=settings, kube=KubeOps(stack.optimizer.api), burst=burst, gateway=http,
-                      providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
-                      closers=[sim.stop, http.close])
-    async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.http_runtime(settings, http, boot)) as (temporal, _runtime, _watcher):
         yield temporal, settings.cluster
 
 

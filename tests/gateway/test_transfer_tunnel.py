@@ -20,7 +20,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
@@ -28,14 +27,10 @@ from models.errors import TicketError
 from models.join import NodeTransfer
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
-    POD_CIDR,
-    SERVICE_CIDR,
-    TUNNEL_CIDR,
     Gateway,
     Joined,
     NetBed,
     sh,
-    start_tunnel_gateway,
 )
 from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 
@@ -82,23 +77,15 @@ print(mss, int(answer))
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
-                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR,
-                              extra_env={"KUBEON_GATEWAY_TRANSFER_SECONDS": "1"})
-    try:
-        yield gw
-    finally:
-        gw.stop()
+def gateway_env() -> dict[str, str]:
+    return {"KUBEON_GATEWAY_TRANSFER_SECONDS": "1"}
 
 
 @pytest.fixture(scope="module")
 def optimizer(cluster: Cluster, gateway: Gateway, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[HttpGatewayClient]:
     token = tmp_path_factory.mktemp("optimizer") / "token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    token.write_text(cluster.service_account_token(OPTIMIZER_NAMESPACE, OPTIMIZER_SA))
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         yield http
 

@@ -23,8 +23,6 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
-from activities.clients.kube import KubeOps
-from activities.providers.sim import SimProvider
 from models.errors import TicketError
 from models.join import GpuHealth, JoinTicketRequest, render_user_data
 from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
@@ -47,21 +45,17 @@ from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster, until, wait_for
 from tests.harness.netbed import (
     GATEWAY_PUBLIC_IP,
-    POD_CIDR,
     SERVICE_CIDR,
-    TUNNEL_CIDR,
     UDP_PORT,
     Gateway,
     Joined,
     NetBed,
     boot_node,
     sh,
-    start_tunnel_gateway,
 )
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
 from tunnel.uapi import Uapi
 from worker.main import worker_services
-from worker.runtime import Runtime
 
 pytestmark = pytest.mark.cluster
 
@@ -70,21 +64,9 @@ SERVICE_IP = "10.96.77.77"
 MARKER = f"kubeon-marker-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(scope="module")
-def gateway(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel"), service_cidr=SERVICE_CIDR,
-                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR)
-    try:
-        yield gw
-    finally:
-        gw.stop()
-
-
 def optimizer_token(cluster: Cluster, path: Path) -> Path:
     """A token of the optimizer's ServiceAccount (the gateway's allowed client) in ``path``."""
-    path.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))).status.token))
+    path.write_text(cluster.service_account_token(OPTIMIZER_NAMESPACE, OPTIMIZER_SA))
     return path
 
 
@@ -254,10 +236,7 @@ def test_a_reserved_slot_has_no_peer_and_the_resync_skips_it(
         cluster: Cluster, gateway: Gateway, joined: Joined, tmp_path: Path) -> None:
     """A ticket not redeemed yet holds its address slot without a WireGuard key: a restarted gateway's full
     resync (and every reconcile after it) leaves it out of the peers and still restores the joined node's."""
-    token = tmp_path / "token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    token = optimizer_token(cluster, tmp_path / "token")
     op, name = new_burst_node()
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         http.issue_ticket(JoinTicketRequest(
@@ -304,10 +283,7 @@ def test_a_restarted_gateway_restores_the_peer_and_the_node_stays_ready(
 
 def test_removing_the_node_removes_its_peer_and_frees_its_addresses(
         cluster: Cluster, gateway: Gateway, joined: Joined, served: client.V1Pod, tmp_path: Path) -> None:
-    token = tmp_path / "token"
-    token.write_text(str(cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, OPTIMIZER_NAMESPACE, client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token))
+    token = optimizer_token(cluster, tmp_path / "token")
     with HttpGatewayClient(gateway.url, token, ca_file=gateway.ca_file) as http:
         assert http.remove_node(joined.name, operation=joined.operation) is True
     wait_for(lambda: not cluster.admin.core.list_node(field_selector=f"metadata.name={joined.name}").items,
@@ -372,12 +348,7 @@ async def tunnel_worker(stack: BurstStack, bed: NetBed, gateway: Gateway, tempor
                                                  f"sim://{instance.location}/{instance.instance_id}", node=node,
                                                  failing_gpu_test=failing_gpu_test)
 
-    burst = settings.burst_config()
-    sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
-    runtime = Runtime(settings=settings, kube=KubeOps(stack.optimizer.api), burst=burst, gateway=http,
-                      providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
-                      closers=[sim.stop, http.close])
-    async with worker_services(settings, runtime) as (temporal, _runtime, _watcher):
+    async with worker_services(settings, stack.http_runtime(settings, http, boot)) as (temporal, _runtime, _watcher):
         worker = TunnelWorker(temporal=temporal, cluster=settings.cluster, booted=booted)
         yield worker
 

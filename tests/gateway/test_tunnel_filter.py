@@ -24,14 +24,10 @@ from tests.gateway.test_tunnel_end import MARKER, http_get, join_node, ready
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
     CLUSTER_LINK,
-    POD_CIDR,
-    SERVICE_CIDR,
-    TUNNEL_CIDR,
     Gateway,
     Joined,
     NetBed,
     sh,
-    start_tunnel_gateway,
 )
 from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE
 from tunnel import keys, link
@@ -99,15 +95,8 @@ def temporal_ip(cluster: Cluster, bed: NetBed, tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture(scope="module")
-def gateway(cluster: Cluster, bed: NetBed, temporal_ip: tuple[str, str],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gw = start_tunnel_gateway(cluster, bed, tmp_path_factory.mktemp("tunnel-filter"), service_cidr=SERVICE_CIDR,
-                              pod_cidr=POD_CIDR, tunnel_cidr=TUNNEL_CIDR,
-                              extra_env={"KUBEON_GATEWAY_TUNNEL_DENIED_SERVICES": temporal_ip[0]})
-    try:
-        yield gw
-    finally:
-        gw.stop()
+def gateway_env(temporal_ip: tuple[str, str]) -> dict[str, str]:
+    return {"KUBEON_GATEWAY_TUNNEL_DENIED_SERVICES": temporal_ip[0]}
 
 
 

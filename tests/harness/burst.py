@@ -24,7 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from models.ids import provision_workflow_id
 from models.labels import LABEL_LOCATION
-from models.node import BurstResult, OperationView
+from models.node import BurstResult, Instance, OperationView
 from models.policy import API_GROUP, PLURAL
 from models.provisioning import ProvisionView
 from tests.harness.crd import install_gpupolicy_crd
@@ -36,6 +36,7 @@ from worker.main import worker_services
 from worker.runtime import Runtime
 
 if TYPE_CHECKING:
+    from activities.clients.gateway import HttpGatewayClient
     from gateway.service import KubeGateway
     from gateway.slots import AddressPlan
     from worker.runtime import Runtime
@@ -108,6 +109,21 @@ class BurstStack:
 
         gateway = self.gateway(plan)
         return build_runtime(settings, gateway=gateway, redeem=gateway.join)
+
+    def http_runtime(self, settings: Settings, gateway: HttpGatewayClient,
+                     on_boot: Callable[[Instance, str, dict[str, str]], None]) -> Runtime:
+        """The worker's runtime as in a cluster: the optimizer's own credentials, the gateway over HTTP(S)
+        (``gateway``, closed with the runtime), sim instances booted by ``on_boot(instance, user_data,
+        capacity)``, the audit log in the state directory."""
+        from activities.clients.audit_log import AuditLog
+        from activities.clients.kube import KubeOps
+        from activities.providers.sim import SimProvider
+
+        burst = settings.burst_config()
+        sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=on_boot)
+        return Runtime(settings=settings, kube=KubeOps(self.optimizer.api), burst=burst, gateway=gateway,
+                       providers={"sim": sim}, audit=AuditLog(settings.state_dir / "audit.jsonl"),
+                       closers=[sim.stop, gateway.close])
 
     def gateway_env(self) -> dict[str, str]:
         """What ``tests.harness.inproc_worker`` builds the worker's in-process gateway from."""
@@ -402,9 +418,7 @@ def gateway_process(stack: BurstStack, log: Path, port: int, *, extra_env: dict[
     it; no tunnel: sim nodes reach the API server over loopback), on 127.0.0.1:``port``; and the settings a
     worker needs to use it over HTTP with the optimizer's ServiceAccount token."""
     token = stack.workdir / "optimizer.token"
-    token.write_text(str(stack.cluster.admin.core.create_namespaced_service_account_token(
-        OPTIMIZER_SA, "kubeon-gpu", client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=86400))).status.token))
+    token.write_text(stack.cluster.service_account_token("kubeon-gpu", OPTIMIZER_SA, seconds=86400))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBEON_")}
     env.update({"KUBEON_CLUSTER": "dev", "KUBEON_GATEWAY_KUBECONFIG": str(stack.gateway_kubeconfig),
                 "KUBEON_GATEWAY_TICKET_KEY_FILE": str(stack.ticket_key_file),

@@ -474,6 +474,16 @@ def grant_time_slicing_role(cluster: Any, namespace: str) -> None:
                     namespace, api._ApiClient__deserialize(doc, "V1RoleBinding"))  # type: ignore[attr-defined]
 
 
+def gpu_operator_namespace(cluster: Any) -> str:
+    """A namespace of its own for the GPU Operator: the chart's time-slicing Role there
+    (:func:`grant_time_slicing_role`) and its time-slicing ConfigMap with one key (``any``); its name."""
+    namespace: str = cluster.create_namespace("gpu-operator")
+    grant_time_slicing_role(cluster, namespace)
+    cluster.admin.core.create_namespaced_config_map(namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="time-slicing-config"), data={"any": "version: v1\n"}))
+    return namespace
+
+
 @contextlib.contextmanager
 def running(api: client.ApiClient, **kwargs: Any) -> Iterator[GpuOperator]:
     operator = GpuOperator(api, **kwargs).start()

@@ -93,12 +93,19 @@ class Cluster:
             except client.ApiException as exc:
                 if exc.status != 409:
                     raise
-        token = core.create_namespaced_service_account_token(
-            name, namespace, client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)),
-        ).status.token
+        token = self.service_account_token(namespace, name)
         path = self.plane.workdir / f"sa-{namespace}-{name}.kubeconfig"
         return write_kubeconfig(path, self.plane.server, self.plane.ca_file, token=token, user=f"{namespace}-{name}")
+
+    def service_account_token(self, namespace: str, name: str, *, audiences: list[str] | None = None,
+                              seconds: int = 3600) -> str:
+        """A token of ServiceAccount ``namespace/name`` from the TokenRequest API (as the kubelet projects one
+        into a pod), for ``audiences`` (none: the API server's), valid ``seconds``."""
+        granted = self.admin.core.create_namespaced_service_account_token(
+            name, namespace, client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=audiences or [], expiration_seconds=seconds)))
+        assert granted.status is not None, "the token request came back without a status"
+        return str(granted.status.token)
 
     def service_account_client(self, namespace: str, name: str, *, create: bool = True) -> Kube:
         return Kube.from_kubeconfig(self.service_account_kubeconfig(namespace, name, create=create))

@@ -25,6 +25,7 @@ from tests.harness.gpu_operator import (
     parse_config,
 )
 from tests.harness.kube import Cluster, wait_for
+from tests.harness.workloads import gpu_pod
 
 pytestmark = pytest.mark.cluster
 
@@ -143,20 +144,12 @@ def test_disconnected_config_manager_ignores_labels(cluster: Cluster, namespace:
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "1"}
 
 
-def gpu_pod(cluster: Cluster, namespace: str, node_name: str, name: str) -> None:
-    cluster.admin.core.create_namespaced_pod(namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name),
-        spec=client.V1PodSpec(node_name=node_name, containers=[client.V1Container(
-            name="main", image="busybox", resources=client.V1ResourceRequirements(
-                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))])))
-
-
 def test_mig_reconfiguration_deletes_gpu_pods_and_advertises_slices(cluster: Cluster, namespace: str,
                                                                     operator: GpuOperator, gpu_node: Any) -> None:
     operator.with_reboot = True
     name = gpu_node(gpus=2)
-    gpu_pod(cluster, namespace, name, "train-0")
-    gpu_pod(cluster, namespace, name, "train-1")
+    cluster.admin.core.create_namespaced_pod(namespace, gpu_pod("train-0", node_name=name))
+    cluster.admin.core.create_namespaced_pod(namespace, gpu_pod("train-1", node_name=name))
     cluster.admin.core.create_namespaced_pod(namespace, client.V1Pod(
         metadata=client.V1ObjectMeta(name="cpu-only"),
         spec=client.V1PodSpec(node_name=name, containers=[client.V1Container(name="main", image="busybox")])))

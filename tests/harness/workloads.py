@@ -1,4 +1,5 @@
-"""The GPU Deployments tests create: one builder, so every test's pods differ only in what the test is about."""
+"""The GPU Deployments (and bare GPU pods) tests create: one builder each, so every test's pods differ only in what
+the test is about."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def gpu_pods(name: str, *, replicas: int = 1, gpus: int = 1, node_selector: dict
                         name="infer", image="registry.invalid/infer:1", resources=client.V1ResourceRequirements(
                             requests=requests, limits={"nvidia.com/gpu": str(gpus)}))],
                     tolerations=tolerations, node_selector=node_selector, termination_grace_period_seconds=0))))
+
+
+def gpu_pod(name: str, *, labels: dict[str, str] | None = None, node_selector: dict[str, str] | None = None,
+            node_name: str | None = None) -> client.V1Pod:
+    """A bare pod asking for one nvidia.com/gpu (request and limit), on ``node_name`` or where ``node_selector``
+    lets the scheduler put it."""
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, labels=labels),
+        spec=client.V1PodSpec(node_name=node_name, node_selector=node_selector, containers=[client.V1Container(
+            name="main", image="busybox", resources=client.V1ResourceRequirements(
+                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))]))
 
 
 def node_group_pods(name: str, group_label: str, group: str, replicas: int) -> client.V1Deployment:

@@ -45,10 +45,10 @@ from models.sharing import (
     WriteKeyResult,
     sharing_workflow_id,
 )
-from tests.harness import burst
+from tests.harness import burst, workloads
 from tests.harness.burst import BurstStack, build_stack, unique
 from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
+from tests.harness.gpu_operator import GpuOperator, gpu_operator_namespace
 from tests.harness.kube import Cluster, until, wait_for
 from tests.harness.prometheus import SCRAPE_JOB, Prometheus
 from worker import ops
@@ -76,11 +76,7 @@ class SharingBed:
 
 
 def gpu_pod(name: str, pool: str) -> client.V1Pod:
-    return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, labels={"app": "shared"}),
-        spec=client.V1PodSpec(node_selector={"pool": pool}, containers=[client.V1Container(
-            name="main", image="busybox", resources=client.V1ResourceRequirements(
-                limits={"nvidia.com/gpu": "1"}, requests={"nvidia.com/gpu": "1"}))]))
+    return workloads.gpu_pod(name, labels={"app": "shared"}, node_selector={"pool": pool})
 
 
 def pods_on(cluster: Cluster, namespace: str, node: str) -> list[str]:
@@ -97,10 +93,7 @@ def allocatable(cluster: Cluster, node: str) -> str:
 def bed(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharingBed]:
     workdir = tmp_path_factory.mktemp("sharing")
     burst = build_stack(cluster, workdir)
-    operator_ns = cluster.create_namespace("gpu-operator")
-    grant_time_slicing_role(cluster, operator_ns)
-    cluster.admin.core.create_namespaced_config_map(operator_ns, client.V1ConfigMap(
-        metadata=client.V1ObjectMeta(name="time-slicing-config"), data={"any": "version: v1\n"}))
+    operator_ns = gpu_operator_namespace(cluster)
     pool = f"ts-{uuid.uuid4().hex[:6]}"
     node = f"a100-{pool}"
     cluster.create_kwok_node(node, labels={**GpuOperator.gfd_labels(PRODUCT, 4), "pool": pool}, gpus=4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -330,21 +330,15 @@ def test_freeze_shield_and_gpu_limit(aks: dict[str, Any], azure_server: FakeServ
     assert shrinks(azure_server, 2) == []
 
 
-def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field() -> None:
-    from typing import cast
-
-    from activities.clients.kube import KubeOps
+def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field(
+        worker_capacity: Callable[[dict[str, str]], object]) -> None:
     from models.env import ConfigError
     from worker.config import load_settings
-    from worker.runtime import Runtime
 
     good = {"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "aks-nodepools", "KUBEON_CAPACITY_CLUSTER_NAME": "train",
             "KUBEON_CAPACITY_SUBSCRIPTION": AZURE_SUBSCRIPTION, "KUBEON_CAPACITY_RESOURCE_GROUP": RG,
             "KUBEON_AZURE_ENDPOINT_URL": "https://127.0.0.1:5998"}
-    settings = load_settings(good)
-    runtime = Runtime(settings=settings, kube=KubeOps(client.ApiClient()), burst=settings.burst_config(),
-                      gateway=cast(Any, None), providers={}, audit=cast(Any, None))
-    capacity = runtime.capacity()
+    capacity = worker_capacity(good)
     assert isinstance(capacity, AksNodePoolsCapacity)
     assert (capacity.subscription, capacity.resource_group, capacity.cluster, capacity.endpoint_url) == (
         AZURE_SUBSCRIPTION, RG, "train", "https://127.0.0.1:5998")

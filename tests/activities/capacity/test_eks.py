@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -322,21 +322,13 @@ def test_the_auto_scaling_groups_name_is_read_once_and_read_again_when_its_group
     capacity.unfreeze(group["ng"], "op-2")
 
 
-def test_the_worker_runtime_builds_the_provider_from_its_settings() -> None:
+def test_the_worker_runtime_builds_the_provider_from_its_settings(
+        worker_capacity: Callable[[dict[str, str]], object]) -> None:
     """capacity.provider eks-nodegroups -> this provider with the cluster, region and AWS endpoint of the settings;
     burst does not defer to it (nothing scales a node group up for a waiting pod yet)."""
-    from typing import cast
-
-    from activities.clients.kube import KubeOps
-    from worker.config import load_settings
-    from worker.runtime import Runtime
-
-    settings = load_settings({"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "eks-nodegroups",
-                              "KUBEON_CAPACITY_CLUSTER_NAME": "train", "KUBEON_CAPACITY_REGION": "eu-west-1",
-                              "KUBEON_AWS_ENDPOINT_URL": "http://127.0.0.1:5999"})
-    runtime = Runtime(settings=settings, kube=KubeOps(client.ApiClient()), burst=settings.burst_config(),
-                      gateway=cast(Any, None), providers={}, audit=cast(Any, None))
-    capacity = runtime.capacity()
+    capacity = worker_capacity({"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "eks-nodegroups",
+                                "KUBEON_CAPACITY_CLUSTER_NAME": "train", "KUBEON_CAPACITY_REGION": "eu-west-1",
+                                "KUBEON_AWS_ENDPOINT_URL": "http://127.0.0.1:5999"})
     assert isinstance(capacity, EksNodeGroupsCapacity)
     assert (capacity.cluster, capacity.region, capacity.endpoint_url) == ("train", "eu-west-1",
                                                                           "http://127.0.0.1:5999")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -235,21 +235,15 @@ def test_freeze_shield_and_doctor(pool: dict[str, Any], cluster: Cluster) -> Non
     assert missing.status == "missing" and "no-such-cluster" in missing.detail
 
 
-def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field() -> None:
-    from typing import cast
-
-    from activities.clients.kube import KubeOps
+def test_the_worker_builds_the_provider_and_refuses_bad_config_naming_the_field(
+        worker_capacity: Callable[[dict[str, str]], object]) -> None:
     from models.env import ConfigError
     from worker.config import load_settings
-    from worker.runtime import Runtime
 
     env = {"KUBEON_CLUSTER": "c", "KUBEON_CAPACITY_PROVIDER": "gke-nodepools", "KUBEON_CAPACITY_PROJECT": PROJECT,
            "KUBEON_CAPACITY_LOCATION": LOCATION, "KUBEON_CAPACITY_CLUSTER_NAME": "train",
            "KUBEON_GCP_ENDPOINT_URL": "http://127.0.0.1:5998"}
-    settings = load_settings(env)
-    runtime = Runtime(settings=settings, kube=KubeOps(client.ApiClient()), burst=settings.burst_config(),
-                      gateway=cast(Any, None), providers={}, audit=cast(Any, None))
-    capacity = runtime.capacity()
+    capacity = worker_capacity(env)
     assert isinstance(capacity, GkeNodePoolsCapacity)
     assert (capacity.project, capacity.location, capacity.cluster, capacity.endpoint_url) == (
         PROJECT, LOCATION, "train", "http://127.0.0.1:5998")

@@ -23,14 +23,14 @@ AZURE_SUBNET = (f"/subscriptions/{AZURE_SUBSCRIPTION}/resourceGroups/net/provide
 GKE_PROJECT, GKE_LOCATION, GKE_ZONE = "acme-ml", "europe-west4", "europe-west4-a"
 
 
-def seed_gke_gpu_pool(server: FakeServer, *, machine_type: str, nodes: int,
-                      labels: dict[str, str] | None = None) -> tuple[str, str]:
+def seed_gke_gpu_pool(server: FakeServer, *, machine_type: str, nodes: int, labels: dict[str, str] | None = None,
+                      operation_seconds: float = 0.2) -> tuple[str, str]:
     """A GKE cluster of its own on the local server with one GPU pool of ``nodes`` VMs in GKE_ZONE, tainted
-    ``nvidia.com/gpu`` and carrying ``labels``, its operations taking 0.2 s; (cluster, pool)."""
+    ``nvidia.com/gpu`` and carrying ``labels``, its operations taking ``operation_seconds``; (cluster, pool)."""
     import uuid
 
     server.reset()
-    server.fault(operation_seconds=0.2)
+    server.fault(operation_seconds=operation_seconds)
     cluster, pool = f"train-{uuid.uuid4().hex[:6]}", f"gpu-{uuid.uuid4().hex[:6]}"
     server.seed(gke={"project": GKE_PROJECT, "location": GKE_LOCATION, "cluster": cluster, "nodePools": [
         {"name": pool, "machineType": machine_type, "zones": [GKE_ZONE], "nodeCount": nodes, "labels": labels or {},

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 from temporalio import activity
 from temporalio.worker import Worker
 
-from models.audit import AuditRecord
 from models.decisions import Approval, Rejection
-from models.hub import GateRequest, GateState
 from models.provisioning import PodsGone
 from models.scale import (
     Observation,
@@ -32,6 +28,7 @@ from models.scale import (
     WorkloadRef,
 )
 from tests.harness.temporal import skip_time
+from tests.workflows.histories.recording import action_gate, dump, record_audit, until_phase
 from tests.workflows.test_burst_approval import (  # noqa: F401  (fixtures)
     BurstResult,
     Env,
@@ -46,8 +43,6 @@ from tests.workflows.test_burst_approval import (  # noqa: F401  (fixtures)
 from worker.main import workflow_runner
 from workflows.scale import ScaleWorkflow
 
-OUT = Path(os.environ["HISTORIES"])
-
 
 async def _history_grows(handle, events: int) -> None:
     """Until the history holds more than ``events`` events (what the skipped time made it do), at most 10 s."""
@@ -56,16 +51,6 @@ async def _history_grows(handle, events: int) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"the history stayed at {events} events")
-
-
-async def _dump(handle, name: str) -> None:
-    import json
-    history = await handle.fetch_history()
-    (OUT / f"{name}.json").write_text(history.to_json())
-    ids = OUT / "workflow_ids.json"
-    known = json.loads(ids.read_text()) if ids.exists() else {}
-    known[name] = handle.id
-    ids.write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
 
 
 async def test_provision_histories(env: Env) -> None:  # noqa: F811
@@ -78,13 +63,13 @@ async def test_provision_histories(env: Env) -> None:  # noqa: F811
     await _until(handle, lambda v: not v.nodes)
     await handle.signal(ProvisionWorkflow.pods_gone, PodsGone(uids=["infer-0"]))
     await _until(handle, lambda v: not v.waiting)
-    await _dump(handle, "provision-approved-node-failed")
-    await _dump(node, "burstnode-launch-refused")
+    await dump(handle, "provision-approved-node-failed")
+    await dump(node, "burstnode-launch-refused")
 
     handle, view = await _proposal(server.client, queue, _pods(2, prefix="other"))
     await handle.signal("reject", Rejection(approver="carol", reason="cost"))
     await _until(handle, lambda v: bool(v.batches))
-    await _dump(handle, "provision-rejected")
+    await dump(handle, "provision-rejected")
 
 
 def _scale_activities(mode: str) -> list:
@@ -96,17 +81,9 @@ def _scale_activities(mode: str) -> list:
     async def observe_workload(req: ObserveRequest) -> Observation:
         return Observation(replicas=2, idle=True, reason="idle for 30m")
 
-    @activity.defn(name="record_audit")
-    async def record_audit(record: AuditRecord) -> bool:
-        return True
-
     @activity.defn(name="update_scale_status")
     async def update_scale_status(req: ScaleStatusUpdate) -> None:
         return None
-
-    @activity.defn(name="action_gate")
-    async def action_gate(req: GateRequest) -> GateState:
-        return GateState(held=False)
 
     @activity.defn(name="scale_workload")
     async def scale_workload(req: ScaleRequest) -> ScaleResult:
@@ -124,15 +101,6 @@ def _scale_activities(mode: str) -> list:
             read_replicas, wait_workload_ready]
 
 
-async def _scale_state(handle, phase: ScalePhase) -> None:
-    for _ in range(400):
-        view = await handle.query("state")
-        if view["phase"] == phase.value:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(view)
-
-
 async def test_scale_histories(own_time_skipping) -> None:  # noqa: F811
     server = own_time_skipping
     client = server.client
@@ -146,17 +114,17 @@ async def test_scale_histories(own_time_skipping) -> None:  # noqa: F811
                                               prometheus_configured=True, settings=ScaleSettings()),
                 id=f"scale/c/p/{uuid.uuid4().hex[:6]}", task_queue=queue)
             if mode == "Recommend":
-                await _scale_state(handle, ScalePhase.PROPOSED)
+                await until_phase(handle, ScalePhase.PROPOSED.value)
                 before = len((await handle.fetch_history()).events)
                 await skip_time(server, timedelta(seconds=200))  # the proposal re-observed, re-set each minute
                 await _history_grows(handle, before)
-                await _dump(handle, "scale-recommend-open")
+                await dump(handle, "scale-recommend-open")
                 await handle.terminate("test over")
                 continue
-            await _scale_state(handle, ScalePhase.AWAITING_APPROVAL)
+            await until_phase(handle, ScalePhase.AWAITING_APPROVAL.value)
             await handle.execute_update("approve_plan", Approval(approver="alice"))
-            await _scale_state(handle, ScalePhase.SCALED_TO_ZERO)
+            await until_phase(handle, ScalePhase.SCALED_TO_ZERO.value)
             await skip_time(server, timedelta(seconds=70))
             await handle.execute_update("wake", WakeRequest(by="bob"))
             await handle.result()
-            await _dump(handle, "scale-approved-woken")
+            await dump(handle, "scale-approved-woken")

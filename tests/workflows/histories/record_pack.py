@@ -7,13 +7,13 @@ re-placed (compensated), one rejected."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import uuid
 from typing import Any
 
 from temporalio import activity
+from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from models.decisions import Approval, Rejection
@@ -30,8 +30,7 @@ from models.packing import (
     ReplacementCheck,
     ReplacementState,
 )
-from tests.harness.temporal import start_dev_server
-from tests.workflows.histories.recording import dump, until_phase
+from tests.workflows.histories.recording import dump, on_dev_server, until_phase
 
 sys.path.insert(0, os.environ["OLD"])
 import old_pack  # type: ignore[import-not-found]
@@ -86,31 +85,26 @@ def activities(*, replaced: bool) -> list[Any]:
             pack_replacement_ready, pack_remove_node, pack_node_gone]
 
 
-async def main() -> None:
-    env = await start_dev_server()
-    try:
-        client = env.client
-        settings = PackSettings(poll_seconds=0.2, replacement_timeout_seconds=1)
-        for name, replaced, decision in (("pack-approved-done", True, "approve"),
-                                         ("pack-replacement-stopped", False, "approve"),
-                                         ("pack-rejected", True, "reject")):
-            queue = f"record-{uuid.uuid4().hex[:6]}"
-            async with Worker(client, task_queue=queue, workflows=[old_pack.PackWorkflow],
-                              activities=activities(replaced=replaced), workflow_runner=UnsandboxedWorkflowRunner()):
-                wid = f"packing/c/p-{uuid.uuid4().hex[:6]}"
-                handle = await client.start_workflow(
-                    "PackWorkflow", PackInput(cluster="c", policy="p", groups=["gpu"], mode="Approve", max_nodes=2,
-                                              settings=settings), id=wid, task_queue=queue)
-                await until_phase(handle, "AwaitingApproval")
-                if decision == "approve":
-                    await handle.execute_update("approve_plan", Approval(approver="rec", plan_id=wid))
-                else:
-                    await handle.execute_update("reject_plan", Rejection(approver="rec", reason="not now"))
-                await handle.result()
-                await dump(handle, name)
-    finally:
-        await env.shutdown()
+async def record(client: Client) -> None:
+    settings = PackSettings(poll_seconds=0.2, replacement_timeout_seconds=1)
+    for name, replaced, decision in (("pack-approved-done", True, "approve"),
+                                     ("pack-replacement-stopped", False, "approve"),
+                                     ("pack-rejected", True, "reject")):
+        queue = f"record-{uuid.uuid4().hex[:6]}"
+        async with Worker(client, task_queue=queue, workflows=[old_pack.PackWorkflow],
+                          activities=activities(replaced=replaced), workflow_runner=UnsandboxedWorkflowRunner()):
+            wid = f"packing/c/p-{uuid.uuid4().hex[:6]}"
+            handle = await client.start_workflow(
+                "PackWorkflow", PackInput(cluster="c", policy="p", groups=["gpu"], mode="Approve", max_nodes=2,
+                                          settings=settings), id=wid, task_queue=queue)
+            await until_phase(handle, "AwaitingApproval")
+            if decision == "approve":
+                await handle.execute_update("approve_plan", Approval(approver="rec", plan_id=wid))
+            else:
+                await handle.execute_update("reject_plan", Rejection(approver="rec", reason="not now"))
+            await handle.result()
+            await dump(handle, name)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    on_dev_server(record)

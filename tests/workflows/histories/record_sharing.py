@@ -6,18 +6,16 @@ today's workflows."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import uuid
 from typing import Any
 
 from temporalio import activity
+from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from models.audit import AuditRecord
 from models.drain import EvictionResult, NodeRef
-from models.hub import GateRequest, GateState
 from models.sharing import (
     CleanupRequest,
     CleanupResult,
@@ -38,22 +36,13 @@ from models.sharing import (
     WriteKeyResult,
     time_slicing_key,
 )
-from tests.harness.temporal import start_dev_server
-from tests.workflows.histories.recording import dump, until_phase
+from tests.workflows.histories.recording import action_gate, dump, on_dev_server, record_audit, until_phase
 
 sys.path.insert(0, os.environ["OLD"])
 import old_sharing  # type: ignore[import-not-found]
 
 
 def activities(*, written: bool, mig: str) -> list[Any]:
-    @activity.defn(name="record_audit")
-    async def record_audit(record: AuditRecord) -> bool:
-        return True
-
-    @activity.defn(name="action_gate")
-    async def action_gate(req: GateRequest) -> GateState:
-        return GateState(held=False)
-
     @activity.defn(name="read_node_config")
     async def read_node_config(node: str) -> NodeConfig:
         return NodeConfig(node=node, gpus=2)
@@ -112,39 +101,34 @@ def activities(*, written: bool, mig: str) -> list[Any]:
             evict_pods, set_mig_config, wait_mig_state, verify_mig_resources, uncordon_node]
 
 
-async def main() -> None:
-    env = await start_dev_server()
-    try:
-        client = env.client
-        for name, written, mig in (("sharing-ts-written-undone", True, "success"),
-                                   ("sharing-ts-key-there-undone", False, "success"),
-                                   ("sharing-mig-undone", True, "success"),
-                                   ("sharing-mig-failed", True, "failed")):
-            queue = f"record-{uuid.uuid4().hex[:6]}"
-            async with Worker(client, task_queue=queue, workflows=[old_sharing.TimeSlicingWorkflow,
-                                                                   old_sharing.MigWorkflow],
-                              activities=activities(written=written, mig=mig),
-                              workflow_runner=UnsandboxedWorkflowRunner()):
-                node = f"n-{uuid.uuid4().hex[:6]}"
-                if name.startswith("sharing-ts"):
-                    handle = await client.start_workflow(
-                        "TimeSlicing", TimeSlicingInput(cluster="c", policy="p", node=node, gpus=2, replicas=2,
-                                                        mode="Automatic",
-                                                        settings=SharingSettings(propagation_seconds=1)),
-                        id=f"sharing/c/{node}", task_queue=queue)
-                else:
-                    handle = await client.start_workflow(
-                        "Mig", MigInput(cluster="c", policy="p", node=node, gpus=2, geometry="all-3g.40gb",
-                                        slices={"3g.40gb": 2}, mode="Automatic"),
-                        id=f"sharing/c/{node}", task_queue=queue)
-                if mig != "failed":
-                    await until_phase(handle, "Shared")
-                    await handle.signal("undo")
-                await handle.result()
-                await dump(handle, name)
-    finally:
-        await env.shutdown()
+async def record(client: Client) -> None:
+    for name, written, mig in (("sharing-ts-written-undone", True, "success"),
+                               ("sharing-ts-key-there-undone", False, "success"),
+                               ("sharing-mig-undone", True, "success"),
+                               ("sharing-mig-failed", True, "failed")):
+        queue = f"record-{uuid.uuid4().hex[:6]}"
+        async with Worker(client, task_queue=queue, workflows=[old_sharing.TimeSlicingWorkflow,
+                                                               old_sharing.MigWorkflow],
+                          activities=activities(written=written, mig=mig),
+                          workflow_runner=UnsandboxedWorkflowRunner()):
+            node = f"n-{uuid.uuid4().hex[:6]}"
+            if name.startswith("sharing-ts"):
+                handle = await client.start_workflow(
+                    "TimeSlicing", TimeSlicingInput(cluster="c", policy="p", node=node, gpus=2, replicas=2,
+                                                    mode="Automatic",
+                                                    settings=SharingSettings(propagation_seconds=1)),
+                    id=f"sharing/c/{node}", task_queue=queue)
+            else:
+                handle = await client.start_workflow(
+                    "Mig", MigInput(cluster="c", policy="p", node=node, gpus=2, geometry="all-3g.40gb",
+                                    slices={"3g.40gb": 2}, mode="Automatic"),
+                    id=f"sharing/c/{node}", task_queue=queue)
+            if mig != "failed":
+                await until_phase(handle, "Shared")
+                await handle.signal("undo")
+            await handle.result()
+            await dump(handle, name)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    on_dev_server(record)

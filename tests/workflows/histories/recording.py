@@ -1,15 +1,22 @@
-"""What the history-recording scripts (record_sharing.py, record_pack.py) share: writing a run's history into
-``$HISTORIES`` (and its workflow ID into workflow_ids.json, which test_replay reads), and waiting for a phase."""
+"""What the history-recording scripts (record.py, record_sharing.py, record_pack.py) share: writing a run's history
+into ``$HISTORIES`` (and its workflow ID into workflow_ids.json, which test_replay reads), waiting for a phase, the
+audit and action-gate activities every operation calls (both let it go on), and running on a fresh dev server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import WorkflowHandle
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+
+from models.audit import AuditRecord
+from models.hub import GateRequest, GateState
+from tests.harness.temporal import start_dev_server
 
 
 async def dump(handle: WorkflowHandle[Any, Any], name: str) -> None:
@@ -29,3 +36,23 @@ async def until_phase(handle: WorkflowHandle[Any, Any], phase: str) -> None:
     raise AssertionError(f"{handle.id} never reached {phase}")
 
 
+@activity.defn(name="record_audit")
+async def record_audit(record: AuditRecord) -> bool:
+    return True
+
+
+@activity.defn(name="action_gate")
+async def action_gate(req: GateRequest) -> GateState:
+    return GateState(held=False)
+
+
+def on_dev_server(record: Callable[[Client], Awaitable[None]]) -> None:
+    """Run ``record`` with a client of a fresh dev server, which is shut down after."""
+    async def main() -> None:
+        env = await start_dev_server()
+        try:
+            await record(env.client)
+        finally:
+            await env.shutdown()
+
+    asyncio.run(main())
