@@ -24,7 +24,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from models.ids import provision_workflow_id
 from models.labels import LABEL_LOCATION
-from models.node import BurstResult, Instance, OperationView
+from models.node import BurstResult, OperationView
 from models.policy import API_GROUP, PLURAL
 from models.provisioning import ProvisionView
 from tests.harness.crd import install_gpupolicy_crd
@@ -37,6 +37,7 @@ from worker.runtime import Runtime
 
 if TYPE_CHECKING:
     from activities.clients.gateway import HttpGatewayClient
+    from activities.providers.sim import BootHook
     from gateway.service import KubeGateway
     from gateway.slots import AddressPlan
     from worker.runtime import Runtime
@@ -110,11 +111,10 @@ class BurstStack:
         gateway = self.gateway(plan)
         return build_runtime(settings, gateway=gateway, redeem=gateway.join)
 
-    def http_runtime(self, settings: Settings, gateway: HttpGatewayClient,
-                     on_boot: Callable[[Instance, str, dict[str, str]], None]) -> Runtime:
+    def http_runtime(self, settings: Settings, gateway: HttpGatewayClient, on_boot: BootHook) -> Runtime:
         """The worker's runtime as in a cluster: the optimizer's own credentials, the gateway over HTTP(S)
         (``gateway``, closed with the runtime), sim instances booted by ``on_boot(instance, user_data,
-        capacity)``, the audit log in the state directory."""
+        capacity, gpu_health)``, the audit log in the state directory."""
         from activities.clients.audit_log import AuditLog
         from activities.clients.kube import KubeOps
         from activities.providers.sim import SimProvider
