@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from activities.capacity import CapacityError, CapacityProvider
 from activities.capacity.facts import gather
 from activities.clients.kube import PDB_PATTERN, KubeOps
+from models.autoscaling import GpuProductsRequest
 from models.packing import (
     EvictOutcome,
     GroupRef,
@@ -177,7 +178,13 @@ class PackActivities:
     def pack_node_gone(self, req: NodeRef2) -> bool:
         return bool(_capacity_call(self.capacity.node_gone, req.group, req.node))
 
+    @activity.defn(name="set_gpu_products", no_thread_cancel_exception=True)
+    def set_gpu_products(self, req: GpuProductsRequest) -> list[str]:
+        """issue 23: the NodePool's GPU products requirement, absolute (a retry sets the same); the products it
+        required before."""
+        return _capacity_call(self.capacity.set_gpu_products, req.node_pool, req.products)
+
     def all(self) -> list[Callable[..., Any]]:
-        return [self.pack_plan, self.pack_freeze, self.pack_unfreeze, self.pack_cordon, self.pack_uncordon,
-                self.pack_pods_on_node, self.pack_evict_pod, self.pack_replacement_ready, self.pack_remove_node,
-                self.pack_node_gone]
+        return [self.set_gpu_products, self.pack_plan, self.pack_freeze, self.pack_unfreeze, self.pack_cordon,
+                self.pack_uncordon, self.pack_pods_on_node, self.pack_evict_pod, self.pack_replacement_ready,
+                self.pack_remove_node, self.pack_node_gone]

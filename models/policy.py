@@ -544,11 +544,20 @@ class AutoscalingSpec(_KindSpec):
     max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)] | None = None
     # USD per hour for all of nodePools together (strict float takes ints, not strings).
     max_usd_per_hour: Annotated[StrictFloat, Field(gt=0, le=1_000_000)] | None = None
+    # issue 23: the GPU products nodePools may launch, held as their requirement nvidia.com/gpu.product In [...]. A
+    # requirement change drifts the pool's nodes of other products (Karpenter replaces them), so it is proposed as
+    # an operation and made only when approved, whatever the mode (Recommend reports it). None: left as it is.
+    gpu_products: Annotated[list[LabelValue], Field(min_length=1, max_length=16)] | None = None
 
     @field_validator("node_pools")
     @classmethod
     def _unique_pools(cls, pools: list[str]) -> list[str]:
         return _unique(pools, "NodePool")
+
+    @field_validator("gpu_products")
+    @classmethod
+    def _unique_products(cls, products: list[str] | None) -> list[str] | None:
+        return None if products is None else _unique(products, "GPU product")
 
     @model_validator(mode="after")
     def _some_budget(self) -> AutoscalingSpec:

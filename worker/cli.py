@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the worker's and the models' imports stay lazy: `kubeon-gpu
     from activities.capacity.aks import AksNodePoolsCapacity
     from activities.capacity.eks import EksNodeGroupsCapacity
     from activities.capacity.gke import GkeNodePoolsCapacity
+    from models.autoscaling import GpuProductsView
     from models.hub import HubSyncStatus
     from models.node import OperationView
     from models.packing import PackView
@@ -312,7 +313,18 @@ def _render_pack(view: PackView) -> str:
     return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
 
 
-def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView | PackView) -> str:
+def _render_gpu_products(view: GpuProductsView) -> str:
+    lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
+             f"phase      {view.phase}"]
+    if view.message:
+        lines.append(f"message    {view.message}")
+    if view.change is not None:
+        lines.append(f"change     {view.change.summary()}")
+    return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
+
+
+def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView | PackView | GpuProductsView) -> str:
+    from models.autoscaling import GpuProductsView
     from models.packing import PackView
     from models.provisioning import ProvisionView
     from models.scale import ScaleView
@@ -322,6 +334,8 @@ def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView |
         return _render_provision(view)
     if isinstance(view, PackView):
         return _render_pack(view)
+    if isinstance(view, GpuProductsView):
+        return _render_gpu_products(view)
     if isinstance(view, SharingView):
         lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
                  f"node       {view.node}", f"mode       {view.mode}", f"phase      {view.phase.value}",

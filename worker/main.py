@@ -30,6 +30,7 @@ from worker.sharing_watcher import SharingWatcher
 from worker.watcher import PendingPodWatcher
 from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
+from workflows.gpu_products import GpuProductsWorkflow
 from workflows.hub_sync import HubSyncWorkflow
 from workflows.pack import PackWorkflow
 from workflows.provision import ProvisionWorkflow
@@ -39,7 +40,7 @@ from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
 log = logging.getLogger("kubeon.worker")
 RuntimeFactory = Callable[[Settings], Runtime]
 WORKFLOWS = [ProvisionWorkflow, BurstNodeWorkflow, DrainWorkflow, HubSyncWorkflow, ScaleWorkflow,
-             TimeSlicingWorkflow, MigWorkflow, PackWorkflow]
+             TimeSlicingWorkflow, MigWorkflow, PackWorkflow, GpuProductsWorkflow]
 # Activities get this long to finish on shutdown; the chart's terminationGracePeriodSeconds is longer.
 GRACEFUL_SHUTDOWN = timedelta(seconds=30)
 # A workflow task waits this long on the sticky queue of the worker that holds the workflow cached before the

@@ -13,6 +13,7 @@ from temporalio.service import RPCError
 
 from activities.clients.decisions import DecisionRefused, OperationNotFound, decide, resolve
 from models import search_attributes as sa
+from models.autoscaling import GpuProductsView
 from models.cost import TransferReading, actual_cost
 from models.decisions import Approval, DecisionResult, Rejection
 from models.hub import HubSyncStatus, hub_sync_workflow_id
@@ -80,7 +81,8 @@ def rows_json(rows: list[OperationRow]) -> str:
     return json.dumps([asdict(r) for r in rows], indent=2)
 
 
-async def show(temporal: Client, operation: str) -> OperationView | ProvisionView | ScaleView | SharingView | PackView:
+async def show(temporal: Client, operation: str
+               ) -> OperationView | ProvisionView | ScaleView | SharingView | PackView | GpuProductsView:
     """A node (launch ... return home), a policy's provisioning (its open proposal, plan, batches, nodes), a
     ScaleToZero, Sharing or packing operation."""
     handle = await resolve(temporal, operation)
@@ -94,6 +96,9 @@ async def show(temporal: Client, operation: str) -> OperationView | ProvisionVie
     if desc.workflow_type == "PackWorkflow":
         packing: PackView = await handle.query("state", result_type=PackView)
         return packing
+    if desc.workflow_type == "GpuProducts":
+        products: GpuProductsView = await handle.query("state", result_type=GpuProductsView)
+        return products
     if desc.workflow_type == "Provision":
         view: ProvisionView = await handle.query("state", result_type=ProvisionView)
         return view

@@ -27,6 +27,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.capacity import CapacityError, CapacityProvider
 from activities.clients.policies import enforceable_policies, patch_policy_status
 from activities.packing import plan_round
+from models.autoscaling import GpuProductsChange, GpuProductsInput, GpuProductsView, gpu_products_workflow_id
 from models.capacity import HomeNodeGroup
 from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
 from models.policy import AutoscalingPolicy, Mode, PackingPolicy
@@ -36,6 +37,17 @@ log = logging.getLogger("kubeon.packing")
 STATUS_KEY = "packing"
 AUTOSCALING_STATUS_KEY = "autoscaling"
 MAX_KEPT = 100
+
+
+@dataclass
+class Holding:
+    """An Autoscaling policy's evaluation: its status.autoscaling, and the GPU products changes it proposes (each
+    with its pool's status entry, which says what became of it)."""
+
+    policy: AutoscalingPolicy
+    mode: Mode
+    status: dict[str, Any]
+    changes: list[tuple[GpuProductsChange, dict[str, Any]]]
 
 
 @dataclass
@@ -59,6 +71,16 @@ def proposal_status(plan: PackPlan) -> dict[str, Any]:
     return {"nodes": plan.empty, "usdPerHourSaved": round(plan.usd_per_hour_saved, 2), "summary": plan.summary(),
             "moves": [{"pod": m.pod, "from": m.source, "to": m.target, "gpus": m.gpus,
                        **({"waitsForPdb": m.waits_for_pdb} if m.waits_for_pdb else {})} for m in plan.moves[:100]]}
+
+
+def products_change(group: HomeNodeGroup, wanted: list[str]) -> GpuProductsChange | None:
+    """The pool's GPU products requirement to change, or None when it already requires exactly ``wanted``; the
+    pool's nodes of other products would drift."""
+    if sorted(group.gpu_products) == sorted(wanted):
+        return None
+    drifted = [n.name for n in group.nodes if n.gpu_product not in wanted]
+    return GpuProductsChange(node_pool=group.name, current=list(group.gpu_products), wanted=sorted(wanted),
+                             drifted=drifted)
 
 
 def _limit(gpus: int | None) -> str:
@@ -126,11 +148,12 @@ class PackingWatcher:
             status["reason"] = plan.summary()
         return Round(policy, mode, request, plan, status)
 
-    def hold_limits(self, policy: AutoscalingPolicy) -> dict[str, Any]:
+    def hold_limits(self, policy: AutoscalingPolicy) -> Holding:
         """Each of the policy's NodePools capped at the limit its budgets leave it (planning/autoscaling.py:
         maxGpus, and its part of maxUsdPerHour valued at the worst case), set in Automatic or reported in
         Recommend; a lower limit stops new GPU nodes and removes none. A dollar budget that cannot be held (a pool
-        that names no instance types, or types without a price) is said so and not acted on."""
+        that names no instance types, or types without a price) is said so and not acted on. A pool whose GPU
+        products requirement is not the policy's gpuProducts gets a change to propose (issue 23)."""
         spec = policy.spec
         mode = spec.effective_mode(self.default_mode())
         groups: dict[str, HomeNodeGroup | str] = {}
@@ -142,6 +165,7 @@ class PackingWatcher:
         plan = plan_limits(list(spec.node_pools), groups, max_gpus=spec.max_gpus,
                            max_usd_per_hour=spec.max_usd_per_hour)
         pools: list[dict[str, Any]] = []
+        changes: list[tuple[GpuProductsChange, dict[str, Any]]] = []
         for name in spec.node_pools:
             group = groups[name]
             target = plan.pool(name)
@@ -159,6 +183,13 @@ class PackingWatcher:
                 entry["reason"] = str(exc)
             if target.unvalued:
                 entry["reason"] += f"; maxUsdPerHour is not held: {target.unvalued}"
+            if spec.gpu_products is not None:
+                change = products_change(group, spec.gpu_products)
+                entry["gpuProducts"] = {"required": group.gpu_products, "wanted": sorted(spec.gpu_products),
+                                        "reason": f"held: {', '.join(group.gpu_products)}" if change is None
+                                        else change.summary()}
+                if change is not None:
+                    changes.append((change, entry["gpuProducts"]))
             pools.append(entry)
         status: dict[str, Any] = {"enforcedMode": mode, "evaluatedAt": self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"),
                                   "nodePools": pools, "usdPerHour": None}
@@ -168,8 +199,7 @@ class PackingWatcher:
                                     "reason": plan.reason or (f"held: the limits cost at most "
                                                               f"${plan.worst_usd_per_hour:.2f}/h of "
                                                               f"${plan.max_usd_per_hour:g}/h")}
-        self.patch_status(policy.name, status, AUTOSCALING_STATUS_KEY)
-        return status
+        return Holding(policy, mode, status, changes)
 
     def _hold(self, name: str, group: HomeNodeGroup, limit: int | None, mode: Mode, entry: dict[str, Any]) -> str:
         if limit is None:
@@ -186,17 +216,46 @@ class PackingWatcher:
             reason += f"; {group.gpus} GPUs run now: no new GPU node until under it, none removed"
         return reason
 
-    def evaluate(self) -> list[Round]:
-        out = []
+    def evaluate(self) -> tuple[list[Round], list[Holding]]:
+        rounds, holdings = [], []
         for policy in self.list_all():
             try:
                 if isinstance(policy, AutoscalingPolicy):
-                    self.hold_limits(policy)
+                    holdings.append(self.hold_limits(policy))
                 else:
-                    out.append(self.evaluate_policy(policy))
+                    rounds.append(self.evaluate_policy(policy))
             except Exception:  # one policy's failure never stops the others
                 log.exception("%s policy %s: evaluation failed", policy.spec.kind, policy.name)
-        return out
+        return rounds, holdings
+
+    async def _propose_products(self, h: Holding, change: GpuProductsChange, entry: dict[str, Any]) -> None:
+        """The change's operation, started once (its ID names the pool and the change): Recommend only reports; a
+        decided change is not proposed again (its outcome is said)."""
+        if h.mode == "Recommend":
+            entry["reason"] = f"Recommend: would propose: {entry['reason']}"
+            return
+        wid = gpu_products_workflow_id(self.cluster, h.policy.name, change)
+        entry["workflowId"] = wid
+        try:
+            described = await self.temporal.get_workflow_handle(wid).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            described = None
+        if described is None:
+            await self.temporal.start_workflow(
+                "GpuProducts", GpuProductsInput(cluster=self.cluster, policy=h.policy.name, change=change),
+                id=wid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                static_summary=f"GPU products: {change.summary()} (policy {h.policy.name})")
+            self.started.append(wid)
+            entry["reason"] = f"awaiting approval: {entry['reason']}"
+        elif described.status == WorkflowExecutionStatus.RUNNING:
+            entry["reason"] = f"awaiting approval: {entry['reason']}"
+        else:
+            # Its result, from the history (a query of a closed workflow would need a worker to replay it).
+            view = await self.temporal.get_workflow_handle(wid, result_type=GpuProductsView).result()
+            entry["reason"] = f"decided ({view.phase}: {view.message}); change gpuProducts to propose again"
 
     async def _round(self, r: Round) -> dict[str, Any]:
         """Start the policy's round unless one runs or the last started less than ``interval`` ago."""
@@ -229,8 +288,15 @@ class PackingWatcher:
         return _round_status(workflow_id=wid, run_id=handle.result_run_id or "", status="RUNNING", note="started")
 
     async def resync(self) -> list[str]:
-        rounds = await asyncio.to_thread(self.evaluate)
+        rounds, holdings = await asyncio.to_thread(self.evaluate)
         started = len(self.started)
+        for h in holdings:
+            for change, entry in h.changes:
+                try:
+                    await self._propose_products(h, change, entry)
+                except RPCError as exc:
+                    entry["reason"] = f"cannot propose it: {exc}"
+            await asyncio.to_thread(self.patch_status, h.policy.name, h.status, AUTOSCALING_STATUS_KEY)
         for r in rounds:
             if r.plan is not None and r.plan.empty and r.mode != "Recommend":
                 try:

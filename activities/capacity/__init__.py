@@ -81,6 +81,12 @@ class CapacityProvider(Protocol):
         """Cap (or, with None, open) the group's GPU capacity; returns the previous limit."""
         ...
 
+    def set_gpu_products(self, group: str, products: list[str]) -> list[str]:
+        """Require the group's nodes to be of ``products`` (a NodePool's ``nvidia.com/gpu.product In``
+        requirement; its nodes of other products drift); returns the products required before (empty: any).
+        Managed node groups take their product from their instance type: refused."""
+        ...
+
     def scale_up(self, group: str, desired: int) -> GroupScaling:
         """Grow a managed node group to ``desired`` nodes (absolute, so a retry asks for the same size; never
         lowers it, never past its maximum, refused where an autoscaler owns its size). Returns its scaling after.

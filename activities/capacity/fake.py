@@ -80,6 +80,12 @@ class FakeCapacity(CallRecorder):
         previous, g.gpu_limit = g.gpu_limit, gpus
         return previous
 
+    def set_gpu_products(self, group: str, products: list[str]) -> list[str]:
+        self._record("set_gpu_products", f"{group}={','.join(products)}")
+        g = self._group(group)
+        previous, g.gpu_products = list(g.gpu_products), sorted(products)
+        return previous
+
     def scale_up(self, group: str, desired: int) -> GroupScaling:
         self._record("scale_up", f"{group}={desired}")
         g = self._group(group)

@@ -379,6 +379,29 @@ class KarpenterCapacity(HomeNodes):
         return previous[0] if previous else None
 
 
+    def set_gpu_products(self, group: str, products: list[str]) -> list[str]:
+        """The pool's ``nvidia.com/gpu.product In`` requirement set to ``products`` (added if it has none; the other
+        requirements as they are, the list written whole with the read resourceVersion). Karpenter then drifts
+        the pool's nodes of other products."""
+        if not products:
+            raise CapacityError(f"NodePool {group}: no GPU product to require", retryable=False)
+        previous: list[str] = []
+
+        def change(pool: dict[str, Any]) -> dict[str, Any] | None:
+            template = ((pool.get("spec") or {}).get("template") or {}).get("spec") or {}
+            requirements = list(template.get("requirements") or [])
+            mine = [r for r in requirements if r.get("key") == PRODUCT_KEY]
+            previous[:] = sorted({v for r in mine if r.get("operator") == "In" for v in r.get("values") or []})
+            wanted = {"key": PRODUCT_KEY, "operator": "In", "values": sorted(products)}
+            if mine == [wanted]:
+                return None
+            kept = [r for r in requirements if r.get("key") != PRODUCT_KEY]
+            return {"spec": {"template": {"spec": {"requirements": [*kept, wanted]}}}}
+
+        self._patch_pool(group, change)
+        return previous
+
+
 def _reason(exc: client.ApiException) -> str:
     try:
         return str(json.loads(exc.body or "{}").get("message") or exc.reason)

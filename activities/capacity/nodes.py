@@ -45,6 +45,11 @@ class HomeNodes:
     SHIELD_ANNOTATION: ClassVar[str]
     core: client.CoreV1Api
 
+    def set_gpu_products(self, group: str, products: list[str]) -> list[str]:
+        """Managed node groups (EKS, GKE, AKS) have the GPU product of their instance type; Karpenter overrides."""
+        raise CapacityError(f"node group {group}: its GPU product is its instance type's; an Autoscaling policy's "
+                            "gpuProducts applies to Karpenter NodePools", retryable=False)
+
     def _node(self, node: str) -> client.V1Node | None:
         try:
             return self.core.read_node(node)

@@ -29,6 +29,7 @@ from models.packing import PackInput, PackSettings, PackView
 from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, wait_for
 from worker.main import workflow_runner
+from workflows.gpu_products import GpuProductsWorkflow
 from workflows.pack import PackWorkflow
 
 # A round's waits shortened for tests: PDB retries each second, replacements and removals bounded.
@@ -49,9 +50,9 @@ async def until_async(check: Callable[[], Awaitable[bool]], *, what: str, timeou
 @contextlib.asynccontextmanager
 async def pack_worker(temporal: Client, queue: str, optimizer: client.ApiClient,
                       capacity: CapacityProvider, audit_log: AuditLog | None = None) -> AsyncIterator[None]:
-    """PackWorkflow and its activities on ``queue``, with the optimizer's credentials and ``capacity``; its audit
-    records go to ``audit_log`` (the real log; a temporary one when not given), as the worker's record_audit
-    writes them."""
+    """PackWorkflow, GpuProductsWorkflow and their activities on ``queue``, with the optimizer's credentials and
+    ``capacity``; their audit records go to ``audit_log`` (the real log; a temporary one when not given), as the
+    worker's record_audit writes them."""
     acts = PackActivities(KubeOps(optimizer), capacity)
     with contextlib.ExitStack() as stack:
         if audit_log is None:
@@ -63,7 +64,8 @@ async def pack_worker(temporal: Client, queue: str, optimizer: client.ApiClient,
             return (await asyncio.to_thread(log.write, record))[1]
 
         executor = stack.enter_context(ThreadPoolExecutor(8))
-        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow], activities=[*acts.all(), record_audit],
+        async with Worker(temporal, task_queue=queue, workflows=[PackWorkflow, GpuProductsWorkflow],
+                          activities=[*acts.all(), record_audit],
                           activity_executor=executor, workflow_runner=workflow_runner()):
             yield
 

@@ -38,6 +38,11 @@ CORPUS: list[dict[str, Any]] = [
      "leaf": "only for kinds Packing and Sharing"},
     {"name": "namespaces-field", "set": {"spec.namespaces": ["ml"]}, "field": "spec.namespaces",
      "leaf": "not for kind Autoscaling"},
+    {"name": "gpu-products-empty", "set": {"spec.gpuProducts": []}, "field": "spec.gpuProducts"},
+    {"name": "gpu-product-invalid", "set": {"spec.gpuProducts": ["NVIDIA L4"]}, "field": "spec.gpuProducts[0]",
+     "leaf": "gpuProducts"},
+    {"name": "gpu-products-repeated", "set": {"spec.gpuProducts": ["NVIDIA-L4", "NVIDIA-L4"]},
+     "field": "spec.gpuProducts", "leaf": "Duplicate value"},
 ]
 
 
@@ -49,12 +54,14 @@ def test_documented_autoscaling_policy_is_valid_and_approve_is_never_the_default
     assert spec.effective_mode("Approve") == "Recommend" and spec.effective_mode("Automatic") == "Automatic"
 
 
-# maxUsdPerHour alone, and both (the smaller limit wins, planning/autoscaling.py).
+# maxUsdPerHour alone, and both (the smaller limit wins, planning/autoscaling.py); GPU products with a budget.
 BUDGETS: list[dict[str, Any]] = [{"delete": ["spec.maxGpus"], "set": {"spec.maxUsdPerHour": 25.5}},
-                                 {"set": {"spec.maxUsdPerHour": 40}}]
+                                 {"set": {"spec.maxUsdPerHour": 40}},
+                                 {"delete": ["spec.maxGpus"], "set": {"spec.maxUsdPerHour": 40.0,
+                                                                       "spec.gpuProducts": ["NVIDIA-L4"]}}]
 
 
-@pytest.mark.parametrize("case", BUDGETS, ids=["max-usd-alone", "both"])
+@pytest.mark.parametrize("case", BUDGETS, ids=["max-usd-alone", "both", "gpu-products"])
 def test_a_dollar_budget_alone_or_with_max_gpus_is_valid(case: dict[str, Any]) -> None:
     spec = parse_policy(apply_case(case, VALID)).spec
     assert isinstance(spec, AutoscalingSpec)

@@ -26,6 +26,7 @@ from models.provisioning import BatchPhase, BatchPlan, BatchRecord
 from worker.main import WORKFLOWS, workflow_runner
 from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
+from workflows.gpu_products import GpuProductsWorkflow
 from workflows.hub_sync import HubSyncWorkflow
 from workflows.operation import Approvable, Proposal
 from workflows.pack import PackWorkflow
@@ -109,8 +110,12 @@ def test_every_name_a_running_history_may_hold_is_still_registered() -> None:
     assert _names(PackWorkflow) == {
         "type": "PackWorkflow", "signals": set(decisions), "queries": {"state"},
         "updates": {"approve_plan", "reject_plan"}}
+    assert _names(GpuProductsWorkflow) == {
+        "type": "GpuProducts", "signals": set(decisions), "queries": {"state"},
+        "updates": {"approve_plan", "reject_plan"}}
     assert {_Definition.must_from_class(w).name for w in WORKFLOWS} == {
-        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig", "PackWorkflow"}
+        "Provision", "BurstNode", "DrainWorkflow", "ScaleWorkflow", "HubSync", "TimeSlicing", "Mig", "PackWorkflow",
+        "GpuProducts"}
 
 
 @pytest.mark.temporal

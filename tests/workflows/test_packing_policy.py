@@ -25,18 +25,21 @@ from temporalio.testing import WorkflowEnvironment
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.audit_log import AuditLog
 from hub.plans import parse_plan
+from models.autoscaling import GpuProductsView
 from models.decisions import Approval
 from models.packing import PackInput, PackView, packing_workflow_id
 from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import BurstStack, StartWorker
 from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
-from tests.harness.karpenter import Karpenter, gpu_nodepool
+from tests.harness.karpenter import A100, L4, Karpenter, gpu_nodepool
 from tests.harness.kube import Cluster, until
 from tests.harness.packing import FAST, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
 from tests.workflows.test_pack import USER_BUDGETS, _worker
 from tests.workflows.test_pack import fragmented as fragmented  # the fixture
+from worker import ops
 from worker.packing_watcher import PackingWatcher
+from workflows.gpu_products import GpuProductsWorkflow
 from workflows.pack import PackWorkflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
@@ -293,3 +296,70 @@ async def test_the_worker_runs_the_loop_and_packing_rounds_with_capacity_provide
         assert view.phase == "NothingToDo" and not view.removed, view
     finally:
         karpenter.delete_nodepool(pool)
+
+
+async def test_autoscaling_gpu_products_change_the_nodepool_requirement_only_when_approved(
+        cluster: Cluster, karpenter: Karpenter, temporal_dev_server: WorkflowEnvironment,
+        fragmented: tuple[str, dict[str, int]], packing_policy: str, tmp_path: Path) -> None:
+    """Issue 23: the policy's gpuProducts as the NodePool's requirement. Recommend only reports the change (no
+    operation); Automatic proposes it as a GpuProducts operation naming the nodes that would drift, and the pool is
+    unchanged until it is approved; approved, the requirement is set (the pool's other requirements as they were),
+    audited, and the next resync finds it held and proposes nothing."""
+    pool, spread = fragmented
+    temporal: Client = temporal_dev_server.client
+    queue, cluster_name = f"prod-{uuid.uuid4().hex[:6]}", f"c-{uuid.uuid4().hex[:6]}"
+    before = karpenter.nodepool(pool)["spec"]["template"]["spec"]["requirements"]
+    cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": packing_policy},
+        "spec": {"kind": "Autoscaling", "mode": "Recommend", "nodePools": [pool], "maxGpus": 100,
+                 "gpuProducts": [A100]}})
+    optimizer = grant(cluster, "kubeon-gpu-products-test", OPTIMIZER_RULES)
+    watcher = PackingWatcher(optimizer.api, KarpenterCapacity(optimizer.api), temporal, cluster=cluster_name,
+                             task_queue=queue, default_mode=lambda: "Automatic")
+
+    def products() -> dict[str, Any]:
+        doc = read_gpupolicy(cluster, packing_policy) or {}
+        [only] = doc["status"]["autoscaling"]["nodePools"]
+        return dict(only["gpuProducts"])
+
+    def required() -> list[str]:
+        reqs = karpenter.nodepool(pool)["spec"]["template"]["spec"]["requirements"]
+        return [v for r in reqs if r["key"] == "nvidia.com/gpu.product" for v in r["values"]]
+
+    assert await watcher.resync() == []
+    status = products()
+    assert (status["required"], status["wanted"]) == ([L4], [A100])
+    assert status["reason"].startswith("Recommend: would propose: NodePool "), status
+    assert f"Karpenter drifts {len(spread)} node(s) of other products" in status["reason"], status
+    assert required() == [L4]
+
+    cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, packing_policy,
+                                                     {"spec": {"mode": "Automatic"}})
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    async with _worker(cluster, temporal, queue, audit):
+        [wid] = await watcher.resync()
+        assert wid.startswith(f"gpu-products/{cluster_name}/{packing_policy}/{pool}/")
+        handle = temporal.get_workflow_handle(wid, result_type=GpuProductsView)
+
+        async def awaiting() -> bool:
+            return (await handle.query(GpuProductsWorkflow.state)).phase == "AwaitingApproval"
+
+        await until_async(awaiting, what="the change awaiting approval")
+        assert await watcher.resync() == []  # one operation per change
+        assert products()["reason"].startswith("awaiting approval: ") and products()["workflowId"] == wid
+        assert required() == [L4]  # Automatic too: a requirement change waits for its approval
+        proposed = await handle.query(GpuProductsWorkflow.state)
+        assert proposed.change is not None and sorted(proposed.change.drifted) == sorted(spread)
+        result = await handle.execute_update("approve_plan", Approval(approver="test", plan_id=proposed.operation))
+        assert "approved by test" in str(result)
+        view = await handle.result()
+        shown = await ops.show(temporal, wid)  # `kubeon-gpu ops show` (a query: the worker replays it)
+    assert isinstance(shown, GpuProductsView) and shown.phase == "Done"
+    assert view.phase == "Done" and f"requires {A100} (was In [{L4}])" in view.message, view
+    after = karpenter.nodepool(pool)["spec"]["template"]["spec"]["requirements"]
+    assert required() == [A100]
+    assert [r for r in after if r["key"] != "nvidia.com/gpu.product"] == [
+        r for r in before if r["key"] != "nvidia.com/gpu.product"]
+    assert [r.action for r in audit.read() if r.operation == view.operation] == ["proposed", "approved", "applied"]
+    assert await watcher.resync() == []
+    assert products()["reason"] == f"held: {A100}"
