@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -228,6 +228,15 @@ class PackingWatcher:
                 log.exception("%s policy %s: evaluation failed", policy.spec.kind, policy.name)
         return rounds, holdings
 
+    async def _described(self, wid: str) -> WorkflowExecutionDescription | None:
+        """The workflow's latest run, or None when there is none."""
+        try:
+            return await self.temporal.get_workflow_handle(wid).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return None
+
     async def _propose_products(self, h: Holding, change: GpuProductsChange, entry: dict[str, Any]) -> None:
         """The change's operation, started once (its ID names the pool and the change): Recommend only reports; a
         decided change is not proposed again (its outcome is said)."""
@@ -236,12 +245,7 @@ class PackingWatcher:
             return
         wid = gpu_products_workflow_id(self.cluster, h.policy.name, change)
         entry["workflowId"] = wid
-        try:
-            described = await self.temporal.get_workflow_handle(wid).describe()
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                raise
-            described = None
+        described = await self._described(wid)
         if described is None:
             await self.temporal.start_workflow(
                 "GpuProducts", GpuProductsInput(cluster=self.cluster, policy=h.policy.name, change=change),
@@ -260,12 +264,7 @@ class PackingWatcher:
     async def _round(self, r: Round) -> dict[str, Any]:
         """Start the policy's round unless one runs or the last started less than ``interval`` ago."""
         wid = packing_workflow_id(self.cluster, r.policy.name)
-        try:
-            described = await self.temporal.get_workflow_handle(wid).describe()
-        except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:
-                raise
-            described = None
+        described = await self._described(wid)
         if described is not None:
             state = {"workflow_id": wid, "run_id": described.run_id,
                      "status": described.status.name if described.status else "UNKNOWN"}
