@@ -15,7 +15,6 @@ from temporalio import workflow
 from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.autoscaling import GpuProductsInput, GpuProductsRequest, GpuProductsView
-from models.ids import operation_id
 from workflows.audit import record_audit
 from workflows.failures import QUICK, RETRY
 from workflows.operation import Approvable, Proposal
@@ -66,11 +65,7 @@ class GpuProductsWorkflow(Approvable[GpuProductsPhase]):
     @workflow.run
     async def run(self, inp: GpuProductsInput) -> GpuProductsView:
         self.inp = inp
-        info = workflow.info()
-        self.operation = operation_id(info.workflow_id, info.run_id)
-        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
-                    sa.PHASE.value_set(self.phase.value))
+        self.operation = self._begin(inp.cluster, inp.policy, sa.PHASE.value_set(self.phase.value))
         summary = inp.change.summary()
         await self._audit("proposed", summary)
         self._set_phase(GpuProductsPhase.AWAITING_APPROVAL, f"approve to change it: {summary}")

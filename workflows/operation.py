@@ -31,6 +31,7 @@ from temporalio.common import SearchAttributeUpdate
 from models import search_attributes as sa
 from models.converter import Refused
 from models.decisions import Approval, DecisionResult, Rejection
+from models.ids import operation_id
 from workflows.observe import phase_span
 
 P = TypeVar("P", bound=StrEnum)
@@ -96,6 +97,15 @@ class Operation(Generic[P]):
     def _start(self, *attributes: SearchAttributeUpdate[Any]) -> None:
         """The run's first upsert (cluster, policy, kind, ...): in one command, as every run has written it."""
         self._upsert(attributes)
+
+    def _begin(self, cluster: str, policy: str, *also: SearchAttributeUpdate[Any]) -> str:
+        """An audited operation's first upsert: cluster, policy, kind, its operation ID (this run's, which its
+        audit records and hub reports name), then ``also``. Returns the operation ID."""
+        info = workflow.info()
+        operation = operation_id(info.workflow_id, info.run_id)
+        self._start(sa.CLUSTER.value_set(cluster), sa.POLICY.value_set(policy), sa.OPERATION_KIND.value_set(self.KIND),
+                    sa.OPERATION.value_set(operation), *also)
+        return operation
 
     def _log(self, line: str) -> None:
         self.history.append(f"{workflow.now().strftime('%H:%M:%S')} {line}")

@@ -17,7 +17,6 @@ from temporalio.exceptions import ActivityError, CancelledError
 from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.hub import pack_proposal_detail
-from models.ids import operation_id
 from models.packing import (
     EvictOutcome,
     GroupRef,
@@ -109,12 +108,8 @@ class PackWorkflow(Approvable[PackPhase]):
     @workflow.run
     async def run(self, inp: PackInput) -> PackView:
         self.inp = inp
-        info = workflow.info()
         if workflow.patched("pack-audit"):
-            self.operation = operation_id(info.workflow_id, info.run_id)
-            self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-                        sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
-                        sa.PHASE.value_set(self.phase.value))
+            self.operation = self._begin(inp.cluster, inp.policy, sa.PHASE.value_set(self.phase.value))
         else:
             self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
                         sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(self.phase.value))

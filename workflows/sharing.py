@@ -26,7 +26,6 @@ from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.drain import EvictionResult, NodeRef
 from models.hub import sharing_proposal_detail
-from models.ids import operation_id
 from models.policy import Mode
 from models.sharing import (
     CleanupRequest,
@@ -207,11 +206,8 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
     async def _operate(self, inp: InputT) -> SharingOutcome:
         """The whole run: search attributes, then :meth:`_run`; a failure or a cancellation compensates."""
         self.inp = inp
-        info = workflow.info()
-        self.operation = operation_id(info.workflow_id, info.run_id)
-        self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
-                    sa.OPERATION_KIND.value_set(self.KIND), sa.OPERATION.value_set(self.operation),
-                    sa.LOCATION.value_set(inp.node), sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
+        self.operation = self._begin(inp.cluster, inp.policy, sa.LOCATION.value_set(inp.node),
+                                     sa.USD_PER_HOUR.value_set(inp.saving_usd_per_hour))
         try:
             return await self._run(inp)
         except asyncio.CancelledError:
