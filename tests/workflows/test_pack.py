@@ -24,6 +24,7 @@ from tests.harness.karpenter import Karpenter, gpu_workload
 from tests.harness.kube import Cluster, until
 from tests.harness.packing import FAST, USER_BUDGETS, proposed_round, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.temporal import listed
 from worker import ops
 from worker.cli import _render_view as render_view
 from workflows.pack import PackWorkflow
@@ -72,8 +73,7 @@ async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Clien
     assert view.phase == "Done", view
     [removed] = view.removed
     # `ops list` and `ops show` have the round: its kind, its phase, the node it emptied and the pods it moved.
-    rows = await ops.list_operations(temporal)
-    assert [(r.kind, r.phase) for r in rows if r.workflow_id == handle.id] == [("Pack", "Done")]
+    assert await listed(temporal, handle.id, "Done") == [("Pack", "Done")]
     shown = await ops.show(temporal, handle.id)
     assert isinstance(shown, PackView) and shown.removed == [removed]
     rendered = render_view(shown)

@@ -35,6 +35,7 @@ from tests.harness.karpenter import A100, L4, Karpenter, gpu_nodepool
 from tests.harness.kube import Cluster, until
 from tests.harness.packing import FAST, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.temporal import listed
 from tests.workflows.test_pack import USER_BUDGETS, _worker
 from tests.workflows.test_pack import fragmented as fragmented  # the fixture
 from worker import ops
@@ -354,6 +355,7 @@ async def test_autoscaling_gpu_products_change_the_nodepool_requirement_only_whe
         assert "approved by test" in str(result)
         view = await handle.result()
         shown = await ops.show(temporal, wid)  # `kubeon-gpu ops show` (a query: the worker replays it)
+        assert await listed(temporal, wid, "Done") == [("GpuProducts", "Done")]  # and `ops list` has it
     assert isinstance(shown, GpuProductsView) and shown.phase == "Done"
     assert view.phase == "Done" and f"requires {A100} (was In [{L4}])" in view.message, view
     after = karpenter.nodepool(pool)["spec"]["template"]["spec"]["requirements"]
