@@ -112,6 +112,7 @@ class Karpenter:
     health_port: int = 0
     metrics_port: int = 0
     started_seconds: float = 0.0
+    instance_types_file: Path = INSTANCE_TYPES_FILE  # a benchmark offers its own shapes and prices
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     @property
@@ -136,7 +137,7 @@ class Karpenter:
             "DISABLE_LEADER_ELECTION": "true",
             "HEALTH_PROBE_PORT": str(self.health_port),
             "METRICS_PORT": str(self.metrics_port),
-            "INSTANCE_TYPES_FILE_PATH": str(INSTANCE_TYPES_FILE),
+            "INSTANCE_TYPES_FILE_PATH": str(self.instance_types_file),
             "LOG_LEVEL": "debug",
             # A pending pod is batched for at most this long before Karpenter launches (default 10 s / 1 s).
             "BATCH_MAX_DURATION": "2s",
@@ -149,6 +150,14 @@ class Karpenter:
         self._wait_ready(deadline=t0 + timeout)
         self.started_seconds = time.monotonic() - t0
         return self
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "Karpenter is not running"
+        return self._proc.pid
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def install_crds(self, deadline: float) -> None:
         install_crds(self.admin, sorted(crd_dir().glob("*.yaml")), timeout=deadline - time.monotonic())
