@@ -35,29 +35,34 @@ def _cluster(kubeconfig: Path) -> dict[str, Any]:
     return cluster
 
 
-def node_object(registration: dict[str, Any], *, annotations: dict[str, str] | None = None) -> client.V1Node:
-    from kubernetes import client
-
+def node_manifest(registration: dict[str, Any], *, annotations: dict[str, str] | None = None,
+                  now: dt.datetime | None = None) -> dict[str, Any]:
+    """The Node a kubelet registers (``POST /api/v1/nodes``), as the API's JSON: the registration's labels
+    (``--node-labels``) and taints (``--register-with-taints``), provider ID, capacity (= allocatable), addresses
+    and its Ready condition. The one definition for the product's simulated nodes and the tests' kubelet
+    stand-in."""
     name = registration["nodeName"]
-    now = dt.datetime.now(dt.UTC)
+    stamp = (now or dt.datetime.now(dt.UTC)).isoformat().replace("+00:00", "Z")
     capacity = registration.get("capacity") or {}
-    addresses = [client.V1NodeAddress(type="Hostname", address=name)]
+    addresses = [{"type": "Hostname", "address": name}]
     if registration.get("internalIP"):
-        addresses.insert(0, client.V1NodeAddress(type="InternalIP", address=registration["internalIP"]))
-    return client.V1Node(
-        metadata=client.V1ObjectMeta(
-            name=name, annotations=annotations or None,
-            labels={"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **registration["labels"]}),
-        spec=client.V1NodeSpec(
-            taints=[client.V1Taint(key=t["key"], value=t.get("value"), effect=t["effect"])
-                    for t in registration["taints"]],
-            provider_id=registration.get("providerID") or None),
-        status=client.V1NodeStatus(
-            capacity=capacity, allocatable=capacity, addresses=addresses,
-            conditions=[client.V1NodeCondition(type="Ready", status="True", reason="KubeletReady",
-                                               message="kubelet is posting ready status",
-                                               last_heartbeat_time=now, last_transition_time=now)]),
-    )
+        addresses.insert(0, {"type": "InternalIP", "address": registration["internalIP"]})
+    metadata: dict[str, Any] = {
+        "name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                 **registration["labels"]}}
+    if annotations:
+        metadata["annotations"] = annotations
+    spec: dict[str, Any] = {"taints": [{k: t[k] for k in ("key", "value", "effect") if t.get(k) is not None}
+                                       for t in registration["taints"]]}
+    if registration.get("providerID"):
+        spec["providerID"] = registration["providerID"]
+    return {
+        "apiVersion": "v1", "kind": "Node", "metadata": metadata, "spec": spec,
+        "status": {"capacity": capacity, "allocatable": capacity, "addresses": addresses,
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                   "message": "kubelet is posting ready status",
+                                   "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]},
+    }
 
 
 def register(api: client.ApiClient, registration: dict[str, Any], *,
@@ -67,7 +72,8 @@ def register(api: client.ApiClient, registration: dict[str, Any], *,
 
     core = client.CoreV1Api(api)
     try:
-        return core.create_node(node_object(registration, annotations=annotations))
+        # the client sends a dict body as it is (the Node as the API's JSON)
+        return core.create_node(node_manifest(registration, annotations=annotations))  # type: ignore[arg-type]
     except client.ApiException as exc:
         if exc.status != 409:
             raise

@@ -403,3 +403,57 @@ def test_a_node_posts_its_gpu_health_on_its_own_node_and_never_on_another(
     with pytest.raises(HealthNotPosted, match="403"):
         post_gpu_health(api, other.node_name, healthy.model_copy(update={"healthy": False}), wait_seconds=10)
     assert GPU_HEALTH_CONDITION not in {c.type for c in cluster.admin.core.read_node(other.node_name).status.conditions}
+
+
+def test_the_kubelet_stand_ins_ready_heartbeats_keep_the_gpu_health_condition(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet stand-in (tests/harness/kubelet.py) with only the node's certificate registers the Node of its
+    registration and heartbeats Ready with strategic merge patches of that condition alone: the GpuHealthy the node
+    posted (node/health.py) survives every heartbeat, as under a real kubelet."""
+    import threading
+
+    from node.join import write_kubeconfig, write_registration
+    from node.register import node_manifest
+    from tests.harness import kubelet as stand_in
+
+    gw = gateway(gateway_api)
+    req = ticket_request(nodes)
+    node_files = files()
+    answer = gw.join(redeem_for(node_files, gw.sign_ticket(req), req.node_name))
+    write_kubeconfig(node_files, answer)
+    capacity = {"cpu": "8", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"}
+    write_registration(node_files, answer, provider_id=f"sim://test/{answer.node_name}", capacity=capacity)
+    monkeypatch.setattr(stand_in, "STATUS_SECONDS", 0.3)
+    kubelet = stand_in.Kubelet(node_files.state_dir)
+    runner = threading.Thread(target=kubelet.run, daemon=True)
+    runner.start()
+    try:
+        node = wait_for(lambda: cluster.admin.core.read_node(answer.node_name), what="the stand-in's Node")
+        wanted = node_manifest(json.loads(node_files.registration.read_text()))
+        assert wanted["metadata"]["labels"].items() <= node.metadata.labels.items()  # + the API's beta.* os label
+        assert [(t.key, t.value, t.effect) for t in node.spec.taints or []] == [
+            (t["key"], t.get("value"), t["effect"]) for t in wanted["spec"]["taints"]]
+        assert node.spec.provider_id == wanted["spec"]["providerID"]
+        assert [(a.type, a.address) for a in node.status.addresses] == [
+            (a["type"], a["address"]) for a in wanted["status"]["addresses"]]
+        assert (node.status.capacity, node.status.allocatable) == (capacity, capacity)
+
+        api = node_api(node_files.kubeconfig)
+        healthy = GpuHealth(healthy=True, reason="DcgmDiagPassed", message="`dcgmi diag -r 1`: 9 test(s) passed")
+        post_gpu_health(api, answer.node_name, healthy, wait_seconds=10)
+        api.close()
+        posted = dt.datetime.now(dt.UTC)
+
+        def conditions() -> dict[str, client.V1NodeCondition]:
+            return {c.type: c for c in cluster.admin.core.read_node(answer.node_name).status.conditions}
+
+        # Two heartbeats after the post (metav1.Time has whole seconds): each a patch of Ready only.
+        wait_for(lambda: conditions()["Ready"].last_heartbeat_time >= posted + dt.timedelta(seconds=2),
+                 what="two Ready heartbeats after the GPU health post", timeout=30)
+        after = conditions()
+        assert after["Ready"].status == "True" and after["Ready"].message == "kubelet stand-in is ready"
+        assert (after[GPU_HEALTH_CONDITION].status, after[GPU_HEALTH_CONDITION].reason) == ("True", "DcgmDiagPassed")
+    finally:
+        kubelet.stopping.set()
+        runner.join(timeout=10)
