@@ -29,6 +29,8 @@ from tests.harness.workloads import gpu_pod
 
 pytestmark = pytest.mark.cluster
 
+OWNER_LABEL = "test.kubeon.io/gpu-operator"
+
 
 def ts_config(replicas: int, *, fail_gt_one: bool = True) -> str:
     return yaml.safe_dump({"version": "v1", "flags": {"migStrategy": "none"}, "sharing": {"timeSlicing": {
@@ -39,16 +41,20 @@ def ts_config(replicas: int, *, fail_gt_one: bool = True) -> str:
 def operator(cluster: Cluster, namespace: str) -> GpuOperator:
     cluster.admin.core.create_namespaced_config_map(namespace, client.V1ConfigMap(
         metadata=client.V1ObjectMeta(name="time-slicing-config"), data={}))
-    return GpuOperator(cluster.admin.api, namespace=namespace, propagation_delay=0.0, mig_seconds=1.0)
+    # Keeps to this test's nodes, as the DaemonSet's nodeSelector would: on the control plane the tests share, a
+    # pass over every GPU node (other modules' too) was slow enough to time the running-thread test out in CI.
+    return GpuOperator(cluster.admin.api, namespace=namespace, propagation_delay=0.0, mig_seconds=1.0,
+                       node_selector=f"{OWNER_LABEL}={namespace}")
 
 
 @pytest.fixture
-def gpu_node(cluster: Cluster) -> Iterator[Any]:
+def gpu_node(cluster: Cluster, namespace: str) -> Iterator[Any]:
     made: list[str] = []
 
     def make(product: str = "NVIDIA-A100-SXM4-80GB", gpus: int = 4) -> str:
         name = f"gpuop-{uuid.uuid4().hex[:6]}"
-        cluster.create_kwok_node(name, labels=GpuOperator.gfd_labels(product, gpus), gpus=gpus)
+        cluster.create_kwok_node(name, labels={**GpuOperator.gfd_labels(product, gpus), OWNER_LABEL: namespace},
+                                 gpus=gpus)
         made.append(name)
         return name
 
