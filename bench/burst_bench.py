@@ -423,9 +423,12 @@ class Profiler:
         return summarize_profile(self.out, top)
 
 
+OUR_PACKAGES = ("activities", "workflows", "worker", "models", "gateway", "node", "planning", "tunnel", "common")
+
+
 def summarize_profile(path: Path, top: int) -> list[str]:
     """From py-spy's collapsed stacks (``frame;frame;... count``): the top frames by own samples, and our own
-    functions (activities/, workflows/, worker/, models/) by samples spent in them and below."""
+    functions (``OUR_PACKAGES``) by samples spent in them and below."""
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
     total = 0
@@ -443,8 +446,7 @@ def summarize_profile(path: Path, top: int) -> list[str]:
         if frames:
             own[frames[-1]] = own.get(frames[-1], 0) + count
         for frame in set(frames):
-            if any(f"({pkg}/" in frame or f"/{pkg}/" in frame for pkg in ("activities", "workflows", "worker",
-                                                                          "models")):
+            if any(f"({pkg}/" in frame or f"/{pkg}/" in frame for pkg in OUR_PACKAGES):
                 inclusive[frame] = inclusive.get(frame, 0) + count
     if not total:
         return ["  profile: no samples"]

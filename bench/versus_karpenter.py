@@ -52,7 +52,7 @@ from typing import Any
 
 from kubernetes import client
 
-from bench.burst_bench import node_cidr_mask, optimum, output_to, stop_worker, wait_worker_started
+from bench.burst_bench import Profiler, node_cidr_mask, optimum, output_to, stop_worker, wait_worker_started
 from bench.observe import ClusterObserver, NodeSeen, PodSeen, children, cpu_seconds, percentile, utc_now
 from models.provisioning import Offering
 from tests.harness.burst import BURST_TAINT_KEY, build_stack, worker_process
@@ -307,6 +307,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
         b = Bench(t0=t0, run=run, cluster=cluster, pool=pool, pods=args.pods, deadline=args.deadline)
         rounds: list[Round] = []
+        profile: list[str] = []
         try:
             # Karpenter first: its NodePool is gone before KubeOn's round, so nothing of it is left to serve or
             # watch KubeOn's pods (the worker's capacity provider is "none": it bursts every pod its policy takes).
@@ -329,8 +330,10 @@ async def main_async(args: argparse.Namespace) -> int:
             ns = cluster.create_namespace("versus-kubeon")
             processes = {"worker": worker.pid} | ({"temporal": temporal_pid} if temporal_pid else {})
             burst_toleration = [client.V1Toleration(key=BURST_TAINT_KEY, operator="Exists", effect="NoSchedule")]
+            profiler = Profiler.start(worker.pid, args.profile) if args.profile else None
             rounds.append(await b.round("KubeOn", ns, burst_toleration, "gpu.kubeon.io/operation", processes,
                                         lambda: worker.poll() is None))
+            profile = profiler.stop(top=25) if profiler else []
             await b.delete_all(ns)
             home = ClusterObserver(cluster.admin.api, pod_selector=f"{BENCH_LABEL}=none",
                                    node_selector="gpu.kubeon.io/operation").start()
@@ -343,7 +346,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 print("=" * 100)
                 print(f"KubeOn against Karpenter, same control plane and pods, {os.cpu_count()} CPU(s), "
                       f"load average {os.getloadavg()[0]:.1f} at the end")
-                print("\n".join(report(shapes, args.pods, rounds)))
+                print("\n".join(report(shapes, args.pods, rounds) + profile))
                 print("=" * 100, flush=True)
     for pid in children():
         with contextlib.suppress(ProcessLookupError):
@@ -357,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="1", help="GPUs per node offered to both: 1, or 1,4")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds any one wait may take")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="sample the worker with py-spy during KubeOn's round into this file (the bench extra)")
     return p.parse_args(argv)
 
 
