@@ -1,10 +1,13 @@
-"""The Kubernetes client the worker and the gateway build alike, and the one 404 idiom they share."""
+"""The Kubernetes client the worker and the gateway build alike, the one 404 idiom they share, and a read shared
+by the threads that ask the same question at once."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from kubernetes import client, config
 
@@ -31,3 +34,19 @@ def read_or_none(read: Callable[[], T]) -> T | None:
         if exc.status == 404:
             return None
         raise
+
+
+class RecentRead(Generic[T]):
+    """The result of ``read`` for up to ``ttl`` seconds, read by one thread at a time (the others wait for it)."""
+
+    def __init__(self, read: Callable[[], T], ttl: float) -> None:
+        self._read, self.ttl = read, ttl
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._at = -1e18
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None or time.monotonic() - self._at > self.ttl:
+                self._value, self._at = self._read(), time.monotonic()
+            return self._value

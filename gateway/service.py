@@ -17,7 +17,7 @@ from typing import Any
 
 from kubernetes import client
 
-from common.kube import read_or_none
+from common.kube import RecentRead, read_or_none
 from gateway.admission import Admission
 from gateway.attestation import AttestationVerifier
 from gateway.probe import probe_mtu
@@ -43,6 +43,9 @@ from models.join import (
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")
+
+# How old the slot list a transfer reading is computed from may be (see KubeGateway.__init__).
+TRANSFER_VIEW_SECONDS = 1.0
 
 
 class GatewayAddressPending(Exception):
@@ -98,6 +101,10 @@ class KubeGateway:
         self._plan = tunnel.plan if tunnel is not None else (plan or AddressPlan())
         self._records = RecordStore(self._core, namespace)
         self._slots = SlotBook(self._records, self._plan)
+        # Transfer readings are counters with their time: a slot list a second old gives the same totals (the
+        # accounted part and the baseline move together), and it saves every serving node's first reading from
+        # listing every slot (200 nodes starting to serve at once listed 200 slots each).
+        self._recent_slots = RecentRead(self._records.slots, TRANSFER_VIEW_SECONDS)
         self._reconciler = Reconciler(self._core, self._records, tunnel, clock, tombstone_seconds=cert_seconds,
                                       transfer_seconds=transfer_seconds)
         self._admission = Admission(api, self._tickets, self._slots, self._records, self._plan, tunnel,
@@ -215,8 +222,15 @@ class KubeGateway:
                         type(exc).__name__, "what moved since the last write")
 
     # -- what the optimizer asks about one node of an operation ---------------------------------------------
-    def _slots_of(self, node_name: str, operation: str) -> tuple[list[Slot], Slot | None]:
-        """The address slots held for ``node_name``, and the one of ``operation`` among them (None: none is)."""
+    def _slots_of(self, node_name: str, operation: str, *, recent: bool = False) -> tuple[list[Slot], Slot | None]:
+        """The address slots held for ``node_name``, and the one of ``operation`` among them (None: none is); when
+        ``recent``, from a list at most TRANSFER_VIEW_SECONDS old if that holds the operation's slot (a miss is
+        read again, so a slot made within that second is never taken for one that does not exist)."""
+        if recent:
+            slots = [s for s in self._recent_slots.get() if s.node == node_name]
+            slot = next((s for s in slots if s.operation == operation), None)
+            if slot is not None:
+                return slots, slot
         slots = [s for s in self._records.slots() if s.node == node_name]
         return slots, next((s for s in slots if s.operation == operation), None)
 
@@ -232,11 +246,16 @@ class KubeGateway:
         (kept in its ticket's tombstone, as long as that stands). ``measured_at`` 0: never measured (no tunnel at
         this gateway, or the node never joined). ``TicketError`` (``not_owned``) when the gateway holds that name
         for another operation only, ``JoinRefused`` 404 when it holds nothing of that name."""
-        slots, slot = self._slots_of(node_name, operation)
+        slots, slot = self._slots_of(node_name, operation, recent=True)
+        counters = self._tunnel.counters() if self._tunnel is not None else {}
+        if slot is not None and self._tunnel is not None and not slot.reserved and slot.wireguard_key not in counters:
+            # No peer for a joined slot of that list: the node may have been removed since; its final counters are
+            # then in the tombstone, so the slots are read again rather than the list's older totals returned.
+            slots, slot = self._slots_of(node_name, operation)
         if slot is not None:
             counted = slot.transfer
             if self._tunnel is not None and not slot.reserved:
-                raw = self._tunnel.counters().get(slot.wireguard_key)
+                raw = counters.get(slot.wireguard_key)
                 if raw is not None:
                     counted = accumulate(counted, raw[0], raw[1], self._clock())
         else:

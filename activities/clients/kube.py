@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from kubernetes import client, watch
 
-from common.kube import read_or_none
+from common.kube import RecentRead, read_or_none
 from models.drain import EvictionResult
 from models.labels import GPU_RESOURCE, LABEL_LOCATION, LABEL_OPERATION
 from models.node import NodeExpectation, ServeCheckRequest, ServeCheckResult, VerifyResult
@@ -78,6 +77,14 @@ T = TypeVar("T")
 # How stale the home capacity a serving node's return-home check reads may be: every serving node checks every
 # serve_check_seconds, and one list of the cluster's nodes and pods per second serves them all.
 HOME_VIEW_SECONDS = 1.0
+# How stale the waiting pods a verifying or idle serving node asks about may be ("could a waiting pod still come
+# here?"): 200 nodes verifying at once asked the API server for every pending pod twice a second each, a third of
+# the worker's CPU in the one-shape bench; now one list a second serves them all. A pod younger than this is not
+# one a node was launched for, and a serving node asks again at its next check.
+WAITING_VIEW_SECONDS = 1.0
+# How long one watch for a pod bound to a verifying node lasts before the loop asks again whether anything still
+# waits for it (well inside the activity's 15 s heartbeat timeout).
+VERIFY_WATCH_SECONDS = 5
 # Taints of a node that is not capacity yet or any more (registering, being disrupted or removed, not ready): its
 # GPUs are never counted as home capacity that a burst node could go home to.
 NOT_CAPACITY_TAINTS = frozenset({
@@ -85,22 +92,6 @@ NOT_CAPACITY_TAINTS = frozenset({
     "node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable", "node.kubernetes.io/unschedulable",
     "node.cloudprovider.kubernetes.io/uninitialized",
 })
-
-
-class RecentRead(Generic[T]):
-    """The result of ``read`` for up to ``ttl`` seconds, read by one thread at a time (the others wait for it)."""
-
-    def __init__(self, read: Callable[[], T], ttl: float) -> None:
-        self._read, self.ttl = read, ttl
-        self._lock = threading.Lock()
-        self._value: T | None = None
-        self._at = -1e18
-
-    def get(self) -> T:
-        with self._lock:
-            if self._value is None or time.monotonic() - self._at > self.ttl:
-                self._value, self._at = self._read(), time.monotonic()
-            return self._value
 
 
 def _raw_items(response: Any) -> list[dict[str, Any]]:
@@ -133,6 +124,8 @@ class KubeOps:
                                       HOME_VIEW_SECONDS)
         self._active_pods = RecentRead(lambda: _raw_items(self.core.list_pod_for_all_namespaces(
             field_selector="status.phase!=Succeeded", _preload_content=False)), HOME_VIEW_SECONDS)
+        self._waiting_pods = RecentRead(lambda: list(self.core.list_pod_for_all_namespaces(
+            field_selector="status.phase=Pending,spec.nodeName=").items), WAITING_VIEW_SECONDS)
 
     # -- policies ----------------------------------------------------------------------------------------
     def read_policy(self, name: str) -> GpuPolicy:
@@ -205,9 +198,9 @@ class KubeOps:
         return used
 
     def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
-        """How many waiting pods (any namespace, any group) this burst node could take."""
-        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=").items
-        return len([p for p in pending if could_take(node, p, taint_key)])
+        """How many waiting pods (any namespace, any group) this burst node could take, from a view of the cluster's
+        pending pods at most WAITING_VIEW_SECONDS old."""
+        return len([p for p in self._waiting_pods.get() if could_take(node, p, taint_key)])
 
     # -- join ----------------------------------------------------------------------------------------------
     def wait_node_ready(self, node_name: str, operation: str, timeout: float, heartbeat: Heartbeat) -> str:
@@ -250,21 +243,39 @@ class KubeOps:
         if wrong:
             raise VerificationFailed(f"node {expect.node_name} has wrong or missing labels: {wrong}")
         deadline = time.monotonic() + expect.timeout_seconds
+        on_node = f"spec.nodeName={expect.node_name}"
         while True:
             heartbeat(f"waiting for pods on {expect.node_name}")
             # Any opted-in pod may land on a burst node, whatever its namespace or group.
-            placed = [f"{p.metadata.namespace}/{p.metadata.name}" for p in self._evictable(
-                self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={expect.node_name}").items)]
+            listed = self.core.list_pod_for_all_namespaces(field_selector=on_node)
+            placed = [f"{p.metadata.namespace}/{p.metadata.name}" for p in self._evictable(listed.items)]
             if placed:
                 return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
             if self.waiting_for(node, expect.taint_key) == 0:
                 # Nothing waits that this node could take (its pods found room elsewhere or are gone): verified
                 # but idle; serving notices that and returns it home.
                 return VerifyResult(node_name=expect.node_name, pods_on_node=[])
-            if time.monotonic() > deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise VerificationFailed(
                     f"no waiting pod was scheduled on {expect.node_name} within {expect.timeout_seconds}s")
-            time.sleep(0.5)
+            # Watch (not poll) for a pod bound here, from the list's version: it is seen the moment the scheduler
+            # binds it, and a node costs one request per window instead of two every half second.
+            self._watch_for_a_pod(on_node, listed.metadata.resource_version, min(VERIFY_WATCH_SECONDS, remaining))
+
+    def _watch_for_a_pod(self, field_selector: str, resource_version: str | None, seconds: float) -> None:
+        """Return once a pod that counts (``_evictable``) appears under ``field_selector``, or after ``seconds``."""
+        w = watch.Watch()
+        try:
+            for event in w.stream(self.core.list_pod_for_all_namespaces, field_selector=field_selector,
+                                  resource_version=resource_version, timeout_seconds=max(1, int(seconds))):
+                if event["type"] in ("ADDED", "MODIFIED") and self._evictable([event["object"]]):
+                    return
+        except client.ApiException as exc:
+            if exc.status != 410:  # an expired resourceVersion: the caller lists again
+                raise
+        finally:
+            w.stop()
 
     # -- serve ---------------------------------------------------------------------------------------------
     def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:

@@ -1,11 +1,16 @@
-"""KubeOps against the real control plane: the home capacity a serving node's return-home check reads."""
+"""KubeOps against the real control plane: the home capacity a serving node's return-home check reads, and how a
+burst node's verification waits for its pods."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 from kubernetes import client
 
-from activities.clients.kube import HOME_VIEW_SECONDS, KubeOps
+from activities.clients.kube import HOME_VIEW_SECONDS, VERIFY_WATCH_SECONDS, WAITING_VIEW_SECONDS, KubeOps
+from models.node import NodeExpectation, VerifyResult
 from tests.harness.burst import unique
 from tests.harness.kube import Cluster, wait_for
 
@@ -65,5 +70,55 @@ def test_a_node_registering_or_being_removed_is_not_home_capacity(cluster: Clust
         cluster.admin.core.patch_node(node, {"spec": {"taints": None}})  # registered: now it is capacity
         wait_for(lambda: kube.home_free_gpus(selector) == 2, timeout=HOME_VIEW_SECONDS + 10,
                  what="the registered node's 2 GPUs free")
+    finally:
+        cluster.admin.core.delete_node(node)
+
+
+def test_verify_sees_a_pod_bound_while_it_waits_and_ends_idle_once_nothing_waits(cluster: Cluster,
+                                                                                namespace: str) -> None:
+    """verify_node waits on a watch, not a poll: a pod the scheduler binds while it waits is what it returns; a node
+    nothing waits for any more (its pod deleted) is verified idle within a watch window and the waiting view's age."""
+    kube = KubeOps(cluster.admin.api)
+    taint, pin = "gpu.kubeon.io/burst-test", unique("pin")
+    node = unique("burst")
+    cluster.create_kwok_node(node, gpus=1, labels={"pin": pin}, taints=[
+        client.V1Taint(key=taint, value="true", effect="NoSchedule")])
+    cluster.admin.core.patch_node(node, {"spec": {"unschedulable": True}})  # the pod waits until uncordoned
+    pod = client.V1Pod(
+        metadata=client.V1ObjectMeta(name="waits"),
+        spec=client.V1PodSpec(node_selector={"pin": pin}, termination_grace_period_seconds=0, tolerations=[
+            client.V1Toleration(key=taint, operator="Exists", effect="NoSchedule")], containers=[client.V1Container(
+                name="infer", image="registry.invalid/infer:1",
+                resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"}))]))
+    expect = NodeExpectation(node_name=node, taint_key=taint, labels={"pin": pin}, pods=[], timeout_seconds=60)
+    results: list[VerifyResult] = []
+
+    def verify() -> threading.Thread:
+        thread = threading.Thread(target=lambda: results.append(kube.verify_node(expect, lambda _: None)))
+        thread.start()
+        return thread
+
+    try:
+        wait_for(lambda: cluster.node_ready(node), what="the burst node Ready")
+        cluster.admin.core.create_namespaced_pod(namespace, pod)
+        thread = verify()
+        time.sleep(WAITING_VIEW_SECONDS + 1)
+        assert thread.is_alive() and not results, "verify must wait while a pod it could take waits"
+        cluster.admin.core.patch_node(node, {"spec": {"unschedulable": False}})
+        thread.join(timeout=30)
+        assert results == [VerifyResult(node_name=node, pods_on_node=[f"{namespace}/waits"])]
+
+        cluster.admin.core.delete_namespaced_pod("waits", namespace, grace_period_seconds=0)
+        wait_for(lambda: not cluster.admin.core.list_namespaced_pod(
+            namespace, field_selector="metadata.name=waits").items, what="the pod gone")
+        cluster.admin.core.patch_node(node, {"spec": {"unschedulable": True}})
+        cluster.admin.core.create_namespaced_pod(namespace, pod)
+        results.clear()
+        thread = verify()
+        time.sleep(WAITING_VIEW_SECONDS + 1)
+        assert thread.is_alive() and not results
+        cluster.admin.core.delete_namespaced_pod("waits", namespace, grace_period_seconds=0)
+        thread.join(timeout=VERIFY_WATCH_SECONDS + WAITING_VIEW_SECONDS + 10)
+        assert results == [VerifyResult(node_name=node, pods_on_node=[])]
     finally:
         cluster.admin.core.delete_node(node)
