@@ -93,21 +93,20 @@ def load_registration(path: Path) -> dict[str, Any]:
 
 def join_simulated(doc: dict[str, Any], state_dir: Path, redeem: Any, *, provider_id: str,
                    capacity: dict[str, str], annotations: dict[str, str],
-                   gpu_health: GpuHealth | None = None) -> client.V1Node:
+                   gpu_health: GpuHealth | None = None, retry_seconds: float = 0.0) -> client.V1Node:
     """A simulated burst node at scale: the same join (its own keys and CSR, the ticket redeemed at the
     gateway), no tunnel (the API server over loopback), then it registers its own Node with its own certificate,
     annotated for kwok, which plays its kubelet. When its burn-in label asks for the GPU health check it posts
-    ``gpu_health`` (default: a simulated node's pass) as a real node posts its diagnostic's result."""
+    ``gpu_health`` (default: a simulated node's pass) as a real node posts its diagnostic's result. An unavailable
+    gateway is tried again for ``retry_seconds`` (0: callers with a retry loop of their own, like the on-prem
+    agent, whose next heartbeat tries again and may meanwhile be told the claim was released)."""
     from models.join import SIMULATED_GPU_HEALTH
     from models.labels import burn_in_checks
     from node.health import post_gpu_health
-    from node.join import RETRY_SECONDS, NodeFiles, join
+    from node.join import NodeFiles, join
 
     files = NodeFiles(state_dir)
-    # Tried again while the gateway answers 5xx (e.g. a slot conflict's 503 "retry") as `node join` on a real node
-    # is: with one try, a simulated node that lost such a race stayed unjoined and its pod waited for the join
-    # timeout (seen in the side-by-side bench: 198 of 200 bound).
-    answer = join(doc, files, redeem=redeem, tunnel=False, retry_seconds=RETRY_SECONDS)
+    answer = join(doc, files, redeem=redeem, tunnel=False, retry_seconds=retry_seconds)
     api = node_api(files.kubeconfig)
     try:
         node = register(api, registration_from(answer, provider_id=provider_id, capacity=capacity),

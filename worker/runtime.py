@@ -198,19 +198,22 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None,
     if "sim" in kinds:
         from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
         from models.join import GpuHealth, parse_user_data
-        from node.join import redeem_over_https
+        from node.join import RETRY_SECONDS, redeem_over_https
         from node.register import join_simulated
 
         def boot(instance: Instance, user_data: str, capacity: dict[str, str], health: GpuHealth) -> None:
             # The simulated instance joins through the same protocol as a real node: its own keys and CSR, the
             # ticket of its user data redeemed at the gateway (over HTTPS at the URL its user data names, verified
             # with the CA bundle it carries; or ``redeem``), then it registers its own Node with its own
-            # certificate. No tunnel: it reaches the API server over loopback; kwok plays its kubelet.
+            # certificate. No tunnel: it reaches the API server over loopback; kwok plays its kubelet. A gateway
+            # answering 5xx (a slot conflict's 503 "retry") is tried again as `node join` on a real node does: with
+            # one try, a node that lost such a race stayed unjoined and its pod waited for the join timeout (seen
+            # in the side-by-side bench: 198 of 200 bound).
             doc = parse_user_data(user_data)
             join_simulated(doc, settings.state_dir / "sim-nodes" / instance.instance_id,
                            redeem or redeem_over_https(doc, ca_file=settings.gateway_ca_file),
                            provider_id=f"sim://{instance.location}/{instance.instance_id}", capacity=capacity,
-                           annotations=KWOK_ANNOTATIONS, gpu_health=health)
+                           annotations=KWOK_ANNOTATIONS, gpu_health=health, retry_seconds=RETRY_SECONDS)
 
         sim = SimProvider(burst, settings.state_dir / "sim-instances.json", on_boot=boot)
         providers["sim"] = sim
