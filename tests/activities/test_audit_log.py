@@ -52,11 +52,17 @@ def _rewrite(path: Path, lines: list[str]) -> None:
 def test_a_day_of_operations_verifies(tmp_path: Path) -> None:
     """A day of `make dev`-like records from eight threads of this process and two other worker processes at once,
     with retries: one chain, every record once, every link verified, by the CLI too."""
-    path = tmp_path / "audit.jsonl"
-    others = [subprocess.Popen([sys.executable, "-m", "tests.harness.audit_day", str(path), str(seed)], cwd=ROOT)
-              for seed in (101, 102)]
-    wait_until(lambda: path.exists() and path.stat().st_size > 0, timeout=60, what="the other writers' first record")
-    stored = write_day(AuditLog(path), threads=8)
+    path, go = tmp_path / "audit.jsonl", tmp_path / "go"
+    seeds = (101, 102)
+    others = [subprocess.Popen([sys.executable, "-m", "tests.harness.audit_day", str(path), str(seed), str(go)],
+                               cwd=ROOT) for seed in seeds]
+    # Every writer starts at once: the others are told to go only when they are ready (imported, log opened), as
+    # this process starts writing; waiting instead for their first record let them finish first on a busy machine.
+    wait_until(lambda: all(Path(f"{go}.ready-{seed}").exists() for seed in seeds), timeout=60,
+               what="the other writers ready")
+    log = AuditLog(path)
+    go.touch()
+    stored = write_day(log, threads=8)
     assert [p.wait(timeout=120) for p in others] == [0, 0]
 
     lines = _lines(path)

@@ -151,13 +151,26 @@ def write_day(log: AuditLog, *, threads: int = 8, seed: int = 27, plan: DayPlan 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.harness.audit_day FILE SEED``: another worker process writing its own day's operations
-    into the same audit log (a shared volume), two threads at once."""
+    """``python -m tests.harness.audit_day FILE SEED [GO]``: another worker process writing its own day's
+    operations into the same audit log (a shared volume), two threads at once. With GO, it writes ``GO.ready-SEED``
+    once imported and set up, then starts writing only when the file GO exists (at most 120 s later), so that a test
+    can start every writer at the same moment."""
     import sys
+    import time
     from pathlib import Path
 
-    path, seed = (argv or sys.argv[1:])[:2]
-    write_day(AuditLog(Path(path)), threads=2, seed=int(seed), plan=DayPlan(batches=20, idle_workloads=10))
+    args = argv or sys.argv[1:]
+    path, seed = args[:2]
+    log = AuditLog(Path(path))
+    if len(args) > 2:
+        go = Path(args[2])
+        Path(f"{go}.ready-{seed}").touch()
+        deadline = time.monotonic() + 120
+        while not go.exists():
+            if time.monotonic() > deadline:
+                return 3
+            time.sleep(0.005)
+    write_day(log, threads=2, seed=int(seed), plan=DayPlan(batches=20, idle_workloads=10))
     return 0
 
 
