@@ -68,7 +68,8 @@ class BurstActivities:
         return [
             self.provisioning.load_policy, self.provisioning.plan_batch, self.provisioning.scale_home_group,
             self.launch.launch_instance,
-            self.join.wait_for_node, self.verify.burn_in_node, self.verify.verify_node, self.drain.cordon_node,
+            self.join.wait_for_node, self.join.check_node_identity, self.verify.burn_in_node, self.verify.verify_node,
+            self.drain.cordon_node,
             self.drain.evict_pods, self.drain.terminate_instance, self.drain.remove_node, self.drain.confirm_gone,
             self.drain.cleanup_operation, self.audit.record_audit, self.gate.action_gate,
             self.drain.read_transfer, self.drain.count_burst_cost,

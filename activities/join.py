@@ -1,18 +1,21 @@
-"""Waiting for a launched node to join: registered through the gateway, Ready, its joining taint lifted."""
+"""Waiting for a launched node to join (registered through the gateway, Ready, its joining taint lifted), and
+checking that the node that joined is the instance launched for the operation (its attested identity)."""
 
 from __future__ import annotations
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.clients.gateway import GatewayRefused
 from activities.clients.kube import NodeJoinTimeout, VerificationFailed
 from activities.context import PhaseActivities, beat
-from models.errors import JOIN_TIMEOUT, VERIFICATION_FAILED
-from models.node import NodeWaitRequest
+from models.errors import JOIN_TIMEOUT, VERIFICATION_FAILED, JoinRefused, TicketError
+from models.join import attested_instance_problem
+from models.node import NodeIdentityCheck, NodeIdentityResult, NodeWaitRequest
 
 
 class JoinActivities(PhaseActivities):
-    """wait_for_node"""
+    """wait_for_node, check_node_identity"""
 
     @activity.defn(name="wait_for_node", no_thread_cancel_exception=True)
     def wait_for_node(self, req: NodeWaitRequest) -> str:
@@ -22,3 +25,26 @@ class JoinActivities(PhaseActivities):
             raise ApplicationError(str(exc), type=JOIN_TIMEOUT, non_retryable=True) from None
         except VerificationFailed as exc:
             raise ApplicationError(str(exc), type=VERIFICATION_FAILED, non_retryable=True) from None
+
+    @activity.defn(name="check_node_identity")
+    def check_node_identity(self, req: NodeIdentityCheck) -> NodeIdentityResult:
+        """The identity the gateway verified at the node's join must be the launched instance's: a ticket read from
+        the instance's user data and redeemed by another machine of the same account and region passes the
+        gateway's checks (signature, location, account) but not this one. A mismatch fails the node
+        (non-retryable): the workflow terminates the instance, removes the Node and plans its pods again. Reads
+        only: a retry asks again."""
+        try:
+            identity = self.gateway.identity(req.node_name, operation=req.operation)
+        except (TicketError, JoinRefused, GatewayRefused) as exc:
+            # The gateway holds the node for another operation, or has no redeemed ticket for it: whatever runs
+            # under its name is not known to be the launched instance.
+            raise ApplicationError(f"node {req.node_name} refused: the gateway cannot say what it joined as: {exc}",
+                                   type=VERIFICATION_FAILED, non_retryable=True) from None
+        inst = req.instance
+        problem = attested_instance_problem(identity, inst.provider, inst.instance_id, inst.attested_id)
+        if problem:
+            raise ApplicationError(f"node {req.node_name} refused: {problem}", type=VERIFICATION_FAILED,
+                                   non_retryable=True)
+        bound = (" (the launched instance)" if identity.verified and identity.method not in ("none", "onprem")
+                 and (identity.method != "azure" or inst.attested_id) else "")
+        return NodeIdentityResult(identity=identity, detail=identity.describe() + bound)

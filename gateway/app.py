@@ -18,6 +18,9 @@ It runs as its own Deployment with its own ServiceAccount (``kubeon-gpu-optimize
   (``models.join.NodeTransfer``: ``rxBytes`` node -> home, the remote cloud's egress; ``txBytes`` home -> node),
   kept across gateway restarts in its slot record (``gateway.transfer``); 409 for a node of another operation, 404
   for one the gateway holds no slot for.
+- ``GET /v1/nodes/{name}/identity?operation=op-...`` (the optimizer): the signed instance identity the node joined
+  with, as the gateway verified it (``models.join.NodeIdentity``); the optimizer checks it is the instance it
+  launched. 409 for a node of another operation, 404 for one not joined or unknown.
 - ``POST /v1/join`` (a booting burst node; the ticket is its only credential): redeem the ticket with the node's
   WireGuard public key and kubelet CSR (``models.join.JoinRedeem``); the answer (``JoinAnswer``) carries the
   signed kubelet certificate, the tunnel's parameters, the pod CIDR and the API server address. The gateway creates
@@ -369,6 +372,13 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         with _node_errors(f"reading the transfer of node {name}"):
             counted = gateway.transfer(name, operation=operation)
         return counted.model_dump(mode="json", by_alias=True)
+
+    @app.get("/v1/nodes/{name}/identity")
+    def node_identity(name: str, caller: Caller,
+                      operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
+        with _node_errors(f"reading the attested identity of node {name}"):
+            identity = gateway.identity(name, operation=operation)
+        return identity.model_dump(mode="json", by_alias=True)
 
     @app.post("/v1/nodes/{name}/probe")
     def probe_node(name: str, caller: Caller,

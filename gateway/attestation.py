@@ -43,10 +43,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
-from pydantic import BaseModel, ConfigDict, Field
 
 from models.errors import JoinRefused
-from models.join import Attestation, attestation_nonce
+from models.join import Attestation, NodeIdentity, attestation_nonce
 
 SIM_PROVIDER = "sim"
 # Who signs Azure's attested data: the metadata service's certificate (public cloud, US Government, China).
@@ -56,19 +55,6 @@ _AZURE_DIGESTS: dict[str, hashes.HashAlgorithm] = {
     "sha256": hashes.SHA256(), "sha384": hashes.SHA384(), "sha512": hashes.SHA512(),
     "1.2.840.113549.1.1.11": hashes.SHA256(), "1.2.840.113549.1.1.12": hashes.SHA384(),
     "1.2.840.113549.1.1.13": hashes.SHA512()}
-
-
-class AttestedIdentity(BaseModel):
-    """What the gateway verified of a joining node (kept in its redemption record, the node's audit)."""
-
-    model_config = ConfigDict(populate_by_name=True)
-
-    method: str
-    verified: bool = Field(description="false: method none, nothing verified")
-    region: str = ""
-    zone: str = ""
-    instance_id: str = Field(default="", alias="instanceId")
-    account: str = ""
 
 
 def _refuse(code: str, message: str) -> JoinRefused:
@@ -116,7 +102,7 @@ class AttestationVerifier:
             return {}
         return {"method": provider, **({"audience": self.audience} if self.audience else {})}
 
-    def verify(self, attestation: Attestation, location: str, *, ticket: str = "") -> AttestedIdentity:
+    def verify(self, attestation: Attestation, location: str, *, ticket: str = "") -> NodeIdentity:
         """The identity of a node redeeming ``ticket`` (the raw ticket: Azure's nonce is derived from it) for
         ``location``; refused with a code unless it verifies."""
         provider, region = split_location(location)
@@ -124,12 +110,12 @@ class AttestationVerifier:
         if provider == "onprem" and method in ("none", "onprem"):
             # The server's join credential is the proof: POST /v1/join checks the pool claim the hub signed for it
             # (gateway.pool_tokens) before the admission; the location is its pool.
-            return AttestedIdentity(method="onprem", verified=True, region=region)
+            return NodeIdentity(method="onprem", verified=True, region=region)
         if method == "none":
             if self.required(provider):
                 raise _refuse("attestation_required", f"the ticket is for {location}: a {provider} node must "
                               "present its signed instance identity")
-            return AttestedIdentity(method="none", verified=False)
+            return NodeIdentity(method="none", verified=False)
         if method != provider:
             raise _refuse("attestation_invalid", f"method {method} for a ticket of {location}")
         roots = list(self.roots.get(provider, []))
@@ -187,18 +173,18 @@ class AttestationVerifier:
                 continue
         raise _refuse("attestation_forged", "the signature does not verify with a trusted certificate")
 
-    def _aws(self, attestation: Attestation, roots: list[x509.Certificate]) -> AttestedIdentity:
+    def _aws(self, attestation: Attestation, roots: list[x509.Certificate]) -> NodeIdentity:
         try:
             signature = base64.b64decode(attestation.signature, validate=True)
             doc: dict[str, Any] = json.loads(attestation.document)
         except ValueError:
             raise _refuse("attestation_invalid", "document or signature malformed") from None
         self._check(self._signer(attestation, roots), signature, attestation.document.encode())
-        return AttestedIdentity(method="aws", verified=True, region=str(doc.get("region", "")),
-                                zone=str(doc.get("availabilityZone", "")),
-                                instance_id=str(doc.get("instanceId", "")), account=str(doc.get("accountId", "")))
+        return NodeIdentity(method="aws", verified=True, region=str(doc.get("region", "")),
+                            zone=str(doc.get("availabilityZone", "")),
+                            instance_id=str(doc.get("instanceId", "")), account=str(doc.get("accountId", "")))
 
-    def _azure(self, attestation: Attestation, roots: list[x509.Certificate], ticket: str) -> AttestedIdentity:
+    def _azure(self, attestation: Attestation, roots: list[x509.Certificate], ticket: str) -> NodeIdentity:
         from asn1crypto import cms
 
         try:
@@ -240,10 +226,10 @@ class AttestationVerifier:
             raise _refuse("attestation_invalid", "the attested data has no timeStamp.expiresOn") from None
         if expires.timestamp() < self.clock():
             raise _refuse("attestation_expired", f"the attested data expired at {expires.isoformat()}")
-        return AttestedIdentity(method="azure", verified=True, instance_id=str(doc.get("vmId", "")),
-                                account=str(doc.get("subscriptionId", "")))
+        return NodeIdentity(method="azure", verified=True, instance_id=str(doc.get("vmId", "")),
+                            account=str(doc.get("subscriptionId", "")))
 
-    def _gcp(self, attestation: Attestation, roots: list[x509.Certificate]) -> AttestedIdentity:
+    def _gcp(self, attestation: Attestation, roots: list[x509.Certificate]) -> NodeIdentity:
         try:
             head, body, sig = attestation.document.split(".")
             header = json.loads(_unb64url(head))
@@ -261,8 +247,9 @@ class AttestationVerifier:
             raise _refuse("attestation_expired", "the identity token expired")
         gce = claims.get("google", {}).get("compute_engine", {})
         zone = str(gce.get("zone", ""))
-        return AttestedIdentity(method="gcp", verified=True, region=zone_region(zone), zone=zone,
-                                instance_id=str(gce.get("instance_id", "")), account=str(gce.get("project_id", "")))
+        return NodeIdentity(method="gcp", verified=True, region=zone_region(zone), zone=zone,
+                            instance_id=str(gce.get("instance_id", "")),
+                            instance_name=str(gce.get("instance_name", "")), account=str(gce.get("project_id", "")))
 
 
 def verifier_from(roots: tuple[tuple[str, str], ...], accounts: tuple[tuple[str, str], ...], audience: str,

@@ -35,6 +35,7 @@ from models.join import (
     JoinAnswer,
     JoinRedeem,
     JoinTicketRequest,
+    NodeIdentity,
     NodeProbe,
     NodeTransfer,
     TicketGrant,
@@ -270,6 +271,24 @@ class KubeGateway:
                                   f"for node {node_name}", status=404)
             counted = Transfer.loads(owned[0]["transfer"])
         return NodeTransfer(rx_bytes=counted.rx_bytes, tx_bytes=counted.tx_bytes, measured_at=counted.measured_at)
+
+    # -- the attested identity ------------------------------------------------------------------------------
+    def identity(self, node_name: str, *, operation: str) -> NodeIdentity:
+        """What the gateway verified of the instance identity ``node_name`` of ``operation`` joined with (its
+        ticket's redemption record); method ``none`` when nothing was attested (a sim node, a provider without trust
+        roots). ``TicketError`` (``not_owned``) for another operation's node, ``JoinRefused`` 404 for one the gateway
+        holds no slot for or whose ticket was not redeemed yet: the optimizer reads only its own joined nodes."""
+        slots, slot = self._slots_of(node_name, operation)
+        if slot is None:
+            if slots:
+                raise self._not_owned(node_name, operation)
+            raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}", status=404)
+        record = None if slot.reserved else self._records.ticket(slot.nonce)
+        if record is None or record.get("state") != "redeemed":
+            raise JoinRefused("not_joined", f"node {node_name} has not joined: its ticket is not redeemed",
+                              status=404)
+        stored = record.get("attestation")
+        return NodeIdentity.model_validate_json(stored) if stored else NodeIdentity(method="none", verified=False)
 
     # -- the burn-in's tunnel probe ---------------------------------------------------------------------------
     def probe(self, node_name: str, *, operation: str) -> NodeProbe:

@@ -221,6 +221,58 @@ class NodeTransfer(_Wire):
                                "measured (no tunnel at this gateway, or the node never joined)")
 
 
+class NodeIdentity(_Wire):
+    """``GET /v1/nodes/{name}/identity``: what the gateway verified of the signed instance identity the node joined
+    with (``gateway.attestation``; kept in its ticket's redemption record). The optimizer checks it names the very
+    instance it launched for the operation (``attested_instance_problem``) and records it in the node's ``joined``
+    audit record."""
+
+    method: str = Field(description="aws, gcp, azure, onprem (the hub's pool claim) or none (nothing attested)")
+    verified: bool = Field(description="false: method none, nothing verified")
+    region: str = ""
+    zone: str = ""
+    instance_id: str = Field(default="", alias="instanceId", description="AWS instance ID, GCE numeric ID, "
+                             "Azure vmId")
+    instance_name: str = Field(default="", alias="instanceName", description="GCE: the instance's name")
+    account: str = Field(default="", description="AWS account, GCP project, Azure subscription")
+
+    def describe(self) -> str:
+        if not self.verified:
+            return f"identity not attested (method {self.method})"
+        if self.method == "onprem":
+            return f"on-prem server of pool {self.region}, attested by the hub's pool claim"
+        name = f" {self.instance_name}" if self.instance_name else ""
+        where = self.zone or self.region or "an unsigned region"
+        account = f", {'project' if self.method == 'gcp' else 'account'} {self.account}" if self.account else ""
+        return f"attested {self.method} instance {self.instance_id}{name} in {where}{account}"
+
+
+def attested_instance_problem(identity: NodeIdentity, provider: str, instance_id: str, attested_id: str) -> str:
+    """Why ``identity`` is not the instance launched for the operation (empty: it is, or there is nothing to bind):
+    the gateway verified the identity's signature, location and account, but any instance of that account and
+    region holding the ticket (read from the launched instance's user data) could present one. ``instance_id`` is
+    the provider's ID of the launched instance; ``attested_id`` the ID its cloud signs into the identity where that
+    differs (Azure's vmId; empty: not known, the binding cannot be checked)."""
+    if not identity.verified or identity.method in ("none", "onprem"):
+        return ""
+    if identity.method != provider:
+        return f"the node attested a {identity.method} identity, the operation launched a {provider} instance"
+    if identity.method == "aws":
+        signed, want = identity.instance_id, instance_id
+    elif identity.method == "gcp":  # the provider's ID is zone/name; the token names both
+        signed, want = f"{identity.zone}/{identity.instance_name}", instance_id
+    elif identity.method == "azure":
+        signed, want = identity.instance_id, attested_id
+        if not want:
+            return ""
+    else:
+        return f"the node attested a {identity.method} identity, which cannot be bound to an instance"
+    if signed != want:
+        return (f"the node joined with the attested identity of {identity.method} instance {signed}, not of the "
+                f"launched instance {want}: its ticket was redeemed by another machine")
+    return ""
+
+
 class GatewayCapacity(BaseModel):
     """The gateway's address slots: how many there are, and the nodes holding one (joined, or reserved by a
     ticket not redeemed yet). Every burst node needs one, so the free ones cap how many new nodes may launch."""

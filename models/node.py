@@ -9,6 +9,7 @@ from pydantic import Field
 
 from models.base import Model, OperationViewBase
 from models.cost import ActualCost, TransferReading
+from models.join import NodeIdentity
 from models.labels import Taint
 from models.policy import Mode
 from models.provisioning import MeasuredEgress, Offering, OperationSettings, PendingPod, PlannedNode
@@ -62,6 +63,9 @@ class Instance(Model):
     tags: dict[str, str] = Field(default_factory=dict)
     node_name: str = ""
     launched_at: datetime | None = None
+    # The ID its cloud signs into the instance's attested identity where that is not instance_id (Azure: the VM's
+    # vmId; empty elsewhere, or not known): what the node's join identity is bound to (issue 27).
+    attested_id: str = ""
 
 
 class InstanceRef(Model):
@@ -74,6 +78,19 @@ class NodeWaitRequest(Model):
     operation: str
     node_name: str
     timeout_seconds: int
+
+
+class NodeIdentityCheck(Model):
+    """A joined node's attested identity against the instance launched for its operation (issue 27)."""
+
+    operation: str
+    node_name: str
+    instance: Instance
+
+
+class NodeIdentityResult(Model):
+    identity: NodeIdentity
+    detail: str  # for the node's "joined" audit record: what was attested, and that it is the launched instance
 
 
 class NodeExpectation(Model):

@@ -42,6 +42,8 @@ from models.node import (
     LaunchRequest,
     NodeExpectation,
     NodeFinished,
+    NodeIdentityCheck,
+    NodeIdentityResult,
     NodeInput,
     NodePhase,
     NodeWaitRequest,
@@ -250,7 +252,7 @@ class BurstNodeWorkflow(Operation[NodePhase]):
                                              timeout_seconds=s.join_timeout_seconds),
             result_type=str, start_to_close_timeout=timedelta(seconds=s.join_timeout_seconds + 120),
             heartbeat_timeout=HEARTBEAT, retry_policy=RETRY)
-        await self._audit("joined")
+        await self._audit("joined", await self._attested_identity())
         await self._burn_in(inp)
 
         self._set_phase(NodePhase.VERIFYING, "taint, labels, pods placed")
@@ -292,6 +294,20 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         await self._return_home(served.reason)
         self._set_phase(NodePhase.COMPLETED, f"returned home: {served.reason}")
         return self._result()
+
+    async def _attested_identity(self) -> str:
+        """issue 27: the node that joined must be the launched instance (its identity, as the gateway verified it,
+        names that instance); what it attested goes into its "joined" record. A mismatch fails the node like a
+        failed burn-in: terminated, removed, its pods planned again."""
+        if not workflow.patched("attested-identity"):
+            return ""
+        assert self.instance is not None
+        checked: NodeIdentityResult = await workflow.execute_activity(
+            "check_node_identity",
+            NodeIdentityCheck(operation=self.operation, node_name=self.node_name, instance=self.instance),
+            result_type=NodeIdentityResult, start_to_close_timeout=QUICK, retry_policy=RETRY,
+            summary="the node's attested identity")
+        return checked.detail
 
     async def _burn_in(self, inp: NodeInput) -> None:
         """issue 27: the burn-in gate, while the node still carries its taint (no workload has landed). A failure

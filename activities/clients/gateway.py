@@ -27,7 +27,15 @@ from pydantic import BaseModel
 
 from activities.telemetry.tracing import http_call
 from models.errors import ADDRESSES_EXHAUSTED, AddressesExhausted, TicketError
-from models.join import GatewayCapacity, JoinTicketRequest, NodeProbe, NodeTransfer, TicketGrant, gateway_route
+from models.join import (
+    GatewayCapacity,
+    JoinTicketRequest,
+    NodeIdentity,
+    NodeProbe,
+    NodeTransfer,
+    TicketGrant,
+    gateway_route,
+)
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0
@@ -51,6 +59,11 @@ class GatewayClient(Protocol):
         """Bytes the node moved through its tunnel so far (``rx``: node -> home, its cloud's egress); read it
         before ``remove_node``: the counters go with the node's slot. ``TicketError`` for another operation's
         node, ``GatewayRefused`` (404) for one the gateway holds no slot for."""
+        ...
+
+    def identity(self, node_name: str, *, operation: str) -> NodeIdentity:
+        """The signed instance identity the node joined with, as the gateway verified it (method ``none``: nothing
+        attested). ``TicketError`` for another operation's node, ``GatewayRefused`` (404) for one not joined."""
         ...
 
     def probe(self, node_name: str, *, operation: str) -> NodeProbe:
@@ -242,6 +255,11 @@ class HttpGatewayClient:
         what = f"the tunnel probe of node {node_name} ({operation})"
         return self._answer(NodeProbe, self._node_call("POST", node_name, operation, "probe", what), what,
                             "{tunnel, mtu, answered, rttMs, detail}")
+
+    def identity(self, node_name: str, *, operation: str) -> NodeIdentity:
+        what = f"the attested identity of node {node_name} ({operation})"
+        return self._answer(NodeIdentity, self._node_call("GET", node_name, operation, "identity", what), what,
+                            "{method, verified, region, zone, instanceId, instanceName, account}")
 
     def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
         what = f"the transfer of node {node_name} ({operation})"

@@ -174,7 +174,8 @@ class AzureProvider(CloudProvider):
         return Instance(provider="azure", location=location, instance_id=str(vm.name),
                         instance_type=str(props.hardware_profile.vm_size if props.hardware_profile else ""),
                         state=self._state(vm), tags=dict(vm.tags or {}),
-                        node_name=str((vm.tags or {}).get("kubeon.io/node", "")), launched_at=props.time_created)
+                        node_name=str((vm.tags or {}).get("kubeon.io/node", "")), launched_at=props.time_created,
+                        attested_id=str(props.vm_id or ""))  # what Azure signs into its attested data
 
     def list(self, location: str, *, policy: str | None = None, operation: str | None = None) -> list[Instance]:
         loc = self._config.location(location)

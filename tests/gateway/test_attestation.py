@@ -14,8 +14,8 @@ from kubernetes import client
 
 from gateway.attestation import AttestationVerifier, verifier_from
 from gateway.settings import ConfigError, GatewayServerConfig, load_settings
-from models.errors import JoinRefused
-from models.join import Attestation
+from models.errors import JoinRefused, TicketError
+from models.join import Attestation, NodeIdentity
 from node.join import NodeFiles
 from tests.gateway.helpers import gateway, nonce_of, ticket_request
 from tests.harness.identity import IdentityCA
@@ -155,4 +155,31 @@ def test_the_gateway_refuses_a_node_of_another_region_and_records_the_verified_i
     record = gw.records.ticket(nonce_of(gw, ticket)) or {}
     assert json.loads(record["attestation"]) == {
         "method": "aws", "verified": True, "region": "eu-central-1", "zone": "eu-central-1a",
-        "instanceId": "i-0good", "account": "123456789012"}
+        "instanceId": "i-0good", "instanceName": "", "account": "123456789012"}
+
+
+@pytest.mark.cluster
+def test_the_optimizer_reads_the_identity_of_its_own_joined_node_only(
+        ca: IdentityCA, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    """What the optimizer binds to the launched instance (``check_node_identity``): the identity as verified at the
+    join, for the node of the operation it names; nothing for another operation's node, an unknown one, or one
+    whose ticket is not redeemed yet."""
+    gw = gateway(gateway_api, attestation=verifier(ca))
+    req = ticket_request(nodes).model_copy(update={"location": "aws/eu-central-1"})
+    waiting = ticket_request(nodes).model_copy(update={"location": "aws/eu-central-1"})
+    gw.issue_ticket(waiting)  # its address slot reserved, never redeemed
+    ticket = gw.sign_ticket(req)
+    gw.join(redeem_for(files(), ticket, req.node_name).model_copy(
+        update={"attestation": ca.aws(region="eu-central-1", instance_id="i-0good")}))
+
+    assert gw.identity(req.node_name, operation=req.operation) == NodeIdentity(
+        method="aws", verified=True, region="eu-central-1", zone="eu-central-1a", instance_id="i-0good",
+        account="123456789012")
+    with pytest.raises(TicketError, match="another operation"):
+        gw.identity(req.node_name, operation=waiting.operation)
+    with pytest.raises(JoinRefused) as err:
+        gw.identity(waiting.node_name, operation=waiting.operation)
+    assert (err.value.code, err.value.status) == ("not_joined", 404)
+    with pytest.raises(JoinRefused) as err:
+        gw.identity("burst-op-ffffffffffff", operation="op-ffffffffffff")
+    assert (err.value.code, err.value.status) == ("unknown_node", 404)

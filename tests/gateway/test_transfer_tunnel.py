@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from activities.clients.gateway import GatewayRefused, HttpGatewayClient
 from models.errors import TicketError
-from models.join import NodeTransfer
+from models.join import NodeIdentity, NodeTransfer
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.netbed import (
     Gateway,
@@ -179,6 +179,22 @@ def test_transfer_of_another_operations_node_or_an_unknown_one_is_refused(
                           params={"operation": joined.operation}, timeout=5,
                           verify=ssl.create_default_context(cafile=str(gateway.ca_file)))
     assert anonymous.status_code == 401 and "rxBytes" not in anonymous.text
+
+
+def test_the_attested_identity_is_read_over_https_for_the_nodes_own_operation_only(
+        gateway: Gateway, joined: Joined, optimizer: HttpGatewayClient) -> None:
+    """``GET /v1/nodes/{name}/identity`` (issue 27: what the optimizer binds to the launched instance), with the
+    limits of the optimizer's token as for the transfer. This bed's node attests nothing (a sim location)."""
+    assert optimizer.identity(joined.name, operation=joined.operation) == NodeIdentity(method="none", verified=False)
+    with pytest.raises(TicketError, match="another operation"):
+        optimizer.identity(joined.name, operation="op-000000000000")
+    with pytest.raises(GatewayRefused) as refused:
+        optimizer.identity("burst-op-ffffffffffff", operation="op-ffffffffffff")
+    assert refused.value.status == 404
+    anonymous = httpx.get(f"{optimizer.base_url}/v1/nodes/{joined.name}/identity",
+                          params={"operation": joined.operation}, timeout=5,
+                          verify=ssl.create_default_context(cafile=str(gateway.ca_file)))
+    assert anonymous.status_code == 401 and "verified" not in anonymous.text
 
 
 def test_the_record_keeps_the_totals_in_the_slot(cluster: Cluster, joined: Joined,

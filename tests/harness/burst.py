@@ -38,6 +38,7 @@ from worker.runtime import Runtime
 if TYPE_CHECKING:
     from activities.clients.gateway import HttpGatewayClient
     from activities.providers.sim import BootHook
+    from gateway.attestation import AttestationVerifier
     from gateway.service import KubeGateway
     from gateway.slots import AddressPlan
     from worker.runtime import Runtime
@@ -96,19 +97,21 @@ class BurstStack:
         values.update(overrides)
         return Settings.model_validate(values)
 
-    def gateway(self, plan: AddressPlan | None = None) -> KubeGateway:
+    def gateway(self, plan: AddressPlan | None = None, attestation: AttestationVerifier | None = None
+                ) -> KubeGateway:
         """The gateway in this process, with its own ServiceAccount and the ticket key (never the optimizer's), its
         reconciler running (stopped with the runtime that holds it); ``plan``: its address plan (default: the
-        gateway's default)."""
+        gateway's default); ``attestation``: the instance identities it verifies (default: none)."""
         from tests.harness.inproc_worker import inproc_gateway
 
-        return inproc_gateway(self.gateway_kubeconfig, self.ticket_key_file, plan)
+        return inproc_gateway(self.gateway_kubeconfig, self.ticket_key_file, plan, attestation)
 
-    def runtime(self, settings: Settings, plan: AddressPlan | None = None) -> Runtime:
+    def runtime(self, settings: Settings, plan: AddressPlan | None = None,
+                attestation: AttestationVerifier | None = None) -> Runtime:
         """The worker's runtime with the gateway in this process: sim instances redeem their ticket with it."""
         from worker.runtime import build_runtime
 
-        gateway = self.gateway(plan)
+        gateway = self.gateway(plan, attestation)
         return build_runtime(settings, gateway=gateway, redeem=gateway.join)
 
     def http_runtime(self, settings: Settings, gateway: HttpGatewayClient, on_boot: BootHook) -> Runtime:
@@ -182,15 +185,17 @@ StartWorker = Callable[..., contextlib.AbstractAsyncContextManager[tuple[Client,
 @contextlib.asynccontextmanager
 async def in_process_worker(stack: BurstStack, temporal: WorkflowEnvironment, locations: list[dict[str, Any]], *,
                             cluster_name: str | None = None, watch: bool = True, plan: AddressPlan | None = None,
+                            attestation: AttestationVerifier | None = None,
                             **overrides: Any) -> AsyncIterator[tuple[Client, Settings, Runtime]]:
     """The worker's services in this process (workflows, activities and, with ``watch``, the pending-pod watcher)
     on a task queue of their own, against ``temporal`` over ``locations``, with the gateway in this process (its
-    address ``plan``); the cluster is named after the queue unless ``cluster_name`` is given; ``overrides``: more
-    settings."""
+    address ``plan``, the identities it verifies: ``attestation``); the cluster is named after the queue unless
+    ``cluster_name`` is given; ``overrides``: more settings."""
     queue = unique("q")
     settings = stack.settings(temporal_address=temporal.client.service_client.config.target_host,
                               task_queue=queue, locations=locations, cluster_name=cluster_name or queue, **overrides)
-    async with worker_services(settings, stack.runtime(settings, plan), watch=watch) as (client_, runtime, _watcher):
+    runtime_ = stack.runtime(settings, plan, attestation)
+    async with worker_services(settings, runtime_, watch=watch) as (client_, runtime, _watcher):
         yield client_, settings, runtime
 
 

@@ -15,15 +15,17 @@ import sys
 from pathlib import Path
 
 from common.kube import kube_api
+from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from gateway.slots import AddressPlan
 
 
-def inproc_gateway(kubeconfig: Path, ticket_key_file: Path, plan: AddressPlan | None = None) -> KubeGateway:
-    """The gateway in namespace kubeon-gpu (``plan``: its address plan, default the gateway's), its reconciler
-    running."""
+def inproc_gateway(kubeconfig: Path, ticket_key_file: Path, plan: AddressPlan | None = None,
+                   attestation: AttestationVerifier | None = None) -> KubeGateway:
+    """The gateway in namespace kubeon-gpu (``plan``: its address plan, default the gateway's; ``attestation``: the
+    instance identities it verifies, default none), its reconciler running."""
     gateway = KubeGateway(kube_api(kubeconfig), ticket_key_file.read_bytes().strip(), namespace="kubeon-gpu",
-                          plan=plan)
+                          plan=plan, attestation=attestation)
     gateway.start_reconciler()
     return gateway
 

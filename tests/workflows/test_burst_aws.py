@@ -14,9 +14,10 @@ import pytest
 from temporalio.client import Client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
+from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from models.join import parse_user_data
-from models.labels import TAG_BURST, TAG_OPERATION
+from models.labels import LABEL_POLICY, TAG_BURST, TAG_OPERATION
 from models.node import NodePhase
 from node.register import join_simulated
 from tests.harness.background import Background
@@ -26,13 +27,16 @@ from tests.harness.burst import (
     approve_batch,
     assert_serves_on_burst_node,
     gpu_deployment,
+    node_for,
     node_gone,
+    node_workflows,
     provision_state,
     result,
     unique,
     wait_for,
     wait_phase,
 )
+from tests.harness.clouds.aws_metadata import AwsMetadata
 from tests.harness.clouds.moto_server import MotoServer
 from tests.harness.kube import Kube
 
@@ -66,13 +70,18 @@ class BootedInstances(Background):
     """Plays the booted burst instances: reads each instance's user data from moto and joins through the
     gateway with the ticket found there, as the node's bootstrap would; kwok then runs the Node."""
 
-    def __init__(self, moto: MotoServer, gateway: KubeGateway, policy: str, state_dir: Path) -> None:
+    def __init__(self, moto: MotoServer, gateway: KubeGateway, policy: str, state_dir: Path, *,
+                 imds: AwsMetadata | None = None, first_attests: str = "") -> None:
         super().__init__()
         self.state_dir = state_dir
         self.ec2 = _ec2(moto)
         self.gateway = gateway
         self.policy = policy
         self.joined: dict[str, str] = {}
+        # Where a node reads its signed identity (IMDS), and the instance whose identity the first node to boot
+        # presents instead of its own: the ticket read from that node's user data, redeemed by another machine.
+        self.imds = imds
+        self.first_attests = first_attests
 
     def _run(self) -> None:
         while not self._stop.wait(0.3):
@@ -86,6 +95,9 @@ class BootedInstances(Background):
                 attr = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
                 user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
                 doc = parse_user_data(user_data)
+                if self.imds is not None:
+                    attests = self.first_attests if self.first_attests and not self.joined else iid
+                    doc["metadataUrl"] = self.imds.metadata_url(REGION, attests)
                 # The node's own join (keys, CSR, ticket) and registration with its own certificate.
                 node = join_simulated(doc, self.state_dir / iid, self.gateway.join,
                                       provider_id=f"aws:///{REGION}/{iid}", annotations=KWOK_ANNOTATIONS,
@@ -152,3 +164,65 @@ async def test_optimizer_credentials_cannot_create_or_delete_nodes(stack: BurstS
     with pytest.raises(client.ApiException) as err:
         optimizer.core.delete_node("anything")
     assert err.value.status == 403
+
+
+async def test_a_node_attesting_another_instance_is_refused_and_replaced(
+        stack: BurstStack, start_worker: StartWorker, moto_server: MotoServer, aws_location: dict[str, Any],
+        namespace: str, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: the gateway verifies the signed identity (signature, region, account), but any machine of that
+    account and region holding the ticket passes that. A machine in the burst account redeems the first node's
+    ticket with its own genuine identity: the node fails (named: its instance, the launched one), the launched
+    instance is terminated before any pod lands, and the replacement serves with its attested identity in its
+    "joined" audit record."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(var, "testing")
+    ec2 = _ec2(moto_server)
+    image = aws_location["aws"]["imageId"]
+    thief = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro")["Instances"][0]
+    account = ec2.describe_instances(InstanceIds=[thief["InstanceId"]])["Reservations"][0]["OwnerId"]
+    imds = AwsMetadata(moto_server.endpoint, ec2=lambda _region: ec2).start()
+    attestation = AttestationVerifier(roots={"aws": [imds.ca.ca]}, accounts={"aws": account})
+    deploy = unique("attest")
+    try:
+        async with start_worker([aws_location], aws_endpoint_url=moto_server.endpoint, node_retry_seconds=1,
+                                attestation=attestation) as (temporal, settings, runtime):
+            assert isinstance(runtime.gateway, KubeGateway)
+            stack.create_policy(policy, mode="Automatic", locations=[f"aws/{REGION}"], max_nodes=1)
+            with BootedInstances(moto_server, runtime.gateway, policy, stack.workdir / f"aws-nodes-{policy}",
+                                 imds=imds, first_attests=thief["InstanceId"]) as booted:
+                stack.cluster.admin.apps.create_namespaced_deployment(
+                    namespace, gpu_deployment(deploy, gpu_product="NVIDIA-A10G"))
+                first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
+                failed = await result(first)
+                assert failed.phase == NodePhase.FAILED, failed.message
+                assert failed.instance is not None
+                launched = failed.instance.instance_id
+                assert (f"the node joined with the attested identity of aws instance {thief['InstanceId']}, not of "
+                        f"the launched instance {launched}") in failed.message, failed.message
+                state = ec2.describe_instances(InstanceIds=[launched])["Reservations"][0]["Instances"][0]
+                assert state["State"]["Name"] in ("shutting-down", "terminated")
+                assert node_gone(stack, failed.node_name)
+                mine = [(r.action, r.detail) for r in runtime.audit.read() if r.operation == failed.operation]
+                assert any(a == "failed" and thief["InstanceId"] in d for a, d in mine), mine
+                assert not any(a in ("joined", "verified") for a, _ in mine), mine
+
+                # Planned again: the next instance joins as itself and serves.
+                prefix = f"{namespace}/{deploy}-"
+                planned = await provision_state(temporal, settings.cluster, policy,
+                                                lambda v: len(node_workflows(v, prefix)) > 1, 90)
+                view = await wait_phase(temporal.get_workflow_handle(node_workflows(planned, prefix)[1]),
+                                        NodePhase.SERVING, timeout=120)
+                assert view.instance is not None and booted.joined[view.instance.instance_id] == view.node_name
+                assert_serves_on_burst_node(stack, view, namespace, deploy, "aws.eu-central-1")
+                raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]
+                zone = raw["Instances"][0]["Placement"]["AvailabilityZone"]
+                [joined] = [r for r in runtime.audit.read() if r.operation == view.operation and r.action == "joined"]
+                assert joined.detail == (f"attested aws instance {view.instance.instance_id} in {zone}, account "
+                                         f"{account} (the launched instance)")
+    finally:
+        with contextlib.suppress(Exception):
+            stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+        imds.stop()
+        ec2.terminate_instances(InstanceIds=[thief["InstanceId"]])
+        wait_for(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
+                 timeout=120, what="the burst node home")

@@ -25,7 +25,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.clients.gateway import GatewayUnavailable
 from gateway.service import KubeGateway
 from models.cost import BYTES_PER_GB
-from models.join import GatewayCapacity, JoinTicketRequest, NodeProbe, NodeTransfer, TicketGrant
+from models.join import GatewayCapacity, JoinTicketRequest, NodeIdentity, NodeProbe, NodeTransfer, TicketGrant
 from models.labels import LABEL_POLICY
 from models.node import NodePhase, OperationView
 from models.provisioning import ProvisionView
@@ -79,6 +79,9 @@ class MeteredGateway:
 
     def probe(self, node_name: str, *, operation: str) -> NodeProbe:
         return self.gateway.probe(node_name, operation=operation)
+
+    def identity(self, node_name: str, *, operation: str) -> NodeIdentity:
+        return self.gateway.identity(node_name, operation=operation)
 
     def transfer(self, node_name: str, *, operation: str) -> NodeTransfer:
         self.gateway.transfer(node_name, operation=operation)  # the real gateway still checks ownership

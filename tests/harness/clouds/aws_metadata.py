@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ from tests.harness.identity import IdentityCA
 class AwsMetadata:
     moto_endpoint: str
     ca: IdentityCA = field(default_factory=lambda: IdentityCA(name="aws test identity CA"))
+    # An EC2 client of the region, in the account the instances are in (default: moto's default account).
+    ec2: Callable[[str], Any] | None = None
     url: str = ""
     _tokens: set[str] = field(default_factory=set)
     # (region, instance id) -> its identity: one document each, as EC2 serves
@@ -63,8 +66,9 @@ class AwsMetadata:
     def _identity(self, region: str, instance_id: str) -> Any:
         if (region, instance_id) in self._documents:
             return self._documents[region, instance_id]
-        ec2 = boto3.client("ec2", region_name=region, endpoint_url=self.moto_endpoint,
-                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        ec2 = self.ec2(region) if self.ec2 else boto3.client(
+            "ec2", region_name=region, endpoint_url=self.moto_endpoint, aws_access_key_id="testing",
+            aws_secret_access_key="testing")
         reservations = ec2.describe_instances(
             Filters=[{"Name": "instance-id", "Values": [instance_id]}])["Reservations"]
         if not reservations:
