@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 from prometheus_client import REGISTRY
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
@@ -25,6 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.clients.gateway import GatewayUnavailable
 from gateway.service import KubeGateway
 from models.cost import BYTES_PER_GB
+from models.drain import DrainStatus
 from models.join import GatewayCapacity, JoinTicketRequest, NodeIdentity, NodeProbe, NodeTransfer, TicketGrant
 from models.labels import LABEL_POLICY
 from models.node import NodePhase, OperationView
@@ -214,13 +216,34 @@ async def test_over_budget_on_actuals_reported_then_drained(
     assert "maxGpuHour $1.5000" in view.over_budget and "onOverBudget Report" in view.over_budget
     assert sum("over budget on actuals" in h for h in view.history) == 1  # reported once, not every reading
 
-    # Drain: the node goes home with the reason, through the drain (cordon, Eviction API), while its pod still runs.
+    # Drain: the node goes home with the reason, through the drain (cordon, Eviction API), while its pod still runs,
+    # and as slowly as the pod's disruption budget says: blocked while it allows no eviction, done once relaxed.
     _set_over_budget(stack, policy, "Drain")
     stack.cluster.admin.apps.patch_namespaced_deployment(deploy, namespace, {"spec": {"replicas": 0}})
     done = await result(handle)
     assert done.phase == NodePhase.COMPLETED
-    stack.cluster.admin.apps.patch_namespaced_deployment(deploy, namespace, {"spec": {"replicas": 1}})
+    admin = stack.cluster.admin
+    admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+        metadata=client.V1ObjectMeta(name="keep-one"),
+        spec=client.V1PodDisruptionBudgetSpec(min_available=1,
+                                              selector=client.V1LabelSelector(match_labels={"app": deploy}))))
+    admin.apps.patch_namespaced_deployment(deploy, namespace, {"spec": {"replicas": 1}})
     second = await node_for_other(temporal, cluster, policy, f"{namespace}/{deploy}-", handle.id)
+    served = await wait_phase(second, NodePhase.DRAINING, timeout=60)
+    drain = temporal.get_workflow_handle(f"drain/{second.id}/{served.operation}")
+
+    async def blocked() -> DrainStatus:
+        while True:
+            status = await drain.query("status", result_type=DrainStatus)
+            if status.blocked:
+                return status
+            await asyncio.sleep(0.3)
+
+    status = await asyncio.wait_for(blocked(), 60)
+    assert set(status.blocked.values()) == {"blocked by PDB keep-one"}
+    [pod] = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
+    assert pod.spec.node_name == served.node_name and pod.metadata.deletion_timestamp is None  # still serving
+    admin.policy.patch_namespaced_pod_disruption_budget("keep-one", namespace, {"spec": {"minAvailable": 0}})
     drained = await result(second)
     assert drained.phase == NodePhase.COMPLETED and "over budget on actuals" in drained.message, drained.message
     state = await second.query("state", result_type=OperationView)
