@@ -1,7 +1,7 @@
 """A fragmented GPU NodePool on the real Karpenter, made as users make it (waves of pods under the default
 scheduler, which scores only cpu and memory): the packing facts read with the optimizer's credentials and the
 planner's round on them: one of three 4-GPU nodes emptied, its pods re-placed on the others, the $/h it saves;
-a PDB without headroom shown on every move it covers."""
+a PDB without headroom shown on every move it covers; nodes held by do-not-disrupt pods or a bare pod never chosen."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from kubernetes import client
 
 from activities.capacity.facts import PackFacts, gather
 from activities.capacity.karpenter import KarpenterCapacity
+from activities.packing import plan_round
+from models.capacity import DO_NOT_DISRUPT
+from models.packing import PackPlan, PackPlanRequest
 from planning.packing import plan_packing
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
+from tests.harness import packing
+from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_tolerations, gpu_workload
 from tests.harness.kube import Cluster, wait_for
 from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.workloads import gpu_pod
 
 pytestmark = pytest.mark.cluster
 
@@ -77,3 +82,46 @@ def test_fragmented_pool_one_round(cluster: Cluster, karpenter: Karpenter, names
     finally:
         apps.delete_namespaced_deployment("serve", namespace)
         karpenter.delete_nodepool(pool)
+
+
+def test_nodes_held_by_do_not_disrupt_or_a_bare_pod_are_not_chosen(cluster: Cluster, karpenter: Karpenter,
+                                                                   namespace: str) -> None:
+    """On the real cluster, as the optimizer reads it: a pod annotated ``karpenter.sh/do-not-disrupt: "true"``, one
+    with a duration not yet elapsed, and a bare pod (no controller re-creates it) each hold their node; with all
+    three held no node is emptied, and once the bare pod is gone its node is the one emptied."""
+    with packing.fragmented_pool(cluster, karpenter, namespace) as (pool, spread):
+        by_node: dict[str, list[client.V1Pod]] = {}
+        for pod in packing.wait_running(cluster, namespace, "serve", 6):
+            by_node.setdefault(str(pod.spec.node_name), []).append(pod)
+        # The bare pod goes to the node with the fewest pods: it has a GPU free for it.
+        pinned, waiting, bare_on = sorted(spread, key=lambda n: (-spread[n], n))
+        core = cluster.admin.core
+        for node, value in ((pinned, "true"), (waiting, "1h")):
+            core.patch_namespaced_pod(str(by_node[node][0].metadata.name), namespace,
+                                      {"metadata": {"annotations": {DO_NOT_DISRUPT: value}}})
+        bare_name = f"bare-{uuid.uuid4().hex[:6]}"
+        bare = gpu_pod(bare_name, node_name=bare_on)
+        bare.spec.tolerations = gpu_tolerations(pool.removeprefix("gpu-"))
+        core.create_namespaced_pod(namespace, bare)
+        optimizer = grant(cluster, "kubeon-packing-facts-test", OPTIMIZER_RULES)
+        capacity = KarpenterCapacity(optimizer.api)
+        try:
+            def held() -> PackPlan | None:
+                plan = plan_round(optimizer.api, capacity, PackPlanRequest(groups=[pool], max_nodes=2),
+                                  datetime.now(UTC))
+                return plan if len(plan.kept) == 3 else None
+
+            plan = wait_for(held, timeout=30, what="all three nodes held")
+            assert plan.empty == [] and not plan.moves, plan
+            assert "karpenter.sh/do-not-disrupt: true" in plan.kept[pinned], plan.kept
+            assert "karpenter.sh/do-not-disrupt: 1h (not elapsed)" in plan.kept[waiting], plan.kept
+            assert f"{namespace}/{bare_name}" in plan.kept[bare_on], plan.kept
+        finally:
+            core.delete_namespaced_pod(bare_name, namespace, grace_period_seconds=0)
+
+        def freed() -> PackPlan | None:
+            plan = plan_round(optimizer.api, capacity, PackPlanRequest(groups=[pool], max_nodes=2),
+                              datetime.now(UTC))
+            return plan if plan.empty else None
+
+        assert wait_for(freed, timeout=30, what="the bare pod's node freed").empty == [bare_on]
