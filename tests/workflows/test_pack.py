@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from kubernetes import client
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
@@ -153,3 +153,37 @@ async def test_worker_gone_mid_round_the_round_resumes(cluster: Cluster, karpent
     assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} < claims_before
     assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
     assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+
+
+async def test_a_cancelled_round_uncordons_and_unfreezes(
+        pack_worker: tuple[Client, str], cluster: Cluster, karpenter: Karpenter, namespace: str,
+        fragmented: tuple[str, dict[str, int]]) -> None:
+    """Cancelled from the UI or CLI while it waits on a PDB (its node cordoned, its pool frozen): the round ends
+    Cancelled with the node uncordoned, the budgets the user's again, nothing evicted and no NodeClaim removed."""
+    temporal, queue = pack_worker
+    pool, _ = fragmented
+    pdbs = cluster.admin.policy
+    pdbs.patch_namespaced_pod_disruption_budget("serve", namespace, {"spec": {"maxUnavailable": 0}})
+    await until(lambda: pdbs.read_namespaced_pod_disruption_budget("serve", namespace).status.disruptions_allowed == 0,
+                timeout=30, what="the PDB allowing no disruption")
+    handle = await temporal.start_workflow(
+        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
+                                    settings=FAST),
+        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+    async def waiting_for_pdb() -> bool:
+        return "waits for PDB serve" in (await handle.query(PackWorkflow.state)).message
+
+    await until_async(waiting_for_pdb, what="the round waiting on the PDB")
+    assert [n.metadata.name for n in karpenter.nodes(pool) if n.spec.unschedulable]  # its node cordoned
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] != USER_BUDGETS  # its pool frozen
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    state = await handle.query(PackWorkflow.state)
+    assert state.phase == "Cancelled", state
+    assert not [line for line in state.history if ": evicted " in line] and not state.removed
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == USER_BUDGETS
+    assert len(karpenter.nodeclaims(pool)) == 3
+    assert len(_wait_running(cluster, namespace, "serve", 6)) == 6

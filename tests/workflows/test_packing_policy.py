@@ -11,7 +11,9 @@ reported as not holding the budget (its limit left alone, maxGpus still held).""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -31,11 +33,12 @@ from models.packing import PackInput, PackView, packing_workflow_id
 from models.policy import API_GROUP, PLURAL
 from tests.harness.burst import BurstStack, StartWorker
 from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
-from tests.harness.karpenter import A100, L4, Karpenter, gpu_nodepool
+from tests.harness.karpenter import A100, L4, Karpenter, gpu_nodepool, gpu_workload
 from tests.harness.kube import Cluster, until
 from tests.harness.packing import FAST, until_async
 from tests.harness.rbac import OPTIMIZER_RULES, grant
 from tests.harness.temporal import listed
+from tests.harness.workloads import live_pods
 from tests.workflows.test_pack import USER_BUDGETS, _worker
 from tests.workflows.test_pack import fragmented as fragmented  # the fixture
 from worker import ops
@@ -140,7 +143,7 @@ async def test_recommend_reports_then_approve_runs_one_round_that_removes_a_node
 
 async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gpus_patches_the_limit(
         cluster: Cluster, karpenter: Karpenter, temporal_dev_server: WorkflowEnvironment,
-        packing_policy: str) -> None:
+        packing_policy: str, namespace: str) -> None:
     taint = uuid.uuid4().hex[:8]
     pool = f"gpu-{taint}"
     karpenter.create_nodepool(gpu_nodepool(pool, taint=taint, gpu_limit=12, gpu_counts=(4,)))
@@ -173,7 +176,27 @@ async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gp
         assert limit() == "4" and "limit set to 4 GPUs (was 8)" in entry()["reason"]
         # The user's other settings of the pool are as they were.
         assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
+
+        # Held: two 4-GPU pods get one 4-GPU node, and no NodeClaim beyond the lowered limit however long the
+        # second pod waits (Karpenter batches for up to 10 s; watched for 20 s after the first pod runs).
+        cluster.admin.apps.create_namespaced_deployment(namespace, gpu_workload("over", taint=taint, replicas=2,
+                                                                                 gpus=4))
+
+        def one_running() -> list[Any]:
+            pods = live_pods(cluster.admin.core, namespace, "over")
+            return pods if sorted(str(p.status.phase) for p in pods) == ["Pending", "Running"] else []
+
+        await until(one_running, timeout=90, what="one of the two 4-GPU pods running")
+        claims: set[str] = set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            claims |= {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+            assert len(claims) == 1, claims
+            await asyncio.sleep(1)
+        assert len(one_running()) == 2  # the second still waits
     finally:
+        with contextlib.suppress(Exception):
+            cluster.admin.apps.delete_namespaced_deployment("over", namespace)
         karpenter.delete_nodepool(pool)
 
 
