@@ -196,34 +196,26 @@ def test_egress_is_measured_at_the_gateway_and_survives_its_restart(
     assert 0 < counted["ingress"] <= tx
 
 
-def test_transfer_of_another_operations_node_or_an_unknown_one_is_refused(
-        gateway: Gateway, joined: Joined, optimizer: HttpGatewayClient) -> None:
-    with pytest.raises(TicketError, match="another operation"):
-        optimizer.transfer(joined.name, operation="op-000000000000")
-    with pytest.raises(GatewayRefused) as refused:
-        optimizer.transfer("burst-op-ffffffffffff", operation="op-ffffffffffff")
-    assert refused.value.status == 404
-    # The optimizer's endpoint: no answer without its token.
-    anonymous = httpx.get(f"{optimizer.base_url}/v1/nodes/{joined.name}/transfer",
-                          params={"operation": joined.operation}, timeout=5,
-                          verify=ssl.create_default_context(cafile=str(gateway.ca_file)))
-    assert anonymous.status_code == 401 and "rxBytes" not in anonymous.text
-
-
-def test_the_attested_identity_is_read_over_https_for_the_nodes_own_operation_only(
-        gateway: Gateway, joined: Joined, optimizer: HttpGatewayClient) -> None:
-    """``GET /v1/nodes/{name}/identity`` (issue 27: what the optimizer binds to the launched instance), with the
-    limits of the optimizer's token as for the transfer. This bed's node attests nothing (a sim location)."""
+def test_the_joined_nodes_identity_is_read_over_https(joined: Joined, optimizer: HttpGatewayClient) -> None:
+    # This bed's node attests nothing (a sim location): the optimizer then binds nothing and says so.
     assert optimizer.identity(joined.name, operation=joined.operation) == NodeIdentity(method="none", verified=False)
+
+
+@pytest.mark.parametrize(("endpoint", "answer_key"), [("transfer", "rxBytes"), ("identity", "verified")])
+def test_another_operations_node_an_unknown_one_or_no_token_is_refused(
+        gateway: Gateway, joined: Joined, optimizer: HttpGatewayClient, endpoint: str, answer_key: str) -> None:
+    """What the optimizer reads about a node (its transfer; issue 27's identity, which it binds to the launched
+    instance), for its own operation's node only, and only with its token."""
+    read = getattr(optimizer, endpoint)
     with pytest.raises(TicketError, match="another operation"):
-        optimizer.identity(joined.name, operation="op-000000000000")
+        read(joined.name, operation="op-000000000000")
     with pytest.raises(GatewayRefused) as refused:
-        optimizer.identity("burst-op-ffffffffffff", operation="op-ffffffffffff")
+        read("burst-op-ffffffffffff", operation="op-ffffffffffff")
     assert refused.value.status == 404
-    anonymous = httpx.get(f"{optimizer.base_url}/v1/nodes/{joined.name}/identity",
+    anonymous = httpx.get(f"{optimizer.base_url}/v1/nodes/{joined.name}/{endpoint}",
                           params={"operation": joined.operation}, timeout=5,
                           verify=ssl.create_default_context(cafile=str(gateway.ca_file)))
-    assert anonymous.status_code == 401 and "verified" not in anonymous.text
+    assert anonymous.status_code == 401 and answer_key not in anonymous.text
 
 
 def test_the_record_keeps_the_totals_in_the_slot(cluster: Cluster, joined: Joined,

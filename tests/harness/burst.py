@@ -5,6 +5,7 @@ the optimizer's) or as its own process (``gateway_process``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from gateway.attestation import AttestationVerifier
     from gateway.service import KubeGateway
     from gateway.slots import AddressPlan
+    from models.drain import DrainStatus
     from worker.runtime import Runtime
 
 BURST_TAINT_KEY = "gpu.kubeon.io/burst"
@@ -230,6 +232,24 @@ class PhasedView(Protocol):
 
 
 V = TypeVar("V", bound=PhasedView)
+
+
+async def drain_blocked(temporal: Client, node_workflow_id: str, operation: str, timeout: float = 60.0
+                        ) -> tuple[Any, DrainStatus]:
+    """A node's drain (its child workflow) once it reports an eviction blocked (by a PDB, ...): its handle and that
+    status, waited for up to ``timeout``."""
+    from models.drain import DrainStatus
+
+    drain = temporal.get_workflow_handle(f"drain/{node_workflow_id}/{operation}")
+
+    async def blocked() -> DrainStatus:
+        while True:
+            status = await drain.query("status", result_type=DrainStatus)
+            if status.blocked:
+                return status
+            await asyncio.sleep(0.3)
+
+    return drain, await asyncio.wait_for(blocked(), timeout)
 
 
 @overload

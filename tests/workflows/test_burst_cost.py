@@ -26,13 +26,13 @@ from temporalio.testing import WorkflowEnvironment
 from activities.clients.gateway import GatewayUnavailable
 from gateway.service import KubeGateway
 from models.cost import BYTES_PER_GB
-from models.drain import DrainStatus
 from models.join import GatewayCapacity, JoinTicketRequest, NodeIdentity, NodeProbe, NodeTransfer, TicketGrant
 from models.labels import LABEL_POLICY
 from models.node import NodePhase, OperationView
 from models.provisioning import ProvisionView
 from tests.harness.burst import (
     BurstStack,
+    drain_blocked,
     gpu_deployment,
     node_for,
     node_workflows,
@@ -230,16 +230,7 @@ async def test_over_budget_on_actuals_reported_then_drained(
     admin.apps.patch_namespaced_deployment(deploy, namespace, {"spec": {"replicas": 1}})
     second = await node_for_other(temporal, cluster, policy, f"{namespace}/{deploy}-", handle.id)
     served = await wait_phase(second, NodePhase.DRAINING, timeout=60)
-    drain = temporal.get_workflow_handle(f"drain/{second.id}/{served.operation}")
-
-    async def blocked() -> DrainStatus:
-        while True:
-            status = await drain.query("status", result_type=DrainStatus)
-            if status.blocked:
-                return status
-            await asyncio.sleep(0.3)
-
-    status = await asyncio.wait_for(blocked(), 60)
+    _drain, status = await drain_blocked(temporal, second.id, served.operation)
     assert set(status.blocked.values()) == {"blocked by PDB keep-one"}
     [pod] = admin.core.list_namespaced_pod(namespace, label_selector=f"app={deploy}").items
     assert pod.spec.node_name == served.node_name and pod.metadata.deletion_timestamp is None  # still serving

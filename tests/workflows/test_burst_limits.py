@@ -15,13 +15,13 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.providers.sim import SimProvider
 from gateway.slots import AddressPlan
-from models.drain import DrainStatus
 from models.labels import LABEL_INSTANCE_TYPE, LABEL_POLICY
 from models.node import NodePhase
 from models.provisioning import ProvisionPhase
 from tests.harness.background import Background
 from tests.harness.burst import (
     BurstStack,
+    drain_blocked,
     gpu_deployment,
     in_process_worker,
     node_for,
@@ -237,16 +237,7 @@ async def test_pdb_blocks_return_home_until_relaxed(stack: BurstStack, worker: t
     stack.cluster.create_kwok_node(home, labels={"nvidia.com/gpu.product": product})
     try:
         await wait_phase(handle, NodePhase.DRAINING, timeout=60)
-        drain = temporal.get_workflow_handle(f"drain/{handle.id}/{view.operation}")
-
-        async def blocked() -> DrainStatus:
-            while True:
-                status = await drain.query("status", result_type=DrainStatus)
-                if status.blocked:
-                    return status
-                await asyncio.sleep(0.3)
-
-        status = await asyncio.wait_for(blocked(), 60)
+        drain, status = await drain_blocked(temporal, handle.id, view.operation)
         assert set(status.blocked.values()) == {"blocked by PDB keep-one"}
         desc = await drain.describe()
         assert desc.status is not None and desc.status.name == "RUNNING"

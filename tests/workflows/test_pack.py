@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from kubernetes import client
-from temporalio.client import Client, WorkflowFailureError
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.audit_log import AuditLog
 from models.decisions import Approval
-from models.packing import PackInput, PackView
+from models.packing import PackInput, PackSettings, PackView
 from tests.harness import packing
 from tests.harness.karpenter import Karpenter, gpu_workload
 from tests.harness.kube import Cluster, until
@@ -56,6 +56,26 @@ def fragmented(cluster: Cluster, karpenter: Karpenter, namespace: str) -> Iterat
 
 def _wait_running(cluster: Cluster, namespace: str, app: str, count: int) -> list[client.V1Pod]:
     return packing.wait_running(cluster, namespace, app, count)
+
+
+async def _round_waiting_on_the_pdb(temporal: Client, queue: str, cluster: Cluster, namespace: str, pool: str,
+                                    settings: PackSettings) -> WorkflowHandle[PackWorkflow, PackView]:
+    """An Automatic round of one node over ``pool``, started once the PDB ``serve`` allows no disruption, and
+    waiting, visibly, on it (its node cordoned, its pool frozen)."""
+    pdbs = cluster.admin.policy
+    pdbs.patch_namespaced_pod_disruption_budget("serve", namespace, {"spec": {"maxUnavailable": 0}})
+    await until(lambda: pdbs.read_namespaced_pod_disruption_budget("serve", namespace).status.disruptions_allowed == 0,
+                timeout=30, what="the PDB allowing no disruption")
+    handle = await temporal.start_workflow(
+        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
+                                    settings=settings),
+        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+    async def waiting_for_pdb() -> bool:
+        return "waits for PDB serve" in (await handle.query(PackWorkflow.state)).message
+
+    await until_async(waiting_for_pdb, what="the round waiting, visibly, on the PDB")
+    return handle
 
 
 async def test_approved_round_empties_one_node_of_three(pack_worker: tuple[Client, str], cluster: Cluster,
@@ -98,19 +118,8 @@ async def test_pdb_wait_then_a_pod_that_cannot_be_replaced_stops_the_round(
     temporal, queue = pack_worker
     pool, _ = fragmented
     pdbs = cluster.admin.policy
-    pdbs.patch_namespaced_pod_disruption_budget("serve", namespace, {"spec": {"maxUnavailable": 0}})
-    await until(lambda: pdbs.read_namespaced_pod_disruption_budget("serve", namespace).status.disruptions_allowed == 0,
-                timeout=30, what="the PDB allowing no disruption")
-    handle = await temporal.start_workflow(
-        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
-                                    settings=FAST.model_copy(update={"replacement_timeout_seconds": 6})),
-        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
-
-    async def waiting_for_pdb() -> bool:
-        state = await handle.query(PackWorkflow.state)
-        return "waits for PDB serve" in state.message
-
-    await until_async(waiting_for_pdb, what="the round waiting, visibly, on the PDB")
+    handle = await _round_waiting_on_the_pdb(temporal, queue, cluster, namespace, pool,
+                                             FAST.model_copy(update={"replacement_timeout_seconds": 6}))
     # While it waits, the kept nodes fill up (the pool is at its 12-GPU limit: Karpenter cannot add one).
     cluster.admin.apps.create_namespaced_deployment(
         namespace, gpu_workload("filler", taint=pool.removeprefix("gpu-"), replicas=2, gpus=2))
@@ -162,19 +171,7 @@ async def test_a_cancelled_round_uncordons_and_unfreezes(
     Cancelled with the node uncordoned, the budgets the user's again, nothing evicted and no NodeClaim removed."""
     temporal, queue = pack_worker
     pool, _ = fragmented
-    pdbs = cluster.admin.policy
-    pdbs.patch_namespaced_pod_disruption_budget("serve", namespace, {"spec": {"maxUnavailable": 0}})
-    await until(lambda: pdbs.read_namespaced_pod_disruption_budget("serve", namespace).status.disruptions_allowed == 0,
-                timeout=30, what="the PDB allowing no disruption")
-    handle = await temporal.start_workflow(
-        PackWorkflow.run, PackInput(cluster="t", policy="pack", groups=[pool], mode="Automatic", max_nodes=1,
-                                    settings=FAST),
-        id=f"pack-{uuid.uuid4().hex[:6]}", task_queue=queue)
-
-    async def waiting_for_pdb() -> bool:
-        return "waits for PDB serve" in (await handle.query(PackWorkflow.state)).message
-
-    await until_async(waiting_for_pdb, what="the round waiting on the PDB")
+    handle = await _round_waiting_on_the_pdb(temporal, queue, cluster, namespace, pool, FAST)
     assert [n.metadata.name for n in karpenter.nodes(pool) if n.spec.unschedulable]  # its node cordoned
     assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] != USER_BUDGETS  # its pool frozen
     await handle.cancel()
