@@ -181,7 +181,8 @@ async def test_a_node_attesting_another_instance_is_refused_and_replaced(
     thief = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro")["Instances"][0]
     account = ec2.describe_instances(InstanceIds=[thief["InstanceId"]])["Reservations"][0]["OwnerId"]
     imds = AwsMetadata(moto_server.endpoint, ec2=lambda _region: ec2).start()
-    attestation = AttestationVerifier(roots={"aws": [imds.ca.ca]}, accounts={"aws": account})
+    # AWS publishes each region's signing certificate itself: that is the trust root (the node sends none).
+    attestation = AttestationVerifier(roots={"aws": [imds.ca.signer]}, accounts={"aws": account})
     deploy = unique("attest")
     try:
         async with start_worker([aws_location], aws_endpoint_url=moto_server.endpoint, node_retry_seconds=1,
