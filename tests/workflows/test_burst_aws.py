@@ -38,7 +38,7 @@ from tests.harness.burst import (
 )
 from tests.harness.clouds.aws_metadata import AwsMetadata
 from tests.harness.clouds.moto_server import MotoServer
-from tests.harness.kube import Kube
+from tests.harness.kube import Kube, until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
 REGION = "eu-central-1"
@@ -188,42 +188,45 @@ async def test_a_node_attesting_another_instance_is_refused_and_replaced(
         async with start_worker([aws_location], aws_endpoint_url=moto_server.endpoint, node_retry_seconds=1,
                                 attestation=attestation) as (temporal, settings, runtime):
             assert isinstance(runtime.gateway, KubeGateway)
-            stack.create_policy(policy, mode="Automatic", locations=[f"aws/{REGION}"], max_nodes=1)
-            with BootedInstances(moto_server, runtime.gateway, policy, stack.workdir / f"aws-nodes-{policy}",
-                                 imds=imds, first_attests=thief["InstanceId"]) as booted:
-                stack.cluster.admin.apps.create_namespaced_deployment(
-                    namespace, gpu_deployment(deploy, gpu_product="NVIDIA-A10G"))
-                first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
-                failed = await result(first)
-                assert failed.phase == NodePhase.FAILED, failed.message
-                assert failed.instance is not None
-                launched = failed.instance.instance_id
-                assert (f"the node joined with the attested identity of aws instance {thief['InstanceId']}, not of "
-                        f"the launched instance {launched}") in failed.message, failed.message
-                state = ec2.describe_instances(InstanceIds=[launched])["Reservations"][0]["Instances"][0]
-                assert state["State"]["Name"] in ("shutting-down", "terminated")
-                assert node_gone(stack, failed.node_name)
-                mine = [(r.action, r.detail) for r in runtime.audit.read() if r.operation == failed.operation]
-                assert any(a == "failed" and thief["InstanceId"] in d for a, d in mine), mine
-                assert not any(a in ("joined", "verified") for a, _ in mine), mine
+            try:
+                stack.create_policy(policy, mode="Automatic", locations=[f"aws/{REGION}"], max_nodes=1)
+                with BootedInstances(moto_server, runtime.gateway, policy, stack.workdir / f"aws-nodes-{policy}",
+                                     imds=imds, first_attests=thief["InstanceId"]) as booted:
+                    stack.cluster.admin.apps.create_namespaced_deployment(
+                        namespace, gpu_deployment(deploy, gpu_product="NVIDIA-A10G"))
+                    first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
+                    failed = await result(first)
+                    assert failed.phase == NodePhase.FAILED, failed.message
+                    assert failed.instance is not None
+                    launched = failed.instance.instance_id
+                    assert (f"the node joined with the attested identity of aws instance {thief['InstanceId']}, "
+                            f"not of the launched instance {launched}") in failed.message, failed.message
+                    state = ec2.describe_instances(InstanceIds=[launched])["Reservations"][0]["Instances"][0]
+                    assert state["State"]["Name"] in ("shutting-down", "terminated")
+                    assert node_gone(stack, failed.node_name)
+                    mine = [(r.action, r.detail) for r in runtime.audit.read() if r.operation == failed.operation]
+                    assert any(a == "failed" and thief["InstanceId"] in d for a, d in mine), mine
+                    assert not any(a in ("joined", "verified") for a, _ in mine), mine
 
-                # Planned again: the next instance joins as itself and serves.
-                prefix = f"{namespace}/{deploy}-"
-                planned = await provision_state(temporal, settings.cluster, policy,
-                                                lambda v: len(node_workflows(v, prefix)) > 1, 90)
-                view = await wait_phase(temporal.get_workflow_handle(node_workflows(planned, prefix)[1]),
-                                        NodePhase.SERVING, timeout=120)
-                assert view.instance is not None and booted.joined[view.instance.instance_id] == view.node_name
-                assert_serves_on_burst_node(stack, view, namespace, deploy, "aws.eu-central-1")
-                raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]
-                zone = raw["Instances"][0]["Placement"]["AvailabilityZone"]
-                [joined] = [r for r in runtime.audit.read() if r.operation == view.operation and r.action == "joined"]
-                assert joined.detail == (f"attested aws instance {view.instance.instance_id} in {zone}, account "
-                                         f"{account} (the launched instance)")
+                    # Planned again: the next instance joins as itself and serves.
+                    prefix = f"{namespace}/{deploy}-"
+                    planned = await provision_state(temporal, settings.cluster, policy,
+                                                    lambda v: len(node_workflows(v, prefix)) > 1, 90)
+                    view = await wait_phase(temporal.get_workflow_handle(node_workflows(planned, prefix)[1]),
+                                            NodePhase.SERVING, timeout=120)
+                    assert view.instance is not None and booted.joined[view.instance.instance_id] == view.node_name
+                    assert_serves_on_burst_node(stack, view, namespace, deploy, "aws.eu-central-1")
+                    raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]
+                    zone = raw["Instances"][0]["Placement"]["AvailabilityZone"]
+                    [joined] = [r for r in runtime.audit.read()
+                                if r.operation == view.operation and r.action == "joined"]
+                    assert joined.detail == (f"attested aws instance {view.instance.instance_id} in {zone}, "
+                                             f"account {account} (the launched instance)")
+            finally:  # the worker still runs: the serving node drains and goes home
+                with contextlib.suppress(Exception):
+                    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+                await until(lambda: not stack.cluster.admin.core.list_node(
+                    label_selector=f"{LABEL_POLICY}={policy}").items, timeout=120, what="the burst node home")
     finally:
-        with contextlib.suppress(Exception):
-            stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
         imds.stop()
         ec2.terminate_instances(InstanceIds=[thief["InstanceId"]])
-        wait_for(lambda: not stack.cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
-                 timeout=120, what="the burst node home")
