@@ -8,6 +8,7 @@ history, so no node is left cordoned and no budget left frozen."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from enum import StrEnum
 
@@ -32,6 +33,9 @@ from models.packing import (
 from workflows.audit import record_audit
 from workflows.failures import QUICK, RETRY
 from workflows.operation import Approvable, Proposal
+
+# A round cancelled while it waits between steps compensates too (it did only while an activity ran).
+CANCEL_IN_WAIT = "pack-cancel-in-wait"
 
 
 class PackPhase(StrEnum):
@@ -165,12 +169,23 @@ class PackWorkflow(Approvable[PackPhase]):
             cancelled = isinstance(exc, CancelledError) or isinstance(getattr(exc, "cause", None), CancelledError)
             await self._compensate()
             if cancelled:
-                self._set_phase(PackPhase.CANCELLED, "cancelled; node(s) uncordoned, pool unfrozen")
-                await self._audit("cancelled", self.message)
+                await self._cancelled()
                 raise
             self._set_phase(PackPhase.STOPPED, f"failed: {getattr(exc, 'cause', None) or exc}; compensated")
             await self._audit("failed", self.message)
+        except asyncio.CancelledError:
+            # Cancelled while the round waited between steps (a PDB, a replacement, the node's removal): before this
+            # patch the round ended there with its node cordoned and its pool frozen. Runs cancelled so before it
+            # replay without compensating, as they ran.
+            if workflow.patched(CANCEL_IN_WAIT):
+                await self._compensate()
+                await self._cancelled()
+            raise
         return self.state()
+
+    async def _cancelled(self) -> None:
+        self._set_phase(PackPhase.CANCELLED, "cancelled; node(s) uncordoned, pool unfrozen")
+        await self._audit("cancelled", self.message)
 
     def _group_of(self, node: str) -> str:
         assert self.plan is not None and self.inp is not None

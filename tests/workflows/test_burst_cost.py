@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -171,10 +172,16 @@ async def test_a_served_node_shows_its_actual_cost_beside_the_estimate(
     assert learned.gb_per_gpu_hour == pytest.approx(last / BYTES_PER_GB / cost.compute_hours, rel=1e-3)
     again = unique("egress")
     stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(again))
-    expected = f"${learned.gb_per_gpu_hour * RATE + 0.9:.2f}/GPU-h with measured transfer over maxGpuHour"
 
     def refused_on_measured(v: ProvisionView) -> bool:
-        return any(line.startswith(f"{namespace}/{again}-") and expected in line for line in v.waiting)
+        # Priced at what the provisioning has learned when it plans (read in the same view: a later reading of
+        # the node may still refine it), the transfer rounded to 4 decimals as the planner does.
+        rate = v.learned_egress[LOCATION].gb_per_gpu_hour if LOCATION in v.learned_egress else None
+        for line in v.waiting:
+            found = re.search(r"\$([0-9.]+)/GPU-h with measured transfer over maxGpuHour", line)
+            if rate is not None and found and line.startswith(f"{namespace}/{again}-"):
+                return abs(float(found.group(1)) - (round(rate * RATE, 4) + 0.9)) <= 0.0051
+        return False
 
     await provision_state(temporal, cluster, policy, refused_on_measured)
     stack.cluster.admin.apps.delete_namespaced_deployment(again, namespace)
