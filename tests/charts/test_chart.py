@@ -427,6 +427,44 @@ def test_gateway_service_from_values() -> None:
     assert key["secret"]["items"] == [{"key": "hmac", "path": "ticket-key"}]
 
 
+def test_gateway_attestation_from_values(tmp_path: Path) -> None:
+    """burst.gateway.attestation (issue 27): each provider's trust roots in a ConfigMap file the gateway reads
+    (aws.pem ...), its accounts and audience as the gateway's settings, which its verifier accepts; nothing of it
+    by default (no provider requires an identity)."""
+    from gateway.attestation import verifier_from
+    from gateway.settings import GatewayServerConfig
+    from tests.harness.identity import IdentityCA
+
+    ca = IdentityCA()
+    rendered = template("--set-string", f"burst.gateway.attestation.trustRoots.aws={ca.signer_pem}",
+                        "--set-string", "burst.gateway.attestation.accounts.aws=111122223333",
+                        "--set-string", "burst.gateway.attestation.accounts.azure=sub-1",
+                        "--set-string", "burst.gateway.attestation.audience=https://gw.example",
+                        values=[BURST_VALUES])
+    deployment = rendered.get("Deployment", GATEWAY, NAMESPACE)
+    c = container(deployment, "gateway")
+    e = env(c)
+    assert e["KUBEON_GATEWAY_ATTESTATION_ACCOUNTS"] == "aws=111122223333,azure=sub-1"
+    assert e["KUBEON_GATEWAY_ATTESTATION_AUDIENCE"] == "https://gw.example"
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == e["KUBEON_GATEWAY_ATTESTATION_ROOTS_DIR"])
+    volume = next(v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] is True and volume["configMap"]["name"] == f"{GATEWAY}-attestation-roots"
+    files = rendered.get("ConfigMap", f"{GATEWAY}-attestation-roots", NAMESPACE)["data"]
+    assert files == {"aws.pem": ca.signer_pem}  # providers without roots get no file: not required
+    for name, pem in files.items():
+        (tmp_path / name).write_text(pem)
+    key = tmp_path / "ticket.key"
+    key.write_bytes(b"k" * 32)
+    cfg = GatewayServerConfig.from_settings(load_gateway_settings(
+        {**e, "KUBEON_GATEWAY_ATTESTATION_ROOTS_DIR": str(tmp_path), "KUBEON_GATEWAY_TICKET_KEY_FILE": str(key)}))
+    verifier = verifier_from(cfg.attestation_roots, cfg.attestation_accounts, cfg.attestation_audience)
+    assert (verifier.required("aws"), verifier.required("gcp"), verifier.required("azure")) == (True, False, False)
+    assert verifier.verify(ca.aws(region="eu-central-1", account="111122223333"), "aws/eu-central-1").verified
+
+    plain = env(container(template(values=[BURST_VALUES]).get("Deployment", GATEWAY, NAMESPACE), "gateway"))
+    assert not any(k.startswith("KUBEON_GATEWAY_ATTESTATION") for k in plain)
+
+
 def test_embedded_temporal(default: Rendered) -> None:
     deployment = default.get("Deployment", TEMPORAL, NAMESPACE)
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
