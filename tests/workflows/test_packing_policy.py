@@ -11,9 +11,7 @@ reported as not holding the budget (its limit left alone, maxGpus still held).""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -177,8 +175,8 @@ async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gp
         # The user's other settings of the pool are as they were.
         assert karpenter.nodepool(pool)["spec"]["disruption"]["budgets"] == [{"nodes": "10%"}]
 
-        # Held: two 4-GPU pods get one 4-GPU node, and no NodeClaim beyond the lowered limit however long the
-        # second pod waits (Karpenter batches for up to 10 s; watched for 20 s after the first pod runs).
+        # Held: two 4-GPU pods get one 4-GPU node; Karpenter says the second exceeds the pool's limits (its own event
+        # on the waiting pod) and makes no NodeClaim for it.
         cluster.admin.apps.create_namespaced_deployment(namespace, gpu_workload("over", taint=taint, replicas=2,
                                                                                  gpus=4))
 
@@ -186,14 +184,18 @@ async def test_autoscaling_recommend_reports_automatic_holds_and_lowering_max_gp
             pods = live_pods(cluster.admin.core, namespace, "over")
             return pods if sorted(str(p.status.phase) for p in pods) == ["Pending", "Running"] else []
 
-        await until(one_running, timeout=90, what="one of the two 4-GPU pods running")
-        claims: set[str] = set()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            claims |= {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
-            assert len(claims) == 1, claims
-            await asyncio.sleep(1)
-        assert len(one_running()) == 2  # the second still waits
+        def refused_at_the_limit() -> str | None:
+            pods = one_running()
+            waiting = [str(p.metadata.name) for p in pods if p.status.phase == "Pending"]
+            said = [e.message for e in cluster.admin.core.list_namespaced_event(
+                namespace, field_selector=f"involvedObject.name={waiting[0]}").items
+                if e.reporting_component == "karpenter" and "exceed limits for nodepool" in (e.message or "")
+            ] if waiting else []
+            return said[0] if said else None
+
+        said = await until(refused_at_the_limit, timeout=90, what="the second pod refused at the pool's limit")
+        assert f"NodePool={pool}" in said
+        assert len(karpenter.nodeclaims(pool)) == 1 and len(one_running()) == 2  # one node; the second still waits
     finally:
         with contextlib.suppress(Exception):
             cluster.admin.apps.delete_namespaced_deployment("over", namespace)
