@@ -10,7 +10,7 @@ from activities.clients.gateway import GatewayRefused
 from activities.clients.kube import NodeJoinTimeout, VerificationFailed
 from activities.context import PhaseActivities, beat
 from models.errors import JOIN_TIMEOUT, VERIFICATION_FAILED, JoinRefused, TicketError
-from models.join import attested_instance_problem
+from models.join import bind_attested_instance
 from models.node import NodeIdentityCheck, NodeIdentityResult, NodeWaitRequest
 
 
@@ -41,10 +41,9 @@ class JoinActivities(PhaseActivities):
             raise ApplicationError(f"node {req.node_name} refused: the gateway cannot say what it joined as: {exc}",
                                    type=VERIFICATION_FAILED, non_retryable=True) from None
         inst = req.instance
-        problem = attested_instance_problem(identity, inst.provider, inst.instance_id, inst.attested_id)
+        bound, problem = bind_attested_instance(identity, inst.provider, inst.instance_id, inst.attested_id)
         if problem:
             raise ApplicationError(f"node {req.node_name} refused: {problem}", type=VERIFICATION_FAILED,
                                    non_retryable=True)
-        bound = (" (the launched instance)" if identity.verified and identity.method not in ("none", "onprem")
-                 and (identity.method != "azure" or inst.attested_id) else "")
-        return NodeIdentityResult(identity=identity, detail=identity.describe() + bound)
+        return NodeIdentityResult(identity=identity,
+                                  detail=identity.describe() + (" (the launched instance)" if bound else ""))

@@ -235,6 +235,16 @@ class KubeGateway:
         slots = [s for s in self._records.slots() if s.node == node_name]
         return slots, next((s for s in slots if s.operation == operation), None)
 
+    def _owned_slot(self, node_name: str, operation: str) -> Slot:
+        """The address slot ``operation`` holds for ``node_name``: ``TicketError`` (``not_owned``) when the gateway
+        holds that name for another operation only, ``JoinRefused`` 404 when it holds no slot of that name."""
+        slots, slot = self._slots_of(node_name, operation)
+        if slot is None:
+            if slots:
+                raise self._not_owned(node_name, operation)
+            raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}", status=404)
+        return slot
+
     @staticmethod
     def _not_owned(node_name: str, operation: str) -> TicketError:
         return TicketError(f"node {node_name} has no address slot of operation {operation} at the gateway (it "
@@ -278,11 +288,7 @@ class KubeGateway:
         ticket's redemption record); method ``none`` when nothing was attested (a sim node, a provider without trust
         roots). ``TicketError`` (``not_owned``) for another operation's node, ``JoinRefused`` 404 for one the gateway
         holds no slot for or whose ticket was not redeemed yet: the optimizer reads only its own joined nodes."""
-        slots, slot = self._slots_of(node_name, operation)
-        if slot is None:
-            if slots:
-                raise self._not_owned(node_name, operation)
-            raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}", status=404)
+        slot = self._owned_slot(node_name, operation)
         record = None if slot.reserved else self._records.ticket(slot.nonce)
         if record is None or record.get("state") != "redeemed":
             raise JoinRefused("not_joined", f"node {node_name} has not joined: its ticket is not redeemed",
@@ -296,11 +302,7 @@ class KubeGateway:
         without a tunnel here (a sim node, a gateway without one) has nothing to probe. ``TicketError``
         (``not_owned``) for another operation's node, ``JoinRefused`` 404 for one the gateway holds no slot for:
         the optimizer probes only the node of the operation it names."""
-        slots, slot = self._slots_of(node_name, operation)
-        if slot is None:
-            if slots:
-                raise self._not_owned(node_name, operation)
-            raise JoinRefused("unknown_node", f"the gateway holds no address slot for node {node_name}", status=404)
+        slot = self._owned_slot(node_name, operation)
         if self._tunnel is None or slot.reserved:
             return NodeProbe(tunnel=False, detail=f"node {node_name} has no tunnel at this gateway")
         found = probe_mtu(slot.tunnel_ip, self._tunnel.mtu)

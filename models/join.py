@@ -224,7 +224,7 @@ class NodeTransfer(_Wire):
 class NodeIdentity(_Wire):
     """``GET /v1/nodes/{name}/identity``: what the gateway verified of the signed instance identity the node joined
     with (``gateway.attestation``; kept in its ticket's redemption record). The optimizer checks it names the very
-    instance it launched for the operation (``attested_instance_problem``) and records it in the node's ``joined``
+    instance it launched for the operation (``bind_attested_instance``) and records it in the node's ``joined``
     audit record."""
 
     method: str = Field(description="aws, gcp, azure, onprem (the hub's pool claim) or none (nothing attested)")
@@ -247,30 +247,28 @@ class NodeIdentity(_Wire):
         return f"attested {self.method} instance {self.instance_id}{name} in {where}{account}"
 
 
-def attested_instance_problem(identity: NodeIdentity, provider: str, instance_id: str, attested_id: str) -> str:
-    """Why ``identity`` is not the instance launched for the operation (empty: it is, or there is nothing to bind):
-    the gateway verified the identity's signature, location and account, but any instance of that account and
-    region holding the ticket (read from the launched instance's user data) could present one. ``instance_id`` is
-    the provider's ID of the launched instance; ``attested_id`` the ID its cloud signs into the identity where that
-    differs (Azure's vmId; empty: not known, the binding cannot be checked)."""
-    if not identity.verified or identity.method in ("none", "onprem"):
-        return ""
+def bind_attested_instance(identity: NodeIdentity, provider: str, instance_id: str, attested_id: str
+                           ) -> tuple[bool, str]:
+    """Whether ``identity`` names the instance launched for the operation: ``(True, "")`` it does, ``(False, why)``
+    it names another machine, ``(False, "")`` there is nothing to bind (nothing attested; an on-prem server, which
+    the hub's pool claim bound; an Azure VM whose vmId the launch did not record). The gateway verified the
+    identity's signature, location and account, but any instance of that account and region holding the ticket
+    (read from the launched instance's user data) could present one. ``instance_id`` is the provider's ID of the
+    launched instance; ``attested_id`` the ID its cloud signs into the identity where that differs (Azure's vmId)."""
+    if not identity.verified or identity.method == "onprem":
+        return False, ""
     if identity.method != provider:
-        return f"the node attested a {identity.method} identity, the operation launched a {provider} instance"
-    if identity.method == "aws":
-        signed, want = identity.instance_id, instance_id
-    elif identity.method == "gcp":  # the provider's ID is zone/name; the token names both
-        signed, want = f"{identity.zone}/{identity.instance_name}", instance_id
-    elif identity.method == "azure":
-        signed, want = identity.instance_id, attested_id
-        if not want:
-            return ""
-    else:
-        return f"the node attested a {identity.method} identity, which cannot be bound to an instance"
-    if signed != want:
-        return (f"the node joined with the attested identity of {identity.method} instance {signed}, not of the "
-                f"launched instance {want}: its ticket was redeemed by another machine")
-    return ""
+        return False, f"the node attested a {identity.method} identity, the operation launched a {provider} instance"
+    signed, launched = {"aws": (identity.instance_id, instance_id),
+                        # the provider's ID is zone/name; the token names both
+                        "gcp": (f"{identity.zone}/{identity.instance_name}", instance_id),
+                        "azure": (identity.instance_id, attested_id)}[provider]
+    if not launched:
+        return False, ""
+    if signed != launched:
+        return False, (f"the node joined with the attested identity of {identity.method} instance {signed}, not of "
+                       f"the launched instance {launched}: its ticket was redeemed by another machine")
+    return True, ""
 
 
 class GatewayCapacity(BaseModel):

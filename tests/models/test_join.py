@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.join import NodeIdentity, attested_instance_problem
+from models.join import NodeIdentity, bind_attested_instance
 
 
 def aws(instance_id: str) -> NodeIdentity:
@@ -35,7 +35,10 @@ def azure(vm_id: str) -> NodeIdentity:
 ], ids=["aws", "gcp", "azure", "none", "onprem", "azure-vmid-unknown"])
 def test_the_launched_instance_is_accepted(identity: NodeIdentity, provider: str, instance_id: str,
                                            attested_id: str) -> None:
-    assert attested_instance_problem(identity, provider, instance_id, attested_id) == ""
+    bound, problem = bind_attested_instance(identity, provider, instance_id, attested_id)
+    assert problem == ""
+    # Said bound only where the identity was checked against the instance (the audit says so, or not).
+    assert bound == (identity.method in ("aws", "gcp") or (identity.method == "azure" and bool(attested_id)))
 
 
 @pytest.mark.parametrize(("identity", "provider", "instance_id", "attested_id", "named"), [
@@ -50,7 +53,8 @@ def test_the_launched_instance_is_accepted(identity: NodeIdentity, provider: str
 ], ids=["aws", "gcp-name", "gcp-zone", "azure", "other-cloud"])
 def test_another_machine_holding_the_ticket_is_named(identity: NodeIdentity, provider: str, instance_id: str,
                                                      attested_id: str, named: str) -> None:
-    assert named in attested_instance_problem(identity, provider, instance_id, attested_id)
+    bound, problem = bind_attested_instance(identity, provider, instance_id, attested_id)
+    assert named in problem and not bound
 
 
 def test_the_audit_text_says_what_was_attested() -> None:
