@@ -8,7 +8,9 @@ from temporalio import activity
 
 from activities.context import PhaseActivities
 from models.audit import AuditRecord
-from models.hub import REPORT_ACTIONS, ActionReport, report_detail
+from models.hub import REPORT_ACTIONS
+from models.hub import ActionReport
+from models.hub import report_detail
 
 
 def report_of(record: AuditRecord) -> ActionReport:

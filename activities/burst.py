@@ -16,7 +16,9 @@ from activities.capacity import CapacityProvider
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayClient
 from activities.clients.kube import KubeOps
-from activities.context import BurstContext, HomeSettings, ReportSink
+from activities.context import BurstContext
+from activities.context import HomeSettings
+from activities.context import ReportSink
 from activities.drain import DrainActivities
 from activities.gate import GateActivities
 from activities.join import JoinActivities

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from typing import TypeVar
 
 from temporalio import activity
@@ -24,7 +26,8 @@ from activities.clients.gateway import GatewayClient
 from activities.clients.kube import KubeOps
 from activities.clients.policies import hold_reason
 from activities.providers.base import Provider
-from models.hub import ActionReport, GateState
+from models.hub import ActionReport
+from models.hub import GateState
 from models.locations import BurstConfig
 
 T = TypeVar("T")

@@ -8,13 +8,23 @@ from temporalio.exceptions import ApplicationError
 
 from activities.clients.gateway import GatewayRefused
 from activities.context import PhaseActivities
-from activities.providers.errors import InstanceNotFoundError, NotOwnedError
+from activities.providers.errors import InstanceNotFoundError
+from activities.providers.errors import NotOwnedError
 from activities.serve import read_transfer
 from activities.telemetry import metrics as pm
-from models.cost import CostCount, TransferReading
-from models.drain import EvictionResult, GoneCheck, NodeRef, NodeRemoval
-from models.errors import NOT_OWNED, JoinRefused, TicketError
-from models.node import CleanupRequest, CleanupResult, InstanceRef, TransferRequest
+from models.cost import CostCount
+from models.cost import TransferReading
+from models.drain import EvictionResult
+from models.drain import GoneCheck
+from models.drain import NodeRef
+from models.drain import NodeRemoval
+from models.errors import NOT_OWNED
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.node import CleanupRequest
+from models.node import CleanupResult
+from models.node import InstanceRef
+from models.node import TransferRequest
 
 _COUNTED: dict[str, None] = {}  # operations whose cost this process counted (bounded, oldest dropped)
 

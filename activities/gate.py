@@ -7,7 +7,8 @@ import asyncio
 from temporalio import activity
 
 from activities.context import PhaseActivities
-from models.hub import GateRequest, GateState
+from models.hub import GateRequest
+from models.hub import GateState
 
 
 class GateActivities(PhaseActivities):

@@ -9,31 +9,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 from temporalio import activity
 from temporalio.client import Client
 
-from activities.clients.decisions import DecisionRefused, OperationNotFound, decide
-from activities.clients.hub import (
-    HubClient,
-    HubRefused,
-    HubUnauthorized,
-    HubUnreachable,
-    PolicySet,
-)
+from activities.clients.decisions import DecisionRefused
+from activities.clients.decisions import OperationNotFound
+from activities.clients.decisions import decide
+from activities.clients.hub import HubClient
+from activities.clients.hub import HubRefused
+from activities.clients.hub import HubUnauthorized
+from activities.clients.hub import HubUnreachable
+from activities.clients.hub import PolicySet
 from activities.clients.policies import PolicySyncer
-from models.decisions import Approval, Rejection
-from models.hub import (
-    REASON_UNAUTHORIZED,
-    REASON_UNREACHABLE,
-    ActionReport,
-    ApprovalOutcome,
-    HubPollRequest,
-    HubPollResult,
-    HubState,
-    report_detail,
-)
+from models.decisions import Approval
+from models.decisions import Rejection
+from models.hub import REASON_UNAUTHORIZED
+from models.hub import REASON_UNREACHABLE
+from models.hub import ActionReport
+from models.hub import ApprovalOutcome
+from models.hub import HubPollRequest
+from models.hub import HubPollResult
+from models.hub import HubState
+from models.hub import report_detail
 from models.policy import RESOURCE_NAME_PATTERN
 
 log = logging.getLogger("kubeon.hub")

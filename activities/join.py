@@ -7,11 +7,18 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.gateway import GatewayRefused
-from activities.clients.kube import NodeJoinTimeout, VerificationFailed
-from activities.context import PhaseActivities, beat
-from models.errors import JOIN_TIMEOUT, VERIFICATION_FAILED, JoinRefused, TicketError
+from activities.clients.kube import NodeJoinTimeout
+from activities.clients.kube import VerificationFailed
+from activities.context import PhaseActivities
+from activities.context import beat
+from models.errors import JOIN_TIMEOUT
+from models.errors import VERIFICATION_FAILED
+from models.errors import JoinRefused
+from models.errors import TicketError
 from models.join import bind_attested_instance
-from models.node import NodeIdentityCheck, NodeIdentityResult, NodeWaitRequest
+from models.node import NodeIdentityCheck
+from models.node import NodeIdentityResult
+from models.node import NodeWaitRequest
 
 
 class JoinActivities(PhaseActivities):

@@ -6,17 +6,20 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.context import PhaseActivities
-from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, ProviderError
-from models.errors import (
-    ADDRESSES_EXHAUSTED_TYPE,
-    HELD,
-    INSUFFICIENT_CAPACITY,
-    LOCATION_NOT_ALLOWED,
-    PROVIDER_REJECTED,
-    AddressesExhausted,
-)
-from models.join import JoinTicketRequest, UserDataTooLarge, render_user_data
-from models.node import Instance, LaunchRequest
+from activities.providers.errors import InsufficientCapacityError
+from activities.providers.errors import LocationNotAllowedError
+from activities.providers.errors import ProviderError
+from models.errors import ADDRESSES_EXHAUSTED_TYPE
+from models.errors import HELD
+from models.errors import INSUFFICIENT_CAPACITY
+from models.errors import LOCATION_NOT_ALLOWED
+from models.errors import PROVIDER_REJECTED
+from models.errors import AddressesExhausted
+from models.join import JoinTicketRequest
+from models.join import UserDataTooLarge
+from models.join import render_user_data
+from models.node import Instance
+from models.node import LaunchRequest
 
 
 class LaunchActivities(PhaseActivities):

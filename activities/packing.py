@@ -7,25 +7,26 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.capacity import CapacityError, CapacityProvider
+from activities.capacity import CapacityError
+from activities.capacity import CapacityProvider
 from activities.capacity.facts import gather
-from activities.clients.kube import PDB_PATTERN, KubeOps
+from activities.clients.kube import PDB_PATTERN
+from activities.clients.kube import KubeOps
 from models.autoscaling import GpuProductsRequest
-from models.packing import (
-    EvictOutcome,
-    GroupRef,
-    NodeRef2,
-    PackPlan,
-    PackPlanRequest,
-    PodRef,
-    ReplacementCheck,
-    ReplacementState,
-)
+from models.packing import EvictOutcome
+from models.packing import GroupRef
+from models.packing import NodeRef2
+from models.packing import PackPlan
+from models.packing import PackPlanRequest
+from models.packing import PodRef
+from models.packing import ReplacementCheck
+from models.packing import ReplacementState
 from planning.packing import plan_packing
 
 CAPACITY_REFUSED = "CapacityRefused"

@@ -11,18 +11,20 @@ from activities.providers.errors import ProviderError
 from models.eks import GroupScaling
 from models.errors import POLICY_GONE
 from models.locations import transfer_usd_per_gb
-from models.provisioning import (
-    BatchPlan,
-    BatchPlanRequest,
-    HomeScaleRequest,
-    LoadPolicyRequest,
-    Offering,
-    PendingPod,
-    PolicySnapshot,
-    Unplaced,
-)
-from planning.burst import AddressSlots, Room, node_labels, plan_pods
-from planning.home import HomePlan, plan_home
+from models.provisioning import BatchPlan
+from models.provisioning import BatchPlanRequest
+from models.provisioning import HomeScaleRequest
+from models.provisioning import LoadPolicyRequest
+from models.provisioning import Offering
+from models.provisioning import PendingPod
+from models.provisioning import PolicySnapshot
+from models.provisioning import Unplaced
+from planning.burst import AddressSlots
+from planning.burst import Room
+from planning.burst import node_labels
+from planning.burst import plan_pods
+from planning.home import HomePlan
+from planning.home import plan_home
 
 
 class ProvisioningActivities(PhaseActivities):

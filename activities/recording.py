@@ -4,7 +4,8 @@ failures): ``activities.providers.fake`` for the clouds, ``activities.capacity.f
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 
 @dataclass

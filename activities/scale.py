@@ -7,45 +7,45 @@ from __future__ import annotations
 
 import zoneinfo
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from typing import Any
 
 from kubernetes import client
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.clients.policies import enforceable_policies, patch_policy_status
-from activities.clients.prometheus import MetricsError, PrometheusClient
+from activities.clients.policies import enforceable_policies
+from activities.clients.policies import patch_policy_status
+from activities.clients.prometheus import MetricsError
+from activities.clients.prometheus import PrometheusClient
 from activities.context import poll
-from models.policy import (
-    API_GROUP,
-    PLURAL,
-    WEEKDAYS,
-    AnyPolicy,
-    PolicyError,
-    ScaleToZeroPolicy,
-    ScheduleWake,
-    duration_seconds,
-    parse_policy,
-)
-from models.scale import (
-    NO_PROMETHEUS,
-    STATUS_KEY,
-    DemandRequest,
-    DemandValue,
-    Observation,
-    ObserveRequest,
-    ReadyRequest,
-    ReadyResult,
-    ScalePolicyRequest,
-    ScalePolicySnapshot,
-    ScaleRequest,
-    ScaleResult,
-    ScaleStatusUpdate,
-    WakeTime,
-    WakeTimeRequest,
-    WorkloadRef,
-)
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.policy import WEEKDAYS
+from models.policy import AnyPolicy
+from models.policy import PolicyError
+from models.policy import ScaleToZeroPolicy
+from models.policy import ScheduleWake
+from models.policy import duration_seconds
+from models.policy import parse_policy
+from models.scale import NO_PROMETHEUS
+from models.scale import STATUS_KEY
+from models.scale import DemandRequest
+from models.scale import DemandValue
+from models.scale import Observation
+from models.scale import ObserveRequest
+from models.scale import ReadyRequest
+from models.scale import ReadyResult
+from models.scale import ScalePolicyRequest
+from models.scale import ScalePolicySnapshot
+from models.scale import ScaleRequest
+from models.scale import ScaleResult
+from models.scale import ScaleStatusUpdate
+from models.scale import WakeTime
+from models.scale import WakeTimeRequest
+from models.scale import WorkloadRef
 from planning.idle import judge_idle
 
 # Must match workflows.scale (workflows may not import activities).

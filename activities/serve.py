@@ -10,10 +10,14 @@ import time
 
 from temporalio import activity
 
-from activities.context import BurstContext, PhaseActivities
-from models.cost import TransferReading, actual_cost
+from activities.context import BurstContext
+from activities.context import PhaseActivities
+from models.cost import TransferReading
+from models.cost import actual_cost
 from models.locations import transfer_usd_per_gb
-from models.node import ServeCheckRequest, ServeCheckResult, TransferRequest
+from models.node import ServeCheckRequest
+from models.node import ServeCheckResult
+from models.node import TransferRequest
 
 log = logging.getLogger("kubeon.serve")
 

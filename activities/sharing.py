@@ -17,41 +17,41 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.kube import gpus_requested
-from activities.clients.policies import enforceable_policies, patch_policy_status
+from activities.clients.policies import enforceable_policies
+from activities.clients.policies import patch_policy_status
 from activities.clients.prometheus import PrometheusClient
 from activities.context import poll
 from models.policy import SharingPolicy
-from models.sharing import (
-    CONFIG_LABEL,
-    COUNT_LABEL,
-    KEY_PREFIX,
-    MIG_CONFIG_LABEL,
-    MIG_STATE_LABEL,
-    PENDING_PREFIX,
-    PRODUCT_LABEL,
-    REPLICAS_LABEL,
-    STATUS_KEY,
-    STRATEGY_LABEL,
-    WRITTEN_PREFIX,
-    CleanupRequest,
-    CleanupResult,
-    LabelRequest,
-    MigLabelRequest,
-    MigStateRequest,
-    MigStateResult,
-    MigVerifyRequest,
-    NodeConfig,
-    UnservableRequest,
-    UnservableResult,
-    VerifyRequest,
-    VerifyResult,
-    WriteKeyRequest,
-    WriteKeyResult,
-    pending_annotation,
-    time_slicing_config,
-    time_slicing_key,
-)
-from planning.sharing import GpuPod, NodeFacts
+from models.sharing import CONFIG_LABEL
+from models.sharing import COUNT_LABEL
+from models.sharing import KEY_PREFIX
+from models.sharing import MIG_CONFIG_LABEL
+from models.sharing import MIG_STATE_LABEL
+from models.sharing import PENDING_PREFIX
+from models.sharing import PRODUCT_LABEL
+from models.sharing import REPLICAS_LABEL
+from models.sharing import STATUS_KEY
+from models.sharing import STRATEGY_LABEL
+from models.sharing import WRITTEN_PREFIX
+from models.sharing import CleanupRequest
+from models.sharing import CleanupResult
+from models.sharing import LabelRequest
+from models.sharing import MigLabelRequest
+from models.sharing import MigStateRequest
+from models.sharing import MigStateResult
+from models.sharing import MigVerifyRequest
+from models.sharing import NodeConfig
+from models.sharing import UnservableRequest
+from models.sharing import UnservableResult
+from models.sharing import VerifyRequest
+from models.sharing import VerifyResult
+from models.sharing import WriteKeyRequest
+from models.sharing import WriteKeyResult
+from models.sharing import pending_annotation
+from models.sharing import time_slicing_config
+from models.sharing import time_slicing_key
+from planning.sharing import GpuPod
+from planning.sharing import NodeFacts
 
 # Must match workflows.sharing (workflows may not import activities).
 SHARING_FORBIDDEN = "SharingForbidden"

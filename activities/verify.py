@@ -11,16 +11,18 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.kube import VerificationFailed
-from activities.context import PhaseActivities, beat
+from activities.context import PhaseActivities
+from activities.context import beat
 from models.errors import VERIFICATION_FAILED
-from models.labels import (
-    BURNED_IN_ANNOTATION,
-    GPU_HEALTH_CONDITION,
-    GPU_RESOURCE,
-    JOIN_REFUSED_ANNOTATION,
-    JOIN_REFUSED_TAINT,
-)
-from models.node import BurnInRequest, BurnInResult, NodeExpectation, VerifyResult
+from models.labels import BURNED_IN_ANNOTATION
+from models.labels import GPU_HEALTH_CONDITION
+from models.labels import GPU_RESOURCE
+from models.labels import JOIN_REFUSED_ANNOTATION
+from models.labels import JOIN_REFUSED_TAINT
+from models.node import BurnInRequest
+from models.node import BurnInResult
+from models.node import NodeExpectation
+from models.node import VerifyResult
 
 
 class VerifyActivities(PhaseActivities):

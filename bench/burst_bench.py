@@ -30,7 +30,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,23 +39,26 @@ from typing import Any
 import httpx
 from temporalio.client import Client
 
-from bench.observe import (
-    ClusterObserver,
-    ProcessSampler,
-    Stopwatch,
-    children,
-    cpu_seconds,
-    percentile,
-    utc_now,
-)
+from bench.observe import ClusterObserver
+from bench.observe import ProcessSampler
+from bench.observe import Stopwatch
+from bench.observe import children
+from bench.observe import cpu_seconds
+from bench.observe import percentile
+from bench.observe import utc_now
 from models import search_attributes as sa
 from models.ids import provision_workflow_id
 from models.locations import transfer_usd_per_gpu_hour
 from models.policy import location_of_label_value
-from models.provisioning import Offering, ProvisionView
-from tests.harness.burst import build_stack, gpu_deployment, worker_process
-from tests.harness.controlplane import ControlPlane, free_port
-from tests.harness.kube import Cluster, Kube
+from models.provisioning import Offering
+from models.provisioning import ProvisionView
+from tests.harness.burst import build_stack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import worker_process
+from tests.harness.controlplane import ControlPlane
+from tests.harness.controlplane import free_port
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
 from tests.harness.otlp import OtlpReceiver
 from tests.harness.temporal import start_dev_server
 from worker.config import Settings

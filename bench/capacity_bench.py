@@ -47,9 +47,12 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import ExitStack
+from contextlib import contextmanager
+from dataclasses import dataclass
+from dataclasses import field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,12 +60,18 @@ from typing import Any
 from kubernetes import client
 
 from tests.harness.clouds import local
-from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
+from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import MotoRecorder
 from tests.harness.clouds.moto_server import MotoServer
-from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import aks_listing
+from tests.harness.clouds.nodes import gke_listing
 from tests.harness.controlplane import ControlPlane
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 
 PROVIDERS = ("eks-nodegroups", "gke-nodepools", "aks-nodepools")
 STEPS = ("scale_up", "freeze", "remove_node", "node_gone", "unfreeze")
@@ -226,7 +235,9 @@ def _ready(nodes: NodeReconciler, label: str, group: str) -> Callable[[], list[s
 # -- the three providers on their local clouds ---------------------------------------------------------------
 @contextmanager
 def eks_group(cluster: Cluster, optimizer: Kube, workdir: Path, runs: int, reconcile: float) -> Iterator[Group]:
-    from activities.capacity.eks import GONE_STATES, EksNodeGroupsCapacity, instance_of
+    from activities.capacity.eks import GONE_STATES
+    from activities.capacity.eks import EksNodeGroupsCapacity
+    from activities.capacity.eks import instance_of
     from models.eks import NODEGROUP_LABEL
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
@@ -365,7 +376,8 @@ async def pack_round(group: Group, cluster: Cluster, optimizer: Kube, temporal: 
     from models.decisions import Approval
     from models.packing import PackSettings
     from tests.harness import packing
-    from tests.harness.workloads import node_group_pods, running_pods
+    from tests.harness.workloads import node_group_pods
+    from tests.harness.workloads import running_pods
 
     if len(group.nodes()) < 3:
         group.capacity.scale_up(group.name, 3)

@@ -26,17 +26,20 @@ from typing import Any
 from activities.clients.kube import KubeOps
 from common.kube import kube_api
 from gateway.service import KubeGateway
-from models.join import JoinTicketRequest, render_user_data
+from models.join import JoinTicketRequest
+from models.join import render_user_data
 from models.labels import Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest
 from tests.harness.burst import build_stack
 from tests.harness.clouds import local
-from tests.harness.clouds.boot import Booter, gateway_join
+from tests.harness.clouds.boot import Booter
+from tests.harness.clouds.boot import gateway_join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.controlplane import ControlPlane
 from tests.harness.joining import new_burst_node
-from tests.harness.kube import Cluster, Kube
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
 
 
 def _kind(request: dict[str, Any]) -> str:

@@ -32,11 +32,22 @@ import httpx
 from kubernetes import client
 
 from bench.observe import percentile
-from models.policy import API_GROUP, PLURAL
-from tests.harness.burst import BURST_TAINT_KEY, BurstStack, build_stack, gpu_deployment, unique
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import BurstStack
+from tests.harness.burst import build_stack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import unique
 from tests.harness.controlplane import ControlPlane
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, register_server, write_gateways
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.onprem import AgentProcess
+from tests.harness.onprem import GatewayThread
+from tests.harness.onprem import claim_keys
+from tests.harness.onprem import register_server
+from tests.harness.onprem import write_gateways
 from tests.harness.temporal import start_dev_server
 from tests.hub.process import HubProcess
 from worker.main import worker_services

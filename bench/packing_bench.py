@@ -27,8 +27,10 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +39,22 @@ from temporalio.service import RPCError
 
 from activities.capacity.karpenter import CATALOG_PRICES
 from bench.burst_bench import output_to
-from bench.observe import ProcessSampler, cpu_seconds
+from bench.observe import ProcessSampler
+from bench.observe import cpu_seconds
 from models.labels import LABEL_INSTANCE_TYPE
-from models.packing import PackView, packing_workflow_id
-from models.policy import API_GROUP, PLURAL
-from tests.harness.burst import WorkerProcesses, build_stack
+from models.packing import PackView
+from models.packing import packing_workflow_id
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from tests.harness.burst import WorkerProcesses
+from tests.harness.burst import build_stack
 from tests.harness.controlplane import ControlPlane
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import Cluster, Kube, wait_for
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
 from tests.harness.temporal import start_dev_server
 from workflows.pack import PackWorkflow
 

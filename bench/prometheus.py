@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from activities.clients.prometheus import PrometheusClient
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.prometheus import SCRAPE_JOB
+from tests.harness.prometheus import Prometheus
 
 
 @contextlib.contextmanager

@@ -14,10 +14,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from models.scale import ScalePhase, WakeRequest, WorkloadRef, scale_workflow_id
+from models.scale import ScalePhase
+from models.scale import WakeRequest
+from models.scale import WorkloadRef
+from models.scale import scale_workflow_id
 from tests.harness.controlplane import ControlPlane
-from tests.harness.kube import Cluster, Kube
-from tests.harness.scale import ScaleStack, build_scale_stack, wait_scale_phase
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.scale import ScaleStack
+from tests.harness.scale import build_scale_stack
+from tests.harness.scale import wait_scale_phase
 from tests.harness.temporal import start_dev_server
 from worker import ops
 from worker.main import worker_services

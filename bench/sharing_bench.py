@@ -13,7 +13,10 @@ import statistics
 import time
 
 from bench.prometheus import backfilled
-from planning.sharing import GpuPod, NodeFacts, Rule, decide
+from planning.sharing import GpuPod
+from planning.sharing import NodeFacts
+from planning.sharing import Rule
+from planning.sharing import decide
 from tests.harness.dcgm_exporter import DcgmExporter
 
 RULE = Rule(threshold=0.4, min_coverage=0.9, window="1h", max_replicas=4,

@@ -25,14 +25,22 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from models.policy import API_GROUP, PLURAL
-from models.sharing import SharingPhase, SharingView, sharing_workflow_id
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.sharing import SharingPhase
+from models.sharing import SharingView
+from models.sharing import sharing_workflow_id
 from tests.harness.burst import build_stack
 from tests.harness.controlplane import ControlPlane
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator, gpu_operator_namespace
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.gpu_operator import GpuOperator
+from tests.harness.gpu_operator import gpu_operator_namespace
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.prometheus import SCRAPE_JOB
+from tests.harness.prometheus import Prometheus
 from tests.harness.temporal import start_dev_server
 from tests.harness.workloads import gpu_pod
 from worker.main import worker_services

@@ -25,21 +25,26 @@ from urllib.parse import urlsplit
 from kubernetes import watch
 
 from activities.clients.gateway import HttpGatewayClient
-from models.join import JoinTicketRequest, render_user_data
-from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.join import JoinTicketRequest
+from models.join import render_user_data
+from models.labels import JOINING_TAINT
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import Taint
 from tests.harness.controlplane import ControlPlane
 from tests.harness.joining import new_burst_node
-from tests.harness.kube import Cluster, Kube
-from tests.harness.netbed import (
-    POD_CIDR,
-    SERVICE_CIDR,
-    TUNNEL_CIDR,
-    BedNode,
-    NetBed,
-    boot_node,
-    start_tunnel_gateway,
-)
-from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.netbed import POD_CIDR
+from tests.harness.netbed import SERVICE_CIDR
+from tests.harness.netbed import TUNNEL_CIDR
+from tests.harness.netbed import BedNode
+from tests.harness.netbed import NetBed
+from tests.harness.netbed import boot_node
+from tests.harness.netbed import start_tunnel_gateway
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tests.harness.rbac import OPTIMIZER_SA
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -52,15 +52,34 @@ from typing import Any
 
 from kubernetes import client
 
-from bench.burst_bench import Profiler, node_cidr_mask, optimum, output_to, stop_worker, wait_worker_started
-from bench.observe import ClusterObserver, NodeSeen, PodSeen, children, cpu_seconds, percentile, utc_now
+from bench.burst_bench import Profiler
+from bench.burst_bench import node_cidr_mask
+from bench.burst_bench import optimum
+from bench.burst_bench import output_to
+from bench.burst_bench import stop_worker
+from bench.burst_bench import wait_worker_started
+from bench.observe import ClusterObserver
+from bench.observe import NodeSeen
+from bench.observe import PodSeen
+from bench.observe import children
+from bench.observe import cpu_seconds
+from bench.observe import percentile
+from bench.observe import utc_now
 from models.provisioning import Offering
-from tests.harness.burst import BURST_TAINT_KEY, build_stack, worker_process
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import build_stack
+from tests.harness.burst import worker_process
 from tests.harness.controlplane import ControlPlane
-from tests.harness.karpenter import INSTANCE_TYPES_FILE, L4, Karpenter, gpu_nodepool, gpu_tolerations
-from tests.harness.kube import Cluster, Kube
+from tests.harness.karpenter import INSTANCE_TYPES_FILE
+from tests.harness.karpenter import L4
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_tolerations
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
 from tests.harness.temporal import start_dev_server
-from tests.harness.workloads import SMALL_REQUESTS, gpu_pods
+from tests.harness.workloads import SMALL_REQUESTS
+from tests.harness.workloads import gpu_pods
 
 BENCH_LABEL = "kubeon-bench/run"
 LOCATION = "sim/eu-west"

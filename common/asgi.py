@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
+from starlette.types import Message
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 # (status, code, message) -> the answer, in the app's own error shape.
 Refusal = Callable[[int, str, str], ASGIApp]

@@ -7,9 +7,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic
+from typing import TypeVar
 
-from kubernetes import client, config
+from kubernetes import client
+from kubernetes import config
 
 T = TypeVar("T")
 

@@ -13,29 +13,32 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from kubernetes import client
 
 from common.kube import read_or_none
 from gateway.attestation import AttestationVerifier
 from gateway.settings import DEFAULT_CERT_SECONDS
-from gateway.slots import MANAGED_BY, AddressPlan, RecordStore, SlotBook
+from gateway.slots import MANAGED_BY
+from gateway.slots import AddressPlan
+from gateway.slots import RecordStore
+from gateway.slots import SlotBook
 from gateway.tickets import TicketSigner
 from gateway.tunnel_end import GatewayTunnel
-from models.errors import JoinRefused, TicketError
-from models.join import (
-    KUBELET_CLIENT_OPTIONAL_USAGES,
-    KUBELET_CLIENT_SIGNER,
-    KUBELET_CLIENT_USAGES,
-    NODE_USER_PREFIX,
-    NODES_GROUP,
-    CertRenewal,
-    CertRenewalAnswer,
-    JoinAnswer,
-    JoinRedeem,
-    url_host,
-)
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import KUBELET_CLIENT_OPTIONAL_USAGES
+from models.join import KUBELET_CLIENT_SIGNER
+from models.join import KUBELET_CLIENT_USAGES
+from models.join import NODE_USER_PREFIX
+from models.join import NODES_GROUP
+from models.join import CertRenewal
+from models.join import CertRenewalAnswer
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from models.join import url_host
 from models.labels import JOINING_TAINT
 from tunnel.keys import check_key
 from tunnel.uapi import UapiError

@@ -51,13 +51,20 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated
+from typing import Final
 
 import urllib3
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends
+from fastapi import FastAPI
+from fastapi import Query
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kubernetes import client
@@ -65,12 +72,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.asgi import BodySizeLimit
 from gateway import metrics
-from gateway.limits import FailureLimiter, RefusedTokens
-from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE, POOL_CLAIM_HEADER, JoinTokenRefused, check_pool_claim
-from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway
+from gateway.limits import FailureLimiter
+from gateway.limits import RefusedTokens
+from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
+from gateway.pool_tokens import POOL_CLAIM_HEADER
+from gateway.pool_tokens import JoinTokenRefused
+from gateway.pool_tokens import check_pool_claim
+from gateway.service import GatewayAddressPending
+from gateway.service import GatewayAddressUnknown
+from gateway.service import KubeGateway
 from gateway.settings import MAX_BODY_BYTES
-from models.errors import JoinRefused, TicketError
-from models.join import CertRenewal, JoinRedeem, JoinTicketRequest
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import CertRenewal
+from models.join import JoinRedeem
+from models.join import JoinTicketRequest
 from models.labels import LABEL_OPERATION
 from tunnel.uapi import UapiError
 

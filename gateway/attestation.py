@@ -34,18 +34,23 @@ import base64
 import datetime as dt
 import json
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import padding
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 from models.errors import JoinRefused
-from models.join import Attestation, NodeIdentity, attestation_nonce
+from models.join import Attestation
+from models.join import NodeIdentity
+from models.join import attestation_nonce
 
 SIM_PROVIDER = "sim"
 # Who signs Azure's attested data: the metadata service's certificate (public cloud, US Government, China).

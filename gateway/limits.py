@@ -16,7 +16,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections import deque
 from typing import Any
 
 import h11

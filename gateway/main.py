@@ -16,15 +16,25 @@ from typing import Any
 
 import urllib3
 import uvicorn
-from kubernetes import client, config
+from kubernetes import client
+from kubernetes import config
 
 from common.kube import kube_api
-from gateway.app import HealthState, TokenReviewer, _QuietProbes, create_app, create_health_app
+from gateway.app import HealthState
+from gateway.app import TokenReviewer
+from gateway.app import _QuietProbes
+from gateway.app import create_app
+from gateway.app import create_health_app
 from gateway.attestation import verifier_from
 from gateway.limits import guarded_h11
 from gateway.service import KubeGateway
-from gateway.settings import ConfigError, GatewayServerConfig, GatewaySettings, check_tls_files, load_settings
-from gateway.tunnel_end import build_tunnel, start_tunnel
+from gateway.settings import ConfigError
+from gateway.settings import GatewayServerConfig
+from gateway.settings import GatewaySettings
+from gateway.settings import check_tls_files
+from gateway.settings import load_settings
+from gateway.tunnel_end import build_tunnel
+from gateway.tunnel_end import start_tunnel
 from tunnel import link
 
 log = logging.getLogger("kubeon.gateway")

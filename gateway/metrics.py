@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from typing import Final
 
-from fastapi import FastAPI, Response
-from prometheus_client import REGISTRY, Counter, generate_latest
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi import FastAPI
+from fastapi import Response
+from prometheus_client import REGISTRY
+from prometheus_client import Counter
+from prometheus_client import generate_latest
+from starlette.types import ASGIApp
+from starlette.types import Message
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from models.join import gateway_route
 

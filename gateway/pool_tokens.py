@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
+from typing import Protocol
 
-from models.pool_claim import POOL_CLAIM_HEADER, PoolClaim, PoolClaimRefused, load_public_keys, ticket_digest, verify
+from models.pool_claim import POOL_CLAIM_HEADER
+from models.pool_claim import PoolClaim
+from models.pool_claim import PoolClaimRefused
+from models.pool_claim import load_public_keys
+from models.pool_claim import ticket_digest
+from models.pool_claim import verify
 
 DEFAULT_CLAIM_KEYS_FILE: Final = Path("/var/run/kubeon/hub-claim-keys/keys.pem")
 

@@ -16,18 +16,19 @@ from kubernetes.utils import parse_quantity
 
 from common.kube import read_or_none
 from gateway.metrics import BURST_TRANSFER
-from gateway.slots import RecordStore, Slot
-from gateway.transfer import Transfer, accumulate, restarted
+from gateway.slots import RecordStore
+from gateway.slots import Slot
+from gateway.transfer import Transfer
+from gateway.transfer import accumulate
+from gateway.transfer import restarted
 from gateway.tunnel_end import GatewayTunnel
-from models.labels import (
-    BURN_IN_LABEL,
-    BURNED_IN_ANNOTATION,
-    GPU_RESOURCE,
-    JOIN_REFUSED_ANNOTATION,
-    JOIN_REFUSED_TAINT,
-    JOINING_TAINT,
-    LABEL_LOCATION,
-)
+from models.labels import BURN_IN_LABEL
+from models.labels import BURNED_IN_ANNOTATION
+from models.labels import GPU_RESOURCE
+from models.labels import JOIN_REFUSED_ANNOTATION
+from models.labels import JOIN_REFUSED_TAINT
+from models.labels import JOINING_TAINT
+from models.labels import LABEL_LOCATION
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")

@@ -17,30 +17,36 @@ from typing import Any
 
 from kubernetes import client
 
-from common.kube import RecentRead, read_or_none
+from common.kube import RecentRead
+from common.kube import read_or_none
 from gateway.admission import Admission
 from gateway.attestation import AttestationVerifier
 from gateway.probe import probe_mtu
 from gateway.reconciler import Reconciler
-from gateway.settings import DEFAULT_CERT_SECONDS, ServiceRef
-from gateway.slots import AddressPlan, RecordStore, Slot, SlotBook
-from gateway.tickets import JoinTicket, TicketSigner
-from gateway.transfer import Transfer, accumulate
+from gateway.settings import DEFAULT_CERT_SECONDS
+from gateway.settings import ServiceRef
+from gateway.slots import AddressPlan
+from gateway.slots import RecordStore
+from gateway.slots import Slot
+from gateway.slots import SlotBook
+from gateway.tickets import JoinTicket
+from gateway.tickets import TicketSigner
+from gateway.transfer import Transfer
+from gateway.transfer import accumulate
 from gateway.tunnel_end import GatewayTunnel
-from models.errors import JoinRefused, TicketError
-from models.join import (
-    CertRenewal,
-    CertRenewalAnswer,
-    GatewayCapacity,
-    JoinAnswer,
-    JoinRedeem,
-    JoinTicketRequest,
-    NodeIdentity,
-    NodeProbe,
-    NodeTransfer,
-    TicketGrant,
-    url_host,
-)
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import CertRenewal
+from models.join import CertRenewalAnswer
+from models.join import GatewayCapacity
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from models.join import JoinTicketRequest
+from models.join import NodeIdentity
+from models.join import NodeProbe
+from models.join import NodeTransfer
+from models.join import TicketGrant
+from models.join import url_host
 from tunnel.uapi import UapiError
 
 log = logging.getLogger("kubeon.gateway")

@@ -8,16 +8,23 @@ import ipaddress
 import re
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Final
 
 from cryptography import x509
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import field_validator
 
 from gateway.pool_tokens import DEFAULT_CLAIM_KEYS_FILE
 from gateway.slots import AddressPlan
-from models.env import ConfigError, env_names, from_env, url_setting
+from models.env import ConfigError
+from models.env import env_names
+from models.env import from_env
+from models.env import url_setting
 from tunnel import link
 
 DEFAULT_LISTEN: Final = "0.0.0.0:8443"

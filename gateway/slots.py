@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from dataclasses import dataclass, field
-from typing import Final, Protocol
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Final
+from typing import Protocol
 
 from kubernetes import client
 
 from gateway.transfer import Transfer
-from models.errors import AddressesExhausted, JoinRefused
+from models.errors import AddressesExhausted
+from models.errors import JoinRefused
 from models.labels import Taint
 
 MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}

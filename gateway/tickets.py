@@ -11,8 +11,11 @@ from collections.abc import Callable
 
 from pydantic import Field
 
-from models.errors import JoinRefused, TicketError
-from models.join import JoinTicketRequest, TicketSubject, burst_node_name_problem
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import JoinTicketRequest
+from models.join import TicketSubject
+from models.join import burst_node_name_problem
 
 
 class JoinTicket(TicketSubject):

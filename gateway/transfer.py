@@ -15,7 +15,8 @@ unsigned 64-bit counter."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from dataclasses import dataclass
 from typing import Final
 
 COUNTER_LIMIT: Final = 2**64  # wireguard-go's counters are uint64

@@ -7,17 +7,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 from urllib.parse import urlsplit
 
 import urllib3
 from kubernetes import client
 
-from gateway.settings import ConfigError, GatewayServerConfig
-from gateway.slots import AddressPlan, Slot
+from gateway.settings import ConfigError
+from gateway.settings import GatewayServerConfig
+from gateway.slots import AddressPlan
+from gateway.slots import Slot
 from models.join import TunnelAnswer
-from tunnel import keys, link
+from tunnel import keys
+from tunnel import link
 from tunnel.proxy import TcpProxy
 from tunnel.uapi import Uapi
 

@@ -7,18 +7,30 @@ from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Annotated
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends
+from fastapi import FastAPI
 from pydantic import TypeAdapter
 
 from common.asgi import BodySizeLimit
-from hub.auth import HubState, hub_state
+from hub.auth import HubState
+from hub.auth import hub_state
 from hub.db import Database
-from hub.http import install_error_handlers, install_openapi, refusal
+from hub.http import install_error_handlers
+from hub.http import install_openapi
+from hub.http import refusal
 from hub.pools import BODY_MODELS as POOL_BODY_MODELS
 from hub.pools import ROUTERS as POOL_ROUTERS
-from hub.routes import clusters_api, people
-from hub.schemas import ActionReportCreate, ApiKeyCreate, ApprovalCreate, ClusterCreate, Health, UserCreate
-from hub.settings import Clock, HubSettings, system_clock
+from hub.routes import clusters_api
+from hub.routes import people
+from hub.schemas import ActionReportCreate
+from hub.schemas import ApiKeyCreate
+from hub.schemas import ApprovalCreate
+from hub.schemas import ClusterCreate
+from hub.schemas import Health
+from hub.schemas import UserCreate
+from hub.settings import Clock
+from hub.settings import HubSettings
+from hub.settings import system_clock
 from hub.web import install as install_web_ui
 from models.policy import GpuPolicy
 

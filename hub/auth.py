@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import Depends, Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends
+from fastapi import Request
+from fastapi import Security
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.security import HTTPBearer
 from sqlalchemy.orm import Session
 
-from hub import ops, optimizer_clients, tokens
-from hub.audit import BOOTSTRAP_ACTOR, Actor, ActorKind, Role
+from hub import ops
+from hub import optimizer_clients
+from hub import tokens
+from hub.audit import BOOTSTRAP_ACTOR
+from hub.audit import Actor
+from hub.audit import ActorKind
+from hub.audit import Role
 from hub.db import Database
-from hub.errors import Forbidden, Unauthorized
-from hub.settings import Clock, HubSettings
+from hub.errors import Forbidden
+from hub.errors import Unauthorized
+from hub.settings import Clock
+from hub.settings import HubSettings
 from hub.tokens import TokenKind
 
 

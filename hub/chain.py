@@ -27,23 +27,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
+from typing import cast
 
-from sqlalchemy import Insert, event, inspect, select
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import InstanceState, Session, UOWTransaction, sessionmaker
+from sqlalchemy import Insert
+from sqlalchemy import event
+from sqlalchemy import inspect
+from sqlalchemy import select
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.orm import InstanceState
+from sqlalchemy.orm import Session
+from sqlalchemy.orm import UOWTransaction
+from sqlalchemy.orm import sessionmaker
 
-from hub.db import ActionReport, AuditChainHead, AuditEvent, Cluster, ReportedAuditHead
-from models.audit_chain import (
-    GENESIS,
-    HUB_AUDIT_LOG,
-    HUB_REPORTS_LOG,
-    canonical,
-    hub_event_doc,
-    hub_report_doc,
-    record_hash,
-    seal,
-)
+from hub.db import ActionReport
+from hub.db import AuditChainHead
+from hub.db import AuditEvent
+from hub.db import Cluster
+from hub.db import ReportedAuditHead
+from models.audit_chain import GENESIS
+from models.audit_chain import HUB_AUDIT_LOG
+from models.audit_chain import HUB_REPORTS_LOG
+from models.audit_chain import canonical
+from models.audit_chain import hub_event_doc
+from models.audit_chain import hub_report_doc
+from models.audit_chain import record_hash
+from models.audit_chain import seal
 
 HUB_CHAIN = ""  # the chain of audit events of no cluster
 

@@ -10,33 +10,39 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
-from typing import Any, Final
+from datetime import UTC
+from datetime import datetime
+from typing import Any
+from typing import Final
 
-from sqlalchemy import (
-    DDL,
-    JSON,
-    DateTime,
-    Dialect,
-    Engine,
-    ForeignKey,
-    Index,
-    Integer,
-    String,
-    Text,
-    TypeDecorator,
-    UniqueConstraint,
-    create_engine,
-    event,
-    func,
-    inspect,
-    literal,
-    text,
-)
+from sqlalchemy import DDL
+from sqlalchemy import JSON
+from sqlalchemy import DateTime
+from sqlalchemy import Dialect
+from sqlalchemy import Engine
+from sqlalchemy import ForeignKey
+from sqlalchemy import Index
+from sqlalchemy import Integer
+from sqlalchemy import String
+from sqlalchemy import Text
+from sqlalchemy import TypeDecorator
+from sqlalchemy import UniqueConstraint
+from sqlalchemy import create_engine
+from sqlalchemy import event
+from sqlalchemy import func
+from sqlalchemy import inspect
+from sqlalchemy import literal
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
-from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
+from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm import Mapped
+from sqlalchemy.orm import Session
+from sqlalchemy.orm import mapped_column
+from sqlalchemy.orm import relationship
+from sqlalchemy.orm import sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import StaticPool
 from sqlalchemy.schema import CreateIndex
 
 NAME_LENGTH: Final = 63

@@ -7,27 +7,31 @@ import email.message
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, TypeAdapter, ValidationError
-from sqlalchemy.exc import IntegrityError, OperationalError
+from pydantic import BaseModel
+from pydantic import TypeAdapter
+from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hub.errors import (
-    Conflict,
-    ErrorResponse,
-    HubError,
-    InvalidJson,
-    ServiceUnavailable,
-    Unprocessable,
-    UnsupportedMediaType,
-)
+from hub.errors import Conflict
+from hub.errors import ErrorResponse
+from hub.errors import HubError
+from hub.errors import InvalidJson
+from hub.errors import ServiceUnavailable
+from hub.errors import Unprocessable
+from hub.errors import UnsupportedMediaType
 
 log = logging.getLogger("hub")
 M = TypeVar("M", bound=BaseModel)

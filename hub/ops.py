@@ -5,21 +5,44 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import Any, Final
+from datetime import datetime
+from datetime import timedelta
+from typing import Any
+from typing import Final
 
-from sqlalchemy import func, select
+from sqlalchemy import func
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from hub import chain, tokens
-from hub.audit import Actor, ActorKind, AuditAction, Role, record
-from hub.db import ActionReport, ApiKey, Approval, Cluster, ClusterToken, Policy, Principal
-from hub.errors import Conflict, NotFound, Unauthorized, Unprocessable
+from hub import chain
+from hub import tokens
+from hub.audit import Actor
+from hub.audit import ActorKind
+from hub.audit import AuditAction
+from hub.audit import Role
+from hub.audit import record
+from hub.db import ActionReport
+from hub.db import ApiKey
+from hub.db import Approval
+from hub.db import Cluster
+from hub.db import ClusterToken
+from hub.db import Policy
+from hub.db import Principal
+from hub.errors import Conflict
+from hub.errors import NotFound
+from hub.errors import Unauthorized
+from hub.errors import Unprocessable
 from hub.plans import parse_plan
-from hub.schemas import ActionReportCreate, ApprovalCreate, ClusterStatus, TokenState, disallowed_character
-from hub.tokens import IssuedToken, TokenKind
-from models.policy import PolicyError, parse_policy
+from hub.schemas import ActionReportCreate
+from hub.schemas import ApprovalCreate
+from hub.schemas import ClusterStatus
+from hub.schemas import TokenState
+from hub.schemas import disallowed_character
+from hub.tokens import IssuedToken
+from hub.tokens import TokenKind
+from models.policy import PolicyError
+from models.policy import parse_policy
 
 VALID_TOKEN_STATES: Final = ("active", "expiring")
 # Reports after which an operation takes no decision any more.

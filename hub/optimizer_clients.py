@@ -7,9 +7,14 @@ import re
 from datetime import datetime
 from typing import Final
 
-from sqlalchemy import ForeignKey, Integer, String, select
+from sqlalchemy import ForeignKey
+from sqlalchemy import Integer
+from sqlalchemy import String
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.orm import Mapped
+from sqlalchemy.orm import Session
+from sqlalchemy.orm import mapped_column
 
 from hub.db import Base
 

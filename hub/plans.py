@@ -17,9 +17,14 @@ else in ``detail`` is plain text: shown as it is, with no plan id to bind a deci
 from __future__ import annotations
 
 import json
-from typing import Annotated, Final
+from typing import Annotated
+from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import StrictStr
+from pydantic import ValidationError
 
 MAX_NODES: Final = 64
 Short = Annotated[StrictStr, Field(max_length=253)]

@@ -9,12 +9,25 @@ its pool's ``offline_after_seconds`` is shown offline and never claimed while it
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
-from sqlalchemy import Float, ForeignKey, Integer, String, Text, UniqueConstraint
-from sqlalchemy.orm import Mapped, mapped_column, relationship
+from sqlalchemy import Float
+from sqlalchemy import ForeignKey
+from sqlalchemy import Integer
+from sqlalchemy import String
+from sqlalchemy import Text
+from sqlalchemy import UniqueConstraint
+from sqlalchemy.orm import Mapped
+from sqlalchemy.orm import mapped_column
+from sqlalchemy.orm import relationship
 
-from hub.db import ACTOR_LENGTH, NAME_LENGTH, OPERATION_LENGTH, POLICY_NAME_LENGTH, Base, StoredSecret
+from hub.db import ACTOR_LENGTH
+from hub.db import NAME_LENGTH
+from hub.db import OPERATION_LENGTH
+from hub.db import POLICY_NAME_LENGTH
+from hub.db import Base
+from hub.db import StoredSecret
 
 PRODUCT_LENGTH: Final = 63
 

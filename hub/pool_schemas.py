@@ -4,11 +4,21 @@ refused, strings are bounded and hold no control characters, integers and prices
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Final, Literal
+from typing import Annotated
+from typing import Final
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import StrictBool
+from pydantic import StrictStr
 
-from hub.schemas import NAME_PATTERN, OPERATION_PATTERN, Name, OperationId, PolicyName
+from hub.schemas import NAME_PATTERN
+from hub.schemas import OPERATION_PATTERN
+from hub.schemas import Name
+from hub.schemas import OperationId
+from hub.schemas import PolicyName
 
 NO_CONTROL: Final = r"^[^\x00-\x1f\x7f]*$"
 PRODUCT_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"

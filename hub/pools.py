@@ -23,48 +23,76 @@ import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Callable, Iterable
-from datetime import datetime, timedelta
-from typing import Annotated, Any, Final, TypeVar
+from collections.abc import Callable
+from collections.abc import Iterable
+from datetime import datetime
+from datetime import timedelta
+from typing import Annotated
+from typing import Any
+from typing import Final
+from typing import TypeVar
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from fastapi import APIRouter, Depends, Path, Request, Response
-from sqlalchemy import exists, func, select, update
+from fastapi import APIRouter
+from fastapi import Depends
+from fastapi import Path
+from fastapi import Request
+from fastapi import Response
+from sqlalchemy import exists
+from sqlalchemy import func
+from sqlalchemy import select
+from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from hub.audit import Actor, ActorKind
-from hub.auth import AdminDep, ClusterDep, NowDep, OperatorDep, SessionDep, ViewerDep
-from hub.db import AuditEvent, Cluster, Policy
-from hub.errors import Conflict, Forbidden, NotFound, Unauthorized, Unprocessable
-from hub.http import ERROR_RESPONSES, body_doc, json_body
-from hub.pool_db import HubSigningKey, Pool, PoolJoinToken, PoolServer, PoolServerCredential
-from hub.pool_schemas import (
-    AgentClaim,
-    Claim,
-    ClaimCreate,
-    ClaimKey,
-    ClaimKeys,
-    ClaimRelease,
-    ClaimResult,
-    Enrolment,
-    Heartbeat,
-    HeartbeatAnswer,
-    JoinTokenIssued,
-    JoinTokenOut,
-    PoolCreate,
-    PoolCreated,
-    PoolOffering,
-    PoolOfferings,
-    PoolOut,
-    RateCard,
-    ReleaseResult,
-    ServerCredentialIssued,
-    ServerOut,
-    ServerRegister,
-    ShownState,
-)
+from hub.audit import Actor
+from hub.audit import ActorKind
+from hub.auth import AdminDep
+from hub.auth import ClusterDep
+from hub.auth import NowDep
+from hub.auth import OperatorDep
+from hub.auth import SessionDep
+from hub.auth import ViewerDep
+from hub.db import AuditEvent
+from hub.db import Cluster
+from hub.db import Policy
+from hub.errors import Conflict
+from hub.errors import Forbidden
+from hub.errors import NotFound
+from hub.errors import Unauthorized
+from hub.errors import Unprocessable
+from hub.http import ERROR_RESPONSES
+from hub.http import body_doc
+from hub.http import json_body
+from hub.pool_db import HubSigningKey
+from hub.pool_db import Pool
+from hub.pool_db import PoolJoinToken
+from hub.pool_db import PoolServer
+from hub.pool_db import PoolServerCredential
+from hub.pool_schemas import AgentClaim
+from hub.pool_schemas import Claim
+from hub.pool_schemas import ClaimCreate
+from hub.pool_schemas import ClaimKey
+from hub.pool_schemas import ClaimKeys
+from hub.pool_schemas import ClaimRelease
+from hub.pool_schemas import ClaimResult
+from hub.pool_schemas import Enrolment
+from hub.pool_schemas import Heartbeat
+from hub.pool_schemas import HeartbeatAnswer
+from hub.pool_schemas import JoinTokenIssued
+from hub.pool_schemas import JoinTokenOut
+from hub.pool_schemas import PoolCreate
+from hub.pool_schemas import PoolCreated
+from hub.pool_schemas import PoolOffering
+from hub.pool_schemas import PoolOfferings
+from hub.pool_schemas import PoolOut
+from hub.pool_schemas import RateCard
+from hub.pool_schemas import ReleaseResult
+from hub.pool_schemas import ServerCredentialIssued
+from hub.pool_schemas import ServerOut
+from hub.pool_schemas import ServerRegister
+from hub.pool_schemas import ShownState
 from hub.schemas import NAME_PATTERN
 from models import pool_claim
 from models.join import parse_user_data

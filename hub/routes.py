@@ -4,53 +4,78 @@ API keys; an optimizer uses ``/v1/cluster/...`` with its cluster token and sees 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Final
+from typing import Annotated
+from typing import Any
+from typing import Final
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter
+from fastapi import Depends
+from fastapi import Header
+from fastapi import Path
+from fastapi import Query
+from fastapi import Request
+from fastapi import Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hub import ops
-from hub.audit import Actor, ActorKind
-from hub.auth import AdminDep, ClusterDep, HubState, NowDep, OperatorDep, SessionDep, ViewerDep, authenticate, hub_state
-from hub.db import ActionReport, Approval, AuditChainHead, AuditEvent, Cluster, Policy, Principal, ReportedAuditHead
-from hub.http import ERROR_RESPONSES, body_doc, json_body, read_json
-from hub.schemas import (
-    AUDIT_ACTION_PATTERN,
-    MAX_ID,
-    NAME_PATTERN,
-    OPERATION_PATTERN,
-    ActionReportCreate,
-    ActionReportOut,
-    ActionReportPage,
-    ApiKeyCreate,
-    ApiKeyIssued,
-    ApiKeyOut,
-    ApprovalCreate,
-    ApprovalDecided,
-    ApprovalOut,
-    ApprovalPage,
-    AuditChains,
-    AuditEventOut,
-    AuditPage,
-    ChainHeadOut,
-    ClusterCreate,
-    ClusterCreated,
-    ClusterInfo,
-    ClusterOut,
-    ClusterPolicySet,
-    ClusterRevoked,
-    PolicyDeleted,
-    PolicyList,
-    PolicyOut,
-    PolicyWritten,
-    ReportedHeadOut,
-    TokenIssued,
-    TokenOut,
-    UserCreate,
-    UserOut,
-    WhoAmI,
-)
+from hub.audit import Actor
+from hub.audit import ActorKind
+from hub.auth import AdminDep
+from hub.auth import ClusterDep
+from hub.auth import HubState
+from hub.auth import NowDep
+from hub.auth import OperatorDep
+from hub.auth import SessionDep
+from hub.auth import ViewerDep
+from hub.auth import authenticate
+from hub.auth import hub_state
+from hub.db import ActionReport
+from hub.db import Approval
+from hub.db import AuditChainHead
+from hub.db import AuditEvent
+from hub.db import Cluster
+from hub.db import Policy
+from hub.db import Principal
+from hub.db import ReportedAuditHead
+from hub.http import ERROR_RESPONSES
+from hub.http import body_doc
+from hub.http import json_body
+from hub.http import read_json
+from hub.schemas import AUDIT_ACTION_PATTERN
+from hub.schemas import MAX_ID
+from hub.schemas import NAME_PATTERN
+from hub.schemas import OPERATION_PATTERN
+from hub.schemas import ActionReportCreate
+from hub.schemas import ActionReportOut
+from hub.schemas import ActionReportPage
+from hub.schemas import ApiKeyCreate
+from hub.schemas import ApiKeyIssued
+from hub.schemas import ApiKeyOut
+from hub.schemas import ApprovalCreate
+from hub.schemas import ApprovalDecided
+from hub.schemas import ApprovalOut
+from hub.schemas import ApprovalPage
+from hub.schemas import AuditChains
+from hub.schemas import AuditEventOut
+from hub.schemas import AuditPage
+from hub.schemas import ChainHeadOut
+from hub.schemas import ClusterCreate
+from hub.schemas import ClusterCreated
+from hub.schemas import ClusterInfo
+from hub.schemas import ClusterOut
+from hub.schemas import ClusterPolicySet
+from hub.schemas import ClusterRevoked
+from hub.schemas import PolicyDeleted
+from hub.schemas import PolicyList
+from hub.schemas import PolicyOut
+from hub.schemas import PolicyWritten
+from hub.schemas import ReportedHeadOut
+from hub.schemas import TokenIssued
+from hub.schemas import TokenOut
+from hub.schemas import UserCreate
+from hub.schemas import UserOut
+from hub.schemas import WhoAmI
 from models.policy import RESOURCE_NAME_PATTERN
 
 MAX_PAGE: Final = 1000

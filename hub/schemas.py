@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated
+from typing import Any
+from typing import Final
+from typing import Literal
+from typing import get_args
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator
+from pydantic import AwareDatetime
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import StrictInt
+from pydantic import StrictStr
+from pydantic import model_validator
 
 from hub.audit import Role
-from models.audit_chain import CHAIN_ID_PATTERN, HASH_PATTERN
+from models.audit_chain import CHAIN_ID_PATTERN
+from models.audit_chain import HASH_PATTERN
 from models.hub import ReportAction
-from models.policy import RESOURCE_NAME_PATTERN, LocationName
+from models.policy import RESOURCE_NAME_PATTERN
+from models.policy import LocationName
 
 NAME_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 OPERATION_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"

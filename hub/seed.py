@@ -25,23 +25,43 @@ from __future__ import annotations
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import StrictStr
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from hub import ops, tokens
-from hub.audit import SEED_ACTOR, Role
-from hub.db import ApiKey, Cluster, ClusterToken, Database, Principal
+from hub import ops
+from hub import tokens
+from hub.audit import SEED_ACTOR
+from hub.audit import Role
+from hub.db import ApiKey
+from hub.db import Cluster
+from hub.db import ClusterToken
+from hub.db import Database
+from hub.db import Principal
 from hub.errors import HubError
-from hub.pool_db import Pool, PoolServer
-from hub.pool_schemas import GpuProduct, Gpus, PoolCreate, RateCard
-from hub.pools import add_pool, register_inventory
-from hub.schemas import Line, Name
-from hub.settings import ROTATION_GRACE, Clock, system_clock
-from hub.tokens import IssuedToken, TokenKind
+from hub.pool_db import Pool
+from hub.pool_db import PoolServer
+from hub.pool_schemas import GpuProduct
+from hub.pool_schemas import Gpus
+from hub.pool_schemas import PoolCreate
+from hub.pool_schemas import RateCard
+from hub.pools import add_pool
+from hub.pools import register_inventory
+from hub.schemas import Line
+from hub.schemas import Name
+from hub.settings import ROTATION_GRACE
+from hub.settings import Clock
+from hub.settings import system_clock
+from hub.tokens import IssuedToken
+from hub.tokens import TokenKind
 
 
 class SeedError(ValueError):

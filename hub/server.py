@@ -12,18 +12,18 @@ from pathlib import Path
 import uvicorn
 
 from hub.app import create_app
-from hub.db import Database, DatabaseError
-from hub.seed import SeedError, seed_file
-from hub.settings import (
-    BOOTSTRAP_KEY_ENV,
-    DATABASE_URL_ENV,
-    DEFAULT_DATABASE_URL,
-    Clock,
-    HubSettings,
-    SettingsError,
-    read_bootstrap_key,
-    system_clock,
-)
+from hub.db import Database
+from hub.db import DatabaseError
+from hub.seed import SeedError
+from hub.seed import seed_file
+from hub.settings import BOOTSTRAP_KEY_ENV
+from hub.settings import DATABASE_URL_ENV
+from hub.settings import DEFAULT_DATABASE_URL
+from hub.settings import Clock
+from hub.settings import HubSettings
+from hub.settings import SettingsError
+from hub.settings import read_bootstrap_key
+from hub.settings import system_clock
 
 DEFAULT_LISTEN = "127.0.0.1:8600"
 log = logging.getLogger("hub")

@@ -5,7 +5,8 @@ boundaries."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 from pydantic import Field
 

@@ -10,7 +10,9 @@ import dataclasses
 
 from temporalio.api.failure.v1 import Failure
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import DataConverter, DefaultFailureConverter, PayloadConverter
+from temporalio.converter import DataConverter
+from temporalio.converter import DefaultFailureConverter
+from temporalio.converter import PayloadConverter
 
 
 class Refused(ValueError):

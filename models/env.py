@@ -9,7 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from pydantic import ValidationError
 
 
 class ConfigError(ValueError):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
-from typing import Final, Literal
+from typing import Final
+from typing import Literal
 
 from pydantic import Field
 

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Final, Self
+from typing import Annotated
+from typing import Final
+from typing import Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import model_validator
 from pydantic.alias_generators import to_camel
 
 from models.policy import _check_location

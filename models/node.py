@@ -7,12 +7,18 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from models.base import Model, OperationViewBase
-from models.cost import ActualCost, TransferReading
+from models.base import Model
+from models.base import OperationViewBase
+from models.cost import ActualCost
+from models.cost import TransferReading
 from models.join import NodeIdentity
 from models.labels import Taint
 from models.policy import Mode
-from models.provisioning import MeasuredEgress, Offering, OperationSettings, PendingPod, PlannedNode
+from models.provisioning import MeasuredEgress
+from models.provisioning import Offering
+from models.provisioning import OperationSettings
+from models.provisioning import PendingPod
+from models.provisioning import PlannedNode
 
 
 class NodePhase(StrEnum):

@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import re
 import zoneinfo
-from typing import Annotated, Any, ClassVar, Final, Generic, Literal, TypeVar
+from typing import Annotated
+from typing import Any
+from typing import ClassVar
+from typing import Final
+from typing import Generic
+from typing import Literal
+from typing import TypeVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AfterValidator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import StrictBool
+from pydantic import StrictFloat
+from pydantic import StrictInt
+from pydantic import StrictStr
+from pydantic import ValidationError
+from pydantic import field_validator
+from pydantic import model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 

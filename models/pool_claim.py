@@ -19,8 +19,11 @@ from typing import Final
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict, ValidationError
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import ValidationError
 
 PREFIX: Final = "kpc1"
 POOL_CLAIM_HEADER: Final = "X-Kubeon-Pool-Claim"

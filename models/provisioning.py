@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Final
+from typing import Literal
 
 from pydantic import Field
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Final
+from typing import Literal
 
 from pydantic import Field
 
-from models.base import Model, OperationViewBase
-from models.decisions import OperatorRequest, OperatorResult
-from models.policy import Mode, ScheduleWake
+from models.base import Model
+from models.base import OperationViewBase
+from models.decisions import OperatorRequest
+from models.decisions import OperatorResult
+from models.policy import Mode
+from models.policy import ScheduleWake
 
 WorkloadKind = Literal["Deployment", "StatefulSet"]
 # The R1.3 reason a ScaleToZero policy is enforced as Recommend.

@@ -10,8 +10,10 @@ from typing import Final
 
 from pydantic import Field
 
-from models.base import Model, OperationViewBase
-from models.decisions import OperatorRequest, OperatorResult
+from models.base import Model
+from models.base import OperationViewBase
+from models.decisions import OperatorRequest
+from models.decisions import OperatorResult
 from models.policy import Mode
 
 NO_PROMETHEUS: Final = "prometheus.url is not set: Sharing stays in Recommend mode (R1.3)"

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from models.join import Attestation, attestation_nonce
+from models.join import Attestation
+from models.join import attestation_nonce
 
 DEFAULT_METADATA_URLS = {
     "aws": "http://169.254.169.254",

@@ -37,25 +37,29 @@ from typing import Any
 import httpx
 import yaml
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from pydantic import BaseModel
 
-from models.join import (
-    NODE_USER_PREFIX,
-    NODES_GROUP,
-    CertRenewal,
-    CertRenewalAnswer,
-    GpuHealth,
-    JoinAnswer,
-    JoinRedeem,
-    TunnelAnswer,
-)
+from models.join import NODE_USER_PREFIX
+from models.join import NODES_GROUP
+from models.join import CertRenewal
+from models.join import CertRenewalAnswer
+from models.join import GpuHealth
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from models.join import TunnelAnswer
 from models.labels import burn_in_checks
-from node.health import DEFAULT_GPU_HEALTH_COMMAND, GpuHealthRun, HealthNotPosted, post_gpu_health
-from node.identity import IdentityUnavailable, fetch_attestation
-from tunnel import keys, link
+from node.health import DEFAULT_GPU_HEALTH_COMMAND
+from node.health import GpuHealthRun
+from node.health import HealthNotPosted
+from node.health import post_gpu_health
+from node.identity import IdentityUnavailable
+from node.identity import fetch_attestation
+from tunnel import keys
+from tunnel import link
 from tunnel.uapi import Uapi
 
 DEFAULT_STATE_DIR = Path("/var/lib/kubeon")

@@ -27,9 +27,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+from typing import Literal
 
 import httpx
 from pydantic import BaseModel
@@ -38,8 +40,15 @@ from common.bearer import BearerFileClient
 from models.errors import TicketError
 from models.labels import GPU_RESOURCE
 from models.pool_claim import POOL_CLAIM_HEADER
-from node.join import DEFAULT_INTERFACE, JoinRefusedByGateway, JoinUnavailable, NodeFiles
-from node.pinned import GatewayPin, PinRefused, load_pins, pinned_redeemer, teardown
+from node.join import DEFAULT_INTERFACE
+from node.join import JoinRefusedByGateway
+from node.join import JoinUnavailable
+from node.join import NodeFiles
+from node.pinned import GatewayPin
+from node.pinned import PinRefused
+from node.pinned import load_pins
+from node.pinned import pinned_redeemer
+from node.pinned import teardown
 
 log = logging.getLogger("kubeon.onprem-agent")
 
@@ -142,7 +151,8 @@ def join_node(user_data: str, *, gpus: int, provider_id: str, pin: GatewayPin, p
     registers itself over the API server's own address and kwok plays its kubelet; otherwise the tunnel comes up
     and the kubelet's registration file and flags are written for its systemd unit."""
     from models.join import parse_user_data
-    from node.join import join, write_registration
+    from node.join import join
+    from node.join import write_registration
     from node.register import join_simulated
 
     doc = parse_user_data(user_data)

@@ -20,15 +20,20 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from models.join import JoinAnswer, JoinRedeem
-from node.join import JoinError, NodeFiles, Redeemer, redeem_over_https
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from node.join import JoinError
+from node.join import NodeFiles
+from node.join import Redeemer
+from node.join import redeem_over_https
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

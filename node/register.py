@@ -7,17 +7,20 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 if TYPE_CHECKING:  # the Kubernetes client only where a Node is made: `node join` writes its registration without
     from kubernetes import client
 
-    from models.join import GpuHealth, JoinAnswer
+    from models.join import GpuHealth
+    from models.join import JoinAnswer
 
 
 def node_api(kubeconfig: Path) -> client.ApiClient:
     """An API client with the node's kubeconfig (its certificate; ``tls-server-name`` honoured)."""
-    from kubernetes import client, config
+    from kubernetes import client
+    from kubernetes import config
 
     cfg = client.Configuration()
     config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
@@ -103,7 +106,8 @@ def join_simulated(doc: dict[str, Any], state_dir: Path, redeem: Any, *, provide
     from models.join import SIMULATED_GPU_HEALTH
     from models.labels import burn_in_checks
     from node.health import post_gpu_health
-    from node.join import NodeFiles, join
+    from node.join import NodeFiles
+    from node.join import join
 
     files = NodeFiles(state_dir)
     answer = join(doc, files, redeem=redeem, tunnel=False, retry_seconds=retry_seconds)

@@ -14,11 +14,20 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
-from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
+from models.labels import LABEL_GPU_PRODUCT
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_POLICY
 from models.policy import location_label_value
-from models.provisioning import BatchPlan, NodeRequirement, Offering, PendingPod, PlannedNode, Unplaced
+from models.provisioning import BatchPlan
+from models.provisioning import NodeRequirement
+from models.provisioning import Offering
+from models.provisioning import PendingPod
+from models.provisioning import PlannedNode
+from models.provisioning import Unplaced
 
 EXACT_PODS = 8
 EXACT_ROOMS = 6

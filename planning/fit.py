@@ -4,9 +4,12 @@ ceiling, with the saving per month. No action is ever taken."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from dataclasses import dataclass
 
-from models.policy import HOURS_PER_MONTH, FitRule, GpuOffering
+from models.policy import HOURS_PER_MONTH
+from models.policy import FitRule
+from models.policy import GpuOffering
 from planning.idle import PodMemory
 
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from dataclasses import dataclass
+from dataclasses import field
+from datetime import datetime
+from datetime import timedelta
 
 from models.capacity import HomeNodeGroup
-from models.provisioning import HomeScale, PendingPod
+from models.provisioning import HomeScale
+from models.provisioning import PendingPod
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 
-from models.packing import PackMove, PackNode, PackPlan, PackPod, PackScope
+from models.packing import PackMove
+from models.packing import PackNode
+from models.packing import PackPlan
+from models.packing import PackPod
+from models.packing import PackScope
 from planning.burst import pod_matches
 
 EXACT_CANDIDATES = 12

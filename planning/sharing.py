@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Final, Literal
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Final
+from typing import Literal
 
 from planning.idle import PodMemory
 

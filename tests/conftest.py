@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,17 +20,25 @@ from kubernetes.client import ApiException
 from temporalio.testing import WorkflowEnvironment
 
 from models.converter import DATA_CONVERTER
-from tests.harness.burst import BurstStack, build_stack, unique
+from tests.harness.burst import BurstStack
+from tests.harness.burst import build_stack
+from tests.harness.burst import unique
 from tests.harness.clouds import local
-from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
+from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import MotoRecorder
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.moto_server import MotoServer
-from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
-from tests.harness.console import console_server, ui_dev_server
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import aks_listing
+from tests.harness.clouds.nodes import gke_listing
+from tests.harness.console import console_server
+from tests.harness.console import ui_dev_server
 from tests.harness.controlplane import ControlPlane
 from tests.harness.karpenter import Karpenter
-from tests.harness.kube import Cluster, Kube
-from tests.harness.temporal import start_dev_server, time_skipping_server_path
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.temporal import start_dev_server
+from tests.harness.temporal import time_skipping_server_path
 from worker.runtime import register_search_attributes
 
 

@@ -16,7 +16,8 @@ import io
 import re
 import tokenize
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

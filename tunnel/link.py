@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO
+from typing import Any
+from typing import Final
 
 from tunnel.uapi import SOCKET_DIR
 

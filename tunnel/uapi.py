@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
-from tunnel.keys import check_key, from_hex, to_hex
+from tunnel.keys import check_key
+from tunnel.keys import from_hex
+from tunnel.keys import to_hex
 
 SOCKET_DIR = Path("/var/run/wireguard")
 

@@ -13,24 +13,23 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from models.audit_chain import (
-    HUB_AUDIT_LOG,
-    HUB_REPORTS_LOG,
-    Break,
-    ChainCheck,
-    Stored,
-    canonical,
-    check_chain,
-    hub_event_doc,
-    hub_report_doc,
-    parse_record,
-)
+from models.audit_chain import HUB_AUDIT_LOG
+from models.audit_chain import HUB_REPORTS_LOG
+from models.audit_chain import Break
+from models.audit_chain import ChainCheck
+from models.audit_chain import Stored
+from models.audit_chain import canonical
+from models.audit_chain import check_chain
+from models.audit_chain import hub_event_doc
+from models.audit_chain import hub_report_doc
+from models.audit_chain import parse_record
 
 PAGE = 1000
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Protocol, TypeVar
+from typing import Protocol
+from typing import TypeVar
 
 
 class Loop(Protocol):

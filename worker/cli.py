@@ -31,7 +31,8 @@ def _validate(args: argparse.Namespace) -> int:
     """Validate GpuPolicy files as the optimizer would; print each problem with its field."""
     import yaml
 
-    from models.policy import PolicyError, parse_policy
+    from models.policy import PolicyError
+    from models.policy import parse_policy
 
     failed = 0
     for path in args.files:
@@ -72,7 +73,8 @@ def run_worker(build: RuntimeFactory | None = None) -> int:
     import asyncio
 
     from worker import telemetry
-    from worker.config import ConfigError, load_settings
+    from worker.config import ConfigError
+    from worker.config import load_settings
     from worker.main import serve
     from worker.runtime import build_runtime
 
@@ -95,7 +97,9 @@ def _doctor(args: argparse.Namespace) -> int:
     from activities.clients.prometheus import PrometheusClient
     from common.kube import kube_api
     from worker.config import load_settings
-    from worker.doctor import as_json, render, run_checks
+    from worker.doctor import as_json
+    from worker.doctor import render
+    from worker.doctor import run_checks
 
     overrides = {"KUBEON_CLUSTER": os.environ.get("KUBEON_CLUSTER") or "unset"}
     if args.kubeconfig:
@@ -137,7 +141,8 @@ def _gateway(_: argparse.Namespace) -> int:
 def _console(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from worker.console import ConsoleSettings, create_app
+    from worker.console import ConsoleSettings
+    from worker.console import create_app
 
     host, _, port = args.listen.rpartition(":")
     app = create_app(ConsoleSettings(upstream=args.upstream, namespace=args.namespace))
@@ -150,7 +155,8 @@ def _console(args: argparse.Namespace) -> int:
 def _node_join(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from node.join import JoinError, main_join
+    from node.join import JoinError
+    from node.join import main_join
 
     capacity = dict(kv.split("=", 1) for kv in args.capacity.split(",") if "=" in kv) if args.capacity else {}
     try:
@@ -166,7 +172,8 @@ def _node_join(args: argparse.Namespace) -> int:
 def _node_renew(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from node.join import JoinError, main_renew
+    from node.join import JoinError
+    from node.join import main_renew
 
     try:
         return main_renew(Path(args.state_dir), kubelet_command=args.kubelet_command, force=args.force)
@@ -178,7 +185,8 @@ def _node_renew(args: argparse.Namespace) -> int:
 def _ops(args: argparse.Namespace) -> int:
     import asyncio
 
-    from models.decisions import Approval, Rejection
+    from models.decisions import Approval
+    from models.decisions import Rejection
     from worker import ops
     from worker.config import load_settings
     from worker.runtime import connect_temporal

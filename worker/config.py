@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import ValidationError
+from pydantic import ValidationInfo
+from pydantic import field_validator
 
 from models.aks import aks_setting_error
 from models.eks import AWS_REGIONS
-from models.env import ConfigError, env_names, from_env, url_setting
+from models.env import ConfigError
+from models.env import env_names
+from models.env import from_env
+from models.env import url_setting
 from models.gke import gke_setting_error
 from models.locations import BurstConfig
 from models.policy import Mode

@@ -19,14 +19,17 @@ import json
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from urllib.parse import quote
 
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import RedirectResponse, Response, StreamingResponse
+from starlette.responses import RedirectResponse
+from starlette.responses import Response
+from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from models import search_attributes as sa

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import asdict
+from dataclasses import dataclass
+from typing import Any
+from typing import Literal
 
 import yaml
 from kubernetes import client
 
-from activities.capacity import CapacityError, CapacityProvider
+from activities.capacity import CapacityError
+from activities.capacity import CapacityProvider
 from activities.capacity.karpenter import is_gpu_pool
-from activities.clients.prometheus import GR_ENGINE_ACTIVE, MetricsError, PrometheusClient
+from activities.clients.prometheus import GR_ENGINE_ACTIVE
+from activities.clients.prometheus import MetricsError
+from activities.clients.prometheus import PrometheusClient
 from models.eks import GroupScaling
 
 log = logging.getLogger("kubeon.prerequisites")

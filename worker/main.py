@@ -6,13 +6,15 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from temporalio.client import Client
 from temporalio.worker import Worker
-from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxRestrictions
 
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
@@ -24,7 +26,10 @@ from worker import telemetry
 from worker.background import running
 from worker.config import Settings
 from worker.packing_watcher import PackingWatcher
-from worker.runtime import Runtime, build_runtime, connect_temporal, register_search_attributes
+from worker.runtime import Runtime
+from worker.runtime import build_runtime
+from worker.runtime import connect_temporal
+from worker.runtime import register_search_attributes
 from worker.scale_watcher import ScaleWatcher
 from worker.sharing_watcher import SharingWatcher
 from worker.watcher import PendingPodWatcher
@@ -35,7 +40,8 @@ from workflows.hub_sync import HubSyncWorkflow
 from workflows.pack import PackWorkflow
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
-from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
+from workflows.sharing import MigWorkflow
+from workflows.sharing import TimeSlicingWorkflow
 
 log = logging.getLogger("kubeon.worker")
 RuntimeFactory = Callable[[Settings], Runtime]

@@ -7,13 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable
+from collections.abc import Iterable
+from datetime import UTC
+from datetime import datetime
+from typing import Any
+from typing import ClassVar
+from typing import TypeVar
 
 from kubernetes.client import ApiException
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import WorkflowIDReusePolicy
 
 P = TypeVar("P")
 C = TypeVar("C")

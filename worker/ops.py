@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from dataclasses import asdict
+from dataclasses import dataclass
+from datetime import UTC
+from datetime import datetime
+from typing import Any
+from typing import TypeVar
 
 from kubernetes import client
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.client import Client
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-from activities.clients.decisions import DecisionRefused, OperationNotFound, decide, resolve
+from activities.clients.decisions import DecisionRefused
+from activities.clients.decisions import OperationNotFound
+from activities.clients.decisions import decide
+from activities.clients.decisions import resolve
 from models import search_attributes as sa
 from models.autoscaling import GpuProductsView
-from models.cost import TransferReading, actual_cost
-from models.decisions import Approval, DecisionResult, Rejection
-from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.node import NodePhase, OperationView
+from models.cost import TransferReading
+from models.cost import actual_cost
+from models.decisions import Approval
+from models.decisions import DecisionResult
+from models.decisions import Rejection
+from models.hub import HubSyncStatus
+from models.hub import hub_sync_workflow_id
+from models.node import NodePhase
+from models.node import OperationView
 from models.packing import PackView
-from models.policy import API_GROUP, PLURAL
+from models.policy import API_GROUP
+from models.policy import PLURAL
 from models.provisioning import ProvisionView
-from models.scale import ScaleView, WakeRequest, WakeResult
-from models.sharing import SharingView, UndoRequest, UndoResult
+from models.scale import ScaleView
+from models.scale import WakeRequest
+from models.scale import WakeResult
+from models.sharing import SharingView
+from models.sharing import UndoRequest
+from models.sharing import UndoResult
 
 __all__ = ["DecisionRefused", "OperationNotFound", "approve", "cancel", "hub_status", "list_operations", "reject",
            "show", "undo", "wake"]

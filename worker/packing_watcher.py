@@ -20,17 +20,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
-from temporalio.client import Client, WorkflowExecutionDescription, WorkflowExecutionStatus
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.client import Client
+from temporalio.client import WorkflowExecutionDescription
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.service import RPCError
+from temporalio.service import RPCStatusCode
 
-from activities.capacity import CapacityError, CapacityProvider
-from activities.clients.policies import enforceable_policies, patch_policy_status
+from activities.capacity import CapacityError
+from activities.capacity import CapacityProvider
+from activities.clients.policies import enforceable_policies
+from activities.clients.policies import patch_policy_status
 from activities.packing import plan_round
-from models.autoscaling import GpuProductsChange, GpuProductsInput, GpuProductsView, gpu_products_workflow_id
+from models.autoscaling import GpuProductsChange
+from models.autoscaling import GpuProductsInput
+from models.autoscaling import GpuProductsView
+from models.autoscaling import gpu_products_workflow_id
 from models.capacity import HomeNodeGroup
-from models.packing import PackInput, PackPlan, PackPlanRequest, PackScope, PackSettings, packing_workflow_id
-from models.policy import AutoscalingPolicy, Mode, PackingPolicy
+from models.packing import PackInput
+from models.packing import PackPlan
+from models.packing import PackPlanRequest
+from models.packing import PackScope
+from models.packing import PackSettings
+from models.packing import packing_workflow_id
+from models.policy import AutoscalingPolicy
+from models.policy import Mode
+from models.policy import PackingPolicy
 from planning.autoscaling import plan_limits
 
 log = logging.getLogger("kubeon.packing")

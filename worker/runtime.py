@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.runtime import Runtime as TemporalRuntime
-from temporalio.service import RPCError, TLSConfig
+from temporalio.service import RPCError
+from temporalio.service import TLSConfig
 
 from activities.burst import BurstActivities
 from activities.capacity import CapacityProvider
@@ -19,22 +21,31 @@ from activities.clients.hub import HubClient
 from activities.clients.kube import KubeOps
 from activities.clients.policies import PolicySyncer
 from activities.clients.prometheus import PrometheusClient
-from activities.context import HomeSettings, ReportSink
+from activities.context import HomeSettings
+from activities.context import ReportSink
 from activities.hub import HubActivities
 from activities.packing import PackActivities
 from activities.providers.base import Provider
-from activities.scale import ScaleActivities, ScaleOps
-from activities.sharing import SharingActivities, SharingOps
+from activities.scale import ScaleActivities
+from activities.scale import ScaleOps
+from activities.sharing import SharingActivities
+from activities.sharing import SharingOps
 from common.kube import kube_api
 from models import search_attributes
 from models.converter import DATA_CONVERTER
-from models.hub import ActionReport, HubSyncConfig, HubSyncInput, hub_sync_workflow_id
+from models.hub import ActionReport
+from models.hub import HubSyncConfig
+from models.hub import HubSyncInput
+from models.hub import hub_sync_workflow_id
 from models.locations import BurstConfig
 from models.node import Instance
 from node.join import Redeemer
 from worker import telemetry
-from worker.config import ConfigError, Settings, managed_capacity
-from worker.doctor import Prerequisite, run_checks
+from worker.config import ConfigError
+from worker.config import Settings
+from worker.config import managed_capacity
+from worker.doctor import Prerequisite
+from worker.doctor import run_checks
 from workflows.hub_sync import HubSyncWorkflow
 
 
@@ -53,7 +64,8 @@ async def register_search_attributes(temporal: Client) -> None:
     """Register the project's search attributes (idempotent). Servers without the list call (the time-skipping
     test server) get the add call alone."""
     from temporalio.api.enums.v1 import IndexedValueType
-    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+    from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
     from temporalio.service import RPCStatusCode
 
     wanted = {k.name: IndexedValueType.ValueType(k.indexed_value_type) for k in search_attributes.ALL}
@@ -196,9 +208,12 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None,
         providers["azure"] = AzureProvider(burst, endpoint_url=settings.azure_endpoint_url,
                                            ca_file=str(settings.azure_ca_file) if settings.azure_ca_file else None)
     if "sim" in kinds:
-        from activities.providers.sim import KWOK_ANNOTATIONS, SimProvider
-        from models.join import GpuHealth, parse_user_data
-        from node.join import RETRY_SECONDS, redeem_over_https
+        from activities.providers.sim import KWOK_ANNOTATIONS
+        from activities.providers.sim import SimProvider
+        from models.join import GpuHealth
+        from models.join import parse_user_data
+        from node.join import RETRY_SECONDS
+        from node.join import redeem_over_https
         from node.register import join_simulated
 
         def boot(instance: Instance, user_data: str, capacity: dict[str, str], health: GpuHealth) -> None:
@@ -221,7 +236,8 @@ def build_runtime(settings: Settings, *, gateway: GatewayClient | None = None,
     if "onprem" in kinds:
         if not settings.hub_url:
             raise ConfigError("burst.locations names onprem pools: they are claimed through the hub (set hub.url)")
-        from activities.providers.onprem import OnPremProvider, PoolClient
+        from activities.providers.onprem import OnPremProvider
+        from activities.providers.onprem import PoolClient
 
         pools = PoolClient(settings.hub_url, settings.hub_token_file,
                            ca_file=str(settings.hub_ca_file) if settings.hub_ca_file else None)

@@ -11,26 +11,38 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 from temporalio.client import Client
 
 from activities.clients.kube import gpus_requested
-from activities.clients.prometheus import MetricsError, PrometheusClient
-from activities.scale import ScaleOps, scale_role_missing
-from models.policy import AnyPolicy, GpuTypeFitPolicy, Mode, ScaleToZeroPolicy
-from models.scale import NO_PROMETHEUS, ScaleInput, ScaleSettings, WorkloadRef, scale_workflow_id
-from planning.fit import FitRecommendation, recommend
-from planning.idle import PodActivity, PodMemory, judge_idle
-from worker.doctor import Prerequisite, PrerequisiteLog
-from worker.metrics_loop import (
-    ResyncLoop,
-    condition,
-    each_policy,
-    evaluated_at,
-    metrics_condition,
-    prometheus_condition,
-)
+from activities.clients.prometheus import MetricsError
+from activities.clients.prometheus import PrometheusClient
+from activities.scale import ScaleOps
+from activities.scale import scale_role_missing
+from models.policy import AnyPolicy
+from models.policy import GpuTypeFitPolicy
+from models.policy import Mode
+from models.policy import ScaleToZeroPolicy
+from models.scale import NO_PROMETHEUS
+from models.scale import ScaleInput
+from models.scale import ScaleSettings
+from models.scale import WorkloadRef
+from models.scale import scale_workflow_id
+from planning.fit import FitRecommendation
+from planning.fit import recommend
+from planning.idle import PodActivity
+from planning.idle import PodMemory
+from planning.idle import judge_idle
+from worker.doctor import Prerequisite
+from worker.doctor import PrerequisiteLog
+from worker.metrics_loop import ResyncLoop
+from worker.metrics_loop import condition
+from worker.metrics_loop import each_policy
+from worker.metrics_loop import evaluated_at
+from worker.metrics_loop import metrics_condition
+from worker.metrics_loop import prometheus_condition
 
 log = logging.getLogger("kubeon.scale")
 M = TypeVar("M")

@@ -23,33 +23,34 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from activities.clients.prometheus import MetricsError
 from activities.sharing import SharingOps
-from models.policy import Mode, SharingPolicy
-from models.sharing import (
-    NO_PROMETHEUS,
-    MigInput,
-    MigSettings,
-    PolicyModeChange,
-    SharingPhase,
-    SharingSettings,
-    SharingView,
-    TimeSlicingInput,
-    sharing_workflow_id,
-)
+from models.policy import Mode
+from models.policy import SharingPolicy
+from models.sharing import NO_PROMETHEUS
+from models.sharing import MigInput
+from models.sharing import MigSettings
+from models.sharing import PolicyModeChange
+from models.sharing import SharingPhase
+from models.sharing import SharingSettings
+from models.sharing import SharingView
+from models.sharing import TimeSlicingInput
+from models.sharing import sharing_workflow_id
 from planning.idle import PodMemory
-from planning.sharing import Proposal, Rule, decide, mig_geometries
-from worker.metrics_loop import (
-    ResyncLoop,
-    condition,
-    each_policy,
-    evaluated_at,
-    metrics_condition,
-    prometheus_condition,
-)
+from planning.sharing import Proposal
+from planning.sharing import Rule
+from planning.sharing import decide
+from planning.sharing import mig_geometries
+from worker.metrics_loop import ResyncLoop
+from worker.metrics_loop import condition
+from worker.metrics_loop import each_policy
+from worker.metrics_loop import evaluated_at
+from worker.metrics_loop import metrics_condition
+from worker.metrics_loop import prometheus_condition
 
 log = logging.getLogger("kubeon.sharing")
 

@@ -26,31 +26,44 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import TypeVar
 
 import httpx
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from prometheus_client import REGISTRY, generate_latest
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from prometheus_client import REGISTRY
+from prometheus_client import generate_latest
 from temporalio import activity
 from temporalio import client as temporal_client
 from temporalio import worker as temporal_worker
 from temporalio.contrib.opentelemetry import TracingInterceptor
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.runtime import PrometheusConfig
+from temporalio.runtime import Runtime
+from temporalio.runtime import TelemetryConfig
 from temporalio.service import RPCError
 
 from activities.telemetry import metrics as pm
 from models import search_attributes as sa
-from models.hub import HubSyncStatus, hub_sync_workflow_id
-from models.ids import operation_id, provision_workflow_id
-from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
+from models.hub import HubSyncStatus
+from models.hub import hub_sync_workflow_id
+from models.ids import operation_id
+from models.ids import provision_workflow_id
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_POLICY
 from models.policy import location_of_label_value
 from models.provisioning import ProvisionView
 from worker.config import ConfigError
-from workflows.observe import ROOT_SPAN_EXTERN, OperationTracingInbound, RootSpan
+from workflows.observe import ROOT_SPAN_EXTERN
+from workflows.observe import OperationTracingInbound
+from workflows.observe import RootSpan
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -93,9 +106,12 @@ def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -
     exporter_name = traces_exporter(environ)
     if exporter_name is None:
         return None
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.resources import SERVICE_NAME
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExporter
 
     # Resource.create reads OTEL_RESOURCE_ATTRIBUTES; OTEL_SERVICE_NAME wins over the default name.
     resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME", "").strip() or service_name})

@@ -17,22 +17,38 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from dataclasses import field
+from datetime import UTC
+from datetime import datetime
+from typing import Any
+from typing import TypeVar
 
-from kubernetes import client, watch
+from kubernetes import client
+from kubernetes import watch
 from temporalio.client import Client
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.common import SearchAttributePair
+from temporalio.common import TypedSearchAttributes
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
+from temporalio.service import RPCStatusCode
 
-from activities.clients.kube import KubeOps, gpus_requested, pending_pod, tolerates
+from activities.clients.kube import KubeOps
+from activities.clients.kube import gpus_requested
+from activities.clients.kube import pending_pod
+from activities.clients.kube import tolerates
 from models import search_attributes as sa
 from models.ids import provision_workflow_id
-from models.policy import GpuPolicy, Mode
-from models.provisioning import OperationSettings, PodsGone, PodsWaiting, ProvisionInput
+from models.policy import GpuPolicy
+from models.policy import Mode
+from models.provisioning import OperationSettings
+from models.provisioning import PodsGone
+from models.provisioning import PodsWaiting
+from models.provisioning import ProvisionInput
 from workflows.provision import ProvisionWorkflow
 
 log = logging.getLogger("kubeon.watcher")

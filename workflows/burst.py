@@ -9,56 +9,71 @@ holds ``maxNodes`` and plans the pods the node was for again if they still wait.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, ChildWorkflowError
+from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import CancelledError
+from temporalio.exceptions import ChildWorkflowError
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.cost import BYTES_PER_GB, ActualCost, CostCount, TransferReading, actual_cost
-from models.drain import DrainInput, DrainResult
-from models.ids import SERVE_QUEUE_SUFFIX, operation_id
+from models.cost import BYTES_PER_GB
+from models.cost import ActualCost
+from models.cost import CostCount
+from models.cost import TransferReading
+from models.cost import actual_cost
+from models.drain import DrainInput
+from models.drain import DrainResult
+from models.ids import SERVE_QUEUE_SUFFIX
+from models.ids import operation_id
 from models.join import burst_node_name
-from models.labels import (
-    BURN_IN_LABEL,
-    LABEL_GPU_PRODUCT,
-    LABEL_INSTANCE_TYPE,
-    LABEL_LOCATION,
-    LABEL_OPERATION,
-    LABEL_POLICY,
-    Taint,
-    burn_in_label,
-)
-from models.node import (
-    BurnInRequest,
-    BurnInResult,
-    BurstResult,
-    CleanupRequest,
-    CleanupResult,
-    Instance,
-    InstanceRef,
-    LaunchRequest,
-    NodeExpectation,
-    NodeFinished,
-    NodeIdentityCheck,
-    NodeIdentityResult,
-    NodeInput,
-    NodePhase,
-    NodeWaitRequest,
-    OperationView,
-    ServeCheckRequest,
-    ServeCheckResult,
-    VerifyResult,
-)
+from models.labels import BURN_IN_LABEL
+from models.labels import LABEL_GPU_PRODUCT
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import Taint
+from models.labels import burn_in_label
+from models.node import BurnInRequest
+from models.node import BurnInResult
+from models.node import BurstResult
+from models.node import CleanupRequest
+from models.node import CleanupResult
+from models.node import Instance
+from models.node import InstanceRef
+from models.node import LaunchRequest
+from models.node import NodeExpectation
+from models.node import NodeFinished
+from models.node import NodeIdentityCheck
+from models.node import NodeIdentityResult
+from models.node import NodeInput
+from models.node import NodePhase
+from models.node import NodeWaitRequest
+from models.node import OperationView
+from models.node import ServeCheckRequest
+from models.node import ServeCheckResult
+from models.node import VerifyResult
 from models.policy import location_label_value
-from models.provisioning import LoadPolicyRequest, MeasuredEgress, Offering, PolicySnapshot
-from models.ui_text import Details, code, md
+from models.provisioning import LoadPolicyRequest
+from models.provisioning import MeasuredEgress
+from models.provisioning import Offering
+from models.provisioning import PolicySnapshot
+from models.ui_text import Details
+from models.ui_text import code
+from models.ui_text import md
 from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
-from workflows.failures import QUICK, RETRY, error_type, message
-from workflows.gate import action_gate, wait_until_allowed
+from workflows.failures import QUICK
+from workflows.failures import RETRY
+from workflows.failures import error_type
+from workflows.failures import message
+from workflows.gate import action_gate
+from workflows.gate import wait_until_allowed
 from workflows.operation import Operation
 
 # Must match activities.burst (workflows may not import activities).

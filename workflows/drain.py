@@ -5,28 +5,33 @@ Started as a child of BurstNodeWorkflow, or alone (``kubeon-gpu ops drain``)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ApplicationError
 
 from models import search_attributes as sa
 from models.cost import TransferReading
-from models.drain import (
-    DrainInput,
-    DrainPhase,
-    DrainResult,
-    DrainStatus,
-    EvictionResult,
-    GoneCheck,
-    NodeRef,
-    NodeRemoval,
-)
+from models.drain import DrainInput
+from models.drain import DrainPhase
+from models.drain import DrainResult
+from models.drain import DrainStatus
+from models.drain import EvictionResult
+from models.drain import GoneCheck
+from models.drain import NodeRef
+from models.drain import NodeRemoval
 from models.node import TransferRequest
-from models.ui_text import Details, code, md
-from workflows.failures import QUICK, RETRY, message
-from workflows.gate import action_gate, wait_until_allowed
+from models.ui_text import Details
+from models.ui_text import code
+from models.ui_text import md
+from workflows.failures import QUICK
+from workflows.failures import RETRY
+from workflows.failures import message
+from workflows.gate import action_gate
+from workflows.gate import wait_until_allowed
 from workflows.operation import Operation
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ChildWorkflowError
 
 # Every operation's activities: retried without end (what they do is keyed, a retry does it once), backing off to
 # 30 s; a short activity may take a minute.

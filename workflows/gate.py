@@ -9,7 +9,8 @@ from datetime import timedelta
 
 from temporalio import workflow
 
-from models.hub import GateRequest, GateState
+from models.hub import GateRequest
+from models.hub import GateState
 from models.ids import SERVE_QUEUE_SUFFIX
 from workflows.failures import RETRY
 

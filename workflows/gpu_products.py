@@ -14,10 +14,14 @@ from temporalio import workflow
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.autoscaling import GpuProductsInput, GpuProductsRequest, GpuProductsView
+from models.autoscaling import GpuProductsInput
+from models.autoscaling import GpuProductsRequest
+from models.autoscaling import GpuProductsView
 from workflows.audit import record_audit
-from workflows.failures import QUICK, RETRY
-from workflows.operation import Approvable, Proposal
+from workflows.failures import QUICK
+from workflows.failures import RETRY
+from workflows.operation import Approvable
+from workflows.operation import Proposal
 
 
 class GpuProductsPhase(StrEnum):

@@ -10,24 +10,25 @@ undelivered reports are carried over continue-as-new.
 from __future__ import annotations
 
 from collections import deque
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 from models import search_attributes as sa
-from models.hub import (
-    HUB_PHASES,
-    ActionReport,
-    HubPollRequest,
-    HubPollResult,
-    HubState,
-    HubSyncConfig,
-    HubSyncInput,
-    HubSyncStatus,
-)
-from models.ui_text import Details, code, md
+from models.hub import HUB_PHASES
+from models.hub import ActionReport
+from models.hub import HubPollRequest
+from models.hub import HubPollResult
+from models.hub import HubState
+from models.hub import HubSyncConfig
+from models.hub import HubSyncInput
+from models.hub import HubSyncStatus
+from models.ui_text import Details
+from models.ui_text import code
+from models.ui_text import md
 from workflows.observe import hub_poll_trace
 
 # A report batch per poll; the rest go in the next polls (an immediate one when the hub keeps up).

@@ -23,9 +23,12 @@ with those IDs, once, outside the sandbox."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from contextlib import contextmanager
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import opentelemetry.context
@@ -33,7 +36,9 @@ from temporalio import workflow
 from temporalio.contrib.opentelemetry import TracingWorkflowInboundInterceptor
 from temporalio.contrib.opentelemetry._context import attached_context
 from temporalio.contrib.opentelemetry.workflow import completed_span
-from temporalio.worker import ExecuteWorkflowInput, HandleSignalInput, WorkflowInboundInterceptor
+from temporalio.worker import ExecuteWorkflowInput
+from temporalio.worker import HandleSignalInput
+from temporalio.worker import WorkflowInboundInterceptor
 
 from models.ids import operation_id
 

@@ -23,14 +23,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
+from typing import ClassVar
+from typing import Generic
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import SearchAttributeUpdate
 
 from models import search_attributes as sa
 from models.converter import Refused
-from models.decisions import Approval, DecisionResult, Rejection
+from models.decisions import Approval
+from models.decisions import DecisionResult
+from models.decisions import Rejection
 from models.ids import operation_id
 from workflows.observe import phase_span
 

@@ -13,26 +13,27 @@ from datetime import timedelta
 from enum import StrEnum
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, CancelledError
+from temporalio.exceptions import ActivityError
+from temporalio.exceptions import CancelledError
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.hub import pack_proposal_detail
-from models.packing import (
-    EvictOutcome,
-    GroupRef,
-    NodeRef2,
-    PackInput,
-    PackPlan,
-    PackPlanRequest,
-    PackView,
-    PodRef,
-    ReplacementCheck,
-    ReplacementState,
-)
+from models.packing import EvictOutcome
+from models.packing import GroupRef
+from models.packing import NodeRef2
+from models.packing import PackInput
+from models.packing import PackPlan
+from models.packing import PackPlanRequest
+from models.packing import PackView
+from models.packing import PodRef
+from models.packing import ReplacementCheck
+from models.packing import ReplacementState
 from workflows.audit import record_audit
-from workflows.failures import QUICK, RETRY
-from workflows.operation import Approvable, Proposal
+from workflows.failures import QUICK
+from workflows.failures import RETRY
+from workflows.operation import Approvable
+from workflows.operation import Proposal
 
 # A round cancelled while it waits between steps compensates too (it did only while an activity ran).
 CANCEL_IN_WAIT = "pack-cancel-in-wait"

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -28,32 +29,38 @@ from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.eks import GroupScaling
 from models.hub import proposal_detail
-from models.ids import node_workflow_id, operation_id
+from models.ids import node_workflow_id
+from models.ids import operation_id
 from models.join import burst_node_name
-from models.node import NodeFinished, NodeInput, NodePhase
-from models.provisioning import (
-    AvoidedLocation,
-    BatchPhase,
-    BatchPlan,
-    BatchPlanRequest,
-    BatchRecord,
-    HomeScaleRequest,
-    LearnedEgress,
-    LoadPolicyRequest,
-    NodeRecord,
-    PodsGone,
-    PodsWaiting,
-    PolicySnapshot,
-    ProvisionInput,
-    ProvisionPhase,
-    ProvisionView,
-)
-from models.ui_text import Details, code, md, md_usd
+from models.node import NodeFinished
+from models.node import NodeInput
+from models.node import NodePhase
+from models.provisioning import AvoidedLocation
+from models.provisioning import BatchPhase
+from models.provisioning import BatchPlan
+from models.provisioning import BatchPlanRequest
+from models.provisioning import BatchRecord
+from models.provisioning import HomeScaleRequest
+from models.provisioning import LearnedEgress
+from models.provisioning import LoadPolicyRequest
+from models.provisioning import NodeRecord
+from models.provisioning import PodsGone
+from models.provisioning import PodsWaiting
+from models.provisioning import PolicySnapshot
+from models.provisioning import ProvisionInput
+from models.provisioning import ProvisionPhase
+from models.provisioning import ProvisionView
+from models.ui_text import Details
+from models.ui_text import code
+from models.ui_text import md
+from models.ui_text import md_usd
 from workflows.audit import record_audit
 from workflows.burst import BurstNodeWorkflow
-from workflows.failures import QUICK, RETRY
+from workflows.failures import QUICK
+from workflows.failures import RETRY
 from workflows.observe import batch_trace
-from workflows.operation import Approvable, Proposal
+from workflows.operation import Approvable
+from workflows.operation import Proposal
 
 KEEP_BATCHES = 20
 # A provisioning waiting for capacity whose waiting pods all went settles at once (runs before it did not).

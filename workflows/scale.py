@@ -10,43 +10,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import CancelledError
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
 from models.decisions import Approval
 from models.hub import scale_proposal_detail
 from models.ids import operation_id
-from models.scale import (
-    DemandRequest,
-    DemandValue,
-    Observation,
-    ObserveRequest,
-    ReadyRequest,
-    ReadyResult,
-    ScaledState,
-    ScaleInput,
-    ScaleOutcome,
-    ScalePhase,
-    ScalePolicyRequest,
-    ScalePolicySnapshot,
-    ScaleRequest,
-    ScaleResult,
-    ScaleStatusUpdate,
-    ScaleView,
-    WakeRequest,
-    WakeResult,
-    WakeTime,
-    WakeTimeRequest,
-)
+from models.scale import DemandRequest
+from models.scale import DemandValue
+from models.scale import Observation
+from models.scale import ObserveRequest
+from models.scale import ReadyRequest
+from models.scale import ReadyResult
+from models.scale import ScaledState
+from models.scale import ScaleInput
+from models.scale import ScaleOutcome
+from models.scale import ScalePhase
+from models.scale import ScalePolicyRequest
+from models.scale import ScalePolicySnapshot
+from models.scale import ScaleRequest
+from models.scale import ScaleResult
+from models.scale import ScaleStatusUpdate
+from models.scale import ScaleView
+from models.scale import WakeRequest
+from models.scale import WakeResult
+from models.scale import WakeTime
+from models.scale import WakeTimeRequest
 from workflows.audit import record_audit
-from workflows.failures import QUICK, RETRY, message
-from workflows.gate import action_gate, wait_until_allowed
-from workflows.operation import Approvable, Proposal, refuse
+from workflows.failures import QUICK
+from workflows.failures import RETRY
+from workflows.failures import message
+from workflows.gate import action_gate
+from workflows.gate import wait_until_allowed
+from workflows.operation import Approvable
+from workflows.operation import Proposal
+from workflows.operation import refuse
 
 HEARTBEAT = timedelta(seconds=15)
 WAKEABLE = (ScalePhase.SCALING_DOWN, ScalePhase.SCALED_TO_ZERO)

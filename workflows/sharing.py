@@ -17,45 +17,53 @@ import asyncio
 import contextlib
 import math
 from datetime import timedelta
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
+from typing import ClassVar
+from typing import Generic
+from typing import TypeVar
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ApplicationError
 
 from models import search_attributes as sa
 from models.audit import AuditRecord
-from models.drain import EvictionResult, NodeRef
+from models.drain import EvictionResult
+from models.drain import NodeRef
 from models.hub import sharing_proposal_detail
 from models.policy import Mode
-from models.sharing import (
-    CleanupRequest,
-    CleanupResult,
-    LabelRequest,
-    MigInput,
-    MigLabelRequest,
-    MigStateRequest,
-    MigStateResult,
-    MigVerifyRequest,
-    NodeConfig,
-    PolicyModeChange,
-    SharingInputBase,
-    SharingOutcome,
-    SharingPhase,
-    SharingView,
-    TimeSlicingInput,
-    UndoRequest,
-    UndoResult,
-    UnservableRequest,
-    UnservableResult,
-    VerifyRequest,
-    VerifyResult,
-    WriteKeyRequest,
-    WriteKeyResult,
-)
+from models.sharing import CleanupRequest
+from models.sharing import CleanupResult
+from models.sharing import LabelRequest
+from models.sharing import MigInput
+from models.sharing import MigLabelRequest
+from models.sharing import MigStateRequest
+from models.sharing import MigStateResult
+from models.sharing import MigVerifyRequest
+from models.sharing import NodeConfig
+from models.sharing import PolicyModeChange
+from models.sharing import SharingInputBase
+from models.sharing import SharingOutcome
+from models.sharing import SharingPhase
+from models.sharing import SharingView
+from models.sharing import TimeSlicingInput
+from models.sharing import UndoRequest
+from models.sharing import UndoResult
+from models.sharing import UnservableRequest
+from models.sharing import UnservableResult
+from models.sharing import VerifyRequest
+from models.sharing import VerifyResult
+from models.sharing import WriteKeyRequest
+from models.sharing import WriteKeyResult
 from workflows.audit import record_audit
-from workflows.failures import QUICK, RETRY, message
-from workflows.gate import action_gate, wait_until_allowed
-from workflows.operation import Approvable, Proposal, refuse
+from workflows.failures import QUICK
+from workflows.failures import RETRY
+from workflows.failures import message
+from workflows.gate import action_gate
+from workflows.gate import wait_until_allowed
+from workflows.operation import Approvable
+from workflows.operation import Proposal
+from workflows.operation import refuse
 
 # Short: a cancelled wait learns it at its next heartbeat, which the SDK throttles to 80 % of this.
 HEARTBEAT = timedelta(seconds=5)

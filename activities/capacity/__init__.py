@@ -8,7 +8,8 @@ gone, shielding a node already shielded, freezing a group the same operation fro
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final, Protocol
+from typing import Final
+from typing import Protocol
 
 from models.capacity import HomeNodeGroup
 from models.eks import GroupScaling

@@ -23,22 +23,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 from kubernetes import client
 
-from activities.capacity import (
-    CapacityError,
-    ConflictError,
-    FrozenByOtherError,
-    GroupNotFoundError,
-)
-from activities.capacity.nodes import HomeNodes, group_node, labelled
+from activities.capacity import CapacityError
+from activities.capacity import ConflictError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import group_node
+from activities.capacity.nodes import labelled
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import AZURE_GPU_INSTANCES
 from models.aks import AGENTPOOL_LABEL
-from models.capacity import GroupNode, HomeNodeGroup
-from models.eks import SCALE_DOWN_DISABLED, GroupScaling
+from models.capacity import GroupNode
+from models.capacity import HomeNodeGroup
+from models.eks import SCALE_DOWN_DISABLED
+from models.eks import GroupScaling
 from models.labels import GPU_RESOURCE
 from models.locations import OfferingSpec
 from models.provisioning import NodeRequirement

@@ -13,7 +13,8 @@ from kubernetes import client
 from activities.capacity import CapacityProvider
 from activities.clients.kube import pending_pod
 from models.capacity import DO_NOT_DISRUPT
-from models.packing import PackNode, PackPod
+from models.packing import PackNode
+from models.packing import PackPod
 
 
 @dataclass

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity import CapacityError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity import NodeNotInGroupError
 from activities.recording import CallRecorder
-from models.capacity import FREEZE_BUDGET, HomeNodeGroup
+from models.capacity import FREEZE_BUDGET
+from models.capacity import HomeNodeGroup
 from models.eks import GroupScaling
 
 

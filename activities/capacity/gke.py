@@ -28,17 +28,27 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Final
+from typing import Any
+from typing import ClassVar
+from typing import Final
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError
-from activities.capacity.nodes import HomeNodes, group_node, labelled
+from activities.capacity import CapacityError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import group_node
+from activities.capacity.nodes import labelled
 from activities.providers.adaptors import LazyImport
 from activities.providers.catalog import GCP_GPU_INSTANCES
-from models.capacity import GroupNode, HomeNodeGroup
-from models.eks import SCALE_DOWN_DISABLED, GroupScaling
-from models.gke import FROZEN_BY_ANNOTATION, NODEPOOL_LABEL, region_of
+from models.capacity import GroupNode
+from models.capacity import HomeNodeGroup
+from models.eks import SCALE_DOWN_DISABLED
+from models.eks import GroupScaling
+from models.gke import FROZEN_BY_ANNOTATION
+from models.gke import NODEPOOL_LABEL
+from models.gke import region_of
 from models.labels import GPU_RESOURCE
 from models.provisioning import NodeRequirement
 

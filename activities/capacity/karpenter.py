@@ -25,30 +25,33 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Final, TypeVar, cast
+from typing import Any
+from typing import Final
+from typing import TypeVar
+from typing import cast
 
 from kubernetes import client
 
-from activities.capacity import (
-    CapacityError,
-    ConflictError,
-    FrozenByOtherError,
-    GroupNotFoundError,
-)
-from activities.capacity.nodes import HomeNodes, group_node, labelled
-from activities.providers.catalog import AWS_GPU_INSTANCES, GCP_GPU_INSTANCES
-from models.capacity import (
-    DO_NOT_DISRUPT,
-    FREEZE_BUDGET,
-    FROZEN_BY_ANNOTATION,
-    NODEPOOL_LABEL,
-    GroupNode,
-    HomeNodeGroup,
-    InstanceTypePrice,
-    LaunchingClaim,
-)
+from activities.capacity import CapacityError
+from activities.capacity import ConflictError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity.nodes import HomeNodes
+from activities.capacity.nodes import group_node
+from activities.capacity.nodes import labelled
+from activities.providers.catalog import AWS_GPU_INSTANCES
+from activities.providers.catalog import GCP_GPU_INSTANCES
+from models.capacity import DO_NOT_DISRUPT
+from models.capacity import FREEZE_BUDGET
+from models.capacity import FROZEN_BY_ANNOTATION
+from models.capacity import NODEPOOL_LABEL
+from models.capacity import GroupNode
+from models.capacity import HomeNodeGroup
+from models.capacity import InstanceTypePrice
+from models.capacity import LaunchingClaim
 from models.eks import GroupScaling
-from models.labels import GPU_RESOURCE, LABEL_INSTANCE_TYPE
+from models.labels import GPU_RESOURCE
+from models.labels import LABEL_INSTANCE_TYPE
 from models.locations import OfferingSpec
 from models.provisioning import NodeRequirement
 

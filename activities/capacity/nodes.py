@@ -5,14 +5,19 @@ annotation (Karpenter's do-not-disrupt, the cluster-autoscaler's scale-down-disa
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+from typing import ClassVar
 
 from kubernetes import client
 
-from activities.capacity import CapacityError, NodeNotInGroupError, shield_patch
+from activities.capacity import CapacityError
+from activities.capacity import NodeNotInGroupError
+from activities.capacity import shield_patch
 from activities.clients.kube import gpus_requested
-from models.capacity import GroupNode, HomeNodeGroup
+from models.capacity import GroupNode
+from models.capacity import HomeNodeGroup
 from models.labels import GPU_RESOURCE
 
 # A managed provider's group as its cloud describes it, its Nodes and their GPUs used -> the HomeNodeGroup.

@@ -29,12 +29,17 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from models.audit import AuditRecord
-from models.audit_chain import GENESIS, canonical, is_hash, parse_record, record_hash
+from models.audit_chain import GENESIS
+from models.audit_chain import canonical
+from models.audit_chain import is_hash
+from models.audit_chain import parse_record
+from models.audit_chain import record_hash
 
 log = logging.getLogger(__name__)
 

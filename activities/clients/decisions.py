@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.client import Client
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.service import RPCError
+from temporalio.service import RPCStatusCode
 
 from models import search_attributes as sa
-from models.decisions import Approval, DecisionResult, Rejection
+from models.decisions import Approval
+from models.decisions import DecisionResult
+from models.decisions import Rejection
 
 APPROVE_UPDATE = "approve_plan"
 REJECT_UPDATE = "reject_plan"

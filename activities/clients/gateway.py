@@ -19,23 +19,26 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any
+from typing import Final
+from typing import Protocol
+from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
 
 from activities.telemetry.tracing import http_call
-from models.errors import ADDRESSES_EXHAUSTED, AddressesExhausted, TicketError
-from models.join import (
-    GatewayCapacity,
-    JoinTicketRequest,
-    NodeIdentity,
-    NodeProbe,
-    NodeTransfer,
-    TicketGrant,
-    gateway_route,
-)
+from models.errors import ADDRESSES_EXHAUSTED
+from models.errors import AddressesExhausted
+from models.errors import TicketError
+from models.join import GatewayCapacity
+from models.join import JoinTicketRequest
+from models.join import NodeIdentity
+from models.join import NodeProbe
+from models.join import NodeTransfer
+from models.join import TicketGrant
+from models.join import gateway_route
 
 IN_CLUSTER_TOKEN_FILE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 DEFAULT_TIMEOUT_SECONDS: Final = 15.0

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 import httpx
 

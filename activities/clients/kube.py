@@ -6,17 +6,31 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Any
+from typing import TypeVar
 
-from kubernetes import client, watch
+from kubernetes import client
+from kubernetes import watch
 
-from common.kube import RecentRead, read_or_none
+from common.kube import RecentRead
+from common.kube import read_or_none
 from models.drain import EvictionResult
-from models.labels import GPU_RESOURCE, LABEL_LOCATION, LABEL_OPERATION
-from models.node import NodeExpectation, ServeCheckRequest, ServeCheckResult, VerifyResult
-from models.policy import API_GROUP, PLURAL, GpuPolicy, PolicyError, parse_policy
-from models.provisioning import NodeRequirement, PendingPod
+from models.labels import GPU_RESOURCE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.node import NodeExpectation
+from models.node import ServeCheckRequest
+from models.node import ServeCheckResult
+from models.node import VerifyResult
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.policy import GpuPolicy
+from models.policy import PolicyError
+from models.policy import parse_policy
+from models.provisioning import NodeRequirement
+from models.provisioning import PendingPod
 from planning.burst import pod_matches
 
 Heartbeat = Callable[..., None]

@@ -22,39 +22,39 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Callable, Collection
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
+from collections.abc import Collection
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from functools import partial
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 from kubernetes import client
 
-from models.hub import (
-    ANNOTATION_HUB_REVISION,
-    CONDITION_HUB_CONNECTED,
-    CONDITION_READY,
-    FIELD_MANAGER,
-    LABEL_SOURCE,
-    REASON_CONNECTED,
-    REASON_INVALID,
-    REASON_SYNCED,
-    REASON_UNAUTHORIZED,
-    REASON_UNKNOWN_LOCATION,
-    SOURCE_HUB,
-    PolicySyncOutcome,
-)
-from models.policy import (
-    API_GROUP,
-    API_VERSION,
-    KIND,
-    PLURAL,
-    AnyPolicy,
-    GpuPolicy,
-    Mode,
-    PolicyError,
-    ScaleToZeroPolicy,
-    parse_policy,
-)
+from models.hub import ANNOTATION_HUB_REVISION
+from models.hub import CONDITION_HUB_CONNECTED
+from models.hub import CONDITION_READY
+from models.hub import FIELD_MANAGER
+from models.hub import LABEL_SOURCE
+from models.hub import REASON_CONNECTED
+from models.hub import REASON_INVALID
+from models.hub import REASON_SYNCED
+from models.hub import REASON_UNAUTHORIZED
+from models.hub import REASON_UNKNOWN_LOCATION
+from models.hub import SOURCE_HUB
+from models.hub import PolicySyncOutcome
+from models.policy import API_GROUP
+from models.policy import API_VERSION
+from models.policy import KIND
+from models.policy import PLURAL
+from models.policy import AnyPolicy
+from models.policy import GpuPolicy
+from models.policy import Mode
+from models.policy import PolicyError
+from models.policy import ScaleToZeroPolicy
+from models.policy import parse_policy
 
 log = logging.getLogger(__name__)
 

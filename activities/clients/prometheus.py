@@ -19,11 +19,13 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 import httpx
 
-from planning.idle import PodActivity, PodMemory
+from planning.idle import PodActivity
+from planning.idle import PodMemory
 
 GR_ENGINE_ACTIVE: Final = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 

@@ -12,15 +12,23 @@ import threading
 import time
 from typing import Any
 
-from models.labels import TAG_BURST, TAG_OPERATION
-from models.locations import BurstConfig, LocationConfig, OfferingSpec, transfer_usd_per_gpu_hour
-from models.node import Instance, LaunchRequest
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
+from models.locations import BurstConfig
+from models.locations import LocationConfig
+from models.locations import OfferingSpec
+from models.locations import transfer_usd_per_gpu_hour
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
 from .adaptors import LazyImport
-from .base import CloudProvider, check_allowed
+from .base import CloudProvider
+from .base import check_allowed
 from .catalog import AWS_GPU_INSTANCES
-from .errors import InstanceNotFoundError, InsufficientCapacityError, ProviderError
+from .errors import InstanceNotFoundError
+from .errors import InsufficientCapacityError
+from .errors import ProviderError
 
 # Only clusters with AWS locations load the SDK (activities/providers/adaptors.py).
 boto3 = LazyImport("boto3")

@@ -21,15 +21,24 @@ import threading
 import time
 from typing import Any
 
-from models.labels import TAG_BURST, TAG_OPERATION
-from models.locations import BurstConfig, LocationConfig, transfer_usd_per_gpu_hour
-from models.node import Instance, LaunchRequest
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
+from models.locations import BurstConfig
+from models.locations import LocationConfig
+from models.locations import transfer_usd_per_gpu_hour
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
 from .adaptors import LazyImport
-from .base import CloudProvider, check_allowed, report_progress
-from .catalog import AZURE_GPU_INSTANCES, region_offerings
-from .errors import InstanceNotFoundError, InsufficientCapacityError, ProviderError
+from .base import CloudProvider
+from .base import check_allowed
+from .base import report_progress
+from .catalog import AZURE_GPU_INSTANCES
+from .catalog import region_offerings
+from .errors import InstanceNotFoundError
+from .errors import InsufficientCapacityError
+from .errors import ProviderError
 
 # Only clusters with Azure locations load the SDK (activities/providers/adaptors.py).
 azure_identity = LazyImport("azure.identity")

@@ -7,13 +7,17 @@ a no-op.
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+from typing import Final
+from typing import Protocol
 
 from models.labels import TAG_BURST
-from models.node import Instance, LaunchRequest
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
-from .errors import InstanceNotFoundError, LocationNotAllowedError, NotOwnedError
+from .errors import InstanceNotFoundError
+from .errors import LocationNotAllowedError
+from .errors import NotOwnedError
 
 
 class Provider(Protocol):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from models.locations import LocationConfig, OfferingSpec
+from models.locations import LocationConfig
+from models.locations import OfferingSpec
 
 from .errors import ProviderError
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import builtins
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 from activities.recording import CallRecorder
-from models.labels import TAG_BURST, TAG_OPERATION
-from models.node import Instance, LaunchRequest
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
 from .base import check_allowed
-from .errors import InstanceNotFoundError, NotOwnedError
+from .errors import InstanceNotFoundError
+from .errors import NotOwnedError
 
 
 @dataclass

@@ -25,20 +25,23 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from activities.clients.hub import HubClient, HubError, HubRefused, HubUnauthorized
-from models.labels import TAG_BURST, TAG_OPERATION
+from activities.clients.hub import HubClient
+from activities.clients.hub import HubError
+from activities.clients.hub import HubRefused
+from activities.clients.hub import HubUnauthorized
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
 from models.locations import BurstConfig
-from models.node import Instance, LaunchRequest
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
 from .base import check_allowed
-from .errors import (
-    InstanceNotFoundError,
-    InsufficientCapacityError,
-    LocationNotAllowedError,
-    NotOwnedError,
-    ProviderError,
-)
+from .errors import InstanceNotFoundError
+from .errors import InsufficientCapacityError
+from .errors import LocationNotAllowedError
+from .errors import NotOwnedError
+from .errors import ProviderError
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,27 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from models.join import SIMULATED_GPU_HEALTH, GpuHealth
-from models.labels import GPU_RESOURCE, TAG_BURST, TAG_OPERATION
-from models.locations import BurstConfig, transfer_usd_per_gpu_hour
-from models.node import Instance, LaunchRequest
+from models.join import SIMULATED_GPU_HEALTH
+from models.join import GpuHealth
+from models.labels import GPU_RESOURCE
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
+from models.locations import BurstConfig
+from models.locations import transfer_usd_per_gpu_hour
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
 from .base import check_allowed
-from .errors import InstanceNotFoundError, InsufficientCapacityError, NotOwnedError, ProviderError
+from .errors import InstanceNotFoundError
+from .errors import InsufficientCapacityError
+from .errors import NotOwnedError
+from .errors import ProviderError
 
 LIVE_STATES = ("pending", "running")
 KWOK_ANNOTATIONS = {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}

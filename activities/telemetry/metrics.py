@@ -11,7 +11,9 @@ are served on the same endpoint.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter
+from prometheus_client import Gauge
+from prometheus_client import Histogram
 
 # Launch and join take seconds to many minutes.
 LATENCY_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 180, 300, 600, 900, 1800)

@@ -11,24 +11,30 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
+from typing import ParamSpec
+from typing import TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Status
+from opentelemetry.trace import StatusCode
 
 from activities.providers.base import Provider
-from activities.providers.errors import (
-    InstanceNotFoundError,
-    InsufficientCapacityError,
-    LocationNotAllowedError,
-    NotOwnedError,
-    ProviderError,
-)
+from activities.providers.errors import InstanceNotFoundError
+from activities.providers.errors import InsufficientCapacityError
+from activities.providers.errors import LocationNotAllowedError
+from activities.providers.errors import NotOwnedError
+from activities.providers.errors import ProviderError
 from activities.telemetry import metrics as pm
-from models.node import Instance, LaunchRequest
+from models.node import Instance
+from models.node import LaunchRequest
 from models.provisioning import Offering
 
 TRACER_NAME = "kubeon.optimizer"

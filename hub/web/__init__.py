@@ -7,7 +7,10 @@ from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from hub.web import admin, clusters, operations, policies
+from hub.web import admin
+from hub.web import clusters
+from hub.web import operations
+from hub.web import policies
 from hub.web.common import install_error_pages
 from hub.web.render import STATIC
 from hub.web.session_db import WebSession

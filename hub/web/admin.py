@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated
+from typing import Final
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter
+from fastapi import Query
+from fastapi import Request
 from fastapi.responses import Response
 from sqlalchemy import select
 
 from hub import pools
 from hub.audit import Role
-from hub.auth import NowDep, SessionDep
+from hub.auth import NowDep
+from hub.auth import SessionDep
 from hub.db import AuditEvent
 from hub.pool_db import Pool
-from hub.pools import PoolName, TokenId
+from hub.pools import PoolName
+from hub.pools import TokenId
 from hub.web import sessions
-from hub.web.common import FormDep, SignedInDep, redirect
+from hub.web.common import FormDep
+from hub.web.common import SignedInDep
+from hub.web.common import redirect
 from hub.web.render import page
 
 router = APIRouter(prefix="/ui", include_in_schema=False)

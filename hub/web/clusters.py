@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated
+from typing import Any
+from typing import Final
+from typing import Literal
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter
+from fastapi import Depends
+from fastapi import Query
+from fastapi import Request
 from fastapi.responses import Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from hub import ops, optimizer_clients, routes
+from hub import ops
+from hub import optimizer_clients
+from hub import routes
 from hub.audit import Role
-from hub.auth import HubState, NowDep, SessionDep
+from hub.auth import HubState
+from hub.auth import NowDep
+from hub.auth import SessionDep
 from hub.db import Cluster
 from hub.errors import HubError
 from hub.http import validate_body
@@ -21,8 +31,13 @@ from hub.optimizer_clients import OptimizerClient
 from hub.routes import ClusterName
 from hub.schemas import ClusterCreate
 from hub.web import sessions
-from hub.web.common import FormDep, MaybeSignedInDep, SignedInDep, StateDep, redirect
-from hub.web.forms import Form, read_form
+from hub.web.common import FormDep
+from hub.web.common import MaybeSignedInDep
+from hub.web.common import SignedInDep
+from hub.web.common import StateDep
+from hub.web.common import redirect
+from hub.web.forms import Form
+from hub.web.forms import read_form
 from hub.web.policies import policy_rows
 from hub.web.render import page
 from hub.web.sessions import SignedIn

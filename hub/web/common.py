@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Final
+from collections.abc import Awaitable
+from collections.abc import Callable
+from typing import Annotated
+from typing import Any
+from typing import Final
 from urllib.parse import quote
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends
+from fastapi import FastAPI
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import RedirectResponse, Response
-from pydantic import TypeAdapter, ValidationError
+from fastapi.responses import RedirectResponse
+from fastapi.responses import Response
+from pydantic import TypeAdapter
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hub.auth import HubState, NowDep, SessionDep, hub_state
-from hub.errors import HubError, Unprocessable
+from hub.auth import HubState
+from hub.auth import NowDep
+from hub.auth import SessionDep
+from hub.auth import hub_state
+from hub.errors import HubError
+from hub.errors import Unprocessable
 from hub.schemas import Name
 from hub.web import sessions
-from hub.web.forms import Form, read_form
+from hub.web.forms import Form
+from hub.web.forms import read_form
 from hub.web.render import page
 from hub.web.sessions import SignedIn
 

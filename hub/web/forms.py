@@ -8,7 +8,8 @@ from urllib.parse import parse_qsl
 
 from fastapi import Request
 
-from hub.errors import BadRequest, UnsupportedMediaType
+from hub.errors import BadRequest
+from hub.errors import UnsupportedMediaType
 
 MAX_FIELDS: Final = 50
 FORM_TYPE: Final = "application/x-www-form-urlencoded"

@@ -3,23 +3,35 @@ of the clusters' action reports."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from typing import Annotated
+from typing import Any
+from typing import Final
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter
+from fastapi import Query
+from fastapi import Request
 from fastapi.responses import Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from hub import ops, routes
+from hub import ops
+from hub import routes
 from hub.audit import Role
-from hub.auth import NowDep, SessionDep
-from hub.db import ActionReport, Approval, Cluster
+from hub.auth import NowDep
+from hub.auth import SessionDep
+from hub.db import ActionReport
+from hub.db import Approval
+from hub.db import Cluster
 from hub.errors import HubError
 from hub.http import validate_body
-from hub.plans import console_url, parse_plan
+from hub.plans import console_url
+from hub.plans import parse_plan
 from hub.schemas import ApprovalCreate
 from hub.web import sessions
-from hub.web.common import FormDep, SignedInDep, redirect, valid_name
+from hub.web.common import FormDep
+from hub.web.common import SignedInDep
+from hub.web.common import redirect
+from hub.web.common import valid_name
 from hub.web.render import page
 
 router = APIRouter(prefix="/ui", include_in_schema=False)

@@ -7,22 +7,33 @@ import copy
 import difflib
 import hashlib
 import hmac
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 import yaml
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
+from fastapi import Request
 from fastapi.responses import Response
 
-from hub import ops, routes
+from hub import ops
+from hub import routes
 from hub.audit import Role
-from hub.auth import NowDep, SessionDep
+from hub.auth import NowDep
+from hub.auth import SessionDep
 from hub.db import Policy
-from hub.errors import HubError, Unprocessable
-from hub.routes import ClusterName, PolicyName
+from hub.errors import HubError
+from hub.errors import Unprocessable
+from hub.routes import ClusterName
+from hub.routes import PolicyName
 from hub.web import sessions
-from hub.web.common import FormDep, SignedInDep, redirect
+from hub.web.common import FormDep
+from hub.web.common import SignedInDep
+from hub.web.common import redirect
 from hub.web.render import page
-from hub.web.yaml_fields import FieldError, field_lines, line_of, syntax_error
+from hub.web.yaml_fields import FieldError
+from hub.web.yaml_fields import field_lines
+from hub.web.yaml_fields import line_of
+from hub.web.yaml_fields import syntax_error
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 MAX_YAML: Final = 256 * 1024

@@ -10,10 +10,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Final
 
-from sqlalchemy import ForeignKey, Integer, String
-from sqlalchemy.orm import Mapped, mapped_column
+from sqlalchemy import ForeignKey
+from sqlalchemy import Integer
+from sqlalchemy import String
+from sqlalchemy.orm import Mapped
+from sqlalchemy.orm import mapped_column
 
-from hub.db import NAME_LENGTH, Base
+from hub.db import NAME_LENGTH
+from hub.db import Base
 
 ACTOR_KIND_LENGTH: Final = 16
 

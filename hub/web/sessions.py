@@ -12,17 +12,24 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
+from datetime import timedelta
 from typing import Final
 
-from fastapi import Request, Response
-from sqlalchemy import delete, select
+from fastapi import Request
+from fastapi import Response
+from sqlalchemy import delete
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from hub.audit import BOOTSTRAP_ACTOR, Actor, ActorKind, Role
+from hub.audit import BOOTSTRAP_ACTOR
+from hub.audit import Actor
+from hub.audit import ActorKind
+from hub.audit import Role
 from hub.auth import authenticate_credential
 from hub.db import ApiKey
-from hub.errors import Forbidden, Unauthorized
+from hub.errors import Forbidden
+from hub.errors import Unauthorized
 from hub.settings import HubSettings
 from hub.web.session_db import WebSession
 

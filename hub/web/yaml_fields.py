@@ -6,7 +6,10 @@ import re
 from dataclasses import dataclass
 
 import yaml
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.nodes import MappingNode
+from yaml.nodes import Node
+from yaml.nodes import ScalarNode
+from yaml.nodes import SequenceNode
 
 _SEGMENT = re.compile(r"\.?([^.\[\]]+)|\[(\d+)\]")
 

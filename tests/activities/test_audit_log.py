@@ -11,7 +11,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,12 @@ import pytest
 from activities.audit import report_of
 from activities.clients.audit_log import AuditLog
 from models.audit import AuditRecord
-from models.audit_chain import GENESIS, canonical, record_hash, seal
-from tests.harness.audit_day import DayPlan, write_day
+from models.audit_chain import GENESIS
+from models.audit_chain import canonical
+from models.audit_chain import record_hash
+from models.audit_chain import seal
+from tests.harness.audit_day import DayPlan
+from tests.harness.audit_day import write_day
 from tests.hub.helpers import wait_until
 from worker import cli
 from worker.audit_verify import verify_file

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from models.capacity import GroupNode, HomeNodeGroup, InstanceTypePrice
-from planning.autoscaling import plan_limits, worst_usd_per_gpu_hour
+from models.capacity import GroupNode
+from models.capacity import HomeNodeGroup
+from models.capacity import InstanceTypePrice
+from planning.autoscaling import plan_limits
+from planning.autoscaling import worst_usd_per_gpu_hour
 
 L4_1 = InstanceTypePrice(instance_type="g6.xlarge", gpus=1, usd_per_hour=0.805)
 L4_4 = InstanceTypePrice(instance_type="g6.12xlarge", gpus=4, usd_per_hour=4.602)  # 1.1505 $/GPU-h

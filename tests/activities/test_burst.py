@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +26,24 @@ from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from gateway.slots import AddressPlan
 from models.drain import NodeRemoval
-from models.errors import ADDRESSES_EXHAUSTED_TYPE, JoinRefused
-from models.join import JoinTicketRequest, burst_node_name, parse_user_data
-from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.errors import ADDRESSES_EXHAUSTED_TYPE
+from models.errors import JoinRefused
+from models.join import JoinTicketRequest
+from models.join import burst_node_name
+from models.join import parse_user_data
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest
 from models.provisioning import Offering
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
 from tests.harness.identity import IdentityCA
-from tests.harness.joining import FixedClock, gateway_credentials, redeem_for
+from tests.harness.joining import FixedClock
+from tests.harness.joining import gateway_credentials
+from tests.harness.joining import redeem_for
 from tests.harness.kube import Cluster
 
 pytestmark = pytest.mark.cluster

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.policy import FitRule, GpuOffering
+from models.policy import FitRule
+from models.policy import GpuOffering
 from planning.fit import recommend
 from planning.idle import PodMemory
 

@@ -3,12 +3,19 @@ not, what the plan says, and how much a managed group grows for the pods it can 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 
-from models.capacity import GroupNode, HomeNodeGroup, LaunchingClaim
+from models.capacity import GroupNode
+from models.capacity import HomeNodeGroup
+from models.capacity import LaunchingClaim
 from models.eks import GroupScaling
-from models.provisioning import NodeRequirement, PendingPod
-from planning.home import HomePlan, home_verdict, plan_home
+from models.provisioning import NodeRequirement
+from models.provisioning import PendingPod
+from planning.home import HomePlan
+from planning.home import home_verdict
+from planning.home import plan_home
 
 NOW = datetime(2026, 12, 2, 3, 0, tzinfo=UTC)
 

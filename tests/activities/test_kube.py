@@ -9,10 +9,15 @@ import time
 import pytest
 from kubernetes import client
 
-from activities.clients.kube import HOME_VIEW_SECONDS, VERIFY_WATCH_SECONDS, WAITING_VIEW_SECONDS, KubeOps
-from models.node import NodeExpectation, VerifyResult
+from activities.clients.kube import HOME_VIEW_SECONDS
+from activities.clients.kube import VERIFY_WATCH_SECONDS
+from activities.clients.kube import WAITING_VIEW_SECONDS
+from activities.clients.kube import KubeOps
+from models.node import NodeExpectation
+from models.node import VerifyResult
 from tests.harness.burst import unique
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 

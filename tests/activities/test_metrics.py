@@ -8,17 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from activities.clients.prometheus import (
-    GR_ENGINE_ACTIVE,
-    LabelForm,
-    NoGpuMetrics,
-    PrometheusClient,
-    PrometheusUnavailable,
-)
-from planning.idle import PodActivity, judge_idle
+from activities.clients.prometheus import GR_ENGINE_ACTIVE
+from activities.clients.prometheus import LabelForm
+from activities.clients.prometheus import NoGpuMetrics
+from activities.clients.prometheus import PrometheusClient
+from activities.clients.prometheus import PrometheusUnavailable
+from planning.idle import PodActivity
+from planning.idle import judge_idle
 from tests.harness.controlplane import free_port
-from tests.harness.dcgm_exporter import DcgmExporter, Gpu, openmetrics_history
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import Gpu
+from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.prometheus import SCRAPE_JOB
+from tests.harness.prometheus import Prometheus
 
 pytestmark = pytest.mark.prometheus
 IDLE_FOR = 30 * 60

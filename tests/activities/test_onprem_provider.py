@@ -14,15 +14,20 @@ from typing import Any
 import httpx
 import pytest
 
-from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, ProviderError
-from activities.providers.onprem import OnPremProvider, PoolClient
+from activities.providers.errors import InsufficientCapacityError
+from activities.providers.errors import LocationNotAllowedError
+from activities.providers.errors import ProviderError
+from activities.providers.onprem import OnPremProvider
+from activities.providers.onprem import PoolClient
 from models.join import render_user_data
 from models.labels import Taint
 from models.locations import BurstConfig
 from models.node import LaunchRequest
 from models.provisioning import Offering
 from tests.harness.controlplane import free_port
-from tests.harness.onprem import AgentProcess, register_server, write_gateways
+from tests.harness.onprem import AgentProcess
+from tests.harness.onprem import register_server
+from tests.harness.onprem import write_gateways
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.helpers import wait_until
 from tests.hub.process import HubProcess

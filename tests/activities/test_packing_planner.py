@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from typing import Any
 
 import planning.packing as planning_packing
-from models.packing import PackNode, PackPod
+from models.packing import PackNode
+from models.packing import PackPod
 from models.provisioning import PendingPod
 from planning.packing import plan_packing
 

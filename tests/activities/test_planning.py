@@ -8,13 +8,25 @@ import itertools
 import math
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from models.labels import LABEL_GPU_PRODUCT
-from models.locations import LocationConfig, TransferEstimate, transfer_usd_per_gpu_hour
-from models.provisioning import BatchPlan, NodeRequirement, Offering, PendingPod
-from planning.burst import AddressSlots, Room, eligible_offerings, node_labels, plan_pods, pod_matches
+from models.locations import LocationConfig
+from models.locations import TransferEstimate
+from models.locations import transfer_usd_per_gpu_hour
+from models.provisioning import BatchPlan
+from models.provisioning import NodeRequirement
+from models.provisioning import Offering
+from models.provisioning import PendingPod
+from planning.burst import AddressSlots
+from planning.burst import Room
+from planning.burst import eligible_offerings
+from planning.burst import node_labels
+from planning.burst import plan_pods
+from planning.burst import pod_matches
 
 TAINT = "gpu.kubeon.io/burst"
 L4 = {LABEL_GPU_PRODUCT: "NVIDIA-L4"}

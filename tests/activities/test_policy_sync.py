@@ -8,7 +8,9 @@ import copy
 import json
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +18,29 @@ import pytest
 import yaml
 from kubernetes import client
 
-from activities.clients.policies import LAST_SYNC_REFRESH, PolicySyncer, hold_reason
-from models.hub import (
-    ANNOTATION_HUB_REVISION,
-    CONDITION_HUB_CONNECTED,
-    CONDITION_READY,
-    FIELD_MANAGER,
-    LABEL_SOURCE,
-    REASON_CONNECTED,
-    REASON_INVALID,
-    REASON_SYNCED,
-    REASON_UNAUTHORIZED,
-    REASON_UNKNOWN_LOCATION,
-    REASON_UNREACHABLE,
-    SOURCE_HUB,
-)
-from models.policy import API_GROUP, PLURAL
+from activities.clients.policies import LAST_SYNC_REFRESH
+from activities.clients.policies import PolicySyncer
+from activities.clients.policies import hold_reason
+from models.hub import ANNOTATION_HUB_REVISION
+from models.hub import CONDITION_HUB_CONNECTED
+from models.hub import CONDITION_READY
+from models.hub import FIELD_MANAGER
+from models.hub import LABEL_SOURCE
+from models.hub import REASON_CONNECTED
+from models.hub import REASON_INVALID
+from models.hub import REASON_SYNCED
+from models.hub import REASON_UNAUTHORIZED
+from models.hub import REASON_UNKNOWN_LOCATION
+from models.hub import REASON_UNREACHABLE
+from models.hub import SOURCE_HUB
+from models.policy import API_GROUP
+from models.policy import PLURAL
 from tests.harness.crd import install_gpupolicy_crd
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, OPTIMIZER_SA, grant
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import OPTIMIZER_SA
+from tests.harness.rbac import grant
 
 pytestmark = pytest.mark.cluster
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 
 from kubernetes import client
 
-from activities.scale import next_wake, scale_role_missing, selector_string
+from activities.scale import next_wake
+from activities.scale import scale_role_missing
+from activities.scale import selector_string
 from models.policy import ScheduleWake
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import datetime as dt
 
 from activities.serve import over_budget
-from models.cost import BYTES_PER_GB, TransferReading
+from models.cost import BYTES_PER_GB
+from models.cost import TransferReading
 from models.node import ServeCheckRequest
 from models.provisioning import Offering
 

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from planning.idle import PodMemory
-from planning.sharing import GpuPod, NodeFacts, Rule, decide, mig_geometries, profile_memory_mib
+from planning.sharing import GpuPod
+from planning.sharing import NodeFacts
+from planning.sharing import Rule
+from planning.sharing import decide
+from planning.sharing import mig_geometries
+from planning.sharing import profile_memory_mib
 
 RULE = Rule(threshold=0.4, min_coverage=0.9, window="168h", max_replicas=4,
             mig_allowed=("all-1g.10gb", "all-3g.40gb", "all-balanced"), usd_per_gpu_hour=4.1)

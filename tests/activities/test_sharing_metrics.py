@@ -10,9 +10,13 @@ from collections.abc import Iterator
 import pytest
 
 from activities.clients.prometheus import PrometheusClient
-from planning.sharing import GpuPod, NodeFacts, Rule, decide
+from planning.sharing import GpuPod
+from planning.sharing import NodeFacts
+from planning.sharing import Rule
+from planning.sharing import decide
 from tests.activities.test_metrics import start_prometheus
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import openmetrics_history
 from tests.harness.prometheus import SCRAPE_JOB
 
 pytestmark = pytest.mark.prometheus

@@ -20,24 +20,26 @@ import pytest
 import yaml
 
 from gateway.settings import load_settings as load_gateway_settings
-from models.locations import BurstConfig, Credentials, LocationConfig
-from tests.charts.helm import (
-    BAD_VALUES,
-    BURST_VALUES,
-    CHART,
-    MINIMAL_VALUES,
-    NAMESPACE,
-    RELEASE,
-    REPO,
-    REQUIRED,
-    Rendered,
-    bound_rules,
-    container,
-    env,
-    run_helm,
-    template,
-)
-from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SERVICE_RULES, OPTIMIZER_RULES
+from models.locations import BurstConfig
+from models.locations import Credentials
+from models.locations import LocationConfig
+from tests.charts.helm import BAD_VALUES
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import CHART
+from tests.charts.helm import MINIMAL_VALUES
+from tests.charts.helm import NAMESPACE
+from tests.charts.helm import RELEASE
+from tests.charts.helm import REPO
+from tests.charts.helm import REQUIRED
+from tests.charts.helm import Rendered
+from tests.charts.helm import bound_rules
+from tests.charts.helm import container
+from tests.charts.helm import env
+from tests.charts.helm import run_helm
+from tests.charts.helm import template
+from tests.harness.rbac import GATEWAY_RULES
+from tests.harness.rbac import GATEWAY_SERVICE_RULES
+from tests.harness.rbac import OPTIMIZER_RULES
 from worker.config import load_settings
 
 # R5.1 (verbatim from the install guide) lives in tests/harness/rbac.py, shared with the burst tests.

@@ -16,11 +16,19 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from activities.clients.gateway import GatewayRefused, HttpGatewayClient
-from tests.charts.helm import BURST_VALUES, Rendered, container, env, template
-from tests.gateway.test_app import GatewayProcess, Setup, setup  # noqa: F401 - the module's fixture
+from activities.clients.gateway import GatewayRefused
+from activities.clients.gateway import HttpGatewayClient
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import Rendered
+from tests.charts.helm import container
+from tests.charts.helm import env
+from tests.charts.helm import template
+from tests.gateway.test_app import GatewayProcess
+from tests.gateway.test_app import Setup
+from tests.gateway.test_app import setup  # noqa: F401 - the module's fixture
 from tests.harness.controlplane import write_kubeconfig
-from tests.harness.kube import Cluster, Kube
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
 
 OTHER_NS = "ml-platform"
 OPTIMIZER = "kubeon-gpu-optimizer"

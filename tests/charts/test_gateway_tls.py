@@ -15,21 +15,20 @@ from typing import Any
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import padding
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tests.charts.helm import (
-    BURST_VALUES,
-    CHART,
-    MINIMAL_VALUES,
-    NAMESPACE,
-    RELEASE,
-    Rendered,
-    container,
-    env,
-    run_helm,
-    template,
-)
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import CHART
+from tests.charts.helm import MINIMAL_VALUES
+from tests.charts.helm import NAMESPACE
+from tests.charts.helm import RELEASE
+from tests.charts.helm import Rendered
+from tests.charts.helm import container
+from tests.charts.helm import env
+from tests.charts.helm import run_helm
+from tests.charts.helm import template
 
 OPTIMIZER = "kubeon-gpu-optimizer"
 GATEWAY = "kubeon-gpu-optimizer-gateway"

@@ -9,7 +9,8 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,23 @@ import yaml
 from cryptography import x509
 from kubernetes import client
 
-from models.policy import API_GROUP, PLURAL
-from tests.charts.helm import BAD_VALUES, BURST_VALUES, CHART, MINIMAL_VALUES, NAMESPACE, RELEASE, run_helm
-from tests.charts.test_chart import DOCUMENTED_BURST_VALUES, DOCUMENTED_CLUSTER_ROLE, VERIFY_STEPS, expectations
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from tests.charts.helm import BAD_VALUES
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import CHART
+from tests.charts.helm import MINIMAL_VALUES
+from tests.charts.helm import NAMESPACE
+from tests.charts.helm import RELEASE
+from tests.charts.helm import run_helm
+from tests.charts.test_chart import DOCUMENTED_BURST_VALUES
+from tests.charts.test_chart import DOCUMENTED_CLUSTER_ROLE
+from tests.charts.test_chart import VERIFY_STEPS
+from tests.charts.test_chart import expectations
 from tests.harness.joining import new_burst_node
-from tests.harness.kube import Cluster, Kube, wait_for
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -392,7 +405,9 @@ def test_the_chart_gateway_joins_labels_and_removes_nodes_and_nothing_else(insta
     from models.join import JoinTicketRequest
     from models.labels import Taint
     from node.join import NodeFiles
-    from tests.harness.joining import node_client, redeem_for, register_self
+    from tests.harness.joining import node_client
+    from tests.harness.joining import redeem_for
+    from tests.harness.joining import register_self
 
     wait_for(lambda: can(gateway, "approve", "signers", group="certificates.k8s.io",
                          name="kubernetes.io/kube-apiserver-client-kubelet"), what="the chart's gateway rules")

@@ -11,9 +11,20 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from tests.charts.helm import BURST_VALUES, CHART, MINIMAL_VALUES, RELEASE, run_helm
-from tests.charts.test_install import GATEWAY, GPU_OPERATOR, OPTIMIZER, _exists, can, namespace_settled, refused
-from tests.harness.kube import Cluster, wait_for
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import CHART
+from tests.charts.helm import MINIMAL_VALUES
+from tests.charts.helm import RELEASE
+from tests.charts.helm import run_helm
+from tests.charts.test_install import GATEWAY
+from tests.charts.test_install import GPU_OPERATOR
+from tests.charts.test_install import OPTIMIZER
+from tests.charts.test_install import _exists
+from tests.charts.test_install import can
+from tests.charts.test_install import namespace_settled
+from tests.charts.test_install import refused
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -14,10 +14,18 @@ import pytest
 
 from activities.capacity import CapacityError
 from activities.capacity.karpenter import KarpenterCapacity
-from tests.charts.helm import BURST_VALUES, bound_rules, template
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, OPTIMIZER_SA, grant, install_chart_identities
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import bound_rules
+from tests.charts.helm import template
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import OPTIMIZER_SA
+from tests.harness.rbac import grant
+from tests.harness.rbac import install_chart_identities
 
 pytestmark = pytest.mark.cluster
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import base64
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client, config
+from kubernetes import client
+from kubernetes import config
 
-from tests.charts.helm import BURST_VALUES, template
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import template
 from tests.harness.controlplane import NODE_ADMISSION_POLICY
 from tests.harness.kube import Cluster
 
@@ -131,7 +134,8 @@ def test_a_burst_node_cannot_mark_itself_burned_in(cluster: Cluster) -> None:
 def _kubelet_csr(name: str, node: str) -> client.V1CertificateSigningRequest:
     """What the kubelet's client certificate rotation sends for ``node``."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 

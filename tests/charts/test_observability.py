@@ -8,8 +8,14 @@ import json
 
 import yaml
 
-from tests.charts.helm import BURST_VALUES, CHART, NAMESPACE, container, env, template
-from tests.harness.dashboard import DASHBOARD, dashboard_metric_names
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import CHART
+from tests.charts.helm import NAMESPACE
+from tests.charts.helm import container
+from tests.charts.helm import env
+from tests.charts.helm import template
+from tests.harness.dashboard import DASHBOARD
+from tests.harness.dashboard import dashboard_metric_names
 from worker import telemetry
 
 OPTIMIZER = "kubeon-gpu-optimizer"

@@ -7,8 +7,16 @@ import textwrap
 
 import pytest
 
-from tests.charts.helm import BURST_VALUES, REPO, Rendered, bound_rules, template
-from tests.charts.kubecalls import Call, allowed, endpoints, scan, scan_source
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import REPO
+from tests.charts.helm import Rendered
+from tests.charts.helm import bound_rules
+from tests.charts.helm import template
+from tests.charts.kubecalls import Call
+from tests.charts.kubecalls import allowed
+from tests.charts.kubecalls import endpoints
+from tests.charts.kubecalls import scan
+from tests.charts.kubecalls import scan_source
 
 OPTIMIZER = "kubeon-gpu-optimizer"
 GATEWAY = "kubeon-gpu-optimizer-gateway"

@@ -6,7 +6,8 @@ and CSRs: tests/harness/joining.py."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,8 +17,15 @@ from kubernetes import client
 from node.join import NodeFiles
 from tests.gateway.helpers import delete_nodes
 from tests.harness.joining import gateway_credentials
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import POD_CIDR, SERVICE_CIDR, TUNNEL_CIDR, Gateway, Joined, NetBed, start_tunnel_gateway
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.netbed import POD_CIDR
+from tests.harness.netbed import SERVICE_CIDR
+from tests.harness.netbed import TUNNEL_CIDR
+from tests.harness.netbed import Gateway
+from tests.harness.netbed import Joined
+from tests.harness.netbed import NetBed
+from tests.harness.netbed import start_tunnel_gateway
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,8 @@ def joined(cluster: Cluster, bed: NetBed, gateway: Gateway, tmp_path_factory: py
            ) -> Iterator[Joined]:
     """A node joined through the tunnel of the module's own ``bed`` and ``gateway`` fixtures, Ready; its Node
     deleted after the module."""
-    from tests.gateway.test_tunnel_end import join_node, ready
+    from tests.gateway.test_tunnel_end import join_node
+    from tests.gateway.test_tunnel_end import ready
 
     node = join_node(cluster, bed, gateway, tmp_path_factory.mktemp("nodes"))
     try:

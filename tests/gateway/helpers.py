@@ -11,11 +11,18 @@ from kubernetes import client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
-from models.join import JoinAnswer, JoinTicketRequest, burst_node_name
-from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.join import JoinAnswer
+from models.join import JoinTicketRequest
+from models.join import burst_node_name
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import Taint
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
-from tests.harness.joining import node_client, redeem_for, register_self
+from tests.harness.joining import node_client
+from tests.harness.joining import redeem_for
+from tests.harness.joining import register_self
 from tests.harness.kube import Cluster
 
 BURST_TAINT = "gpu.kubeon.io/burst"

@@ -18,22 +18,32 @@ from kubernetes import client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
-from models.errors import JoinRefused, TicketError
-from models.labels import JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.labels import JOINING_TAINT
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
 from node.join import NodeFiles
 from tests.charts.helm import NAMESPACE
-from tests.gateway.helpers import (
-    BURST_TAINT,
-    gateway,
-    join_and_register,
-    node_absent,
-    nonce_of,
-    records,
-    ticket_request,
-)
-from tests.harness.joining import csr, node_client, redeem_for, register_self, weak_rsa_csr
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
+from tests.gateway.helpers import BURST_TAINT
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import join_and_register
+from tests.gateway.helpers import node_absent
+from tests.gateway.helpers import nonce_of
+from tests.gateway.helpers import records
+from tests.gateway.helpers import ticket_request
+from tests.harness.joining import csr
+from tests.harness.joining import node_client
+from tests.harness.joining import redeem_for
+from tests.harness.joining import register_self
+from tests.harness.joining import weak_rsa_csr
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.rbac import GATEWAY_RULES
+from tests.harness.rbac import GATEWAY_SA
+from tests.harness.rbac import GATEWAY_SERVICE_RULES
+from tests.harness.rbac import grant
+from tests.harness.rbac import grant_namespaced
 
 pytestmark = pytest.mark.cluster
 

@@ -16,8 +16,12 @@ import ssl
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -28,48 +32,62 @@ from kubernetes import client
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.clients.gateway import (
-    IN_CLUSTER_TOKEN_FILE,
-    GatewayRefused,
-    GatewayUnavailable,
-    HttpGatewayClient,
-    TransportFactory,
-)
+from activities.clients.gateway import IN_CLUSTER_TOKEN_FILE
+from activities.clients.gateway import GatewayRefused
+from activities.clients.gateway import GatewayUnavailable
+from activities.clients.gateway import HttpGatewayClient
+from activities.clients.gateway import TransportFactory
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.service import KubeGateway
-from gateway.settings import ConfigError, GatewayServerConfig
+from gateway.settings import ConfigError
+from gateway.settings import GatewayServerConfig
 from gateway.settings import load_settings as load_gateway_settings
-from models.errors import AddressesExhausted, TicketError
-from models.join import GpuHealth, parse_user_data, render_user_data
-from models.labels import LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
-from models.node import Instance, NodePhase
-from node.join import JoinRefusedByGateway, JoinUnavailable, NodeFiles
+from models.errors import AddressesExhausted
+from models.errors import TicketError
+from models.join import GpuHealth
+from models.join import parse_user_data
+from models.join import render_user_data
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.node import Instance
+from models.node import NodePhase
+from node.join import JoinRefusedByGateway
+from node.join import JoinUnavailable
+from node.join import NodeFiles
 from tests.charts.helm import BURST_VALUES
 from tests.charts.helm import NAMESPACE as CHART_NAMESPACE
 from tests.charts.helm import template as helm_template
-from tests.gateway.helpers import BURST_TAINT, CAPACITY, node_absent, ticket_request
-from tests.harness.burst import (
-    SIM_LOCATIONS,
-    BurstStack,
-    approve_batch,
-    build_stack,
-    gpu_deployment,
-    result,
-    unique,
-    wait_phase,
-)
-from tests.harness.controlplane import _issue, _name, free_port, write_kubeconfig
-from tests.harness.joining import join_over_http, join_with_user_data, redeem_for
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.processes import answers_ok, stop_process
-from tests.harness.rbac import (
-    GATEWAY_RULES,
-    GATEWAY_SA,
-    GATEWAY_SERVICE_RULES,
-    OPTIMIZER_NAMESPACE,
-    OPTIMIZER_SA,
-    grant_optimizer_and_gateway,
-)
+from tests.gateway.helpers import BURST_TAINT
+from tests.gateway.helpers import CAPACITY
+from tests.gateway.helpers import node_absent
+from tests.gateway.helpers import ticket_request
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import approve_batch
+from tests.harness.burst import build_stack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
+from tests.harness.controlplane import _issue
+from tests.harness.controlplane import _name
+from tests.harness.controlplane import free_port
+from tests.harness.controlplane import write_kubeconfig
+from tests.harness.joining import join_over_http
+from tests.harness.joining import join_with_user_data
+from tests.harness.joining import redeem_for
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.processes import answers_ok
+from tests.harness.processes import stop_process
+from tests.harness.rbac import GATEWAY_RULES
+from tests.harness.rbac import GATEWAY_SA
+from tests.harness.rbac import GATEWAY_SERVICE_RULES
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tests.harness.rbac import OPTIMIZER_SA
+from tests.harness.rbac import grant_optimizer_and_gateway
 from worker.config import load_settings
 from worker.main import worker_services
 from worker.runtime import build_gateway

@@ -12,12 +12,19 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from gateway.attestation import AttestationVerifier, verifier_from
-from gateway.settings import ConfigError, GatewayServerConfig, load_settings
-from models.errors import JoinRefused, TicketError
-from models.join import Attestation, NodeIdentity
+from gateway.attestation import AttestationVerifier
+from gateway.attestation import verifier_from
+from gateway.settings import ConfigError
+from gateway.settings import GatewayServerConfig
+from gateway.settings import load_settings
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import Attestation
+from models.join import NodeIdentity
 from node.join import NodeFiles
-from tests.gateway.helpers import gateway, nonce_of, ticket_request
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import nonce_of
+from tests.gateway.helpers import ticket_request
 from tests.harness.identity import IdentityCA
 from tests.harness.joining import redeem_for
 

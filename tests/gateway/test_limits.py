@@ -17,7 +17,10 @@ import pytest
 
 from activities.clients.gateway import HttpGatewayClient
 from tests.gateway.helpers import ticket_request
-from tests.gateway.test_app import GatewayProcess, Setup, join_raw, setup  # noqa: F401 - the module's fixture
+from tests.gateway.test_app import GatewayProcess
+from tests.gateway.test_app import Setup
+from tests.gateway.test_app import join_raw
+from tests.gateway.test_app import setup  # noqa: F401 - the module's fixture
 from tunnel.proxy import TcpProxy
 
 pytestmark = pytest.mark.cluster

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gateway.pool_tokens import JoinTokenRefused, check_pool_claim
+from gateway.pool_tokens import JoinTokenRefused
+from gateway.pool_tokens import check_pool_claim
 from models import pool_claim
 
 POOL_TOKEN = "kgp_0123456789abcdef_" + "a" * 43

@@ -13,26 +13,39 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 from kubernetes import client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
-from gateway.app import TokenReviewer, create_app
+from gateway.app import TokenReviewer
+from gateway.app import create_app
 from gateway.service import KubeGateway
-from models.errors import JoinRefused, TicketError
-from models.join import JoinAnswer, burst_node_name_problem
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import JoinAnswer
+from models.join import burst_node_name_problem
 from node.join import NodeFiles
-from tests.gateway.helpers import delete_nodes, gateway, ticket_request
-from tests.harness.joining import csr, node_client, redeem_for, register_self, weak_rsa_csr
+from tests.gateway.helpers import delete_nodes
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import ticket_request
+from tests.harness.joining import csr
+from tests.harness.joining import node_client
+from tests.harness.joining import redeem_for
+from tests.harness.joining import register_self
+from tests.harness.joining import weak_rsa_csr
 from tests.harness.kube import Cluster
 
 pytestmark = pytest.mark.cluster

@@ -7,9 +7,12 @@ from collections.abc import Callable
 import pytest
 from kubernetes import client
 
-from models.labels import JOIN_REFUSED_ANNOTATION, JOINING_TAINT
+from models.labels import JOIN_REFUSED_ANNOTATION
+from models.labels import JOINING_TAINT
 from node.join import NodeFiles
-from tests.gateway.helpers import gateway, join_and_register, ticket_request
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import join_and_register
+from tests.gateway.helpers import ticket_request
 from tests.harness.kube import Cluster
 
 pytestmark = pytest.mark.cluster

@@ -15,26 +15,42 @@ from collections.abc import Callable
 import pytest
 from cryptography import x509
 from fastapi.testclient import TestClient
-from kubernetes import client, watch
+from kubernetes import client
+from kubernetes import watch
 
 from activities.providers.sim import KWOK_ANNOTATIONS
-from gateway.app import TokenReviewer, create_app
+from gateway.app import TokenReviewer
+from gateway.app import create_app
 from gateway.service import KubeGateway
-from models.errors import JoinRefused, TicketError
-from models.join import KUBELET_CLIENT_SIGNER, KUBELET_CLIENT_USAGES, CertRenewal, GpuHealth, JoinTicketRequest
-from models.labels import (
-    GPU_HEALTH_CONDITION,
-    JOIN_REFUSED_ANNOTATION,
-    JOIN_REFUSED_TAINT,
-    JOINING_TAINT,
-    LABEL_OPERATION,
-)
-from node.health import HealthNotPosted, post_gpu_health
-from node.join import NodeFiles, kubelet_csr, kubelet_key, renew
+from models.errors import JoinRefused
+from models.errors import TicketError
+from models.join import KUBELET_CLIENT_SIGNER
+from models.join import KUBELET_CLIENT_USAGES
+from models.join import CertRenewal
+from models.join import GpuHealth
+from models.join import JoinTicketRequest
+from models.labels import GPU_HEALTH_CONDITION
+from models.labels import JOIN_REFUSED_ANNOTATION
+from models.labels import JOIN_REFUSED_TAINT
+from models.labels import JOINING_TAINT
+from models.labels import LABEL_OPERATION
+from node.health import HealthNotPosted
+from node.health import post_gpu_health
+from node.join import NodeFiles
+from node.join import kubelet_csr
+from node.join import kubelet_key
+from node.join import renew
 from node.register import node_api
-from tests.gateway.helpers import gateway, join_and_register, node_absent, ticket_request
-from tests.harness.joining import node_client, redeem_for, register_self
-from tests.harness.kube import Cluster, Kube, wait_for
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import join_and_register
+from tests.gateway.helpers import node_absent
+from tests.gateway.helpers import ticket_request
+from tests.harness.joining import node_client
+from tests.harness.joining import redeem_for
+from tests.harness.joining import register_self
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -413,7 +429,8 @@ def test_the_kubelet_stand_ins_ready_heartbeats_keep_the_gpu_health_condition(
     posted (node/health.py) survives every heartbeat, as under a real kubelet."""
     import threading
 
-    from node.join import write_kubeconfig, write_registration
+    from node.join import write_kubeconfig
+    from node.join import write_registration
     from node.register import node_manifest
     from tests.harness import kubelet as stand_in
 

@@ -12,16 +12,36 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from gateway.service import GatewayAddressPending, GatewayAddressUnknown, KubeGateway, ServiceRef, endpoint_from_service
+from gateway.service import GatewayAddressPending
+from gateway.service import GatewayAddressUnknown
+from gateway.service import KubeGateway
+from gateway.service import ServiceRef
+from gateway.service import endpoint_from_service
 from models.errors import TicketError
-from models.join import USER_DATA_MAX_BYTES, JoinTicketRequest, UserDataTooLarge, parse_user_data, render_user_data
-from models.labels import LABEL_GPU_PRODUCT, LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
+from models.join import USER_DATA_MAX_BYTES
+from models.join import JoinTicketRequest
+from models.join import UserDataTooLarge
+from models.join import parse_user_data
+from models.join import render_user_data
+from models.labels import LABEL_GPU_PRODUCT
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import Taint
 from models.locations import BurstConfig
 from node.join import NodeFiles
-from tests.charts.helm import BURST_VALUES, NAMESPACE, template
-from tests.gateway.helpers import BURST_TAINT, gateway, join_and_register, node_absent, ticket_request
+from tests.charts.helm import BURST_VALUES
+from tests.charts.helm import NAMESPACE
+from tests.charts.helm import template
+from tests.gateway.helpers import BURST_TAINT
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import join_and_register
+from tests.gateway.helpers import node_absent
+from tests.gateway.helpers import ticket_request
 from tests.harness.joining import new_burst_node
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 from tests.harness.rbac import GATEWAY_SA
 from worker.config import load_settings
 

@@ -11,7 +11,8 @@ from kubernetes import client
 from gateway.slots import AddressPlan
 from models.errors import JoinRefused
 from node.join import NodeFiles
-from tests.gateway.helpers import gateway, ticket_request
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import ticket_request
 from tests.harness.joining import redeem_for
 from tests.harness.kube import Cluster
 

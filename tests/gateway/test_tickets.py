@@ -13,12 +13,21 @@ import pytest
 from kubernetes import client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
-from gateway.tickets import _b64, _unb64
+from gateway.tickets import _b64
+from gateway.tickets import _unb64
 from models.errors import TicketError
 from node.join import NodeFiles
-from tests.gateway.helpers import gateway, node_absent, nonce_of, records, ticket_request
-from tests.harness.joining import FixedClock, node_client, redeem_for, register_self
-from tests.harness.kube import Cluster, wait_for
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import node_absent
+from tests.gateway.helpers import nonce_of
+from tests.gateway.helpers import records
+from tests.gateway.helpers import ticket_request
+from tests.harness.joining import FixedClock
+from tests.harness.joining import node_client
+from tests.harness.joining import redeem_for
+from tests.harness.joining import register_self
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 

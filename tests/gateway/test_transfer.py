@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.transfer import COUNTER_LIMIT, Transfer, accumulate, restarted
+from gateway.transfer import COUNTER_LIMIT
+from gateway.transfer import Transfer
+from gateway.transfer import accumulate
+from gateway.transfer import restarted
 
 
 def test_counters_that_climb_add_what_they_moved() -> None:

@@ -22,17 +22,19 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from activities.clients.gateway import GatewayRefused, HttpGatewayClient
+from activities.clients.gateway import GatewayRefused
+from activities.clients.gateway import HttpGatewayClient
 from models.errors import TicketError
-from models.join import NodeIdentity, NodeTransfer
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import (
-    Gateway,
-    Joined,
-    NetBed,
-    sh,
-)
-from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
+from models.join import NodeIdentity
+from models.join import NodeTransfer
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.netbed import Gateway
+from tests.harness.netbed import Joined
+from tests.harness.netbed import NetBed
+from tests.harness.netbed import sh
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tests.harness.rbac import OPTIMIZER_SA
 
 pytestmark = pytest.mark.cluster
 

@@ -11,7 +11,8 @@ import ssl
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,38 +23,47 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from activities.clients.audit_log import AuditLog
-from activities.clients.gateway import GatewayRefused, HttpGatewayClient
+from activities.clients.gateway import GatewayRefused
+from activities.clients.gateway import HttpGatewayClient
 from models.errors import TicketError
-from models.join import GpuHealth, JoinTicketRequest, render_user_data
-from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY, Taint
-from models.node import Instance, NodePhase
+from models.join import GpuHealth
+from models.join import JoinTicketRequest
+from models.join import render_user_data
+from models.labels import BURNED_IN_ANNOTATION
+from models.labels import JOINING_TAINT
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import Taint
+from models.node import Instance
+from models.node import NodePhase
 from models.provisioning import BatchPhase
 from tests.gateway.helpers import BURST_TAINT
-from tests.harness.burst import (
-    SIM_LOCATIONS,
-    BurstStack,
-    approve_batch,
-    build_stack,
-    gpu_deployment,
-    node_for,
-    provision_state,
-    result,
-    unique,
-    wait_phase,
-)
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import approve_batch
+from tests.harness.burst import build_stack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
 from tests.harness.joining import new_burst_node
-from tests.harness.kube import Cluster, until, wait_for
-from tests.harness.netbed import (
-    GATEWAY_PUBLIC_IP,
-    SERVICE_CIDR,
-    UDP_PORT,
-    Gateway,
-    Joined,
-    NetBed,
-    boot_node,
-    sh,
-)
-from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, OPTIMIZER_SA
+from tests.harness.kube import Cluster
+from tests.harness.kube import until
+from tests.harness.kube import wait_for
+from tests.harness.netbed import GATEWAY_PUBLIC_IP
+from tests.harness.netbed import SERVICE_CIDR
+from tests.harness.netbed import UDP_PORT
+from tests.harness.netbed import Gateway
+from tests.harness.netbed import Joined
+from tests.harness.netbed import NetBed
+from tests.harness.netbed import boot_node
+from tests.harness.netbed import sh
+from tests.harness.rbac import GATEWAY_SA
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tests.harness.rbac import OPTIMIZER_SA
 from tunnel.uapi import Uapi
 from worker.main import worker_services
 

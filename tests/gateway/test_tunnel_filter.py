@@ -19,18 +19,24 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from gateway.settings import ConfigError, GatewayServerConfig, GatewaySettings
-from tests.gateway.test_tunnel_end import MARKER, http_get, join_node, ready
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.netbed import (
-    CLUSTER_LINK,
-    Gateway,
-    Joined,
-    NetBed,
-    sh,
-)
-from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE
-from tunnel import keys, link
+from gateway.settings import ConfigError
+from gateway.settings import GatewayServerConfig
+from gateway.settings import GatewaySettings
+from tests.gateway.test_tunnel_end import MARKER
+from tests.gateway.test_tunnel_end import http_get
+from tests.gateway.test_tunnel_end import join_node
+from tests.gateway.test_tunnel_end import ready
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.netbed import CLUSTER_LINK
+from tests.harness.netbed import Gateway
+from tests.harness.netbed import Joined
+from tests.harness.netbed import NetBed
+from tests.harness.netbed import sh
+from tests.harness.rbac import GATEWAY_SA
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tunnel import keys
+from tunnel import link
 from tunnel.uapi import Uapi
 
 pytestmark = pytest.mark.cluster

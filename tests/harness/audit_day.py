@@ -16,7 +16,9 @@ import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 
 from activities.clients.audit_log import AuditLog
 from models.audit import AuditRecord

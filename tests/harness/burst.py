@@ -14,10 +14,15 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
+from typing import overload
 
 from kubernetes import client
 from temporalio.client import Client
@@ -25,14 +30,21 @@ from temporalio.testing import WorkflowEnvironment
 
 from models.ids import provision_workflow_id
 from models.labels import LABEL_LOCATION
-from models.node import BurstResult, OperationView
-from models.policy import API_GROUP, PLURAL
+from models.node import BurstResult
+from models.node import OperationView
+from models.policy import API_GROUP
+from models.policy import PLURAL
 from models.provisioning import ProvisionView
 from tests.harness.crd import install_gpupolicy_crd
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_SA, install_chart_identities
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.rbac import GATEWAY_SA
+from tests.harness.rbac import OPTIMIZER_SA
+from tests.harness.rbac import install_chart_identities
 from tests.harness.workloads import gpu_pods
-from worker.config import ENV, Settings
+from worker.config import ENV
+from worker.config import Settings
 from worker.main import worker_services
 from worker.runtime import Runtime
 

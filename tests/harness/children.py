@@ -25,10 +25,15 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Collection
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO
+from typing import Any
+from typing import Final
 
 PR_SET_PDEATHSIG: Final = 1
 STATE_FILE: Final = "children.json"

@@ -12,7 +12,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from tests.harness.controlplane import free_port
 from tests.harness.temporal import start_dev_server
-from worker.console import ConsoleSettings, create_app
+from worker.console import ConsoleSettings
+from worker.console import create_app
 
 
 @asynccontextmanager

@@ -22,13 +22,16 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 import yaml
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 HARNESS_DIR = Path(__file__).resolve().parent
@@ -372,7 +375,9 @@ class ControlPlane:
         """The chart's ValidatingAdmissionPolicy for burst nodes (charts/.../files/node-admission-policy.yaml), as a
         real cluster with the chart installed has it; returns once the API server enforces it (a burst node's
         dry-run registration without the joining taint is denied), since the policy takes effect asynchronously."""
-        from kubernetes import client, config, utils
+        from kubernetes import client
+        from kubernetes import config
+        from kubernetes import utils
 
         api = config.new_client_from_config(config_file=str(self.admin_kubeconfig))
         utils.create_from_yaml(api, str(NODE_ADMISSION_POLICY))

@@ -12,8 +12,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.kube import Cluster, Kube, wait_for
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.policy import parse_policy
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
 

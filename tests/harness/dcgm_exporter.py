@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
 
 from tests.harness.controlplane import free_port
 

@@ -36,15 +36,32 @@ from pathlib import Path
 import yaml
 
 from models import search_attributes
-from models.policy import API_GROUP, PLURAL, parse_policy
-from tests.harness.burst import WORKER_ARGV, build_stack, gateway_process, worker_env
-from tests.harness.children import GRACE_SECONDS, Children, InstanceLock, busy_ports, reap, recorded
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.policy import parse_policy
+from tests.harness.burst import WORKER_ARGV
+from tests.harness.burst import build_stack
+from tests.harness.burst import gateway_process
+from tests.harness.burst import worker_env
+from tests.harness.children import GRACE_SECONDS
+from tests.harness.children import Children
+from tests.harness.children import InstanceLock
+from tests.harness.children import busy_ports
+from tests.harness.children import reap
+from tests.harness.children import recorded
 from tests.harness.clouds.boot import gateway_join
 from tests.harness.clouds.dev import DevClouds
-from tests.harness.controlplane import ControlPlane, ControlPlaneError, free_port
-from tests.harness.dev_capacity import PROVIDERS, DevCapacity
-from tests.harness.kube import Kube, wait_for
-from tests.harness.onprem import AgentProcess, claim_keys, register_server, write_gateways
+from tests.harness.controlplane import ControlPlane
+from tests.harness.controlplane import ControlPlaneError
+from tests.harness.controlplane import free_port
+from tests.harness.dev_capacity import PROVIDERS
+from tests.harness.dev_capacity import DevCapacity
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.onprem import AgentProcess
+from tests.harness.onprem import claim_keys
+from tests.harness.onprem import register_server
+from tests.harness.onprem import write_gateways
 from tests.harness.temporal import dev_server_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,13 +321,11 @@ def main(argv: list[str] | None = None) -> int:
                                                     extra_env={"KUBEON_HUB_CLAIM_KEYS_FILE": str(claim_keys_file)})
         starting(f"gateway started at {gateway_settings['gateway_url']} (log: {workdir / 'gateway.log'})")
         # ScaleToZero and GPU type fit: namespace ml-inference, a GPU node, the DCGM exporter fixture, Prometheus.
-        from tests.harness.dev_metrics import (
-            GPU_OPERATOR_NAMESPACE,
-            NODE,
-            SHARING_PROPAGATION_SECONDS,
-            TIME_SLICING_CONFIGMAP,
-            DevMetrics,
-        )
+        from tests.harness.dev_metrics import GPU_OPERATOR_NAMESPACE
+        from tests.harness.dev_metrics import NODE
+        from tests.harness.dev_metrics import SHARING_PROPAGATION_SECONDS
+        from tests.harness.dev_metrics import TIME_SLICING_CONFIGMAP
+        from tests.harness.dev_metrics import DevMetrics
 
         metrics = DevMetrics(cluster, workdir / "metrics", popen=children.popen).start(
             port=args.prometheus_port, products={"kubeon-worker": f"127.0.0.1:{worker_health_port}",

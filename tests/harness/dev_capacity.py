@@ -17,7 +17,8 @@ capacity config, ``endpoint()`` the ``capacity`` entry of endpoints.json: where 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,13 @@ from models.eks import NODEGROUP_LABEL
 from models.gke import NODEPOOL_LABEL as GKE_POOL_LABEL
 from tests.harness.clouds import local
 from tests.harness.clouds.dev import DevClouds
-from tests.harness.clouds.nodes import NodeReconciler, aks_listing, gke_listing
-from tests.harness.karpenter import NODE_CLASS, Karpenter
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import aks_listing
+from tests.harness.clouds.nodes import gke_listing
+from tests.harness.karpenter import NODE_CLASS
+from tests.harness.karpenter import Karpenter
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 
 PROVIDERS = ("none", "karpenter", "eks-nodegroups", "gke-nodepools", "aks-nodepools")
 GROUP = "gpu-home"

@@ -16,17 +16,21 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
 from models.policy import duration_seconds
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.gpu_operator import GpuOperator
+from tests.harness.gpu_operator import grant_time_slicing_role
 from tests.harness.kube import Cluster
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from tests.harness.prometheus import SCRAPE_JOB
+from tests.harness.prometheus import Prometheus
 from tests.harness.scale import scale_role_docs
 
 NAMESPACE = "ml-inference"

@@ -63,13 +63,16 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
+from typing import Self
 
 import urllib3
 import yaml
-from kubernetes import client, config
+from kubernetes import client
+from kubernetes import config
 
 CONFIG_LABEL = "nvidia.com/device-plugin.config"
 MIG_CONFIG_LABEL = "nvidia.com/mig.config"
@@ -466,7 +469,8 @@ class GpuOperator:
 def grant_time_slicing_role(cluster: Any, namespace: str) -> None:
     """The chart's time-slicing Role and RoleBinding (R5.3), rendered for ``namespace``, created as the chart
     creates them (the optimizer's ServiceAccount: ``tests.harness.rbac.install_chart_identities``)."""
-    from tests.charts.helm import BURST_VALUES, template  # helm is built with the control plane
+    from tests.charts.helm import BURST_VALUES  # helm is built with the control plane
+    from tests.charts.helm import template  # helm is built with the control plane
 
     api = client.ApiClient()
     rendered = template("--set", f"gpuOperator.namespace={namespace}", values=[BURST_VALUES])

@@ -13,14 +13,26 @@ from pathlib import Path
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from kubernetes import client
 
-from models.join import JoinAnswer, JoinRedeem, burst_node_name, parse_user_data
-from node.join import NodeFiles, kubelet_csr, kubelet_key, redeem_over_https, wireguard_private_key
-from node.register import join_simulated, node_api, register, registration_from
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from models.join import burst_node_name
+from models.join import parse_user_data
+from node.join import NodeFiles
+from node.join import kubelet_csr
+from node.join import kubelet_key
+from node.join import redeem_over_https
+from node.join import wireguard_private_key
+from node.register import join_simulated
+from node.register import node_api
+from node.register import register
+from node.register import registration_from
 from tunnel import keys
 
 
@@ -122,7 +134,11 @@ class FixedClock:
 
 def gateway_credentials(cluster: Any) -> client.ApiClient:
     """The gateway's credentials: its ServiceAccount with the gateway's rules only, never admin."""
-    from tests.harness.rbac import GATEWAY_RULES, GATEWAY_SA, GATEWAY_SERVICE_RULES, grant, grant_namespaced
+    from tests.harness.rbac import GATEWAY_RULES
+    from tests.harness.rbac import GATEWAY_SA
+    from tests.harness.rbac import GATEWAY_SERVICE_RULES
+    from tests.harness.rbac import grant
+    from tests.harness.rbac import grant_namespaced
 
     api: client.ApiClient = grant(cluster, GATEWAY_SA, GATEWAY_RULES).api
     grant_namespaced(cluster, GATEWAY_SA, GATEWAY_SERVICE_RULES)

@@ -25,24 +25,26 @@ import signal
 import subprocess
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
+from typing import cast
 
 from kubernetes import client
 
-from tests.harness.controlplane import (
-    HARNESS_DIR,
-    ControlPlane,
-    ControlPlaneError,
-    binary_dir,
-    ensure_binaries,
-    free_port,
-    read_versions,
-)
+from tests.harness.controlplane import HARNESS_DIR
+from tests.harness.controlplane import ControlPlane
+from tests.harness.controlplane import ControlPlaneError
+from tests.harness.controlplane import binary_dir
+from tests.harness.controlplane import ensure_binaries
+from tests.harness.controlplane import free_port
+from tests.harness.controlplane import read_versions
 from tests.harness.crd import install_crds
-from tests.harness.kube import Kube, wait_for
-from tests.harness.workloads import SMALL_REQUESTS, gpu_pods
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.workloads import SMALL_REQUESTS
+from tests.harness.workloads import gpu_pods
 
 INSTANCE_TYPES_FILE = HARNESS_DIR / "karpenter-instance-types.json"
 KARPENTER_GROUP = "karpenter.sh"

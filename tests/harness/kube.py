@@ -8,11 +8,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
-from kubernetes import client, config
+from kubernetes import client
+from kubernetes import config
 
-from tests.harness.controlplane import KWOK_NODE_ANNOTATION, ControlPlane, write_kubeconfig
+from tests.harness.controlplane import KWOK_NODE_ANNOTATION
+from tests.harness.controlplane import ControlPlane
+from tests.harness.controlplane import write_kubeconfig
 
 T = TypeVar("T")
 

@@ -43,7 +43,8 @@ from typing import Any
 import httpx
 import yaml
 
-from node.register import load_registration, node_manifest
+from node.register import load_registration
+from node.register import node_manifest
 
 LEASE_SECONDS = 40
 STATUS_SECONDS = 10

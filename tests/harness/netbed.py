@@ -21,12 +21,14 @@ import secrets
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 from models.join import parse_user_data
 from models.labels import LABEL_OPERATION
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 from tunnel import keys
 from tunnel.proxy import TcpProxy
 
@@ -209,8 +211,12 @@ def start_tunnel_gateway(cluster: Cluster, bed: NetBed, workdir: Path, *, servic
                          tunnel_cidr: str, extra_env: dict[str, str] | None = None) -> Gateway:
     """The chart's ServiceAccounts and rules, a CA and certificate for the gateway's public address, its ticket
     and WireGuard keys; the gateway started with its tunnel, reachable from the host at ``Gateway.url``."""
-    from tests.harness.controlplane import _issue, _name, free_port
-    from tests.harness.rbac import GATEWAY_SA, OPTIMIZER_NAMESPACE, grant_optimizer_and_gateway
+    from tests.harness.controlplane import _issue
+    from tests.harness.controlplane import _name
+    from tests.harness.controlplane import free_port
+    from tests.harness.rbac import GATEWAY_SA
+    from tests.harness.rbac import OPTIMIZER_NAMESPACE
+    from tests.harness.rbac import grant_optimizer_and_gateway
     grant_optimizer_and_gateway(cluster)
     ca = _issue(_name("tunnel-gateway-ca"), None, is_ca=True)
     ca_file, _ = ca.write(workdir, "ca")

@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ import uvicorn
 import yaml
 
 from common.kube import kube_api
-from gateway.app import TokenReviewer, create_app
+from gateway.app import TokenReviewer
+from gateway.app import create_app
 from gateway.service import KubeGateway
 from tests.harness.controlplane import free_port
 from tests.harness.processes import stop_process

@@ -10,14 +10,18 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.worker import Worker
 
 from activities.capacity import CapacityProvider
@@ -25,9 +29,14 @@ from activities.clients.audit_log import AuditLog
 from activities.clients.kube import KubeOps
 from activities.packing import PackActivities
 from models.audit import AuditRecord
-from models.packing import PackInput, PackSettings, PackView
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import Cluster, wait_for
+from models.packing import PackInput
+from models.packing import PackSettings
+from models.packing import PackView
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 from worker.main import workflow_runner
 from workflows.gpu_products import GpuProductsWorkflow
 from workflows.pack import PackWorkflow

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from kubernetes import client
 
-from tests.harness.kube import Cluster, Kube
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
 
 OPTIMIZER_NAMESPACE = "kubeon-gpu"
 OPTIMIZER_SA = "kubeon-gpu-optimizer"
@@ -107,7 +108,8 @@ def install_chart_identities(cluster: Cluster) -> tuple[Kube, Kube]:
     """The optimizer's and the gateway's ServiceAccounts, ClusterRoles and bindings exactly as the chart renders
     them (burst enabled), applied to the cluster; returns clients acting as each. The end-to-end tests run with
     these credentials, never admin ones."""
-    from tests.charts.helm import BURST_VALUES, template  # helm is built with the control plane
+    from tests.charts.helm import BURST_VALUES  # helm is built with the control plane
+    from tests.charts.helm import template  # helm is built with the control plane
 
     rendered = template(values=[BURST_VALUES])
     admin = cluster.admin

@@ -14,12 +14,21 @@ from typing import Any
 
 from kubernetes import client
 
-from models.policy import API_GROUP, PLURAL
-from models.scale import STATUS_KEY, ScalePhase, ScaleView
-from tests.harness.burst import BurstStack, build_stack, gpu_deployment, unique
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.scale import STATUS_KEY
+from models.scale import ScalePhase
+from models.scale import ScaleView
+from tests.harness.burst import BurstStack
+from tests.harness.burst import build_stack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import unique
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.prometheus import SCRAPE_JOB
+from tests.harness.prometheus import Prometheus
 from worker.config import Settings
 
 SCALE_LABEL = "gpu.kubeon.io/scale-to-zero"
@@ -27,7 +36,8 @@ SCALE_LABEL = "gpu.kubeon.io/scale-to-zero"
 
 def scale_role_docs(namespace: str) -> list[dict[str, Any]]:
     """The chart's scale Role and RoleBinding, rendered with scaleToZero.namespaces={namespace}."""
-    from tests.charts.helm import BURST_VALUES, template
+    from tests.charts.helm import BURST_VALUES
+    from tests.charts.helm import template
 
     rendered = template("--set", f"scaleToZero.namespaces={{{namespace}}}", values=[BURST_VALUES])
     return [d for d in rendered.docs if d["kind"] in ("Role", "RoleBinding")

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from tests.harness import dev
-from tests.harness.children import Child, Children, InstanceLock, busy_ports, port_holder, reap, start_time
+from tests.harness.children import Child
+from tests.harness.children import Children
+from tests.harness.children import InstanceLock
+from tests.harness.children import busy_ports
+from tests.harness.children import port_holder
+from tests.harness.children import reap
+from tests.harness.children import start_time
 from tests.harness.controlplane import free_port
 
 IGNORES_TERM = ("import signal, time\n"

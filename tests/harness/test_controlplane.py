@@ -8,7 +8,8 @@ import uuid
 import pytest
 from kubernetes import client
 
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -14,7 +14,8 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
+from typing import cast
 
 import httpx
 import pytest
@@ -25,9 +26,11 @@ from temporalio.client import Client
 from models.converter import DATA_CONVERTER
 from models.node import OperationView
 from models.provisioning import ProvisionView
-from tests.harness.children import Child, recorded
+from tests.harness.children import Child
+from tests.harness.children import recorded
 from tests.harness.controlplane import free_port
-from tests.harness.kube import Kube, wait_for
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
 from worker import ops
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]

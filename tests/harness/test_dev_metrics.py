@@ -10,14 +10,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from activities.clients.prometheus import PrometheusClient, PrometheusUnavailable
+from activities.clients.prometheus import PrometheusClient
+from activities.clients.prometheus import PrometheusUnavailable
 from activities.sharing import SharingOps
 from models.policy import SharingPolicy
-from planning.idle import PodActivity, judge_idle
-from planning.sharing import Proposal, decide
-from tests.harness.dev_metrics import ACTIVITY, GPU_OPERATOR_NAMESPACE, NAMESPACE, NODE, DevMetrics
-from tests.harness.gpu_operator import MIG_CONFIG_LABEL, MIG_STATE_LABEL
-from tests.harness.kube import Cluster, wait_for
+from planning.idle import PodActivity
+from planning.idle import judge_idle
+from planning.sharing import Proposal
+from planning.sharing import decide
+from tests.harness.dev_metrics import ACTIVITY
+from tests.harness.dev_metrics import GPU_OPERATOR_NAMESPACE
+from tests.harness.dev_metrics import NAMESPACE
+from tests.harness.dev_metrics import NODE
+from tests.harness.dev_metrics import DevMetrics
+from tests.harness.gpu_operator import MIG_CONFIG_LABEL
+from tests.harness.gpu_operator import MIG_STATE_LABEL
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 from worker.sharing_watcher import rule_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus]

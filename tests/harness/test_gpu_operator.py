@@ -14,17 +14,16 @@ import urllib3
 import yaml
 from kubernetes import client
 
-from tests.harness.gpu_operator import (
-    CONFIG_LABEL,
-    MIG_CONFIG_LABEL,
-    MIG_STATE_LABEL,
-    ConfigRefused,
-    GpuOperator,
-    base_product,
-    geometries,
-    parse_config,
-)
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.gpu_operator import CONFIG_LABEL
+from tests.harness.gpu_operator import MIG_CONFIG_LABEL
+from tests.harness.gpu_operator import MIG_STATE_LABEL
+from tests.harness.gpu_operator import ConfigRefused
+from tests.harness.gpu_operator import GpuOperator
+from tests.harness.gpu_operator import base_product
+from tests.harness.gpu_operator import geometries
+from tests.harness.gpu_operator import parse_config
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 from tests.harness.workloads import gpu_pod
 
 pytestmark = pytest.mark.cluster

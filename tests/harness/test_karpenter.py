@@ -8,8 +8,13 @@ from typing import Any
 
 import pytest
 
-from tests.harness.karpenter import A100, L4, Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.karpenter import A100
+from tests.harness.karpenter import L4
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
 

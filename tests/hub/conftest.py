@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,11 @@ from sqlalchemy import select
 
 from hub.app import create_app
 from hub.auth import HubState
-from hub.db import Base, Database
+from hub.db import Base
+from hub.db import Database
 from hub.settings import HubSettings
-from tests.hub.postgres import PostgresMissing, PostgresServer
+from tests.hub.postgres import PostgresMissing
+from tests.hub.postgres import PostgresServer
 
 BOOTSTRAP_KEY = "bootstrap-admin-key-for-tests-0123456789"
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]

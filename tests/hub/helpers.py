@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import pytest
 import yaml
 
-from models.policy import PolicyError, parse_policy
+from models.policy import PolicyError
+from models.policy import parse_policy
 from tests.harness.kube import wait_for
 
 MODELS = Path(__file__).parent.parent / "models"

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,7 +17,8 @@ import httpx
 
 from tests.harness.controlplane import free_port
 from tests.harness.kube import wait_for
-from tests.harness.processes import answers_ok, stop_process
+from tests.harness.processes import answers_ok
+from tests.harness.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

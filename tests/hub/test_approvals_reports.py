@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from sqlalchemy import func, select
+from sqlalchemy import func
+from sqlalchemy import select
 
 from hub.db import ActionReport
 from tests.hub.conftest import Hub

@@ -14,19 +14,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine
+from sqlalchemy import select
+from sqlalchemy import text
 
 from activities.audit import report_of
 from activities.clients.audit_log import AuditLog
 from hub import ops
-from hub.audit import BOOTSTRAP_ACTOR, AuditAction, record
-from hub.db import ActionReport, AuditEvent, Cluster, Database
+from hub.audit import BOOTSTRAP_ACTOR
+from hub.audit import AuditAction
+from hub.audit import record
+from hub.db import ActionReport
+from hub.db import AuditEvent
+from hub.db import Cluster
+from hub.db import Database
 from hub.schemas import ActionReportCreate
-from models.audit_chain import GENESIS, canonical, record_hash
-from tests.harness.audit_day import DayPlan, write_day
+from models.audit_chain import GENESIS
+from models.audit_chain import canonical
+from models.audit_chain import record_hash
+from tests.harness.audit_day import DayPlan
+from tests.harness.audit_day import write_day
 from tests.hub.conftest import Hub
 from tests.hub.helpers import policy_document
-from worker.audit_verify import Outcome, fetch_hub, verify_file, verify_file_against_hub, verify_hub
+from worker.audit_verify import Outcome
+from worker.audit_verify import fetch_hub
+from worker.audit_verify import verify_file
+from worker.audit_verify import verify_file_against_hub
+from worker.audit_verify import verify_hub
 
 
 async def _verify(hub: Hub) -> list[Outcome]:
@@ -231,7 +245,8 @@ def test_two_concurrent_appenders_never_fork_a_chain(database_url: str) -> None:
     """Two writers (their own connections, as two hub requests or two hub replicas) append to one cluster's
     chains at once: every place taken once, each row naming the one before (PostgreSQL waits on the head's lock;
     without it the unique (chain, seq) index fails a transaction instead of storing a fork)."""
-    from datetime import UTC, datetime
+    from datetime import UTC
+    from datetime import datetime
 
     db = Database(database_url)
     db.create_schema()

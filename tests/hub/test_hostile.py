@@ -11,7 +11,8 @@ import pytest
 
 from hub.schemas import MAX_ID
 from tests.hub.conftest import Hub
-from tests.hub.helpers import policy_document, report
+from tests.hub.helpers import policy_document
+from tests.hub.helpers import report
 
 CURSOR_PATHS = ["/v1/cluster/approvals", "/v1/clusters/prod-eu/approvals", "/v1/clusters/prod-eu/reports",
                 "/v1/audit"]

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from tests.hub.conftest import Hub
-from tests.hub.helpers import policy_document, report
+from tests.hub.helpers import policy_document
+from tests.hub.helpers import report
 
 
 async def _two_clusters(hub: Hub) -> tuple[str, str]:

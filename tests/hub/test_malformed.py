@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
@@ -11,7 +12,8 @@ import pytest
 from fastapi import FastAPI
 
 from tests.hub.conftest import Hub
-from tests.hub.helpers import policy_document, report
+from tests.hub.helpers import policy_document
+from tests.hub.helpers import report
 
 MIB = 1024 * 1024
 NO_AUTH = "none"
@@ -175,7 +177,8 @@ async def test_unreachable_database_is_a_clear_503(app: FastAPI) -> None:
     from hub.db import Database
     from hub.settings import HubSettings
     from tests.harness.controlplane import free_port
-    from tests.hub.conftest import BOOTSTRAP_KEY, FakeClock
+    from tests.hub.conftest import BOOTSTRAP_KEY
+    from tests.hub.conftest import FakeClock
 
     url = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing-listens-here"
     db = Database(url)

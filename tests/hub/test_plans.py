@@ -7,8 +7,11 @@ import json
 
 import pytest
 
-from hub.plans import console_url, parse_plan
-from hub.web.yaml_fields import field_lines, line_of, syntax_error
+from hub.plans import console_url
+from hub.plans import parse_plan
+from hub.web.yaml_fields import field_lines
+from hub.web.yaml_fields import line_of
+from hub.web.yaml_fields import syntax_error
 from tests.hub.conftest import Hub
 from tests.hub.helpers import report
 

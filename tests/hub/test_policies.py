@@ -7,7 +7,10 @@ from typing import Any
 import pytest
 
 from tests.hub.conftest import Hub
-from tests.hub.helpers import INVALID_POLICIES, VALID_POLICY, apply_case, policy_document
+from tests.hub.helpers import INVALID_POLICIES
+from tests.hub.helpers import VALID_POLICY
+from tests.hub.helpers import apply_case
+from tests.hub.helpers import policy_document
 
 
 async def test_conditional_pull_304_while_unchanged_200_with_a_new_etag_after_a_change(hub: Hub) -> None:

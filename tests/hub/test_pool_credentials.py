@@ -9,21 +9,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gateway.pool_tokens import JoinTokenRefused, check_pool_claim
+from gateway.pool_tokens import JoinTokenRefused
+from gateway.pool_tokens import check_pool_claim
 from models import pool_claim
 from models.join import parse_user_data
 from tests.hub.conftest import Hub
 from tests.hub.helpers import policy_document
-from tests.hub.test_pools import (
-    beat,
-    claim_body,
-    cluster_with_policy,
-    create_pool,
-    enrol,
-    enrol_request,
-    heartbeat,
-    register,
-)
+from tests.hub.test_pools import beat
+from tests.hub.test_pools import claim_body
+from tests.hub.test_pools import cluster_with_policy
+from tests.hub.test_pools import create_pool
+from tests.hub.test_pools import enrol
+from tests.hub.test_pools import enrol_request
+from tests.hub.test_pools import heartbeat
+from tests.hub.test_pools import register
 
 
 async def _serving_for_b(hub: Hub) -> tuple[str, str, str, dict[str, str]]:

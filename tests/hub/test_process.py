@@ -6,7 +6,9 @@ import socket
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,13 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from hub.db import Cluster, Database
+from hub.db import Cluster
+from hub.db import Database
 from hub.server import serve
 from tests.hub.clocked_server import FileClock
 from tests.hub.conftest import BOOTSTRAP_KEY
-from tests.hub.helpers import policy_document, report
+from tests.hub.helpers import policy_document
+from tests.hub.helpers import report
 from tests.hub.process import HubProcess
 
 

@@ -10,13 +10,17 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Final
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Final
 from urllib.parse import quote
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from hub.app import create_app
@@ -24,7 +28,9 @@ from hub.db import Database
 from hub.schemas import disallowed_character
 from hub.settings import HubSettings
 from models.join import render_user_data
-from tests.hub.conftest import BOOTSTRAP_KEY, FakeClock, snapshot
+from tests.hub.conftest import BOOTSTRAP_KEY
+from tests.hub.conftest import FakeClock
+from tests.hub.conftest import snapshot
 from tests.hub.helpers import policy_document
 
 EXAMPLES: Final = 450  # per database (39 endpoints): ~8 s on an idle machine, about a minute on a busy 2-core one

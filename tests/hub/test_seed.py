@@ -7,11 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func
+from sqlalchemy import select
 
 from hub import tokens
-from hub.db import AuditEvent, Cluster, ClusterToken, Database, Policy
-from hub.seed import SeedError, seed_file
+from hub.db import AuditEvent
+from hub.db import Cluster
+from hub.db import ClusterToken
+from hub.db import Database
+from hub.db import Policy
+from hub.seed import SeedError
+from hub.seed import seed_file
 from tests.hub.conftest import FakeClock
 
 SHIPPED = Path(__file__).resolve().parent.parent.parent / "hub" / "dev-seed.yaml"

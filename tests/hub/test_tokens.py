@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 from datetime import timedelta
 
-from sqlalchemy import select, text
+from sqlalchemy import select
+from sqlalchemy import text
 
 from hub.db import ClusterToken
 from tests.hub.conftest import Hub

@@ -10,7 +10,8 @@ import signal
 import ssl
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -20,12 +21,23 @@ import pytest
 import trustme
 import yaml
 
-from models.hub import ActionReport, pack_proposal_detail, sharing_proposal_detail
+from models.hub import ActionReport
+from models.hub import pack_proposal_detail
+from models.hub import sharing_proposal_detail
 from tests.harness.controlplane import free_port
-from tests.hub.conftest import BOOTSTRAP_KEY, UiHub, start_ui_hub
-from tests.hub.helpers import policy_document, wait_until
+from tests.hub.conftest import BOOTSTRAP_KEY
+from tests.hub.conftest import UiHub
+from tests.hub.conftest import start_ui_hub
+from tests.hub.helpers import policy_document
+from tests.hub.helpers import wait_until
 from tests.hub.process import ROOT
-from tests.hub.ui import Dialogs, create_cluster, optimizer, proposal, sign_in, signed_in, user_key
+from tests.hub.ui import Dialogs
+from tests.hub.ui import create_cluster
+from tests.hub.ui import optimizer
+from tests.hub.ui import proposal
+from tests.hub.ui import sign_in
+from tests.hub.ui import signed_in
+from tests.hub.ui import user_key
 
 pytestmark = pytest.mark.timeout(180)
 CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')

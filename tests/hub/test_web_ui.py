@@ -16,22 +16,23 @@ import yaml
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import Page
 
-from activities.clients.hub import HubClient, HubUnauthorized
-from models.hub import ActionReport, pack_proposal_detail, sharing_proposal_detail
+from activities.clients.hub import HubClient
+from activities.clients.hub import HubUnauthorized
+from models.hub import ActionReport
+from models.hub import pack_proposal_detail
+from models.hub import sharing_proposal_detail
 from tests.hub.conftest import UiHub
 from tests.hub.helpers import policy_document
-from tests.hub.ui import (
-    Dialogs,
-    create_cluster,
-    csrf_of,
-    new_page,
-    optimizer,
-    proposal,
-    shoot,
-    sign_in,
-    signed_in,
-    user_key,
-)
+from tests.hub.ui import Dialogs
+from tests.hub.ui import create_cluster
+from tests.hub.ui import csrf_of
+from tests.hub.ui import new_page
+from tests.hub.ui import optimizer
+from tests.hub.ui import proposal
+from tests.hub.ui import shoot
+from tests.hub.ui import sign_in
+from tests.hub.ui import signed_in
+from tests.hub.ui import user_key
 
 pytestmark = pytest.mark.timeout(180)
 

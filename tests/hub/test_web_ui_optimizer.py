@@ -14,20 +14,21 @@ import pytest
 import yaml
 from temporalio.testing import WorkflowEnvironment
 
-from models.policy import API_GROUP, PLURAL
-from tests.harness.burst import (
-    BURST_TAINT_KEY,
-    SIM_LOCATIONS,
-    BurstStack,
-    gpu_deployment,
-    in_process_worker,
-    provision_state,
-    unique,
-)
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import in_process_worker
+from tests.harness.burst import provision_state
+from tests.harness.burst import unique
 from tests.harness.crd import read_gpupolicy
 from tests.harness.kube import until
 from tests.hub.conftest import UiHub
-from tests.hub.ui import shoot, sign_in, user_key
+from tests.hub.ui import shoot
+from tests.hub.ui import sign_in
+from tests.hub.ui import user_key
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.timeout(300)]
 

@@ -9,8 +9,13 @@ from typing import Any
 import pytest
 import yaml
 
-from models.policy import AutoscalingPolicy, AutoscalingSpec, PolicyError, parse_policy
-from tests.harness.crd import assert_accepted, assert_cli_validates, assert_refused
+from models.policy import AutoscalingPolicy
+from models.policy import AutoscalingSpec
+from models.policy import PolicyError
+from models.policy import parse_policy
+from tests.harness.crd import assert_accepted
+from tests.harness.crd import assert_cli_validates
+from tests.harness.crd import assert_refused
 from tests.harness.kube import Cluster
 from tests.hub.helpers import apply_case
 

@@ -3,12 +3,18 @@ location's $/GB, the same rate table the proposal's estimate uses; without a mea
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 
 import pytest
 
-from models.cost import BYTES_PER_GB, TransferReading, actual_cost
-from models.locations import LocationConfig, transfer_usd_per_gb, transfer_usd_per_gpu_hour
+from models.cost import BYTES_PER_GB
+from models.cost import TransferReading
+from models.cost import actual_cost
+from models.locations import LocationConfig
+from models.locations import transfer_usd_per_gb
+from models.locations import transfer_usd_per_gpu_hour
 from models.provisioning import Offering
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

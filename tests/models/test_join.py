@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from models.join import NodeIdentity, bind_attested_instance
+from models.join import NodeIdentity
+from models.join import bind_attested_instance
 
 
 def aws(instance_id: str) -> NodeIdentity:

@@ -11,8 +11,12 @@ import pytest
 import yaml
 
 from models import policy
-from models.policy import PackingPolicy, PolicyError, parse_policy
-from tests.harness.crd import assert_accepted, assert_cli_validates, assert_refused
+from models.policy import PackingPolicy
+from models.policy import PolicyError
+from models.policy import parse_policy
+from tests.harness.crd import assert_accepted
+from tests.harness.crd import assert_cli_validates
+from tests.harness.crd import assert_refused
 from tests.harness.kube import Cluster
 from tests.hub.helpers import apply_case as apply_corpus_case
 from tests.hub.helpers import assert_names_unique

@@ -10,16 +10,17 @@ import pytest
 import yaml
 
 from models import policy
-from models.policy import PolicyError, parse_policy
-from tests.harness.crd import CRD_FILE, assert_accepted, assert_refused
+from models.policy import PolicyError
+from models.policy import parse_policy
+from tests.harness.crd import CRD_FILE
+from tests.harness.crd import assert_accepted
+from tests.harness.crd import assert_refused
 from tests.harness.kube import Cluster
-from tests.hub.helpers import (
-    INVALID_POLICIES,
-    VALID_POLICY,
-    apply_case,
-    assert_names_unique,
-    refused_naming,
-)
+from tests.hub.helpers import INVALID_POLICIES
+from tests.hub.helpers import VALID_POLICY
+from tests.hub.helpers import apply_case
+from tests.hub.helpers import assert_names_unique
+from tests.hub.helpers import refused_naming
 
 ROOT = Path(__file__).parent.parent.parent
 VALID = VALID_POLICY  # tests/models/valid_policy.yaml

@@ -4,14 +4,14 @@ the hub's limit."""
 from __future__ import annotations
 
 from hub.plans import parse_plan
-from models.hub import (
-    REPORT_DETAIL_LIMIT,
-    pack_proposal_detail,
-    proposal_detail,
-    scale_proposal_detail,
-    sharing_proposal_detail,
-)
-from models.provisioning import BatchPlan, Offering, PlannedNode
+from models.hub import REPORT_DETAIL_LIMIT
+from models.hub import pack_proposal_detail
+from models.hub import proposal_detail
+from models.hub import scale_proposal_detail
+from models.hub import sharing_proposal_detail
+from models.provisioning import BatchPlan
+from models.provisioning import Offering
+from models.provisioning import PlannedNode
 
 
 def _plan(nodes: int, pods_each: int) -> BatchPlan:

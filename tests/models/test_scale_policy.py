@@ -12,10 +12,17 @@ import yaml
 from kubernetes import client
 
 from models import policy
-from models.policy import PolicyError, ScaleToZeroPolicy, duration_seconds, parse_policy
-from tests.harness.crd import assert_accepted, assert_refused, create_strictly
+from models.policy import PolicyError
+from models.policy import ScaleToZeroPolicy
+from models.policy import duration_seconds
+from models.policy import parse_policy
+from tests.harness.crd import assert_accepted
+from tests.harness.crd import assert_refused
+from tests.harness.crd import create_strictly
 from tests.harness.kube import Cluster
-from tests.hub.helpers import apply_case, assert_names_unique, refused_naming
+from tests.hub.helpers import apply_case
+from tests.hub.helpers import assert_names_unique
+from tests.hub.helpers import refused_naming
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

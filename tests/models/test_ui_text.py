@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from models.ui_text import SUMMARY_LIMIT, Details, code, md, md_usd, summary, usd
+from models.ui_text import SUMMARY_LIMIT
+from models.ui_text import Details
+from models.ui_text import code
+from models.ui_text import md
+from models.ui_text import md_usd
+from models.ui_text import summary
+from models.ui_text import usd
 
 
 def test_dollar_signs_are_escaped_so_a_pair_is_not_a_math_span() -> None:

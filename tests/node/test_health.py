@@ -6,8 +6,10 @@ from __future__ import annotations
 import shlex
 import sys
 
-from node.health import GpuHealthRun, verdict
-from tests.harness.dcgmi import DEPLOYMENT_TESTS, table
+from node.health import GpuHealthRun
+from node.health import verdict
+from tests.harness.dcgmi import DEPLOYMENT_TESTS
+from tests.harness.dcgmi import table
 
 DCGMI = f"{shlex.quote(sys.executable)} -m tests.harness.dcgmi diag -r 1"
 

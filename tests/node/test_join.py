@@ -17,23 +17,25 @@ from kubernetes import client
 from gateway.admission import check_csr
 from gateway.service import KubeGateway
 from models.errors import TicketError
-from models.join import JoinAnswer, JoinRedeem, JoinTicketRequest
-from models.labels import LABEL_OPERATION, Taint
-from node.join import (
-    JoinError,
-    JoinUnavailable,
-    NodeFiles,
-    join,
-    kubelet_csr,
-    kubelet_key,
-    redeem_over_https,
-    redeem_retrying,
-    wireguard_private_key,
-    write_registration,
-)
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from models.join import JoinTicketRequest
+from models.labels import LABEL_OPERATION
+from models.labels import Taint
+from node.join import JoinError
+from node.join import JoinUnavailable
+from node.join import NodeFiles
+from node.join import join
+from node.join import kubelet_csr
+from node.join import kubelet_key
+from node.join import redeem_over_https
+from node.join import redeem_retrying
+from node.join import wireguard_private_key
+from node.join import write_registration
 from node.register import node_api
 from tests.harness.controlplane import free_port
-from tests.harness.joining import gateway_credentials, new_burst_node
+from tests.harness.joining import gateway_credentials
+from tests.harness.joining import new_burst_node
 from tests.harness.kube import Cluster
 from tunnel import keys
 

@@ -16,9 +16,18 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from models.join import CertRenewal, CertRenewalAnswer, JoinAnswer, JoinRedeem, render_user_data
+from models.join import CertRenewal
+from models.join import CertRenewalAnswer
+from models.join import JoinAnswer
+from models.join import JoinRedeem
+from models.join import render_user_data
 from models.labels import Taint
-from node.join import JoinError, NodeFiles, join, kubelet_key, main_join, renew
+from node.join import JoinError
+from node.join import NodeFiles
+from node.join import join
+from node.join import kubelet_key
+from node.join import main_join
+from node.join import renew
 
 
 def test_l5_the_user_data_writes_the_join_document_for_root_only(tmp_path: Path) -> None:

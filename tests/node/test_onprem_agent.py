@@ -20,9 +20,12 @@ import pytest
 
 from models.join import render_user_data
 from models.labels import Taint
-from node.onprem_agent import Agent, AgentConfig
+from node.onprem_agent import Agent
+from node.onprem_agent import AgentConfig
 from node.pinned import GatewayPin
-from tests.harness.controlplane import _issue, _name, free_port
+from tests.harness.controlplane import _issue
+from tests.harness.controlplane import _name
+from tests.harness.controlplane import free_port
 from tests.harness.onprem import TEST_ROUTES
 
 CLUSTER = "prod-eu"

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tunnel import keys, link
-from tunnel.uapi import Uapi, UapiError
+from tunnel import keys
+from tunnel import link
+from tunnel.uapi import Uapi
+from tunnel.uapi import UapiError
 
 
 def test_keys_match_wg_pubkey() -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from worker.config import ConfigError, load_settings
+from worker.config import ConfigError
+from worker.config import load_settings
 
 
 def test_defaults_to_recommend_mode() -> None:

@@ -10,12 +10,18 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.common import SearchAttributePair
+from temporalio.common import TypedSearchAttributes
 from temporalio.testing import WorkflowEnvironment
 
 from models import search_attributes as sa
-from tests.harness.browser import artifacts_dir, chromium, screenshot
-from worker.console import COLUMNS_KEY, column_script, inject, workflows_url
+from tests.harness.browser import artifacts_dir
+from tests.harness.browser import chromium
+from tests.harness.browser import screenshot
+from worker.console import COLUMNS_KEY
+from worker.console import column_script
+from worker.console import inject
+from worker.console import workflows_url
 
 PAGE = ('<!doctype html><html><head><meta charset="utf-8" />'
         '<meta http-equiv="content-security-policy" content="script-src \'strict-dynamic\' \'sha256-abc=\'">'

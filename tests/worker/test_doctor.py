@@ -15,12 +15,17 @@ import pytest
 from activities.clients.prometheus import PrometheusClient
 from tests.harness.controlplane import free_port
 from tests.harness.dcgm_exporter import DcgmExporter
-from tests.harness.karpenter import Karpenter, gpu_nodepool
-from tests.harness.kube import Cluster, wait_for
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
 from tests.harness.prometheus import Prometheus
-from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA, install_chart_identities
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tests.harness.rbac import OPTIMIZER_SA
+from tests.harness.rbac import install_chart_identities
 from worker.cli import main
-from worker.doctor import PrerequisiteLog, run_checks
+from worker.doctor import PrerequisiteLog
+from worker.doctor import run_checks
 
 pytestmark = [pytest.mark.cluster, pytest.mark.prometheus]
 
@@ -119,8 +124,10 @@ def test_time_slicing_configmap_and_device_plugin_by_node_labels(cluster: Cluste
     from kubernetes import client
 
     from common.kube import kube_api
-    from tests.harness.gpu_operator import GpuOperator, grant_time_slicing_role
-    from worker.doctor import check_mig_strategy, check_time_slicing
+    from tests.harness.gpu_operator import GpuOperator
+    from tests.harness.gpu_operator import grant_time_slicing_role
+    from worker.doctor import check_mig_strategy
+    from worker.doctor import check_time_slicing
 
     api = kube_api(optimizer_kubeconfig)
     ns = cluster.create_namespace("gpuop")

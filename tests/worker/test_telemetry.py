@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.common import SearchAttributePair
+from temporalio.common import TypedSearchAttributes
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -32,15 +34,22 @@ from activities.telemetry.tracing import traced
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
 from models.ids import operation_id
-from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_POLICY
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_POLICY
 from models.node import LaunchRequest
 from models.provisioning import Offering
-from tests.harness.burst import SIM_LOCATIONS, build_stack, unique
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import build_stack
+from tests.harness.burst import unique
 from tests.harness.kube import Cluster
 from tests.harness.stall_proxy import StallingProxy
 from worker import telemetry
 from worker.config import ConfigError
-from worker.telemetry import LOG_CONTEXT, JsonFormatter, operation_context, traces_exporter
+from worker.telemetry import LOG_CONTEXT
+from worker.telemetry import JsonFormatter
+from worker.telemetry import operation_context
+from worker.telemetry import traces_exporter
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

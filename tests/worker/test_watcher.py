@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,19 +17,18 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models.provisioning import BatchPhase
-from tests.harness.burst import (
-    BurstStack,
-    gpu_deployment,
-    in_process_worker,
-    provision_state,
-    sim_location,
-    unique,
-    wait_for,
-)
+from tests.harness.burst import BurstStack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import in_process_worker
+from tests.harness.burst import provision_state
+from tests.harness.burst import sim_location
+from tests.harness.burst import unique
+from tests.harness.burst import wait_for
 from tests.harness.kube import until
 from worker.background import running
 from worker.runtime import Runtime
-from worker.watcher import PendingPodWatcher, unschedulable_since
+from worker.watcher import PendingPodWatcher
+from worker.watcher import unschedulable_since
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,13 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from models.labels import LABEL_POLICY
-from tests.harness.burst import SIM_LOCATIONS, BurstStack, StartWorker, in_process_worker, unique
-from tests.hub.process import SeededHub, seeded_hub
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import in_process_worker
+from tests.harness.burst import unique
+from tests.hub.process import SeededHub
+from tests.hub.process import seeded_hub
 from worker.config import Settings
 from worker.runtime import Runtime
 

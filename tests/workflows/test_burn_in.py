@@ -11,21 +11,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from kubernetes import client, watch
+from kubernetes import client
+from kubernetes import watch
 
-from models.labels import BURNED_IN_ANNOTATION, JOINING_TAINT, LABEL_LOCATION, LABEL_POLICY
+from models.labels import BURNED_IN_ANNOTATION
+from models.labels import JOINING_TAINT
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_POLICY
 from models.node import NodePhase
 from tests.harness.background import Background
-from tests.harness.burst import (
-    BurstStack,
-    StartWorker,
-    gpu_deployment,
-    node_for,
-    node_gone,
-    provision_state,
-    result,
-    unique,
-)
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import node_gone
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
 from tests.harness.kube import until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]

@@ -12,15 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.api.sdk.v1 import WorkflowMetadata
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
@@ -29,26 +33,32 @@ from temporalio.worker import Worker
 
 from models import provisioning
 from models.audit import AuditRecord
-from models.decisions import Approval, Rejection
-from models.hub import GateRequest, GateState
+from models.decisions import Approval
+from models.decisions import Rejection
+from models.hub import GateRequest
+from models.hub import GateState
 from models.ids import SERVE_QUEUE_SUFFIX
-from models.node import BurstResult, CleanupRequest, CleanupResult, LaunchRequest, NodePhase, OperationView
-from models.provisioning import (
-    BatchPhase,
-    BatchPlan,
-    BatchPlanRequest,
-    LoadPolicyRequest,
-    Offering,
-    OperationSettings,
-    PendingPod,
-    PodsWaiting,
-    PolicySnapshot,
-    ProvisionInput,
-    ProvisionPhase,
-    ProvisionView,
-)
+from models.node import BurstResult
+from models.node import CleanupRequest
+from models.node import CleanupResult
+from models.node import LaunchRequest
+from models.node import NodePhase
+from models.node import OperationView
+from models.provisioning import BatchPhase
+from models.provisioning import BatchPlan
+from models.provisioning import BatchPlanRequest
+from models.provisioning import LoadPolicyRequest
+from models.provisioning import Offering
+from models.provisioning import OperationSettings
+from models.provisioning import PendingPod
+from models.provisioning import PodsWaiting
+from models.provisioning import PolicySnapshot
+from models.provisioning import ProvisionInput
+from models.provisioning import ProvisionPhase
+from models.provisioning import ProvisionView
 from planning.burst import plan_pods
-from tests.harness.temporal import skip_time, time_skipping_server_path
+from tests.harness.temporal import skip_time
+from tests.harness.temporal import time_skipping_server_path
 from worker import ops
 from worker.main import workflow_runner
 from worker.runtime import register_search_attributes

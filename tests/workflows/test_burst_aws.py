@@ -17,28 +17,29 @@ from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from models.join import parse_user_data
-from models.labels import LABEL_POLICY, TAG_BURST, TAG_OPERATION
+from models.labels import LABEL_POLICY
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
 from models.node import NodePhase
 from node.register import join_simulated
 from tests.harness.background import Background
-from tests.harness.burst import (
-    BurstStack,
-    StartWorker,
-    approve_batch,
-    assert_serves_on_burst_node,
-    gpu_deployment,
-    node_for,
-    node_gone,
-    node_workflows,
-    provision_state,
-    result,
-    unique,
-    wait_for,
-    wait_phase,
-)
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import approve_batch
+from tests.harness.burst import assert_serves_on_burst_node
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import node_gone
+from tests.harness.burst import node_workflows
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_for
+from tests.harness.burst import wait_phase
 from tests.harness.clouds.aws_metadata import AwsMetadata
 from tests.harness.clouds.moto_server import MotoServer
-from tests.harness.kube import Kube, until
+from tests.harness.kube import Kube
+from tests.harness.kube import until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
 REGION = "eu-central-1"

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import pytest
@@ -17,27 +19,27 @@ from temporalio.testing import WorkflowEnvironment
 
 from common.kube import kube_api
 from gateway.service import KubeGateway
-from models.labels import TAG_BURST, TAG_OPERATION
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
 from models.node import NodePhase
 from models.provisioning import BatchPhase
-from tests.harness.burst import (
-    BurstStack,
-    approve_batch,
-    assert_serves_on_burst_node,
-    gpu_deployment,
-    in_process_worker,
-    node_for,
-    node_gone,
-    node_workflows,
-    provision_state,
-    result,
-    unique,
-    wait_for,
-    wait_phase,
-    worker_process,
-)
+from tests.harness.burst import BurstStack
+from tests.harness.burst import approve_batch
+from tests.harness.burst import assert_serves_on_burst_node
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import in_process_worker
+from tests.harness.burst import node_for
+from tests.harness.burst import node_gone
+from tests.harness.burst import node_workflows
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_for
+from tests.harness.burst import wait_phase
+from tests.harness.burst import worker_process
 from tests.harness.clouds import local
-from tests.harness.clouds.boot import Booter, gateway_join
+from tests.harness.clouds.boot import Booter
+from tests.harness.clouds.boot import gateway_join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.gcp_server import ZONES
 

@@ -27,21 +27,25 @@ from temporalio.testing import WorkflowEnvironment
 from activities.clients.gateway import GatewayUnavailable
 from gateway.service import KubeGateway
 from models.cost import BYTES_PER_GB
-from models.join import GatewayCapacity, JoinTicketRequest, NodeIdentity, NodeProbe, NodeTransfer, TicketGrant
+from models.join import GatewayCapacity
+from models.join import JoinTicketRequest
+from models.join import NodeIdentity
+from models.join import NodeProbe
+from models.join import NodeTransfer
+from models.join import TicketGrant
 from models.labels import LABEL_POLICY
-from models.node import NodePhase, OperationView
+from models.node import NodePhase
+from models.node import OperationView
 from models.provisioning import ProvisionView
-from tests.harness.burst import (
-    BurstStack,
-    drain_blocked,
-    gpu_deployment,
-    node_for,
-    node_workflows,
-    provision_state,
-    result,
-    unique,
-    wait_phase,
-)
+from tests.harness.burst import BurstStack
+from tests.harness.burst import drain_blocked
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import node_workflows
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
 from tests.harness.kube import until
 from worker import ops
 from worker.cli import _render_view as render_view
@@ -192,7 +196,8 @@ def _audit(path: Path) -> list[dict[str, Any]]:
 
 
 def _set_over_budget(stack: BurstStack, policy: str, action: str) -> None:
-    from models.policy import API_GROUP, PLURAL
+    from models.policy import API_GROUP
+    from models.policy import PLURAL
 
     stack.cluster.admin.custom.patch_cluster_custom_object(API_GROUP, "v1", PLURAL, policy,
                                                            {"spec": {"limits": {"onOverBudget": action}}})

@@ -15,18 +15,17 @@ from kubernetes import client
 from temporalio.testing import WorkflowEnvironment
 
 from models.labels import TAG_OPERATION
-from models.node import NodePhase, OperationView
-from tests.harness.burst import (
-    BurstStack,
-    WorkerProcesses,
-    gpu_deployment,
-    node_for,
-    result,
-    sim_location,
-    unique,
-    wait_for,
-    wait_phase,
-)
+from models.node import NodePhase
+from models.node import OperationView
+from tests.harness.burst import BurstStack
+from tests.harness.burst import WorkerProcesses
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import result
+from tests.harness.burst import sim_location
+from tests.harness.burst import unique
+from tests.harness.burst import wait_for
+from tests.harness.burst import wait_phase
 from worker.config import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]

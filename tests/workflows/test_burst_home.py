@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 
 import pytest
 from kubernetes import client
@@ -15,9 +16,15 @@ from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.kube import pending_pod
 from models.labels import LABEL_POLICY
 from planning.home import home_verdict
-from tests.harness.burst import BURST_TAINT_KEY, BurstStack, StartWorker, provision_state
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import until, wait_for
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import provision_state
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import until
+from tests.harness.kube import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 

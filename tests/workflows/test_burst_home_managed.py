@@ -9,7 +9,8 @@ the group's nodes with no burst node. (The group's nodes carry a GPU product lab
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +22,29 @@ from models.eks import NODEGROUP_LABEL
 from models.gke import NODEPOOL_LABEL
 from models.labels import LABEL_POLICY
 from models.provisioning import BatchPhase
-from tests.activities.capacity.test_aks import GPU_SIZE, RG, TAINT, identity, pool_state
-from tests.harness.burst import BURST_TAINT_KEY, BurstStack, StartWorker, provision_state
-from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
+from tests.activities.capacity.test_aks import GPU_SIZE
+from tests.activities.capacity.test_aks import RG
+from tests.activities.capacity.test_aks import TAINT
+from tests.activities.capacity.test_aks import identity
+from tests.activities.capacity.test_aks import pool_state
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import provision_state
+from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import MotoRecorder
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.local import AZURE_SUBSCRIPTION, GKE_LOCATION, GKE_PROJECT, seed_gke_gpu_pool
+from tests.harness.clouds.local import AZURE_SUBSCRIPTION
+from tests.harness.clouds.local import GKE_LOCATION
+from tests.harness.clouds.local import GKE_PROJECT
+from tests.harness.clouds.local import seed_gke_gpu_pool
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import until, wait_for
-from tests.harness.workloads import GPU_TAINT_TOLERATION, SMALL_REQUESTS, gpu_pods, live_pods
+from tests.harness.kube import until
+from tests.harness.kube import wait_for
+from tests.harness.workloads import GPU_TAINT_TOLERATION
+from tests.harness.workloads import SMALL_REQUESTS
+from tests.harness.workloads import gpu_pods
+from tests.harness.workloads import live_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 

@@ -8,30 +8,31 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from kubernetes import client, watch
-from temporalio.client import Client, WorkflowFailureError
+from kubernetes import client
+from kubernetes import watch
+from temporalio.client import Client
+from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import CancelledError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.providers.sim import SimProvider
 from gateway.slots import AddressPlan
-from models.labels import LABEL_INSTANCE_TYPE, LABEL_POLICY
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_POLICY
 from models.node import NodePhase
 from models.provisioning import ProvisionPhase
 from tests.harness.background import Background
-from tests.harness.burst import (
-    BurstStack,
-    drain_blocked,
-    gpu_deployment,
-    in_process_worker,
-    node_for,
-    provision_state,
-    result,
-    sim_location,
-    unique,
-    wait_for,
-    wait_phase,
-)
+from tests.harness.burst import BurstStack
+from tests.harness.burst import drain_blocked
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import in_process_worker
+from tests.harness.burst import node_for
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import sim_location
+from tests.harness.burst import unique
+from tests.harness.burst import wait_for
+from tests.harness.burst import wait_phase
 from worker import ops
 from worker.runtime import Runtime
 

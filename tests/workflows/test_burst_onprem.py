@@ -8,41 +8,52 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from common.kube import kube_api
 from gateway.pool_tokens import POOL_CLAIM_HEADER
 from gateway.service import KubeGateway
 from models import pool_claim
-from models.join import JoinTicketRequest, burst_node_name
-from models.labels import LABEL_LOCATION, Taint
+from models.join import JoinTicketRequest
+from models.join import burst_node_name
+from models.labels import LABEL_LOCATION
+from models.labels import Taint
 from models.node import NodePhase
-from models.policy import API_GROUP, PLURAL
+from models.policy import API_GROUP
+from models.policy import PLURAL
 from models.provisioning import ProvisionView
 from node.join import JoinRefusedByGateway
-from tests.harness.burst import (
-    BURST_TAINT_KEY,
-    SIM_LOCATIONS,
-    BurstStack,
-    approve_batch,
-    build_stack,
-    gpu_deployment,
-    provision_state,
-    unique,
-    wait_phase,
-)
-from tests.harness.joining import join_over_http, new_burst_node
-from tests.harness.kube import Cluster, until
-from tests.harness.onprem import AgentProcess, GatewayThread, claim_keys, register_server, write_gateways
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import approve_batch
+from tests.harness.burst import build_stack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import provision_state
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
+from tests.harness.joining import join_over_http
+from tests.harness.joining import new_burst_node
+from tests.harness.kube import Cluster
+from tests.harness.kube import until
+from tests.harness.onprem import AgentProcess
+from tests.harness.onprem import GatewayThread
+from tests.harness.onprem import claim_keys
+from tests.harness.onprem import register_server
+from tests.harness.onprem import write_gateways
 from tests.hub.conftest import BOOTSTRAP_KEY
 from tests.hub.process import HubProcess
 from worker.main import worker_services

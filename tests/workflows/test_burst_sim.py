@@ -12,22 +12,24 @@ from kubernetes import client
 from temporalio.client import Client
 
 from models.decisions import Approval
-from models.labels import LABEL_INSTANCE_TYPE, LABEL_LOCATION, LABEL_OPERATION, LABEL_POLICY
+from models.labels import LABEL_INSTANCE_TYPE
+from models.labels import LABEL_LOCATION
+from models.labels import LABEL_OPERATION
+from models.labels import LABEL_POLICY
 from models.node import NodePhase
-from models.provisioning import BatchPhase, ProvisionPhase
-from tests.harness.burst import (
-    SIM_LOCATIONS,
-    BurstStack,
-    StartWorker,
-    gpu_deployment,
-    node_for,
-    node_workflows,
-    provision_state,
-    result,
-    unique,
-    wait_for,
-    wait_phase,
-)
+from models.provisioning import BatchPhase
+from models.provisioning import ProvisionPhase
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import node_workflows
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_for
+from tests.harness.burst import wait_phase
 from tests.harness.kube import until
 from worker import ops
 from worker.audit_verify import verify_file

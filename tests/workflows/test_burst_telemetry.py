@@ -27,26 +27,28 @@ from models.ids import provision_workflow_id
 from models.join import parse_user_data
 from models.labels import TAG_OPERATION
 from models.node import NodePhase
-from models.policy import API_GROUP, PLURAL
+from models.policy import API_GROUP
+from models.policy import PLURAL
 from models.provisioning import BatchPhase
-from tests.harness.burst import (
-    BURST_TAINT_KEY,
-    SIM_LOCATIONS,
-    BurstStack,
-    gpu_deployment,
-    node_for,
-    provision_state,
-    result,
-    sim_location,
-    unique,
-    wait_phase,
-    worker_process,
-)
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import sim_location
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
+from tests.harness.burst import worker_process
 from tests.harness.controlplane import free_port
 from tests.harness.dashboard import dashboard_metric_names
-from tests.harness.kube import until, wait_for
-from tests.harness.otlp import OtlpReceiver, ReceivedSpan
-from tests.harness.processes import answers_ok, stop_process
+from tests.harness.kube import until
+from tests.harness.kube import wait_for
+from tests.harness.otlp import OtlpReceiver
+from tests.harness.otlp import ReceivedSpan
+from tests.harness.processes import answers_ok
+from tests.harness.processes import stop_process
 from tests.hub.process import SeededHub
 from worker.config import Settings
 

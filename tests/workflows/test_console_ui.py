@@ -16,18 +16,19 @@ from temporalio.testing import WorkflowEnvironment
 from models import search_attributes as sa
 from models.ids import provision_workflow_id
 from models.node import NodePhase
-from tests.harness.browser import artifacts_dir, chromium, current_details_text, screenshot
-from tests.harness.burst import (
-    SIM_LOCATIONS,
-    BurstStack,
-    gpu_deployment,
-    in_process_worker,
-    node_for,
-    provision_state,
-    result,
-    unique,
-    wait_phase,
-)
+from tests.harness.browser import artifacts_dir
+from tests.harness.browser import chromium
+from tests.harness.browser import current_details_text
+from tests.harness.browser import screenshot
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import in_process_worker
+from tests.harness.burst import node_for
+from tests.harness.burst import provision_state
+from tests.harness.burst import result
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 

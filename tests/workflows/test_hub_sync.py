@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import select
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError
 
 from hub.db import Cluster as HubCluster
@@ -22,36 +24,35 @@ from hub.db import Policy as HubPolicy
 from hub.plans import parse_plan
 from models.decisions import Approval
 from models.drain import DrainStatus
-from models.hub import (
-    CONDITION_HUB_CONNECTED,
-    CONDITION_READY,
-    LABEL_SOURCE,
-    REASON_UNAUTHORIZED,
-    REASON_UNKNOWN_LOCATION,
-    REASON_UNREACHABLE,
-    HubSyncStatus,
-    PolicySyncOutcome,
-    hub_sync_workflow_id,
-)
+from models.hub import CONDITION_HUB_CONNECTED
+from models.hub import CONDITION_READY
+from models.hub import LABEL_SOURCE
+from models.hub import REASON_UNAUTHORIZED
+from models.hub import REASON_UNKNOWN_LOCATION
+from models.hub import REASON_UNREACHABLE
+from models.hub import HubSyncStatus
+from models.hub import PolicySyncOutcome
+from models.hub import hub_sync_workflow_id
 from models.node import NodePhase
-from models.policy import API_GROUP, PLURAL
+from models.policy import API_GROUP
+from models.policy import PLURAL
 from models.provisioning import BatchPhase
-from tests.harness.burst import (
-    BURST_TAINT_KEY,
-    SIM_LOCATIONS,
-    BurstStack,
-    StartWorker,
-    gpu_deployment,
-    node_for,
-    provision_state,
-    unique,
-    wait_phase,
-)
+from tests.harness.burst import BURST_TAINT_KEY
+from tests.harness.burst import SIM_LOCATIONS
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.burst import gpu_deployment
+from tests.harness.burst import node_for
+from tests.harness.burst import provision_state
+from tests.harness.burst import unique
+from tests.harness.burst import wait_phase
 from tests.harness.crd import read_gpupolicy
 from tests.harness.kube import until
 from tests.hub.process import SeededHub
 from worker import ops
-from worker.audit_verify import fetch_hub, verify_file_against_hub, verify_hub
+from worker.audit_verify import fetch_hub
+from worker.audit_verify import verify_file_against_hub
+from worker.audit_verify import verify_hub
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 POLL = 1.0

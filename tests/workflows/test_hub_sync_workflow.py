@@ -7,27 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
+from datetime import UTC
+from datetime import datetime
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from models import search_attributes as sa
-from models.hub import (
-    ActionReport,
-    HubPollRequest,
-    HubPollResult,
-    HubState,
-    HubSyncConfig,
-    HubSyncInput,
-    HubSyncStatus,
-)
+from models.hub import ActionReport
+from models.hub import HubPollRequest
+from models.hub import HubPollResult
+from models.hub import HubState
+from models.hub import HubSyncConfig
+from models.hub import HubSyncInput
+from models.hub import HubSyncStatus
 from tests.harness.temporal import skip_time
 from worker.main import workflow_runner
 from workflows.hub_sync import HubSyncWorkflow

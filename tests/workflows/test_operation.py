@@ -21,18 +21,24 @@ from temporalio.worker import Worker
 from temporalio.workflow import _Definition
 
 from models import search_attributes as sa
-from models.decisions import Approval, Rejection
-from models.provisioning import BatchPhase, BatchPlan, BatchRecord
-from worker.main import WORKFLOWS, workflow_runner
+from models.decisions import Approval
+from models.decisions import Rejection
+from models.provisioning import BatchPhase
+from models.provisioning import BatchPlan
+from models.provisioning import BatchRecord
+from worker.main import WORKFLOWS
+from worker.main import workflow_runner
 from workflows.burst import BurstNodeWorkflow
 from workflows.drain import DrainWorkflow
 from workflows.gpu_products import GpuProductsWorkflow
 from workflows.hub_sync import HubSyncWorkflow
-from workflows.operation import Approvable, Proposal
+from workflows.operation import Approvable
+from workflows.operation import Proposal
 from workflows.pack import PackWorkflow
 from workflows.provision import ProvisionWorkflow
 from workflows.scale import ScaleWorkflow
-from workflows.sharing import MigWorkflow, TimeSlicingWorkflow
+from workflows.sharing import MigWorkflow
+from workflows.sharing import TimeSlicingWorkflow
 
 
 class ToyPhase(StrEnum):

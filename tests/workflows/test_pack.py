@@ -8,22 +8,33 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 import pytest
 from kubernetes import client
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.audit_log import AuditLog
 from models.decisions import Approval
-from models.packing import PackInput, PackSettings, PackView
+from models.packing import PackInput
+from models.packing import PackSettings
+from models.packing import PackView
 from tests.harness import packing
-from tests.harness.karpenter import Karpenter, gpu_workload
-from tests.harness.kube import Cluster, until
-from tests.harness.packing import FAST, USER_BUDGETS, proposed_round, until_async
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import until
+from tests.harness.packing import FAST
+from tests.harness.packing import USER_BUDGETS
+from tests.harness.packing import proposed_round
+from tests.harness.packing import until_async
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 from tests.harness.temporal import listed
 from worker import ops
 from worker.cli import _render_view as render_view

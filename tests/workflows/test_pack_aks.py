@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,24 +18,26 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.aks import FROZEN_TAG
 from models.decisions import Approval
-from models.packing import PackSettings, PackView
-from tests.activities.capacity.test_aks import (
-    RG,
-    gpu_pods,
-    identity,
-    mutations,
-    pool_nodes,
-    pool_state,
-    provider,
-    ready,
-    removals,
-)
+from models.packing import PackSettings
+from models.packing import PackView
+from tests.activities.capacity.test_aks import RG
+from tests.activities.capacity.test_aks import gpu_pods
+from tests.activities.capacity.test_aks import identity
+from tests.activities.capacity.test_aks import mutations
+from tests.activities.capacity.test_aks import pool_nodes
+from tests.activities.capacity.test_aks import pool_state
+from tests.activities.capacity.test_aks import provider
+from tests.activities.capacity.test_aks import ready
+from tests.activities.capacity.test_aks import removals
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.packing import pack_worker, proposed_round
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.packing import pack_worker
+from tests.harness.packing import proposed_round
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 from tests.harness.workloads import live_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]

@@ -17,28 +17,45 @@ import contextlib
 import datetime as dt
 import functools
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
 
 import pytest
 from kubernetes import client
-from temporalio.api.enums.v1 import PendingActivityState, PendingWorkflowTaskState
-from temporalio.client import Client, WorkflowHandle
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.api.enums.v1 import PendingWorkflowTaskState
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.clients.kube import KubeOps
 from activities.packing import PackActivities
-from models.capacity import FREEZE_BUDGET, FROZEN_BY_ANNOTATION
+from models.capacity import FREEZE_BUDGET
+from models.capacity import FROZEN_BY_ANNOTATION
 from models.decisions import Approval
-from models.packing import GroupRef, NodeRef2, PackPlanRequest, PackView, ReplacementCheck
+from models.packing import GroupRef
+from models.packing import NodeRef2
+from models.packing import PackPlanRequest
+from models.packing import PackView
+from models.packing import ReplacementCheck
 from tests.harness import packing
-from tests.harness.burst import BurstStack, WorkerProcesses, unique
-from tests.harness.karpenter import KARPENTER_GROUP, KARPENTER_VERSION, Karpenter
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.packing import FAST, USER_BUDGETS, proposed_round, until_async
-from tests.harness.rbac import OPTIMIZER_NAMESPACE, OPTIMIZER_SA
+from tests.harness.burst import BurstStack
+from tests.harness.burst import WorkerProcesses
+from tests.harness.burst import unique
+from tests.harness.karpenter import KARPENTER_GROUP
+from tests.harness.karpenter import KARPENTER_VERSION
+from tests.harness.karpenter import Karpenter
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.packing import FAST
+from tests.harness.packing import USER_BUDGETS
+from tests.harness.packing import proposed_round
+from tests.harness.packing import until_async
+from tests.harness.rbac import OPTIMIZER_NAMESPACE
+from tests.harness.rbac import OPTIMIZER_SA
 from workflows.pack import PackWorkflow
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]

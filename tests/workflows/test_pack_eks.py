@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,11 +21,15 @@ from models.decisions import Approval
 from models.eks import NODEGROUP_LABEL
 from models.packing import PackView
 from tests.harness import packing
-from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
+from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import node_group_pods, running_pods
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
+from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import running_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal, pytest.mark.aws]
 CLOUD_CHOOSES = {"SetDesiredCapacity", "UpdateAutoScalingGroup", "DetachInstances"}

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from datetime import UTC
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -19,15 +21,22 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.gke import GkeNodePoolsCapacity
 from models.decisions import Approval
-from models.gke import FROZEN_BY_ANNOTATION, NODEPOOL_LABEL
+from models.gke import FROZEN_BY_ANNOTATION
+from models.gke import NODEPOOL_LABEL
 from models.packing import PackView
 from tests.harness import packing
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.local import GKE_LOCATION, GKE_PROJECT, GKE_ZONE, seed_gke_gpu_pool
+from tests.harness.clouds.local import GKE_LOCATION
+from tests.harness.clouds.local import GKE_PROJECT
+from tests.harness.clouds.local import GKE_ZONE
+from tests.harness.clouds.local import seed_gke_gpu_pool
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import node_group_pods, running_pods
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
+from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import running_pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.temporal]
 PROJECT, LOCATION, ZONE = GKE_PROJECT, GKE_LOCATION, GKE_ZONE

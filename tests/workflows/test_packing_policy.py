@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
 from activities.capacity.karpenter import KarpenterCapacity
@@ -27,17 +28,30 @@ from activities.clients.audit_log import AuditLog
 from hub.plans import parse_plan
 from models.autoscaling import GpuProductsView
 from models.decisions import Approval
-from models.packing import PackInput, PackView, packing_workflow_id
-from models.policy import API_GROUP, PLURAL
-from tests.harness.burst import BurstStack, StartWorker
-from tests.harness.crd import install_gpupolicy_crd, read_gpupolicy
-from tests.harness.karpenter import A100, L4, Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import Cluster, until
-from tests.harness.packing import FAST, until_async
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from models.packing import PackInput
+from models.packing import PackView
+from models.packing import packing_workflow_id
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from tests.harness.burst import BurstStack
+from tests.harness.burst import StartWorker
+from tests.harness.crd import install_gpupolicy_crd
+from tests.harness.crd import read_gpupolicy
+from tests.harness.karpenter import A100
+from tests.harness.karpenter import L4
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import until
+from tests.harness.packing import FAST
+from tests.harness.packing import until_async
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 from tests.harness.temporal import listed
 from tests.harness.workloads import live_pods
-from tests.workflows.test_pack import USER_BUDGETS, _worker
+from tests.workflows.test_pack import USER_BUDGETS
+from tests.workflows.test_pack import _worker
 from tests.workflows.test_pack import fragmented as fragmented  # the fixture
 from worker import ops
 from worker.packing_watcher import PackingWatcher

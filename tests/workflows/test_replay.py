@@ -21,7 +21,8 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from models.converter import DATA_CONVERTER
-from worker.main import WORKFLOWS, workflow_runner
+from worker.main import WORKFLOWS
+from worker.main import workflow_runner
 
 HISTORIES = Path(__file__).parent / "histories"
 WORKFLOW_IDS: dict[str, str] = json.loads((HISTORIES / "workflow_ids.json").read_text())  # IDs feed batch IDs

@@ -8,7 +8,8 @@ import datetime as dt
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,26 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
-from activities.scale import ScaleForbidden, ScaleOps
+from activities.scale import ScaleForbidden
+from activities.scale import ScaleOps
 from hub.plans import parse_plan
 from models.decisions import Approval
-from models.policy import API_GROUP, PLURAL
-from models.scale import NO_PROMETHEUS, ScalePhase, ScaleRequest, WakeRequest, WorkloadRef, scale_workflow_id
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.scale import NO_PROMETHEUS
+from models.scale import ScalePhase
+from models.scale import ScaleRequest
+from models.scale import WakeRequest
+from models.scale import WorkloadRef
+from models.scale import scale_workflow_id
 from tests.harness.burst import worker_process
-from tests.harness.kube import Cluster, until
-from tests.harness.scale import ScaleStack, build_scale_stack, ended_in, unique, wait_scale_phase
+from tests.harness.kube import Cluster
+from tests.harness.kube import until
+from tests.harness.scale import ScaleStack
+from tests.harness.scale import build_scale_stack
+from tests.harness.scale import ended_in
+from tests.harness.scale import unique
+from tests.harness.scale import wait_scale_phase
 from worker import ops
 from worker.cli import main
 from worker.config import Settings

@@ -16,41 +16,52 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from kubernetes import client
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.sharing import SharingOps
 from hub.plans import parse_plan
-from models.decisions import Approval, Rejection
-from models.policy import API_GROUP, PLURAL
-from models.sharing import (
-    CONFIG_LABEL,
-    KEY_PREFIX,
-    NO_PROMETHEUS,
-    CleanupRequest,
-    MigInput,
-    SharingOutcome,
-    SharingPhase,
-    SharingSettings,
-    SharingView,
-    TimeSlicingInput,
-    UndoRequest,
-    WriteKeyRequest,
-    WriteKeyResult,
-    sharing_workflow_id,
-)
-from tests.harness import burst, workloads
-from tests.harness.burst import BurstStack, build_stack, unique
-from tests.harness.dcgm_exporter import DcgmExporter, openmetrics_history
-from tests.harness.gpu_operator import GpuOperator, gpu_operator_namespace
-from tests.harness.kube import Cluster, until, wait_for
-from tests.harness.prometheus import SCRAPE_JOB, Prometheus
+from models.decisions import Approval
+from models.decisions import Rejection
+from models.policy import API_GROUP
+from models.policy import PLURAL
+from models.sharing import CONFIG_LABEL
+from models.sharing import KEY_PREFIX
+from models.sharing import NO_PROMETHEUS
+from models.sharing import CleanupRequest
+from models.sharing import MigInput
+from models.sharing import SharingOutcome
+from models.sharing import SharingPhase
+from models.sharing import SharingSettings
+from models.sharing import SharingView
+from models.sharing import TimeSlicingInput
+from models.sharing import UndoRequest
+from models.sharing import WriteKeyRequest
+from models.sharing import WriteKeyResult
+from models.sharing import sharing_workflow_id
+from tests.harness import burst
+from tests.harness import workloads
+from tests.harness.burst import BurstStack
+from tests.harness.burst import build_stack
+from tests.harness.burst import unique
+from tests.harness.dcgm_exporter import DcgmExporter
+from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.gpu_operator import GpuOperator
+from tests.harness.gpu_operator import gpu_operator_namespace
+from tests.harness.kube import Cluster
+from tests.harness.kube import until
+from tests.harness.kube import wait_for
+from tests.harness.prometheus import SCRAPE_JOB
+from tests.harness.prometheus import Prometheus
 from worker import ops
 from worker.config import Settings
 from worker.main import worker_services

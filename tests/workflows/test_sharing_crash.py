@@ -15,36 +15,41 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from activities.sharing import SharingOps
 from models.hub import REPORT_ACTIONS
-from models.sharing import (
-    CONFIG_LABEL,
-    KEY_PREFIX,
-    MIG_CONFIG_LABEL,
-    MIG_STATE_LABEL,
-    CleanupRequest,
-    MigInput,
-    SharingOutcome,
-    SharingPhase,
-    SharingView,
-    TimeSlicingInput,
-    WriteKeyRequest,
-    sharing_workflow_id,
-)
+from models.sharing import CONFIG_LABEL
+from models.sharing import KEY_PREFIX
+from models.sharing import MIG_CONFIG_LABEL
+from models.sharing import MIG_STATE_LABEL
+from models.sharing import CleanupRequest
+from models.sharing import MigInput
+from models.sharing import SharingOutcome
+from models.sharing import SharingPhase
+from models.sharing import SharingView
+from models.sharing import TimeSlicingInput
+from models.sharing import WriteKeyRequest
+from models.sharing import sharing_workflow_id
 from tests.harness.burst import WorkerProcesses
 from tests.harness.gpu_operator import GpuOperator
 from tests.harness.kube import until
 from tests.workflows import test_sharing
-from tests.workflows.test_sharing import PRODUCT, SharingBed, allocatable, settings, wait_phase
+from tests.workflows.test_sharing import PRODUCT
+from tests.workflows.test_sharing import SharingBed
+from tests.workflows.test_sharing import allocatable
+from tests.workflows.test_sharing import settings
+from tests.workflows.test_sharing import wait_phase
 from worker.config import Settings
 from worker.main import worker_services
 

@@ -8,23 +8,35 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
-from activities.capacity.aks import FROZEN_TAG, LIMIT_TAG, AksNodePoolsCapacity
+from activities.capacity import CapacityError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity import NodeNotInGroupError
+from activities.capacity.aks import FROZEN_TAG
+from activities.capacity.aks import LIMIT_TAG
+from activities.capacity.aks import AksNodePoolsCapacity
 from models.aks import AGENTPOOL_LABEL
 from models.eks import SCALE_DOWN_DISABLED
 from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.local import AZURE_CLIENT_ID, AZURE_SUBSCRIPTION
+from tests.harness.clouds.local import AZURE_CLIENT_ID
+from tests.harness.clouds.local import AZURE_SUBSCRIPTION
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import live_pods, node_group_pods, unschedulable_once_settled
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
+from tests.harness.workloads import live_pods
+from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import unschedulable_once_settled
 
 pytestmark = [pytest.mark.cluster]
 

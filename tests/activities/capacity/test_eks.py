@@ -7,22 +7,31 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from activities.capacity import CapacityError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity import CapacityError
+from activities.capacity import GroupNotFoundError
+from activities.capacity import NodeNotInGroupError
 from activities.capacity.eks import EksNodeGroupsCapacity
 from models.capacity import HomeNodeGroup
 from models.eks import NODEGROUP_LABEL
 from models.provisioning import NodeRequirement
-from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
+from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import MotoRecorder
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
-from tests.harness.workloads import live_pods, node_group_pods, unschedulable_once_settled
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
+from tests.harness.workloads import live_pods
+from tests.harness.workloads import node_group_pods
+from tests.harness.workloads import unschedulable_once_settled
 
 pytestmark = [pytest.mark.aws, pytest.mark.cluster]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,14 +16,21 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import container_v1
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity import CapacityError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity import NodeNotInGroupError
 from activities.capacity.gke import GkeNodePoolsCapacity
 from activities.providers.catalog import GCP_GPU_INSTANCES
-from models.gke import FROZEN_BY_ANNOTATION, NODEPOOL_LABEL
+from models.gke import FROZEN_BY_ANNOTATION
+from models.gke import NODEPOOL_LABEL
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.nodes import NodeReconciler
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 from tests.harness.workloads import node_group_pods
 
 pytestmark = [pytest.mark.cluster]

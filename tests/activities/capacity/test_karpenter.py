@@ -13,12 +13,22 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from activities.capacity import CapacityError, FrozenByOtherError, GroupNotFoundError, NodeNotInGroupError
+from activities.capacity import CapacityError
+from activities.capacity import FrozenByOtherError
+from activities.capacity import GroupNotFoundError
+from activities.capacity import NodeNotInGroupError
 from activities.capacity.karpenter import KarpenterCapacity
-from models.capacity import DO_NOT_DISRUPT, FROZEN_BY_ANNOTATION
-from tests.harness.karpenter import L4, Karpenter, gpu_nodepool, gpu_workload
-from tests.harness.kube import Cluster, Kube, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from models.capacity import DO_NOT_DISRUPT
+from models.capacity import FROZEN_BY_ANNOTATION
+from tests.harness.karpenter import L4
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 
 pytestmark = pytest.mark.cluster
 

@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 
 import pytest
 from kubernetes import client
 
-from activities.capacity.facts import PackFacts, gather
+from activities.capacity.facts import PackFacts
+from activities.capacity.facts import gather
 from activities.capacity.karpenter import KarpenterCapacity
 from activities.packing import plan_round
 from models.capacity import DO_NOT_DISRUPT
-from models.packing import PackPlan, PackPlanRequest
+from models.packing import PackPlan
+from models.packing import PackPlanRequest
 from planning.packing import plan_packing
 from tests.harness import packing
-from tests.harness.karpenter import Karpenter, gpu_nodepool, gpu_tolerations, gpu_workload
-from tests.harness.kube import Cluster, wait_for
-from tests.harness.rbac import OPTIMIZER_RULES, grant
+from tests.harness.karpenter import Karpenter
+from tests.harness.karpenter import gpu_nodepool
+from tests.harness.karpenter import gpu_tolerations
+from tests.harness.karpenter import gpu_workload
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+from tests.harness.rbac import OPTIMIZER_RULES
+from tests.harness.rbac import grant
 from tests.harness.workloads import gpu_pod
 
 pytestmark = pytest.mark.cluster

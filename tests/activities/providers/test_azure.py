@@ -7,8 +7,12 @@ import base64
 import pytest
 
 from activities.providers.azure import AzureProvider
-from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, NotOwnedError, ProviderError
-from models.labels import TAG_BURST, TAG_OPERATION
+from activities.providers.errors import InsufficientCapacityError
+from activities.providers.errors import LocationNotAllowedError
+from activities.providers.errors import NotOwnedError
+from activities.providers.errors import ProviderError
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
 from models.locations import BurstConfig
 from models.node import LaunchRequest
 from tests.harness.clouds.azure_server import IDENTITY_HEADER

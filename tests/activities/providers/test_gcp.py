@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from activities.providers.errors import InsufficientCapacityError, LocationNotAllowedError, NotOwnedError, ProviderError
+from activities.providers.errors import InsufficientCapacityError
+from activities.providers.errors import LocationNotAllowedError
+from activities.providers.errors import NotOwnedError
+from activities.providers.errors import ProviderError
 from activities.providers.gcp import GcpProvider
-from models.labels import TAG_BURST, TAG_OPERATION
+from models.labels import TAG_BURST
+from models.labels import TAG_OPERATION
 from models.locations import BurstConfig
 from models.node import LaunchRequest
 from tests.harness.clouds.fake import FakeServer

@@ -40,9 +40,11 @@ import uuid
 import zlib
 from typing import Any
 
-from werkzeug.wrappers import Request, Response
+from werkzeug.wrappers import Request
+from werkzeug.wrappers import Response
 
-from tests.harness.clouds.fake import ApiError, json_response
+from tests.harness.clouds.fake import ApiError
+from tests.harness.clouds.fake import json_response
 
 AKS = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft\.ContainerService/"
                  r"managedClusters/(?P<c>[^/]+)/agentPools(/(?P<p>[^/]+)(/(?P<verb>deleteMachines|machines)"

@@ -10,12 +10,15 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import boto3
-from werkzeug.serving import BaseWSGIServer, make_server
-from werkzeug.wrappers import Request, Response
+from werkzeug.serving import BaseWSGIServer
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request
+from werkzeug.wrappers import Response
 
 from tests.harness.identity import IdentityCA
 

@@ -28,13 +28,18 @@ import re
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from typing import Any
 
-from werkzeug.wrappers import Request, Response
+from werkzeug.wrappers import Request
+from werkzeug.wrappers import Response
 
-from tests.harness.clouds.aks import AKS, AgentPools
-from tests.harness.clouds.fake import ApiError, FakeCloud, json_response
+from tests.harness.clouds.aks import AKS
+from tests.harness.clouds.aks import AgentPools
+from tests.harness.clouds.fake import ApiError
+from tests.harness.clouds.fake import FakeCloud
+from tests.harness.clouds.fake import json_response
 
 IDENTITY_HEADER = "kubeon-dev-identity"
 SIZES: dict[str, tuple[str, int, int, int]] = {  # name -> (family, vCPUs, memory GB, GPUs)

@@ -10,12 +10,14 @@ import json
 import subprocess
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from tests.harness.clouds import local
-from tests.harness.clouds.boot import Booter, Join
+from tests.harness.clouds.boot import Booter
+from tests.harness.clouds.boot import Join
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.moto_server import MotoServer
 

@@ -32,10 +32,12 @@ below its min); ``describe_update`` (moto: 404 "Not yet implemented"); node grou
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
-from tests.harness.clouds.nodes import EFFECTS, CloudNode
+from tests.harness.clouds.nodes import EFFECTS
+from tests.harness.clouds.nodes import CloudNode
 
 REGION = "eu-central-1"
 ACCOUNT_ROLE = "arn:aws:iam::123456789012:role/"
@@ -209,7 +211,8 @@ class MotoRecorder:
         import time
         import urllib.parse
 
-        from werkzeug.wrappers import Request, Response
+        from werkzeug.wrappers import Request
+        from werkzeug.wrappers import Response
 
         request = Request(environ)
         body = request.get_data()

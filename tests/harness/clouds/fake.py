@@ -19,12 +19,15 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from werkzeug.wrappers import Request, Response
+from werkzeug.wrappers import Request
+from werkzeug.wrappers import Response
 
 from tests.harness.controlplane import free_port
 from tests.harness.identity import IdentityCA

@@ -22,13 +22,19 @@ import itertools
 import re
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC
+from datetime import datetime
 from typing import Any
 
-from werkzeug.wrappers import Request, Response
+from werkzeug.wrappers import Request
+from werkzeug.wrappers import Response
 
-from tests.harness.clouds.fake import ApiError, FakeCloud, json_response, serve
-from tests.harness.clouds.gke import MIG, NodePools
+from tests.harness.clouds.fake import ApiError
+from tests.harness.clouds.fake import FakeCloud
+from tests.harness.clouds.fake import json_response
+from tests.harness.clouds.fake import serve
+from tests.harness.clouds.gke import MIG
+from tests.harness.clouds.gke import NodePools
 
 GCE = "https://www.googleapis.com/compute/v1"
 ZONES = {

@@ -44,9 +44,11 @@ import time
 import uuid
 from typing import Any
 
-from werkzeug.wrappers import Request, Response
+from werkzeug.wrappers import Request
+from werkzeug.wrappers import Response
 
-from tests.harness.clouds.fake import ApiError, json_response
+from tests.harness.clouds.fake import ApiError
+from tests.harness.clouds.fake import json_response
 
 GCE = "https://www.googleapis.com/compute/v1"
 GKE = "https://container.googleapis.com/v1"
@@ -305,6 +307,7 @@ def _public(op: dict[str, Any]) -> dict[str, Any]:
 
 
 def _now() -> str:
-    from datetime import UTC, datetime
+    from datetime import UTC
+    from datetime import datetime
 
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

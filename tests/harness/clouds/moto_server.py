@@ -6,7 +6,8 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 from tests.harness.children import wait_answering

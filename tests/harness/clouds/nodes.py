@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from kubernetes import client
 
 from tests.harness.background import Background
 from tests.harness.controlplane import KWOK_NODE_ANNOTATION
-from tests.harness.kube import Kube, wait_for
+from tests.harness.kube import Kube
+from tests.harness.kube import wait_for
 
 OWNER = "kubeon.io/test-cloud"
 

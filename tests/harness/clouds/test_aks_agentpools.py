@@ -8,12 +8,10 @@ from typing import Any
 
 import pytest
 from azure.core import MatchConditions
-from azure.core.exceptions import (
-    HttpResponseError,
-    ResourceExistsError,
-    ResourceModifiedError,
-    ServiceResponseTimeoutError,
-)
+from azure.core.exceptions import HttpResponseError
+from azure.core.exceptions import ResourceExistsError
+from azure.core.exceptions import ResourceModifiedError
+from azure.core.exceptions import ServiceResponseTimeoutError
 from azure.identity import ManagedIdentityCredential
 from azure.mgmt.containerservice import ContainerServiceClient
 from azure.mgmt.containerservice.models import AgentPoolDeleteMachinesParameter
@@ -22,7 +20,8 @@ from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
-from tests.harness.clouds.nodes import NodeReconciler, group_taints
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import group_taints
 from tests.harness.kube import wait_for
 
 RG, CLUSTER = "ml-prod", "train"

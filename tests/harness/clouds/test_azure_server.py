@@ -7,12 +7,10 @@ import base64
 from typing import Any
 
 import pytest
-from azure.core.exceptions import (
-    ClientAuthenticationError,
-    HttpResponseError,
-    ResourceExistsError,
-    ResourceNotFoundError,
-)
+from azure.core.exceptions import ClientAuthenticationError
+from azure.core.exceptions import HttpResponseError
+from azure.core.exceptions import ResourceExistsError
+from azure.core.exceptions import ResourceNotFoundError
 from azure.identity import ManagedIdentityCredential
 from azure.mgmt.compute import ComputeManagementClient
 
@@ -149,7 +147,8 @@ def test_a_vm_reads_its_attested_data_from_imds(compute: Any, server: FakeServer
     """Issue 27: the VM's attested data (a PKCS7 of its vmId, subscription and the nonce of its ticket), from the
     plain-HTTP IMDS as `node join` asks for it, verified by the gateway's own code against the server's CA; the same
     document presented with another ticket is refused."""
-    from gateway.attestation import AttestationVerifier, load_roots
+    from gateway.attestation import AttestationVerifier
+    from gateway.attestation import load_roots
     from models.errors import JoinRefused
     from node.identity import fetch_attestation
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 from azure.core.exceptions import ClientAuthenticationError
-from azure.identity import DefaultAzureCredential, ManagedIdentityCredential
+from azure.identity import DefaultAzureCredential
+from azure.identity import ManagedIdentityCredential
 
 from tests.harness.clouds.dev import endpoints
 from tests.harness.clouds.fake import FakeServer

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.harness.clouds.eks import EksNodeGroups, MotoRecorder
-from tests.harness.clouds.nodes import NodeReconciler, group_taints
+from tests.harness.clouds.eks import EksNodeGroups
+from tests.harness.clouds.eks import MotoRecorder
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import group_taints
 from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.aws

@@ -139,7 +139,8 @@ def test_an_instance_reads_its_signed_identity_from_the_metadata_server(gcp: dic
                                                                         server: FakeServer) -> None:
     """Issue 27: the node's identity token (the gateway as audience), verified by the gateway's own code against
     the server's CA; its zone's region is the ticket's or the join is refused."""
-    from gateway.attestation import AttestationVerifier, load_roots
+    from gateway.attestation import AttestationVerifier
+    from gateway.attestation import load_roots
     from models.errors import JoinRefused
     from node.identity import fetch_attestation
 

@@ -9,10 +9,12 @@ import pytest
 import requests
 from google.api_core import exceptions
 from google.auth.credentials import AnonymousCredentials
-from google.cloud import compute_v1, container_v1
+from google.cloud import compute_v1
+from google.cloud import container_v1
 
 from tests.harness.clouds.fake import FakeServer
-from tests.harness.clouds.nodes import NodeReconciler, group_taints
+from tests.harness.clouds.nodes import NodeReconciler
+from tests.harness.clouds.nodes import group_taints
 from tests.harness.kube import wait_for
 
 PROJECT, LOCATION, CLUSTER = "acme-ml", "europe-west4", "train"

@@ -63,8 +63,11 @@ def test_the_node_program_sends_the_identity_its_user_data_asks_for(moto_server:
     """The join document (rendered as the launch renders it) names the method, the audience and the metadata URL;
     ``node join`` reads the identity there and sends it with its ticket, and the gateway's code verifies it."""
     from gateway.attestation import AttestationVerifier
-    from models.join import JoinRedeem, parse_user_data, render_user_data
-    from node.join import NodeFiles, join
+    from models.join import JoinRedeem
+    from models.join import parse_user_data
+    from models.join import render_user_data
+    from node.join import NodeFiles
+    from node.join import join
     from tests.harness.clouds.aws_metadata import AwsMetadata
 
     imds = AwsMetadata(moto_server.endpoint).start()

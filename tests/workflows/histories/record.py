@@ -9,37 +9,37 @@ from datetime import timedelta
 from temporalio import activity
 from temporalio.worker import Worker
 
-from models.decisions import Approval, Rejection
+from models.decisions import Approval
+from models.decisions import Rejection
 from models.provisioning import PodsGone
-from models.scale import (
-    Observation,
-    ObserveRequest,
-    ReadyRequest,
-    ReadyResult,
-    ScaleInput,
-    ScalePhase,
-    ScalePolicyRequest,
-    ScalePolicySnapshot,
-    ScaleRequest,
-    ScaleResult,
-    ScaleSettings,
-    ScaleStatusUpdate,
-    WakeRequest,
-    WorkloadRef,
-)
+from models.scale import Observation
+from models.scale import ObserveRequest
+from models.scale import ReadyRequest
+from models.scale import ReadyResult
+from models.scale import ScaleInput
+from models.scale import ScalePhase
+from models.scale import ScalePolicyRequest
+from models.scale import ScalePolicySnapshot
+from models.scale import ScaleRequest
+from models.scale import ScaleResult
+from models.scale import ScaleSettings
+from models.scale import ScaleStatusUpdate
+from models.scale import WakeRequest
+from models.scale import WorkloadRef
 from tests.harness.temporal import skip_time
-from tests.workflows.histories.recording import action_gate, dump, record_audit, until_phase
-from tests.workflows.test_burst_approval import (  # noqa: F401  (fixtures)
-    BurstResult,
-    Env,
-    ProvisionWorkflow,
-    _pods,
-    _proposal,
-    _until,
-    env,
-    ops,
-    own_time_skipping,
-)
+from tests.workflows.histories.recording import action_gate
+from tests.workflows.histories.recording import dump
+from tests.workflows.histories.recording import record_audit
+from tests.workflows.histories.recording import until_phase
+from tests.workflows.test_burst_approval import BurstResult
+from tests.workflows.test_burst_approval import Env
+from tests.workflows.test_burst_approval import ProvisionWorkflow
+from tests.workflows.test_burst_approval import _pods
+from tests.workflows.test_burst_approval import _proposal
+from tests.workflows.test_burst_approval import _until
+from tests.workflows.test_burst_approval import env  # noqa: F401  (fixtures)
+from tests.workflows.test_burst_approval import ops
+from tests.workflows.test_burst_approval import own_time_skipping  # noqa: F401  (fixtures)
 from worker.main import workflow_runner
 from workflows.scale import ScaleWorkflow
 

@@ -14,23 +14,25 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker import UnsandboxedWorkflowRunner
+from temporalio.worker import Worker
 
-from models.decisions import Approval, Rejection
-from models.packing import (
-    EvictOutcome,
-    GroupRef,
-    NodeRef2,
-    PackInput,
-    PackMove,
-    PackPlan,
-    PackPlanRequest,
-    PackSettings,
-    PodRef,
-    ReplacementCheck,
-    ReplacementState,
-)
-from tests.workflows.histories.recording import dump, on_dev_server, until_phase
+from models.decisions import Approval
+from models.decisions import Rejection
+from models.packing import EvictOutcome
+from models.packing import GroupRef
+from models.packing import NodeRef2
+from models.packing import PackInput
+from models.packing import PackMove
+from models.packing import PackPlan
+from models.packing import PackPlanRequest
+from models.packing import PackSettings
+from models.packing import PodRef
+from models.packing import ReplacementCheck
+from models.packing import ReplacementState
+from tests.workflows.histories.recording import dump
+from tests.workflows.histories.recording import on_dev_server
+from tests.workflows.histories.recording import until_phase
 
 sys.path.insert(0, os.environ["OLD"])
 import old_pack  # type: ignore[import-not-found]

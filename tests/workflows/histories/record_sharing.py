@@ -13,30 +13,34 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import Client
-from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker import UnsandboxedWorkflowRunner
+from temporalio.worker import Worker
 
-from models.drain import EvictionResult, NodeRef
-from models.sharing import (
-    CleanupRequest,
-    CleanupResult,
-    LabelRequest,
-    MigInput,
-    MigLabelRequest,
-    MigStateRequest,
-    MigStateResult,
-    MigVerifyRequest,
-    NodeConfig,
-    SharingSettings,
-    TimeSlicingInput,
-    UnservableRequest,
-    UnservableResult,
-    VerifyRequest,
-    VerifyResult,
-    WriteKeyRequest,
-    WriteKeyResult,
-    time_slicing_key,
-)
-from tests.workflows.histories.recording import action_gate, dump, on_dev_server, record_audit, until_phase
+from models.drain import EvictionResult
+from models.drain import NodeRef
+from models.sharing import CleanupRequest
+from models.sharing import CleanupResult
+from models.sharing import LabelRequest
+from models.sharing import MigInput
+from models.sharing import MigLabelRequest
+from models.sharing import MigStateRequest
+from models.sharing import MigStateResult
+from models.sharing import MigVerifyRequest
+from models.sharing import NodeConfig
+from models.sharing import SharingSettings
+from models.sharing import TimeSlicingInput
+from models.sharing import UnservableRequest
+from models.sharing import UnservableResult
+from models.sharing import VerifyRequest
+from models.sharing import VerifyResult
+from models.sharing import WriteKeyRequest
+from models.sharing import WriteKeyResult
+from models.sharing import time_slicing_key
+from tests.workflows.histories.recording import action_gate
+from tests.workflows.histories.recording import dump
+from tests.workflows.histories.recording import on_dev_server
+from tests.workflows.histories.recording import record_audit
+from tests.workflows.histories.recording import until_phase
 
 sys.path.insert(0, os.environ["OLD"])
 import old_sharing  # type: ignore[import-not-found]

@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
+from temporalio.client import WorkflowHandle
 
 from models.audit import AuditRecord
-from models.hub import GateRequest, GateState
+from models.hub import GateRequest
+from models.hub import GateState
 from tests.harness.temporal import start_dev_server
 
 
