@@ -99,6 +99,18 @@ BURN_IN_CHECKS = ("Gpus", "Tunnel", "GpuHealth")
 BurnInCheck = Literal["Gpus", "Tunnel", "GpuHealth"]
 
 
+def _each_once(what: str) -> Any:
+    """A list field's validator: each item at most once, else ``duplicate <what> <item>`` (on the field)."""
+    def check(items: list[Any]) -> list[Any]:
+        seen: list[Any] = []
+        for item in items:
+            if item in seen:
+                raise ValueError(f"duplicate {what} {item!r}")
+            seen.append(item)
+        return items
+    return AfterValidator(check)
+
+
 def _default_checks() -> list[BurnInCheck]:
     return ["Gpus", "Tunnel"]
 
@@ -107,16 +119,11 @@ class BurnIn(_Spec):
     """The burn-in gate: which checks run (empty: none, the node serves once verified) and how long a check may
     wait for the node to show what it must (a device plugin takes a while to advertise the GPUs)."""
 
-    checks: Annotated[list[BurnInCheck], Field(max_length=len(BURN_IN_CHECKS))] = Field(
+    checks: Annotated[list[BurnInCheck], Field(max_length=len(BURN_IN_CHECKS)), _each_once("burn-in check")] = Field(
         default_factory=_default_checks)
     # 15 minutes, as the join: on a fresh node the GPU Operator's driver container installs (minutes) before the device
     # plugin advertises any GPU; a shorter default would terminate healthy nodes.
     timeout_seconds: Annotated[StrictInt, Field(ge=1, le=3600)] = 900
-
-    @field_validator("checks")
-    @classmethod
-    def _unique_checks(cls, checks: list[str]) -> list[str]:
-        return _unique(checks, "burn-in check")
 
 
 class Location(str):
@@ -153,15 +160,10 @@ class GpuPolicySpec(_KindSpec):
     KIND = "Burst"
     mode: Mode | None = None
     workloads: Workloads
-    locations: Annotated[list[LocationName], Field(min_length=1, max_length=64)]
+    locations: Annotated[list[LocationName], Field(min_length=1, max_length=64), _each_once("location")]
     limits: Limits
     return_home: StrictBool = False
     burn_in: BurnIn = Field(default_factory=BurnIn)
-
-    @field_validator("locations")
-    @classmethod
-    def _unique_locations(cls, locations: list[str]) -> list[str]:
-        return _unique(locations, "location")
 
     def effective_mode(self, default_mode: Mode) -> Mode:
         """The mode in force: the policy's own, else the installation's ``defaultMode`` (R1.2)."""
@@ -232,26 +234,12 @@ LabelKey = Annotated[StrictStr, Field(max_length=316, pattern=LABEL_KEY_PATTERN)
 LabelValue = Annotated[StrictStr, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
 
 
-def _unique(items: list[Any], what: str) -> list[Any]:
-    seen: list[Any] = []
-    for item in items:
-        if item in seen:
-            raise ValueError(f"duplicate {what} {item!r}")
-        seen.append(item)
-    return items
-
-
 class WorkloadSelector(_Spec):
     """Which Deployments and StatefulSets of the named namespaces the policy scales: all of them by default."""
 
     match_labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=32)] = Field(default_factory=dict)
-    kinds: Annotated[list[WorkloadKind], Field(min_length=1, max_length=2)] = Field(
+    kinds: Annotated[list[WorkloadKind], Field(min_length=1, max_length=2), _each_once("kind")] = Field(
         default_factory=_all_workload_kinds)
-
-    @field_validator("kinds")
-    @classmethod
-    def _unique_kinds(cls, kinds: list[str]) -> list[str]:
-        return _unique(kinds, "kind")
 
 
 class IdleRule(_Spec):
@@ -289,14 +277,9 @@ class ScheduleWake(_Spec):
     """Wake at a time of day (kube-green's ``wakeUpAt``), on the given weekdays, in a time zone."""
 
     at: Annotated[StrictStr, Field(pattern=TIME_OF_DAY_PATTERN)]
-    weekdays: Annotated[list[Weekday], Field(min_length=1, max_length=7)] = Field(
+    weekdays: Annotated[list[Weekday], Field(min_length=1, max_length=7), _each_once("weekday")] = Field(
         default_factory=_all_weekdays)
     time_zone: Annotated[StrictStr, Field(max_length=64), AfterValidator(_check_time_zone)] = "UTC"
-
-    @field_validator("weekdays")
-    @classmethod
-    def _unique_days(cls, days: list[str]) -> list[str]:
-        return _unique(days, "weekday")
 
 
 class DemandWake(_Spec):
@@ -320,14 +303,9 @@ class WorkloadPolicySpec(_KindSpec):
     """What every policy over workloads has: its kind (``KIND``), its namespaces (each once), a selector of the
     workloads in them, and exclusions."""
 
-    namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64)]
+    namespaces: Annotated[list[Namespace], Field(min_length=1, max_length=64), _each_once("namespace")]
     selector: WorkloadSelector = Field(default_factory=WorkloadSelector)
     exclude: Annotated[list[Exclusion], Field(max_length=100)] = Field(default_factory=list)
-
-    @field_validator("namespaces")
-    @classmethod
-    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
-        return _unique(namespaces, "namespace")
 
     def excluded(self, namespace: str, name: str) -> bool:
         return any(e.matches(namespace, name) for e in self.exclude)
@@ -413,13 +391,8 @@ class MigRule(_Spec):
     """MIG: the geometries the policy may choose; a slice must hold the pods' peak framebuffer plus headroom."""
 
     allowed: Annotated[list[Annotated[StrictStr, Field(pattern=MIG_GEOMETRY_PATTERN)]],
-                       Field(min_length=1, max_length=16)]
+                       Field(min_length=1, max_length=16), _each_once("geometry")]
     headroom: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.1
-
-    @field_validator("allowed")
-    @classmethod
-    def _unique_geometries(cls, allowed: list[str]) -> list[str]:
-        return _unique(allowed, "geometry")
 
 
 class SharingIdle(_Spec):
@@ -481,25 +454,17 @@ class PackingPods(_Spec):
     """Which pods the policy may move: those of ``namespaces`` (all when empty) carrying ``matchLabels``. A node
     holding any other pod (DaemonSet pods aside) is not emptied."""
 
-    namespaces: Annotated[list[Namespace], Field(max_length=64)] = Field(default_factory=list)
+    namespaces: Annotated[list[Namespace], Field(max_length=64), _each_once("namespace")] = Field(
+        default_factory=list)
     match_labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=32)] = Field(default_factory=dict)
-
-    @field_validator("namespaces")
-    @classmethod
-    def _unique_namespaces(cls, namespaces: list[str]) -> list[str]:
-        return _unique(namespaces, "namespace")
 
 
 class PackingProtect(_Spec):
     """Pods that hold their node: younger than ``minPodAgeMinutes``, or carrying any of ``annotations`` (keys)."""
 
     min_pod_age_minutes: Annotated[StrictInt, Field(ge=0, le=7 * 24 * 60)] = 0
-    annotations: Annotated[list[LabelKey], Field(max_length=32)] = Field(default_factory=list)
-
-    @field_validator("annotations")
-    @classmethod
-    def _unique_annotations(cls, keys: list[str]) -> list[str]:
-        return _unique(keys, "annotation")
+    annotations: Annotated[list[LabelKey], Field(max_length=32), _each_once("annotation")] = Field(
+        default_factory=list)
 
 
 class PackingSpec(_KindSpec):
@@ -509,18 +474,13 @@ class PackingSpec(_KindSpec):
     KIND = "Packing"
     mode: Mode | None = None
     node_pools: Annotated[list[Annotated[StrictStr, Field(max_length=253, pattern=RESOURCE_NAME_PATTERN)]],
-                          Field(min_length=1, max_length=32)] | None = None
+                          Field(min_length=1, max_length=32), _each_once("NodePool")] | None = None
     node_selector: NodeSelector | None = None
     pods: PackingPods = Field(default_factory=PackingPods)
     min_savings_usd_per_hour: Annotated[StrictFloat, Field(ge=0, le=100000)] = 0.0
     max_nodes_at_once: Annotated[StrictInt, Field(ge=1, le=50)] = 1
     protect: PackingProtect = Field(default_factory=PackingProtect)
     interval: PackingInterval = "1h"
-
-    @field_validator("node_pools")
-    @classmethod
-    def _unique_pools(cls, pools: list[str] | None) -> list[str] | None:
-        return _unique(pools, "NodePool") if pools is not None else None
 
     def effective_mode(self, default_mode: Mode) -> Mode:
         return self.mode or default_mode
@@ -544,24 +504,15 @@ class AutoscalingSpec(_KindSpec):
 
     KIND = "Autoscaling"
     mode: Literal["Recommend", "Automatic"] | None = None
-    node_pools: Annotated[list[NodePoolName], Field(min_length=1, max_length=32)]
+    node_pools: Annotated[list[NodePoolName], Field(min_length=1, max_length=32), _each_once("NodePool")]
     max_gpus: Annotated[StrictInt, Field(ge=0, le=100000)] | None = None
     # USD per hour for all of nodePools together (strict float takes ints, not strings).
     max_usd_per_hour: Annotated[StrictFloat, Field(gt=0, le=1_000_000)] | None = None
     # issue 23: the GPU products nodePools may launch, held as their requirement nvidia.com/gpu.product In [...]. A
     # requirement change drifts the pool's nodes of other products (Karpenter replaces them), so it is proposed as
     # an operation and made only when approved, whatever the mode (Recommend reports it). None: left as it is.
-    gpu_products: Annotated[list[LabelValue], Field(min_length=1, max_length=16)] | None = None
-
-    @field_validator("node_pools")
-    @classmethod
-    def _unique_pools(cls, pools: list[str]) -> list[str]:
-        return _unique(pools, "NodePool")
-
-    @field_validator("gpu_products")
-    @classmethod
-    def _unique_products(cls, products: list[str] | None) -> list[str] | None:
-        return None if products is None else _unique(products, "GPU product")
+    gpu_products: Annotated[list[LabelValue], Field(min_length=1, max_length=16),
+                            _each_once("GPU product")] | None = None
 
     @model_validator(mode="after")
     def _some_budget(self) -> AutoscalingSpec:
