@@ -306,29 +306,38 @@ def _render_hub(status: HubSyncStatus) -> str:
     return "\n".join(lines)
 
 
+def _rows(*rows: tuple[str, object]) -> list[str]:
+    """`ops show`'s lines: each label padded to the one column the values start in."""
+    return [f"{label:<10} {value}" for label, value in rows]
+
+
+def _rows_set(*rows: tuple[str, object]) -> list[str]:
+    """The rows of what an operation has (an empty or None value says nothing, so it is not shown)."""
+    return _rows(*((label, value) for label, value in rows if value))
+
+
+def _with_history(lines: list[str], history: list[str]) -> str:
+    return "\n".join([*lines, "history", *(f"  {h}" for h in history)])
+
+
 def _render_pack(view: PackView) -> str:
-    lines = [f"workflow   {view.workflow_id}", f"policy     {view.policy}", f"phase      {view.phase}"]
-    if view.message:
-        lines.append(f"message    {view.message}")
+    lines = _rows(("workflow", view.workflow_id), ("policy", view.policy), ("phase", view.phase))
+    lines += _rows_set(("message", view.message))
     if view.plan is not None:
-        lines.append(f"plan       {view.plan.summary()}")
+        lines += _rows(("plan", view.plan.summary()))
         lines += [f"  move     {m.pod} ({m.gpus} GPU) from {m.source} to {m.target}"
                   f"{f', waits for PDB {m.waits_for_pdb}' if m.waits_for_pdb else ''}" for m in view.plan.moves]
-    if view.removed:
-        lines.append(f"removed    {', '.join(view.removed)}")
-    if view.moved:
-        lines.append(f"moved      {', '.join(view.moved)}")
-    return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
+    lines += _rows_set(("removed", ", ".join(view.removed)), ("moved", ", ".join(view.moved)))
+    return _with_history(lines, view.history)
 
 
 def _render_gpu_products(view: GpuProductsView) -> str:
-    lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
-             f"phase      {view.phase}"]
-    if view.message:
-        lines.append(f"message    {view.message}")
+    lines = _rows(("operation", view.operation), ("workflow", view.workflow_id), ("policy", view.policy),
+                  ("phase", view.phase))
+    lines += _rows_set(("message", view.message))
     if view.change is not None:
-        lines.append(f"change     {view.change.summary()}")
-    return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
+        lines += _rows(("change", view.change.summary()))
+    return _with_history(lines, view.history)
 
 
 def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView | PackView | GpuProductsView) -> str:
@@ -345,73 +354,58 @@ def _render_view(view: OperationView | ProvisionView | ScaleView | SharingView |
     if isinstance(view, GpuProductsView):
         return _render_gpu_products(view)
     if isinstance(view, SharingView):
-        lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
-                 f"node       {view.node}", f"mode       {view.mode}", f"phase      {view.phase.value}",
-                 f"replicas   {view.replicas}", f"key        {view.key or '-'}",
-                 f"previous   {view.previous_label or '(none)'}"]
-        if view.message:
-            lines.append(f"message    {view.message}")
-        if view.unservable:
-            lines.append(f"unservable {', '.join(view.unservable)}")
-        return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
+        lines = _rows(("operation", view.operation), ("workflow", view.workflow_id), ("policy", view.policy),
+                      ("node", view.node), ("mode", view.mode), ("phase", view.phase.value),
+                      ("replicas", view.replicas), ("key", view.key or "-"),
+                      ("previous", view.previous_label or "(none)"))
+        lines += _rows_set(("message", view.message), ("unservable", ", ".join(view.unservable)))
+        return _with_history(lines, view.history)
     if isinstance(view, ScaleView):
-        lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
-                 f"workload   {view.workload}", f"mode       {view.mode}", f"phase      {view.phase.value}"]
-        if view.replicas_before is not None:
-            lines.append(f"replicas   {view.replicas_before} before scale-down")
-        if view.message:
-            lines.append(f"message    {view.message}")
-        if view.approver:
-            lines.append(f"approver   {view.approver}")
-        if view.woken_by:
-            lines.append(f"woken by   {view.woken_by}")
-        return "\n".join([*lines, "history", *(f"  {h}" for h in view.history)])
-    lines = [f"operation  {view.operation}", f"workflow   {view.workflow_id}", f"policy     {view.policy}",
-             f"batch      {view.batch}", f"phase      {view.phase.value}"]
-    if view.message:
-        lines.append(f"message    {view.message}")
+        lines = _rows(("operation", view.operation), ("workflow", view.workflow_id), ("policy", view.policy),
+                      ("workload", view.workload), ("mode", view.mode), ("phase", view.phase.value))
+        if view.replicas_before is not None:  # 0 is a count to show
+            lines += _rows(("replicas", f"{view.replicas_before} before scale-down"))
+        lines += _rows_set(("message", view.message), ("approver", view.approver), ("woken by", view.woken_by))
+        return _with_history(lines, view.history)
+    lines = _rows(("operation", view.operation), ("workflow", view.workflow_id), ("policy", view.policy),
+                  ("batch", view.batch), ("phase", view.phase.value))
+    lines += _rows_set(("message", view.message))
     if view.node:
-        lines.append(f"planned    {view.node.offering.describe()}")
-        lines.append(f"for pods   {', '.join(view.node.pods)}")
+        lines += _rows(("planned", view.node.offering.describe()), ("for pods", ", ".join(view.node.pods)))
     if view.instance:
-        lines.append(f"instance   {view.instance.instance_id} ({view.instance.instance_type}) in "
-                     f"{view.instance.location}")
-    if view.node_name:
-        lines.append(f"node       {view.node_name}")
+        lines += _rows(("instance", f"{view.instance.instance_id} ({view.instance.instance_type}) in "
+                                    f"{view.instance.location}"))
+    lines += _rows_set(("node", view.node_name))
     if view.cost:  # issue 27: cost on actuals beside the proposal's estimate
         c = view.cost
-        lines.append(f"cost       ${c.total_usd:.4f}{'' if c.final else ' so far'} = compute {c.compute_hours:.3f} h "
-                     f"${c.compute_usd:.4f} + transfer ${c.transfer_usd:.4f} "
-                     + (f"(measured: {c.egress_bytes} B egress, {c.ingress_bytes} B ingress)" if c.transfer_measured
-                        else "(estimated: not measured at the gateway)"))
-        lines.append(f"per GPU-h  ${c.usd_per_gpu_hour:.4f} actual, ${c.estimated_usd_per_gpu_hour:.4f} estimated "
-                     f"at the proposal (${c.estimated_usd:.4f} for the same hours)")
-    lines.append("history")
-    lines += [f"  {h}" for h in view.history]
-    return "\n".join(lines)
+        transfer = (f"(measured: {c.egress_bytes} B egress, {c.ingress_bytes} B ingress)" if c.transfer_measured
+                    else "(estimated: not measured at the gateway)")
+        lines += _rows(("cost", f"${c.total_usd:.4f}{'' if c.final else ' so far'} = compute {c.compute_hours:.3f} h "
+                                f"${c.compute_usd:.4f} + transfer ${c.transfer_usd:.4f} {transfer}"),
+                       ("per GPU-h", f"${c.usd_per_gpu_hour:.4f} actual, ${c.estimated_usd_per_gpu_hour:.4f} "
+                                     f"estimated at the proposal (${c.estimated_usd:.4f} for the same hours)"))
+    return _with_history(lines, view.history)
 
 
 def _render_provision(view: ProvisionView) -> str:
-    lines = [f"workflow   {view.workflow_id}", f"policy     {view.policy}", f"mode       {view.mode}",
-             f"phase      {view.phase.value}" + (f": {view.message}" if view.message else ""),
-             f"nodes      {len(view.nodes)} of maxNodes {view.max_nodes}"]
+    lines = _rows(("workflow", view.workflow_id), ("policy", view.policy), ("mode", view.mode),
+                  ("phase", view.phase.value + (f": {view.message}" if view.message else "")),
+                  ("nodes", f"{len(view.nodes)} of maxNodes {view.max_nodes}"))
     lines += [f"  {n.workflow_id} {n.node_name} {n.offering.instance_type} in {n.offering.location} "
               f"(batch {n.batch}): {', '.join(n.pods)}" for n in view.nodes]
     if view.proposal:
-        lines.append(f"proposal   batch {view.proposal.batch}, awaiting approval")
+        lines += _rows(("proposal", f"batch {view.proposal.batch}, awaiting approval"))
         lines += [f"  {line}" for line in view.proposal.plan.lines()]
         lines += [f"  refused  {r}" for r in view.proposal.plan.refused]
     if view.waiting:
-        lines.append(f"waiting    {len(view.waiting)} pod(s)")
+        lines += _rows(("waiting", f"{len(view.waiting)} pod(s)"))
         lines += [f"  {w}" for w in view.waiting]
     lines.append("batches")
     for b in view.batches:
         lines.append(f"  {b.batch} {b.phase.value}" + (f" by {b.approver}" if b.approver else "")
                      + f": {b.plan.summary()}" + (f" ({b.message})" if b.message else ""))
         lines += [f"    node {wf}" for wf in b.nodes]
-    lines.append("history")
-    lines += [f"  {h}" for h in view.history]
-    return "\n".join(lines)
+    return _with_history(lines, view.history)
 
 
 def build_parser() -> argparse.ArgumentParser:
