@@ -145,7 +145,16 @@ class ActionReport(Model):
     audit_prev: str | None = None
 
 
-class HubSyncInput(Model):
+class HubSyncRecord(Model):
+    """The sync's record across its runs: carried over continue-as-new in its input, shown in its status."""
+
+    last_success_at: datetime | None = None
+    last_error: str = ""
+    last_error_at: datetime | None = None
+    total_polls: int = 0
+
+
+class HubSyncInput(HubSyncRecord):
     cluster: str
     poll_interval_seconds: float = 60.0
     # Each wait is the interval times a random factor in [1 - jitter, 1 + jitter], so clusters spread out.
@@ -160,10 +169,6 @@ class HubSyncInput(Model):
     # Continue as new once the run's history has this many events (Temporal warns at 10,240 and stops at
     # 51,200): at a 5 s poll a run is about 7 minutes, at the default 60 s about 90.
     history_events_before_continue: int = 1_000
-    last_success_at: datetime | None = None
-    last_error: str = ""
-    last_error_at: datetime | None = None
-    total_polls: int = 0
 
 
 class HubSyncConfig(Model):
@@ -219,7 +224,7 @@ class HubPollResult(Model):
     refused_reports: dict[str, str] = Field(default_factory=dict)
 
 
-class HubSyncStatus(Model):
+class HubSyncStatus(HubSyncRecord):
     cluster: str
     poll_interval_seconds: float = 0.0
     state: HubState
@@ -231,10 +236,6 @@ class HubSyncStatus(Model):
     pending_reports: int
     dropped_reports: int
     last_sync: PolicySyncOutcome | None = None
-    last_success_at: datetime | None = None
-    last_error: str = ""
-    last_error_at: datetime | None = None
-    total_polls: int = 0
 
 
 class GateRequest(Model):
