@@ -105,6 +105,8 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         self.launch_attempted = False
         self.serving = False
         self.burn_in_passed = ""
+        # The node was launched with the burn-in label: the gateway holds its joining taint until burn_in_node runs.
+        self.taint_held = False
         # Cost on actuals (issue 27): the workflow's own clock from the launch to the termination, and the
         # node's tunnel transfer as last read from the gateway.
         self.launched_at: datetime | None = None
@@ -330,9 +332,9 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         the operation and the audit; the provisioning workflow plans the pods again."""
         assert self.policy is not None
         checks = self.policy.burn_in_checks
-        if not checks or not workflow.patched("burn-in"):
+        if not self.taint_held or not workflow.patched("burn-in"):
             return
-        self._set_phase(NodePhase.VERIFYING, "burn-in: " + ", ".join(checks))
+        self._set_phase(NodePhase.VERIFYING, "burn-in: " + (", ".join(checks) or "none; lifting the joining taint"))
         burned: BurnInResult = await workflow.execute_activity(
             "burn_in_node",
             BurnInRequest(node_name=self.node_name, gpus=self._offering().gpus, checks=checks,
@@ -357,11 +359,14 @@ class BurstNodeWorkflow(Operation[NodePhase]):
         }
 
     def _launch_labels(self, offering: Offering) -> dict[str, str]:
-        """The node's labels, and the burn-in label when the policy has burn-in checks: the gateway then keeps the
-        node's joining taint until the checks have passed (issue 27)."""
+        """The node's labels, and the burn-in label: the gateway then keeps the node's joining taint until the
+        checks have passed (issue 27). With no checks the label names none and the taint is still held until the
+        attested identity has been checked, so no workload lands on a machine that is not the launched instance."""
+        assert self.policy is not None
         labels = self._labels(offering)
-        if self.policy is not None and self.policy.burn_in_checks:
+        if self.policy.burn_in_checks or workflow.patched("identity-before-workload"):
             labels[BURN_IN_LABEL] = burn_in_label(self.policy.burn_in_checks)
+            self.taint_held = True
         return labels
 
     async def _go_ahead(self, inp: NodeInput) -> bool:

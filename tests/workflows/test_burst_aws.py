@@ -11,12 +11,15 @@ from typing import Any
 
 import boto3
 import pytest
+from kubernetes import watch
 from temporalio.client import Client
 
 from activities.providers.sim import KWOK_ANNOTATIONS
 from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from models.join import parse_user_data
+from models.labels import BURN_IN_LABEL
+from models.labels import JOINING_TAINT
 from models.labels import LABEL_POLICY
 from models.labels import TAG_BURST
 from models.labels import TAG_OPERATION
@@ -167,14 +170,37 @@ async def test_optimizer_credentials_cannot_create_or_delete_nodes(stack: BurstS
     assert err.value.status == 403
 
 
+class Untainted(Background):
+    """Watches the policy's Nodes and keeps the name of each one seen without the gateway's joining taint (from
+    then on workloads may land on it), and of each one registered without the burn-in label (what has the gateway
+    hold that taint until the optimizer's checks, the identity's first, have passed)."""
+
+    def __init__(self, kube: Kube, policy: str) -> None:
+        super().__init__()
+        self.kube, self.policy, self.names, self.not_held = kube, policy, set[str](), set[str]()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            stream = watch.Watch().stream(self.kube.core.list_node, label_selector=f"{LABEL_POLICY}={self.policy}",
+                                          timeout_seconds=2)
+            with contextlib.suppress(Exception):
+                for event in stream:
+                    node = event["object"]
+                    if BURN_IN_LABEL not in (node.metadata.labels or {}):
+                        self.not_held.add(node.metadata.name)
+                    if not any(t.key == JOINING_TAINT.key for t in node.spec.taints or []):
+                        self.names.add(node.metadata.name)
+
+
+@pytest.mark.parametrize("burn_in", [None, {"checks": []}], ids=["default-burn-in", "no-burn-in-checks"])
 async def test_a_node_attesting_another_instance_is_refused_and_replaced(
         stack: BurstStack, start_worker: StartWorker, moto_server: MotoServer, aws_location: dict[str, Any],
-        namespace: str, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        namespace: str, policy: str, monkeypatch: pytest.MonkeyPatch, burn_in: dict[str, Any] | None) -> None:
     """Issue 27: the gateway verifies the signed identity (signature, region, account), but any machine of that
     account and region holding the ticket passes that. A machine in the burst account redeems the first node's
     ticket with its own genuine identity: the node fails (named: its instance, the launched one), the launched
-    instance is terminated before any pod lands, and the replacement serves with its attested identity in its
-    "joined" audit record."""
+    instance is terminated while the node still has its joining taint (so no pod can land, also with no burn-in
+    checks at all), and the replacement serves with its attested identity in its "joined" audit record."""
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(var, "testing")
     ec2 = _ec2(moto_server)
@@ -190,9 +216,11 @@ async def test_a_node_attesting_another_instance_is_refused_and_replaced(
                                 attestation=attestation) as (temporal, settings, runtime):
             assert isinstance(runtime.gateway, KubeGateway)
             try:
-                stack.create_policy(policy, mode="Automatic", locations=[f"aws/{REGION}"], max_nodes=1)
+                stack.create_policy(policy, mode="Automatic", locations=[f"aws/{REGION}"], max_nodes=1,
+                                    burn_in=burn_in)
                 with BootedInstances(moto_server, runtime.gateway, policy, stack.workdir / f"aws-nodes-{policy}",
-                                     imds=imds, first_attests=thief["InstanceId"]) as booted:
+                                     imds=imds, first_attests=thief["InstanceId"]) as booted, \
+                        Untainted(stack.cluster.admin, policy) as untainted:
                     stack.cluster.admin.apps.create_namespaced_deployment(
                         namespace, gpu_deployment(deploy, gpu_product="NVIDIA-A10G"))
                     first = await node_for(temporal, settings.cluster, policy, f"{namespace}/{deploy}-")
@@ -208,6 +236,8 @@ async def test_a_node_attesting_another_instance_is_refused_and_replaced(
                     mine = [(r.action, r.detail) for r in runtime.audit.read() if r.operation == failed.operation]
                     assert any(a == "failed" and thief["InstanceId"] in d for a, d in mine), mine
                     assert not any(a in ("joined", "verified") for a, _ in mine), mine
+                    assert failed.node_name not in untainted.not_held, "the gateway did not hold its joining taint"
+                    assert failed.node_name not in untainted.names, "its joining taint was lifted before it failed"
 
                     # Planned again: the next instance joins as itself and serves.
                     prefix = f"{namespace}/{deploy}-"
@@ -217,6 +247,7 @@ async def test_a_node_attesting_another_instance_is_refused_and_replaced(
                                             NodePhase.SERVING, timeout=120)
                     assert view.instance is not None and booted.joined[view.instance.instance_id] == view.node_name
                     assert_serves_on_burst_node(stack, view, namespace, deploy, "aws.eu-central-1")
+                    assert view.node_name in untainted.names, "the watch saw no taint lifted at all"
                     raw = ec2.describe_instances(InstanceIds=[view.instance.instance_id])["Reservations"][0]
                     zone = raw["Instances"][0]["Placement"]["AvailabilityZone"]
                     [joined] = [r for r in runtime.audit.read()
