@@ -112,17 +112,24 @@ def authenticate_credential(value: str, session: Session, now: datetime, setting
     return ops.authenticate_api_key(session, now, parsed)
 
 
+def caller(
+    request: Request, state: Annotated[HubState, Depends(hub_state)], session: SessionDep, now: NowDep
+) -> Actor:
+    """Dependency: whoever the Authorization header names (401 if nobody), before any rule on who may call."""
+    return authenticate(request, session, now, state.settings)
+
+
+CallerDep = Annotated[Actor, Depends(caller)]
+
+
 def require_role(role: Role) -> Callable[..., Actor]:
     """Dependency: an API key (or the bootstrap admin key) whose role includes ``role``."""
 
     def dependency(
         request: Request,
-        state: Annotated[HubState, Depends(hub_state)],
-        session: SessionDep,
-        now: NowDep,
+        actor: CallerDep,
         _: Annotated[HTTPAuthorizationCredentials | None, Security(api_key_scheme)],
     ) -> Actor:
-        actor = authenticate(request, session, now, state.settings)
         if actor.kind is ActorKind.CLUSTER:
             raise Forbidden(
                 f"cluster tokens may only call /v1/cluster/... (their own cluster's policies, approvals and "
@@ -142,14 +149,14 @@ def require_role(role: Role) -> Callable[..., Actor]:
 
 def require_cluster(
     request: Request,
-    state: Annotated[HubState, Depends(hub_state)],
     session: SessionDep,
     now: NowDep,
+    actor: CallerDep,
     _: Annotated[HTTPAuthorizationCredentials | None, Security(cluster_token_scheme)],
 ) -> Actor:
     """Dependency: a valid cluster token. Records the cluster's last-seen time and its optimizer's User-Agent
-    (committed with the request)."""
-    actor = authenticate(request, session, now, state.settings)
+    (committed with the request: ``session`` is the one the token was checked in, FastAPI caches it per
+    request)."""
     if actor.kind is not ActorKind.CLUSTER:
         raise Forbidden(
             f"{request.method} {request.url.path} is for clusters: authenticate with the cluster's token (kgc_...), "
