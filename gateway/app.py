@@ -68,6 +68,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kubernetes import client
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.asgi import BodySizeLimit
@@ -206,6 +207,12 @@ def _node_errors(what: str) -> Iterator[None]:
         raise GatewayHTTPError(503, "tunnel_unavailable", str(exc)) from None
 
 
+def _node_report(read: Callable[..., BaseModel], name: str, operation: str, what: str) -> dict[str, object]:
+    """What the gateway holds of one node of ``operation`` (its transfer, its identity), as the optimizer reads it."""
+    with _node_errors(f"reading {what} of node {name}"):
+        return read(name, operation=operation).model_dump(mode="json", by_alias=True)
+
+
 def _refusal(status: int, code: str, message: str) -> JSONResponse:
     return GatewayHTTPError(status, code, message).response()
 
@@ -326,6 +333,8 @@ def optimizer(request: Request) -> str:
 
 
 Caller = Annotated[str, Depends(optimizer)]
+# The operation a call about one node names (``?operation=op-...``): the gateway acts only on that operation's node.
+NodeOperation = Annotated[str, Query(min_length=1, max_length=253)]
 
 
 def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: frozenset[str], *,
@@ -374,8 +383,7 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         return {"total": room.total, "held": room.held, "nodes": room.nodes}
 
     @app.delete("/v1/nodes/{name}")
-    def remove_node(name: str, caller: Caller,
-                    operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, bool]:
+    def remove_node(name: str, caller: Caller, operation: NodeOperation) -> dict[str, bool]:
         with _node_errors(f"removing node {name}"):
             removed = gateway.remove_node(name, operation=operation)
         log.info("node %s of operation %s: %s (asked by %s)", name, operation,
@@ -383,22 +391,15 @@ def create_app(gateway: KubeGateway, reviewer: TokenReviewer, allowed_clients: f
         return {"removed": removed}
 
     @app.get("/v1/nodes/{name}/transfer")
-    def node_transfer(name: str, caller: Caller,
-                      operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
-        with _node_errors(f"reading the transfer of node {name}"):
-            counted = gateway.transfer(name, operation=operation)
-        return counted.model_dump(mode="json", by_alias=True)
+    def node_transfer(name: str, caller: Caller, operation: NodeOperation) -> dict[str, object]:
+        return _node_report(gateway.transfer, name, operation, "the transfer")
 
     @app.get("/v1/nodes/{name}/identity")
-    def node_identity(name: str, caller: Caller,
-                      operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
-        with _node_errors(f"reading the attested identity of node {name}"):
-            identity = gateway.identity(name, operation=operation)
-        return identity.model_dump(mode="json", by_alias=True)
+    def node_identity(name: str, caller: Caller, operation: NodeOperation) -> dict[str, object]:
+        return _node_report(gateway.identity, name, operation, "the attested identity")
 
     @app.post("/v1/nodes/{name}/probe")
-    def probe_node(name: str, caller: Caller,
-                   operation: Annotated[str, Query(min_length=1, max_length=253)]) -> dict[str, object]:
+    def probe_node(name: str, caller: Caller, operation: NodeOperation) -> dict[str, object]:
         with _node_errors(f"probing the tunnel of node {name}"):
             probed = gateway.probe(name, operation=operation)
         log.info("tunnel probe of node %s (operation %s, asked by %s): %s", name, operation, caller, probed.detail)
