@@ -91,13 +91,11 @@ SERVE_HEARTBEAT = timedelta(seconds=5)
 
 
 @workflow.defn(name="BurstNode")
-class BurstNodeWorkflow(Operation[NodePhase]):
+class BurstNodeWorkflow(Operation[NodePhase, NodeInput]):
     KIND = "Burst"
 
     def __init__(self) -> None:
         super().__init__(NodePhase.LAUNCHING)
-        self.inp: NodeInput | None = None
-        self.operation = ""
         self.node_name = ""
         self.policy: PolicySnapshot | None = None
         self.instance: Instance | None = None

@@ -35,24 +35,18 @@ from workflows.gate import wait_until_allowed
 from workflows.operation import Operation
 
 
-class NotGoneYet(Exception):
-    pass
-
-
 @workflow.defn(name="DrainWorkflow")
-class DrainWorkflow(Operation[DrainPhase]):
+class DrainWorkflow(Operation[DrainPhase, DrainInput]):
     KIND = "Drain"
 
     def __init__(self) -> None:
-        super().__init__(DrainPhase.DRAINING)
-        self.message = "starting"
+        super().__init__(DrainPhase.DRAINING, "starting")
         self.blocked: dict[str, str] = {}
         self.cordoned = False
         self.evicted: list[str] = []
         self.pdb_waits: dict[str, int] = {}
         self.terminated: str | None = None
         self.node_removed = False
-        self.inp: DrainInput | None = None
         self.transfer: TransferReading | None = None
         self.terminated_at: datetime | None = None
 

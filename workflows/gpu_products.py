@@ -32,13 +32,11 @@ class GpuProductsPhase(StrEnum):
 
 
 @workflow.defn(name="GpuProducts")
-class GpuProductsWorkflow(Approvable[GpuProductsPhase]):
+class GpuProductsWorkflow(Approvable[GpuProductsPhase, GpuProductsInput]):
     KIND = "GpuProducts"
 
     def __init__(self) -> None:
         super().__init__(GpuProductsPhase.AWAITING_APPROVAL)
-        self.inp: GpuProductsInput | None = None
-        self.operation = ""
 
     def _details(self) -> str:
         lines = [f"**GPU products** {self.phase.value}: {self.message}"]

@@ -40,18 +40,23 @@ from models.ids import operation_id
 from workflows.observe import phase_span
 
 P = TypeVar("P", bound=StrEnum)
+InputT = TypeVar("InputT")
 
 KEEP_HISTORY = 50
 
 
-class Operation(Generic[P]):
+class Operation(Generic[P, InputT]):
     """Phase bookkeeping: every write (search attribute, details, history line) only when what it shows changed."""
 
     KIND: ClassVar[str]  # the KubeonOperationKind value, and the kind of its phase spans
 
-    def __init__(self, phase: P) -> None:
+    def __init__(self, phase: P, message: str = "") -> None:
         self.phase: P = phase
-        self.message = ""
+        self.message = message
+        self.inp: InputT | None = None  # the run's input, once run() has it: a query or signal may come first
+        # This run's operation ID (audit records, hub reports and approvals name it), once the run has it; "" in a
+        # run that has none.
+        self.operation = ""
         self.history: list[str] = []
         self._written: dict[str, Any] = {}  # search attribute name -> the value this run last upserted
         self._shown: str | None = None  # the details last set
@@ -133,7 +138,7 @@ class Proposal:
     summary: str
 
 
-class Approvable(Operation[P]):
+class Approvable(Operation[P, InputT]):
     """An operation whose proposal waits for one approval or rejection (CLI, Temporal UI, hub)."""
 
     NOUN: ClassVar[str] = "operation"  # what a decision names: "batch" for a provisioning

@@ -56,12 +56,11 @@ class PodNotReplaced(Exception):
 
 
 @workflow.defn(name="PackWorkflow")
-class PackWorkflow(Approvable[PackPhase]):
+class PackWorkflow(Approvable[PackPhase, PackInput]):
     KIND = "Pack"
 
     def __init__(self) -> None:
         super().__init__(PackPhase.PLANNING)
-        self.inp: PackInput | None = None
         self.plan: PackPlan | None = None
         self.removed: list[str] = []
         self.moved: list[str] = []
@@ -69,9 +68,6 @@ class PackWorkflow(Approvable[PackPhase]):
         self.frozen: list[str] = []
         # Every planned node cordoned before the first eviction (False: a run begun before, one node at a time).
         self.cordon_first = False
-        # This run's operation ID (audit records, hub reports and the hub's approvals name it); "" for a run begun
-        # before rounds were audited, which goes on unaudited (its history holds no audit commands).
-        self.operation = ""
 
     def _details(self) -> str:
         lines = [f"**Packing** {self.phase.value}: {self.message}"]
@@ -115,7 +111,7 @@ class PackWorkflow(Approvable[PackPhase]):
         self.inp = inp
         if workflow.patched("pack-audit"):
             self.operation = self._begin(inp.cluster, inp.policy, sa.PHASE.value_set(self.phase.value))
-        else:
+        else:  # a run begun before rounds were audited goes on unaudited: no operation ID, no audit commands
             self._start(sa.CLUSTER.value_set(inp.cluster), sa.POLICY.value_set(inp.policy),
                         sa.OPERATION_KIND.value_set(self.KIND), sa.PHASE.value_set(self.phase.value))
         plan = await self._act("pack_plan", PackPlanRequest(groups=inp.groups, max_nodes=inp.max_nodes,

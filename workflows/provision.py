@@ -68,7 +68,7 @@ SETTLE_WHEN_WAITERS_GO = "kubeon-settle-when-capacity-waiters-go"
 
 
 @workflow.defn(name="Provision")
-class ProvisionWorkflow(Approvable[ProvisionPhase]):
+class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
     KIND = "Provision"
     NOUN = "batch"
 
@@ -77,7 +77,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase]):
         # State is read here, not in run(): signals can be handled before run() starts (signal-with-start and
         # continue-as-new alike).
         super().__init__(ProvisionPhase.IDLE)
-        self.inp = inp
+        self.inp: ProvisionInput = inp
         self.waiting = {p.uid: p for p in inp.waiting}
         self.nodes = {n.workflow_id: n for n in inp.nodes}
         self.not_before = dict(inp.not_before)

@@ -61,13 +61,11 @@ PHASE_ON_CHANGE = "kubeon-phase-on-change"
 
 
 @workflow.defn(name="ScaleWorkflow")
-class ScaleWorkflow(Approvable[ScalePhase]):
+class ScaleWorkflow(Approvable[ScalePhase, ScaleInput]):
     KIND = "Scale"
 
     def __init__(self) -> None:
         super().__init__(ScalePhase.OBSERVING)
-        self.inp: ScaleInput | None = None
-        self.operation = ""
         self.policy: ScalePolicySnapshot | None = None
         self.observation: Observation | None = None
         self.replicas_before: int | None = None

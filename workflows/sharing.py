@@ -19,7 +19,6 @@ import math
 from datetime import timedelta
 from typing import Any
 from typing import ClassVar
-from typing import Generic
 from typing import TypeVar
 
 from temporalio import workflow
@@ -71,7 +70,7 @@ HEARTBEAT = timedelta(seconds=5)
 InputT = TypeVar("InputT", bound=SharingInputBase)
 
 
-class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
+class SharingOperation(Approvable[SharingPhase, InputT]):
     """What the two sharing workflows do alike. A workflow gives what it changes (:meth:`_what`,
     :meth:`_view_fields`, :meth:`_undo_message`, the lines of its details), its steps (:meth:`_apply`) and its
     compensation (:meth:`_compensate`); its ``@workflow.run`` calls :meth:`_operate`."""
@@ -81,8 +80,6 @@ class SharingOperation(Approvable[SharingPhase], Generic[InputT]):
 
     def __init__(self) -> None:
         super().__init__(SharingPhase.PROPOSED)
-        self.inp: InputT | None = None
-        self.operation = ""
         self.unservable: list[str] = []
         self.undo_request: UndoRequest | None = None
         self.undone_by: str | None = None

@@ -48,7 +48,7 @@ class ToyPhase(StrEnum):
 
 
 @workflow.defn(name="ToyOperation", sandboxed=False)
-class ToyOperation(Approvable[ToyPhase]):
+class ToyOperation(Approvable[ToyPhase, None]):
     """The least an operation kind writes: what awaits, its details, its run. Every handler is the base's."""
 
     KIND = "Toy"
