@@ -27,6 +27,7 @@ from kubernetes import client
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import Client
+from temporalio.client import WorkflowFailureError
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
@@ -94,10 +95,11 @@ def fragmented(cluster: Cluster, karpenter: Karpenter, namespace: str) -> Iterat
 
 # -- what holds each step while the worker is killed (each release is idempotent and runs in `finally`) -----------
 
-def _hold_cordon(cluster: Cluster, stack: BurstStack, node: str) -> Callable[[], None]:
-    """A ValidatingAdmissionPolicy refusing the optimizer (only it) the cordon of ``node``: the round's cordon
-    activity fails and is retried, the pool already frozen."""
+def _hold_cordon(cluster: Cluster, stack: BurstStack, node: str, *, uncordon: bool = False) -> Callable[[], None]:
+    """A ValidatingAdmissionPolicy refusing the optimizer (only it) the cordon of ``node`` (``uncordon``: its
+    uncordon): the round's cordon (uncordon) activity fails and is retried."""
     name = f"pack-crash-{uuid.uuid4().hex[:6]}"
+    held = "has(object.spec.unschedulable) && object.spec.unschedulable"
     admission = client.AdmissionregistrationV1Api(cluster.admin.api)
     admission.create_validating_admission_policy(client.V1ValidatingAdmissionPolicy(
         metadata=client.V1ObjectMeta(name=name),
@@ -108,31 +110,31 @@ def _hold_cordon(cluster: Cluster, stack: BurstStack, node: str) -> Callable[[],
             match_conditions=[client.V1MatchCondition(
                 name="the-optimizer", expression=f"request.userInfo.username == '{OPTIMIZER_USER}'")],
             validations=[client.V1Validation(
-                expression=f"object.metadata.name != '{node}' || !has(object.spec.unschedulable) || "
-                           "!object.spec.unschedulable",
-                message="the crash test holds this cordon")])))
+                expression=f"object.metadata.name != '{node}' || " + (f"({held})" if uncordon else f"!({held})"),
+                message="the crash test holds this " + ("uncordon" if uncordon else "cordon"))])))
     admission.create_validating_admission_policy_binding(client.V1ValidatingAdmissionPolicyBinding(
         metadata=client.V1ObjectMeta(name=name),
         spec=client.V1ValidatingAdmissionPolicyBindingSpec(policy_name=name, validation_actions=["Deny"])))
+    refused = {"spec": {"unschedulable": not uncordon}}
 
-    def cordon_refused() -> bool | None:
+    def change_refused() -> bool | None:
         try:
-            stack.optimizer.core.patch_node(node, {"spec": {"unschedulable": True}}, dry_run="All")
+            stack.optimizer.core.patch_node(node, refused, dry_run="All")
         except client.ApiException as exc:
             if exc.status in (403, 422) and "ValidatingAdmissionPolicy" in str(exc.body):
                 return True
             raise
         return None
 
-    wait_for(cordon_refused, what="the optimizer's cordon refused", retry_on=())
+    wait_for(change_refused, what=f"the optimizer's {'uncordon' if uncordon else 'cordon'} refused", retry_on=())
 
     def release() -> None:
         with contextlib.suppress(client.ApiException):
             admission.delete_validating_admission_policy_binding(name)
         with contextlib.suppress(client.ApiException):
             admission.delete_validating_admission_policy(name)
-        wait_for(lambda: stack.optimizer.core.patch_node(node, {"spec": {"unschedulable": True}}, dry_run="All"),
-                 what="the optimizer's cordon allowed again")
+        wait_for(lambda: stack.optimizer.core.patch_node(node, refused, dry_run="All"),
+                 what=f"the optimizer's {'uncordon' if uncordon else 'cordon'} allowed again")
 
     return release
 
@@ -389,3 +391,58 @@ def test_each_activity_retried_after_its_effect_is_a_no_op(
         for _ in range(2):
             acts.pack_unfreeze(op)
             assert _frozen_by(karpenter, pool) == (USER_BUDGETS, None)
+
+
+async def test_worker_killed_while_a_cancelled_round_compensates_it_still_uncordons_and_unfreezes(
+        cluster: Cluster, karpenter: Karpenter, stack: BurstStack, namespace: str,
+        temporal_dev_server: WorkflowEnvironment, workers: WorkerProcesses,
+        fragmented: tuple[str, dict[str, int]]) -> None:
+    """Cancelled while it waits on a PDB (its node cordoned, its pool frozen), the round compensates; its worker is
+    SIGKILLed while the uncordon is refused (held by a ValidatingAdmissionPolicy). The next worker finishes the
+    compensation: the round ends Cancelled, the node uncordoned, the budgets the user's, nothing evicted or
+    removed."""
+    pool, _ = fragmented
+    temporal: Client = temporal_dev_server.client
+    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
+    pods_before = set(_serve_pods(cluster, namespace))
+    workers.start(wait=True)
+    handle, proposal = await proposed_round(temporal, workers.settings.task_queue, [pool], max_nodes=1,
+                                            settings=SETTINGS)
+    releases: list[Callable[[], None]] = []
+    try:
+        assert proposal.plan is not None
+        [target] = proposal.plan.empty
+        releases.append(_hold_eviction(cluster, namespace))
+        await handle.signal("approve", Approval(approver="test"))
+
+        async def waiting_on_the_pdb() -> bool:
+            state = await handle.query(PackWorkflow.state)
+            return "waits for PDB serve" in state.message and _cordoned(cluster, target)
+
+        await until_async(waiting_on_the_pdb, what="the round waiting on the PDB", timeout=90)
+        releases.append(_hold_cordon(cluster, stack, target, uncordon=True))
+        await handle.cancel()
+        await until_async(lambda: _idle(handle, backing_off="pack_uncordon"), what="the uncordon refused, retried",
+                          timeout=90)
+        workers.kill()
+        # What the compensation left when its worker died: still cordoned, still frozen by the round.
+        assert _cordoned(cluster, target)
+        assert _frozen_by(karpenter, pool) == ([*USER_BUDGETS, FREEZE_BUDGET], handle.id)
+
+        workers.start(wait=True)
+        while releases:
+            releases.pop()()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    finally:
+        while releases:
+            releases.pop()()
+        with contextlib.suppress(Exception):
+            await handle.terminate("the crash test ended")
+    state = await handle.query(PackWorkflow.state)
+    assert state.phase == "Cancelled", state
+    assert not [line for line in state.history if ": evicted " in line] and not state.removed
+    assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
+    assert _frozen_by(karpenter, pool) == (USER_BUDGETS, None)
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before
+    assert set(_serve_pods(cluster, namespace)) == pods_before
