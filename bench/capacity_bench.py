@@ -286,8 +286,7 @@ def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
     from activities.capacity.gke import GkeNodePoolsCapacity
     from models.gke import NODEPOOL_LABEL
 
-    server = local.start_gcp(workdir)
-    try:
+    with local.start_gcp(workdir) as server:
         gke_cluster, pool = local.seed_gke_gpu_pool(server, machine_type="a2-highgpu-8g", nodes=1,
                                                      operation_seconds=operation_seconds)
         with NodeReconciler(cluster.admin, f"gke-{uuid.uuid4().hex[:6]}", gke_listing(server),
@@ -305,8 +304,6 @@ def gke_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
                         f"poll_seconds {capacity._poll:g}", NODEPOOL_LABEL,
                         lambda r: str(r["path"]).endswith("/deleteInstances"))
             server.reset()  # the pool's VMs go, and with them their Nodes (deleted on the reconciler's exit)
-    finally:
-        server.stop()
 
 
 @contextmanager
@@ -315,8 +312,7 @@ def aks_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
     from activities.capacity.aks import AksNodePoolsCapacity
     from models.aks import AGENTPOOL_LABEL
 
-    server = local.start_azure(workdir)
-    try:
+    with local.start_azure(workdir) as server:
         os.environ.update(local.azure_identity_env(server))
         server.fault(operation_seconds=operation_seconds, retry_after=0)
         aks_cluster, pool = f"train-{uuid.uuid4().hex[:6]}", "gpu"
@@ -342,8 +338,6 @@ def aks_group(cluster: Cluster, optimizer: Kube, workdir: Path, poll: float | No
                         f"polling_interval {capacity.polling_interval:g}, Retry-After 0", AGENTPOOL_LABEL,
                         lambda r: str(r["path"]).endswith("/deleteMachines"))
             server.reset()
-    finally:
-        server.stop()
 
 
 # -- a packing round end to end: approve -> the planned node's instance gone --------------------------------

@@ -243,6 +243,12 @@ class FakeServer:
         if self._proc:
             stop_process(self._proc, 10)
 
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def serve(app: FakeCloud, argv: list[str] | None = None) -> None:
     """Run a fake on 127.0.0.1 (threaded, so a slow answer never holds up the others)."""
