@@ -76,6 +76,13 @@ def label(cluster: Cluster, name: str, key: str, value: str | None) -> None:
     cluster.admin.core.patch_node(name, {"metadata": {"labels": {key: value}}})
 
 
+def relabel(cluster: Cluster, operator: GpuOperator, name: str, key: str, value: str | None, *passes: float) -> None:
+    """Set the node's label, then let the operator pass over its nodes at each of ``passes`` (its clock)."""
+    label(cluster, name, key, value)
+    for now in passes:
+        operator.step(now)
+
+
 def test_time_slicing_follows_the_node_label(cluster: Cluster, namespace: str, operator: GpuOperator,
                                              gpu_node: Any) -> None:
     name = gpu_node()
@@ -85,8 +92,7 @@ def test_time_slicing_follows_the_node_label(cluster: Cluster, namespace: str, o
     assert (labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.sharing-strategy"]) == ("1", "none")
 
     write_key(cluster, namespace, "ts-2", ts_config(2))
-    label(cluster, name, CONFIG_LABEL, "ts-2")
-    operator.step(1)
+    relabel(cluster, operator, name, CONFIG_LABEL, "ts-2", 1)
     labels, alloc = node(cluster, name)
     assert alloc == {"nvidia.com/gpu": "8"}
     assert cluster.admin.core.read_node(name).status.capacity["nvidia.com/gpu"] == "8"
@@ -100,8 +106,7 @@ def test_time_slicing_follows_the_node_label(cluster: Cluster, namespace: str, o
     operator.step(2)
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "8"}
 
-    label(cluster, name, CONFIG_LABEL, None)  # no label, no default: the empty fallback
-    operator.step(3)
+    relabel(cluster, operator, name, CONFIG_LABEL, None, 3)  # no label, no default: the empty fallback
     labels, alloc = node(cluster, name)
     assert alloc == {"nvidia.com/gpu": "4"}
     assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.replicas"]) == ("NVIDIA-A100-SXM4-80GB", "1")
@@ -113,8 +118,7 @@ def test_missing_key_is_refused_until_the_mounted_copy_has_it(cluster: Cluster, 
     name = gpu_node(gpus=2)
     operator.step(0)
     write_key(cluster, namespace, "ts-3", ts_config(3))
-    label(cluster, name, CONFIG_LABEL, "ts-3")
-    operator.step(10)  # written through the API, not yet in the pod's volume
+    relabel(cluster, operator, name, CONFIG_LABEL, "ts-3", 10)  # written through the API, not yet in the pod's volume
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "2"}
     assert operator.events_for(name)[-1].endswith("specified config ts-3 does not exist (config-manager exits; "
                                                   "retried)")
@@ -123,9 +127,7 @@ def test_missing_key_is_refused_until_the_mounted_copy_has_it(cluster: Cluster, 
     operator.step(71)  # the restarted sidecar finds it once the volume caught up
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "6"}
 
-    label(cluster, name, CONFIG_LABEL, "never-written")
-    for now in (100, 200, 300):
-        operator.step(now)
+    relabel(cluster, operator, name, CONFIG_LABEL, "never-written", 100, 200, 300)
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "6"}, "a missing key keeps the previous config"
     assert operator.events_for(name).count(
         f"{name}: specified config never-written does not exist (config-manager exits; retried)") == 1
@@ -133,8 +135,7 @@ def test_missing_key_is_refused_until_the_mounted_copy_has_it(cluster: Cluster, 
     operator.propagation_delay = 0.0
     write_key(cluster, namespace, "bad", yaml.safe_dump({"version": "v1", "sharing": {"timeSlicing": {
         "resources": [{"name": "nvidia.com/gpu", "replicas": 1}]}}}))
-    label(cluster, name, CONFIG_LABEL, "bad")
-    operator.step(400)
+    relabel(cluster, operator, name, CONFIG_LABEL, "bad", 400)
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "6"}
     assert operator.events_for(name)[-1] == f"{name}: config bad refused: number of replicas must be >= 2"
 
@@ -144,8 +145,7 @@ def test_disconnected_config_manager_ignores_labels(cluster: Cluster, namespace:
     name = gpu_node(gpus=1)
     operator.disconnect()
     write_key(cluster, namespace, "ts-2", ts_config(2))
-    label(cluster, name, CONFIG_LABEL, "ts-2")
-    operator.step(0)
+    relabel(cluster, operator, name, CONFIG_LABEL, "ts-2", 0)
     assert node(cluster, name)[1] == {"nvidia.com/gpu": "1"}
 
 
@@ -159,8 +159,7 @@ def test_mig_reconfiguration_deletes_gpu_pods_and_advertises_slices(cluster: Clu
         metadata=client.V1ObjectMeta(name="cpu-only"),
         spec=client.V1PodSpec(node_name=name, containers=[client.V1Container(name="main", image="busybox")])))
     operator.step(0)
-    label(cluster, name, MIG_CONFIG_LABEL, "all-1g.10gb")
-    operator.step(1)
+    relabel(cluster, operator, name, MIG_CONFIG_LABEL, "all-1g.10gb", 1)
     assert node(cluster, name)[0][MIG_STATE_LABEL] == "pending"
     wait_for(lambda: {p.metadata.name for p in cluster.admin.core.list_namespaced_pod(namespace).items
                       if p.metadata.deletion_timestamp is None} == {"cpu-only"},
@@ -174,10 +173,7 @@ def test_mig_reconfiguration_deletes_gpu_pods_and_advertises_slices(cluster: Clu
     assert labels["nvidia.com/mig-1g.10gb.count"] == "14"
 
     operator.fail_next_mig(name)
-    label(cluster, name, MIG_CONFIG_LABEL, "all-3g.40gb")
-    operator.step(5)
-    operator.step(7)
-    operator.step(9)
+    relabel(cluster, operator, name, MIG_CONFIG_LABEL, "all-3g.40gb", 5, 7, 9)
     labels, alloc = node(cluster, name)
     assert labels[MIG_STATE_LABEL] == "failed"
     assert alloc == {"nvidia.com/gpu": "0", "nvidia.com/mig-1g.10gb": "14"}, "failed leaves the old slices"
@@ -185,9 +181,7 @@ def test_mig_reconfiguration_deletes_gpu_pods_and_advertises_slices(cluster: Clu
         operator.step(now)
     assert node(cluster, name)[0][MIG_STATE_LABEL] == "failed", "a failed geometry is not retried"
 
-    label(cluster, name, MIG_CONFIG_LABEL, "all-disabled")
-    for now in (40, 42, 44):
-        operator.step(now)
+    relabel(cluster, operator, name, MIG_CONFIG_LABEL, "all-disabled", 40, 42, 44)
     labels, alloc = node(cluster, name)
     assert labels[MIG_STATE_LABEL] == "success"
     assert alloc == {"nvidia.com/gpu": "2"}
@@ -199,19 +193,13 @@ def test_mig_stuck_pending_and_unknown_geometry(cluster: Cluster, namespace: str
     name = gpu_node(product="NVIDIA-A100-SXM4-40GB", gpus=1)
     operator.step(0)
     operator.stick_pending(name)
-    label(cluster, name, MIG_CONFIG_LABEL, "all-1g.5gb")
-    for now in (1, 10, 100):
-        operator.step(now)
+    relabel(cluster, operator, name, MIG_CONFIG_LABEL, "all-1g.5gb", 1, 10, 100)
     labels, alloc = node(cluster, name)
     assert labels[MIG_STATE_LABEL] == "pending"
     assert alloc == {"nvidia.com/gpu": "1"}
-    label(cluster, name, MIG_CONFIG_LABEL, "all-1g.10gb")  # an 80GB profile on a 40GB card
-    for now in (101, 102, 104):
-        operator.step(now)
+    relabel(cluster, operator, name, MIG_CONFIG_LABEL, "all-1g.10gb", 101, 102, 104)  # an 80GB profile on a 40GB card
     assert node(cluster, name)[0][MIG_STATE_LABEL] == "failed"
-    label(cluster, name, MIG_CONFIG_LABEL, "all-balanced")
-    for now in (105, 106, 108):
-        operator.step(now)
+    relabel(cluster, operator, name, MIG_CONFIG_LABEL, "all-balanced", 105, 106, 108)
     labels, alloc = node(cluster, name)
     assert labels[MIG_STATE_LABEL] == "success"
     assert alloc == {"nvidia.com/gpu": "0", "nvidia.com/mig-1g.5gb": "2", "nvidia.com/mig-2g.10gb": "1",
@@ -226,18 +214,14 @@ def test_holds_keep_a_node_at_its_step_until_released(cluster: Cluster, namespac
     write_key(cluster, namespace, "ts-2", ts_config(2))
     operator.step(0)
     operator.hold_config(shared)
-    label(cluster, shared, CONFIG_LABEL, "ts-2")
-    for now in (1, 10):
-        operator.step(now)
+    relabel(cluster, operator, shared, CONFIG_LABEL, "ts-2", 1, 10)
     assert node(cluster, shared)[1] == {"nvidia.com/gpu": "2"}
     operator.release(shared)
     operator.step(11)
     assert node(cluster, shared)[1] == {"nvidia.com/gpu": "4"}
 
     operator.hold_mig(mig, "all-3g.40gb")
-    label(cluster, mig, MIG_CONFIG_LABEL, "all-3g.40gb")
-    for now in (12, 20, 100):
-        operator.step(now)
+    relabel(cluster, operator, mig, MIG_CONFIG_LABEL, "all-3g.40gb", 12, 20, 100)
     assert node(cluster, mig)[0][MIG_STATE_LABEL] == "pending"
     operator.release(mig)
     operator.step(101)
@@ -245,9 +229,7 @@ def test_holds_keep_a_node_at_its_step_until_released(cluster: Cluster, namespac
     assert (labels[MIG_STATE_LABEL], alloc) == ("success", {"nvidia.com/gpu": "0", "nvidia.com/mig-3g.40gb": "4"})
 
     operator.hold_mig_resources(mig, "all-1g.10gb")
-    label(cluster, mig, MIG_CONFIG_LABEL, "all-1g.10gb")
-    for now in (102, 104, 110):
-        operator.step(now)
+    relabel(cluster, operator, mig, MIG_CONFIG_LABEL, "all-1g.10gb", 102, 104, 110)
     labels, alloc = node(cluster, mig)
     assert (labels[MIG_STATE_LABEL], alloc) == ("success", {"nvidia.com/gpu": "0", "nvidia.com/mig-3g.40gb": "4"})
     operator.release(mig)
