@@ -62,6 +62,16 @@ class CrashingWorker(WorkerProcesses):
     """:meth:`crash` SIGKILLs the running worker, runs ``meanwhile`` (what held the step is let go while no worker
     runs) and starts the next."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runs: list[WorkflowHandle[Any, Any]] = []
+
+    def owns(self, handle: WorkflowHandle[Any, Any]) -> WorkflowHandle[Any, Any]:
+        """``handle``'s run ends with the test (:func:`crashing_worker` terminates it), also when an assertion
+        fails first: it would wait for an undo forever."""
+        self.runs.append(handle)
+        return handle
+
     def crash(self, meanwhile: Callable[[], None] = lambda: None) -> None:
         self.kill()
         meanwhile()
@@ -85,6 +95,8 @@ async def crashing_worker(bed: SharingBed, env: WorkflowEnvironment, log: Path,
         yield worker
     finally:
         worker.stop_all()
+        for handle in worker.runs:
+            await terminate(handle)
 
 
 async def when(check: Callable[[], Awaitable[bool]], *, what: str, timeout: float = 60) -> None:
@@ -127,11 +139,21 @@ async def seen_by_stand_in(bed: SharingBed, node: str) -> None:
     await until(lambda: bed.gpu_operator.nodes.get(node), what="the stand-in sees the node", timeout=10)
 
 
-async def terminate(handle: WorkflowHandle[Any, Any] | None) -> None:
-    """A run a failed assertion left open ends with its test (it would wait for an undo forever)."""
-    if handle is not None:
-        with contextlib.suppress(Exception):
-            await handle.terminate("test over")
+@contextlib.asynccontextmanager
+async def stand_in_node(bed: SharingBed) -> AsyncIterator[str]:
+    """A new node the stand-in operator sees; at the end, whatever the test held on it let go and the node deleted."""
+    node = new_node(bed)
+    await seen_by_stand_in(bed, node)
+    try:
+        yield node
+    finally:
+        bed.gpu_operator.release(node)
+        bed.cluster.admin.core.delete_node(node)
+
+
+async def terminate(handle: WorkflowHandle[Any, Any]) -> None:
+    with contextlib.suppress(Exception):  # ended already
+        await handle.terminate("test over")
 
 
 async def end(handle: WorkflowHandle[Any, Any], timeout: float = 90) -> SharingOutcome:
@@ -150,74 +172,67 @@ async def test_time_slicing_killed_at_a_step_resumes_to_the_same_end(
     node still shared. Either way: the node shared once (one label change applied), 4 time-sliced GPUs, the key
     beside the admin's; undone once, back to 2, the key removed; one record per step."""
     cluster, operator = bed.cluster, bed.gpu_operator
-    node = new_node(bed)
-    await seen_by_stand_in(bed, node)
     temporal = temporal_dev_server.client
-    handle: WorkflowHandle[Any, Any] | None = None
-    try:
-        async with crashing_worker(bed, temporal_dev_server, tmp_path / "worker.log",
-                                   sharing_propagation_seconds=3) as worker:
-            s = worker.settings
-            if step == "verifying":
-                operator.hold_config(node)
-            handle = await temporal.start_workflow(
-                "TimeSlicing", TimeSlicingInput(cluster=s.cluster, policy="p", node=node, gpus=2, replicas=2,
-                                                mode="Automatic", namespace=bed.operator_ns,
-                                                settings=s.sharing_settings()),
-                id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue)
-            if step == "propagating":
-                await when(lambda: phase_is(handle, SharingPhase.PROPAGATING), what="the key propagating")
-                worker.crash()
-                assert CONFIG_LABEL not in labels_of(bed, node), "killed before the label"
-            elif step == "verifying":
-                async def labelled() -> bool:
-                    return CONFIG_LABEL in labels_of(bed, node) and (
-                        await phase_is(handle, SharingPhase.VERIFYING))
-                await when(labelled, what="the node labelled, its config not applied yet")
-                assert allocatable(cluster, node) == "2"
-                worker.crash(lambda: operator.release(node))
-
-            view = await wait_phase(temporal, handle.id, SharingPhase.SHARED, SharingPhase.FAILED, timeout=90)
-            assert view.phase == SharingPhase.SHARED, view.history
-            assert view.message == f"{node}: 4 time-sliced GPUs (2 x 2)"
-            assert allocatable(cluster, node) == "4"
-            labels = labels_of(bed, node)
-            assert view.key.startswith(KEY_PREFIX + "r2-") and labels[CONFIG_LABEL] == view.key
-            assert (labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.product"],
-                    labels["nvidia.com/gpu.sharing-strategy"]) == ("2", f"{PRODUCT}-SHARED", "time-slicing")
-            assert operator.events_for(node).count(f"{node}: config {view.key} applied: replicas 2") == 1
-            assert not [e for e in operator.events_for(node) if "does not exist" in e], "never a missing key"
-            cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
-            assert view.key in cm.data and "any" in cm.data
-
-            if step == "undo-verifying":
-                operator.hold_config(node)
-            await handle.signal("undo")
-            if step == "undo-verifying":
-                async def unlabelled() -> bool:
-                    return CONFIG_LABEL not in labels_of(bed, node) and (
-                        await phase_is(handle, SharingPhase.RESTORING))
-                await when(unlabelled, what="the label removed, the node still shared")
-                assert allocatable(cluster, node) == "4"
-                worker.crash(lambda: operator.release(node))
-
-            outcome = await end(handle)
-            assert (outcome.phase, outcome.message) == (SharingPhase.UNDONE, f"{node} back to 2 GPU(s)")
+    async with (stand_in_node(bed) as node,
+                crashing_worker(bed, temporal_dev_server, tmp_path / "worker.log",
+                                sharing_propagation_seconds=3) as worker):
+        s = worker.settings
+        if step == "verifying":
+            operator.hold_config(node)
+        handle = worker.owns(await temporal.start_workflow(
+            "TimeSlicing", TimeSlicingInput(cluster=s.cluster, policy="p", node=node, gpus=2, replicas=2,
+                                            mode="Automatic", namespace=bed.operator_ns,
+                                            settings=s.sharing_settings()),
+            id=sharing_workflow_id(s.cluster, node), task_queue=s.task_queue))
+        if step == "propagating":
+            await when(lambda: phase_is(handle, SharingPhase.PROPAGATING), what="the key propagating")
+            worker.crash()
+            assert CONFIG_LABEL not in labels_of(bed, node), "killed before the label"
+        elif step == "verifying":
+            async def labelled() -> bool:
+                return CONFIG_LABEL in labels_of(bed, node) and (
+                    await phase_is(handle, SharingPhase.VERIFYING))
+            await when(labelled, what="the node labelled, its config not applied yet")
             assert allocatable(cluster, node) == "2"
-            labels = labels_of(bed, node)
-            assert CONFIG_LABEL not in labels
-            assert (labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.product"]) == ("1", PRODUCT)
-            events = operator.events_for(node)  # the first: the stand-in's first look at the node
-            after = events[events.index(f"{node}: config {view.key} applied: replicas 2") + 1:]
-            assert after == [f"{node}: config (none) applied: replicas 1"], events
-            cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
-            assert view.key not in cm.data and "any" in cm.data, "the key no node names removed"
-            assert worker.audit(view.operation) == ["proposed", "shared", "undone"]
-            assert len(worker.procs) == (1 if step is None else 2)
-    finally:
-        operator.release(node)
-        await terminate(handle)
-        cluster.admin.core.delete_node(node)
+            worker.crash(lambda: operator.release(node))
+
+        view = await wait_phase(temporal, handle.id, SharingPhase.SHARED, SharingPhase.FAILED, timeout=90)
+        assert view.phase == SharingPhase.SHARED, view.history
+        assert view.message == f"{node}: 4 time-sliced GPUs (2 x 2)"
+        assert allocatable(cluster, node) == "4"
+        labels = labels_of(bed, node)
+        assert view.key.startswith(KEY_PREFIX + "r2-") and labels[CONFIG_LABEL] == view.key
+        assert (labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.product"],
+                labels["nvidia.com/gpu.sharing-strategy"]) == ("2", f"{PRODUCT}-SHARED", "time-slicing")
+        assert operator.events_for(node).count(f"{node}: config {view.key} applied: replicas 2") == 1
+        assert not [e for e in operator.events_for(node) if "does not exist" in e], "never a missing key"
+        cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+        assert view.key in cm.data and "any" in cm.data
+
+        if step == "undo-verifying":
+            operator.hold_config(node)
+        await handle.signal("undo")
+        if step == "undo-verifying":
+            async def unlabelled() -> bool:
+                return CONFIG_LABEL not in labels_of(bed, node) and (
+                    await phase_is(handle, SharingPhase.RESTORING))
+            await when(unlabelled, what="the label removed, the node still shared")
+            assert allocatable(cluster, node) == "4"
+            worker.crash(lambda: operator.release(node))
+
+        outcome = await end(handle)
+        assert (outcome.phase, outcome.message) == (SharingPhase.UNDONE, f"{node} back to 2 GPU(s)")
+        assert allocatable(cluster, node) == "2"
+        labels = labels_of(bed, node)
+        assert CONFIG_LABEL not in labels
+        assert (labels["nvidia.com/gpu.replicas"], labels["nvidia.com/gpu.product"]) == ("1", PRODUCT)
+        events = operator.events_for(node)  # the first: the stand-in's first look at the node
+        after = events[events.index(f"{node}: config {view.key} applied: replicas 2") + 1:]
+        assert after == [f"{node}: config (none) applied: replicas 1"], events
+        cm = cluster.admin.core.read_namespaced_config_map("time-slicing-config", bed.operator_ns)
+        assert view.key not in cm.data and "any" in cm.data, "the key no node names removed"
+        assert worker.audit(view.operation) == ["proposed", "shared", "undone"]
+        assert len(worker.procs) == (1 if step is None else 2)
 
 
 async def test_a_key_written_a_moment_before_is_waited_for_from_its_write(
@@ -309,72 +324,67 @@ async def test_mig_killed_at_a_step_resumes_to_the_same_end(
     manager's success, the node not yet advertising the slices (the device plugin restarts after it), still
     cordoned. Either way: the pod evicted once, the geometry applied once, its slices advertised, uncordoned."""
     cluster, operator = bed.cluster, bed.gpu_operator
-    node = new_node(bed)
-    await seen_by_stand_in(bed, node)
-    hold_pod(bed, namespace, node, finalizer=step == "cordoned")
-    await until(lambda: pod_state(bed, namespace) == "running", what="the GPU pod running", timeout=30)
-    if step == "evicting":
-        cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
-            metadata=client.V1ObjectMeta(name="infer"), spec=client.V1PodDisruptionBudgetSpec(
-                min_available=1, selector=client.V1LabelSelector(match_labels={"app": "infer"}))))
-    if step == "pending":
-        operator.hold_mig(node, GEOMETRY)
-    if step == "verifying":
-        operator.hold_mig_resources(node, GEOMETRY)
     temporal = temporal_dev_server.client
-    handle: WorkflowHandle[Any, Any] | None = None
-    try:
-        async with crashing_worker(bed, temporal_dev_server, tmp_path / "worker.log") as worker:
-            handle = await start_mig(temporal, worker.settings, node, GEOMETRY, SLICES)
-            h = handle
-            if step == "cordoned":
-                async def evicted() -> bool:
-                    return cordoned(bed, node) and pod_state(bed, namespace) == "terminating" and (
-                        await phase_is(h, SharingPhase.EVICTING)) and await on_its_timer(h)
-                await when(evicted, what="cordoned, the pod evicted and terminating")
-                worker.crash(lambda: unhold(bed, namespace))
-            elif step == "evicting":
-                async def blocked() -> bool:
-                    view = await view_in(h, SharingPhase.EVICTING)
-                    return view is not None and "blocked by PDB infer" in view.message and await on_its_timer(h)
-                await when(blocked, what="the eviction waiting on the PDB")
-                assert cordoned(bed, node) and pod_state(bed, namespace) == "running"
-                def allow() -> None:
-                    cluster.admin.policy.patch_namespaced_pod_disruption_budget(
-                        "infer", namespace, {"spec": {"minAvailable": 0}})
-                worker.crash(allow)
-            elif step == "pending":
-                async def pending() -> bool:
-                    return labels_of(bed, node).get(MIG_STATE_LABEL) == "pending" and (
-                        await phase_is(h, SharingPhase.RECONFIGURING))
-                await when(pending, what="the MIG manager pending")
-                worker.crash(lambda: operator.release(node))
-            elif step == "verifying":
-                async def unadvertised() -> bool:
-                    return labels_of(bed, node).get(MIG_STATE_LABEL) == "success" and (
-                        await phase_is(h, SharingPhase.VERIFYING))
-                await when(unadvertised, what="success, the slices not advertised yet")
-                assert cordoned(bed, node) and allocatable(cluster, node) == "2"
-                worker.crash(lambda: operator.release(node))
+    async with stand_in_node(bed) as node:
+        hold_pod(bed, namespace, node, finalizer=step == "cordoned")
+        try:
+            await until(lambda: pod_state(bed, namespace) == "running", what="the GPU pod running", timeout=30)
+            if step == "evicting":
+                cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
+                    metadata=client.V1ObjectMeta(name="infer"), spec=client.V1PodDisruptionBudgetSpec(
+                        min_available=1, selector=client.V1LabelSelector(match_labels={"app": "infer"}))))
+            if step == "pending":
+                operator.hold_mig(node, GEOMETRY)
+            if step == "verifying":
+                operator.hold_mig_resources(node, GEOMETRY)
+            async with crashing_worker(bed, temporal_dev_server, tmp_path / "worker.log") as worker:
+                handle = worker.owns(await start_mig(temporal, worker.settings, node, GEOMETRY, SLICES))
+                if step == "cordoned":
+                    async def evicted() -> bool:
+                        return cordoned(bed, node) and pod_state(bed, namespace) == "terminating" and (
+                            await phase_is(handle, SharingPhase.EVICTING)) and await on_its_timer(handle)
+                    await when(evicted, what="cordoned, the pod evicted and terminating")
+                    worker.crash(lambda: unhold(bed, namespace))
+                elif step == "evicting":
+                    async def blocked() -> bool:
+                        view = await view_in(handle, SharingPhase.EVICTING)
+                        return (view is not None and "blocked by PDB infer" in view.message
+                                and await on_its_timer(handle))
+                    await when(blocked, what="the eviction waiting on the PDB")
+                    assert cordoned(bed, node) and pod_state(bed, namespace) == "running"
+                    def allow() -> None:
+                        cluster.admin.policy.patch_namespaced_pod_disruption_budget(
+                            "infer", namespace, {"spec": {"minAvailable": 0}})
+                    worker.crash(allow)
+                elif step == "pending":
+                    async def pending() -> bool:
+                        return labels_of(bed, node).get(MIG_STATE_LABEL) == "pending" and (
+                            await phase_is(handle, SharingPhase.RECONFIGURING))
+                    await when(pending, what="the MIG manager pending")
+                    worker.crash(lambda: operator.release(node))
+                elif step == "verifying":
+                    async def unadvertised() -> bool:
+                        return labels_of(bed, node).get(MIG_STATE_LABEL) == "success" and (
+                            await phase_is(handle, SharingPhase.VERIFYING))
+                    await when(unadvertised, what="success, the slices not advertised yet")
+                    assert cordoned(bed, node) and allocatable(cluster, node) == "2"
+                    worker.crash(lambda: operator.release(node))
 
-            view = await wait_phase(temporal, handle.id, SharingPhase.SHARED, SharingPhase.FAILED, timeout=90)
-            assert view.phase == SharingPhase.SHARED, view.history
-            assert view.message == f"{node}: 4 {RESOURCE}; evicted 1 GPU pod(s)"
-            n: Any = cluster.admin.core.read_node(node)
-            assert (n.status.allocatable[RESOURCE], n.status.allocatable["nvidia.com/gpu"]) == ("4", "0")
-            assert not n.spec.unschedulable, "uncordoned"
-            labels = n.metadata.labels
-            assert (labels[MIG_CONFIG_LABEL], labels[MIG_STATE_LABEL], labels[f"{RESOURCE}.count"]) == (
-                GEOMETRY, "success", "4")
-            assert operator.events_for(node).count(f"{node}: mig config {GEOMETRY}: success") == 1
-            assert pod_state(bed, namespace) == "gone"
-            assert worker.audit(view.operation) == ["proposed", "shared"]
-            assert len(worker.procs) == (1 if step is None else 2)
-    finally:
-        unhold(bed, namespace)
-        operator.release(node)
-        await terminate(handle)
-        cluster.admin.core.delete_node(node)
+                view = await wait_phase(temporal, handle.id, SharingPhase.SHARED, SharingPhase.FAILED, timeout=90)
+                assert view.phase == SharingPhase.SHARED, view.history
+                assert view.message == f"{node}: 4 {RESOURCE}; evicted 1 GPU pod(s)"
+                n: Any = cluster.admin.core.read_node(node)
+                assert (n.status.allocatable[RESOURCE], n.status.allocatable["nvidia.com/gpu"]) == ("4", "0")
+                assert not n.spec.unschedulable, "uncordoned"
+                labels = n.metadata.labels
+                assert (labels[MIG_CONFIG_LABEL], labels[MIG_STATE_LABEL], labels[f"{RESOURCE}.count"]) == (
+                    GEOMETRY, "success", "4")
+                assert operator.events_for(node).count(f"{node}: mig config {GEOMETRY}: success") == 1
+                assert pod_state(bed, namespace) == "gone"
+                assert worker.audit(view.operation) == ["proposed", "shared"]
+                assert len(worker.procs) == (1 if step is None else 2)
+        finally:
+            unhold(bed, namespace)
 
 
 MIG_FAILURE_STEPS = [None, "restoring"]
@@ -387,20 +397,17 @@ async def test_mig_failure_killed_while_restoring_resumes_to_the_same_end(
     killed while the previous geometry is being restored (the MIG manager pending on it). Either way: all-3g.40gb
     back (once), its slices advertised, the node uncordoned, the operation Failed with the reason, one record."""
     cluster, operator = bed.cluster, bed.gpu_operator
-    node = new_node(bed)
-    await seen_by_stand_in(bed, node)
-    cluster.admin.core.patch_node(node, {"metadata": {"labels": {MIG_CONFIG_LABEL: GEOMETRY}}})
-    await until(lambda: labels_of(bed, node).get(MIG_STATE_LABEL) == "success"
-                and cluster.admin.core.read_node(node).status.allocatable.get(RESOURCE) == "4",
-                what=f"the node on {GEOMETRY}", timeout=30)
-    operator.fail_next_mig(node)
-    if step == "restoring":
-        operator.hold_mig(node, GEOMETRY)
     temporal = temporal_dev_server.client
-    handle: WorkflowHandle[Any, Any] | None = None
-    try:
+    async with stand_in_node(bed) as node:
+        cluster.admin.core.patch_node(node, {"metadata": {"labels": {MIG_CONFIG_LABEL: GEOMETRY}}})
+        await until(lambda: labels_of(bed, node).get(MIG_STATE_LABEL) == "success"
+                    and cluster.admin.core.read_node(node).status.allocatable.get(RESOURCE) == "4",
+                    what=f"the node on {GEOMETRY}", timeout=30)
+        operator.fail_next_mig(node)
+        if step == "restoring":
+            operator.hold_mig(node, GEOMETRY)
         async with crashing_worker(bed, temporal_dev_server, tmp_path / "worker.log") as worker:
-            handle = await start_mig(temporal, worker.settings, node, "all-1g.10gb", {"1g.10gb": 7})
+            handle = worker.owns(await start_mig(temporal, worker.settings, node, "all-1g.10gb", {"1g.10gb": 7}))
             if step == "restoring":
                 await until(lambda: f"{node}: mig config all-1g.10gb: failed" in operator.events_for(node)
                             and labels_of(bed, node).get(MIG_CONFIG_LABEL) == GEOMETRY
@@ -421,7 +428,3 @@ async def test_mig_failure_killed_while_restoring_resumes_to_the_same_end(
                 "set up once, restored once"
             assert worker.audit(outcome.operation) == ["failed", "proposed"]
             assert len(worker.procs) == (1 if step is None else 2)
-    finally:
-        operator.release(node)
-        await terminate(handle)
-        cluster.admin.core.delete_node(node)
