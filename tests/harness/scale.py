@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,13 @@ from models.policy import PLURAL
 from models.scale import STATUS_KEY
 from models.scale import ScalePhase
 from models.scale import ScaleView
-from tests.harness.burst import BurstStack
 from tests.harness.burst import build_stack
 from tests.harness.burst import gpu_deployment
 from tests.harness.burst import unique
 from tests.harness.dcgm_exporter import DcgmExporter
-from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.gpu_metrics import GpuMetricsStack
 from tests.harness.kube import Cluster
 from tests.harness.kube import wait_for
-from tests.harness.prometheus import SCRAPE_JOB
 from tests.harness.prometheus import Prometheus
 from worker.config import Settings
 
@@ -44,16 +41,7 @@ def scale_role_docs(namespace: str) -> list[dict[str, Any]]:
             and d["metadata"]["name"].endswith("-scale") and d["metadata"].get("namespace") == namespace]
 
 
-@dataclass
-class ScaleStack:
-    burst: BurstStack
-    exporter: DcgmExporter
-    prometheus: Prometheus
-
-    @property
-    def cluster(self) -> Cluster:
-        return self.burst.cluster
-
+class ScaleStack(GpuMetricsStack):
     def settings(self, *, temporal_address: str, task_queue: str, prometheus: bool = True, **overrides: Any
                  ) -> Settings:
         values: dict[str, Any] = {"prometheus_url": self.prometheus.url if prometheus else "",
@@ -90,21 +78,6 @@ class ScaleStack:
     def replicas(self, namespace: str, name: str) -> tuple[int, int]:
         d: Any = self.cluster.admin.apps.read_namespaced_deployment(name, namespace)
         return int(d.spec.replicas), int(d.status.ready_replicas or 0)
-
-    def give_gpus(self, namespace: str, pods: list[str], *, activity: float, minutes: int,
-                  fb_used_mib: float = 2048) -> None:
-        """The pods hold GPUs at ``activity`` now, with ``minutes`` of such history (0: none) in Prometheus."""
-        for pod in pods:
-            self.exporter.assign(namespace, pod, activity=activity, fb_used_mib=fb_used_mib)
-        if minutes:
-            now = time.time()
-            held = [g for g in self.exporter.snapshot() if (g.namespace, g.pod) in {(namespace, p) for p in pods}]
-            history = openmetrics_history([(now - ago, held) for ago in range(minutes * 60, 10, -30)],
-                                          extra={"job": SCRAPE_JOB, "instance": self.exporter.address})
-            self.prometheus.stop()
-            self.prometheus.backfill(history)
-            self.prometheus.start()
-        self.prometheus.wait_scraped()
 
     def create_policy(self, name: str, namespaces: list[str], *, mode: str | None, **spec: Any) -> None:
         body: dict[str, Any] = {"kind": "ScaleToZero", "namespaces": namespaces,

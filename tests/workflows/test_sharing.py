@@ -50,17 +50,15 @@ from models.sharing import WriteKeyResult
 from models.sharing import sharing_workflow_id
 from tests.harness import burst
 from tests.harness import workloads
-from tests.harness.burst import BurstStack
 from tests.harness.burst import build_stack
 from tests.harness.burst import unique
 from tests.harness.dcgm_exporter import DcgmExporter
-from tests.harness.dcgm_exporter import openmetrics_history
+from tests.harness.gpu_metrics import GpuMetricsStack
 from tests.harness.gpu_operator import GpuOperator
 from tests.harness.gpu_operator import gpu_operator_namespace
 from tests.harness.kube import Cluster
 from tests.harness.kube import until
 from tests.harness.kube import wait_for
-from tests.harness.prometheus import SCRAPE_JOB
 from tests.harness.prometheus import Prometheus
 from worker import ops
 from worker.config import Settings
@@ -72,18 +70,11 @@ PRODUCT = "NVIDIA-A100-SXM4-80GB"
 
 
 @dataclass
-class SharingBed:
-    burst: BurstStack
+class SharingBed(GpuMetricsStack):
     operator_ns: str
     node: str
     pool: str
-    exporter: DcgmExporter
-    prometheus: Prometheus
     gpu_operator: GpuOperator
-
-    @property
-    def cluster(self) -> Cluster:
-        return self.burst.cluster
 
 
 def gpu_pod(name: str, pool: str) -> client.V1Pod:
@@ -113,7 +104,8 @@ def bed(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     exporter.add_node(node, gpus=4)
     prometheus = Prometheus(workdir / "prometheus", targets=[exporter.address])
     try:
-        yield SharingBed(burst, operator_ns, node, pool, exporter, prometheus, gpu_operator)
+        yield SharingBed(burst=burst, exporter=exporter, prometheus=prometheus, operator_ns=operator_ns, node=node,
+                         pool=pool, gpu_operator=gpu_operator)
     finally:
         gpu_operator.stop()
         prometheus.stop()
@@ -154,14 +146,7 @@ async def test_time_slicing_approved_runs_the_waiting_pods_then_undo_names_the_e
     for i in range(4):
         cluster.admin.core.create_namespaced_pod(namespace, gpu_pod(f"run-{i}", bed.pool))
     await until(lambda: len(pods_on(cluster, namespace, bed.node)) == 4, what="four pods running", timeout=60)
-    for i in range(4):
-        bed.exporter.assign(namespace, f"run-{i}", activity=0.05, fb_used_mib=4096)
-    now = time.time()
-    held = [g for g in bed.exporter.snapshot() if g.pod]
-    bed.prometheus.backfill(openmetrics_history([(now - ago, held) for ago in range(70 * 60, 15, -30)],
-                                                extra={"job": SCRAPE_JOB, "instance": bed.exporter.address}))
-    bed.prometheus.start()
-    bed.prometheus.wait_scraped()
+    bed.give_gpus(namespace, [f"run-{i}" for i in range(4)], activity=0.05, minutes=70, fb_used_mib=4096)
     for i in range(4):
         cluster.admin.core.create_namespaced_pod(namespace, gpu_pod(f"wait-{i}", bed.pool))
 
@@ -272,19 +257,6 @@ async def test_a_node_that_never_shows_the_config_gets_its_previous_label_back(
         cluster.admin.core.delete_node(node)
 
 
-def backfill(bed: SharingBed, namespace: str, pods: list[str], *, activity: float, fb_used_mib: float) -> None:
-    """The pods hold GPUs of the exporter at these values, with 70 minutes of such history in Prometheus."""
-    for pod in pods:
-        bed.exporter.assign(namespace, pod, activity=activity, fb_used_mib=fb_used_mib)
-    held = [g for g in bed.exporter.snapshot() if (g.namespace, g.pod) in {(namespace, p) for p in pods}]
-    now = time.time()
-    bed.prometheus.stop()
-    bed.prometheus.backfill(openmetrics_history([(now - ago, held) for ago in range(70 * 60, 15, -30)],
-                                                extra={"job": SCRAPE_JOB, "instance": bed.exporter.address}))
-    bed.prometheus.start()
-    bed.prometheus.wait_scraped()
-
-
 def mig_node(bed: SharingBed) -> tuple[str, str]:
     pool = f"mig-{uuid.uuid4().hex[:6]}"
     node = f"a100-{pool}"
@@ -347,7 +319,7 @@ async def test_mig_approved_waits_for_the_pdb_then_reconfigures_and_uncordons(
                                               selector=client.V1LabelSelector(match_labels={"app": "infer"}))))
     await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="two inference pods running", timeout=60)
     running = pods_on(cluster, namespace, node)
-    backfill(bed, namespace, running, activity=0.05, fb_used_mib=9 * 1024)
+    bed.give_gpus(namespace, running, activity=0.05, minutes=70, fb_used_mib=9 * 1024)
     policy = unique("mig")
     create_mig_policy(bed, policy, pool, "Approve", ["all-1g.10gb", "all-3g.40gb"])
     s = settings(bed, temporal_dev_server)
@@ -405,7 +377,7 @@ async def test_a_recommendation_goes_on_to_await_approval_once_its_policy_is_set
         pod = gpu_pod(name, pool)
         cluster.admin.core.create_namespaced_pod(namespace, pod)
     await until(lambda: len(pods_on(cluster, namespace, node)) == 2, what="two pods running", timeout=60)
-    backfill(bed, namespace, ["a", "b"], activity=0.05, fb_used_mib=9 * 1024)
+    bed.give_gpus(namespace, ["a", "b"], activity=0.05, minutes=70, fb_used_mib=9 * 1024)
     policy = unique("rec")
     create_mig_policy(bed, policy, pool, "Recommend", ["all-1g.10gb"])
     s = settings(bed, temporal_dev_server)
@@ -511,7 +483,7 @@ async def quiet_mig_nodes(bed: SharingBed, namespace: str, count: int) -> AsyncI
                 pods.append(f"{node}-{k}")
         await until(lambda: all(len(pods_on(cluster, namespace, n)) == 2 for n in nodes),
                     what="two pods running on each node", timeout=60)
-        backfill(bed, namespace, pods, activity=0.05, fb_used_mib=9 * 1024)
+        bed.give_gpus(namespace, pods, activity=0.05, minutes=70, fb_used_mib=9 * 1024)
         yield pool, nodes
     finally:
         for node in nodes:
