@@ -13,7 +13,6 @@ polling overhead on top of that, not a cloud's boot time.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from activities.clients.kube import KubeOps
+from bench.options import parse_options
 from common.kube import kube_api
 from gateway.service import KubeGateway
 from models.join import JoinTicketRequest
@@ -98,10 +98,7 @@ def run(cloud: str, server: FakeServer, gateway: KubeGateway, kube: KubeOps, sam
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.cloud_bench", description=__doc__)
-    parser.add_argument("--samples", type=int, default=10)
-    parser.add_argument("--operation-seconds", type=float, default=0.5)
-    args = parser.parse_args(argv)
+    args = parse_options("bench.cloud_bench", __doc__, argv, samples=10, operation_seconds=0.5)
     with tempfile.TemporaryDirectory(prefix="kubeon-cloud-bench-") as tmp:
         workdir = Path(tmp)
         plane = ControlPlane(workdir / "controlplane").start()

@@ -7,13 +7,13 @@ Real parts: the local control plane (kwok pods), the Temporal dev server, the wo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench.options import parse_options
 from models.scale import ScalePhase
 from models.scale import WakeRequest
 from models.scale import WorkloadRef
@@ -84,10 +84,7 @@ async def run(rounds: int, replicas: int, workdir: Path) -> tuple[list[float], l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scale_wake_bench", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--replicas", type=int, default=2)
-    args = parser.parse_args(argv)
+    args = parse_options("scale_wake_bench", __doc__, argv, rounds=5, replicas=2)
     with tempfile.TemporaryDirectory(prefix="wake-bench-") as tmp:
         optimizer, baseline = asyncio.run(run(args.rounds, args.replicas, Path(tmp)))
     med_o, med_b = statistics.median(optimizer), statistics.median(baseline)

@@ -13,7 +13,6 @@ apply time (first seen changing -> seen Shared; 0.25 s resolution).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from bench.options import parse_options
 from models.policy import API_GROUP
 from models.policy import PLURAL
 from models.sharing import SharingPhase
@@ -142,10 +142,7 @@ async def rollout(n_nodes: int, budget: int, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sharing_rollout", description=__doc__)
-    parser.add_argument("--nodes", type=int, default=20)
-    parser.add_argument("--budget", type=int, default=2)
-    args = parser.parse_args(argv)
+    args = parse_options("sharing_rollout", __doc__, argv, nodes=20, budget=2)
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         r = asyncio.run(rollout(args.nodes, args.budget, Path(tmp)))
     applied = sorted(r["applied"])
