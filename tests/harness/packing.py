@@ -119,9 +119,17 @@ def fragmented_pool(cluster: Cluster, karpenter: Karpenter, namespace: str) -> I
         apps.delete_namespaced_deployment("wave", namespace)
         wait_for(lambda: not core.list_namespaced_pod(namespace, label_selector="app=wave").items, timeout=90,
                  what="wave 1 gone")
-        apps.create_namespaced_deployment(namespace, gpu_workload("serve", taint=taint, replicas=6))
-        pods = wait_running(cluster, namespace, "serve", 6)
-        spread = Counter(str(p.spec.node_name) for p in pods)
+        # The default scheduler scores CPU and memory only and breaks ties at random: now and then it puts the six
+        # pods on two nodes (4 + 2). Such a spread is dealt again, a bounded number of times.
+        for _ in range(4):
+            apps.create_namespaced_deployment(namespace, gpu_workload("serve", taint=taint, replicas=6))
+            pods = wait_running(cluster, namespace, "serve", 6)
+            spread = Counter(str(p.spec.node_name) for p in pods)
+            if len(spread) == 3:
+                break
+            apps.delete_namespaced_deployment("serve", namespace)
+            wait_for(lambda: not core.list_namespaced_pod(namespace, label_selector="app=serve").items, timeout=90,
+                     what="the unspread serve pods gone")
         assert len(spread) == 3, spread
         cluster.admin.policy.create_namespaced_pod_disruption_budget(namespace, client.V1PodDisruptionBudget(
             metadata=client.V1ObjectMeta(name="serve"),

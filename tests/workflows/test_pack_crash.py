@@ -14,6 +14,7 @@ them): an activity killed mid-flight would be retried only at its start-to-close
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import uuid
@@ -248,23 +249,39 @@ def _serve_pods(cluster: Cluster, namespace: str) -> dict[str, client.V1Pod]:
             for p in cluster.admin.core.list_namespaced_pod(namespace, label_selector="app=serve").items}
 
 
+@dataclasses.dataclass
+class Round:
+    handle: WorkflowHandle[Any, Any]
+    target: str  # the one node the round empties
+    planned: set[str]  # the pods it moves
+    claims_before: dict[str, dict[str, Any]]
+    pods_before: set[str]
+
+
+async def _proposed_round(cluster: Cluster, karpenter: Karpenter, namespace: str, workers: WorkerProcesses,
+                          temporal: Client, pool: str) -> Round:
+    """A worker started and its round proposed (one node at most), with what was there before it."""
+    claims_before = {c["metadata"]["name"]: c for c in karpenter.nodeclaims(pool)}
+    pods_before = set(_serve_pods(cluster, namespace))
+    workers.start(wait=True)
+    handle, proposal = await proposed_round(temporal, workers.settings.task_queue, [pool], max_nodes=1,
+                                            settings=SETTINGS)
+    assert proposal.plan is not None
+    [target] = proposal.plan.empty
+    return Round(handle, target, {m.pod for m in proposal.plan.moves}, claims_before, pods_before)
+
+
 @pytest.mark.parametrize("step", list(Step))
 async def test_worker_killed_at_each_step_the_round_resumes_to_the_same_end(
         step: Step, cluster: Cluster, karpenter: Karpenter, stack: BurstStack, namespace: str,
         temporal_dev_server: WorkflowEnvironment, workers: WorkerProcesses,
         fragmented: tuple[str, dict[str, int]]) -> None:
     pool, spread = fragmented
-    temporal: Client = temporal_dev_server.client
-    claims_before = {c["metadata"]["name"]: c for c in karpenter.nodeclaims(pool)}
-    pods_before = set(_serve_pods(cluster, namespace))
-    workers.start(wait=True)
-    handle, proposal = await proposed_round(temporal, workers.settings.task_queue, [pool], max_nodes=1,
-                                            settings=SETTINGS)
+    started = await _proposed_round(cluster, karpenter, namespace, workers, temporal_dev_server.client, pool)
+    handle, target, planned = started.handle, started.target, started.planned
+    claims_before, pods_before = started.claims_before, started.pods_before
     releases: list[Callable[[], None]] = []
     try:
-        assert proposal.plan is not None
-        [target] = proposal.plan.empty
-        planned = {m.pod for m in proposal.plan.moves}
         assert len(planned) == spread[target] and planned <= pods_before
         [claim] = [n for n, c in claims_before.items() if c["status"].get("nodeName") == target]
         kept = [n for n in spread if n != target]
@@ -402,16 +419,10 @@ async def test_worker_killed_while_a_cancelled_round_compensates_it_still_uncord
     compensation: the round ends Cancelled, the node uncordoned, the budgets the user's, nothing evicted or
     removed."""
     pool, _ = fragmented
-    temporal: Client = temporal_dev_server.client
-    claims_before = {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)}
-    pods_before = set(_serve_pods(cluster, namespace))
-    workers.start(wait=True)
-    handle, proposal = await proposed_round(temporal, workers.settings.task_queue, [pool], max_nodes=1,
-                                            settings=SETTINGS)
+    started = await _proposed_round(cluster, karpenter, namespace, workers, temporal_dev_server.client, pool)
+    handle, target = started.handle, started.target
     releases: list[Callable[[], None]] = []
     try:
-        assert proposal.plan is not None
-        [target] = proposal.plan.empty
         releases.append(_hold_eviction(cluster, namespace))
         await handle.signal("approve", Approval(approver="test"))
 
@@ -444,5 +455,5 @@ async def test_worker_killed_while_a_cancelled_round_compensates_it_still_uncord
     assert not [line for line in state.history if ": evicted " in line] and not state.removed
     assert not any(n.spec.unschedulable for n in karpenter.nodes(pool))
     assert _frozen_by(karpenter, pool) == (USER_BUDGETS, None)
-    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == claims_before
-    assert set(_serve_pods(cluster, namespace)) == pods_before
+    assert {c["metadata"]["name"] for c in karpenter.nodeclaims(pool)} == set(started.claims_before)
+    assert set(_serve_pods(cluster, namespace)) == started.pods_before
