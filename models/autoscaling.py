@@ -9,6 +9,7 @@ import hashlib
 from pydantic import Field
 
 from models.base import Model
+from models.base import OperationViewBase
 from models.labels import LABEL_GPU_PRODUCT
 
 
@@ -43,15 +44,9 @@ class GpuProductsInput(Model):
     approval_timeout_seconds: float = 86400.0
 
 
-class GpuProductsView(Model):
-    workflow_id: str
-    cluster: str
-    policy: str
+class GpuProductsView(OperationViewBase):
     phase: str
-    message: str = ""
     change: GpuProductsChange | None = None
-    history: list[str] = Field(default_factory=list)
-    operation: str = ""  # its audit records name it; an approval's plan_id is it
 
 
 class GpuProductsRequest(Model):

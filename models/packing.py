@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import Field
 
 from models.base import Model
+from models.base import OperationViewBase
 from models.provisioning import PendingPod
 
 
@@ -158,18 +159,14 @@ class ReplacementState(Model):
     detail: str = ""
 
 
-class PackView(Model):
-    workflow_id: str
-    cluster: str
-    policy: str
+class PackView(OperationViewBase):
+    # The run's operation ID: its audit records and hub reports name it, and an approval's plan_id is it. Empty in
+    # the results of rounds run before it was kept.
+    operation: str = ""
     phase: str
-    message: str = ""
     plan: PackPlan | None = None
     removed: list[str] = Field(default_factory=list)
     moved: list[str] = Field(default_factory=list)
-    history: list[str] = Field(default_factory=list)
-    # The run's operation ID: its audit records and hub reports name it, and an approval's plan_id is it.
-    operation: str = ""
 
 
 def packing_workflow_id(cluster: str, policy: str) -> str:

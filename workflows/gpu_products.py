@@ -55,7 +55,7 @@ class GpuProductsWorkflow(Approvable[GpuProductsPhase, GpuProductsInput]):
         return GpuProductsView(workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
                                policy=inp.policy if inp else "", phase=self.phase.value, message=self.message,
                                change=inp.change if inp else None, history=list(self.history),
-                               operation=self.operation)
+                               operation=self.operation, approver=self.approval.approver if self.approval else None)
 
     async def _audit(self, action: str, detail: str) -> None:
         assert self.inp is not None

@@ -89,7 +89,8 @@ class PackWorkflow(Approvable[PackPhase, PackInput]):
         return PackView(workflow_id=workflow.info().workflow_id, cluster=inp.cluster if inp else "",
                         policy=inp.policy if inp else "", phase=self.phase.value, message=self.message,
                         plan=self.plan, removed=list(self.removed), moved=list(self.moved),
-                        history=list(self.history), operation=self.operation)
+                        history=list(self.history), operation=self.operation,
+                        approver=self.approval.approver if self.approval else None)
 
     async def _audit(self, action: str, detail: str, *, node: str | None = None) -> None:
         """An audit record, reported to the hub (R2.8): proposed, approved/rejected/expired, each node drained and
