@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from typing import Generic
 from typing import TypeVar
 
 from kubernetes import client
@@ -19,6 +20,7 @@ from tests.harness.controlplane import ControlPlane
 from tests.harness.controlplane import write_kubeconfig
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 def wait_for(check: Callable[[], T | None], *, timeout: float = 60.0, what: str, interval: float = 0.2,
@@ -47,35 +49,28 @@ async def until(check: Callable[[], T | None], *, timeout: float = 60.0, what: s
                                    retry_on=retry_on)
 
 
+class _ApiGroup(Generic[A]):
+    """A Kube attribute that reads as ``api_class`` over the Kube's ApiClient, made anew on each read (the API
+    classes are thin wrappers of the client)."""
+
+    def __init__(self, api_class: Callable[[client.ApiClient], A]) -> None:
+        self.api_class = api_class
+
+    def __get__(self, kube: Kube, owner: type[Kube]) -> A:
+        return self.api_class(kube.api)
+
+
 @dataclass
 class Kube:
     """Typed API groups over one ApiClient."""
 
     api: client.ApiClient
-
-    @property
-    def core(self) -> client.CoreV1Api:
-        return client.CoreV1Api(self.api)
-
-    @property
-    def apps(self) -> client.AppsV1Api:
-        return client.AppsV1Api(self.api)
-
-    @property
-    def policy(self) -> client.PolicyV1Api:
-        return client.PolicyV1Api(self.api)
-
-    @property
-    def rbac(self) -> client.RbacAuthorizationV1Api:
-        return client.RbacAuthorizationV1Api(self.api)
-
-    @property
-    def custom(self) -> client.CustomObjectsApi:
-        return client.CustomObjectsApi(self.api)
-
-    @property
-    def apiext(self) -> client.ApiextensionsV1Api:
-        return client.ApiextensionsV1Api(self.api)
+    core = _ApiGroup(client.CoreV1Api)
+    apps = _ApiGroup(client.AppsV1Api)
+    policy = _ApiGroup(client.PolicyV1Api)
+    rbac = _ApiGroup(client.RbacAuthorizationV1Api)
+    custom = _ApiGroup(client.CustomObjectsApi)
+    apiext = _ApiGroup(client.ApiextensionsV1Api)
 
     @classmethod
     def from_kubeconfig(cls, path: Path) -> Kube:
