@@ -7,12 +7,13 @@ import gzip
 import threading
 from dataclasses import dataclass
 from dataclasses import field
-from http.server import BaseHTTPRequestHandler
 from http.server import ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+from tests.harness.quiet_http import QuietHandler
 
 
 @dataclass
@@ -48,7 +49,7 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.headers.get("Content-Encoding") == "gzip":
@@ -58,15 +59,7 @@ class OtlpReceiver:
                     self.end_headers()
                     return
                 receiver._add(body)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *_: Any) -> None:
-                pass
+                self.reply(200, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"

@@ -27,12 +27,13 @@ from tests.harness.controlplane import _issue
 from tests.harness.controlplane import _name
 from tests.harness.controlplane import free_port
 from tests.harness.onprem import TEST_ROUTES
+from tests.harness.quiet_http import QuietHandler
 
 CLUSTER = "prod-eu"
 TAINT = Taint(key="gpu.kubeon.io/burst")
 
 
-class Recorder(http.server.BaseHTTPRequestHandler):
+class Recorder(QuietHandler):
     seen: list[dict[str, str]]
     answer: dict[str, Any] | None = None
 
@@ -41,14 +42,7 @@ class Recorder(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("content-length") or 0)
         self.rfile.read(length)
         body = json.dumps(type(self).answer or {"error": "nope", "message": "rogue"}).encode()
-        self.send_response(200 if type(self).answer else 403)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: Any) -> None:
-        pass
+        self.reply(200 if type(self).answer else 403, body, "application/json")
 
 
 def serve(handler: type[Recorder], *, tls: tuple[Path, Path] | None = None) -> tuple[http.server.HTTPServer, int]:
