@@ -139,11 +139,10 @@ class ClusterObserver:
         seen = utc_now()
         uid = str(pod.metadata.uid)
         with self._lock:
-            rec = self.pods.get(uid)
-            if rec is None:
-                rec = self.pods[uid] = PodSeen(namespace=str(pod.metadata.namespace), name=str(pod.metadata.name),
-                                               app=str((pod.metadata.labels or {}).get("app", "")),
-                                               created_seen=seen)
+            # The record made at the pod's first event stays; later events only stamp it.
+            rec = self.pods.setdefault(uid, PodSeen(
+                namespace=str(pod.metadata.namespace), name=str(pod.metadata.name),
+                app=str((pod.metadata.labels or {}).get("app", "")), created_seen=seen))
             if kind == "DELETED" or pod.metadata.deletion_timestamp is not None:
                 rec.deleted = True
                 return
@@ -157,15 +156,13 @@ class ClusterObserver:
     def _on_node(self, kind: str, node: Any) -> None:
         seen = utc_now()
         name = str(node.metadata.name)
+        labels = node.metadata.labels or {}
         with self._lock:
-            rec = self.nodes.get(name)
-            if rec is None:
-                labels = node.metadata.labels or {}
-                rec = self.nodes[name] = NodeSeen(
-                    name=name, operation=str(labels.get("gpu.kubeon.io/operation", "")),
-                    created=node.metadata.creation_timestamp, first_seen=seen,
-                    location=str(labels.get("gpu.kubeon.io/location", "")),
-                    instance_type=str(labels.get("node.kubernetes.io/instance-type", "")))
+            rec = self.nodes.setdefault(name, NodeSeen(
+                name=name, operation=str(labels.get("gpu.kubeon.io/operation", "")),
+                created=node.metadata.creation_timestamp, first_seen=seen,
+                location=str(labels.get("gpu.kubeon.io/location", "")),
+                instance_type=str(labels.get("node.kubernetes.io/instance-type", ""))))
             if kind == "DELETED":
                 rec.deleted_seen = rec.deleted_seen or seen
                 return
