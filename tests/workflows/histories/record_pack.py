@@ -20,16 +20,14 @@ from temporalio.worker import Worker
 from models.decisions import Approval
 from models.decisions import Rejection
 from models.packing import EvictOutcome
-from models.packing import GroupRef
 from models.packing import NodeRef2
 from models.packing import PackInput
 from models.packing import PackMove
 from models.packing import PackPlan
-from models.packing import PackPlanRequest
 from models.packing import PackSettings
 from models.packing import PodRef
-from models.packing import ReplacementCheck
 from models.packing import ReplacementState
+from tests.workflows.histories.recording import answering
 from tests.workflows.histories.recording import dump
 from tests.workflows.histories.recording import on_dev_server
 from tests.workflows.histories.recording import until_phase
@@ -43,48 +41,16 @@ PLAN = PackPlan(empty=["n-b", "n-c"], group_of={"n-b": "gpu", "n-c": "gpu"}, usd
 
 
 def activities(*, replaced: bool) -> list[Any]:
-    @activity.defn(name="pack_plan")
-    async def pack_plan(req: PackPlanRequest) -> PackPlan:
-        return PLAN
-
-    @activity.defn(name="pack_freeze")
-    async def pack_freeze(req: GroupRef) -> None:
-        return None
-
-    @activity.defn(name="pack_unfreeze")
-    async def pack_unfreeze(req: GroupRef) -> None:
-        return None
-
-    @activity.defn(name="pack_cordon")
-    async def pack_cordon(req: NodeRef2) -> bool:
-        return True
-
-    @activity.defn(name="pack_uncordon")
-    async def pack_uncordon(req: NodeRef2) -> bool:
-        return True
-
     @activity.defn(name="pack_pods_on_node")
     async def pack_pods_on_node(req: NodeRef2) -> list[PodRef]:
         return [PodRef(namespace="ml", name="p-1" if req.node == "n-b" else "p-2", owner_uid="rs-1", ready_before=2)]
 
-    @activity.defn(name="pack_evict_pod")
-    async def pack_evict_pod(req: PodRef) -> EvictOutcome:
-        return EvictOutcome(outcome="evicted", owner_uid="rs-1", ready_before=2)
-
-    @activity.defn(name="pack_replacement_ready")
-    async def pack_replacement_ready(req: ReplacementCheck) -> ReplacementState:
-        return ReplacementState(ready=replaced, detail="" if replaced else "the replacement Pending")
-
-    @activity.defn(name="pack_remove_node")
-    async def pack_remove_node(req: NodeRef2) -> None:
-        return None
-
-    @activity.defn(name="pack_node_gone")
-    async def pack_node_gone(req: NodeRef2) -> bool:
-        return True
-
-    return [pack_plan, pack_freeze, pack_unfreeze, pack_cordon, pack_uncordon, pack_pods_on_node, pack_evict_pod,
-            pack_replacement_ready, pack_remove_node, pack_node_gone]
+    return [pack_pods_on_node, *answering({
+        "pack_plan": PLAN, "pack_freeze": None, "pack_unfreeze": None, "pack_cordon": True, "pack_uncordon": True,
+        "pack_evict_pod": EvictOutcome(outcome="evicted", owner_uid="rs-1", ready_before=2),
+        "pack_replacement_ready": ReplacementState(ready=replaced,
+                                                   detail="" if replaced else "the replacement Pending"),
+        "pack_remove_node": None, "pack_node_gone": True})]
 
 
 async def record(client: Client) -> None:

@@ -17,19 +17,14 @@ from temporalio.worker import UnsandboxedWorkflowRunner
 from temporalio.worker import Worker
 
 from models.drain import EvictionResult
-from models.drain import NodeRef
-from models.sharing import CleanupRequest
 from models.sharing import CleanupResult
-from models.sharing import LabelRequest
 from models.sharing import MigInput
-from models.sharing import MigLabelRequest
 from models.sharing import MigStateRequest
 from models.sharing import MigStateResult
 from models.sharing import MigVerifyRequest
 from models.sharing import NodeConfig
 from models.sharing import SharingSettings
 from models.sharing import TimeSlicingInput
-from models.sharing import UnservableRequest
 from models.sharing import UnservableResult
 from models.sharing import VerifyRequest
 from models.sharing import VerifyResult
@@ -37,6 +32,7 @@ from models.sharing import WriteKeyRequest
 from models.sharing import WriteKeyResult
 from models.sharing import time_slicing_key
 from tests.workflows.histories.recording import action_gate
+from tests.workflows.histories.recording import answering
 from tests.workflows.histories.recording import dump
 from tests.workflows.histories.recording import on_dev_server
 from tests.workflows.histories.recording import record_audit
@@ -56,37 +52,9 @@ def activities(*, written: bool, mig: str) -> list[Any]:
         return WriteKeyResult(key=time_slicing_key(req.replicas, req.fail_requests_greater_than_one),
                               written=written)
 
-    @activity.defn(name="set_device_plugin_config")
-    async def set_device_plugin_config(req: LabelRequest) -> None:
-        return None
-
     @activity.defn(name="verify_time_slicing")
     async def verify_time_slicing(req: VerifyRequest) -> VerifyResult:
         return VerifyResult(ok=True, allocatable=req.gpus * req.replicas)
-
-    @activity.defn(name="remove_unused_time_slicing_keys")
-    async def remove_unused_time_slicing_keys(req: CleanupRequest) -> CleanupResult:
-        return CleanupResult()
-
-    @activity.defn(name="unservable_pods")
-    async def unservable_pods(req: UnservableRequest) -> UnservableResult:
-        return UnservableResult(allocatable=2, requested=0)
-
-    @activity.defn(name="read_mig_config")
-    async def read_mig_config(node: str) -> MigStateResult:
-        return MigStateResult(state="")
-
-    @activity.defn(name="cordon_node")
-    async def cordon_node(req: NodeRef) -> bool:
-        return True
-
-    @activity.defn(name="evict_pods")
-    async def evict_pods(req: NodeRef) -> EvictionResult:
-        return EvictionResult(remaining=[])
-
-    @activity.defn(name="set_mig_config")
-    async def set_mig_config(req: MigLabelRequest) -> None:
-        return None
 
     @activity.defn(name="wait_mig_state")
     async def wait_mig_state(req: MigStateRequest) -> MigStateResult:
@@ -96,13 +64,12 @@ def activities(*, written: bool, mig: str) -> list[Any]:
     async def verify_mig_resources(req: MigVerifyRequest) -> VerifyResult:
         return VerifyResult(ok=True, allocatable=sum(req.expected.values()))
 
-    @activity.defn(name="uncordon_node")
-    async def uncordon_node(node: str) -> None:
-        return None
-
-    return [record_audit, action_gate, read_node_config, write_time_slicing_key, set_device_plugin_config,
-            verify_time_slicing, remove_unused_time_slicing_keys, unservable_pods, read_mig_config, cordon_node,
-            evict_pods, set_mig_config, wait_mig_state, verify_mig_resources, uncordon_node]
+    return [record_audit, action_gate, read_node_config, write_time_slicing_key, verify_time_slicing, wait_mig_state,
+            verify_mig_resources, *answering({
+                "set_device_plugin_config": None, "remove_unused_time_slicing_keys": CleanupResult(),
+                "unservable_pods": UnservableResult(allocatable=2, requested=0),
+                "read_mig_config": MigStateResult(state=""), "cordon_node": True,
+                "evict_pods": EvictionResult(remaining=[]), "set_mig_config": None, "uncordon_node": None})]
 
 
 async def record(client: Client) -> None:

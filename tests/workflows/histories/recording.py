@@ -1,6 +1,7 @@
 """What the history-recording scripts (record.py, record_sharing.py, record_pack.py) share: writing a run's history
 into ``$HISTORIES`` (and its workflow ID into workflow_ids.json, which test_replay reads), waiting for a phase, the
-audit and action-gate activities every operation calls (both let it go on), and running on a fresh dev server."""
+audit and action-gate activities every operation calls (both let it go on), activities that give one fixed answer,
+and running on a fresh dev server."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ async def record_audit(record: AuditRecord) -> bool:
 @activity.defn(name="action_gate")
 async def action_gate(req: GateRequest) -> GateState:
     return GateState(held=False)
+
+
+def answering(answers: dict[str, Any]) -> list[Callable[..., Awaitable[Any]]]:
+    """An activity for each name of ``answers`` that answers every call with its value, whatever it is asked."""
+    def answer(name: str, value: Any) -> Callable[..., Awaitable[Any]]:
+        @activity.defn(name=name)
+        async def fixed(*_: Any) -> Any:
+            return value
+
+        return fixed
+
+    return [answer(name, value) for name, value in answers.items()]
 
 
 def on_dev_server(record: Callable[[Client], Awaitable[None]]) -> None:
