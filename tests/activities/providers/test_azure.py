@@ -8,18 +8,16 @@ import pytest
 
 from activities.providers.azure import AzureProvider
 from activities.providers.errors import InsufficientCapacityError
-from activities.providers.errors import LocationNotAllowedError
-from activities.providers.errors import NotOwnedError
 from activities.providers.errors import ProviderError
 from models.labels import TAG_BURST
 from models.labels import TAG_OPERATION
 from models.locations import BurstConfig
-from models.node import LaunchRequest
 from tests.harness.clouds.azure_server import IDENTITY_HEADER
 from tests.harness.clouds.fake import FakeServer
 from tests.harness.clouds.local import AZURE_CLIENT_ID as CLIENT_ID
 from tests.harness.clouds.local import AZURE_SUBNET as SUBNET
 from tests.harness.clouds.local import AZURE_SUBSCRIPTION as SUB
+from tests.harness.clouds.provider_contract import ProviderContract
 
 LOCATION = "azure/westeurope"
 
@@ -46,15 +44,24 @@ def provider(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> AzureProvid
     return AzureProvider(config(), endpoint_url=server.url, ca_file=str(server.ca_file), polling_interval=0.1)
 
 
-def request(provider: AzureProvider, size: str = "Standard_NC4as_T4_v3", op: str = "op-0123456789ab",
-            policy: str = "team.a") -> LaunchRequest:
-    offering = next(o for o in provider.price_offerings(LOCATION) if o.instance_type == size)
-    return LaunchRequest(operation=op, cluster="prod", policy=policy, allowed_locations=[LOCATION],
-                         offering=offering, node_name=f"burst-{op}", labels={}, taints=[])
-
-
 def puts(server: FakeServer) -> list[str]:
     return [r["path"].rsplit("/", 1)[1] for r in server.requests() if r["method"] == "PUT"]
+
+
+class TestAzureProvider(ProviderContract):
+    location = LOCATION
+    other_location = "azure/eastus"
+    instance_type = "Standard_NC4as_T4_v3"
+    instances = "vms"
+    gone_instance_id = "burst-op-gone-z1"
+    creates = staticmethod(puts)
+
+    def list_in_pages(self, server: FakeServer) -> None:
+        server.fault(page_size=1)
+
+
+# The module's own tests launch the contract's request too.
+request = TestAzureProvider.request
 
 
 def test_price_offerings_leave_out_restricted_sizes(provider: AzureProvider, server: FakeServer) -> None:
@@ -79,13 +86,6 @@ def test_launch_tags_custom_data_and_inline_nic(provider: AzureProvider, server:
     assert props["osProfile"]["linuxConfiguration"]["disablePasswordAuthentication"] is True
     token = next(r for r in server.requests() if r["path"] == "/msi/token")
     assert token["query"]["client_id"] == CLIENT_ID
-
-
-def test_a_retried_launch_finds_the_vm(provider: AzureProvider, server: FakeServer) -> None:
-    req = request(provider)
-    first = provider.launch(req, "x")
-    assert provider.launch(req, "x").instance_id == first.instance_id
-    assert len(server.state()["vms"]) == 1 and len(puts(server)) == 1
 
 
 def test_zonal_allocation_failure_moves_to_the_next_zone(provider: AzureProvider, server: FakeServer) -> None:
@@ -121,33 +121,6 @@ def test_quota_is_a_clear_error_not_retried(provider: AzureProvider, server: Fak
         provider.launch(req, "x")
     assert not err.value.retryable and not isinstance(err.value, InsufficientCapacityError)
     assert len(puts(server)) == 1
-
-
-def test_location_outside_the_policy_is_never_called(provider: AzureProvider, server: FakeServer) -> None:
-    req = request(provider).model_copy(update={"allowed_locations": ["azure/eastus"]})
-    server.reset()
-    with pytest.raises(LocationNotAllowedError):
-        provider.launch(req, "x")
-    assert server.requests() == []
-
-
-def test_list_by_tag_get_terminate(provider: AzureProvider, server: FakeServer) -> None:
-    server.fault(page_size=1)
-    inst = provider.launch(request(provider), "x")
-    other = provider.launch(request(provider, op="op-other0000000", policy="team-b"), "x")
-    assert [i.instance_id for i in provider.list(LOCATION, policy="team.a")] == [inst.instance_id]
-    assert [i.instance_id for i in provider.list(LOCATION, operation="op-other0000000")] == [other.instance_id]
-    with pytest.raises(NotOwnedError):
-        provider.terminate(LOCATION, other.instance_id, policy="team.a")
-    server.fault(operation_seconds=30)  # the delete takes a while, as a cloud's does
-    provider.terminate(LOCATION, inst.instance_id, policy="team.a")
-    assert provider.get(LOCATION, inst.instance_id).state == "shutting-down"
-    provider.terminate(LOCATION, inst.instance_id, policy="team.a")
-    assert sum(r["method"] == "DELETE" for r in server.requests()) == 1
-
-
-def test_terminate_of_a_gone_vm_is_done(provider: AzureProvider) -> None:
-    provider.terminate(LOCATION, "burst-op-gone-z1", policy="team.a")
 
 
 def test_tls_is_verified(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:

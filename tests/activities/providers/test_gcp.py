@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 
 from activities.providers.errors import InsufficientCapacityError
-from activities.providers.errors import LocationNotAllowedError
-from activities.providers.errors import NotOwnedError
 from activities.providers.errors import ProviderError
 from activities.providers.gcp import GcpProvider
 from models.labels import TAG_BURST
 from models.labels import TAG_OPERATION
 from models.locations import BurstConfig
-from models.node import LaunchRequest
 from tests.harness.clouds.fake import FakeServer
+from tests.harness.clouds.provider_contract import ProviderContract
 
 LOCATION = "gcp/europe-west4"
 SA = "kubeon-burst@acme-ml.iam.gserviceaccount.com"
@@ -40,16 +38,22 @@ def provider(server: FakeServer) -> GcpProvider:
     return GcpProvider(config(), endpoint_url=server.url)
 
 
-def request(provider: GcpProvider, machine: str = "g2-standard-4", op: str = "op-0123456789ab",
-            policy: str = "team.a") -> LaunchRequest:
-    offering = next(o for o in provider.price_offerings(LOCATION) if o.instance_type == machine)
-    return LaunchRequest(operation=op, cluster="prod", policy=policy, allowed_locations=[LOCATION],
-                         offering=offering, node_name=f"burst-{op}", labels={}, taints=[])
-
-
 def inserts(server: FakeServer) -> list[str]:
     return [r["path"].split("/zones/")[1].split("/")[0] for r in server.requests()
             if r["method"] == "POST" and r["path"].endswith("/instances")]
+
+
+class TestGcpProvider(ProviderContract):
+    location = LOCATION
+    other_location = "gcp/us-central1"
+    instance_type = "g2-standard-4"
+    instances = "instances"
+    gone_instance_id = "europe-west4-a/burst-op-gone"
+    creates = staticmethod(inserts)
+
+
+# The module's own tests launch the contract's request too.
+request = TestGcpProvider.request
 
 
 def test_price_offerings_are_the_catalogue_where_the_api_offers_the_type(provider: GcpProvider,
@@ -73,13 +77,6 @@ def test_launch_labels_metadata_and_maintenance(provider: GcpProvider, server: F
                                       "kubeon-cluster": "prod"}
     assert body["body"]["scheduling"]["onHostMaintenance"] == "TERMINATE"
     assert body["body"]["metadata"]["items"] == [{"key": "user-data", "value": "#cloud-config\nuser data"}]
-
-
-def test_a_retried_launch_finds_the_instance(provider: GcpProvider, server: FakeServer) -> None:
-    req = request(provider)
-    first = provider.launch(req, "x")
-    assert provider.launch(req, "x").instance_id == first.instance_id
-    assert len(server.state()["instances"]) == 1 and len(inserts(server)) == 1
 
 
 def test_stockout_moves_to_the_next_zone(provider: GcpProvider, server: FakeServer) -> None:
@@ -119,33 +116,6 @@ def test_configured_zones_are_the_ones_tried(server: FakeServer) -> None:
     provider = GcpProvider(config(zones=["europe-west4-c"]), endpoint_url=server.url)
     assert provider.launch(request(provider), "x").instance_id.startswith("europe-west4-c/")
     assert inserts(server) == ["europe-west4-c"]
-
-
-def test_location_outside_the_policy_is_never_called(provider: GcpProvider, server: FakeServer) -> None:
-    req = request(provider).model_copy(update={"allowed_locations": ["gcp/us-central1"]})
-    server.reset()
-    with pytest.raises(LocationNotAllowedError):
-        provider.launch(req, "x")
-    assert server.requests() == []
-
-
-def test_list_get_terminate(provider: GcpProvider, server: FakeServer) -> None:
-    inst = provider.launch(request(provider), "x")
-    other = provider.launch(request(provider, op="op-other0000000", policy="team-b"), "x")
-    assert [i.instance_id for i in provider.list(LOCATION, policy="team.a")] == [inst.instance_id]
-    assert [i.instance_id for i in provider.list(LOCATION, operation="op-other0000000")] == [other.instance_id]
-    assert provider.list("gcp/us-central1") == []
-    with pytest.raises(NotOwnedError):
-        provider.terminate(LOCATION, other.instance_id, policy="team.a")
-    server.fault(operation_seconds=30)  # the delete takes a while, as a cloud's does
-    provider.terminate(LOCATION, inst.instance_id, policy="team.a")
-    assert provider.get(LOCATION, inst.instance_id).state == "shutting-down"
-    provider.terminate(LOCATION, inst.instance_id, policy="team.a")  # deleting already: no second delete
-    assert sum(r["method"] == "DELETE" for r in server.requests()) == 1
-
-
-def test_terminate_of_a_gone_instance_is_done(provider: GcpProvider) -> None:
-    provider.terminate(LOCATION, "europe-west4-a/burst-op-gone", policy="team.a")
 
 
 def test_a_server_error_is_retryable(provider: GcpProvider, server: FakeServer) -> None:
