@@ -12,14 +12,9 @@ import yaml
 
 from models import policy
 from models.policy import PackingPolicy
-from models.policy import PolicyError
 from models.policy import parse_policy
-from tests.harness.crd import assert_accepted
 from tests.harness.crd import assert_cli_validates
-from tests.harness.crd import assert_refused
-from tests.harness.kube import Cluster
-from tests.hub.helpers import apply_case as apply_corpus_case
-from tests.hub.helpers import assert_names_unique
+from tests.harness.policy_corpus import PolicyCorpus
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -27,17 +22,10 @@ EXAMPLE = ROOT / "examples/policies/packing-l4.yaml"
 CRD_FILE = ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml"
 VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_packing_policy.yaml").read_text())
 CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_packing_policies.yaml").read_text())
-APISERVER_CASES = [c for c in CORPUS if c.get("refusedBy") != "worker"]
-
-
-def apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    return apply_corpus_case(case, VALID)
 
 
 def test_documented_packing_policy_is_valid() -> None:
-    p = parse_policy(VALID)
-    assert isinstance(p, PackingPolicy)
-    spec = p.spec
+    spec = parse_policy(VALID).spec  # of the policy class: TestPackingPolicyCorpus checks
     assert spec.node_pools == ["gpu-l4"]
     assert spec.node_selector is not None and spec.node_selector.match_labels == {
         "nvidia.com/gpu.product": "NVIDIA-L4"}
@@ -56,17 +44,6 @@ def test_defaults() -> None:
     assert spec.max_nodes_at_once == 1 and spec.min_savings_usd_per_hour == 0.0
     assert spec.protect.min_pod_age_minutes == 0 and spec.interval_seconds == 3600
     assert spec.effective_mode("Recommend") == "Recommend"
-
-
-def test_corpus_names_are_unique() -> None:
-    assert_names_unique(CORPUS, at_least=20)
-
-
-@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
-def test_model_rejects_malformed_packing_policy_naming_the_field(case: dict[str, Any]) -> None:
-    with pytest.raises(PolicyError) as err:
-        parse_policy(apply_case(case))
-    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
 
 
 def test_crd_schema_uses_the_model_patterns() -> None:
@@ -92,15 +69,12 @@ def test_policy_validate_accepts_the_example_and_names_a_bad_field(tmp_path: Pat
                          "spec.maxNodesAtOnce: Input should be greater than or equal to 1")
 
 
-# --- the same corpus against the real apiserver --------------------------------------------------------------
+# --- the corpus, against the model and the real apiserver ------------------------------------------------------
 
-@pytest.mark.cluster
-def test_apiserver_accepts_the_documented_packing_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
-    for doc in (VALID, yaml.safe_load(EXAMPLE.read_text())):
-        assert_accepted(gpupolicy_crd, doc, "pk", PackingPolicy)
-
-
-@pytest.mark.cluster
-@pytest.mark.parametrize("case", APISERVER_CASES, ids=[c["name"] for c in APISERVER_CASES])
-def test_apiserver_rejects_malformed_packing_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
-    assert_refused(gpupolicy_crd, apply_case(case), "pk", case)
+class TestPackingPolicyCorpus(PolicyCorpus):
+    policy_class = PackingPolicy
+    valid = VALID
+    example = EXAMPLE
+    corpus = CORPUS
+    at_least = 20
+    prefix = "pk"

@@ -14,11 +14,8 @@ from models import policy
 from models.policy import PolicyError
 from models.policy import SharingPolicy
 from models.policy import parse_policy
-from tests.harness.crd import assert_accepted
 from tests.harness.crd import assert_cli_validates
-from tests.harness.crd import assert_refused
-from tests.harness.kube import Cluster
-from tests.hub.helpers import apply_case as apply_corpus_case
+from tests.harness.policy_corpus import PolicyCorpus
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -27,14 +24,8 @@ VALID: dict[str, Any] = yaml.safe_load((HERE / "valid_sharing_policy.yaml").read
 CORPUS: list[dict[str, Any]] = yaml.safe_load((HERE / "invalid_sharing_policies.yaml").read_text())
 
 
-def apply_case(case: dict[str, Any]) -> dict[str, Any]:
-    return apply_corpus_case(case, VALID)
-
-
 def test_documented_sharing_policy_is_valid() -> None:
-    p = parse_policy(VALID)
-    assert isinstance(p, SharingPolicy)
-    spec = p.spec
+    spec = parse_policy(VALID).spec  # of the policy class: TestSharingPolicyCorpus checks
     assert spec.nodes.match_labels == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
     assert spec.time_slicing is not None and spec.time_slicing.max_replicas == 4
     assert spec.mig is not None and spec.mig.allowed == ["all-1g.10gb", "all-3g.40gb", "all-balanced"]
@@ -65,18 +56,6 @@ def test_days_get_a_message_that_says_what_to_write() -> None:
         parse_policy(doc)
 
 
-def test_corpus_names_are_unique() -> None:
-    names = [c["name"] for c in CORPUS]
-    assert len(names) >= 15 and len(set(names)) == len(names)
-
-
-@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
-def test_model_rejects_malformed_sharing_policy_naming_the_field(case: dict[str, Any]) -> None:
-    with pytest.raises(PolicyError) as err:
-        parse_policy(apply_case(case))
-    assert case["field"] in err.value.fields, f"error {err.value} does not name {case['field']}"
-
-
 def test_crd_schema_uses_the_model_patterns() -> None:
     crd = yaml.safe_load((ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml").read_text())
     version = crd["spec"]["versions"][0]
@@ -98,16 +77,12 @@ def test_policy_validate_accepts_the_example_and_names_a_bad_field(tmp_path: Pat
                          "spec.timeSlicing.maxReplicas: Input should be greater than or equal to 2")
 
 
-# --- the same corpus against the real apiserver --------------------------------------------------------------
+# --- the corpus, against the model and the real apiserver ------------------------------------------------------
 
-@pytest.mark.cluster
-def test_apiserver_accepts_the_documented_sharing_policy_and_the_example(gpupolicy_crd: Cluster) -> None:
-    for doc in (VALID, yaml.safe_load(EXAMPLE.read_text())):
-        assert_accepted(gpupolicy_crd, doc, "sh", SharingPolicy)
-
-
-@pytest.mark.cluster
-@pytest.mark.parametrize("case", [c for c in CORPUS if c.get("refusedBy") != "worker"],
-                         ids=[c["name"] for c in CORPUS if c.get("refusedBy") != "worker"])
-def test_apiserver_rejects_malformed_sharing_policy(gpupolicy_crd: Cluster, case: dict[str, Any]) -> None:
-    assert_refused(gpupolicy_crd, apply_case(case), "sh", case)
+class TestSharingPolicyCorpus(PolicyCorpus):
+    policy_class = SharingPolicy
+    valid = VALID
+    example = EXAMPLE
+    corpus = CORPUS
+    at_least = 15
+    prefix = "sh"
