@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from pydantic import BaseModel
 
+from models.errors import JoinRefused
 from models.join import NODE_USER_PREFIX
 from models.join import NODES_GROUP
 from models.join import CertRenewal
@@ -273,13 +274,17 @@ def redeem_retrying(redeem: Redeemer, request: JoinRedeem, *, retry_seconds: flo
                     ) -> JoinAnswer:
     """``redeem``, tried again while the gateway is unavailable (no answer, 5xx) for up to ``retry_seconds``,
     waiting 1 s, 2 s, 4 s ... at most 30 s between tries (with jitter: a burst of nodes does not retry in step).
-    Safe: the same keys redeem the same ticket again and get the same answer. A refusal is never retried."""
+    Safe: the same keys redeem the same ticket again and get the same answer. A refusal is never retried, but
+    for the gateway's own 5xx ones (a slot changed while it joined: a retried launch re-pointed the reservation),
+    which an in-process gateway raises as they are and which reach a node over HTTPS as a 5xx."""
     deadline = time.monotonic() + retry_seconds
     wait, attempt = RETRY_FIRST_WAIT, 1
     while True:
         try:
             return redeem(request)
-        except JoinUnavailable as exc:
+        except (JoinUnavailable, JoinRefused) as exc:
+            if isinstance(exc, JoinRefused) and exc.status < 500:
+                raise
             left = deadline - time.monotonic()
             if left <= 0:
                 if attempt == 1:

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import yaml
@@ -16,6 +17,7 @@ from kubernetes import client
 
 from gateway.admission import check_csr
 from gateway.service import KubeGateway
+from models.errors import JoinRefused
 from models.errors import TicketError
 from models.join import JoinAnswer
 from models.join import JoinRedeem
@@ -143,6 +145,32 @@ def test_an_unavailable_gateway_is_tried_again_and_a_refusal_is_not(cluster: Clu
     with pytest.raises(TicketError, match="signature is invalid"):
         join(forged, NodeFiles(tmp_path / "p"), redeem=refusing, tunnel=False, retry_seconds=60)
     assert len(refusals) == 1
+
+
+def test_the_gateways_retry_refusal_is_retried_and_any_other_is_final() -> None:
+    """A refusal the gateway answers with a 5xx (its address slot changed while the node joined: a retried launch
+    pointed the reservation at its newer ticket) is tried again, as over HTTPS; a 4xx refusal is final at once.
+    An in-process gateway (the sim provider's nodes) raises both as JoinRefused."""
+    answer, request = cast(JoinAnswer, object()), cast(JoinRedeem, object())  # passed through as they are
+    conflicts = iter(range(2))
+
+    def slot_changed_twice(_: JoinRedeem) -> JoinAnswer:
+        if next(conflicts, None) is not None:
+            raise JoinRefused("slot_conflict", "the address slot changed while it joined; retry", status=503)
+        return answer
+
+    pauses: list[float] = []
+    assert redeem_retrying(slot_changed_twice, request, retry_seconds=60, sleep=pauses.append,
+                           say=lambda _: None) is answer
+    assert len(pauses) == 2
+
+    def removed(_: JoinRedeem) -> JoinAnswer:
+        pauses.append(-1.0)
+        raise JoinRefused("node_removed", "node was removed", status=409)
+
+    with pytest.raises(JoinRefused, match="node was removed"):
+        redeem_retrying(removed, request, retry_seconds=60, sleep=pauses.append, say=lambda _: None)
+    assert pauses == [pauses[0], pauses[1], -1.0], "a 4xx refusal was retried"
 
 
 def test_node_join_loads_no_heavy_sdk() -> None:
