@@ -106,7 +106,7 @@ class Reconciler:
                 report["labelled"].append(slot.node)
         slotted = {s.node for s in slots}
         for record in tickets:
-            data = record.data or {}
+            data = record.data
             name = data.get("node", "")
             keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
             if (data.get("state") == "released" and keep_until >= now and name in nodes and name not in slotted
@@ -119,10 +119,10 @@ class Reconciler:
             synced = self._tunnel.sync(live)
             self.account(live, new=set(synced.get("new", ())))
         for record in tickets:
-            data = record.data or {}
+            data = record.data
             keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
             if keep_until + TICKET_RECORD_GRACE_SECONDS < now:
-                self._records.delete(str(record.metadata.name))
+                self._records.delete(record.name)
         return report
 
     def account(self, slots: list[Slot], *, new: set[str] | None = None, force: bool = False) -> list[str]:

@@ -169,7 +169,7 @@ class KubeGateway:
         and its certificate may still be valid."""
         now = self._clock()
         for record in self._records.tickets():
-            data = record.data or {}
+            data = record.data
             keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
             if (data.get("state") == "released" and data.get("node") == node_name and keep_until >= now
                     and operation in (None, data.get("operation"))):
@@ -277,8 +277,8 @@ class KubeGateway:
                     counted = accumulate(counted, raw[0], raw[1], self._clock())
         else:
             # Removed: its final counters are in the tombstone of the ticket it joined with (while it stands).
-            released = [r.data or {} for r in self._records.tickets()
-                        if (r.data or {}).get("node") == node_name and (r.data or {}).get("transfer")]
+            released = [r.data for r in self._records.tickets()
+                        if r.data.get("node") == node_name and r.data.get("transfer")]
             owned = [d for d in released if d.get("operation") == operation]
             if not owned:
                 if slots or released:

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from kubernetes import client
 
+from common.kube import raw_items
 from gateway.transfer import Transfer
 from models.errors import AddressesExhausted
 from models.errors import JoinRefused
@@ -156,17 +157,28 @@ class Slot:
 
     @classmethod
     def from_configmap(cls, cm: client.V1ConfigMap) -> Slot:
-        d = cm.data or {}
+        return cls.from_record(str(cm.metadata.name), str(cm.metadata.resource_version or ""), cm.data or {})
+
+    @classmethod
+    def from_record(cls, name: str, resource_version: str, d: dict[str, str]) -> Slot:
         return cls(
-            index=int(cm.metadata.name.removeprefix(SLOT_PREFIX)), node=d["node"],
+            index=int(name.removeprefix(SLOT_PREFIX)), node=d["node"],
             wireguard_key=d["wireguardPublicKey"], tunnel_ip=d["tunnelIP"], pod_cidr=d["podCIDR"],
             nonce=d["ticket"], operation=d.get("operation", ""), labels=json.loads(d.get("labels", "{}")),
             taints=[Taint.model_validate(t) for t in json.loads(d.get("taints", "[]"))],
             gpus=int(d.get("gpus", "0")), expires_at=float(d.get("expiresAt", "0")),
-            registered_uid=d.get("registeredUID", ""), resource_version=str(cm.metadata.resource_version or ""),
+            registered_uid=d.get("registeredUID", ""), resource_version=resource_version,
             previous=list(json.loads(d.get("previousTickets", "[]"))), refused=d.get("refused", ""),
             transfer=Transfer.loads(d.get("transfer", "")),
         )
+
+@dataclass(frozen=True)
+class TicketRecord:
+    """A ticket's record: redeemed (its node), or a tombstone (released)."""
+
+    name: str
+    data: dict[str, str]
+
 
 @dataclass
 class RecordStore:
@@ -240,9 +252,15 @@ class RecordStore:
                 return None
             raise
 
-    def tickets(self) -> list[client.V1ConfigMap]:
-        return list(self.core.list_namespaced_config_map(
-            self.namespace, label_selector=f"{RECORD_LABEL}=ticket").items)
+    def _records(self, kind: str) -> list[tuple[str, str, dict[str, str]]]:
+        """Each record of ``kind``: (name, resourceVersion, data), read as plain JSON. Every ticket issued and every
+        join pass reads all of them: the client's model objects cost more CPU than the request (issue 26)."""
+        return [(item["metadata"]["name"], str(item["metadata"].get("resourceVersion", "")), item.get("data") or {})
+                for item in raw_items(self.core.list_namespaced_config_map(
+                    self.namespace, label_selector=f"{RECORD_LABEL}={kind}", _preload_content=False))]
+
+    def tickets(self) -> list[TicketRecord]:
+        return [TicketRecord(name, data) for name, _, data in self._records("ticket")]
 
     def delete(self, name: str) -> None:
         try:
@@ -252,8 +270,7 @@ class RecordStore:
                 raise
 
     def slots(self) -> list[Slot]:
-        items = self.core.list_namespaced_config_map(self.namespace, label_selector=f"{RECORD_LABEL}=slot").items
-        return [Slot.from_configmap(cm) for cm in items]
+        return [Slot.from_record(*record) for record in self._records("slot")]
 
     def create_slot(self, slot: Slot) -> bool:
         try:

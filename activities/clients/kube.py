@@ -3,7 +3,6 @@ nodes (cordon); evict through the Eviction API only. Nothing here creates or del
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from kubernetes import client
 from kubernetes import watch
 
 from common.kube import RecentRead
+from common.kube import raw_items
 from common.kube import read_or_none
 from models.drain import EvictionResult
 from models.labels import GPU_RESOURCE
@@ -108,13 +108,6 @@ NOT_CAPACITY_TAINTS = frozenset({
 })
 
 
-def _raw_items(response: Any) -> list[dict[str, Any]]:
-    """The items of a list call made with ``_preload_content=False``: plain JSON, without building the client's
-    model objects (which cost more CPU than the request for a cluster's nodes or pods)."""
-    items: list[dict[str, Any]] = json.loads(response.data)["items"]
-    return items
-
-
 def _bound_by_node(pods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The pods (plain JSON) bound to a node and not finished, by node name."""
     out: dict[str, list[dict[str, Any]]] = {}
@@ -152,9 +145,9 @@ class KubeOps:
         self.custom = client.CustomObjectsApi(api)
         # A ReplicaSet's controller never changes: (namespace, name) -> (kind, name) of its owner.
         self._rs_owner: dict[tuple[str, str], tuple[str, str]] = {}
-        self._home_nodes = RecentRead(lambda: _raw_items(self.core.list_node(_preload_content=False)),
+        self._home_nodes = RecentRead(lambda: raw_items(self.core.list_node(_preload_content=False)),
                                       HOME_VIEW_SECONDS)
-        self._pods_by_node = RecentRead(lambda: _bound_by_node(_raw_items(self.core.list_pod_for_all_namespaces(
+        self._pods_by_node = RecentRead(lambda: _bound_by_node(raw_items(self.core.list_pod_for_all_namespaces(
             field_selector="status.phase!=Succeeded", _preload_content=False))), HOME_VIEW_SECONDS)
         self._waiting_pods = RecentRead(lambda: list(self.core.list_pod_for_all_namespaces(
             field_selector="status.phase=Pending,spec.nodeName=").items), WAITING_VIEW_SECONDS)
