@@ -9,6 +9,7 @@ the API server over loopback (the tunnel tests boot instances into network names
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -49,17 +50,35 @@ SIMULATED_GPU_HEALTH_FAILURE = GpuHealth(healthy=False, reason="DcgmDiagFailed",
                                          message="simulated `dcgmi diag -r 1` failed (exit 226): Memory: Fail - GPU: 0")
 
 
+class _StateLock:
+    """The state file's lock: a thread lock, and ``flock`` on a file beside it, so that the worker replicas sharing
+    one simulated cloud (bench.temporal_production) read-modify-write it one at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self._path, self._thread, self._fd = path, threading.Lock(), -1
+
+    def __enter__(self) -> None:
+        self._thread.acquire()
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *_: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._thread.release()
+
+
 class SimProvider:
     name = "sim"
 
     def __init__(self, config: BurstConfig, state_file: Path, on_boot: BootHook | None = None) -> None:
         self._config = config
         self._file = state_file
-        self._lock = threading.Lock()
+        self._file.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = _StateLock(self._file.with_suffix(".lock"))
         self._on_boot = on_boot
         self._timers: dict[str, threading.Timer] = {}
         self.calls: list[tuple[str, str]] = []
-        self._file.parent.mkdir(parents=True, exist_ok=True)
         # A restarted worker finds its simulated cloud as it left it: pending instances go on booting.
         for iid, rec in self._load().items():
             if rec["state"] == "pending":
