@@ -31,6 +31,9 @@ class LaunchActivities(PhaseActivities):
         gate = self.context.gate(req.policy)  # checked again here, as the allow-list is: nothing launches while held
         if gate.held:
             raise ApplicationError(gate.reason, type=HELD, non_retryable=True)
+        # Before the ticket (the gateway reads its records for it): a worker that takes long to get here under
+        # load would otherwise miss the heartbeat timeout, and the retry finds the instance this attempt launches.
+        activity.heartbeat("issuing the join ticket")
         try:  # the ticket reserves the node's address slot: none free, no instance (it could never join)
             grant = self.gateway.issue_ticket(JoinTicketRequest(
                 operation=req.operation, policy=req.policy, location=req.offering.location,
