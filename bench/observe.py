@@ -239,6 +239,13 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def machine_cpu() -> tuple[float, float]:
+    """(busy, wall x CPUs) CPU seconds of the whole machine since boot, from /proc/stat."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    total, idle = sum(fields[:8]), fields[3] + fields[4]  # user nice system idle iowait irq softirq steal
+    return (total - idle) / CLOCK_TICKS, total / CLOCK_TICKS
+
+
 def children(pid: int | None = None) -> dict[int, str]:
     """Live (non-zombie) child processes of ``pid`` (default: this process): pid -> command name."""
     parent = os.getpid() if pid is None else pid

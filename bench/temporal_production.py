@@ -56,6 +56,7 @@ from bench.observe import ProcessSampler
 from bench.observe import Stopwatch
 from bench.observe import children
 from bench.observe import cpu_seconds
+from bench.observe import machine_cpu
 from bench.observe import utc_now
 from models import search_attributes as sa
 from models.converter import DATA_CONVERTER
@@ -68,6 +69,7 @@ from tests.harness.controlplane import ControlPlane
 from tests.harness.controlplane import free_port
 from tests.harness.kube import Cluster
 from tests.harness.kube import Kube
+from tests.harness.processes import stop_process
 from worker.config import Settings
 
 TEMPORAL_SERVER_VERSION = "v1.32.0"  # as bench/build-temporal-server.sh builds by default
@@ -271,14 +273,6 @@ def tree_cpu_seconds(pid: int) -> float:
     return own + sum(tree_cpu_seconds(child) for child in children(pid))
 
 
-def machine_busy() -> tuple[float, float]:
-    """(busy, all) CPU seconds of the whole machine since boot, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    idle = values[3] + values[4]
-    return (sum(values) - idle) / ticks, sum(values) / ticks
-
-
 @dataclass
 class CpuMeter:
     """CPU seconds of each process of the run, read at marks."""
@@ -292,7 +286,7 @@ class CpuMeter:
         row = {f"worker {r.index}": r.cpu() for r in self.replicas.members}
         row["Temporal server"] = cpu_seconds(self.temporal_pid) or 0.0
         row["PostgreSQL"] = tree_cpu_seconds(self.postgres_pid)
-        row["machine busy"], row["machine all"] = machine_busy()
+        row["machine busy"], row["machine all"] = machine_cpu()
         self.marks[name] = row
 
     def between(self, start: str, end: str) -> dict[str, float]:
@@ -482,18 +476,6 @@ async def scenario(b: Bench, replicas: Replicas, meter: CpuMeter, args: argparse
 
 
 # -- set-up and tear-down -------------------------------------------------------------------------------------------
-def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=timeout)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
 async def start_temporal(stack: contextlib.AsyncExitStack, bins: TemporalBinaries, workdir: Path, pg_port: int,
                          args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], Client]:
     names = ("frontend", "history", "matching", "worker")
@@ -503,7 +485,7 @@ async def start_temporal(stack: contextlib.AsyncExitStack, bins: TemporalBinarie
     log = workdir / "temporal.log"
     proc = spawn_logged([str(bins.server), "--config-file", str(config), "--allow-no-auth", "start",
                          *[a for name in names for a in ("--service", name)]], log, workdir)
-    stack.callback(stop_group, proc)
+    stack.callback(stop_process, proc, 30.0, group=True)
     temporal = await connect_when_up(f"127.0.0.1:{ports['frontend'][0]}", proc, log, timeout=120)
     return proc, temporal
 

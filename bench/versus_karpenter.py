@@ -63,6 +63,7 @@ from bench.observe import NodeSeen
 from bench.observe import PodSeen
 from bench.observe import children
 from bench.observe import cpu_seconds
+from bench.observe import machine_cpu
 from bench.observe import percentile
 from bench.observe import utc_now
 from models.provisioning import Offering
@@ -90,14 +91,6 @@ SHAPES = {1: ("g6.xlarge", 0.90), 4: ("g6.12xlarge", 3.40)}
 
 def log(t0: float, text: str) -> None:
     print(f"[{time.monotonic() - t0:7.1f}s] {text}", flush=True)
-
-
-def machine_cpu() -> tuple[float, float]:
-    """(busy, wall x CPUs) CPU seconds of the whole machine since boot, from /proc/stat."""
-    fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, idle = sum(fields[:8]), fields[3] + fields[4]  # user nice system idle iowait irq softirq steal
-    return (total - idle) / ticks, total / ticks
 
 
 def karpenter_instance_types(shapes: list[int], out: Path) -> Path:
