@@ -6,6 +6,7 @@ ticket records past their expiry. One pass at a time, in a loop in a daemon thre
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -14,8 +15,11 @@ from typing import Any
 from kubernetes import client
 from kubernetes.utils import parse_quantity
 
+from common.kube import raw_items
 from common.kube import read_or_none
 from gateway.metrics import BURST_TRANSFER
+from gateway.node_watch import NodeJson
+from gateway.node_watch import NodeWatch
 from gateway.slots import RecordStore
 from gateway.slots import Slot
 from gateway.transfer import Transfer
@@ -41,8 +45,8 @@ TICKET_RECORD_GRACE_SECONDS = 300
 
 
 class Reconciler:
-    """Reconcile passes with the gateway's credentials; ``joining``: a slot whose node has not registered yet, or
-    is still under its joining taint (the loop runs faster then)."""
+    """Reconcile passes with the gateway's credentials. Started, it passes when a Node it must act on changes (seen
+    by its ``NodeWatch``: registered, or burned in, under its joining taint) and every ``interval`` seconds."""
 
     def __init__(self, core: client.CoreV1Api, records: RecordStore, tunnel: GatewayTunnel | None,
                  clock: Callable[[], float], *, tombstone_seconds: float = 24 * 3600,
@@ -54,19 +58,50 @@ class Reconciler:
         self._tunnel = tunnel
         self._clock = clock
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        # A pass and a removal's release never interleave: a pass that listed a slot before the removal released
+        # it would add its peer back (counters from 0) and release it again from an older reading.
+        self._serial = threading.RLock()
         self._thread: threading.Thread | None = None
-        self.joining = False
+        self._watch = NodeWatch(core, self._node_changed)
+
+    def wake(self) -> None:
+        """Pass now (a node was admitted: its transfer baseline is due)."""
+        self._wake.set()
+
+    def _node_changed(self, node: NodeJson) -> None:
+        """Wake the loop for a Node under its joining taint that may be lifted now (it registered, or was annotated
+        burned in); any other change waits for the timed pass."""
+        taints = node.get("spec", {}).get("taints") or []
+        if not any(t.get("key") == JOINING_TAINT.key for t in taints):
+            return
+        meta = node["metadata"]
+        if BURN_IN_LABEL in (meta.get("labels") or {}) and BURNED_IN_ANNOTATION not in (meta.get("annotations") or {}):
+            return
+        self._wake.set()
 
     def reconcile(self) -> dict[str, list[str]]:
-        """One pass: label and taint registered nodes as their tickets say (only those), refuse a node whose
-        capacity exceeds its ticket's offering, revoke a Node re-created under a removed or replaced node's name,
-        release the slots of removed nodes and of tickets that expired unregistered, resync the WireGuard peers
-        with the slots, drop ticket records past their expiry (tombstones past the certificate's lifetime)."""
+        """One pass over the Nodes listed now (see ``_pass``)."""
+        return self._pass(None)
+
+    def _pass(self, nodes: dict[str, NodeJson] | None) -> dict[str, list[str]]:
+        with self._serial:
+            return self._pass_serially(nodes)
+
+    def _pass_serially(self, nodes: dict[str, NodeJson] | None) -> dict[str, list[str]]:
+        """One pass over ``nodes`` (the watch's view; None: list them): label and taint registered nodes as their
+        tickets say (only those), refuse a node whose capacity exceeds its ticket's offering, revoke a Node
+        re-created under a removed or replaced node's name, release the slots of removed nodes and of tickets that
+        expired unregistered, resync the WireGuard peers with the slots, drop ticket records past their expiry
+        (tombstones past the certificate's lifetime)."""
         report: dict[str, list[str]] = {"labelled": [], "cordoned": [], "released": [], "revoked": []}
-        # Slots first, then nodes: a slot marked registered names a node that existed before this list.
+        # Slots first, then nodes: a slot marked registered names a node that existed before this list. The watch's
+        # view is taken after the slots, as the list was; a node missing from a view that lags is read before its
+        # slot is released (_node_gone), and every patch is conditional on the Node being as seen.
         slots = self._records.slots()
         tickets = self._records.tickets()
-        nodes = {n.metadata.name: n for n in self._core.list_node().items}
+        if nodes is None:
+            nodes = {n["metadata"]["name"]: n for n in raw_items(self._core.list_node(_preload_content=False))}
         now = self._clock()
         live = []
         for slot in slots:
@@ -82,7 +117,8 @@ class Reconciler:
                 else:
                     live.append(slot)
                 continue
-            if slot.registered_uid and node.metadata.uid != slot.registered_uid:
+            uid = str(node["metadata"]["uid"])
+            if slot.registered_uid and uid != slot.registered_uid:
                 # The Node was deleted and registered again (with a still valid certificate): not the node the
                 # ticket admitted. Its slot goes (its tickets tombstoned); the new object is evicted and deleted.
                 self._revoke(node, "re-registered after its node was removed")
@@ -91,9 +127,9 @@ class Reconciler:
                 report["revoked"].append(slot.node)
                 continue
             live.append(slot)
-            if not slot.registered_uid and not self._records.mark_registered(slot, str(node.metadata.uid)):
+            if not slot.registered_uid and not self._records.mark_registered(slot, uid):
                 continue  # the slot changed during this pass (released, re-issued): the next pass sees it
-            gpus = parse_quantity((node.status.capacity or {}).get(GPU_RESOURCE, "0") if node.status else "0")
+            gpus = parse_quantity((node.get("status", {}).get("capacity") or {}).get(GPU_RESOURCE, "0"))
             refused = slot.refused
             if slot.gpus and gpus > slot.gpus and not refused:
                 refused = f"reports {gpus} GPUs, its ticket's offering has {slot.gpus}"
@@ -101,7 +137,9 @@ class Reconciler:
                     continue
                 report["cordoned"].append(slot.node)
             if refused:
-                self._refuse(node, refused, taint=False)  # the taint with the ticket's, below
+                node = self._refuse(node, refused, taint=False)  # the taint with the ticket's, below
+                if node is None:
+                    continue
             if self._apply_ticket(node, slot, refused=bool(refused)):
                 report["labelled"].append(slot.node)
         slotted = {s.node for s in slots}
@@ -114,7 +152,6 @@ class Reconciler:
                 # A Node registered under a removed node's name (its certificate is still valid): never served.
                 self._revoke(nodes[name], "registered again after the gateway removed it")
                 report["revoked"].append(name)
-        self.joining = any(not s.registered_uid or s.node in report["labelled"] for s in live)
         if self._tunnel is not None:
             synced = self._tunnel.sync(live)
             self.account(live, new=set(synced.get("new", ())))
@@ -168,60 +205,85 @@ class Reconciler:
     def _node_gone(self, name: str) -> bool:
         return read_or_none(lambda: self._core.read_node(name)) is None
 
-    def _apply_ticket(self, node: client.V1Node, slot: Slot, *, refused: bool) -> bool:
+    def _apply_ticket(self, node: NodeJson, slot: Slot, *, refused: bool) -> bool:
         """The ticket's labels and taints (only those: a ``gpu.kubeon.io/`` label the node set itself and its
         ticket does not name is removed), the pod CIDR; the joining taint lifted when checked, the refusal taint
         kept on a refused node."""
-        labels = node.metadata.labels or {}
+        meta, spec_now = node["metadata"], node.get("spec", {})
+        labels = meta.get("labels") or {}
         patch: dict[str, Any] = {}
         wrong: dict[str, str | None] = {k: v for k, v in slot.labels.items() if labels.get(k) != v}
         wrong.update({k: None for k in labels if k.startswith(TRUST_LABEL_PREFIX) and k not in slot.labels})
         if wrong:
             patch["metadata"] = {"labels": wrong}
-        taints = node.spec.taints or []
-        have = {(t.key, t.effect) for t in taints}
+        taints: list[dict[str, Any]] = spec_now.get("taints") or []
+        have = {(t["key"], t["effect"]) for t in taints}
         wanted = [*slot.taints, *([JOIN_REFUSED_TAINT] if refused else [])]
         missing = [t for t in wanted if (t.key, t.effect) not in have]
         # A node under burn-in (issue 27) keeps its joining taint until the optimizer has annotated it burned in.
-        burning_in = BURN_IN_LABEL in slot.labels and BURNED_IN_ANNOTATION not in (node.metadata.annotations or {})
-        keep = [t for t in taints if refused or burning_in or t.key != JOINING_TAINT.key]
+        burning_in = BURN_IN_LABEL in slot.labels and BURNED_IN_ANNOTATION not in (meta.get("annotations") or {})
+        keep = [t for t in taints if refused or burning_in or t["key"] != JOINING_TAINT.key]
         spec: dict[str, Any] = {}
         if missing or len(keep) != len(taints):
-            spec["taints"] = [{"key": t.key, "value": t.value, "effect": t.effect} for t in keep] + [
-                t.model_dump() for t in missing]
-        if not node.spec.pod_cidr:
+            spec["taints"] = keep + [t.model_dump() for t in missing]
+        if not spec_now.get("podCIDR"):
             spec["podCIDR"] = slot.pod_cidr
         if spec:
             patch["spec"] = spec
-        if patch:
-            self._core.patch_node(slot.node, patch)
-        return bool(patch)
+        return bool(patch) and self._patch_as_seen(node, patch) is not None
 
-    def _refuse(self, node: client.V1Node, reason: str, *, taint: bool = True) -> None:
+    def _patch_as_seen(self, node: NodeJson, patch: dict[str, Any]) -> NodeJson | None:
+        """Patch the Node only if it is still as seen (its resourceVersion): the taint list is written whole, so a
+        taint added since (a drain's, a refusal's) must not be dropped. The Node as patched; None when it had
+        changed (nothing written: the change's own watch event, or the next pass, sees it again)."""
+        meta = node["metadata"]
+        patch.setdefault("metadata", {})["resourceVersion"] = meta["resourceVersion"]
+        try:
+            patched = self._core.patch_node(meta["name"], patch, _preload_content=False)
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return None
+            raise
+        result: NodeJson = json.loads(patched.data)  # type: ignore[attr-defined]  # raw (_preload_content)
+        return result
+
+    def _refuse(self, node: NodeJson, reason: str, *, taint: bool = True) -> NodeJson | None:
         """A refusal the node cannot lift: the refusal taint (NoExecute: nothing runs there), cordoned, the reason
-        annotated (what verification reads); applied again every pass from the slot, where the refusal lives."""
-        taints = (node.spec.taints if node.spec is not None else None) or []
-        annotations = node.metadata.annotations or {}
-        tainted = any(t.key == JOIN_REFUSED_TAINT.key and t.effect == JOIN_REFUSED_TAINT.effect for t in taints)
-        if (node.spec is not None and node.spec.unschedulable and annotations.get(JOIN_REFUSED_ANNOTATION)
-                and (tainted or not taint)):
-            return
-        spec: dict[str, Any] = {"unschedulable": True}
-        if taint and not tainted:
-            spec["taints"] = [*({"key": t.key, "value": t.value, "effect": t.effect} for t in taints
-                                if t.key != JOIN_REFUSED_TAINT.key), JOIN_REFUSED_TAINT.model_dump()]
-        self._core.patch_node(str(node.metadata.name), {
-            "metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}}, "spec": spec})
+        annotated (what verification reads); applied again every pass from the slot, where the refusal lives. A
+        Node that changed since it was seen is read again and refused as it is now (at most three reads). The
+        Node as refused; None if it is gone."""
+        name = node["metadata"]["name"]
+        for _ in range(3):
+            spec_now = node.get("spec", {})
+            taints: list[dict[str, Any]] = spec_now.get("taints") or []
+            annotations = node["metadata"].get("annotations") or {}
+            tainted = any(t["key"] == JOIN_REFUSED_TAINT.key and t["effect"] == JOIN_REFUSED_TAINT.effect
+                          for t in taints)
+            if spec_now.get("unschedulable") and annotations.get(JOIN_REFUSED_ANNOTATION) and (tainted or not taint):
+                return node
+            spec: dict[str, Any] = {"unschedulable": True}
+            if taint and not tainted:
+                spec["taints"] = [*(t for t in taints if t["key"] != JOIN_REFUSED_TAINT.key),
+                                  JOIN_REFUSED_TAINT.model_dump()]
+            patched = self._patch_as_seen(node, {"metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}},
+                                                 "spec": spec})
+            if patched is not None:
+                return patched
+            fresh = read_or_none(lambda: self._core.read_node(name, _preload_content=False))
+            if fresh is None:
+                return None
+            node = json.loads(fresh.data)  # type: ignore[attr-defined]  # the raw response (_preload_content)
+        raise client.ApiException(status=409, reason=f"node {name} kept changing while it was refused")
 
-    def _revoke(self, node: client.V1Node, reason: str) -> None:
+    def _revoke(self, node: NodeJson, reason: str) -> None:
         """A Node no slot admits (re-created with a removed node's certificate): refused (NoExecute), then
         deleted; its certificate stays refused while a tombstone names it."""
-        name = str(node.metadata.name)
+        name = str(node["metadata"]["name"])
         log.warning("revoking node %s: %s", name, reason)
         try:
             self._refuse(node, reason)
             self._core.delete_node(name, body=client.V1DeleteOptions(
-                preconditions=client.V1Preconditions(uid=node.metadata.uid)))
+                preconditions=client.V1Preconditions(uid=node["metadata"]["uid"])))
         except client.ApiException as exc:
             if exc.status not in (404, 409):  # gone, or re-created again meanwhile (the next pass sees it)
                 raise
@@ -230,6 +292,10 @@ class Reconciler:
         """Free a slot whose node is gone: its peer removed, every ticket it was issued for tombstoned (refused
         for good, its name watched for the certificate's lifetime), the record deleted if unchanged since read;
         False if it changed (read again)."""
+        with self._serial:
+            return self._release_serially(slot)
+
+    def _release_serially(self, slot: Slot) -> bool:
         final = slot.transfer
         if self._tunnel is not None and slot.wireguard_key:
             with contextlib.suppress(UapiError):
@@ -246,23 +312,29 @@ class Reconciler:
                                          transfer=final if nonce == slot.nonce and not slot.reserved else None)
         return self._records.delete_unchanged(slot)
 
-    def start(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:
-        """Reconcile every ``interval`` seconds in a daemon thread, until ``stop()``; every ``joining_interval``
-        while a node that joined has not registered yet (its joining taint is lifted that much sooner)."""
+    def start(self, interval: float = 1.0, settle: float = 0.05) -> None:
+        """Reconcile in a daemon thread until ``stop()``: when the node watch reports a Node to act on (after
+        ``settle`` seconds, so nodes registering together share a pass), else every ``interval`` seconds. Passes
+        read the watch's Nodes; while it has none (starting, or lost), they list them."""
         def loop() -> None:
-            wait = interval
-            while not self._stop.wait(wait):
+            while not self._stop.is_set():
+                self._wake.wait(interval)
+                if self._stop.wait(settle):
+                    break
+                self._wake.clear()
                 try:
-                    self.reconcile()
+                    self._pass(self._watch.snapshot())
                 except Exception as exc:  # the API may be briefly away; the next pass retries
                     log.warning("gateway reconcile failed: %s: %s", type(exc).__name__, exc)
-                wait = joining_interval if self.joining else interval
 
         if self._thread is None:
+            self._watch.start()
             self._thread = threading.Thread(target=loop, name="gateway-reconcile", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+        self._watch.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)

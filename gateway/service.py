@@ -210,14 +210,14 @@ class KubeGateway:
         return self._admission.renew(renewal)
 
     def _joined(self) -> None:
-        self._reconciler.joining = True
+        self._reconciler.wake()
 
     def reconcile(self) -> dict[str, list[str]]:
         """One pass of ``Reconciler.reconcile``."""
         return self._reconciler.reconcile()
 
-    def start_reconciler(self, interval: float = 1.0, joining_interval: float = 0.25) -> None:
-        self._reconciler.start(interval, joining_interval)
+    def start_reconciler(self, interval: float = 1.0) -> None:
+        self._reconciler.start(interval)
 
     def stop(self) -> None:
         """Stop the reconciler, then write every node's transfer counters (the interface goes with the gateway)."""

@@ -32,8 +32,8 @@ KUBELET_CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
 # The burst gateway: the join (kubelet client CSRs for one signer), labelling joined nodes, Node removal; nothing
 # the optimizer needs. It creates no Node: nodes register themselves.
 GATEWAY_RULES = [
-    # Read nodes (its reconciler lists them), apply ticket labels/taints and cordon, remove drained burst nodes.
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch", "delete"]},
+    # Read nodes (its reconciler watches them), apply ticket labels/taints and cordon, remove drained burst nodes.
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch", "delete"]},
     # Create the kubelet client CSR of a node it validated, read it back, approve it for that one signer.
     {"apiGroups": ["certificates.k8s.io"], "resources": ["certificatesigningrequests"], "verbs": ["create", "get"]},
     {"apiGroups": ["certificates.k8s.io"], "resources": ["certificatesigningrequests/approval"],

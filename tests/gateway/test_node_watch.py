@@ -1,0 +1,93 @@
+"""The reconciler's Nodes from one watch (gateway/node_watch.py) against the real control plane: a registration is
+acted on when it happens, not at the next timed pass; the view follows adds and deletes; a patch made from a view
+the Node has since moved past is refused, never written over what changed."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from gateway.node_watch import NodeWatch
+from models.labels import JOINING_TAINT
+from node.join import NodeFiles
+from tests.gateway.helpers import gateway
+from tests.gateway.helpers import join_and_register
+from tests.gateway.helpers import ticket_request
+from tests.harness.kube import Cluster
+from tests.harness.kube import wait_for
+
+pytestmark = pytest.mark.cluster
+
+DRAIN_TAINT = {"key": "example.com/draining", "value": "true", "effect": "NoSchedule"}
+
+
+def _taint_keys(cluster: Cluster, name: str) -> set[str]:
+    return {t.key for t in cluster.admin.core.read_node(name).spec.taints or []}
+
+
+def test_a_registered_node_is_untainted_by_its_watch_event_not_a_timed_pass(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    gw = gateway(gateway_api)
+    gw.start_reconciler(interval=3600)  # no timed pass within the test: only the watch can wake it
+    try:
+        req = ticket_request(nodes)
+        join_and_register(gw, req, files())
+        wait_for(lambda: JOINING_TAINT.key not in _taint_keys(cluster, req.node_name), timeout=30,
+                 what=f"the joining taint lifted from {req.node_name} after its registration")
+        got = cluster.admin.core.read_node(req.node_name)
+        assert got.spec.pod_cidr, "the pass that lifted the taint also gave the node its pod CIDR"
+    finally:
+        gw.stop()
+
+
+def test_the_watch_view_follows_nodes_added_and_deleted(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str]) -> None:
+    seen: list[str] = []
+    watch = NodeWatch(client.CoreV1Api(gateway_api), lambda node: seen.append(node["metadata"]["name"]),
+                      window_seconds=5)
+    assert watch.snapshot() is None, "no view before the first list"
+    watch.start()
+    try:
+        wait_for(lambda: watch.snapshot() is not None, timeout=30, what="the watch's first list")
+        name = f"watched-{uuid.uuid4().hex[:8]}"
+        nodes.append(name)
+        cluster.admin.core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=name, labels={"x": "1"})))
+        wait_for(lambda: name in (watch.snapshot() or {}), timeout=30, what=f"{name} in the watch's view")
+        assert name in seen, "each node added is handed to on_change"
+        # Past a window (the server ends the watch after window_seconds), the view still follows.
+        cluster.admin.core.patch_node(name, {"metadata": {"labels": {"x": "2"}}})
+        wait_for(lambda: (watch.snapshot() or {}).get(name, {}).get("metadata", {}).get("labels", {}).get("x") == "2",
+                 timeout=30, what=f"{name}'s new label in the view")
+        cluster.admin.core.delete_node(name)
+        wait_for(lambda: (view := watch.snapshot()) is not None and name not in view, timeout=30,
+                 what=f"{name} gone from the watch's view")
+    finally:
+        watch.stop()
+    assert watch.snapshot() is not None  # the last view stays readable; the reconciler is stopped with it
+
+
+def test_a_pass_from_a_view_the_node_moved_past_writes_nothing_over_the_change(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    gw = gateway(gateway_api)
+    req = ticket_request(nodes)
+    join_and_register(gw, req, files())
+    stale: dict[str, Any] = json.loads(
+        client.CoreV1Api(gateway_api).read_node(req.node_name, _preload_content=False).data)
+    # Someone taints the node after the view was taken (a drain): the whole taint list the pass would write from
+    # the view would drop it.
+    taints = [{"key": t.key, "value": t.value, "effect": t.effect}
+              for t in cluster.admin.core.read_node(req.node_name).spec.taints or []]
+    cluster.admin.core.patch_node(req.node_name, {"spec": {"taints": [*taints, DRAIN_TAINT]}})
+    report = gw._reconciler._pass({req.node_name: stale})
+    assert req.node_name not in report["labelled"]
+    assert {JOINING_TAINT.key, DRAIN_TAINT["key"]} <= _taint_keys(cluster, req.node_name), \
+        "nothing written from the stale view"
+    # The next pass, from what the node is now, lifts the joining taint and keeps the drain's.
+    assert req.node_name in gw.reconcile()["labelled"]
+    keys = _taint_keys(cluster, req.node_name)
+    assert JOINING_TAINT.key not in keys and DRAIN_TAINT["key"] in keys
