@@ -32,6 +32,7 @@ from pydantic import StrictFloat
 from pydantic import StrictInt
 from pydantic import StrictStr
 from pydantic import ValidationError
+from pydantic import ValidationInfo
 from pydantic import field_validator
 from pydantic import model_validator
 from pydantic.alias_generators import to_camel
@@ -332,13 +333,25 @@ HOURS_PER_MONTH: Final = 730.0
 class GpuOffering(_Spec):
     """A GPU type (or a MIG slice of one) a workload could run on: its memory as the system reports it (e.g. GFD's
     ``nvidia.com/gpu.memory``, not the nominal GB), its price per GPU-hour and its compute relative to the
-    current type (1.0: the same)."""
+    current type (1.0: the same). ``product``: the ``nvidia.com/gpu.product`` label value its nodes carry (e.g.
+    ``NVIDIA-L4``), so a recommendation of it can be expressed as a NodePool requirement; never on a MIG slice,
+    which is made by sharing a GPU (kind Sharing), not by a NodePool."""
 
     name: Annotated[StrictStr, Field(min_length=1, max_length=63)]
     memory_mib: Annotated[StrictInt, Field(ge=1024, le=1_048_576, alias="memoryMiB")]
     usd_per_hour: Annotated[StrictFloat, Field(gt=0, le=10000)]
     relative_compute: Annotated[StrictFloat, Field(gt=0, le=100)] = 1.0
     mig: StrictBool = False
+    product: Annotated[LabelValue, Field(min_length=1)] | None = None
+
+    @field_validator("product")
+    @classmethod
+    def _no_product_on_a_mig_slice(cls, product: str | None, info: ValidationInfo) -> str | None:
+        # ``mig`` is declared before ``product``: validated (or failed, then absent) by now.
+        if product is not None and info.data.get("mig"):
+            raise ValueError("product is not for a MIG candidate (mig: true): a MIG slice is made by sharing a "
+                             "GPU (kind Sharing), not by a NodePool; name the product on a whole GPU type")
+        return product
 
 
 class FitRule(_Spec):

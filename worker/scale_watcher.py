@@ -3,7 +3,8 @@ are measured (two Prometheus queries per policy, whatever the number of pods) an
 ScaleWorkflow (one per workload: a running one is left as it is). What was decided, and why not for the others,
 goes into the policy's ``status.scaleToZero``: the mode enforced (R1.3), namespaces refused for lack of the
 chart's scale Role (R5.2), metrics problems, and one line per workload. GpuTypeFit policies get their
-recommendations in ``status.gpuTypeFit`` (no action is taken)."""
+recommendations in ``status.gpuTypeFit`` (no action is taken), each with the NodePool requirement that would serve
+it when its candidate names a product and the workload's GPU pods run on nodes of Karpenter NodePools."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from activities.clients.prometheus import MetricsError
 from activities.clients.prometheus import PrometheusClient
 from activities.scale import ScaleOps
 from activities.scale import scale_role_missing
+from models.capacity import NODEPOOL_LABEL
 from models.policy import AnyPolicy
+from models.policy import FitRule
 from models.policy import GpuTypeFitPolicy
 from models.policy import Mode
 from models.policy import ScaleToZeroPolicy
@@ -106,9 +109,19 @@ class ScaleWatcher(ResyncLoop):
             self.evaluate_fit(policy)
         return []
 
+    def _node_pools(self, rule: FitRule) -> dict[str, str]:
+        """Node -> its Karpenter NodePool, for the nodes of one; read only when a candidate could be expressed as
+        a NodePool requirement (one names its product and is not a MIG slice)."""
+        if not any(c.product and not c.mig for c in rule.candidates):
+            return {}
+        nodes: list[Any] = self.ops.core.list_node(label_selector=NODEPOOL_LABEL).items
+        return {str(n.metadata.name): str(n.metadata.labels[NODEPOOL_LABEL]) for n in nodes}
+
     def evaluate_fit(self, policy: GpuTypeFitPolicy) -> list[FitRecommendation]:
         spec, rule = policy.spec, policy.spec.fit
-        workloads: list[tuple[str, str, list[str], int]] = []
+        pools = self._node_pools(rule)
+        # (workload, namespace, its pods, GPUs, the NodePool of each scheduled GPU pod's node, "" for none)
+        workloads: list[tuple[str, str, list[str], int, list[str]]] = []
         for ns in spec.namespaces:
             ns_pods = self.ops.core.list_namespaced_pod(ns).items
             for ref, w in self.ops.list_workloads(ns, list(spec.selector.kinds), spec.selector.match_labels):
@@ -117,13 +130,15 @@ class ScaleWatcher(ResyncLoop):
                 pods = self.ops.pods_of(w, ns_pods)
                 gpus = sum(gpus_requested(p) for p in pods)
                 if gpus:
-                    workloads.append((ref.key, ns, sorted(str(p.metadata.name) for p in pods), gpus))
+                    workloads.append((ref.key, ns, sorted(str(p.metadata.name) for p in pods), gpus,
+                                      [pools.get(str(p.spec.node_name), "") for p in pods
+                                       if gpus_requested(p) and p.spec.node_name]))
         memory: dict[tuple[str, str], PodMemory]
         memory, problem = self._measured(bool(workloads), NO_PROMETHEUS_FIT,
                                          lambda m: m.pod_memory(spec.namespaces, rule.window_seconds))
         recs = [] if problem else [
-            recommend(key, [memory[(ns, p)] for p in pods if (ns, p) in memory], gpus, rule)
-            for key, ns, pods, gpus in workloads]
+            recommend(key, [memory[(ns, p)] for p in pods if (ns, p) in memory], gpus, rule, node_pools)
+            for key, ns, pods, gpus, node_pools in workloads]
         recs.sort(key=lambda r: (-r.saving_usd_per_month, r.workload))
         self.ops.patch_status(policy.name, {
             "enforcedMode": "Recommend",

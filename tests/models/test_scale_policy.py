@@ -135,6 +135,51 @@ def test_gpu_type_fit_malformed_fields_are_named(path: str, value: object, field
     assert field in err.value.fields
 
 
+def _fit_with_candidate(**fields: object) -> dict[str, Any]:
+    doc = copy.deepcopy(FIT)
+    doc["spec"]["fit"]["candidates"][0].update(fields)
+    return doc
+
+
+def test_gpu_type_fit_candidate_names_its_gpu_product_optionally() -> None:
+    p = parse_policy(_fit_with_candidate(product="NVIDIA-L4"))
+    assert isinstance(p, policy.GpuTypeFitPolicy)
+    assert p.spec.fit.candidates[0].product == "NVIDIA-L4"
+    assert p.spec.fit.current.product is None  # optional: policies without it stay valid
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"product": "NVIDIA L4"}, "should match pattern"),  # not a label value: no spaces
+    ({"product": "x" * 64}, "at most 63"),
+    ({"product": "NVIDIA-A100-SXM4-80GB", "mig": True}, "product is not for a MIG candidate (mig: true)"),
+])
+def test_gpu_type_fit_bad_candidate_product_is_refused_naming_it(fields: dict[str, object], says: str) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(_fit_with_candidate(**fields))
+    assert err.value.errors[0][0] == "spec.fit.candidates[0].product"
+    assert says in err.value.errors[0][1]
+
+
+def test_crd_schema_checks_the_offering_product_as_a_label_value() -> None:
+    crd = yaml.safe_load((ROOT / "charts/kubeon-gpu-optimizer/crds/gpupolicies.gpu.kubeon.io.yaml").read_text())
+    fit = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["fit"]
+    for offering in (fit["properties"]["current"], fit["properties"]["candidates"]["items"]):
+        assert offering["properties"]["product"]["pattern"] == policy.LABEL_VALUE_PATTERN
+        assert offering["properties"]["product"]["maxLength"] == 63
+        assert [v["fieldPath"] for v in offering["x-kubernetes-validations"]] == [".product"]
+
+
+@pytest.mark.cluster
+def test_apiserver_accepts_a_candidate_product_and_refuses_it_on_a_mig_slice(gpupolicy_crd: Cluster) -> None:
+    assert_accepted(gpupolicy_crd, _fit_with_candidate(product="NVIDIA-L4"), "fit", policy.GpuTypeFitPolicy)
+    for fields, says in (({"product": "NVIDIA L4"}, "should match"),
+                         ({"product": "NVIDIA-A100-SXM4-80GB", "mig": True}, "product is not for a MIG candidate")):
+        with pytest.raises(client.ApiException) as err:
+            _create(gpupolicy_crd, _fit_with_candidate(**fields))
+        assert err.value.status == 422, err.value.body
+        assert "spec.fit.candidates[0].product" in err.value.body and says in err.value.body, err.value.body
+
+
 @pytest.mark.cluster
 def test_apiserver_accepts_gpu_type_fit_and_refuses_acting_modes(gpupolicy_crd: Cluster) -> None:
     created = _create(gpupolicy_crd, FIT)

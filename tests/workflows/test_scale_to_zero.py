@@ -21,6 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.scale import ScaleForbidden
 from activities.scale import ScaleOps
 from hub.plans import parse_plan
+from models.capacity import NODEPOOL_LABEL
 from models.decisions import Approval
 from models.policy import API_GROUP
 from models.policy import PLURAL
@@ -296,31 +297,51 @@ async def test_worker_killed_at_zero_wakes_once_to_the_right_count(
 async def test_gpu_type_fit_recommends_a_cheaper_type_for_a_small_peak_only(
         stack: ScaleStack, worker: tuple[Client, Settings], allowed_ns: str, policy: str,
         capsys: pytest.CaptureFixture[str]) -> None:
+    core = stack.cluster.admin.core
     for name, gib in (("small", 9), ("large", 70)):
         stack.deploy(allowed_ns, name, replicas=1)
         stack.give_gpus(allowed_ns, stack.running_pods(allowed_ns, name, 1), activity=0.02,
                         fb_used_mib=gib * 1024, minutes=70)
-    stack.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
-        "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
-        "spec": {"kind": "GpuTypeFit", "namespaces": [allowed_ns], "fit": {
-            "window": "1h", "current": {"name": "a100-80gb", "memoryMiB": 81920, "usdPerHour": 4.1},
-            "candidates": [{"name": "l4", "memoryMiB": 23034, "usdPerHour": 0.8, "relativeCompute": 0.3}]}}})
+    # The small workload's node is of a Karpenter NodePool (its label; no Karpenter needed to read it).
+    small: Any = core.read_namespaced_pod(stack.running_pods(allowed_ns, "small", 1)[0], allowed_ns)
+    node: Any = core.read_node(small.spec.node_name)
+    pool = (node.metadata.labels or {}).get(NODEPOOL_LABEL) or unique("fit-pool")
+    labelled = NODEPOOL_LABEL not in (node.metadata.labels or {})
+    if labelled:
+        core.patch_node(node.metadata.name, {"metadata": {"labels": {NODEPOOL_LABEL: pool}}})
+    try:
+        stack.cluster.admin.custom.create_cluster_custom_object(API_GROUP, "v1", PLURAL, {
+            "apiVersion": "gpu.kubeon.io/v1", "kind": "GpuPolicy", "metadata": {"name": policy},
+            "spec": {"kind": "GpuTypeFit", "namespaces": [allowed_ns], "fit": {
+                "window": "1h", "current": {"name": "a100-80gb", "memoryMiB": 81920, "usdPerHour": 4.1},
+                "candidates": [{"name": "l4", "memoryMiB": 23034, "usdPerHour": 0.8, "relativeCompute": 0.3,
+                                "product": "NVIDIA-L4"}]}}})
 
-    def recommendations() -> dict[str, Any] | None:
-        doc: Any = stack.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
-        recs = ((doc.get("status") or {}).get("gpuTypeFit") or {}).get("recommendations") or []
-        return {r["workload"].split("/")[-1]: r for r in recs} if len(recs) == 2 else None
+        def recommendations() -> dict[str, Any] | None:
+            doc: Any = stack.cluster.admin.custom.get_cluster_custom_object(API_GROUP, "v1", PLURAL, policy)
+            recs = ((doc.get("status") or {}).get("gpuTypeFit") or {}).get("recommendations") or []
+            return {r["workload"].split("/")[-1]: r for r in recs} if len(recs) == 2 else None
 
-    recs = await until(recommendations, what="two GPU type fit recommendations")
+        recs = await until(recommendations, what="two GPU type fit recommendations")
+    finally:
+        if labelled:
+            core.patch_node(node.metadata.name, {"metadata": {"labels": {NODEPOOL_LABEL: None}}})
     assert recs["small"]["recommended"] == "l4"
     assert recs["small"]["savingUsdPerMonth"] == round((4.1 - 0.8) * 730, 2)
     assert recs["small"]["peakMiB"] == 9 * 1024
+    # The NodePool requirement that would serve it, and how to apply it; GPU type fit changes no NodePool.
+    assert recs["small"]["product"] == "NVIDIA-L4"
+    assert recs["small"]["nodePoolRequirements"] == [
+        {"nodePool": pool, "key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-L4"]}]
+    assert "set gpuProducts: [NVIDIA-L4] in an Autoscaling policy for that NodePool" in recs["small"]["reason"]
     assert recs["large"]["recommended"] == "" and "no cheaper GPU type fits" in recs["large"]["reason"]
+    assert recs["large"]["nodePoolRequirements"] == []
     assert stack.replicas(allowed_ns, "small")[0] == 1  # recommend only: nothing changes
-    # `kubeon-gpu ops fit` shows them, with the optimizer's own credentials.
+    # `kubeon-gpu ops fit` shows them, with the optimizer's own credentials (the requirement in the reason).
     assert main(["ops", "fit", "--kubeconfig", str(stack.burst.optimizer_kubeconfig)]) == 0
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith(policy)]
-    assert any(f"{allowed_ns}/Deployment/small" in line and " l4 " in line and "2,409.00" in line for line in shown)
+    assert any(f"{allowed_ns}/Deployment/small" in line and " l4 " in line and "2,409.00" in line
+               and f"nvidia.com/gpu.product In [NVIDIA-L4] on NodePool {pool};" in line for line in shown)
     assert any(f"{allowed_ns}/Deployment/large" in line and " - " in line for line in shown)
 
 
