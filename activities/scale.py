@@ -16,6 +16,7 @@ from kubernetes import client
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.clients.kube import is_live
 from activities.clients.policies import enforceable_policies
 from activities.clients.policies import patch_policy_status
 from activities.clients.prometheus import MetricsError
@@ -97,13 +98,8 @@ def _name(obj: Any) -> str:
     return str(obj.metadata.name)
 
 
-def _live(pod: Any) -> bool:
-    return pod.metadata.deletion_timestamp is None and not (pod.status and pod.status.phase in ("Succeeded",
-                                                                                               "Failed"))
-
-
 class ScaleOps:
-    """Workload reads, scale patches and policy status writes (sync; the activities and the watcher share it)."""
+    """Workload reads, scale patches and policy status writes: the watcher's, and ScaleWorkflow's activities."""
 
     def __init__(self, api: client.ApiClient, metrics: PrometheusClient | None) -> None:
         self.api = api
@@ -161,8 +157,9 @@ class ScaleOps:
         else:
             wanted = (workload.spec.selector.match_labels or {}) if workload.spec.selector else {}
             found = [p for p in pods if all((p.metadata.labels or {}).get(k) == v for k, v in wanted.items())]
-        return [p for p in found if _live(p)]
+        return [p for p in found if is_live(p)]
 
+    @activity.defn(name="observe_workload")
     def observe(self, req: ObserveRequest) -> Observation:
         workload = self.read_workload(req.workload)
         replicas = int(workload.spec.replicas if workload.spec.replicas is not None else 1)
@@ -249,6 +246,7 @@ class ScaleOps:
     def patch_status(self, policy: str, scale_status: dict[str, Any], key: str = STATUS_KEY) -> None:
         patch_policy_status(self.custom, policy, key, scale_status)
 
+    @activity.defn(name="load_scale_policy")
     def snapshot(self, req: ScalePolicyRequest) -> ScalePolicySnapshot:
         policy = self.read_policy(req.policy)
         if policy is None:
@@ -277,37 +275,25 @@ class ScaleOps:
             activation_threshold=demand.activation_threshold if demand else 0.0,
             demand_poll_seconds=duration_seconds(demand.poll_interval) if demand else 30)
 
-
-class ScaleActivities:
-    def __init__(self, ops: ScaleOps) -> None:
-        self.ops = ops
-
-    @activity.defn(name="load_scale_policy")
-    def load_scale_policy(self, req: ScalePolicyRequest) -> ScalePolicySnapshot:
-        return self.ops.snapshot(req)
-
-    @activity.defn(name="observe_workload")
-    def observe_workload(self, req: ObserveRequest) -> Observation:
-        return self.ops.observe(req)
-
+    # -- activities (and snapshot, observe above); their names are what histories hold ---------------------
     @activity.defn(name="scale_workload")
     def scale_workload(self, req: ScaleRequest) -> ScaleResult:
         try:
-            return self.ops.scale(req)
+            return self.scale(req)
         except ScaleForbidden as exc:
             raise ApplicationError(str(exc), type=SCALE_FORBIDDEN, non_retryable=True) from None
 
     @activity.defn(name="read_replicas")
     def read_replicas(self, ref: WorkloadRef) -> int:
         try:
-            return int(self.ops.read_scale(ref).spec.replicas or 0)
+            return int(self.read_scale(ref).spec.replicas or 0)
         except ScaleForbidden as exc:
             raise ApplicationError(str(exc), type=SCALE_FORBIDDEN, non_retryable=True) from None
 
     @activity.defn(name="wait_workload_ready")
     async def wait_workload_ready(self, req: ReadyRequest) -> ReadyResult:
         """Until the workload has ``replicas`` Ready pods; heartbeats, so a killed worker's wait moves on."""
-        ready, done = await poll(lambda: self.ops.ready(req.workload), lambda n: n >= req.replicas,
+        ready, done = await poll(lambda: self.ready(req.workload), lambda n: n >= req.replicas,
                                  timeout_seconds=req.timeout_seconds, describe=lambda n: f"{n}/{req.replicas} ready")
         if not done:
             raise ApplicationError(f"{req.workload.key}: only {ready} of {req.replicas} pod(s) Ready after "
@@ -320,17 +306,17 @@ class ScaleActivities:
 
     @activity.defn(name="demand_value")
     def demand_value(self, req: DemandRequest) -> DemandValue:
-        if self.ops.metrics is None:
+        if self.metrics is None:
             return DemandValue(error=NO_PROMETHEUS)
         try:
-            return DemandValue(value=self.ops.metrics.scalar(req.query))
+            return DemandValue(value=self.metrics.scalar(req.query))
         except MetricsError as exc:
             return DemandValue(error=str(exc))
 
     @activity.defn(name="update_scale_status")
     def update_scale_status(self, req: ScaleStatusUpdate) -> None:
-        self.ops.patch_status(req.policy, {"workloads": {req.workload.key: req.entry}})
+        self.patch_status(req.policy, {"workloads": {req.workload.key: req.entry}})
 
     def all(self) -> list[Callable[..., Any]]:
-        return [self.load_scale_policy, self.observe_workload, self.scale_workload, self.read_replicas,
-                self.wait_workload_ready, self.next_wake_time, self.demand_value, self.update_scale_status]
+        return [self.snapshot, self.observe, self.scale_workload, self.read_replicas, self.wait_workload_ready,
+                self.next_wake_time, self.demand_value, self.update_scale_status]

@@ -17,6 +17,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.clients.kube import gpus_requested
+from activities.clients.kube import is_live
 from activities.clients.policies import enforceable_policies
 from activities.clients.policies import patch_policy_status
 from activities.clients.prometheus import PrometheusClient
@@ -79,13 +80,8 @@ def _parse_time(stamp: str | None) -> dt.datetime | None:
         return None
 
 
-def _live(pod: Any) -> bool:
-    return pod.metadata.deletion_timestamp is None and not (pod.status and pod.status.phase in ("Succeeded",
-                                                                                               "Failed"))
-
-
 class SharingOps:
-    """ConfigMap keys, node labels, node and pod reads (sync; the activities and the watcher share it)."""
+    """ConfigMap keys, node labels, node and pod reads: the watcher's, and SharingWorkflow's activities."""
 
     def __init__(self, api: client.ApiClient, metrics: PrometheusClient | None) -> None:
         self.api = api
@@ -124,6 +120,7 @@ class SharingOps:
                                        non_retryable=True) from None
             raise
 
+    @activity.defn(name="write_time_slicing_key")
     def write_key(self, req: WriteKeyRequest) -> WriteKeyResult:
         """Add the config's content-addressed key, with when it was written (its propagation counts from then); one
         already there is left as it is (never edited), and when it was written is read back: an earlier attempt
@@ -142,6 +139,7 @@ class SharingOps:
                                {**mark, WRITTEN_PREFIX + key: now.isoformat()})
         return WriteKeyResult(key=key, written=True, written_at=now)
 
+    @activity.defn(name="remove_unused_time_slicing_keys")
     def cleanup(self, req: CleanupRequest) -> CleanupResult:
         """Remove the optimizer's keys no node's label names and no operation is bringing to its node (others'
         keys are never touched); ``release``: that node's pending mark first."""
@@ -159,12 +157,14 @@ class SharingOps:
         return CleanupResult(removed=unused)
 
     # -- nodes ---------------------------------------------------------------------------------------------
+    @activity.defn(name="read_node_config")
     def node_config(self, node: str) -> NodeConfig:
         n: Any = self.core.read_node(node)
         labels = n.metadata.labels or {}
         return NodeConfig(node=node, label=labels.get(CONFIG_LABEL), replicas=int(labels.get(REPLICAS_LABEL, "1")),
                           gpus=int(labels.get(COUNT_LABEL, "0")))
 
+    @activity.defn(name="set_device_plugin_config")
     def set_label(self, req: LabelRequest) -> None:
         self.core.patch_node(req.node, {"metadata": {"labels": {CONFIG_LABEL: req.key}}})
 
@@ -187,6 +187,7 @@ class SharingOps:
             problems.append(f"{STRATEGY_LABEL} is {shown[STRATEGY_LABEL] or 'unset'}, not {strategy}")
         return VerifyResult(ok=not problems, allocatable=allocatable, labels=shown, reason="; ".join(problems))
 
+    @activity.defn(name="uncordon_node")
     def uncordon(self, node: str) -> None:
         self.core.patch_node(node, {"spec": {"unschedulable": None}})
 
@@ -195,6 +196,7 @@ class SharingOps:
         labels = n.metadata.labels or {}
         return labels.get(MIG_CONFIG_LABEL), labels.get(MIG_STATE_LABEL)
 
+    @activity.defn(name="set_mig_config")
     def set_mig(self, req: MigLabelRequest) -> None:
         """The geometry label, and the MIG manager's state label cleared in the same patch: a ``success`` read
         afterwards is the MIG manager's answer to this change, not what it said of the previous one."""
@@ -209,11 +211,12 @@ class SharingOps:
         return VerifyResult(ok=not wrong, allocatable=sum(int(alloc.get(k, "0")) for k in req.expected),
                             labels={k: str(alloc.get(k, "0")) for k in req.expected}, reason="; ".join(wrong))
 
+    @activity.defn(name="unservable_pods")
     def unservable(self, req: UnservableRequest) -> UnservableResult:
         n: Any = self.core.read_node(req.node)
         allocatable = int((n.status.allocatable or {}).get("nvidia.com/gpu", "0"))
         pods: list[Any] = [p for p in self.core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={req.node}").items if _live(p) and gpus_requested(p)]
+            field_selector=f"spec.nodeName={req.node}").items if is_live(p) and gpus_requested(p)]
         pods.sort(key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
         requested, over = 0, []
         for p in pods:
@@ -234,7 +237,7 @@ class SharingOps:
         selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items() if match_labels else []))
         nodes: list[Any] = self.core.list_node(label_selector=selector).items
         pods: list[Any] = self.core.list_pod_for_all_namespaces().items
-        pending = [p for p in pods if _live(p) and not p.spec.node_name and gpus_requested(p)]
+        pending = [p for p in pods if is_live(p) and not p.spec.node_name and gpus_requested(p)]
         out = []
         for n in nodes:
             labels = n.metadata.labels or {}
@@ -242,7 +245,7 @@ class SharingOps:
                 continue
             name = str(n.metadata.name)
             mine = tuple(GpuPod(p.metadata.namespace, p.metadata.name, gpus_requested(p)) for p in pods
-                         if p.spec.node_name == name and _live(p) and gpus_requested(p))
+                         if p.spec.node_name == name and is_live(p) and gpus_requested(p))
             waiting = tuple(GpuPod(p.metadata.namespace, p.metadata.name, gpus_requested(p)) for p in pending
                             if all(labels.get(k) == v for k, v in (p.spec.node_selector or {}).items()))
             out.append(NodeFacts(
@@ -251,56 +254,24 @@ class SharingOps:
                 pods=mine, waiting=waiting))
         return out
 
-
-class SharingActivities:
-    def __init__(self, ops: SharingOps) -> None:
-        self.ops = ops
-
-    @activity.defn(name="write_time_slicing_key")
-    def write_time_slicing_key(self, req: WriteKeyRequest) -> WriteKeyResult:
-        return self.ops.write_key(req)
-
-    @activity.defn(name="read_node_config")
-    def read_node_config(self, node: str) -> NodeConfig:
-        return self.ops.node_config(node)
-
-    @activity.defn(name="set_device_plugin_config")
-    def set_device_plugin_config(self, req: LabelRequest) -> None:
-        self.ops.set_label(req)
-
+    # -- activities (and those marked above); their names are what histories hold --------------------------
     @activity.defn(name="verify_time_slicing")
     async def verify_time_slicing(self, req: VerifyRequest) -> VerifyResult:
         """Until the node shows the config (allocatable and labels) or the timeout; heartbeats."""
-        result, _ = await poll(lambda: self.ops.check(req), lambda r: r.ok, timeout_seconds=req.timeout_seconds,
+        result, _ = await poll(lambda: self.check(req), lambda r: r.ok, timeout_seconds=req.timeout_seconds,
                                describe=lambda r: r.reason or "verified")
         return result
 
-    @activity.defn(name="remove_unused_time_slicing_keys")
-    def remove_unused_time_slicing_keys(self, req: CleanupRequest) -> CleanupResult:
-        return self.ops.cleanup(req)
-
-    @activity.defn(name="unservable_pods")
-    def unservable_pods(self, req: UnservableRequest) -> UnservableResult:
-        return self.ops.unservable(req)
-
-    @activity.defn(name="uncordon_node")
-    def uncordon_node(self, node: str) -> None:
-        self.ops.uncordon(node)
-
     @activity.defn(name="read_mig_config")
     def read_mig_config(self, node: str) -> MigStateResult:
-        label, state = self.ops.mig_label(node)
+        label, state = self.mig_label(node)
         return MigStateResult(state=state or "", previous=label)
-
-    @activity.defn(name="set_mig_config")
-    def set_mig_config(self, req: MigLabelRequest) -> None:
-        self.ops.set_mig(req)
 
     @activity.defn(name="wait_mig_state")
     async def wait_mig_state(self, req: MigStateRequest) -> MigStateResult:
         """Until the MIG manager reports ``success`` or ``failed`` for the geometry, or the timeout; heartbeats."""
         (_, state), reported = await poll(
-            lambda: self.ops.mig_label(req.node),
+            lambda: self.mig_label(req.node),
             lambda got: got[0] == req.geometry and got[1] in ("success", "failed"),
             timeout_seconds=req.timeout_seconds, describe=lambda got: f"{got[0]}: {got[1]}")
         return MigStateResult(state=state if reported else f"timeout (still {state or 'unset'})")
@@ -309,12 +280,11 @@ class SharingActivities:
     async def verify_mig_resources(self, req: MigVerifyRequest) -> VerifyResult:
         """Until the node advertises the geometry's resources or the timeout (the device plugin registers them
         after the MIG manager's success, not with it); heartbeats."""
-        result, _ = await poll(lambda: self.ops.mig_resources(req), lambda r: r.ok,
+        result, _ = await poll(lambda: self.mig_resources(req), lambda r: r.ok,
                                timeout_seconds=req.timeout_seconds, describe=lambda r: r.reason or "verified")
         return result
 
     def all(self) -> list[Callable[..., Any]]:
-        return [self.write_time_slicing_key, self.read_node_config, self.set_device_plugin_config,
-                self.verify_time_slicing, self.remove_unused_time_slicing_keys, self.unservable_pods,
-                self.uncordon_node, self.read_mig_config, self.set_mig_config, self.wait_mig_state,
+        return [self.write_key, self.node_config, self.set_label, self.verify_time_slicing, self.cleanup,
+                self.unservable, self.uncordon, self.read_mig_config, self.set_mig, self.wait_mig_state,
                 self.verify_mig_resources]

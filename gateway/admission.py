@@ -9,6 +9,9 @@ import base64
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
 from cryptography import x509
@@ -99,31 +102,30 @@ def key_fingerprint(csr: x509.CertificateSigningRequest) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
+@dataclass(eq=False)
 class Admission:
     """Joins nodes with the gateway's credentials: ``tickets`` verifies, ``slots`` holds the addresses,
     ``tunnel`` (None: no tunnel, sim nodes) gets the peer; ``endpoint`` says where nodes join (for the UDP
     endpoint when none is configured), ``on_join`` is told of every admitted node (the reconciler hurries)."""
 
-    def __init__(self, api: client.ApiClient, tickets: TicketSigner, slots: SlotBook, records: RecordStore,
-                 plan: AddressPlan, tunnel: GatewayTunnel | None, *, endpoint: Callable[[], tuple[str, str]],
-                 on_join: Callable[[], None], cert_seconds: int = DEFAULT_CERT_SECONDS,
-                 sign_timeout: float = 30.0, tombstoned: Callable[[str], bool] = lambda _: False,
-                 attestation: AttestationVerifier | None = None) -> None:
-        self._api = api
-        self._certs = client.CertificatesV1Api(api)
-        self._tickets = tickets
-        self._slots = slots
-        self._records = records
-        self._plan = plan
-        self._tunnel = tunnel
-        self._endpoint = endpoint
-        self._on_join = on_join
-        self._cert_seconds = cert_seconds
-        self._sign_timeout = sign_timeout
-        self._ca_bundle: str | None = None
-        self._username: str | None = None
-        self._tombstoned = tombstoned
-        self._attestation = attestation or AttestationVerifier()
+    api: client.ApiClient
+    tickets: TicketSigner
+    slots: SlotBook
+    records: RecordStore
+    plan: AddressPlan
+    tunnel: GatewayTunnel | None
+    _: KW_ONLY
+    endpoint: Callable[[], tuple[str, str]]
+    on_join: Callable[[], None]
+    cert_seconds: int = DEFAULT_CERT_SECONDS
+    sign_timeout: float = 30.0
+    tombstoned: Callable[[str], bool] = lambda _: False
+    attestation: AttestationVerifier = field(default_factory=AttestationVerifier)
+    _ca_bundle: str | None = field(default=None, init=False)
+    _username: str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._certs = client.CertificatesV1Api(self.api)
 
     def join(self, redeem: JoinRedeem) -> JoinAnswer:
         """Redeem a ticket: check it, the node's WireGuard key and its kubelet CSR; record the redemption
@@ -131,17 +133,17 @@ class Admission:
         Node afterwards, with the certificate, through the tunnel. A retry by the same node (the same keys: the
         CSR proves possession of the kubelet key) gets the same answer; anything else with a used ticket is
         refused."""
-        ticket = self._tickets.verify(redeem.ticket)
-        attested = self._attestation.verify(redeem.attestation, ticket.location, ticket=redeem.ticket)
+        ticket = self.tickets.verify(redeem.ticket)
+        attested = self.attestation.verify(redeem.attestation, ticket.location, ticket=redeem.ticket)
         try:
             wg_key = check_key(redeem.wireguard_public_key, "wireguardPublicKey")
         except ValueError as exc:
             raise JoinRefused("wireguard_key_invalid", str(exc)) from None
-        if self._tunnel is not None and wg_key == self._tunnel.public_key:
+        if self.tunnel is not None and wg_key == self.tunnel.public_key:
             raise JoinRefused("wireguard_key_in_use", "wireguardPublicKey is the gateway's own key")
         csr = check_csr(redeem.csr, ticket.node_name, redeem.usages)
         fingerprint = key_fingerprint(csr)
-        slots = self._records.slots()
+        slots = self.records.slots()
         for other in slots:
             if other.wireguard_key == wg_key and other.nonce != ticket.nonce:
                 raise JoinRefused("wireguard_key_in_use", f"wireguardPublicKey is already the key of node "
@@ -155,8 +157,8 @@ class Admission:
             raise TicketError(f"join ticket for {ticket.node_name} was issued with an address slot reservation "
                               "that was released (its launch was compensated or its node removed); tickets are "
                               "single use", code="ticket_replayed")
-        if held is None and self._tombstoned(ticket.node_name):
-            if (self._records.ticket(ticket.nonce) or {}).get("state") == "released":
+        if held is None and self.tombstoned(ticket.node_name):
+            if (self.records.ticket(ticket.nonce) or {}).get("state") == "released":
                 raise TicketError(f"join ticket for {ticket.node_name} was already used and its node removed; "
                                   "tickets are single use", code="ticket_replayed")
             raise TicketError(f"node {ticket.node_name} was removed and its certificate may still be valid: no new "
@@ -164,7 +166,7 @@ class Admission:
         if (held is None or held.reserved) and self._node_exists(ticket.node_name):
             raise TicketError(f"node {ticket.node_name} exists and was not admitted by this ticket: no join "
                               "hands out an existing node's identity", code="node_exists")
-        seen = self._records.create_ticket(ticket.nonce, {
+        seen = self.records.create_ticket(ticket.nonce, {
             "node": ticket.node_name, "operation": ticket.operation, "expiresAt": repr(ticket.expires_at),
             "wireguardPublicKey": wg_key, "csrKey": fingerprint, "state": "redeemed",
             "attestation": attested.model_dump_json(by_alias=True)})
@@ -181,18 +183,18 @@ class Admission:
         slot = next((s for s in slots if s.nonce == ticket.nonce), None) or next(
             (s for s in slots if s.reserved and ticket.nonce in s.nonces), None)
         if slot is None:
-            slot = self._slots.allocate(ticket, ticket.node_name, ticket.operation, wg_key, slots)
+            slot = self.slots.allocate(ticket, ticket.node_name, ticket.operation, wg_key, slots)
         elif slot.reserved:
-            slot = self._slots.claim(slot, ticket, ticket.node_name, wg_key)
-        if self._tunnel is not None:
+            slot = self.slots.claim(slot, ticket, ticket.node_name, wg_key)
+        if self.tunnel is not None:
             try:
-                self._tunnel.uapi.set_peer(wg_key, [f"{slot.tunnel_ip}/32", slot.pod_cidr])
+                self.tunnel.uapi.set_peer(wg_key, [f"{slot.tunnel_ip}/32", slot.pod_cidr])
             except UapiError as exc:
                 raise JoinRefused("tunnel_unavailable", str(exc), status=503) from None
-        self._on_join()
+        self.on_join()
         certificate = self._sign(f"kubeon-join-{ticket.nonce}", redeem.csr, csr, list(redeem.usages), ticket.node_name,
                                  f"its join ticket (operation {ticket.operation})")
-        tunnel = self._tunnel.answer(slot, self._udp_endpoint()) if self._tunnel is not None else None
+        tunnel = self.tunnel.answer(slot, self._udp_endpoint()) if self.tunnel is not None else None
         api_server, api_server_name = self._node_api_server()
         return JoinAnswer(
             node_name=ticket.node_name, certificate=certificate, ca_bundle=self._cluster_ca(),
@@ -200,12 +202,12 @@ class Admission:
             labels=dict(ticket.labels), taints=[*ticket.taints, JOINING_TAINT], tunnel=tunnel)
 
     def _node_exists(self, name: str) -> bool:
-        return read_or_none(lambda: client.CoreV1Api(self._api).read_node(name)) is not None
+        return read_or_none(lambda: client.CoreV1Api(self.api).read_node(name)) is not None
 
     def _own_username(self) -> str:
         """The gateway's own user (SelfSubjectReview): the only requester of a join CSR it approves."""
         if self._username is None:
-            review = client.AuthenticationV1Api(self._api).create_self_subject_review(client.V1SelfSubjectReview())
+            review = client.AuthenticationV1Api(self.api).create_self_subject_review(client.V1SelfSubjectReview())
             info = review.status.user_info if review.status is not None else None
             self._username = str(info.username) if info is not None and info.username else ""
         return self._username
@@ -217,18 +219,18 @@ class Admission:
         per node and quarter of a certificate's lifetime: a retry gets the same certificate."""
         csr = check_csr(renewal.csr, renewal.node_name, renewal.usages)
         node = renewal.node_name
-        slot = next((s for s in self._records.slots() if s.node == node and not s.reserved), None)
-        if slot is None or self._tombstoned(node):
+        slot = next((s for s in self.records.slots() if s.node == node and not s.reserved), None)
+        if slot is None or self.tombstoned(node):
             raise JoinRefused("node_not_joined", f"node {node} holds no address slot (it was removed, or never "
                               "joined): no certificate is renewed for it", status=403)
         if slot.refused:
             raise JoinRefused("node_refused", f"node {node} was refused by the gateway ({slot.refused}): no "
                               "certificate is renewed for it", status=403)
-        record = self._records.ticket(slot.nonce) or {}
+        record = self.records.ticket(slot.nonce) or {}
         if record.get("state") != "redeemed" or record.get("csrKey") != key_fingerprint(csr):
             raise JoinRefused("key_mismatch", f"the CSR's key is not the kubelet key node {node} joined with",
                               status=403)
-        bucket = int(time.time() // max(self._cert_seconds // 4, 60))
+        bucket = int(time.time() // max(self.cert_seconds // 4, 60))
         certificate = self._sign(f"kubeon-renew-{slot.nonce}-{bucket}", renewal.csr, csr, renewal.usages, node,
                                  f"renewal for {node} (operation {slot.operation}), which holds its address slot "
                                  "and proved its kubelet key")
@@ -242,7 +244,7 @@ class Admission:
             metadata=client.V1ObjectMeta(name=name, labels={**MANAGED_BY}),
             spec=client.V1CertificateSigningRequestSpec(
                 request=base64.b64encode(pem.encode()).decode(), signer_name=KUBELET_CLIENT_SIGNER,
-                usages=list(usages), expiration_seconds=self._cert_seconds))
+                usages=list(usages), expiration_seconds=self.cert_seconds))
         try:
             obj = self._certs.create_certificate_signing_request(body)
         except client.ApiException as exc:
@@ -252,7 +254,7 @@ class Admission:
             # Found, not created: someone else's object under the join's name (a node that knows the nonce) is
             # never approved, nor one asking for a longer certificate than the gateway's.
             requester, seconds = obj.spec.username, obj.spec.expiration_seconds
-            if requester != self._own_username() or seconds is None or seconds > self._cert_seconds:
+            if requester != self._own_username() or seconds is None or seconds > self.cert_seconds:
                 raise JoinRefused("csr_mismatch", f"CSR {name} in the API was not created by the gateway for this "
                                   f"node (requester {requester!r}, expirationSeconds {seconds})", status=409) from None
         # What the API holds is what was checked: the same key, the same shape, our signer.
@@ -269,37 +271,37 @@ class Admission:
                     type="Approved", status="True", reason="KubeonGatewayValidated",
                     message=f"kubelet client CSR for {node_name}, checked by the burst gateway: {why}")])
             self._certs.replace_certificate_signing_request_approval(name, obj)
-        deadline = time.monotonic() + self._sign_timeout
+        deadline = time.monotonic() + self.sign_timeout
         while True:
             obj = self._certs.read_certificate_signing_request(name)
             if obj.status is not None and obj.status.certificate:
                 return base64.b64decode(obj.status.certificate).decode()
             if time.monotonic() > deadline:
                 raise JoinRefused("csr_not_signed", f"CSR {name} approved but not signed within "
-                                  f"{self._sign_timeout:.0f}s: is the controller-manager's csrsigning controller "
+                                  f"{self.sign_timeout:.0f}s: is the controller-manager's csrsigning controller "
                                   "running with --cluster-signing-cert-file?", status=503)
             time.sleep(0.1)
 
     def _udp_endpoint(self) -> str:
-        assert self._tunnel is not None
-        if self._tunnel.endpoint:
-            return self._tunnel.endpoint
-        url, _ = self._endpoint()
+        assert self.tunnel is not None
+        if self.tunnel.endpoint:
+            return self.tunnel.endpoint
+        url, _ = self.endpoint()
         host = url_host(url)
         if not host:
             raise JoinRefused("no_tunnel_endpoint", "the gateway knows no address for its UDP endpoint: set "
                               "KUBEON_GATEWAY_TUNNEL_ENDPOINT or KUBEON_GATEWAY_PUBLIC_URL", status=503)
-        return f"[{host}]:{self._tunnel.listen_port}" if ":" in host else f"{host}:{self._tunnel.listen_port}"
+        return f"[{host}]:{self.tunnel.listen_port}" if ":" in host else f"{host}:{self.tunnel.listen_port}"
 
     def _cluster_ca(self) -> str:
         if self._ca_bundle is None:
-            ca_file = self._api.configuration.ssl_ca_cert
+            ca_file = self.api.configuration.ssl_ca_cert
             self._ca_bundle = Path(ca_file).read_text() if ca_file else ""
         return self._ca_bundle
 
     def _node_api_server(self) -> tuple[str, str]:
         """Where a node reaches the API server: through the tunnel, the gateway's proxy on its tunnel address,
         verified as kubernetes.default.svc; without one (sim), the gateway's own API server URL."""
-        if self._tunnel is not None:
-            return (f"https://{self._plan.gateway_ip}:{self._tunnel.api_proxy_port}", API_SERVER_NAME)
-        return str(self._api.configuration.host), ""
+        if self.tunnel is not None:
+            return (f"https://{self.plan.gateway_ip}:{self.tunnel.api_proxy_port}", API_SERVER_NAME)
+        return str(self.api.configuration.host), ""

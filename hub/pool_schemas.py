@@ -16,6 +16,7 @@ from pydantic import StrictStr
 
 from hub.schemas import NAME_PATTERN
 from hub.schemas import OPERATION_PATTERN
+from hub.schemas import CredentialOut
 from hub.schemas import Name
 from hub.schemas import OperationId
 from hub.schemas import PolicyName
@@ -120,14 +121,8 @@ class ClaimRelease(_In):
 # ----- responses -----
 
 
-class JoinTokenOut(BaseModel):
-    id: str
-    created_at: datetime
-    created_by: str
-    last_used_at: datetime | None
-    revoked_at: datetime | None
-    revoked_by: str | None
-    active: bool
+class JoinTokenOut(CredentialOut):
+    """A pool's join token, which its servers' agents enrol with."""
 
 
 class JoinTokenIssued(BaseModel):

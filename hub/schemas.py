@@ -154,15 +154,21 @@ class WhoAmI(BaseModel):
     cluster: str | None
 
 
-class ApiKeyOut(_Out):
+class CredentialOut(BaseModel):
+    """An issued secret (a person's API key, a pool's join token) as listed: its public id, who made it, when it
+    was last used, and whether it was revoked, when and by whom."""
+
     id: str
-    description: str
     created_at: datetime
     created_by: str
     last_used_at: datetime | None
     revoked_at: datetime | None
     revoked_by: str | None
     active: bool
+
+
+class ApiKeyOut(_Out, CredentialOut):
+    description: str
 
 
 class UserOut(BaseModel):

@@ -19,8 +19,8 @@ from temporalio.worker.workflow_sandbox import SandboxRestrictions
 from activities.burst import BurstActivities
 from activities.hub import HubActivities
 from activities.packing import PackActivities
-from activities.scale import ScaleActivities
-from activities.sharing import SharingActivities
+from activities.scale import ScaleOps
+from activities.sharing import SharingOps
 from models.ids import SERVE_QUEUE_SUFFIX
 from worker import telemetry
 from worker.background import running
@@ -65,7 +65,7 @@ def workflow_runner() -> SandboxedWorkflowRunner:
 
 def make_worker(temporal: Client, activities: BurstActivities, settings: Settings,
                 executor: ThreadPoolExecutor, hub: HubActivities | None = None,
-                scale: ScaleActivities | None = None, sharing: SharingActivities | None = None,
+                scale: ScaleOps | None = None, sharing: SharingOps | None = None,
                 pack: PackActivities | None = None) -> Worker:
     return Worker(
         temporal, task_queue=settings.task_queue, workflows=WORKFLOWS,
@@ -105,8 +105,8 @@ async def worker_services(settings: Settings, runtime: Runtime | None = None, *,
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrent_activities, thread_name_prefix="activity")
     runtime_activities = runtime.activities(temporal)
     hub = runtime.hub_activities(temporal)
-    worker = make_worker(temporal, runtime_activities, settings, executor, hub, runtime.scale_activities(),
-                         runtime.sharing_activities(), runtime.pack_activities())
+    worker = make_worker(temporal, runtime_activities, settings, executor, hub, runtime.scale_ops(),
+                         runtime.sharing_ops(), runtime.pack_activities())
     watcher = PendingPodWatcher(kube=runtime.kube, temporal=temporal, cluster=settings.cluster,
                                 task_queue=settings.task_queue, default_mode=lambda: settings.default_mode,
                                 settings=settings.operation_settings())

@@ -26,9 +26,7 @@ from activities.context import ReportSink
 from activities.hub import HubActivities
 from activities.packing import PackActivities
 from activities.providers.base import Provider
-from activities.scale import ScaleActivities
 from activities.scale import ScaleOps
-from activities.sharing import SharingActivities
 from activities.sharing import SharingOps
 from common.kube import kube_api
 from models import search_attributes
@@ -120,14 +118,8 @@ class Runtime:
     def scale_ops(self) -> ScaleOps:
         return ScaleOps(self.kube.api, self.metrics)
 
-    def scale_activities(self) -> ScaleActivities:
-        return ScaleActivities(self.scale_ops())
-
     def sharing_ops(self) -> SharingOps:
         return SharingOps(self.kube.api, self.metrics)
-
-    def sharing_activities(self) -> SharingActivities:
-        return SharingActivities(self.sharing_ops())
 
     def prerequisites(self) -> list[Prerequisite]:
         return run_checks(self.kube.api, self.metrics, gpu_operator_namespace=self.settings.gpu_operator_namespace,

@@ -86,6 +86,11 @@ def _pod_terminal(pod: client.V1Pod) -> bool:
     return bool(pod.status and pod.status.phase in ("Succeeded", "Failed"))
 
 
+def is_live(pod: client.V1Pod) -> bool:
+    """Neither terminating nor finished."""
+    return pod.metadata.deletion_timestamp is None and not _pod_terminal(pod)
+
+
 T = TypeVar("T")
 
 # How stale the home capacity a serving node's return-home check reads may be: every serving node checks every
