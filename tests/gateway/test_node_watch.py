@@ -4,7 +4,6 @@ the Node has since moved past is refused, never written over what changed."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -76,8 +75,7 @@ def test_a_pass_from_a_view_the_node_moved_past_writes_nothing_over_the_change(
     gw = gateway(gateway_api)
     req = ticket_request(nodes)
     join_and_register(gw, req, files())
-    stale: dict[str, Any] = json.loads(
-        client.CoreV1Api(gateway_api).read_node(req.node_name, _preload_content=False).data)
+    stale: dict[str, Any] = gateway_api.sanitize_for_serialization(cluster.admin.core.read_node(req.node_name))
     # Someone taints the node after the view was taken (a drain): the whole taint list the pass would write from
     # the view would drop it.
     taints = [{"key": t.key, "value": t.value, "effect": t.effect}
