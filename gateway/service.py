@@ -238,7 +238,7 @@ class KubeGateway:
             slot = next((s for s in slots if s.operation == operation), None)
             if slot is not None:
                 return slots, slot
-        slots = [s for s in self._records.slots() if s.node == node_name]
+        slots = self._records.slots_of(node_name)
         return slots, next((s for s in slots if s.operation == operation), None)
 
     def _owned_slot(self, node_name: str, operation: str) -> Slot:
@@ -324,7 +324,7 @@ class KubeGateway:
         False if it is already gone."""
         removed = False
         for _ in range(5):  # each round lost a race against a reconcile pass writing the slot
-            slots = [s for s in self._records.slots() if s.node == node_name and s.operation == operation]
+            slots = [s for s in self._records.slots_of(node_name) if s.operation == operation]
             node = read_or_none(lambda: self._core.read_node(node_name))
             if node is not None:
                 if not slots and not self._tombstoned(node_name, operation):

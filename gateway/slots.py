@@ -36,6 +36,12 @@ MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}
 
 RECORD_LABEL: Final = "gpu.kubeon.io/gateway-record"
 
+# A slot record names its node in this label too, so one node's slot is found without reading every slot (the
+# optimizer asks about one node at a time: its identity, transfer, probe, removal). Records written before it was
+# added are found by reading them all.
+SLOT_NODE_LABEL: Final = "gpu.kubeon.io/gateway-slot-node"
+LABEL_VALUE_MAX: Final = 63
+
 TICKET_PREFIX: Final = "kubeon-ticket-"
 
 SLOT_PREFIX: Final = "kubeon-slot-"
@@ -189,8 +195,9 @@ class RecordStore:
     core: client.CoreV1Api
     namespace: str
 
-    def _meta(self, name: str, kind: str) -> client.V1ObjectMeta:
-        return client.V1ObjectMeta(name=name, namespace=self.namespace, labels={**MANAGED_BY, RECORD_LABEL: kind})
+    def _meta(self, name: str, kind: str, labels: dict[str, str] | None = None) -> client.V1ObjectMeta:
+        return client.V1ObjectMeta(name=name, namespace=self.namespace,
+                                   labels={**MANAGED_BY, RECORD_LABEL: kind, **(labels or {})})
 
     def create_ticket(self, nonce: str, data: dict[str, str]) -> dict[str, str] | None:
         """Record a redemption; ``None`` if it is new, else the existing record's data."""
@@ -254,12 +261,14 @@ class RecordStore:
                 return None
             raise
 
-    def _records(self, kind: str) -> list[tuple[str, str, dict[str, str]]]:
-        """Each record of ``kind``: (name, resourceVersion, data), read as plain JSON. Every ticket issued and every
-        join pass reads all of them: the client's model objects cost more CPU than the request (issue 26)."""
+    def _records(self, kind: str, selector: str = "") -> list[tuple[str, str, dict[str, str]]]:
+        """Each record of ``kind`` (and ``selector``): (name, resourceVersion, data), read as plain JSON. Every
+        ticket issued and every join pass reads all of them: the client's model objects cost more CPU than the
+        request (issue 26)."""
         return [(item["metadata"]["name"], str(item["metadata"].get("resourceVersion", "")), item.get("data") or {})
                 for item in raw_items(self.core.list_namespaced_config_map(
-                    self.namespace, label_selector=f"{RECORD_LABEL}={kind}", _preload_content=False))]
+                    self.namespace, label_selector=",".join(filter(None, (f"{RECORD_LABEL}={kind}", selector))),
+                    _preload_content=False))]
 
     def tickets(self) -> list[TicketRecord]:
         return [TicketRecord(name, data) for name, _, data in self._records("ticket")]
@@ -274,10 +283,21 @@ class RecordStore:
     def slots(self) -> list[Slot]:
         return [Slot.from_record(*record) for record in self._records("slot")]
 
+    def slots_of(self, node: str) -> list[Slot]:
+        """The slots held for ``node``: by its label; when none carries it, from all of them (a record written
+        before the label, or none: the answer must not depend on which)."""
+        if len(node) <= LABEL_VALUE_MAX:
+            labelled = [Slot.from_record(*record) for record in self._records("slot", f"{SLOT_NODE_LABEL}={node}")]
+            found = [s for s in labelled if s.node == node]
+            if found:
+                return found
+        return [s for s in self.slots() if s.node == node]
+
     def create_slot(self, slot: Slot) -> bool:
         try:
+            node_label = {SLOT_NODE_LABEL: slot.node} if len(slot.node) <= LABEL_VALUE_MAX else {}
             self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
-                metadata=self._meta(slot.name, "slot"), data=slot.data()))
+                metadata=self._meta(slot.name, "slot", node_label), data=slot.data()))
             return True
         except client.ApiException as exc:
             if exc.status == 409:

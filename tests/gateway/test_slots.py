@@ -8,9 +8,12 @@ from collections.abc import Callable
 import pytest
 from kubernetes import client
 
+from gateway.slots import SLOT_NODE_LABEL
 from gateway.slots import AddressPlan
 from models.errors import JoinRefused
+from models.errors import TicketError
 from node.join import NodeFiles
+from tests.charts.helm import NAMESPACE
 from tests.gateway.helpers import gateway
 from tests.gateway.helpers import ticket_request
 from tests.harness.joining import redeem_for
@@ -39,3 +42,29 @@ def test_addresses_never_overlap_and_are_freed_with_the_node(cluster: Cluster, g
     assert gw.remove_node(reqs[1].node_name, operation=reqs[1].operation) is False  # never registered
     later = ticket_request(nodes)
     assert gw.join(redeem_for(files(), gw.sign_ticket(later), later.node_name)).pod_cidr == freed
+
+
+def test_a_nodes_slot_is_found_by_its_label_and_one_written_without_it_still_is(
+        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str], files: Callable[[], NodeFiles]) -> None:
+    gw = gateway(gateway_api)
+    labelled, older = ticket_request(nodes), ticket_request(nodes)
+    for req in (labelled, older):
+        gw.join(redeem_for(files(), gw.sign_ticket(req), req.node_name))
+    (slot,) = gw.records.slots_of(labelled.node_name)
+    cm = cluster.admin.core.read_namespaced_config_map(slot.name, NAMESPACE)
+    assert cm.metadata.labels[SLOT_NODE_LABEL] == labelled.node_name
+    # A record from before the label (a gateway upgraded while its nodes serve): found by reading them all, and
+    # the optimizer's questions about its node are answered as before.
+    (old,) = gw.records.slots_of(older.node_name)
+    cluster.admin.core.patch_namespaced_config_map(old.name, NAMESPACE,
+                                                   {"metadata": {"labels": {SLOT_NODE_LABEL: None}}})
+    assert SLOT_NODE_LABEL not in (cluster.admin.core.read_namespaced_config_map(old.name, NAMESPACE).metadata.labels
+                                   or {})
+    assert [s.name for s in gw.records.slots_of(older.node_name)] == [old.name]
+    assert gw.records.slots_of("burst-op-000000000000") == []
+    # Ownership still holds through the label: another operation's question about this node is refused.
+    with pytest.raises(TicketError, match="another operation"):
+        gw.identity(labelled.node_name, operation="op-ffffffffffff")
+    assert gw.identity(labelled.node_name, operation=labelled.operation).method == "none"
+    assert gw.remove_node(older.node_name, operation=older.operation) is False  # never registered: slot freed
+    assert gw.records.slots_of(older.node_name) == []
