@@ -39,6 +39,11 @@ from tunnel import link
 
 log = logging.getLogger("kubeon.gateway")
 
+# Connections kept to the API server: one per thread that may call it at once, or a busy gateway opens (and
+# discards) a TLS connection per request: the HTTP app's sync routes (anyio's 40 worker threads), the reconciler
+# and its node watch.
+API_POOL_SIZE = 40 + 2
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
@@ -77,7 +82,7 @@ def serve(settings: GatewaySettings) -> int:
             raise ConfigError(f"{cfg.ticket_key_file}: the join ticket key must be at least 16 bytes")
         check_tls_files(cfg)
         try:
-            api = kube_api(cfg.kubeconfig)
+            api = kube_api(cfg.kubeconfig, pool_size=API_POOL_SIZE)
         except config.ConfigException as exc:
             raise ConfigError(f"no Kubernetes credentials: KUBEON_GATEWAY_KUBECONFIG is not set and this is not a "
                               f"pod with a ServiceAccount ({exc})") from None

@@ -18,13 +18,18 @@ from common.kube import kube_api
 from gateway.attestation import AttestationVerifier
 from gateway.service import KubeGateway
 from gateway.slots import AddressPlan
+from worker.config import Settings
 
 
 def inproc_gateway(kubeconfig: Path, ticket_key_file: Path, plan: AddressPlan | None = None,
                    attestation: AttestationVerifier | None = None) -> KubeGateway:
     """The gateway in namespace kubeon-gpu (``plan``: its address plan, default the gateway's; ``attestation``: the
     instance identities it verifies, default none), its reconciler running."""
-    gateway = KubeGateway(kube_api(kubeconfig), ticket_key_file.read_bytes().strip(), namespace="kubeon-gpu",
+    # Its callers are the worker's activity threads (simulated nodes redeem their tickets in them): a connection
+    # for each, as the worker's own client has.
+    threads = Settings.model_fields["max_concurrent_activities"].default
+    gateway = KubeGateway(kube_api(kubeconfig, pool_size=threads + 8), ticket_key_file.read_bytes().strip(),
+                          namespace="kubeon-gpu",
                           plan=plan, attestation=attestation)
     gateway.start_reconciler()
     return gateway
