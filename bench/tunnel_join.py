@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         results = [t for t, _ in timed]
         print(f"\nsteps after starting `node join`, median of {args.nodes}: " + ", ".join(
             f"{step} {statistics.median(steps[step] for _, steps in timed):.2f} s" for step in timed[0][1]))
+        slowest, slowest_steps = max(timed, key=lambda t: t[0])
+        print(f"slowest node, Ready without the joining taint at {slowest:.2f} s: " + ", ".join(
+            f"{step} {at:.2f} s" for step, at in slowest_steps.items()))
         print(f"\nticket redeemed -> Node Ready through the tunnel, {args.nodes} nodes joining at once")
         print(f"  p50 {statistics.median(results):.2f} s   p95 {percentile(results, 0.95):.2f} s   "
               f"max {max(results):.2f} s   all Ready after {wall:.2f} s")

@@ -153,7 +153,7 @@ class Reconciler:
                 self._revoke(nodes[name], "registered again after the gateway removed it")
                 report["revoked"].append(name)
         if self._tunnel is not None:
-            synced = self._tunnel.sync(live)
+            synced = self._tunnel.sync(live, confirm=self._records.slots)
             self.account(live, new=set(synced.get("new", ())))
         for record in tickets:
             data = record.data

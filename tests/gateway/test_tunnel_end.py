@@ -25,6 +25,8 @@ from temporalio.testing import WorkflowEnvironment
 from activities.clients.audit_log import AuditLog
 from activities.clients.gateway import GatewayRefused
 from activities.clients.gateway import HttpGatewayClient
+from gateway.slots import Slot
+from gateway.tunnel_end import GatewayTunnel
 from models.errors import TicketError
 from models.join import GpuHealth
 from models.join import JoinTicketRequest
@@ -61,9 +63,11 @@ from tests.harness.netbed import Joined
 from tests.harness.netbed import NetBed
 from tests.harness.netbed import boot_node
 from tests.harness.netbed import sh
+from tests.harness.netbed import wireguard_device
 from tests.harness.rbac import GATEWAY_SA
 from tests.harness.rbac import OPTIMIZER_NAMESPACE
 from tests.harness.rbac import OPTIMIZER_SA
+from tunnel import keys
 from tunnel.uapi import Uapi
 from worker.main import worker_services
 
@@ -481,3 +485,33 @@ async def test_a_node_that_fails_a_burn_in_check_is_terminated_and_replaced(
         await until(lambda: not cluster.admin.core.list_node(label_selector=f"{LABEL_POLICY}={policy}").items,
                     timeout=120, what="the burst node home")
         stack.delete_policy(policy)
+
+
+def tunnel_slot(index: int, key: str) -> Slot:
+    return Slot(index=index, node=f"burst-n{index}", wireguard_key=key, tunnel_ip=f"10.250.0.{index + 2}",
+                pod_cidr=f"10.245.{index}.0/24", nonce=f"n{index}", operation="op", labels={}, taints=[], gpus=1,
+                expires_at=0.0)
+
+
+def test_a_sync_from_an_older_slot_list_keeps_the_peer_a_join_just_added() -> None:
+    """A reconcile pass reads the slots, then the interface: a join that claimed its slot and added its peer in
+    between is not in the pass's list. The peer stays when the slots read again hold it, and goes when they do
+    not (its node was removed), with every other peer left as it was."""
+    with wireguard_device() as device:
+        tunnel = GatewayTunnel(interface=device.interface, private_key=keys.generate_private_key(), endpoint="",
+                               listen_port=51998)
+        kept, joining = (keys.public_key(keys.generate_private_key()) for _ in range(2))
+        older = [tunnel_slot(0, kept)]
+        assert tunnel.sync(older)["added"] == [kept]
+        device.set_peer(joining, ["10.250.0.3/32", "10.245.1.0/24"])  # the join, after the pass read its slots
+        reads = []
+
+        def fresh() -> list[Slot]:
+            reads.append(1)
+            return [*older, tunnel_slot(1, joining)]
+
+        assert tunnel.sync(older, confirm=fresh) == {"added": [], "removed": [], "new": []}
+        assert set(device.get().peers) == {kept, joining} and reads == [1]
+        assert tunnel.sync(older, confirm=lambda: older)["removed"] == [joining]
+        assert set(device.get().peers) == {kept}
+        tunnel.sync(older, confirm=lambda: pytest.fail("read again with nothing to remove"))

@@ -21,6 +21,7 @@ import secrets
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
@@ -30,7 +31,9 @@ from models.labels import LABEL_OPERATION
 from tests.harness.kube import Cluster
 from tests.harness.kube import wait_for
 from tunnel import keys
+from tunnel import link
 from tunnel.proxy import TcpProxy
+from tunnel.uapi import Uapi
 
 GATEWAY_PUBLIC_IP = "198.51.100.1"
 CLUSTER_LINK = ("203.0.113.1", "203.0.113.2")
@@ -38,6 +41,21 @@ CLUSTER_LINK = ("203.0.113.1", "203.0.113.2")
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.245.0.0/16"
 TUNNEL_CIDR = "10.250.0.0/16"
+
+
+@contextlib.contextmanager
+def wireguard_device() -> Iterator[Uapi]:
+    """A wireguard-go interface of its own in a network namespace of its own (nothing routed to it), driven
+    through UAPI; both gone afterwards."""
+    tag = secrets.token_hex(2)
+    netns, iface = f"kb-wg-{tag}", f"kbw{tag}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    proc = link.start_wireguard_go(iface, netns=netns)
+    try:
+        yield Uapi(iface)
+    finally:
+        link.stop_wireguard_go(proc)
+        subprocess.run(["ip", "netns", "del", netns], check=False)
 
 
 def sh(*argv: str, netns: str | None = None, check: bool = True, input_text: str | None = None) -> str:

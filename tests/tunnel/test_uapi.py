@@ -3,14 +3,13 @@ makes them."""
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 from collections.abc import Iterator
 
 import pytest
 
+from tests.harness.netbed import wireguard_device
 from tunnel import keys
-from tunnel import link
 from tunnel.uapi import Uapi
 from tunnel.uapi import UapiError
 
@@ -25,15 +24,8 @@ def test_keys_match_wg_pubkey() -> None:
 
 @pytest.fixture
 def device() -> Iterator[Uapi]:
-    tag = secrets.token_hex(2)
-    netns, iface = f"kb-uapi-{tag}", f"kbt{tag}"
-    subprocess.run(["ip", "netns", "add", netns], check=True)
-    proc = link.start_wireguard_go(iface, netns=netns)
-    try:
-        yield Uapi(iface)
-    finally:
-        link.stop_wireguard_go(proc)
-        subprocess.run(["ip", "netns", "del", netns], check=False)
+    with wireguard_device() as uapi:
+        yield uapi
 
 
 def test_peers_are_set_checked_and_removed(device: Uapi) -> None:
