@@ -208,7 +208,14 @@ class Reconciler:
     def _apply_ticket(self, node: NodeJson, slot: Slot, *, refused: bool) -> bool:
         """The ticket's labels and taints (only those: a ``gpu.kubeon.io/`` label the node set itself and its
         ticket does not name is removed), the pod CIDR; the joining taint lifted when checked, the refusal taint
-        kept on a refused node."""
+        kept on a refused node. Whether the Node was patched."""
+        if not self._ticket_patch(node, slot, refused=refused):
+            return False
+        return self._patch_fresh(node, lambda seen: self._ticket_patch(seen, slot, refused=refused)) is not None
+
+    @staticmethod
+    def _ticket_patch(node: NodeJson, slot: Slot, *, refused: bool) -> dict[str, Any]:
+        """What the Node lacks of its ticket (see ``_apply_ticket``); empty when nothing."""
         meta, spec_now = node["metadata"], node.get("spec", {})
         labels = meta.get("labels") or {}
         patch: dict[str, Any] = {}
@@ -230,7 +237,7 @@ class Reconciler:
             spec["podCIDR"] = slot.pod_cidr
         if spec:
             patch["spec"] = spec
-        return bool(patch) and self._patch_as_seen(node, patch) is not None
+        return patch
 
     def _patch_as_seen(self, node: NodeJson, patch: dict[str, Any]) -> NodeJson | None:
         """Patch the Node only if it is still as seen (its resourceVersion): the taint list is written whole, so a
@@ -247,33 +254,45 @@ class Reconciler:
         result: NodeJson = json.loads(patched.data)  # type: ignore[attr-defined]  # raw (_preload_content)
         return result
 
-    def _refuse(self, node: NodeJson, reason: str, *, taint: bool = True) -> NodeJson | None:
-        """A refusal the node cannot lift: the refusal taint (NoExecute: nothing runs there), cordoned, the reason
-        annotated (what verification reads); applied again every pass from the slot, where the refusal lives. A
-        Node that changed since it was seen is read again and refused as it is now (at most three reads). The
-        Node as refused; None if it is gone."""
+    def _patch_fresh(self, node: NodeJson, patch_for: Callable[[NodeJson], dict[str, Any]]) -> NodeJson | None:
+        """Patch the Node with what ``patch_for`` says it lacks, conditional on it being as seen; a Node that
+        changed since (a kubelet's heartbeat, the node controller's taint) is read again and patched as it is now,
+        at most three reads, so a refusal or a ticket's taint is not left to the next pass. The Node as patched
+        (as seen when it lacked nothing); None when it is gone or kept changing (the next pass sees it again)."""
         name = node["metadata"]["name"]
         for _ in range(3):
-            spec_now = node.get("spec", {})
-            taints: list[dict[str, Any]] = spec_now.get("taints") or []
-            annotations = node["metadata"].get("annotations") or {}
-            tainted = any(t["key"] == JOIN_REFUSED_TAINT.key and t["effect"] == JOIN_REFUSED_TAINT.effect
-                          for t in taints)
-            if spec_now.get("unschedulable") and annotations.get(JOIN_REFUSED_ANNOTATION) and (tainted or not taint):
+            patch = patch_for(node)
+            if not patch:
                 return node
-            spec: dict[str, Any] = {"unschedulable": True}
-            if taint and not tainted:
-                spec["taints"] = [*(t for t in taints if t["key"] != JOIN_REFUSED_TAINT.key),
-                                  JOIN_REFUSED_TAINT.model_dump()]
-            patched = self._patch_as_seen(node, {"metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}},
-                                                 "spec": spec})
+            patched = self._patch_as_seen(node, patch)
             if patched is not None:
                 return patched
             fresh = read_or_none(lambda: self._core.read_node(name, _preload_content=False))
             if fresh is None:
                 return None
             node = json.loads(fresh.data)  # type: ignore[attr-defined]  # the raw response (_preload_content)
-        raise client.ApiException(status=409, reason=f"node {name} kept changing while it was refused")
+        return None
+
+    def _refuse(self, node: NodeJson, reason: str, *, taint: bool = True) -> NodeJson | None:
+        """A refusal the node cannot lift: the refusal taint (NoExecute: nothing runs there), cordoned, the reason
+        annotated (what verification reads); applied again every pass from the slot, where the refusal lives. The
+        Node as refused; None if it is gone or kept changing."""
+
+        def refusal(seen: NodeJson) -> dict[str, Any]:
+            spec_now = seen.get("spec", {})
+            taints: list[dict[str, Any]] = spec_now.get("taints") or []
+            annotations = seen["metadata"].get("annotations") or {}
+            tainted = any(t["key"] == JOIN_REFUSED_TAINT.key and t["effect"] == JOIN_REFUSED_TAINT.effect
+                          for t in taints)
+            if spec_now.get("unschedulable") and annotations.get(JOIN_REFUSED_ANNOTATION) and (tainted or not taint):
+                return {}
+            spec: dict[str, Any] = {"unschedulable": True}
+            if taint and not tainted:
+                spec["taints"] = [*(t for t in taints if t["key"] != JOIN_REFUSED_TAINT.key),
+                                  JOIN_REFUSED_TAINT.model_dump()]
+            return {"metadata": {"annotations": {JOIN_REFUSED_ANNOTATION: reason}}, "spec": spec}
+
+        return self._patch_fresh(node, refusal)
 
     def _revoke(self, node: NodeJson, reason: str) -> None:
         """A Node no slot admits (re-created with a removed node's certificate): refused (NoExecute), then
