@@ -79,11 +79,10 @@ class ProvisioningActivities(PhaseActivities):
     def plan_batch(self, req: BatchPlanRequest) -> BatchPlan:
         """Plan the batch: which of its pods still wait, the room on the policy's burst nodes, the offerings of
         its locations priced now; then the pure planner (planning.burst)."""
-        still = self.kube.waiting_uids({p.uid for p in req.pods})
+        still, used = self.kube.waiting_and_used({p.uid for p in req.pods}, {n.node_name for n in req.nodes})
         waiting = [p for p in req.pods if p.uid in still]
         home = self._home(waiting, req)
         waiting = [p for p in waiting if p.key not in home.at_home]
-        used = self.kube.gpus_on_nodes({n.node_name for n in req.nodes})
         rooms = [Room(name=n.node_name, labels=node_labels(n.offering, req.policy.name),
                       free=n.offering.gpus - used.get(n.node_name, 0)) for n in req.nodes]
         preferred = {pod: n.node_name for n in req.nodes for pod in n.pods}

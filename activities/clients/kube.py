@@ -210,22 +210,23 @@ class KubeOps:
             return self._rs_owner[key]
         return str(ref.kind), str(ref.name)
 
-    def waiting_uids(self, uids: set[str]) -> set[str]:
-        """Which of these pods still wait for a node (Pending, not bound, not being deleted)."""
-        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=").items
-        return {str(p.metadata.uid) for p in pending
-                if str(p.metadata.uid) in uids and p.metadata.deletion_timestamp is None}
-
-    def gpus_on_nodes(self, names: set[str]) -> dict[str, int]:
-        """GPUs requested by the pods bound to each of these nodes (one list, not one per node)."""
-        used = dict.fromkeys(names, 0)
-        if not names:
-            return used
-        for p in self.core.list_pod_for_all_namespaces(field_selector="spec.nodeName!=").items:
-            name = str(p.spec.node_name)
-            if name in used and not _pod_terminal(p):
-                used[name] += gpus_requested(p)
-        return used
+    def waiting_and_used(self, uids: set[str], nodes: set[str]) -> tuple[set[str], dict[str, int]]:
+        """Which of these pods still wait for a node (Pending, not bound, not being deleted), and the GPUs the pods
+        bound to each of these nodes request, both as of one resourceVersion: read one after the other, a pod
+        that binds in between counts both waiting and on its node, and the plan buys it a second node."""
+        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=")
+        waiting = {str(p.metadata.uid) for p in pending.items
+                   if str(p.metadata.uid) in uids and p.metadata.deletion_timestamp is None}
+        used = dict.fromkeys(nodes, 0)
+        if nodes:
+            bound = self.core.list_pod_for_all_namespaces(
+                field_selector="spec.nodeName!=", resource_version=pending.metadata.resource_version,
+                resource_version_match="Exact")
+            for p in bound.items:
+                name = str(p.spec.node_name)
+                if name in used and not _pod_terminal(p):
+                    used[name] += gpus_requested(p)
+        return waiting, used
 
     def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
         """How many waiting pods (any namespace, any group) this burst node could take, from a view of the cluster's

@@ -60,6 +60,43 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster
             cluster.admin.core.delete_node(name)
 
 
+def test_a_pod_bound_while_the_plan_reads_counts_waiting_or_on_its_node_never_both(
+        cluster: Cluster, namespace: str) -> None:
+    """plan_batch reads which pods wait and what each burst node's bound pods use: a pod the scheduler binds
+    between the two reads must not count as both (its GPU taken on the node and a node still wanted for it: a
+    second node bought). The pod is bound right after the first list returns."""
+    kube = KubeOps(cluster.admin.api)
+    node, pod_name = unique("burst"), unique("infer")
+    cluster.create_kwok_node(node, gpus=1)
+    pod = _gpu_pod(pod_name, node, 1)
+    pod.spec.node_name = None
+    pod.spec.node_selector = {"gpu.kubeon.io/nowhere": "true"}  # the scheduler leaves it Pending
+    created = cluster.admin.core.create_namespaced_pod(namespace, pod)
+    uid = str(created.metadata.uid)
+    lists: list[str] = []
+
+    class BindsAfterTheFirstList(client.CoreV1Api):
+        def list_pod_for_all_namespaces(self, **kwargs: object) -> client.V1PodList:
+            answer: client.V1PodList = super().list_pod_for_all_namespaces(**kwargs)
+            lists.append(str(kwargs.get("field_selector", "")))
+            if len(lists) == 1:
+                self.create_namespaced_binding(namespace, client.V1Binding(
+                    metadata=client.V1ObjectMeta(name=pod_name),
+                    target=client.V1ObjectReference(kind="Node", name=node)), _preload_content=False)
+            return answer
+
+    try:
+        kube.core = BindsAfterTheFirstList(cluster.admin.api)
+        waiting, used = kube.waiting_and_used({uid}, {node})
+        assert len(lists) == 2, lists
+        assert (waiting, used) == ({uid}, {node: 0}), "read as of the first list: waiting, its node still free"
+        waiting, used = kube.waiting_and_used({uid}, {node})
+        assert (waiting, used) == (set(), {node: 1})
+    finally:
+        cluster.admin.core.delete_namespaced_pod(pod_name, namespace, grace_period_seconds=0)
+        cluster.admin.core.delete_node(node)
+
+
 def test_a_node_registering_or_being_removed_is_not_home_capacity(cluster: Cluster) -> None:
     """A Karpenter node still unregistered (or disrupted, or being deleted by an autoscaler) is no home a burst node
     could go back to, whatever GPUs it shows."""
