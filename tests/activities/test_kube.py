@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from kubernetes import client
@@ -61,7 +62,7 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster
 
 
 def test_a_pod_bound_while_the_plan_reads_counts_waiting_or_on_its_node_never_both(
-        cluster: Cluster, namespace: str) -> None:
+        cluster: Cluster, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """plan_batch reads which pods wait and what each burst node's bound pods use: a pod the scheduler binds
     between the two reads must not count as both (its GPU taken on the node and a node still wanted for it: a
     second node bought). The pod is bound right after the first list returns."""
@@ -75,18 +76,21 @@ def test_a_pod_bound_while_the_plan_reads_counts_waiting_or_on_its_node_never_bo
     uid = str(created.metadata.uid)
     lists: list[str] = []
 
-    class BindsAfterTheFirstList(client.CoreV1Api):
-        def list_pod_for_all_namespaces(self, **kwargs: object) -> client.V1PodList:
-            answer: client.V1PodList = super().list_pod_for_all_namespaces(**kwargs)
-            lists.append(str(kwargs.get("field_selector", "")))
-            if len(lists) == 1:
-                self.create_namespaced_binding(namespace, client.V1Binding(
-                    metadata=client.V1ObjectMeta(name=pod_name),
-                    target=client.V1ObjectReference(kind="Node", name=node)), _preload_content=False)
-            return answer
+    core = client.CoreV1Api(cluster.admin.api)
+    list_pods = core.list_pod_for_all_namespaces
 
+    def list_then_bind(**kwargs: Any) -> Any:
+        answer = list_pods(**kwargs)
+        lists.append(str(kwargs.get("field_selector", "")))
+        if len(lists) == 1:
+            core.create_namespaced_binding(namespace, client.V1Binding(
+                metadata=client.V1ObjectMeta(name=pod_name),
+                target=client.V1ObjectReference(kind="Node", name=node)), _preload_content=False)
+        return answer
+
+    monkeypatch.setattr(core, "list_pod_for_all_namespaces", list_then_bind)
     try:
-        kube.core = BindsAfterTheFirstList(cluster.admin.api)
+        kube.core = core
         waiting, used = kube.waiting_and_used({uid}, {node})
         assert len(lists) == 2, lists
         assert (waiting, used) == ({uid}, {node: 0}), "read as of the first list: waiting, its node still free"
