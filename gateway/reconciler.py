@@ -153,7 +153,11 @@ class Reconciler:
                 self._revoke(nodes[name], "registered again after the gateway removed it")
                 report["revoked"].append(name)
         if self._tunnel is not None:
-            synced = self._tunnel.sync(live, confirm=self._records.slots)
+            # Only a slot that was a reservation, or absent, when this pass read them can have joined since: a slot
+            # the pass left out of ``live`` (its node revoked, its release refused) keeps no peer.
+            read = {s.node: s.reserved for s in slots}
+            synced = self._tunnel.sync(live, joined_since=lambda: [
+                s for s in self._records.slots() if read.get(s.node, True)])
             self.account(live, new=set(synced.get("new", ())))
         for record in tickets:
             data = record.data

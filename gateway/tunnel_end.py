@@ -66,19 +66,19 @@ class GatewayTunnel:
             gateway_address=gw, allowed_ips=[f"{gw}/32", self.plan.service_cidr, self.plan.pod_cidr],
             mtu=self.mtu, persistent_keepalive=self.persistent_keepalive)
 
-    def sync(self, slots: list[Slot], confirm: Callable[[], list[Slot]] | None = None) -> dict[str, Any]:
+    def sync(self, slots: list[Slot], joined_since: Callable[[], list[Slot]] | None = None) -> dict[str, Any]:
         """Make the interface's peers exactly ``slots`` (missing added, differing fixed, stale removed), touching
         only what differs: a set interrupts nothing that is already right. ``slots`` may be older than a join that
         just added its node's peer (a join claims its slot, then adds the peer): before removing any peer, the
-        slots are read again with ``confirm``, after the interface, so such a peer is among them and stays (its
-        node's first handshake would otherwise wait for WireGuard's 5 s retry)."""
+        slots joined since ``slots`` were read are asked for with ``joined_since`` (after the interface is read),
+        and their peers stay too (such a node's first handshake would otherwise wait for WireGuard's 5 s retry)."""
         uapi = self.uapi
         device = uapi.get()
         if not device.has_private_key or device.listen_port != self.listen_port:
             self.configure()
         want = _peers(slots)
-        if confirm is not None and any(key not in want for key in device.peers):
-            want = _peers(confirm())
+        if joined_since is not None and any(key not in want for key in device.peers):
+            want |= _peers(joined_since())
         added, removed, new = [], [], []
         for key, ips in want.items():
             peer = device.peers.get(key)

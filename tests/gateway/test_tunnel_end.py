@@ -510,8 +510,8 @@ def test_a_sync_from_an_older_slot_list_keeps_the_peer_a_join_just_added() -> No
             reads.append(1)
             return [*older, tunnel_slot(1, joining)]
 
-        assert tunnel.sync(older, confirm=fresh) == {"added": [], "removed": [], "new": []}
+        assert tunnel.sync(older, joined_since=fresh) == {"added": [], "removed": [], "new": []}
         assert set(device.get().peers) == {kept, joining} and reads == [1]
-        assert tunnel.sync(older, confirm=lambda: older)["removed"] == [joining]
+        assert tunnel.sync(older, joined_since=lambda: older)["removed"] == [joining]
         assert set(device.get().peers) == {kept}
-        tunnel.sync(older, confirm=lambda: pytest.fail("read again with nothing to remove"))
+        tunnel.sync(older, joined_since=lambda: pytest.fail("read again with nothing to remove"))
