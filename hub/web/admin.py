@@ -23,6 +23,7 @@ from hub.web import sessions
 from hub.web.common import FormDep
 from hub.web.common import SignedInDep
 from hub.web.common import redirect
+from hub.web.render import confirm
 from hub.web.render import page
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -53,11 +54,10 @@ def revoke_join_token_confirm(request: Request, who: SignedInDep, session: Sessi
     sessions.require(who, Role.ADMIN, "revoking a join token")
     pools.get_pool(session, pool)
     session.commit()
-    return page(request, "confirm.html", title=f"Revoke join token {token_id} of pool {pool}?", signed_in=who,
-                section="pools", action=f"/ui/pools/{pool}/join-tokens/{token_id}/revoke",
-                button=f"Revoke join token {token_id}", danger=True, back="/ui/pools",
-                text=f"Servers of pool {pool} that hold join token {token_id} can no longer heartbeat, so they "
-                "show offline and are never claimed until they get another token.")
+    return confirm(request, who, section="pools", title=f"Revoke join token {token_id} of pool {pool}?",
+                   button=f"Revoke join token {token_id}", back="/ui/pools",
+                   text=f"Servers of pool {pool} that hold join token {token_id} can no longer heartbeat, so they "
+                   "show offline and are never claimed until they get another token.")
 
 
 @router.post("/pools/{pool}/join-tokens/{token_id}/revoke")

@@ -39,6 +39,7 @@ from hub.web.common import redirect
 from hub.web.forms import Form
 from hub.web.forms import read_form
 from hub.web.policies import policy_rows
+from hub.web.render import confirm
 from hub.web.render import page
 from hub.web.sessions import SignedIn
 
@@ -212,9 +213,9 @@ def _token_change_confirm(request: Request, who: SignedIn, session: Session, clu
     sessions.require(who, Role.ADMIN, f"{change.capitalize()} token")
     found = ops.get_cluster(session, cluster)
     session.commit()
-    return page(request, "confirm.html", title=f"{change.capitalize()} the token of {found.name}?", signed_in=who,
-                section="clusters", action=f"/ui/clusters/{found.name}/{change}", button=button.format(name=found.name),
-                danger=danger, back=f"/ui/clusters/{found.name}", text=text.format(name=found.name))
+    return confirm(request, who, section="clusters", title=f"{change.capitalize()} the token of {found.name}?",
+                   button=button.format(name=found.name), danger=danger, back=f"/ui/clusters/{found.name}",
+                   text=text.format(name=found.name))
 
 
 @router.post("/clusters/{cluster}/rotate")

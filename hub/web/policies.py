@@ -29,6 +29,7 @@ from hub.web import sessions
 from hub.web.common import FormDep
 from hub.web.common import SignedInDep
 from hub.web.common import redirect
+from hub.web.render import confirm
 from hub.web.render import page
 from hub.web.yaml_fields import FieldError
 from hub.web.yaml_fields import field_lines
@@ -188,11 +189,9 @@ def delete_confirm(request: Request, who: SignedInDep, session: SessionDep, clus
     sessions.require(who, Role.OPERATOR, "deleting a policy")
     ops.get_policy(session, ops.get_cluster(session, cluster), policy)
     session.commit()
-    return page(request, "confirm.html", title=f"Delete policy {policy}?", signed_in=who, section="clusters",
-                action=f"/ui/clusters/{cluster}/policies/{policy}/delete", button=f"Delete {policy}", danger=True,
-                back=f"/ui/clusters/{cluster}",
-                text=f"Policy {policy} is removed from cluster {cluster}: its optimizer prunes the GpuPolicy on its "
-                "next poll.")
+    return confirm(request, who, section="clusters", title=f"Delete policy {policy}?", button=f"Delete {policy}",
+                   back=f"/ui/clusters/{cluster}", text=f"Policy {policy} is removed from cluster {cluster}: its "
+                   "optimizer prunes the GpuPolicy on its next poll.")
 
 
 @router.post("/clusters/{cluster}/policies/{policy}/delete")
@@ -210,11 +209,10 @@ def recommend_confirm(request: Request, who: SignedInDep, session: SessionDep, c
     acting = [p.name for p in ops.list_policies(session, found)
               if (p.document.get("spec") or {}).get("mode") != "Recommend"]
     session.commit()
-    return page(request, "confirm.html", title=f"Set every policy of {cluster} to Recommend?", signed_in=who,
-                section="clusters", action=f"/ui/clusters/{cluster}/recommend",
-                button=f"Set all {len(acting)} to Recommend", danger=True, back=f"/ui/clusters/{cluster}",
-                text=f"The optimizer of {cluster} stops acting on its next poll and only proposes. Policies "
-                f"changed: {', '.join(acting) or 'none (all are in Recommend already)'}.")
+    return confirm(request, who, section="clusters", title=f"Set every policy of {cluster} to Recommend?",
+                   button=f"Set all {len(acting)} to Recommend", back=f"/ui/clusters/{cluster}",
+                   text=f"The optimizer of {cluster} stops acting on its next poll and only proposes. Policies "
+                   f"changed: {', '.join(acting) or 'none (all are in Recommend already)'}.")
 
 
 @router.post("/clusters/{cluster}/recommend")

@@ -69,3 +69,11 @@ def page(request: Request, template: str, *, title: str, signed_in: SignedIn | N
         csrf=signed_in.csrf_token if signed_in else "", **context,
     )
     return HTMLResponse(html, status_code=status_code, headers=SECURITY_HEADERS)
+
+
+def confirm(request: Request, signed_in: SignedIn, *, section: str, title: str, button: str, back: str, text: str,
+            danger: bool = True) -> HTMLResponse:
+    """A page that asks before a change: its form posts to the page's own path, the change's POST route, so a
+    confirmation can never name one change and post another."""
+    return page(request, "confirm.html", title=title, signed_in=signed_in, section=section, button=button,
+                back=back, text=text, danger=danger)
