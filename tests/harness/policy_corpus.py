@@ -28,6 +28,7 @@ class PolicyCorpus:
     corpus: ClassVar[list[dict[str, Any]]]
     at_least: ClassVar[int]  # cases in the corpus
     prefix: ClassVar[str]  # of the names of the policies created in the cluster
+    example_ok: ClassVar[str]  # what `kubeon-gpu policy validate` prints for the example
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         # The cases are the subclass's, so they are parametrized here (a decorator on the base cannot see them). The
@@ -45,6 +46,21 @@ class PolicyCorpus:
 
     def test_model_rejects_malformed_policy_naming_the_field(self, case: dict[str, Any]) -> None:
         refused_naming(apply_case(case, self.valid), case["field"])
+
+    def test_cli_validate_accepts_the_example_and_names_each_cases_field(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """`kubeon-gpu policy validate` as a platform engineer runs it before applying: the example passes, and a
+        file of every malformed case fails naming each one's field at its document."""
+        from worker.cli import main
+
+        assert main(["policy", "validate", str(self.example)]) == 0
+        assert self.example_ok in capsys.readouterr().out
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump_all([apply_case(case, self.valid) for case in self.corpus]))
+        assert main(["policy", "validate", str(bad)]) == 1
+        err = capsys.readouterr().err
+        for index, case in enumerate(self.corpus):
+            assert f"{bad}[{index}]: {case['field']}: " in err, (case["name"], err)
 
     @pytest.mark.cluster
     def test_apiserver_accepts_the_documented_policy_and_the_example(self, gpupolicy_crd: Cluster) -> None:
