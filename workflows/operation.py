@@ -153,8 +153,9 @@ class Approvable(Operation[P, InputT]):
         raise NotImplementedError
 
     def _subject(self) -> str:
-        """How a refusal names the operation when the decision named none."""
-        return workflow.info().workflow_id
+        """How a refusal names the operation when the decision named none: its operation ID (what ``ops list``
+        shows), or its workflow ID where it has none (a provisioning, whose decisions name batches)."""
+        return f"operation {self.operation}" if self.operation else workflow.info().workflow_id
 
     @workflow.signal(name="approve", description=(
         "Approve the batch or operation awaiting approval (input may be empty): what it proposes goes ahead (its "

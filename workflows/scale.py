@@ -122,9 +122,6 @@ class ScaleWorkflow(Approvable[ScalePhase, ScaleInput]):
         return Proposal(operation=self.operation, plan_id=self.plan_id(),
                         summary=f"scaling {self._workload()} to 0")
 
-    def _subject(self) -> str:
-        return f"operation {self.operation}"
-
     @workflow.signal(name="wake")
     def wake_signal(self, request: WakeRequest | None = None) -> None:
         if self._wake_problem() is None:

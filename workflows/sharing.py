@@ -159,9 +159,6 @@ class SharingOperation(Approvable[SharingPhase, InputT]):
             return None
         return Proposal(operation=self.operation, plan_id=self.inp.plan_id, summary=self.inp.summary)
 
-    def _subject(self) -> str:
-        return f"operation {self.operation}"
-
     @workflow.signal(name="undo")
     def undo_signal(self, request: UndoRequest | None = None) -> None:
         if self._undo_problem() is None:
