@@ -45,6 +45,9 @@ from tests.harness.netbed import boot_node
 from tests.harness.netbed import start_tunnel_gateway
 from tests.harness.rbac import OPTIMIZER_NAMESPACE
 from tests.harness.rbac import OPTIMIZER_SA
+from tunnel import keys
+from tunnel.uapi import Uapi
+from tunnel.uapi import UapiError
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -60,6 +63,42 @@ def _registered(kubelet_log: Path) -> float:
         if line.endswith(": registered"):
             return dt.datetime.fromisoformat(line.split(" ", 1)[0]).timestamp()
     return float("nan")
+
+
+class PeerWatch:
+    """The gateway interface's peers as seen every ``every`` seconds: when each key's first handshake completed
+    (the wall time wireguard-go reports) and how often a key seen there was gone at a later look (a peer removed
+    while its node joined: that node's next handshake waits for WireGuard's 5 s retry)."""
+
+    def __init__(self, interface: str, every: float = 0.05) -> None:
+        self._uapi = Uapi(interface, timeout=2.0)
+        self._every = every
+        self.handshake: dict[str, float] = {}
+        self.removed: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+
+    def start(self) -> PeerWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        present: set[str] = set()
+        while not self._stop.wait(self._every):
+            try:
+                peers = self._uapi.get().peers
+            except UapiError:
+                continue
+            for key in present - peers.keys():
+                self.removed[key] = self.removed.get(key, 0) + 1
+            present = set(peers)
+            for key, peer in peers.items():
+                if peer.last_handshake and key not in self.handshake:
+                    self.handshake[key] = peer.last_handshake
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,15 +174,25 @@ def main(argv: list[str] | None = None) -> int:
                      "registered": _registered(state / "kubelet.log") - wall0}
             return ready[name] - t0, steps
 
+        def tunnel_steps(name: str) -> tuple[float, int]:
+            """Seconds from the node's join answer to its first handshake at the gateway (inf: none seen); how
+            often its peer was removed."""
+            state = workdir / name
+            key = keys.public_key((state / "wireguard.key").read_text().strip())
+            answered = (state / "join-answer.json").stat().st_mtime
+            return peers.handshake.get(key, float("inf")) - answered, peers.removed.get(key, 0)
+
         stopped = threading.Event()
         watcher = threading.Thread(target=watch_nodes, daemon=True)
         watcher.start()
+        peers = PeerWatch(bed.gateway_interface).start()
         started = time.monotonic()
         try:
             with ThreadPoolExecutor(max_workers=args.nodes) as pool:
                 timed = list(pool.map(one, booting))
         finally:
             stopped.set()
+            peers.stop()
         wall = time.monotonic() - started
         results = [t for t, _ in timed]
         print(f"\nsteps after starting `node join`, median of {args.nodes}: " + ", ".join(
@@ -151,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         slowest, slowest_steps = max(timed, key=lambda t: t[0])
         print(f"slowest node, Ready without the joining taint at {slowest:.2f} s: " + ", ".join(
             f"{step} {at:.2f} s" for step, at in slowest_steps.items()))
+        tunnel = [tunnel_steps(name) for name, _, _ in booting]
+        handshakes = [t for t, _ in tunnel]
+        print(f"tunnel: join answer -> first handshake at the gateway, median {statistics.median(handshakes):.2f} s, "
+              f"max {max(handshakes):.2f} s; gateway peers removed while joining: {sum(r for _, r in tunnel)}")
         print(f"\nticket redeemed -> Node Ready through the tunnel, {args.nodes} nodes joining at once")
         print(f"  p50 {statistics.median(results):.2f} s   p95 {percentile(results, 0.95):.2f} s   "
               f"max {max(results):.2f} s   all Ready after {wall:.2f} s")
