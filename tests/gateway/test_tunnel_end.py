@@ -475,7 +475,8 @@ async def test_a_node_that_fails_a_burn_in_check_is_terminated_and_replaced(
         replacement = await until(served, timeout=120, what="the pod running on the replacement node")
         assert replacement != failed.node_name
         assert fault.passed in cluster.admin.core.read_node(replacement).metadata.annotations[BURNED_IN_ANNOTATION]
-        assert len(tunnel_worker.booted) == 2
+        # The pod may run before the replacement's `node join` has exited (booted is filled when it has).
+        await until(lambda: len(tunnel_worker.booted) == 2, timeout=30, what="the replacement's node join done")
         audit = AuditLog(stack.workdir / f"state-{tunnel_worker.cluster}" / "audit.jsonl").read()
         assert any(r.action == "failed" and r.operation == failed.operation and fault.audited in r.detail
                    for r in audit), [(r.action, r.detail) for r in audit]
