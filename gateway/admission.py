@@ -143,12 +143,14 @@ class Admission:
             raise JoinRefused("wireguard_key_in_use", "wireguardPublicKey is the gateway's own key")
         csr = check_csr(redeem.csr, ticket.node_name, redeem.usages)
         fingerprint = key_fingerprint(csr)
-        slots = self.records.slots()
-        for other in slots:
-            if other.wireguard_key == wg_key and other.nonce != ticket.nonce:
+        # The records of this node and of this key, not every record: a join's cost does not grow with the nodes.
+        for other in self.records.slots_with_key(wg_key):
+            if other.nonce != ticket.nonce:
                 raise JoinRefused("wireguard_key_in_use", f"wireguardPublicKey is already the key of node "
                                   f"{other.node}; every node needs its own key", status=409)
-            if other.node == ticket.node_name and other.nonce != ticket.nonce and not (
+        slots = self.records.slots_of(ticket.node_name)
+        for other in slots:
+            if other.nonce != ticket.nonce and not (
                     other.reserved and other.operation == ticket.operation):  # a retried launch's reservation
                 raise TicketError(f"node {ticket.node_name} already joined with another ticket", code="node_exists")
         held = next((s for s in slots if s.nonce == ticket.nonce), None) or next(
@@ -183,7 +185,7 @@ class Admission:
         slot = next((s for s in slots if s.nonce == ticket.nonce), None) or next(
             (s for s in slots if s.reserved and ticket.nonce in s.nonces), None)
         if slot is None:
-            slot = self.slots.allocate(ticket, ticket.node_name, ticket.operation, wg_key, slots)
+            slot = self.slots.allocate(ticket, ticket.node_name, ticket.operation, wg_key)
         elif slot.reserved:
             slot = self.slots.claim(slot, ticket, ticket.node_name, wg_key)
         if self.tunnel is not None:
@@ -219,7 +221,7 @@ class Admission:
         per node and quarter of a certificate's lifetime: a retry gets the same certificate."""
         csr = check_csr(renewal.csr, renewal.node_name, renewal.usages)
         node = renewal.node_name
-        slot = next((s for s in self.records.slots() if s.node == node and not s.reserved), None)
+        slot = next((s for s in self.records.slots_of(node) if not s.reserved), None)
         if slot is None or self.tombstoned(node):
             raise JoinRefused("node_not_joined", f"node {node} holds no address slot (it was removed, or never "
                               "joined): no certificate is renewed for it", status=403)

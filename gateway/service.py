@@ -168,11 +168,10 @@ class KubeGateway:
         """A released ticket of ``node_name`` (of ``operation``, if given) still names it: the node was removed
         and its certificate may still be valid."""
         now = self._clock()
-        for record in self._records.tickets():
+        for record in self._records.tickets_of(node_name):
             data = record.data
             keep_until = max(float(data.get("expiresAt", "0")), float(data.get("keepUntil", "0")))
-            if (data.get("state") == "released" and data.get("node") == node_name and keep_until >= now
-                    and operation in (None, data.get("operation"))):
+            if data.get("state") == "released" and keep_until >= now and operation in (None, data.get("operation")):
                 return True
         return False
 
@@ -189,7 +188,7 @@ class KubeGateway:
             if exc.status == 404:
                 return
             raise
-        if not any(s.node == node_name and s.operation == operation for s in self._records.slots()):
+        if not any(s.operation == operation for s in self._records.slots_of(node_name)):
             raise JoinRefused("node_exists", f"node {node_name} exists and the gateway holds no slot of operation "
                               f"{operation} for it: no ticket names an existing node", status=409)
 
@@ -277,8 +276,7 @@ class KubeGateway:
                     counted = accumulate(counted, raw[0], raw[1], self._clock())
         else:
             # Removed: its final counters are in the tombstone of the ticket it joined with (while it stands).
-            released = [r.data for r in self._records.tickets()
-                        if r.data.get("node") == node_name and r.data.get("transfer")]
+            released = [r.data for r in self._records.tickets_of(node_name) if r.data.get("transfer")]
             owned = [d for d in released if d.get("operation") == operation]
             if not owned:
                 if slots or released:

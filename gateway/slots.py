@@ -15,9 +15,11 @@ state held only in memory:
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import itertools
 import json
+import threading
 import zlib
 from dataclasses import dataclass
 from dataclasses import field
@@ -36,10 +38,15 @@ MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "kubeon-gateway"}
 
 RECORD_LABEL: Final = "gpu.kubeon.io/gateway-record"
 
-# A slot record names its node in this label too, so one node's slot is found without reading every slot (the
-# optimizer asks about one node at a time: its identity, transfer, probe, removal). Records written before it was
-# added are found by reading them all.
+# Records name what they are looked up by in labels too, so a ticket issued or redeemed reads the records of its own
+# node (and key), never every record: reading them all made each node's cost grow with the number of nodes (issue
+# 26). A slot names its node and, once joined, its WireGuard key (a digest: a key is not a label value); a ticket
+# names its node. What decides is always the record's data, read fresh: the label only finds it. Records written
+# before a label existed are labelled by the first full read of their kind (RecordStore.slots, .tickets: a
+# gateway's first reconcile pass); until one has, a lookup that finds nothing by label reads them all.
 SLOT_NODE_LABEL: Final = "gpu.kubeon.io/gateway-slot-node"
+SLOT_KEY_LABEL: Final = "gpu.kubeon.io/gateway-slot-key"
+TICKET_NODE_LABEL: Final = "gpu.kubeon.io/gateway-ticket-node"
 LABEL_VALUE_MAX: Final = 63
 
 TICKET_PREFIX: Final = "kubeon-ticket-"
@@ -188,12 +195,35 @@ class TicketRecord:
     data: dict[str, str]
 
 
+def key_digest(wireguard_key: str) -> str:
+    """A WireGuard public key as a label value (base64 is not one): the first 160 bits of its SHA-256, in hex."""
+    return hashlib.sha256(wireguard_key.encode()).hexdigest()[:40]
+
+
+def record_labels(kind: str, data: dict[str, str]) -> dict[str, str]:
+    """The lookup labels a record of ``kind`` with ``data`` carries (a node name longer than a label value has
+    none: its node's records are found by reading them all)."""
+    node = data.get("node", "")
+    labels = {SLOT_NODE_LABEL if kind == "slot" else TICKET_NODE_LABEL: node} if 0 < len(node) <= LABEL_VALUE_MAX \
+        else {}
+    if kind == "slot" and data.get("wireguardPublicKey"):
+        labels[SLOT_KEY_LABEL] = key_digest(data["wireguardPublicKey"])
+    return labels
+
+
 @dataclass
 class RecordStore:
     """The gateway's records as ConfigMaps in ``namespace``."""
 
     core: client.CoreV1Api
     namespace: str
+    # Kinds whose every record carried its lookup labels at a full read (or was labelled then): from then on a
+    # lookup by label is the answer. Per process: a gateway that starts reads them all first.
+    _labelled: set[str] = field(default_factory=set, init=False, repr=False)
+    # The slot indexes held at the last full read, with this gateway's creates and deletes since: where a new slot
+    # is looked for first. Only a hint: a create is conditional, and none is declared free before a fresh read.
+    _taken: set[int] | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def _meta(self, name: str, kind: str, labels: dict[str, str] | None = None) -> client.V1ObjectMeta:
         return client.V1ObjectMeta(name=name, namespace=self.namespace,
@@ -203,7 +233,7 @@ class RecordStore:
         """Record a redemption; ``None`` if it is new, else the existing record's data."""
         try:
             self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
-                metadata=self._meta(f"{TICKET_PREFIX}{nonce}", "ticket"), data=data))
+                metadata=self._meta(f"{TICKET_PREFIX}{nonce}", "ticket", record_labels("ticket", data)), data=data))
             return None
         except client.ApiException as exc:
             if exc.status != 409:
@@ -231,7 +261,7 @@ class RecordStore:
                     created["transfer"] = transfer.dumps()
                 try:
                     self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
-                        metadata=self._meta(name, "ticket"), data=created))
+                        metadata=self._meta(name, "ticket", record_labels("ticket", created)), data=created))
                     return
                 except client.ApiException as exc:
                     if exc.status != 409:  # a redemption (or another release) recorded it meanwhile: read again
@@ -245,7 +275,8 @@ class RecordStore:
                 patch["transfer"] = transfer.dumps()
             try:  # only over the version read: a concurrent release's write is read again, not overwritten
                 self.core.patch_namespaced_config_map(name, self.namespace, {
-                    "metadata": {"resourceVersion": existing.metadata.resource_version}, "data": patch})
+                    "metadata": {"resourceVersion": existing.metadata.resource_version,
+                                 "labels": record_labels("ticket", data)}, "data": patch})
                 return
             except client.ApiException as exc:
                 if exc.status not in (404, 409):
@@ -262,16 +293,52 @@ class RecordStore:
             raise
 
     def _records(self, kind: str, selector: str = "") -> list[tuple[str, str, dict[str, str]]]:
-        """Each record of ``kind`` (and ``selector``): (name, resourceVersion, data), read as plain JSON. Every
-        ticket issued and every join pass reads all of them: the client's model objects cost more CPU than the
-        request (issue 26)."""
-        return [(item["metadata"]["name"], str(item["metadata"].get("resourceVersion", "")), item.get("data") or {})
-                for item in raw_items(self.core.list_namespaced_config_map(
-                    self.namespace, label_selector=",".join(filter(None, (f"{RECORD_LABEL}={kind}", selector))),
-                    _preload_content=False))]
+        """Each record of ``kind`` (and ``selector``): (name, resourceVersion, data), read as plain JSON (the
+        client's model objects cost more CPU than the request, issue 26). A full read (no ``selector``) labels
+        every record that lacks its lookup labels (written before them) and returns it as labelled."""
+        items = raw_items(self.core.list_namespaced_config_map(
+            self.namespace, label_selector=",".join(filter(None, (f"{RECORD_LABEL}={kind}", selector))),
+            _preload_content=False))
+        records = []
+        for item in items:
+            meta, data = item["metadata"], item.get("data") or {}
+            name, version = str(meta["name"]), str(meta.get("resourceVersion", ""))
+            wanted = record_labels(kind, data)
+            if not selector and any((meta.get("labels") or {}).get(k) != v for k, v in wanted.items()):
+                version = self._label(name, version, wanted) or version
+            records.append((name, version, data))
+        if not selector:
+            self._labelled.add(kind)
+        return records
+
+    def _label(self, name: str, version: str, labels: dict[str, str]) -> str | None:
+        """Add lookup labels to a record as read (its data untouched); its new resourceVersion, None if it changed
+        meanwhile (the writer that changed it labelled it, or the next full read will)."""
+        try:
+            cm = self.core.patch_namespaced_config_map(name, self.namespace, {
+                "metadata": {"resourceVersion": version, "labels": labels}})
+        except client.ApiException as exc:
+            if exc.status in (404, 409):
+                return None
+            raise
+        return str(cm.metadata.resource_version or "")
+
+    def _lookup(self, kind: str, label: str, value: str) -> list[tuple[str, str, dict[str, str]]] | None:
+        """The records of ``kind`` labelled ``label=value``; None when that may not be the whole answer (no full
+        read of the kind has labelled the records written before the label yet, or ``value`` is no label value):
+        read them all."""
+        if len(value) > LABEL_VALUE_MAX or kind not in self._labelled:
+            return None
+        return self._records(kind, f"{label}={value}")
 
     def tickets(self) -> list[TicketRecord]:
         return [TicketRecord(name, data) for name, _, data in self._records("ticket")]
+
+    def tickets_of(self, node: str) -> list[TicketRecord]:
+        """The ticket records (redeemed, tombstones) naming ``node``."""
+        found = self._lookup("ticket", TICKET_NODE_LABEL, node)
+        records = [TicketRecord(n, d) for n, _, d in found] if found is not None else self.tickets()
+        return [r for r in records if r.data.get("node") == node]
 
     def delete(self, name: str) -> None:
         try:
@@ -281,26 +348,45 @@ class RecordStore:
                 raise
 
     def slots(self) -> list[Slot]:
-        return [Slot.from_record(*record) for record in self._records("slot")]
+        slots = [Slot.from_record(*record) for record in self._records("slot")]
+        with self._lock:
+            self._taken = {s.index for s in slots}
+        return slots
 
     def slots_of(self, node: str) -> list[Slot]:
-        """The slots held for ``node``: by its label; when none carries it, from all of them (a record written
-        before the label, or none: the answer must not depend on which)."""
-        if len(node) <= LABEL_VALUE_MAX:
-            labelled = [Slot.from_record(*record) for record in self._records("slot", f"{SLOT_NODE_LABEL}={node}")]
-            found = [s for s in labelled if s.node == node]
-            if found:
-                return found
-        return [s for s in self.slots() if s.node == node]
+        """The slots held for ``node`` (found by its label; the answer must not depend on whether a record was
+        written before the label)."""
+        found = self._lookup("slot", SLOT_NODE_LABEL, node)
+        slots = [Slot.from_record(*record) for record in found] if found is not None else self.slots()
+        return [s for s in slots if s.node == node]
+
+    def slots_with_key(self, wireguard_key: str) -> list[Slot]:
+        """The joined slots whose node's WireGuard key is ``wireguard_key``."""
+        found = self._lookup("slot", SLOT_KEY_LABEL, key_digest(wireguard_key))
+        slots = [Slot.from_record(*record) for record in found] if found is not None else self.slots()
+        return [s for s in slots if s.wireguard_key == wireguard_key]
+
+    def taken(self) -> set[int]:
+        """The slot indexes held as far as this gateway knows (see ``_taken``): read them all the first time."""
+        with self._lock:
+            taken = None if self._taken is None else set(self._taken)
+        return taken if taken is not None else {s.index for s in self.slots()}
+
+    def _hold(self, index: int, held: bool) -> None:
+        with self._lock:
+            if self._taken is not None:
+                (self._taken.add if held else self._taken.discard)(index)
 
     def create_slot(self, slot: Slot) -> bool:
         try:
-            node_label = {SLOT_NODE_LABEL: slot.node} if len(slot.node) <= LABEL_VALUE_MAX else {}
+            data = slot.data()
             self.core.create_namespaced_config_map(self.namespace, client.V1ConfigMap(
-                metadata=self._meta(slot.name, "slot", node_label), data=slot.data()))
+                metadata=self._meta(slot.name, "slot", record_labels("slot", data)), data=data))
+            self._hold(slot.index, True)
             return True
         except client.ApiException as exc:
             if exc.status == 409:
+                self._hold(slot.index, True)
                 return False
             raise
 
@@ -310,7 +396,8 @@ class RecordStore:
         changed (another redemption claimed it, or it was released)."""
         previous = [n for n in slot.nonces if n != ticket.nonce]
         cm = self._patch_unchanged(slot, {"wireguardPublicKey": wireguard_key, **_ticket_data(ticket),
-                                          "previousTickets": json.dumps(previous)})
+                                          "previousTickets": json.dumps(previous)},
+                                   labels={SLOT_KEY_LABEL: key_digest(wireguard_key)})
         return Slot.from_configmap(cm) if cm is not None else None
 
     def update_reservation(self, slot: Slot, ticket: Ticketed) -> bool:
@@ -321,11 +408,14 @@ class RecordStore:
         data = {**_ticket_data(ticket), "previousTickets": json.dumps(previous)}
         return self._patch_unchanged(slot, data) is not None
 
-    def _patch_unchanged(self, slot: Slot, data: dict[str, str]) -> client.V1ConfigMap | None:
-        """Patch the slot's data only if it is as read (its resourceVersion); None if it changed or is gone."""
+    def _patch_unchanged(self, slot: Slot, data: dict[str, str], *,
+                         labels: dict[str, str] | None = None) -> client.V1ConfigMap | None:
+        """Patch the slot's data (and ``labels``) only if it is as read (its resourceVersion); None if it changed
+        or is gone."""
         try:
             return self.core.patch_namespaced_config_map(slot.name, self.namespace, {
-                "metadata": {"resourceVersion": slot.resource_version}, "data": data})
+                "metadata": {"resourceVersion": slot.resource_version, **({"labels": labels} if labels else {})},
+                "data": data})
         except client.ApiException as exc:
             if exc.status in (404, 409):
                 return None
@@ -340,6 +430,7 @@ class RecordStore:
             if exc.status in (404, 409):
                 return False
             raise
+        self._hold(slot.index, False)
         return True
 
     def mark_registered(self, slot: Slot, uid: str) -> bool:
@@ -401,32 +492,35 @@ class SlotBook:
                           "ticket was issued; retry", status=503)
 
     def _reserve_once(self, ticket: Ticketed, node: str, operation: str) -> None:
-        slots = self.records.slots()
-        mine = [s for s in slots if s.node == node and s.operation == operation]
+        mine = [s for s in self.records.slots_of(node) if s.operation == operation]
         if not mine:
-            self.allocate(ticket, node, operation, "", slots)
+            self.allocate(ticket, node, operation, "")
             return
         held = mine[0]  # a redeemed slot is already the node's: nothing to reserve
         if held.reserved and not self.records.update_reservation(held, ticket):
             raise _SlotChanged
 
-    def allocate(self, ticket: Ticketed, node: str, operation: str, wg_key: str, slots: list[Slot]) -> Slot:
-        taken = {s.index for s in slots}
+    def allocate(self, ticket: Ticketed, node: str, operation: str, wg_key: str) -> Slot:
+        """A free slot for the node, created atomically. Looked for among the slots this gateway does not know to
+        be held, then, if none of those was free, among those a fresh read finds free: none is declared exhausted
+        from a stale view."""
         # Each node starts looking at its own place (its name's hash), not at slot 0: tickets issued at once (200
         # pods at once) read the same free slots, and from slot 0 they all tried the same one, one 409 after
         # another (a fifth of the worker's time under that load, issue 26). Any free slot serves as well.
         count = self.plan.slots
         start = zlib.crc32(node.encode()) % count
-        for index in itertools.chain(range(start, count), range(start)):
-            if index in taken:
-                continue
-            tunnel_ip, pod_cidr = self.plan.slot(index)
-            slot = Slot(index=index, node=node, wireguard_key=wg_key, tunnel_ip=tunnel_ip,
-                        pod_cidr=pod_cidr, nonce=ticket.nonce, operation=operation,
-                        labels=dict(ticket.labels), taints=list(ticket.taints), gpus=ticket.gpus,
-                        expires_at=ticket.expires_at)
-            if self.records.create_slot(slot):  # 409: a concurrent ticket or join took it; the next one
-                return slot
+        for taken in (self.records.taken, lambda: {s.index for s in self.records.slots()}):
+            held = taken()
+            for index in itertools.chain(range(start, count), range(start)):
+                if index in held:
+                    continue
+                tunnel_ip, pod_cidr = self.plan.slot(index)
+                slot = Slot(index=index, node=node, wireguard_key=wg_key, tunnel_ip=tunnel_ip,
+                            pod_cidr=pod_cidr, nonce=ticket.nonce, operation=operation,
+                            labels=dict(ticket.labels), taints=list(ticket.taints), gpus=ticket.gpus,
+                            expires_at=ticket.expires_at)
+                if self.records.create_slot(slot):  # 409: a concurrent ticket or join took it; the next one
+                    return slot
         raise AddressesExhausted(self.plan.exhausted())
 
     def claim(self, slot: Slot, ticket: Ticketed, node: str, wg_key: str) -> Slot:
@@ -434,7 +528,7 @@ class SlotBook:
         if claimed is not None:
             return claimed
         # Changed since read: a concurrent retry of this same join (same key) claimed it, or it was released.
-        again = next((s for s in self.records.slots() if s.nonce == ticket.nonce), None)
+        again = next((s for s in self.records.slots_of(node) if s.nonce == ticket.nonce), None)
         if again is not None and again.wireguard_key == wg_key:
             return again
         raise JoinRefused("slot_conflict", f"the address slot reserved for {node} changed while it "
