@@ -43,7 +43,7 @@ RECORD_LABEL: Final = "gpu.kubeon.io/gateway-record"
 # 26). A slot names its node and, once joined, its WireGuard key (a digest: a key is not a label value); a ticket
 # names its node. What decides is always the record's data, read fresh: the label only finds it. Records written
 # before a label existed are labelled by the first full read of their kind (RecordStore.slots, .tickets: a
-# gateway's first reconcile pass); until one has, a lookup that finds nothing by label reads them all.
+# gateway's first reconcile pass); until one has, every lookup reads them all.
 SLOT_NODE_LABEL: Final = "gpu.kubeon.io/gateway-slot-node"
 SLOT_KEY_LABEL: Final = "gpu.kubeon.io/gateway-slot-key"
 TICKET_NODE_LABEL: Final = "gpu.kubeon.io/gateway-ticket-node"
