@@ -204,8 +204,9 @@ def record_labels(kind: str, data: dict[str, str]) -> dict[str, str]:
     """The lookup labels a record of ``kind`` with ``data`` carries (a node name longer than a label value has
     none: its node's records are found by reading them all)."""
     node = data.get("node", "")
-    labels = {SLOT_NODE_LABEL if kind == "slot" else TICKET_NODE_LABEL: node} if 0 < len(node) <= LABEL_VALUE_MAX \
-        else {}
+    labels = {}
+    if 0 < len(node) <= LABEL_VALUE_MAX:
+        labels[SLOT_NODE_LABEL if kind == "slot" else TICKET_NODE_LABEL] = node
     if kind == "slot" and data.get("wireguardPublicKey"):
         labels[SLOT_KEY_LABEL] = key_digest(data["wireguardPublicKey"])
     return labels
@@ -366,10 +367,11 @@ class RecordStore:
         slots = [Slot.from_record(*record) for record in found] if found is not None else self.slots()
         return [s for s in slots if s.wireguard_key == wireguard_key]
 
-    def taken(self) -> set[int]:
-        """The slot indexes held as far as this gateway knows (see ``_taken``): read them all the first time."""
+    def taken(self, *, fresh: bool = False) -> set[int]:
+        """The slot indexes held as far as this gateway knows (see ``_taken``); read them all when ``fresh``, or
+        the first time."""
         with self._lock:
-            taken = None if self._taken is None else set(self._taken)
+            taken = None if fresh or self._taken is None else set(self._taken)
         return taken if taken is not None else {s.index for s in self.slots()}
 
     def _hold(self, index: int, held: bool) -> None:
@@ -509,8 +511,8 @@ class SlotBook:
         # another (a fifth of the worker's time under that load, issue 26). Any free slot serves as well.
         count = self.plan.slots
         start = zlib.crc32(node.encode()) % count
-        for taken in (self.records.taken, lambda: {s.index for s in self.records.slots()}):
-            held = taken()
+        for fresh in (False, True):
+            held = self.records.taken(fresh=fresh)
             for index in itertools.chain(range(start, count), range(start)):
                 if index in held:
                     continue
