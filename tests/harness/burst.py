@@ -26,6 +26,8 @@ from typing import overload
 
 from kubernetes import client
 from temporalio.client import Client
+from temporalio.service import RPCError
+from temporalio.service import RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 from models.ids import provision_workflow_id
@@ -256,9 +258,15 @@ async def drain_blocked(temporal: Client, node_workflow_id: str, operation: str,
 
     async def blocked() -> DrainStatus:
         while True:
-            status = await drain.query("status", result_type=DrainStatus)
-            if status.blocked:
-                return status
+            try:
+                status = await drain.query("status", result_type=DrainStatus)
+            except RPCError as err:
+                # The node shows Draining before its workflow task starts the child: not there yet is not a failure.
+                if err.status != RPCStatusCode.NOT_FOUND:
+                    raise
+            else:
+                if status.blocked:
+                    return status
             await asyncio.sleep(0.3)
 
     return drain, await asyncio.wait_for(blocked(), timeout)
