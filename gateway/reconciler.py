@@ -17,9 +17,9 @@ from kubernetes.utils import parse_quantity
 
 from common.kube import raw_items
 from common.kube import read_or_none
+from common.watch import Json as NodeJson
+from common.watch import WatchedList
 from gateway.metrics import BURST_TRANSFER
-from gateway.node_watch import NodeJson
-from gateway.node_watch import NodeWatch
 from gateway.slots import RecordStore
 from gateway.slots import Slot
 from gateway.transfer import Transfer
@@ -46,7 +46,7 @@ TICKET_RECORD_GRACE_SECONDS = 300
 
 class Reconciler:
     """Reconcile passes with the gateway's credentials. Started, it passes when a Node it must act on changes (seen
-    by its ``NodeWatch``: registered, or burned in, under its joining taint) and every ``interval`` seconds."""
+    by its watch of the Nodes: registered, or burned in, under its joining taint) and every ``interval`` seconds."""
 
     def __init__(self, core: client.CoreV1Api, records: RecordStore, tunnel: GatewayTunnel | None,
                  clock: Callable[[], float], *, tombstone_seconds: float = 24 * 3600,
@@ -63,7 +63,8 @@ class Reconciler:
         # it would add its peer back (counters from 0) and release it again from an older reading.
         self._serial = threading.RLock()
         self._thread: threading.Thread | None = None
-        self._watch = NodeWatch(core, self._node_changed)
+        self._watch = WatchedList(core.list_node, lambda node: node, on_change=self._node_changed,
+                                  name="gateway-node-watch")
 
     def wake(self) -> None:
         """Pass now (a node was admitted: its transfer baseline is due)."""

@@ -161,6 +161,7 @@ class Runtime:
     def close(self) -> None:
         for closer in self.closers:
             closer()
+        self.kube.close()
 
 
 def build_gateway(settings: Settings) -> GatewayClient:

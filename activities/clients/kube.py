@@ -7,7 +7,9 @@ import re
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
+from typing import NamedTuple
 from typing import TypeVar
 
 from kubernetes import client
@@ -16,6 +18,9 @@ from kubernetes import watch
 from common.kube import RecentRead
 from common.kube import raw_items
 from common.kube import read_or_none
+from common.watch import Json
+from common.watch import WatchedList
+from common.watch import object_key
 from models.drain import EvictionResult
 from models.labels import GPU_RESOURCE
 from models.labels import LABEL_LOCATION
@@ -92,9 +97,10 @@ def is_live(pod: client.V1Pod) -> bool:
 
 
 T = TypeVar("T")
+R = TypeVar("R")
 
-# How stale the home capacity a serving node's return-home check reads may be: every serving node checks every
-# serve_check_seconds, and one list of the cluster's nodes and pods per second serves them all.
+# How stale the home capacity a serving node's return-home check reads may be while the watches of the cluster's
+# Nodes and Pods are not following (starting, or lost): one list a second then serves every serving node.
 HOME_VIEW_SECONDS = 1.0
 # How stale the waiting pods a verifying or idle serving node asks about may be ("could a waiting pod still come
 # here?"): 200 nodes verifying at once asked the API server for every pending pod twice a second each, a third of
@@ -113,33 +119,65 @@ NOT_CAPACITY_TAINTS = frozenset({
 })
 
 
-def _bound_by_node(pods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The pods (plain JSON) bound to a node and not finished, by node name."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for p in pods:
-        where = p.get("spec", {}).get("nodeName")
-        if where and p.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
-            out.setdefault(where, []).append(p)
-    return out
+class HomeNode(NamedTuple):
+    """What the return-home check keeps of a Node: its labels, and its allocatable GPUs if it is home capacity now
+    (no burst location label, schedulable, Ready, no taint of a node that is not capacity), else 0."""
+    name: str
+    labels: dict[str, str]
+    gpus: int
 
 
-def _serving_pod(pod: dict[str, Any]) -> bool:
-    """What ``KubeOps._evictable`` keeps and is not being deleted, for a pod as plain JSON."""
-    meta = pod.get("metadata", {})
-    if meta.get("deletionTimestamp") or "kubernetes.io/config.mirror" in (meta.get("annotations") or {}):
-        return False
-    return not any(r.get("kind") == "DaemonSet" for r in meta.get("ownerReferences") or [])
+def home_node(node: Json) -> HomeNode:
+    meta, spec, status = node.get("metadata", {}), node.get("spec", {}), node.get("status", {})
+    labels = dict(meta.get("labels") or {})
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    capacity = (ready and LABEL_LOCATION not in labels and not spec.get("unschedulable")
+                and not any(t.get("key") in NOT_CAPACITY_TAINTS for t in spec.get("taints") or []))
+    gpus = int((status.get("allocatable") or {}).get(GPU_RESOURCE, "0")) if capacity else 0
+    return HomeNode(name=str(meta.get("name", "")), labels=labels, gpus=gpus)
 
 
-def _gpus_of(pod: dict[str, Any]) -> int:
-    total = 0
-    for c in pod.get("spec", {}).get("containers") or []:
+class BoundPod(NamedTuple):
+    """What the serving check keeps of a Pod: the node it runs on (None: not bound, or finished), the GPUs it
+    requests, and whether it counts as the node's workload (``KubeOps._evictable`` and not being deleted)."""
+    node: str | None
+    gpus: int
+    serving: bool
+
+
+def bound_pod(pod: Json) -> BoundPod:
+    meta, spec = pod.get("metadata", {}), pod.get("spec", {})
+    finished = pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
+    gpus = 0
+    for c in spec.get("containers") or []:
         res = c.get("resources") or {}
         for source in (res.get("limits") or {}, res.get("requests") or {}):
             if GPU_RESOURCE in source:
-                total += int(source[GPU_RESOURCE])
+                gpus += int(source[GPU_RESOURCE])
                 break
-    return total
+    serving = not (meta.get("deletionTimestamp") or "kubernetes.io/config.mirror" in (meta.get("annotations") or {})
+                   or any(r.get("kind") == "DaemonSet" for r in meta.get("ownerReferences") or []))
+    return BoundPod(node=None if finished else spec.get("nodeName") or None, gpus=gpus, serving=serving)
+
+
+def pods_by_node(pods: Mapping[str, BoundPod]) -> dict[str, list[BoundPod]]:
+    out: dict[str, list[BoundPod]] = {}
+    for p in pods.values():
+        if p.node:
+            out.setdefault(p.node, []).append(p)
+    return out
+
+
+def gpus_used_by_node(pods: Mapping[str, BoundPod]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in pods.values():
+        if p.node:
+            out[p.node] = out.get(p.node, 0) + p.gpus
+    return out
+
+
+def home_nodes(nodes: Mapping[str, HomeNode]) -> list[HomeNode]:
+    return [n for n in nodes.values() if n.gpus]
 
 
 class KubeOps:
@@ -150,10 +188,17 @@ class KubeOps:
         self.custom = client.CustomObjectsApi(api)
         # A ReplicaSet's controller never changes: (namespace, name) -> (kind, name) of its owner.
         self._rs_owner: dict[tuple[str, str], tuple[str, str]] = {}
-        self._home_nodes = RecentRead(lambda: raw_items(self.core.list_node(_preload_content=False)),
-                                      HOME_VIEW_SECONDS)
-        self._pods_by_node = RecentRead(lambda: _bound_by_node(raw_items(self.core.list_pod_for_all_namespaces(
-            field_selector="status.phase!=Succeeded", _preload_content=False))), HOME_VIEW_SECONDS)
+        # The serving checks' view of the cluster: every serving node checks every serve_check_seconds, and a list
+        # of every Node and Pod a second was the worker's largest cost with 200 nodes serving (issue 26). One watch
+        # each keeps what the checks need of them; while a watch is not following, one list a second serves.
+        self._node_watch = WatchedList(self.core.list_node, home_node, name="home-node-watch")
+        self._pod_watch = WatchedList(self.core.list_pod_for_all_namespaces, bound_pod, name="bound-pod-watch",
+                                      field_selector="status.phase!=Succeeded")
+        self._home_nodes = RecentRead(lambda: {object_key(n): home_node(n) for n in raw_items(
+            self.core.list_node(_preload_content=False))}, HOME_VIEW_SECONDS)
+        self._bound_pods = RecentRead(lambda: {object_key(p): bound_pod(p) for p in raw_items(
+            self.core.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded",
+                                                  _preload_content=False))}, HOME_VIEW_SECONDS)
         self._waiting_pods = RecentRead(lambda: list(self.core.list_pod_for_all_namespaces(
             field_selector="status.phase=Pending,spec.nodeName=").items), WAITING_VIEW_SECONDS)
 
@@ -314,11 +359,12 @@ class KubeOps:
         when home nodes have room for everything on it. A burst node serves whatever opted-in pods the scheduler
         puts there, whichever batch they were planned in.
 
-        A node with pods is seen in the view of the cluster's pods at most HOME_VIEW_SECONDS old (one list a second
-        for every serving node, instead of one per node per check: half the worker's CPU with 200 nodes serving); a
-        pod gone within that second only delays the end to the next check. "Nothing on it" is never taken from the
-        view: that ends the node, so it is read now, as is what waits for it."""
-        gpus_on_node = [_gpus_of(p) for p in self._pods_by_node.get().get(req.node_name, ()) if _serving_pod(p)]
+        A node with pods is seen in the watched view of the cluster's pods (one watch for every serving node,
+        instead of a list per node per check: half the worker's CPU with 200 nodes serving); a pod gone just now
+        only delays the end to the next check. "Nothing on it" is never taken from the view: that ends the node, so
+        it is read now, as is what waits for it."""
+        gpus_on_node = [p.gpus for p in self._view(self._pod_watch, pods_by_node, self._bound_pods).get(
+            req.node_name, ()) if p.serving]
         if not gpus_on_node:
             on_node = self._evictable(self.core.list_pod_for_all_namespaces(
                 field_selector=f"spec.nodeName={req.node_name}").items)
@@ -338,27 +384,27 @@ class KubeOps:
         return ServeCheckResult(done=False, pods_on_node=len(gpus_on_node))
 
     def home_free_gpus(self, node_selector: dict[str, str]) -> int:
-        """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector, from a view
-        of the cluster at most HOME_VIEW_SECONDS old."""
-        free = 0
-        used: dict[str, int] | None = None
-        for node in self._home_nodes.get():
-            meta, spec, status = node.get("metadata", {}), node.get("spec", {}), node.get("status", {})
-            labels = meta.get("labels") or {}
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-            if LABEL_LOCATION in labels or spec.get("unschedulable") or not ready:
-                continue
-            if any(t.get("key") in NOT_CAPACITY_TAINTS for t in spec.get("taints") or []):
-                continue
-            if any(labels.get(k) != v for k, v in node_selector.items()):
-                continue
-            alloc = int((status.get("allocatable") or {}).get(GPU_RESOURCE, "0"))
-            if alloc == 0:
-                continue
-            if used is None:
-                used = {where: sum(_gpus_of(p) for p in pods) for where, pods in self._pods_by_node.get().items()}
-            free += max(0, alloc - used.get(meta.get("name", ""), 0))
-        return free
+        """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector, from the
+        watched view of the cluster (while the watches are not following: a list at most HOME_VIEW_SECONDS old)."""
+        nodes = [n for n in self._view(self._node_watch, home_nodes, self._home_nodes)
+                 if all(n.labels.get(k) == v for k, v in node_selector.items())]
+        if not nodes:
+            return 0
+        used = self._view(self._pod_watch, gpus_used_by_node, self._bound_pods)
+        return sum(max(0, n.gpus - used.get(n.name, 0)) for n in nodes)
+
+    @staticmethod
+    def _view(watched: WatchedList[T], make: Callable[[Mapping[str, T]], R], listed: RecentRead[dict[str, T]]) -> R:
+        """``make`` of what ``watched`` follows (started on first use), or, while it is not following, of
+        ``listed`` (a list at most its ttl old)."""
+        watched.start()
+        view = watched.derived(make)
+        return view if view is not None else make(listed.get())
+
+    def close(self) -> None:
+        """Stop the watches (the worker's runtime closes this on shutdown)."""
+        self._node_watch.stop()
+        self._pod_watch.stop()
 
     # -- drain ---------------------------------------------------------------------------------------------
     def cordon(self, node_name: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +15,9 @@ from activities.clients.kube import HOME_VIEW_SECONDS
 from activities.clients.kube import VERIFY_WATCH_SECONDS
 from activities.clients.kube import WAITING_VIEW_SECONDS
 from activities.clients.kube import KubeOps
+from activities.clients.kube import bound_pod
+from activities.clients.kube import home_node
+from common.watch import WatchedList
 from models.node import NodeExpectation
 from models.node import VerifyResult
 from tests.harness.burst import unique
@@ -21,6 +25,13 @@ from tests.harness.kube import Cluster
 from tests.harness.kube import wait_for
 
 pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def kube(cluster: Cluster) -> Iterator[KubeOps]:
+    ops = KubeOps(cluster.admin.api)
+    yield ops
+    ops.close()  # its watches of the cluster's Nodes and Pods
 
 
 def _gpu_pod(name: str, node: str, gpus: int) -> client.V1Pod:
@@ -31,8 +42,8 @@ def _gpu_pod(name: str, node: str, gpus: int) -> client.V1Pod:
             resources=client.V1ResourceRequirements(limits={"nvidia.com/gpu": str(gpus)}))]))
 
 
-def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster: Cluster, namespace: str) -> None:
-    kube = KubeOps(cluster.admin.api)
+def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(kube: KubeOps, cluster: Cluster,
+                                                                         namespace: str) -> None:
     product = unique("gpu-home")
     selector = {"nvidia.com/gpu.product": product}
     home, burst = unique("home"), unique("burst")
@@ -41,7 +52,7 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster
     cluster.create_kwok_node(burst, gpus=4, labels={**selector, "gpu.kubeon.io/location": "sim.eu-west"})
     try:
         wait_for(lambda: cluster.node_ready(home) and cluster.node_ready(burst), what="both nodes Ready")
-        # Within HOME_VIEW_SECONDS of Ready the view may still be one taken before; then it shows the home node.
+        # The watched view follows the node to Ready (a list at most HOME_VIEW_SECONDS old before it follows).
         wait_for(lambda: kube.home_free_gpus(selector) == 4, timeout=HOME_VIEW_SECONDS + 10,
                  what="the home node's 4 GPUs free")
         assert kube.home_free_gpus({"nvidia.com/gpu.product": "another"}) == 0
@@ -49,7 +60,7 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster
         cluster.admin.core.create_namespaced_pod(namespace, _gpu_pod("one", home, 1))
         cluster.admin.core.create_namespaced_pod(namespace, _gpu_pod("two", home, 2))
         cluster.admin.core.create_namespaced_pod(namespace, _gpu_pod("on-burst", burst, 4))
-        # The view is at most HOME_VIEW_SECONDS old: the pods show within that (and then some for kwok).
+        # The pods show once the watch sees them bound (and kwok has them running).
         wait_for(lambda: kube.home_free_gpus(selector) == 1, timeout=HOME_VIEW_SECONDS + 10,
                  what="3 of the home node's 4 GPUs taken")
 
@@ -61,12 +72,33 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(cluster
             cluster.admin.core.delete_node(name)
 
 
+def test_while_the_watches_have_no_view_home_capacity_is_read_from_a_list(kube: KubeOps, cluster: Cluster,
+                                                                            namespace: str) -> None:
+    """A watch that cannot follow (its list refused, the API server away) never serves a stale view: the check lists
+    instead, at most HOME_VIEW_SECONDS old."""
+    def refused(**_: Any) -> Any:
+        raise client.ApiException(status=503, reason="Service Unavailable")
+
+    kube._node_watch = WatchedList(refused, home_node, retry_seconds=0.1)
+    kube._pod_watch = WatchedList(refused, bound_pod, retry_seconds=0.1)
+    selector = {"nvidia.com/gpu.product": unique("gpu-listed")}
+    home = unique("home")
+    cluster.create_kwok_node(home, gpus=2, labels=selector)
+    try:
+        wait_for(lambda: cluster.node_ready(home), what="the node Ready")
+        cluster.admin.core.create_namespaced_pod(namespace, _gpu_pod("one", home, 1))
+        wait_for(lambda: kube.home_free_gpus(selector) == 1, timeout=HOME_VIEW_SECONDS + 10,
+                 what="1 of the home node's 2 GPUs free, from lists")
+        assert kube._node_watch.snapshot() is None and kube._pod_watch.snapshot() is None
+    finally:
+        cluster.admin.core.delete_node(home)
+
+
 def test_a_pod_bound_while_the_plan_reads_counts_waiting_or_on_its_node_never_both(
-        cluster: Cluster, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        kube: KubeOps, cluster: Cluster, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """plan_batch reads which pods wait and what each burst node's bound pods use: a pod the scheduler binds
     between the two reads must not count as both (its GPU taken on the node and a node still wanted for it: a
     second node bought). The pod is bound right after the first list returns."""
-    kube = KubeOps(cluster.admin.api)
     node, pod_name = unique("burst"), unique("infer")
     cluster.create_kwok_node(node, gpus=1)
     pod = _gpu_pod(pod_name, node, 1)
@@ -101,10 +133,9 @@ def test_a_pod_bound_while_the_plan_reads_counts_waiting_or_on_its_node_never_bo
         cluster.admin.core.delete_node(node)
 
 
-def test_a_node_registering_or_being_removed_is_not_home_capacity(cluster: Cluster) -> None:
+def test_a_node_registering_or_being_removed_is_not_home_capacity(kube: KubeOps, cluster: Cluster) -> None:
     """A Karpenter node still unregistered (or disrupted, or being deleted by an autoscaler) is no home a burst node
     could go back to, whatever GPUs it shows."""
-    kube = KubeOps(cluster.admin.api)
     selector = {"nvidia.com/gpu.product": unique("gpu-coming")}
     node = unique("home")
     cluster.create_kwok_node(node, gpus=2, labels=selector, taints=[
@@ -120,11 +151,10 @@ def test_a_node_registering_or_being_removed_is_not_home_capacity(cluster: Clust
         cluster.admin.core.delete_node(node)
 
 
-def test_verify_sees_a_pod_bound_while_it_waits_and_ends_idle_once_nothing_waits(cluster: Cluster,
+def test_verify_sees_a_pod_bound_while_it_waits_and_ends_idle_once_nothing_waits(kube: KubeOps, cluster: Cluster,
                                                                                 namespace: str) -> None:
     """verify_node waits on a watch, not a poll: a pod the scheduler binds while it waits is what it returns; a node
     nothing waits for any more (its pod deleted) is verified idle within a watch window and the waiting view's age."""
-    kube = KubeOps(cluster.admin.api)
     taint, pin = "gpu.kubeon.io/burst-test", unique("pin")
     node = unique("burst")
     cluster.create_kwok_node(node, gpus=1, labels={"pin": pin}, taints=[

@@ -1,17 +1,15 @@
-"""The reconciler's Nodes from one watch (gateway/node_watch.py) against the real control plane: a registration is
-acted on when it happens, not at the next timed pass; the view follows adds and deletes; a patch made from a view
-the Node has since moved past is refused, never written over what changed."""
+"""The reconciler's Nodes from one watch (common/watch.py) against the real control plane: a registration is acted
+on when it happens, not at the next timed pass; a patch made from a view the Node has since moved past is refused,
+never written over what changed."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from gateway.node_watch import NodeWatch
 from models.labels import JOINING_TAINT
 from node.join import NodeFiles
 from tests.gateway.helpers import gateway
@@ -42,32 +40,6 @@ def test_a_registered_node_is_untainted_by_its_watch_event_not_a_timed_pass(
         assert got.spec.pod_cidr, "the pass that lifted the taint also gave the node its pod CIDR"
     finally:
         gw.stop()
-
-
-def test_the_watch_view_follows_nodes_added_and_deleted(
-        cluster: Cluster, gateway_api: client.ApiClient, nodes: list[str]) -> None:
-    seen: list[str] = []
-    watch = NodeWatch(client.CoreV1Api(gateway_api), lambda node: seen.append(node["metadata"]["name"]),
-                      window_seconds=5)
-    assert watch.snapshot() is None, "no view before the first list"
-    watch.start()
-    try:
-        wait_for(lambda: watch.snapshot() is not None, timeout=30, what="the watch's first list")
-        name = f"watched-{uuid.uuid4().hex[:8]}"
-        nodes.append(name)
-        cluster.admin.core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=name, labels={"x": "1"})))
-        wait_for(lambda: name in (watch.snapshot() or {}), timeout=30, what=f"{name} in the watch's view")
-        assert name in seen, "each node added is handed to on_change"
-        # Past a window (the server ends the watch after window_seconds), the view still follows.
-        cluster.admin.core.patch_node(name, {"metadata": {"labels": {"x": "2"}}})
-        wait_for(lambda: (watch.snapshot() or {}).get(name, {}).get("metadata", {}).get("labels", {}).get("x") == "2",
-                 timeout=30, what=f"{name}'s new label in the view")
-        cluster.admin.core.delete_node(name)
-        wait_for(lambda: (view := watch.snapshot()) is not None and name not in view, timeout=30,
-                 what=f"{name} gone from the watch's view")
-    finally:
-        watch.stop()
-    assert watch.snapshot() is not None  # the last view stays readable; the reconciler is stopped with it
 
 
 def test_a_pass_from_a_view_the_node_moved_past_patches_it_as_it_is_now_keeping_the_change(
