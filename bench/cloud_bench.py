@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             for cloud, server in (("gcp", gcp), ("azure", azure)):
                 server.fault(operation_seconds=args.operation_seconds, retry_after=0)
                 results.append(run(cloud, server, gateway, kube, args.samples))
+            kube.close()
         finally:
             for server in servers:
                 server.stop()

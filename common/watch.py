@@ -69,6 +69,17 @@ class WatchedList(Generic[T]):
         with self._lock:
             return dict(self._objects) if self._following else None
 
+    @property
+    def following(self) -> bool:
+        with self._lock:
+            return self._following
+
+    def lookup(self, key: str) -> tuple[bool, T | None]:
+        """(following, what is kept of the object at ``key`` or None if there is none); (False, None) while not
+        following."""
+        with self._lock:
+            return (True, self._objects.get(key)) if self._following else (False, None)
+
     def derived(self, make: Callable[[Mapping[str, T]], R]) -> R | None:
         """``make`` of the view, computed once per change of it (``make`` must not keep or change the mapping);
         None while not following."""

@@ -3,17 +3,20 @@ nodes (cordon); evict through the Eviction API only. Nothing here creates or del
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 from typing import TypeVar
 
 from kubernetes import client
-from kubernetes import watch
 
 from common.kube import RecentRead
 from common.kube import raw_items
@@ -69,22 +72,25 @@ def tolerates(pod: client.V1Pod, taint_key: str) -> bool:
     return False
 
 
-def could_take(node: client.V1Node, pod: client.V1Pod, taint_key: str) -> bool:
+class WaitingPod(NamedTuple):
+    """What the "could a waiting pod still come here?" question keeps of a pending, unbound pod."""
+    facts: PendingPod
+    deleting: bool
+
+
+def waiting_pod(pod: client.V1Pod) -> WaitingPod:
+    return WaitingPod(facts=pending_pod(pod), deleting=pod.metadata.deletion_timestamp is not None)
+
+
+def could_take(node: client.V1Node, pod: WaitingPod, taint_key: str) -> bool:
     """Whether a waiting pod is one this burst node is for: it tolerates the burst taint, its nodeSelector and
     required node affinity match the node and its GPU request fits the node."""
-    spec = pod.spec
-    if spec.node_name or pod.metadata.deletion_timestamp is not None or not tolerates(pod, taint_key):
+    if pod.deleting or not pod.facts.tolerates(taint_key):
         return False
-    if not pod_matches(pending_pod(pod), dict(node.metadata.labels or {})):
+    if not pod_matches(pod.facts, dict(node.metadata.labels or {})):
         return False
-    gpus = gpus_requested(pod)
     allocatable = int((node.status.allocatable or {}).get(GPU_RESOURCE, "0")) if node.status else 0
-    return 0 < gpus <= allocatable
-
-
-def is_ready(node: client.V1Node) -> bool:
-    conditions = node.status.conditions if node.status else None
-    return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
+    return 0 < pod.facts.gpus <= allocatable
 
 
 def _pod_terminal(pod: client.V1Pod) -> bool:
@@ -103,11 +109,14 @@ R = TypeVar("R")
 # Nodes and Pods are not following (starting, or lost): one list a second then serves every serving node.
 HOME_VIEW_SECONDS = 1.0
 # How stale the waiting pods a verifying or idle serving node asks about may be ("could a waiting pod still come
-# here?"): 200 nodes verifying at once asked the API server for every pending pod twice a second each, a third of
-# the worker's CPU in the one-shape bench; now one list a second serves them all. A pod younger than this is not
-# one a node was launched for, and a serving node asks again at its next check.
+# here?") while the watch of them is not following: 200 nodes verifying at once asked the API server for every
+# pending pod twice a second each, a third of the worker's CPU in the one-shape bench; one watch serves them all,
+# else one list a second. A pod younger than this is not one a node was launched for, and a serving node asks
+# again at its next check.
 WAITING_VIEW_SECONDS = 1.0
-# How long one watch for a pod bound to a verifying node lasts before the loop asks again whether anything still
+# The pods that wait for a node: pending and not bound.
+WAITING_SELECTOR = "status.phase=Pending,spec.nodeName="
+# How long a verifying node waits to be woken by a pod bound to it before it asks again whether anything still
 # waits for it (well inside the activity's 15 s heartbeat timeout).
 VERIFY_WATCH_SECONDS = 5
 # Taints of a node that is not capacity yet or any more (registering, being disrupted or removed, not ready): its
@@ -119,27 +128,31 @@ NOT_CAPACITY_TAINTS = frozenset({
 })
 
 
-class HomeNode(NamedTuple):
-    """What the return-home check keeps of a Node: its labels, and its allocatable GPUs if it is home capacity now
-    (no burst location label, schedulable, Ready, no taint of a node that is not capacity), else 0."""
+class NodeFacts(NamedTuple):
+    """What the join wait and the return-home check keep of a Node: its labels, whether it is Ready, and its
+    allocatable GPUs if it is home capacity now (no burst location label, schedulable, Ready, no taint of a node
+    that is not capacity), else 0."""
     name: str
     labels: dict[str, str]
-    gpus: int
+    ready: bool
+    home_gpus: int
 
 
-def home_node(node: Json) -> HomeNode:
+def node_facts(node: Json) -> NodeFacts:
     meta, spec, status = node.get("metadata", {}), node.get("spec", {}), node.get("status", {})
     labels = dict(meta.get("labels") or {})
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     capacity = (ready and LABEL_LOCATION not in labels and not spec.get("unschedulable")
                 and not any(t.get("key") in NOT_CAPACITY_TAINTS for t in spec.get("taints") or []))
     gpus = int((status.get("allocatable") or {}).get(GPU_RESOURCE, "0")) if capacity else 0
-    return HomeNode(name=str(meta.get("name", "")), labels=labels, gpus=gpus)
+    return NodeFacts(name=str(meta.get("name", "")), labels=labels, ready=ready, home_gpus=gpus)
 
 
 class BoundPod(NamedTuple):
-    """What the serving check keeps of a Pod: the node it runs on (None: not bound, or finished), the GPUs it
-    requests, and whether it counts as the node's workload (``KubeOps._evictable`` and not being deleted)."""
+    """What the verification and serving checks keep of a Pod: namespace/name, the node it runs on (None: not
+    bound, or finished), the GPUs it requests, and whether it counts as the node's workload (``KubeOps._evictable``
+    and not being deleted)."""
+    key: str
     node: str | None
     gpus: int
     serving: bool
@@ -157,7 +170,8 @@ def bound_pod(pod: Json) -> BoundPod:
                 break
     serving = not (meta.get("deletionTimestamp") or "kubernetes.io/config.mirror" in (meta.get("annotations") or {})
                    or any(r.get("kind") == "DaemonSet" for r in meta.get("ownerReferences") or []))
-    return BoundPod(node=None if finished else spec.get("nodeName") or None, gpus=gpus, serving=serving)
+    return BoundPod(key=object_key(pod), node=None if finished else spec.get("nodeName") or None, gpus=gpus,
+                    serving=serving)
 
 
 def pods_by_node(pods: Mapping[str, BoundPod]) -> dict[str, list[BoundPod]]:
@@ -176,8 +190,33 @@ def gpus_used_by_node(pods: Mapping[str, BoundPod]) -> dict[str, int]:
     return out
 
 
-def home_nodes(nodes: Mapping[str, HomeNode]) -> list[HomeNode]:
-    return [n for n in nodes.values() if n.gpus]
+def home_nodes(nodes: Mapping[str, NodeFacts]) -> list[NodeFacts]:
+    return [n for n in nodes.values() if n.home_gpus]
+
+
+class Wakeups:
+    """An event per node name that a watch sets when something about that node changed, for the threads waiting
+    on it (a join for its Node, a verification for a pod bound to it)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, threading.Event] = {}
+
+    @contextlib.contextmanager
+    def waiting(self, name: str) -> Iterator[threading.Event]:
+        event = self._events.setdefault(name, threading.Event())
+        try:
+            yield event
+        finally:
+            self._events.pop(name, None)
+
+    def wake(self, name: str | None) -> None:
+        event = self._events.get(name or "")
+        if event is not None:
+            event.set()
+
+
+def _values(objects: Mapping[str, T]) -> list[T]:
+    return list(objects.values())
 
 
 class KubeOps:
@@ -191,16 +230,25 @@ class KubeOps:
         # The serving checks' view of the cluster: every serving node checks every serve_check_seconds, and a list
         # of every Node and Pod a second was the worker's largest cost with 200 nodes serving (issue 26). One watch
         # each keeps what the checks need of them; while a watch is not following, one list a second serves.
-        self._node_watch = WatchedList(self.core.list_node, home_node, name="home-node-watch")
+        self._node_watch = WatchedList(self.core.list_node, node_facts, name="node-watch",
+                                       on_change=lambda node: self._node_changed.wake(node["metadata"]["name"]))
         self._pod_watch = WatchedList(self.core.list_pod_for_all_namespaces, bound_pod, name="bound-pod-watch",
-                                      field_selector="status.phase!=Succeeded")
-        self._home_nodes = RecentRead(lambda: {object_key(n): home_node(n) for n in raw_items(
+                                      on_change=self._pod_changed, field_selector="status.phase!=Succeeded")
+        # Joins waiting for their Node to turn Ready, and verifications for a pod bound to their node, woken by
+        # the watches.
+        self._node_changed = Wakeups()
+        self._bound_here = Wakeups()
+        self._home_nodes = RecentRead(lambda: {object_key(n): node_facts(n) for n in raw_items(
             self.core.list_node(_preload_content=False))}, HOME_VIEW_SECONDS)
         self._bound_pods = RecentRead(lambda: {object_key(p): bound_pod(p) for p in raw_items(
             self.core.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded",
                                                   _preload_content=False))}, HOME_VIEW_SECONDS)
-        self._waiting_pods = RecentRead(lambda: list(self.core.list_pod_for_all_namespaces(
-            field_selector="status.phase=Pending,spec.nodeName=").items), WAITING_VIEW_SECONDS)
+        # The pods waiting for a node, for every verifying or idle serving node's "could one still come here?".
+        self._waiting_watch = WatchedList(self.core.list_pod_for_all_namespaces, self._waiting_pod_of_json,
+                                          name="waiting-pod-watch", field_selector=WAITING_SELECTOR)
+        self._waiting_pods = RecentRead(lambda: {f"{p.metadata.namespace}/{p.metadata.name}": waiting_pod(p)
+                                                 for p in self.core.list_pod_for_all_namespaces(
+                                                     field_selector=WAITING_SELECTOR).items}, WAITING_VIEW_SECONDS)
 
     # -- policies ----------------------------------------------------------------------------------------
     def read_policy(self, name: str) -> GpuPolicy:
@@ -275,38 +323,40 @@ class KubeOps:
 
     def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
         """How many waiting pods (any namespace, any group) this burst node could take, from a view of the cluster's
-        pending pods at most WAITING_VIEW_SECONDS old."""
-        return len([p for p in self._waiting_pods.get() if could_take(node, p, taint_key)])
+        pending pods as the watch of them last saw it (while it is not following: a list at most
+        WAITING_VIEW_SECONDS old)."""
+        return len([p for p in self._view(self._waiting_watch, _values, self._waiting_pods)
+                    if could_take(node, p, taint_key)])
+
+    def _waiting_pod_of_json(self, pod: Json) -> WaitingPod:
+        # As the client's own watch does (Watch.unmarshal_event): the event's object into the client's model, so the
+        # facts come from the one reading of a pod the planner and the pod watcher use (pending_pod).
+        return waiting_pod(self.api.deserialize(json.dumps(pod), "V1Pod", "application/json"))
 
     # -- join ----------------------------------------------------------------------------------------------
     def wait_node_ready(self, node_name: str, operation: str, timeout: float, heartbeat: Heartbeat) -> str:
-        """Watch (not poll) for the Node to register and turn Ready; heartbeat between watch windows."""
+        """Wait for the Node to register and turn Ready, woken by the watch of the cluster's Nodes (one for every
+        joining node, instead of a read and a watch of its own per node); heartbeat between waits. While the watch
+        is not following, the Node is read each second."""
         deadline = time.monotonic() + timeout
-        while True:
-            heartbeat(f"waiting for node {node_name}")
-            node = read_or_none(lambda: self.core.read_node(node_name))
-            if node is not None:
-                if (node.metadata.labels or {}).get(LABEL_OPERATION) != operation:
-                    raise VerificationFailed(f"node {node_name} exists but belongs to another operation")
-                if is_ready(node):
-                    return node_name
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise NodeJoinTimeout(f"node {node_name} did not become Ready within {timeout:.0f}s")
-            rv = node.metadata.resource_version if node is not None else None
-            w = watch.Watch()
-            try:
-                for event in w.stream(self.core.list_node, field_selector=f"metadata.name={node_name}",
-                                      resource_version=rv, timeout_seconds=int(min(10, max(1, remaining)))):
-                    obj = event["object"]
-                    if event["type"] != "DELETED" and is_ready(obj):
-                        w.stop()
-                        break
-            except client.ApiException as exc:
-                if exc.status != 410:  # expired resourceVersion: re-read and watch again
-                    raise
-            finally:
-                w.stop()
+        with self._node_changed.waiting(node_name) as changed:
+            while True:
+                heartbeat(f"waiting for node {node_name}")
+                self._node_watch.start()
+                following, node = self._node_watch.lookup(node_name)
+                if not following:
+                    read: Any = read_or_none(lambda: self.core.read_node(node_name, _preload_content=False))
+                    node = node_facts(json.loads(read.data)) if read is not None else None
+                if node is not None:
+                    if node.labels.get(LABEL_OPERATION) != operation:
+                        raise VerificationFailed(f"node {node_name} exists but belongs to another operation")
+                    if node.ready:
+                        return node_name
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NodeJoinTimeout(f"node {node_name} did not become Ready within {timeout:.0f}s")
+                changed.wait(min(VERIFY_WATCH_SECONDS if following else HOME_VIEW_SECONDS, remaining))
+                changed.clear()  # before the view is read again: a change after this sets it anew
 
     # -- verify --------------------------------------------------------------------------------------------
     def verify_node(self, expect: NodeExpectation, heartbeat: Heartbeat) -> VerifyResult:
@@ -319,39 +369,32 @@ class KubeOps:
         if wrong:
             raise VerificationFailed(f"node {expect.node_name} has wrong or missing labels: {wrong}")
         deadline = time.monotonic() + expect.timeout_seconds
-        on_node = f"spec.nodeName={expect.node_name}"
-        while True:
-            heartbeat(f"waiting for pods on {expect.node_name}")
-            # Any opted-in pod may land on a burst node, whatever its namespace or group.
-            listed = self.core.list_pod_for_all_namespaces(field_selector=on_node)
-            placed = [f"{p.metadata.namespace}/{p.metadata.name}" for p in self._evictable(listed.items)]
-            if placed:
-                return VerifyResult(node_name=expect.node_name, pods_on_node=sorted(placed))
-            if self.waiting_for(node, expect.taint_key) == 0:
-                # Nothing waits that this node could take (its pods found room elsewhere or are gone): verified
-                # but idle; serving notices that and returns it home.
-                return VerifyResult(node_name=expect.node_name, pods_on_node=[])
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise VerificationFailed(
-                    f"no waiting pod was scheduled on {expect.node_name} within {expect.timeout_seconds}s")
-            # Watch (not poll) for a pod bound here, from the list's version: it is seen the moment the scheduler
-            # binds it, and a node costs one request per window instead of two every half second.
-            self._watch_for_a_pod(on_node, listed.metadata.resource_version, min(VERIFY_WATCH_SECONDS, remaining))
+        with self._bound_here.waiting(expect.node_name) as bound:
+            while True:
+                heartbeat(f"waiting for pods on {expect.node_name}")
+                # Any opted-in pod may land on a burst node, whatever its namespace or group.
+                placed = sorted(p.key for p in self._view(self._pod_watch, pods_by_node, self._bound_pods).get(
+                    expect.node_name, ()) if p.serving)
+                if placed:
+                    return VerifyResult(node_name=expect.node_name, pods_on_node=placed)
+                if self.waiting_for(node, expect.taint_key) == 0:
+                    # Nothing waits that this node could take (its pods found room elsewhere or are gone): verified
+                    # but idle; serving notices that and returns it home.
+                    return VerifyResult(node_name=expect.node_name, pods_on_node=[])
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise VerificationFailed(
+                        f"no waiting pod was scheduled on {expect.node_name} within {expect.timeout_seconds}s")
+                # Woken by the pod watch the moment a pod is bound here (one watch for every verifying node,
+                # instead of a list and a watch of its own per node each window); while the watch is not following,
+                # the view is a list at most HOME_VIEW_SECONDS old, read again each such interval.
+                window = VERIFY_WATCH_SECONDS if self._pod_watch.following else HOME_VIEW_SECONDS
+                bound.wait(min(window, remaining))
+                bound.clear()  # before the view is read again: a pod bound after this sets it anew
 
-    def _watch_for_a_pod(self, field_selector: str, resource_version: str | None, seconds: float) -> None:
-        """Return once a pod that counts (``_evictable``) appears under ``field_selector``, or after ``seconds``."""
-        w = watch.Watch()
-        try:
-            for event in w.stream(self.core.list_pod_for_all_namespaces, field_selector=field_selector,
-                                  resource_version=resource_version, timeout_seconds=max(1, int(seconds))):
-                if event["type"] in ("ADDED", "MODIFIED") and self._evictable([event["object"]]):
-                    return
-        except client.ApiException as exc:
-            if exc.status != 410:  # an expired resourceVersion: the caller lists again
-                raise
-        finally:
-            w.stop()
+    def _pod_changed(self, pod: Json) -> None:
+        """Wake a verification waiting for a pod on the node this pod is bound to (the view already holds it)."""
+        self._bound_here.wake(pod.get("spec", {}).get("nodeName"))
 
     # -- serve ---------------------------------------------------------------------------------------------
     def check_serving(self, req: ServeCheckRequest) -> ServeCheckResult:
@@ -391,7 +434,7 @@ class KubeOps:
         if not nodes:
             return 0
         used = self._view(self._pod_watch, gpus_used_by_node, self._bound_pods)
-        return sum(max(0, n.gpus - used.get(n.name, 0)) for n in nodes)
+        return sum(max(0, n.home_gpus - used.get(n.name, 0)) for n in nodes)
 
     @staticmethod
     def _view(watched: WatchedList[T], make: Callable[[Mapping[str, T]], R], listed: RecentRead[dict[str, T]]) -> R:
@@ -403,8 +446,8 @@ class KubeOps:
 
     def close(self) -> None:
         """Stop the watches (the worker's runtime closes this on shutdown)."""
-        self._node_watch.stop()
-        self._pod_watch.stop()
+        for watched in (self._node_watch, self._pod_watch, self._waiting_watch):
+            watched.stop()
 
     # -- drain ---------------------------------------------------------------------------------------------
     def cordon(self, node_name: str) -> bool:

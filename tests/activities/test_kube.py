@@ -16,7 +16,7 @@ from activities.clients.kube import VERIFY_WATCH_SECONDS
 from activities.clients.kube import WAITING_VIEW_SECONDS
 from activities.clients.kube import KubeOps
 from activities.clients.kube import bound_pod
-from activities.clients.kube import home_node
+from activities.clients.kube import node_facts
 from common.watch import WatchedList
 from models.node import NodeExpectation
 from models.node import VerifyResult
@@ -72,15 +72,46 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(kube: K
             cluster.admin.core.delete_node(name)
 
 
+def _refused(**_: Any) -> Any:
+    raise client.ApiException(status=503, reason="Service Unavailable")
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["watched", "listed"])
+def test_waiting_for_counts_only_the_waiting_pods_the_node_could_take(kube: KubeOps, namespace: str,
+                                                                       cluster: Cluster, watched: bool) -> None:
+    """From the watch of the pending pods, or (its list refused) from a list: a pod counts if it tolerates the
+    burst taint, matches the node and fits its GPUs; it stops counting once deleted."""
+    if not watched:
+        kube._waiting_watch = WatchedList(_refused, kube._waiting_pod_of_json, retry_seconds=0.1)
+    taint, pin = "gpu.kubeon.io/burst-test", unique("pin")
+    node = client.V1Node(metadata=client.V1ObjectMeta(name=unique("burst"), labels={"pin": pin}),
+                         status=client.V1NodeStatus(allocatable={"nvidia.com/gpu": "1"}))
+
+    def waiting(name: str, *, gpus: int = 1, tolerates: bool = True, where: str = pin) -> client.V1Pod:
+        return client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=client.V1PodSpec(
+            node_selector={"pin": where}, termination_grace_period_seconds=0,
+            tolerations=[client.V1Toleration(key=taint, operator="Exists", effect="NoSchedule")] if tolerates else None,
+            containers=[client.V1Container(name="infer", image="registry.invalid/infer:1",
+                                           resources=client.V1ResourceRequirements(
+                                               limits={"nvidia.com/gpu": str(gpus)}))]))
+
+    for pod in (waiting("fits"), waiting("too-big", gpus=2), waiting("intolerant", tolerates=False),
+                waiting("elsewhere", where="other")):
+        cluster.admin.core.create_namespaced_pod(namespace, pod)
+    wait_for(lambda: kube.waiting_for(node, taint) == 1, timeout=WAITING_VIEW_SECONDS + 10,
+             what="the one pod the node could take counted")
+    cluster.admin.core.delete_namespaced_pod("fits", namespace, grace_period_seconds=0)
+    wait_for(lambda: kube.waiting_for(node, taint) == 0, timeout=WAITING_VIEW_SECONDS + 10,
+             what="the deleted pod no longer counted")
+    assert (kube._waiting_watch.snapshot() is not None) is watched
+
+
 def test_while_the_watches_have_no_view_home_capacity_is_read_from_a_list(kube: KubeOps, cluster: Cluster,
                                                                             namespace: str) -> None:
     """A watch that cannot follow (its list refused, the API server away) never serves a stale view: the check lists
     instead, at most HOME_VIEW_SECONDS old."""
-    def refused(**_: Any) -> Any:
-        raise client.ApiException(status=503, reason="Service Unavailable")
-
-    kube._node_watch = WatchedList(refused, home_node, retry_seconds=0.1)
-    kube._pod_watch = WatchedList(refused, bound_pod, retry_seconds=0.1)
+    kube._node_watch = WatchedList(_refused, node_facts, retry_seconds=0.1)
+    kube._pod_watch = WatchedList(_refused, bound_pod, retry_seconds=0.1)
     selector = {"nvidia.com/gpu.product": unique("gpu-listed")}
     home = unique("home")
     cluster.create_kwok_node(home, gpus=2, labels=selector)
