@@ -46,20 +46,21 @@ def test_the_view_follows_objects_added_changed_and_deleted(cluster: Cluster) ->
     assert watch.snapshot() is not None  # the last view stays readable; its reader is stopped with it
 
 
-def _pod(name: str, size: str) -> client.V1Pod:
+def _pod(name: str, size: str, namespace: str) -> client.V1Pod:
+    """A pod only this test's watch selects (labelled with the test's namespace)."""
     return client.V1Pod(
-        metadata=client.V1ObjectMeta(name=name, labels={"watched": "yes", "size": size}),
+        metadata=client.V1ObjectMeta(name=name, labels={"watched": "yes", "size": size, "run": namespace}),
         spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="registry.invalid/c:1")]))
 
 
 def test_only_what_keep_makes_is_kept_and_an_object_leaving_the_selection_leaves_the_view(
         cluster: Cluster, namespace: str) -> None:
     watch = WatchedList(cluster.admin.core.list_pod_for_all_namespaces,
-                        lambda pod: pod["metadata"]["labels"]["size"], label_selector="watched=yes")
+                        lambda pod: pod["metadata"]["labels"]["size"], label_selector=f"watched=yes,run={namespace}")
     watch.start()
     try:
-        cluster.admin.core.create_namespaced_pod(namespace, _pod("small", "1"))
-        cluster.admin.core.create_namespaced_pod(namespace, _pod("large", "4"))
+        cluster.admin.core.create_namespaced_pod(namespace, _pod("small", "1", namespace))
+        cluster.admin.core.create_namespaced_pod(namespace, _pod("large", "4", namespace))
         wait_for(lambda: watch.snapshot() == {f"{namespace}/small": "1", f"{namespace}/large": "4"}, timeout=30,
                  what="both pods in the view, by namespace/name, as what keep made of them")
         cluster.admin.core.patch_namespaced_pod("large", namespace, {"metadata": {"labels": {"watched": "no"}}})
@@ -85,9 +86,7 @@ def test_what_is_derived_from_the_view_is_computed_once_per_change(cluster: Clus
         calls = len(made)
         assert [watch.derived(count) for _ in range(5)] == [0] * 5
         assert len(made) == calls, "an unchanged view is not derived again"
-        pod = _pod("counted", "1")
-        pod.metadata.labels["run"] = namespace
-        cluster.admin.core.create_namespaced_pod(namespace, pod)
+        cluster.admin.core.create_namespaced_pod(namespace, _pod("counted", "1", namespace))
         wait_for(lambda: watch.derived(count) == 1, timeout=30, what="the pod counted")
         assert len(made) >= calls + 1
     finally:
