@@ -48,13 +48,8 @@ class WatchedList(Generic[T]):
     def __init__(self, list_call: Callable[..., Any], keep: Callable[[Json], T], *,
                  on_change: Callable[[Json], None] | None = None, name: str = "watch", window_seconds: int = 60,
                  retry_seconds: float = 1.0, **selectors: str) -> None:
-        self._list_call = list_call
-        self._keep = keep
-        self._on_change = on_change
-        self._name = name
-        self._window = window_seconds
-        self._retry = retry_seconds
-        self._selectors = selectors
+        self._list_call, self._keep, self._on_change, self._selectors = list_call, keep, on_change, selectors
+        self._name, self._window, self._retry = name, window_seconds, retry_seconds
         self._lock = threading.Lock()
         self._objects: dict[str, T] = {}
         self._following = False
