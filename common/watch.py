@@ -6,7 +6,7 @@ Nodes and Pods once a second; issue 26). A ``WatchedList`` lists once, then foll
 resourceVersion as plain JSON, keeps of each object only what ``keep`` makes of it (a serving check needs a pod's
 node and GPUs, not its whole spec: memory stays small in a cluster of many pods), and tells ``on_change`` of every
 object added or modified. While it is not following (before its first list, after an error, after the API server
-expired its resourceVersion: 410 Gone) it has no view, and its reader lists as before: a stale view is never
+expired its resourceVersion: 410 Gone) it has no view, and ``current`` lists as before: a stale view is never
 served."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import TypeVar
 
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
+
+from common.kube import RecentRead
 
 log = logging.getLogger("kubeon.watch")
 
@@ -47,9 +49,11 @@ class WatchedList(Generic[T]):
 
     def __init__(self, list_call: Callable[..., Any], keep: Callable[[Json], T], *,
                  on_change: Callable[[Json], None] | None = None, name: str = "watch", window_seconds: int = 60,
-                 retry_seconds: float = 1.0, **selectors: str) -> None:
+                 retry_seconds: float = 1.0, fallback_seconds: float = 1.0, **selectors: str) -> None:
         self._list_call, self._keep, self._on_change, self._selectors = list_call, keep, on_change, selectors
         self._name, self._window, self._retry = name, window_seconds, retry_seconds
+        # What ``current`` serves while the watch is not following: a list, at most fallback_seconds old.
+        self._listed = RecentRead(lambda: {key: keep(o) for key, o in self._read()[0].items()}, fallback_seconds)
         self._lock = threading.Lock()
         self._objects: dict[str, T] = {}
         self._following = False
@@ -86,6 +90,13 @@ class WatchedList(Generic[T]):
                 value = make(self._objects)
                 self._derived[make] = (self._version, value)
             return value
+
+    def current(self, make: Callable[[Mapping[str, T]], R]) -> R:
+        """``make`` of the view (following starts on first use); while the watch is not following, of a list at
+        most ``fallback_seconds`` old: a stale view is never served."""
+        self.start()
+        view = self.derived(make)
+        return view if view is not None else make(self._listed.get())
 
     def start(self) -> None:
         """Start following, once (later calls do nothing)."""
@@ -125,9 +136,13 @@ class WatchedList(Generic[T]):
                     self._following = False
                 self._stop.wait(self._retry)
 
-    def _list(self) -> str:
+    def _read(self) -> tuple[dict[str, Json], str]:
+        """The objects listed now, by ``object_key``, and the list's resourceVersion."""
         body = json.loads(self._list_call(_preload_content=False, **self._selectors).data)
-        listed = {object_key(o): o for o in body["items"]}
+        return {object_key(o): o for o in body["items"]}, str(body["metadata"]["resourceVersion"])
+
+    def _list(self) -> str:
+        listed, version = self._read()
         kept = {key: self._keep(o) for key, o in listed.items()}
         with self._lock:
             self._objects, self._following = kept, True
@@ -135,7 +150,7 @@ class WatchedList(Generic[T]):
         if self._on_change is not None:
             for obj in listed.values():
                 self._on_change(obj)
-        return str(body["metadata"]["resourceVersion"])
+        return version
 
     def _follow(self, version: str) -> str:
         """Apply the watch's events from ``version`` until the server ends the window; the last version seen."""

@@ -18,8 +18,6 @@ from typing import TypeVar
 
 from kubernetes import client
 
-from common.kube import RecentRead
-from common.kube import raw_items
 from common.kube import read_or_none
 from common.watch import Json
 from common.watch import WatchedList
@@ -199,20 +197,31 @@ class Wakeups:
     on it (a join for its Node, a verification for a pod bound to it)."""
 
     def __init__(self) -> None:
-        self._events: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        # name -> (its event, how many wait on it): an activity retried while its earlier attempt still waits
+        # shares the event, and it stays until the last of them is done.
+        self._events: dict[str, tuple[threading.Event, int]] = {}
 
     @contextlib.contextmanager
     def waiting(self, name: str) -> Iterator[threading.Event]:
-        event = self._events.setdefault(name, threading.Event())
+        with self._lock:
+            event, count = self._events.get(name, (threading.Event(), 0))
+            self._events[name] = (event, count + 1)
         try:
             yield event
         finally:
-            self._events.pop(name, None)
+            with self._lock:
+                event, count = self._events[name]
+                if count > 1:
+                    self._events[name] = (event, count - 1)
+                else:
+                    del self._events[name]
 
     def wake(self, name: str | None) -> None:
-        event = self._events.get(name or "")
-        if event is not None:
-            event.set()
+        with self._lock:
+            found = self._events.get(name or "")
+        if found is not None:
+            found[0].set()
 
 
 def _values(objects: Mapping[str, T]) -> list[T]:
@@ -227,28 +236,24 @@ class KubeOps:
         self.custom = client.CustomObjectsApi(api)
         # A ReplicaSet's controller never changes: (namespace, name) -> (kind, name) of its owner.
         self._rs_owner: dict[tuple[str, str], tuple[str, str]] = {}
-        # The serving checks' view of the cluster: every serving node checks every serve_check_seconds, and a list
-        # of every Node and Pod a second was the worker's largest cost with 200 nodes serving (issue 26). One watch
-        # each keeps what the checks need of them; while a watch is not following, one list a second serves.
-        self._node_watch = WatchedList(self.core.list_node, node_facts, name="node-watch",
-                                       on_change=lambda node: self._node_changed.wake(node["metadata"]["name"]))
-        self._pod_watch = WatchedList(self.core.list_pod_for_all_namespaces, bound_pod, name="bound-pod-watch",
-                                      on_change=self._pod_changed, field_selector="status.phase!=Succeeded")
         # Joins waiting for their Node to turn Ready, and verifications for a pod bound to their node, woken by
-        # the watches.
+        # the watches below.
         self._node_changed = Wakeups()
         self._bound_here = Wakeups()
-        self._home_nodes = RecentRead(lambda: {object_key(n): node_facts(n) for n in raw_items(
-            self.core.list_node(_preload_content=False))}, HOME_VIEW_SECONDS)
-        self._bound_pods = RecentRead(lambda: {object_key(p): bound_pod(p) for p in raw_items(
-            self.core.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded",
-                                                  _preload_content=False))}, HOME_VIEW_SECONDS)
+        # The view of the cluster the joins, verifications and serving checks read: every serving node checks
+        # every serve_check_seconds, and a list of every Node and Pod a second was the worker's largest cost with
+        # 200 nodes serving (issue 26). One watch each keeps what the checks need of them; while a watch is not
+        # following, a list at most a second old serves (HOME_VIEW_SECONDS, WAITING_VIEW_SECONDS).
+        self._node_watch = WatchedList(self.core.list_node, node_facts, name="node-watch",
+                                       on_change=lambda node: self._node_changed.wake(node["metadata"]["name"]),
+                                       fallback_seconds=HOME_VIEW_SECONDS)
+        self._pod_watch = WatchedList(self.core.list_pod_for_all_namespaces, bound_pod, name="bound-pod-watch",
+                                      on_change=self._pod_changed, fallback_seconds=HOME_VIEW_SECONDS,
+                                      field_selector="status.phase!=Succeeded")
         # The pods waiting for a node, for every verifying or idle serving node's "could one still come here?".
         self._waiting_watch = WatchedList(self.core.list_pod_for_all_namespaces, self._waiting_pod_of_json,
-                                          name="waiting-pod-watch", field_selector=WAITING_SELECTOR)
-        self._waiting_pods = RecentRead(lambda: {f"{p.metadata.namespace}/{p.metadata.name}": waiting_pod(p)
-                                                 for p in self.core.list_pod_for_all_namespaces(
-                                                     field_selector=WAITING_SELECTOR).items}, WAITING_VIEW_SECONDS)
+                                          name="waiting-pod-watch", fallback_seconds=WAITING_VIEW_SECONDS,
+                                          field_selector=WAITING_SELECTOR)
 
     # -- policies ----------------------------------------------------------------------------------------
     def read_policy(self, name: str) -> GpuPolicy:
@@ -325,7 +330,7 @@ class KubeOps:
         """How many waiting pods (any namespace, any group) this burst node could take, from a view of the cluster's
         pending pods as the watch of them last saw it (while it is not following: a list at most
         WAITING_VIEW_SECONDS old)."""
-        return len([p for p in self._view(self._waiting_watch, _values, self._waiting_pods)
+        return len([p for p in self._waiting_watch.current(_values)
                     if could_take(node, p, taint_key)])
 
     def _waiting_pod_of_json(self, pod: Json) -> WaitingPod:
@@ -373,7 +378,7 @@ class KubeOps:
             while True:
                 heartbeat(f"waiting for pods on {expect.node_name}")
                 # Any opted-in pod may land on a burst node, whatever its namespace or group.
-                placed = sorted(p.key for p in self._view(self._pod_watch, pods_by_node, self._bound_pods).get(
+                placed = sorted(p.key for p in self._pod_watch.current(pods_by_node).get(
                     expect.node_name, ()) if p.serving)
                 if placed:
                     return VerifyResult(node_name=expect.node_name, pods_on_node=placed)
@@ -406,7 +411,7 @@ class KubeOps:
         instead of a list per node per check: half the worker's CPU with 200 nodes serving); a pod gone just now
         only delays the end to the next check. "Nothing on it" is never taken from the view: that ends the node, so
         it is read now, as is what waits for it."""
-        gpus_on_node = [p.gpus for p in self._view(self._pod_watch, pods_by_node, self._bound_pods).get(
+        gpus_on_node = [p.gpus for p in self._pod_watch.current(pods_by_node).get(
             req.node_name, ()) if p.serving]
         if not gpus_on_node:
             on_node = self._evictable(self.core.list_pod_for_all_namespaces(
@@ -429,20 +434,12 @@ class KubeOps:
     def home_free_gpus(self, node_selector: dict[str, str]) -> int:
         """Free GPUs on Ready, schedulable home nodes (no burst location label) matching the selector, from the
         watched view of the cluster (while the watches are not following: a list at most HOME_VIEW_SECONDS old)."""
-        nodes = [n for n in self._view(self._node_watch, home_nodes, self._home_nodes)
+        nodes = [n for n in self._node_watch.current(home_nodes)
                  if all(n.labels.get(k) == v for k, v in node_selector.items())]
         if not nodes:
             return 0
-        used = self._view(self._pod_watch, gpus_used_by_node, self._bound_pods)
+        used = self._pod_watch.current(gpus_used_by_node)
         return sum(max(0, n.home_gpus - used.get(n.name, 0)) for n in nodes)
-
-    @staticmethod
-    def _view(watched: WatchedList[T], make: Callable[[Mapping[str, T]], R], listed: RecentRead[dict[str, T]]) -> R:
-        """``make`` of what ``watched`` follows (started on first use), or, while it is not following, of
-        ``listed`` (a list at most its ttl old)."""
-        watched.start()
-        view = watched.derived(make)
-        return view if view is not None else make(listed.get())
 
     def close(self) -> None:
         """Stop the watches (the worker's runtime closes this on shutdown)."""

@@ -15,8 +15,7 @@ from activities.clients.kube import HOME_VIEW_SECONDS
 from activities.clients.kube import VERIFY_WATCH_SECONDS
 from activities.clients.kube import WAITING_VIEW_SECONDS
 from activities.clients.kube import KubeOps
-from activities.clients.kube import bound_pod
-from activities.clients.kube import node_facts
+from activities.clients.kube import Wakeups
 from common.watch import WatchedList
 from models.node import NodeExpectation
 from models.node import VerifyResult
@@ -72,17 +71,20 @@ def test_home_free_gpus_counts_matching_ready_home_nodes_less_their_pods(kube: K
             cluster.admin.core.delete_node(name)
 
 
-def _refused(**_: Any) -> Any:
-    raise client.ApiException(status=503, reason="Service Unavailable")
+def _never_following(monkeypatch: pytest.MonkeyPatch, *watches: WatchedList[Any]) -> None:
+    """These watches never start, as if their API server were away: whoever reads them must list."""
+    for watched in watches:
+        monkeypatch.setattr(watched, "start", lambda: None)
 
 
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "listed"])
 def test_waiting_for_counts_only_the_waiting_pods_the_node_could_take(kube: KubeOps, namespace: str,
-                                                                       cluster: Cluster, watched: bool) -> None:
-    """From the watch of the pending pods, or (its list refused) from a list: a pod counts if it tolerates the
-    burst taint, matches the node and fits its GPUs; it stops counting once deleted."""
+                                                                       cluster: Cluster, watched: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the watch of the pending pods, or (the watch not following) from a list: a pod counts if it tolerates
+    the burst taint, matches the node and fits its GPUs; it stops counting once deleted."""
     if not watched:
-        kube._waiting_watch = WatchedList(_refused, kube._waiting_pod_of_json, retry_seconds=0.1)
+        _never_following(monkeypatch, kube._waiting_watch)
     taint, pin = "gpu.kubeon.io/burst-test", unique("pin")
     node = client.V1Node(metadata=client.V1ObjectMeta(name=unique("burst"), labels={"pin": pin}),
                          status=client.V1NodeStatus(allocatable={"nvidia.com/gpu": "1"}))
@@ -106,12 +108,11 @@ def test_waiting_for_counts_only_the_waiting_pods_the_node_could_take(kube: Kube
     assert (kube._waiting_watch.snapshot() is not None) is watched
 
 
-def test_while_the_watches_have_no_view_home_capacity_is_read_from_a_list(kube: KubeOps, cluster: Cluster,
-                                                                            namespace: str) -> None:
-    """A watch that cannot follow (its list refused, the API server away) never serves a stale view: the check lists
+def test_while_the_watches_have_no_view_home_capacity_is_read_from_a_list(
+        kube: KubeOps, cluster: Cluster, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch that is not following (starting, or its API server away) never serves a stale view: the check lists
     instead, at most HOME_VIEW_SECONDS old."""
-    kube._node_watch = WatchedList(_refused, node_facts, retry_seconds=0.1)
-    kube._pod_watch = WatchedList(_refused, bound_pod, retry_seconds=0.1)
+    _never_following(monkeypatch, kube._node_watch, kube._pod_watch)
     selector = {"nvidia.com/gpu.product": unique("gpu-listed")}
     home = unique("home")
     cluster.create_kwok_node(home, gpus=2, labels=selector)
@@ -229,3 +230,17 @@ def test_verify_sees_a_pod_bound_while_it_waits_and_ends_idle_once_nothing_waits
         assert results == [VerifyResult(node_name=node, pods_on_node=[])]
     finally:
         cluster.admin.core.delete_node(node)
+
+
+def test_a_wakeup_reaches_each_waiter_on_a_node_until_the_last_is_done() -> None:
+    """A retried join or verification may wait beside its earlier attempt: both share the node's event, and the
+    first to finish does not take it from the other."""
+    wakeups = Wakeups()
+    with wakeups.waiting("burst-1") as first:
+        with wakeups.waiting("burst-1") as second:
+            assert second is first
+        wakeups.wake("burst-1")
+        assert first.is_set(), "the earlier waiter is woken after the later one is done"
+    first.clear()
+    wakeups.wake("burst-1")
+    assert not first.is_set(), "nobody waits: nothing is kept for the node"
