@@ -264,6 +264,11 @@ ACTION_EVENTS = {
 }
 
 
+# Activities that wait for the cluster or hold for a node's service: their run time is not work.
+LONG_ACTIVITIES = frozenset({"wait_for_node", "verify_node", "serve_until_done", "evict_pods", "confirm_gone",
+                             "await_actions_allowed"})
+
+
 @dataclass
 class ActionCount:
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -273,10 +278,26 @@ class ActionCount:
     batches: set[str] = field(default_factory=set)
     activities: dict[str, int] = field(default_factory=dict)  # activity type -> times scheduled
     local_activities: int = 0
+    # activity type -> seconds each waited in its task queue (scheduled -> started): a long wait for a short
+    # activity says the worker's activity slots were all taken when it was scheduled.
+    queued: dict[str, list[float]] = field(default_factory=dict)
+    # workflow type -> seconds each workflow task waited (scheduled -> started)
+    task_queued: dict[str, list[float]] = field(default_factory=dict)
+    # activity type -> seconds each attempt that completed ran (started -> completed)
+    ran: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def actions(self) -> int:
         return sum(self.by_kind.values())
+
+    def queue_lines(self, top: int = 8) -> list[str]:
+        def line(label: str, waits: dict[str, list[float]]) -> str:
+            worst = sorted(waits.items(), key=lambda kv: -percentile(kv[1], 95))[:top]
+            return label + ", ".join(f"{k} {percentile(v, 50):.2f} / {percentile(v, 95):.2f}" for k, v in worst)
+        return [line("  activity queue wait p50 / p95  ", self.queued),
+                line("  workflow task wait p50 / p95   ", self.task_queued),
+                line("  activity run p50 / p95         ",
+                     {k: v for k, v in self.ran.items() if k not in LONG_ACTIVITIES})]
 
 
 async def count_actions(b: Bench, since: datetime) -> ActionCount:
@@ -294,6 +315,8 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
             out.batches.add(str(batch))
         history = await b.temporal.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
         tasks_with_markers: set[int] = set()
+        scheduled: dict[int, tuple[str, datetime]] = {}
+        started: dict[int, datetime] = {}
         for event in history.events:
             if event.event_time.ToDatetime(tzinfo=since.tzinfo) < since:
                 continue
@@ -304,6 +327,24 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
             elif name == "ACTIVITY_TASK_SCHEDULED":
                 kind_name = event.activity_task_scheduled_event_attributes.activity_type.name
                 out.activities[kind_name] = out.activities.get(kind_name, 0) + 1
+                scheduled[event.event_id] = (kind_name, event.event_time.ToDatetime(tzinfo=since.tzinfo))
+            elif name == "WORKFLOW_TASK_SCHEDULED":
+                scheduled[event.event_id] = (wf.workflow_type, event.event_time.ToDatetime(tzinfo=since.tzinfo))
+            elif name in ("ACTIVITY_TASK_STARTED", "WORKFLOW_TASK_STARTED"):
+                attrs = (event.activity_task_started_event_attributes if name == "ACTIVITY_TASK_STARTED"
+                         else event.workflow_task_started_event_attributes)
+                if attrs.scheduled_event_id in scheduled:
+                    kind_name, at = scheduled[attrs.scheduled_event_id]
+                    waits = out.queued if name == "ACTIVITY_TASK_STARTED" else out.task_queued
+                    waits.setdefault(kind_name, []).append(
+                        (event.event_time.ToDatetime(tzinfo=since.tzinfo) - at).total_seconds())
+                    started[event.event_id] = event.event_time.ToDatetime(tzinfo=since.tzinfo)
+            elif name == "ACTIVITY_TASK_COMPLETED":
+                done = event.activity_task_completed_event_attributes
+                if done.scheduled_event_id in scheduled and done.started_event_id in started:
+                    out.ran.setdefault(scheduled[done.scheduled_event_id][0], []).append(
+                        (event.event_time.ToDatetime(tzinfo=since.tzinfo) - started[done.started_event_id])
+                        .total_seconds())
             elif name == "MARKER_RECORDED":
                 out.local_activities += 1
                 task = event.marker_recorded_event_attributes.workflow_task_completed_event_id
@@ -398,7 +439,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                 f"({actions.workflow_tasks / n:.1f} workflow tasks per pod)",
                 "  activities scheduled           " + ", ".join(
                     f"{k} {v}" for k, v in sorted(actions.activities.items(), key=lambda kv: -kv[1])[:10]),
-                f"  local activities               {actions.local_activities} (audit records, hub-hold checks)"]
+                f"  local activities               {actions.local_activities} (audit records, hub-hold checks)",
+                *actions.queue_lines()]
 
 
 class Profiler:
