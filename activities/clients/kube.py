@@ -311,20 +311,26 @@ class KubeOps:
     def waiting_and_used(self, uids: set[str], nodes: set[str]) -> tuple[set[str], dict[str, int]]:
         """Which of these pods still wait for a node (Pending, not bound, not being deleted), and the GPUs the pods
         bound to each of these nodes request, both as of one resourceVersion: read one after the other, a pod
-        that binds in between counts both waiting and on its node, and the plan buys it a second node."""
-        pending = self.core.list_pod_for_all_namespaces(field_selector="status.phase=Pending,spec.nodeName=")
-        waiting = {str(p.metadata.uid) for p in pending.items
-                   if str(p.metadata.uid) in uids and p.metadata.deletion_timestamp is None}
+        that binds in between counts both waiting and on its node, and the plan buys it a second node. Read as
+        plain JSON, keeping only those facts: into the client's models, the list of every bound pod cost 0.4 s of
+        CPU per 1,000 pods and plan (issue 26), json.loads 0.02 s."""
+        pending = self._list_pods_json(field_selector="status.phase=Pending,spec.nodeName=")
+        waiting = {uid for p in pending["items"]
+                   if (uid := p["metadata"].get("uid")) in uids and not p["metadata"].get("deletionTimestamp")}
         used = dict.fromkeys(nodes, 0)
         if nodes:
-            bound = self.core.list_pod_for_all_namespaces(
-                field_selector="spec.nodeName!=", resource_version=pending.metadata.resource_version,
-                resource_version_match="Exact")
-            for p in bound.items:
-                name = str(p.spec.node_name)
-                if name in used and not _pod_terminal(p):
-                    used[name] += gpus_requested(p)
+            bound = self._list_pods_json(field_selector="spec.nodeName!=",
+                                         resource_version=pending["metadata"]["resourceVersion"],
+                                         resource_version_match="Exact")
+            for p in map(bound_pod, bound["items"]):
+                if p.node in used:
+                    used[p.node] += p.gpus
         return waiting, used
+
+    def _list_pods_json(self, **selection: Any) -> Json:
+        read: Any = self.core.list_pod_for_all_namespaces(_preload_content=False, **selection)
+        listed: Json = json.loads(read.data)
+        return listed
 
     def waiting_for(self, node: client.V1Node, taint_key: str) -> int:
         """How many waiting pods (any namespace, any group) this burst node could take, from a view of the cluster's
