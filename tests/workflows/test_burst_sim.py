@@ -128,6 +128,33 @@ async def test_approve_launch_join_verify_return_home(stack: BurstStack, worker:
     assert "nodes      0 of maxNodes 2" in shown_text and "Completed" in shown_text, shown_text
 
 
+async def test_a_nodes_quick_steps_run_in_its_workflow_tasks_and_its_waits_as_activities(
+        stack: BurstStack, worker: tuple[Client, str], namespace: str, policy: str) -> None:
+    """issue 26: the policy read before launching, the attested identity and a burn-in with no checks are local
+    activities (a marker each, named by its summary); only what launches or waits goes through the task queue (a
+    burn-in with checks waits for the node: test_burn_in)."""
+    from temporalio.api.enums.v1 import EventType
+
+    temporal, cluster_name = worker
+    stack.create_policy(policy, mode="Automatic", locations=["sim/eu-west"], max_nodes=1, burn_in={"checks": []})
+    deploy = unique("infer")
+    stack.cluster.admin.apps.create_namespaced_deployment(namespace, gpu_deployment(deploy))
+    handle = await node_for(temporal, cluster_name, policy, f"{namespace}/{deploy}-")
+    await wait_phase(handle, NodePhase.SERVING)
+    scheduled, local = [], []
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled.append(event.activity_task_scheduled_event_attributes.activity_type.name)
+        elif event.event_type == EventType.EVENT_TYPE_MARKER_RECORDED:
+            local.append(event.user_metadata.summary.data.decode())  # the summary's payload: a JSON string
+    assert scheduled == ["launch_instance", "wait_for_node", "verify_node", "serve_until_done"], scheduled
+    for summary in ("the policy, just before launching", "the node's attested identity",
+                    "no burn-in checks: lift the joining taint"):
+        assert any(summary in s for s in local), (summary, local)
+    stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
+    assert (await result(handle)).phase == NodePhase.COMPLETED
+
+
 async def test_recommend_mode_launches_nothing(stack: BurstStack, worker: tuple[Client, str],
                                                namespace: str, policy: str) -> None:
     temporal, cluster_name = worker
