@@ -8,18 +8,14 @@ re-run (a worker killed before the task completed) from writing it twice."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from temporalio import workflow
 
 from models.audit import AuditRecord
+from workflows.failures import LOCAL_TIMEOUT
 from workflows.failures import RETRY
-
-# Short, so that a stuck write retries soon (in a new workflow task after the local retry threshold), not after a
-# minute; retried without end: an operation's record is never dropped.
-LOCAL_TIMEOUT = timedelta(seconds=10)
 
 
 async def record_audit(record: AuditRecord) -> None:
+    # Retried without end: an operation's record is never dropped.
     await workflow.execute_local_activity("record_audit", record, start_to_close_timeout=LOCAL_TIMEOUT,
                                           retry_policy=RETRY, summary=f"audit: {record.action}")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime
 from datetime import timedelta
-from typing import Any
-from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -68,22 +66,15 @@ from models.provisioning import PolicySnapshot
 from models.ui_text import Details
 from models.ui_text import code
 from models.ui_text import md
-from workflows.audit import LOCAL_TIMEOUT
 from workflows.audit import record_audit
 from workflows.drain import DrainWorkflow
-from workflows.failures import QUICK
 from workflows.failures import RETRY
 from workflows.failures import error_type
 from workflows.failures import message
+from workflows.failures import quick_step
 from workflows.gate import action_gate
 from workflows.gate import wait_until_allowed
 from workflows.operation import Operation
-
-# issue 26: a node's quick reads (its policy, its attested identity) and the burn-in when it only lifts the joining
-# taint run as local activities: one marker event each, in the workflow task that follows the step before, instead
-# of a round trip through the task queue and two more workflow tasks. Histories recorded before hold them as
-# activities, and replay so.
-QUICK_STEPS_LOCAL = "node-quick-steps-local"
 
 # Must match activities.burst (workflows may not import activities).
 INSUFFICIENT_CAPACITY = "InsufficientCapacity"
@@ -95,19 +86,6 @@ HEARTBEAT = timedelta(seconds=15)
 # nodes serve is noticed this long after its last heartbeat, so the serve resumes within seconds of a worker
 # being back (issue 26: 60 s before). It costs one heartbeat RPC per serving node per 4 s at Temporal.
 SERVE_HEARTBEAT = timedelta(seconds=5)
-
-T = TypeVar("T")
-
-
-async def quick_step(activity: str, arg: Any, *, result_type: type[T], summary: str) -> T:
-    """A quick read, or one keyed write, of the node's: a local activity (QUICK_STEPS_LOCAL), retried as the
-    node's activities are; a history from before it, an activity."""
-    if workflow.patched(QUICK_STEPS_LOCAL):
-        return await workflow.execute_local_activity(activity, arg, result_type=result_type,
-                                                     start_to_close_timeout=LOCAL_TIMEOUT, retry_policy=RETRY,
-                                                     summary=summary)
-    return await workflow.execute_activity(activity, arg, result_type=result_type, start_to_close_timeout=QUICK,
-                                           retry_policy=RETRY, summary=summary)
 
 
 @workflow.defn(name="BurstNode")

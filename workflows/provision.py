@@ -56,8 +56,8 @@ from models.ui_text import md
 from models.ui_text import md_usd
 from workflows.audit import record_audit
 from workflows.burst import BurstNodeWorkflow
-from workflows.failures import QUICK
 from workflows.failures import RETRY
+from workflows.failures import quick_step
 from workflows.observe import batch_trace
 from workflows.operation import Approvable
 from workflows.operation import Proposal
@@ -317,9 +317,9 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
     async def _round(self) -> None:
         inp, s = self.inp, self.inp.settings
         try:
-            self.policy = await workflow.execute_activity(
+            self.policy = await quick_step(
                 "load_policy", LoadPolicyRequest(policy=inp.policy, default_mode=inp.default_mode),
-                result_type=PolicySnapshot, start_to_close_timeout=QUICK, retry_policy=RETRY)
+                result_type=PolicySnapshot, summary="the policy, for this round's plan")
         except ActivityError as exc:  # the policy is gone or invalid: nothing to plan for its pods
             self.dirty = False
             self.waiting.clear()

@@ -26,6 +26,7 @@ from tests.harness.burst import gpu_deployment
 from tests.harness.burst import node_for
 from tests.harness.burst import node_workflows
 from tests.harness.burst import provision_state
+from tests.harness.burst import provisioning
 from tests.harness.burst import result
 from tests.harness.burst import unique
 from tests.harness.burst import wait_for
@@ -132,7 +133,7 @@ async def test_a_nodes_quick_steps_run_in_its_workflow_tasks_and_its_waits_as_ac
         stack: BurstStack, worker: tuple[Client, str], namespace: str, policy: str) -> None:
     """issue 26: the policy read before launching, the attested identity and a burn-in with no checks are local
     activities (a marker each, named by its summary); only what launches or waits goes through the task queue (a
-    burn-in with checks waits for the node: test_burn_in)."""
+    burn-in with checks waits for the node: test_burn_in). The provisioning's policy read each round too."""
     from temporalio.api.enums.v1 import EventType
 
     temporal, cluster_name = worker
@@ -151,6 +152,10 @@ async def test_a_nodes_quick_steps_run_in_its_workflow_tasks_and_its_waits_as_ac
     for summary in ("the policy, just before launching", "the node's attested identity",
                     "no burn-in checks: lift the joining taint"):
         assert any(summary in s for s in local), (summary, local)
+    planned = [e.activity_task_scheduled_event_attributes.activity_type.name
+               async for e in provisioning(temporal, cluster_name, policy).fetch_history_events()
+               if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+    assert planned == ["plan_batch"], planned
     stack.cluster.admin.apps.delete_namespaced_deployment(deploy, namespace)
     assert (await result(handle)).phase == NodePhase.COMPLETED
 
