@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -285,6 +286,8 @@ class ActionCount:
     task_queued: dict[str, list[float]] = field(default_factory=dict)
     # activity type -> seconds each attempt that completed ran (started -> completed)
     ran: dict[str, list[float]] = field(default_factory=dict)
+    # pod (namespace/name) -> when a provisioning first got it in a pods_waiting signal (from the watcher)
+    signalled: dict[str, datetime] = field(default_factory=dict)
 
     @property
     def actions(self) -> int:
@@ -339,6 +342,12 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
                     waits.setdefault(kind_name, []).append(
                         (event.event_time.ToDatetime(tzinfo=since.tzinfo) - at).total_seconds())
                     started[event.event_id] = event.event_time.ToDatetime(tzinfo=since.tzinfo)
+            elif name == "WORKFLOW_EXECUTION_SIGNALED":
+                signal = event.workflow_execution_signaled_event_attributes
+                if signal.signal_name == "pods_waiting" and signal.input.payloads:
+                    at = event.event_time.ToDatetime(tzinfo=since.tzinfo)
+                    for pod in json.loads(signal.input.payloads[0].data).get("pods", []):
+                        out.signalled.setdefault(f"{pod['namespace']}/{pod['name']}", at)
             elif name == "ACTIVITY_TASK_COMPLETED":
                 done = event.activity_task_completed_event_attributes
                 if done.scheduled_event_id in scheduled and done.started_event_id in started:
@@ -405,6 +414,13 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     at = planned_at(view)
     to_plan = [(at[f"{ns}/{p.name}"] - since).total_seconds() for p in pods
                if f"{ns}/{p.name}" in at and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
+    actions = await count_actions(b, started)
+    signalled = actions.signalled
+    to_signal = [(signalled[f"{ns}/{p.name}"] - since).total_seconds() for p in pods
+                 if f"{ns}/{p.name}" in at and f"{ns}/{p.name}" in signalled
+                 and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
+    signal_to_plan = [(at[k] - signalled[k]).total_seconds() for p in pods
+                      if (k := f"{ns}/{p.name}") in at and k in signalled]
     unsched = sorted((p.unschedulable_seen - started).total_seconds() for p in pods if p.unschedulable_seen)
     created = sorted((p.created_seen - started).total_seconds() for p in pods if p.created_seen)
     never = len([p for p in pods if p.unschedulable_seen is None])
@@ -421,6 +437,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                 f"+{100 * (usd / opt_usd - 1):.1f} %)",
                 f"  Unschedulable -> plan          {fmt(to_plan)} (pods of the provisioning's last {len(view.batches)}"
                 " batches)",
+                f"    of which -> the watcher's signal {fmt(to_signal)}",
+                f"    and signal -> plan           {fmt(signal_to_plan)}",
                 f"  worker CPU seconds             {cpu:.1f}"]
     if profile:
         b.lines += profile
@@ -431,7 +449,7 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                   b.args.deadline, "every node home")
     b.lines.append(f"  all nodes home after deletion  {time.monotonic() - t1:.1f}s")
     await b.nodes_closed(30)  # their last events (node_finished) belong to the count
-    actions = await count_actions(b, started)
+    actions = await count_actions(b, started)  # again: the drains' too
     b.lines += [f"  batches                        {len(actions.batches)}",
                 f"  Temporal actions               {actions.actions} ({actions.actions / n:.1f} per pod; "
                 + ", ".join(f"{k} {v}" for k, v in sorted(actions.by_kind.items(), key=lambda kv: -kv[1])) + ")",
