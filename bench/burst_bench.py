@@ -347,7 +347,10 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
                 if signal.signal_name == "pods_waiting" and signal.input.payloads:
                     at = event.event_time.ToDatetime(tzinfo=since.tzinfo)
                     for pod in json.loads(signal.input.payloads[0].data).get("pods", []):
-                        out.signalled.setdefault(f"{pod['namespace']}/{pod['name']}", at)
+                        # The earliest: the watcher sends a pod again while it waits, and each continued-as-new run
+                        # of the provisioning is read (newest first).
+                        key = f"{pod['namespace']}/{pod['name']}"
+                        out.signalled[key] = min(at, out.signalled.get(key, at))
             elif name == "ACTIVITY_TASK_COMPLETED":
                 done = event.activity_task_completed_event_attributes
                 if done.scheduled_event_id in scheduled and done.started_event_id in started:
