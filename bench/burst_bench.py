@@ -321,7 +321,8 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
         scheduled: dict[int, tuple[str, datetime]] = {}
         started: dict[int, datetime] = {}
         for event in history.events:
-            if event.event_time.ToDatetime(tzinfo=since.tzinfo) < since:
+            at = event.event_time.ToDatetime(tzinfo=since.tzinfo)
+            if at < since:
                 continue
             out.events += 1
             name = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_")
@@ -330,22 +331,20 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
             elif name == "ACTIVITY_TASK_SCHEDULED":
                 kind_name = event.activity_task_scheduled_event_attributes.activity_type.name
                 out.activities[kind_name] = out.activities.get(kind_name, 0) + 1
-                scheduled[event.event_id] = (kind_name, event.event_time.ToDatetime(tzinfo=since.tzinfo))
+                scheduled[event.event_id] = (kind_name, at)
             elif name == "WORKFLOW_TASK_SCHEDULED":
-                scheduled[event.event_id] = (wf.workflow_type, event.event_time.ToDatetime(tzinfo=since.tzinfo))
+                scheduled[event.event_id] = (wf.workflow_type, at)
             elif name in ("ACTIVITY_TASK_STARTED", "WORKFLOW_TASK_STARTED"):
                 attrs = (event.activity_task_started_event_attributes if name == "ACTIVITY_TASK_STARTED"
                          else event.workflow_task_started_event_attributes)
                 if attrs.scheduled_event_id in scheduled:
-                    kind_name, at = scheduled[attrs.scheduled_event_id]
+                    kind_name, scheduled_at = scheduled[attrs.scheduled_event_id]
                     waits = out.queued if name == "ACTIVITY_TASK_STARTED" else out.task_queued
-                    waits.setdefault(kind_name, []).append(
-                        (event.event_time.ToDatetime(tzinfo=since.tzinfo) - at).total_seconds())
-                    started[event.event_id] = event.event_time.ToDatetime(tzinfo=since.tzinfo)
+                    waits.setdefault(kind_name, []).append((at - scheduled_at).total_seconds())
+                    started[event.event_id] = at
             elif name == "WORKFLOW_EXECUTION_SIGNALED":
                 signal = event.workflow_execution_signaled_event_attributes
                 if signal.signal_name == "pods_waiting" and signal.input.payloads:
-                    at = event.event_time.ToDatetime(tzinfo=since.tzinfo)
                     for pod in json.loads(signal.input.payloads[0].data).get("pods", []):
                         # The earliest: the watcher sends a pod again while it waits, and each continued-as-new run
                         # of the provisioning is read (newest first).
@@ -355,8 +354,7 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
                 done = event.activity_task_completed_event_attributes
                 if done.scheduled_event_id in scheduled and done.started_event_id in started:
                     out.ran.setdefault(scheduled[done.scheduled_event_id][0], []).append(
-                        (event.event_time.ToDatetime(tzinfo=since.tzinfo) - started[done.started_event_id])
-                        .total_seconds())
+                        (at - started[done.started_event_id]).total_seconds())
             elif name == "MARKER_RECORDED":
                 out.local_activities += 1
                 task = event.marker_recorded_event_attributes.workflow_task_completed_event_id
@@ -417,13 +415,6 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     at = planned_at(view)
     to_plan = [(at[f"{ns}/{p.name}"] - since).total_seconds() for p in pods
                if f"{ns}/{p.name}" in at and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
-    actions = await count_actions(b, started)
-    signalled = actions.signalled
-    to_signal = [(signalled[f"{ns}/{p.name}"] - since).total_seconds() for p in pods
-                 if f"{ns}/{p.name}" in at and f"{ns}/{p.name}" in signalled
-                 and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
-    signal_to_plan = [(at[k] - signalled[k]).total_seconds() for p in pods
-                      if (k := f"{ns}/{p.name}") in at and k in signalled]
     unsched = sorted((p.unschedulable_seen - started).total_seconds() for p in pods if p.unschedulable_seen)
     created = sorted((p.created_seen - started).total_seconds() for p in pods if p.created_seen)
     never = len([p for p in pods if p.unschedulable_seen is None])
@@ -440,9 +431,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                 f"+{100 * (usd / opt_usd - 1):.1f} %)",
                 f"  Unschedulable -> plan          {fmt(to_plan)} (pods of the provisioning's last {len(view.batches)}"
                 " batches)",
-                f"    of which -> the watcher's signal {fmt(to_signal)}",
-                f"    and signal -> plan           {fmt(signal_to_plan)}",
                 f"  worker CPU seconds             {cpu:.1f}"]
+    split_at = len(b.lines) - 1  # the split of Unschedulable -> plan goes under it, once the histories are read
     if profile:
         b.lines += profile
     t1 = time.monotonic()
@@ -452,7 +442,15 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                   b.args.deadline, "every node home")
     b.lines.append(f"  all nodes home after deletion  {time.monotonic() - t1:.1f}s")
     await b.nodes_closed(30)  # their last events (node_finished) belong to the count
-    actions = await count_actions(b, started)  # again: the drains' too
+    actions = await count_actions(b, started)
+    signalled = actions.signalled
+    to_signal = [(signalled[k] - since).total_seconds() for p in pods
+                 if (k := f"{ns}/{p.name}") in at and k in signalled
+                 and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
+    signal_to_plan = [(at[k] - signalled[k]).total_seconds() for p in pods
+                      if (k := f"{ns}/{p.name}") in at and k in signalled]
+    b.lines[split_at:split_at] = [f"    of which -> the watcher's signal {fmt(to_signal)}",
+                                  f"    and signal -> plan           {fmt(signal_to_plan)}"]
     b.lines += [f"  batches                        {len(actions.batches)}",
                 f"  Temporal actions               {actions.actions} ({actions.actions / n:.1f} per pod; "
                 + ", ".join(f"{k} {v}" for k, v in sorted(actions.by_kind.items(), key=lambda kv: -kv[1])) + ")",

@@ -24,6 +24,7 @@ from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
 from common.kube import RecentRead
+from common.kube import raw_list
 
 log = logging.getLogger("kubeon.watch")
 
@@ -138,7 +139,7 @@ class WatchedList(Generic[T]):
 
     def _read(self) -> tuple[dict[str, Json], str]:
         """The objects listed now, by ``object_key``, and the list's resourceVersion."""
-        body = json.loads(self._list_call(_preload_content=False, **self._selectors).data)
+        body = raw_list(self._list_call(_preload_content=False, **self._selectors))
         return {object_key(o): o for o in body["items"]}, str(body["metadata"]["resourceVersion"])
 
     def _list(self) -> str:
