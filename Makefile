@@ -45,6 +45,11 @@ system-deps:
 	if [ -n "$$missing" ]; then apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
+# Bytecode is written, to a cache outside the repo, even where the environment says not to write it
+# (PYTHONDONTWRITEBYTECODE): the tests start many workers and the workflow sandbox imports the workflow and model
+# modules afresh for each, so without bytecode each is compiled from source again each time.
+pytest: export PYTHONPYCACHEPREFIX := $(HOME)/.cache/kubeon-gpu/pycache
+pytest: export PYTHONDONTWRITEBYTECODE :=
 pytest: venv binaries
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
