@@ -271,6 +271,17 @@ LONG_ACTIVITIES = frozenset({"wait_for_node", "verify_node", "serve_until_done",
 
 
 @dataclass
+class PlanRound:
+    """One plan_batch of the provisioning, read from its history: which pods it was asked about, which it placed."""
+
+    asked_at: datetime
+    done_at: datetime
+    asked: set[str]
+    placed: set[str]
+    unplaced: dict[str, str]  # pod -> why
+
+
+@dataclass
 class ActionCount:
     by_kind: dict[str, int] = field(default_factory=dict)
     workflow_tasks: int = 0
@@ -288,6 +299,8 @@ class ActionCount:
     ran: dict[str, list[float]] = field(default_factory=dict)
     # pod (namespace/name) -> when a provisioning first got it in a pods_waiting signal (from the watcher)
     signalled: dict[str, datetime] = field(default_factory=dict)
+    # every plan_batch that completed, of every run of the provisioning (its query keeps only the last batches)
+    rounds: list[PlanRound] = field(default_factory=list)
 
     @property
     def actions(self) -> int:
@@ -320,6 +333,7 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
         tasks_with_markers: set[int] = set()
         scheduled: dict[int, tuple[str, datetime]] = {}
         started: dict[int, datetime] = {}
+        asked: dict[int, set[str]] = {}  # plan_batch scheduled event -> the pods it was asked about
         for event in history.events:
             at = event.event_time.ToDatetime(tzinfo=since.tzinfo)
             if at < since:
@@ -332,6 +346,10 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
                 kind_name = event.activity_task_scheduled_event_attributes.activity_type.name
                 out.activities[kind_name] = out.activities.get(kind_name, 0) + 1
                 scheduled[event.event_id] = (kind_name, at)
+                request = event.activity_task_scheduled_event_attributes.input
+                if kind_name == "plan_batch" and request.payloads:
+                    asked[event.event_id] = {f"{p['namespace']}/{p['name']}" for p in
+                                             json.loads(request.payloads[0].data).get("pods", [])}
             elif name == "WORKFLOW_TASK_SCHEDULED":
                 scheduled[event.event_id] = (wf.workflow_type, at)
             elif name in ("ACTIVITY_TASK_STARTED", "WORKFLOW_TASK_STARTED"):
@@ -355,6 +373,14 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
                 if done.scheduled_event_id in scheduled and done.started_event_id in started:
                     out.ran.setdefault(scheduled[done.scheduled_event_id][0], []).append(
                         (at - started[done.started_event_id]).total_seconds())
+                if done.scheduled_event_id in asked and done.result.payloads:
+                    plan = json.loads(done.result.payloads[0].data)
+                    out.rounds.append(PlanRound(
+                        asked_at=scheduled[done.scheduled_event_id][1], done_at=at,
+                        asked=asked[done.scheduled_event_id],
+                        placed={p for n in plan.get("new_nodes", []) for p in n["pods"]}
+                        | set(plan.get("on_existing", {})),
+                        unplaced={u["pod"]: u["why"] for u in plan.get("unplaced", [])}))
             elif name == "MARKER_RECORDED":
                 out.local_activities += 1
                 task = event.marker_recorded_event_attributes.workflow_task_completed_event_id
@@ -367,7 +393,7 @@ async def count_actions(b: Bench, since: datetime) -> ActionCount:
     return out
 
 
-async def load_scenario(b: Bench, n: int, policy: str) -> None:
+async def load_scenario(b: Bench, n: int) -> None:
     if n <= 0:
         return
     ns = b.cluster.create_namespace("bench-load")
@@ -398,7 +424,6 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     wall = time.monotonic() - t0
     cpu = (cpu_seconds(b.worker.pid) or 0.0) - cpu0
     profile = profiler.stop() if profiler else None
-    view = await b.state(policy)
     pods = [p for p in b.observer.pods_snapshot() if p.namespace == ns]
     nodes = {k: v for k, v in b.observer.nodes_snapshot().items() if k not in before}
     # What was launched, priced from the node watch (the provisioning's query keeps only its last batches).
@@ -412,9 +437,6 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     used = {p.node_name for p in pods if p.node_name}
     spare = [k for k in nodes if k not in used]
     opt_nodes, opt_usd = optimum(offered(b.settings), n)
-    at = planned_at(view)
-    to_plan = [(at[f"{ns}/{p.name}"] - since).total_seconds() for p in pods
-               if f"{ns}/{p.name}" in at and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
     unsched = sorted((p.unschedulable_seen - started).total_seconds() for p in pods if p.unschedulable_seen)
     created = sorted((p.created_seen - started).total_seconds() for p in pods if p.created_seen)
     never = len([p for p in pods if p.unschedulable_seen is None])
@@ -429,10 +451,8 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                 f"bound); optimum {opt_nodes}",
                 f"  $/h launched                   {usd:.2f} (optimum {opt_usd:.2f}, "
                 f"+{100 * (usd / opt_usd - 1):.1f} %)",
-                f"  Unschedulable -> plan          {fmt(to_plan)} (pods of the provisioning's last {len(view.batches)}"
-                " batches)",
                 f"  worker CPU seconds             {cpu:.1f}"]
-    split_at = len(b.lines) - 1  # the split of Unschedulable -> plan goes under it, once the histories are read
+    split_at = len(b.lines) - 1  # Unschedulable -> plan goes here, once the histories are read
     if profile:
         b.lines += profile
     t1 = time.monotonic()
@@ -443,14 +463,10 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
     b.lines.append(f"  all nodes home after deletion  {time.monotonic() - t1:.1f}s")
     await b.nodes_closed(30)  # their last events (node_finished) belong to the count
     actions = await count_actions(b, started)
-    signalled = actions.signalled
-    to_signal = [(signalled[k] - since).total_seconds() for p in pods
-                 if (k := f"{ns}/{p.name}") in at and k in signalled
-                 and (since := p.unschedulable_seen or p.unschedulable_cond) is not None]
-    signal_to_plan = [(at[k] - signalled[k]).total_seconds() for p in pods
-                      if (k := f"{ns}/{p.name}") in at and k in signalled]
-    b.lines[split_at:split_at] = [f"    of which -> the watcher's signal {fmt(to_signal)}",
-                                  f"    and signal -> plan           {fmt(signal_to_plan)}"]
+    unschedulable = {f"{ns}/{p.name}": since for p in pods
+                     if (since := p.unschedulable_seen or p.unschedulable_cond) is not None}
+    bound_at = {f"{ns}/{p.name}": p.scheduled_seen for p in pods if p.scheduled_seen is not None}
+    b.lines[split_at:split_at] = plan_lines(actions, unschedulable, bound_at)
     b.lines += [f"  batches                        {len(actions.batches)}",
                 f"  Temporal actions               {actions.actions} ({actions.actions / n:.1f} per pod; "
                 + ", ".join(f"{k} {v}" for k, v in sorted(actions.by_kind.items(), key=lambda kv: -kv[1])) + ")",
@@ -460,6 +476,54 @@ async def load_scenario(b: Bench, n: int, policy: str) -> None:
                     f"{k} {v}" for k, v in sorted(actions.activities.items(), key=lambda kv: -kv[1])[:10]),
                 f"  local activities               {actions.local_activities} (audit records, hub-hold checks)",
                 *actions.queue_lines()]
+
+
+def plan_lines(actions: ActionCount, unschedulable: dict[str, datetime], bound: dict[str, datetime],
+               slow: float = 5.0) -> list[str]:
+    """Unschedulable -> plan for every pod a plan placed (each plan_batch of every run, read from the histories),
+    split at the watcher's signal; the pods no plan placed (the scheduler bound them first on room a plan made for
+    others: a 4-GPU node planned for 3 pods), Unschedulable -> bound; then, for the pods planned more than ``slow``
+    seconds after their signal, where the time went: waiting to be asked about (a round under way when they came,
+    a back-off), or asked and not placed."""
+    placed_at: dict[str, PlanRound] = {}
+    for r in sorted(actions.rounds, key=lambda r: r.done_at):
+        for pod in r.placed:
+            placed_at.setdefault(pod, r)
+    signalled = actions.signalled
+    pods = [k for k in unschedulable if k in placed_at]
+    to_plan = [(placed_at[k].done_at - unschedulable[k]).total_seconds() for k in pods]
+    to_signal = [(signalled[k] - unschedulable[k]).total_seconds() for k in pods if k in signalled]
+    signal_to_plan = {k: (placed_at[k].done_at - signalled[k]).total_seconds() for k in pods if k in signalled}
+    never = [k for k in unschedulable if k not in placed_at]
+    never_bound = [(bound[k] - unschedulable[k]).total_seconds() for k in never if k in bound]
+    lines = [f"  Unschedulable -> plan          {fmt(to_plan)} ({len(actions.rounds)} plans)",
+             f"    no plan placed {len(never)} pod(s) (bound first on room planned for others): Unschedulable -> "
+             f"bound {fmt(never_bound)}",
+             f"    of which -> the watcher's signal {fmt(to_signal)}",
+             f"    and signal -> plan           {fmt(list(signal_to_plan.values()))}"]
+    tail = [k for k, v in signal_to_plan.items() if v > slow]
+    if not tail:
+        return lines
+    to_asked, asked_to_placed, rounds_before = [], [], []
+    whys: dict[str, int] = {}
+    for k in tail:
+        asked = sorted((r for r in actions.rounds if k in r.asked and r.done_at <= placed_at[k].done_at),
+                       key=lambda r: r.asked_at)
+        first = asked[0] if asked else placed_at[k]
+        to_asked.append((first.asked_at - signalled[k]).total_seconds())
+        asked_to_placed.append((placed_at[k].done_at - first.asked_at).total_seconds())
+        rounds_before.append(float(len(asked) - 1))
+        for r in asked[:-1]:
+            why = r.unplaced.get(k, "asked, neither placed nor unplaced")
+            why = why.split(":")[0][:60]
+            whys[why] = whys.get(why, 0) + 1
+    lines += [f"    {len(tail)} pod(s) planned more than {slow:.0f}s after their signal:",
+              f"      signal -> first asked in a plan {fmt(to_asked)}",
+              f"      first asked -> placed          {fmt(asked_to_placed)}",
+              f"      plans that asked and did not place them {fmt(rounds_before)}"]
+    lines += [f"      not placed because: {why} ({n} times)"
+              for why, n in sorted(whys.items(), key=lambda kv: -kv[1])[:5]]
+    return lines
 
 
 class Profiler:
@@ -624,7 +688,7 @@ async def main_async(args: argparse.Namespace) -> int:
             policy = f"bench-{run}"  # one policy: the watcher gives a pod to the first matching one by name
             b.create_policy(policy)
             await idle_scenario(b, args.latency_samples, policy)
-            await load_scenario(b, args.ops, policy)
+            await load_scenario(b, args.ops)
         finally:
             sampler.sample()
             lines += [f"worker peak RSS {sampler.mib(sampler.peak_rss_kib):.0f} MiB "
