@@ -216,6 +216,7 @@ async def idle_scenario(b: Bench, samples: int, policy: str) -> None:
     for i in range(samples):
         name = f"idle-{i}"
         before = set(b.observer.nodes_snapshot())
+        created = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(b.pool, b.create, ns, name)
 
         def pod(name: str = name) -> Any:
@@ -242,6 +243,8 @@ async def idle_scenario(b: Bench, samples: int, policy: str) -> None:
             return all(v.deleted_seen for k, v in b.observer.nodes_snapshot().items() if k not in before)
 
         await b.until(home, 60, "node home")
+        # One pod now and then: a second pod within the trickle's idle window would be gathered with it (a rollout).
+        await asyncio.sleep(max(0.0, created + 2 * b.settings.batch_load_idle_seconds - time.monotonic()))
         b.say(f"idle {i}: Unschedulable -> plan {plan[-1] if plan else float('nan'):.2f}s, -> Node "
               f"{node[-1] if node else float('nan'):.2f}s, -> bound {bound[-1] if bound else float('nan'):.2f}s")
     b.lines += [f"idle, {samples} one at a time",

@@ -3,9 +3,10 @@ into batches and batches into nodes.
 
 Every watcher replica signals-with-start the same ID (``pods_waiting``), so pods are planned once however many
 replicas see them. When pods arrive and no plan is being made, the policy's waiting pods are planned at once
-(after the idle window, if one is set; pods arriving meanwhile go into the next plan, which then gathers the
-trickle for a few seconds, batch_load_*_seconds): packed onto the policy's
-burst nodes with room, then onto the cheapest new nodes (``plan_batch``). One proposal per batch: Recommend
+(after the idle window, if one is set). Under load (pods arriving while a plan is made, or more than one within
+a second) the next plan gathers the trickle for a few seconds from when its first pod turned Unschedulable
+(batch_load_*_seconds). A plan packs the pods onto the policy's burst nodes with room, then onto the cheapest new
+nodes (``plan_batch``). One proposal per batch: Recommend
 records and reports it; Approve waits for one approval of the whole batch (bound to its plan ID); Automatic
 goes ahead at once. Each new node is its own ``BurstNode`` workflow, started with a derived ID; it tells this
 workflow when it is done (``node_finished``). ``maxNodes`` is held here: nodes launching, joining, verifying
@@ -65,6 +66,10 @@ from workflows.operation import Proposal
 KEEP_BATCHES = 20
 # A provisioning waiting for capacity whose waiting pods all went settles at once (runs before it did not).
 SETTLE_WHEN_WAITERS_GO = "kubeon-settle-when-capacity-waiters-go"
+# A trickle is also more than one pod arriving within its idle window (a quick plan has few arriving while it is
+# made), and its gathering ends at the latest batch_load_max_seconds after its first pod turned Unschedulable (runs
+# before it gathered only after pods arrived during a plan, and counted from the first arrival).
+TRICKLE_BY_RATE = "kubeon-trickle-by-rate"
 
 
 @workflow.defn(name="Provision")
@@ -91,8 +96,11 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         self.dirty = bool(self.waiting)
         self.first_arrival: datetime | None = None
         self.last_arrival: datetime | None = None
+        # The earliest Unschedulable time (the scheduler's condition) of the pods that arrived since the last plan.
+        self.first_unschedulable: datetime | None = None
         self.planning = False  # a round is under way
         self.arrived_while_planning = False
+        self.recent_arrivals: list[datetime] = []  # when each pod new to this run arrived, the last second or so
         self.proposal: BatchRecord | None = None
         self.policy: PolicySnapshot | None = None
         self.unplaced: dict[str, str] = {}
@@ -103,14 +111,22 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
     # -- signals from the watchers and the node workflows ----------------------------------------------------
     @workflow.signal(name="pods_waiting", description="Internal: pods waiting for a burst node (sent by the watcher).")
     def pods_waiting(self, msg: PodsWaiting) -> None:
-        arrived = False
+        new = 0
         for pod in msg.pods:
             if not pod.uid or pod.gpus < 1:
                 continue
-            arrived = arrived or pod.uid not in self.waiting
+            if pod.uid not in self.waiting:
+                new += 1
+                since = pod.unschedulable_since
+                if since is not None and (self.first_unschedulable is None or since < self.first_unschedulable):
+                    self.first_unschedulable = since
             self.waiting[pod.uid] = pod
+        arrived = new > 0
         if arrived:
             now = workflow.now()
+            window = timedelta(seconds=self.inp.settings.batch_load_idle_seconds)
+            self.recent_arrivals = [t for t in self.recent_arrivals if t > now - window]
+            self.recent_arrivals += [now] * new
             self.dirty = True
             self.arrived_while_planning = self.arrived_while_planning or self.planning
             self.last_arrival = now
@@ -304,12 +320,16 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         return "op-" + hashlib.sha256(
             f"{workflow.info().workflow_id}/{self.chain}/{self.seq + 1}".encode()).hexdigest()[:12]
 
-    async def _gather(self, idle: float, longest: float) -> None:
-        """Wait until no pod arrived for ``idle`` seconds, at the latest ``longest`` seconds after the first."""
+    async def _gather(self, idle: float, longest: float, *, from_unschedulable: bool) -> None:
+        """Wait until no pod arrived for ``idle`` seconds, at the latest ``longest`` seconds after the first arrived
+        (``from_unschedulable``: or turned Unschedulable, if earlier: the watcher's own gathering counts)."""
         while idle > 0 and self.last_arrival is not None and self.first_arrival is not None:
             now = workflow.now()
-            until = min(self.last_arrival + timedelta(seconds=idle),
-                        self.first_arrival + timedelta(seconds=longest))
+            first = self.first_arrival
+            if from_unschedulable and self.first_unschedulable is not None:
+                # The cluster's clock, to the second: a pod that waited long already is planned at once.
+                first = min(first, self.first_unschedulable)
+            until = min(self.last_arrival + timedelta(seconds=idle), first + timedelta(seconds=longest))
             if now >= until:
                 break
             await workflow.sleep(until - now, summary="gather pods arriving together into one plan")
@@ -331,14 +351,20 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         if len(self.nodes) + len(self._due()) >= policy.max_nodes:
             idle = max(idle, s.limit_idle_seconds)
         longest = s.batch_max_seconds
-        if self.arrived_while_planning and idle < s.batch_load_idle_seconds:
+        trickle = self.arrived_while_planning
+        by_rate = workflow.patched(TRICKLE_BY_RATE)
+        if by_rate:
+            # Pods coming faster than one a window (a rollout), not one now and then (planned at once).
+            window_start = workflow.now() - timedelta(seconds=s.batch_load_idle_seconds)
+            trickle = trickle or sum(1 for t in self.recent_arrivals if t > window_start) > 1
+        if trickle and idle < s.batch_load_idle_seconds:
             # A trickle of pods (a large rollout, the scheduler marking pods Unschedulable a few a second):
             # gathered for a few seconds rather than planned a few pods at a time onto small nodes.
             idle, longest = s.batch_load_idle_seconds, s.batch_load_max_seconds
         self.arrived_while_planning = False
-        await self._gather(idle, longest)
+        await self._gather(idle, longest, from_unschedulable=by_rate and trickle)
         self.dirty = False
-        self.first_arrival = self.last_arrival = None
+        self.first_arrival = self.last_arrival = self.first_unschedulable = None
         due = self._due()
         if not due:
             return

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
+from datetime import UTC
+from datetime import datetime
 from datetime import timedelta
 from typing import Any
 
@@ -238,6 +240,48 @@ async def test_pods_arriving_while_a_plan_is_made_are_gathered_into_the_next_pla
     assert len(recorded.plans) == 2
     assert sorted(p.name for p in recorded.plans[1].pods if not p.name.startswith("first")) == sorted(
         ["straggler-0"] + [f"trickle{i}-0" for i in range(3)])
+
+
+def _names(req: BatchPlanRequest) -> list[str]:
+    """The pods a plan was asked about, but the first one (it waits on: this test's planner knows no room)."""
+    return sorted(p.name for p in req.pods if not p.name.startswith("first"))
+
+
+async def test_pods_coming_faster_than_one_a_window_are_gathered_into_one_plan(env: Env) -> None:
+    """A quick plan has no pod arrive while it is made: a lone pod is still planned at once, but a second pod within
+    KUBEON_BATCH_LOAD_IDLE_SECONDS makes a trickle, gathered into one plan rather than planned a pod at a time."""
+    server, queue, recorded = env
+    recorded.mode, recorded.launch_hangs = "Automatic", True
+    handle = await _send(server.client, queue, f"provision/c/p-{uuid.uuid4().hex[:6]}", _pods(1, prefix="first"))
+    await _until(handle, lambda v: len(v.batches) == 1 and bool(v.batches[0].nodes))
+    await asyncio.sleep(1.2)  # the first pod's arrival out of the window
+    for i in range(3):
+        await _send(server.client, queue, handle.id, _pods(1, prefix=f"trickle{i}"))
+        await asyncio.sleep(0.2)
+    await _until(handle, lambda v: len(v.batches) == 3)
+    assert [_names(r) for r in recorded.plans] == [[], ["trickle0-0"], ["trickle0-0", "trickle1-0", "trickle2-0"]]
+
+
+async def test_a_trickle_is_planned_at_the_latest_its_window_after_its_first_pod_turned_unschedulable(
+        env: Env) -> None:
+    """The window under load counts from when the trickle's first pod turned Unschedulable (the scheduler's
+    condition; the watcher's own gathering is inside it), not from when it arrived: pods that have waited longer
+    than the window are planned at once, without waiting for the pods behind them."""
+    server, queue, recorded = env
+    recorded.mode, recorded.launch_hangs, recorded.plan_gate = "Automatic", True, asyncio.Event()
+    handle = await _send(server.client, queue, f"provision/c/p-{uuid.uuid4().hex[:6]}", _pods(1, prefix="first"))
+    await _until(handle, lambda v: v.phase == ProvisionPhase.PLANNING)
+    long_ago = datetime.now(UTC) - timedelta(minutes=1)
+    # Two pods that turned Unschedulable a minute ago (the watcher was down, say) arrive while the first is planned:
+    # the next plan is under load.
+    await _send(server.client, queue, handle.id, [p.model_copy(update={"unschedulable_since": long_ago})
+                                                  for p in _pods(2, prefix="late")])
+    await _until(handle, lambda v: len(v.waiting) == 3)
+    recorded.plan_gate.set()
+    await asyncio.sleep(0.3)  # inside the 1 s idle window of a trickle counted from its arrival
+    await _send(server.client, queue, handle.id, _pods(1, prefix="behind"))
+    await _until(handle, lambda v: len(v.batches) == 3)
+    assert [_names(r) for r in recorded.plans] == [[], ["late-0", "late-1"], ["behind-0", "late-0", "late-1"]]
 
 
 async def test_unapproved_proposal_expires(env: Env) -> None:
