@@ -77,7 +77,7 @@ class OperationSettings(Model):
     # Batching: a policy's waiting pods are planned together once no new one arrived for the idle window (0: at
     # once; pods arriving meanwhile go into the next plan), and at the latest this long after the first arrived.
     batch_idle_seconds: float = 0.0
-    # Under load (pods arrived while the last plan was being made, or more than one within this long), a trickle of
+    # Under load (pods arrived while the last plan was being made, or within this long of others), a trickle of
     # pods would otherwise be planned a few at a time, each few on small nodes: the next plan then gathers until
     # none came for this long, at most batch_load_max_seconds after the first of them turned Unschedulable (a
     # trickle never pauses; the benchmark chose 4 s: see bench/README.md).

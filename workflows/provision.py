@@ -3,8 +3,8 @@ into batches and batches into nodes.
 
 Every watcher replica signals-with-start the same ID (``pods_waiting``), so pods are planned once however many
 replicas see them. When pods arrive and no plan is being made, the policy's waiting pods are planned at once
-(after the idle window, if one is set). Under load (pods arriving while a plan is made, or more than one within
-a second) the next plan gathers the trickle for a few seconds from when its first pod turned Unschedulable
+(after the idle window, if one is set). Under load (pods arriving while a plan is made, or within a second of
+others) the next plan gathers the trickle for a few seconds from when its first pod turned Unschedulable
 (batch_load_*_seconds). A plan packs the pods onto the policy's burst nodes with room, then onto the cheapest new
 nodes (``plan_batch``). One proposal per batch: Recommend
 records and reports it; Approve waits for one approval of the whole batch (bound to its plan ID); Automatic
@@ -66,7 +66,7 @@ from workflows.operation import Proposal
 KEEP_BATCHES = 20
 # A provisioning waiting for capacity whose waiting pods all went settles at once (runs before it did not).
 SETTLE_WHEN_WAITERS_GO = "kubeon-settle-when-capacity-waiters-go"
-# A trickle is also more than one pod arriving within its idle window (a quick plan has few arriving while it is
+# A trickle is also pods arriving within its idle window after others (a quick plan has few arriving while it is
 # made), and its gathering ends at the latest batch_load_max_seconds after its first pod turned Unschedulable (runs
 # before it gathered only after pods arrived during a plan, and counted from the first arrival).
 TRICKLE_BY_RATE = "kubeon-trickle-by-rate"
@@ -100,7 +100,8 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         self.first_unschedulable: datetime | None = None
         self.planning = False  # a round is under way
         self.arrived_while_planning = False
-        self.recent_arrivals: list[datetime] = []  # when each pod new to this run arrived, the last second or so
+        self.arrived_at: datetime | None = None  # when pods new to this run last arrived
+        self.arrived_soon_after = False  # pods arrived within the trickle's idle window after others
         self.proposal: BatchRecord | None = None
         self.policy: PolicySnapshot | None = None
         self.unplaced: dict[str, str] = {}
@@ -111,22 +112,22 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
     # -- signals from the watchers and the node workflows ----------------------------------------------------
     @workflow.signal(name="pods_waiting", description="Internal: pods waiting for a burst node (sent by the watcher).")
     def pods_waiting(self, msg: PodsWaiting) -> None:
-        new = 0
+        arrived = False
         for pod in msg.pods:
             if not pod.uid or pod.gpus < 1:
                 continue
             if pod.uid not in self.waiting:
-                new += 1
+                arrived = True
                 since = pod.unschedulable_since
                 if since is not None and (self.first_unschedulable is None or since < self.first_unschedulable):
                     self.first_unschedulable = since
             self.waiting[pod.uid] = pod
-        arrived = new > 0
         if arrived:
             now = workflow.now()
             window = timedelta(seconds=self.inp.settings.batch_load_idle_seconds)
-            self.recent_arrivals = [t for t in self.recent_arrivals if t > now - window]
-            self.recent_arrivals += [now] * new
+            self.arrived_soon_after = self.arrived_soon_after or (
+                self.arrived_at is not None and now - self.arrived_at < window)
+            self.arrived_at = now
             self.dirty = True
             self.arrived_while_planning = self.arrived_while_planning or self.planning
             self.last_arrival = now
@@ -354,14 +355,14 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         trickle = self.arrived_while_planning
         by_rate = workflow.patched(TRICKLE_BY_RATE)
         if by_rate:
-            # Pods coming faster than one a window (a rollout), not one now and then (planned at once).
-            window_start = workflow.now() - timedelta(seconds=s.batch_load_idle_seconds)
-            trickle = trickle or sum(1 for t in self.recent_arrivals if t > window_start) > 1
+            # Pods coming again within the window (a rollout), not now and then (each planned at once; a rollout's
+            # first pods too).
+            trickle = trickle or self.arrived_soon_after
         if trickle and idle < s.batch_load_idle_seconds:
             # A trickle of pods (a large rollout, the scheduler marking pods Unschedulable a few a second):
             # gathered for a few seconds rather than planned a few pods at a time onto small nodes.
             idle, longest = s.batch_load_idle_seconds, s.batch_load_max_seconds
-        self.arrived_while_planning = False
+        self.arrived_while_planning = self.arrived_soon_after = False
         await self._gather(idle, longest, from_unschedulable=by_rate and trickle)
         self.dirty = False
         self.first_arrival = self.last_arrival = self.first_unschedulable = None
