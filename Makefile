@@ -46,8 +46,9 @@ system-deps:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 # Bytecode is written, to a cache outside the repo, even where the environment says not to write it
-# (PYTHONDONTWRITEBYTECODE): the tests start many workers and the workflow sandbox imports the workflow and model
-# modules afresh for each, so without bytecode each is compiled from source again each time.
+# (PYTHONDONTWRITEBYTECODE): the tests start many Python processes (workers, the harness's servers), and without
+# bytecode each compiles every module it imports from source again (three workflow suites: 10.5-15.3 s of user CPU
+# without, 7.9 s with a warm cache).
 pytest: export PYTHONPYCACHEPREFIX := $(HOME)/.cache/kubeon-gpu/pycache
 pytest: export PYTHONDONTWRITEBYTECODE :=
 pytest: venv binaries

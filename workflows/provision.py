@@ -94,13 +94,12 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         self.seq = inp.seq
         self.chain = inp.chain
         self.dirty = bool(self.waiting)
-        self.first_arrival: datetime | None = None
-        self.last_arrival: datetime | None = None
+        self.first_arrival: datetime | None = None  # of the pods that arrived since the last plan
+        self.last_arrival: datetime | None = None  # of any pod new to this run
         # The earliest Unschedulable time (the scheduler's condition) of the pods that arrived since the last plan.
         self.first_unschedulable: datetime | None = None
         self.planning = False  # a round is under way
         self.arrived_while_planning = False
-        self.arrived_at: datetime | None = None  # when pods new to this run last arrived
         self.arrived_soon_after = False  # pods arrived within the trickle's idle window after others
         self.proposal: BatchRecord | None = None
         self.policy: PolicySnapshot | None = None
@@ -126,8 +125,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
             now = workflow.now()
             window = timedelta(seconds=self.inp.settings.batch_load_idle_seconds)
             self.arrived_soon_after = self.arrived_soon_after or (
-                self.arrived_at is not None and now - self.arrived_at < window)
-            self.arrived_at = now
+                self.last_arrival is not None and now - self.last_arrival < window)
             self.dirty = True
             self.arrived_while_planning = self.arrived_while_planning or self.planning
             self.last_arrival = now
@@ -365,7 +363,7 @@ class ProvisionWorkflow(Approvable[ProvisionPhase, ProvisionInput]):
         self.arrived_while_planning = self.arrived_soon_after = False
         await self._gather(idle, longest, from_unschedulable=by_rate and trickle)
         self.dirty = False
-        self.first_arrival = self.last_arrival = self.first_unschedulable = None
+        self.first_arrival = self.first_unschedulable = None
         due = self._due()
         if not due:
             return
